@@ -1,0 +1,139 @@
+"""Parameter specs: the planner's only input (DESIGN §2)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+# Bytes per element for the dtype names torch and JAX share. Names follow NumPy/JAX spelling
+# ("float32", "bfloat16"); executors translate torch.float32 -> "float32".
+DTYPE_ITEMSIZE: Mapping[str, int] = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "complex128": 16,
+    "complex64": 8,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+}
+
+
+_JSON_KEYS = frozenset({"name", "shape", "dtype", "requires_grad", "device", "replicated_over"})
+
+
+def itemsize(dtype: str) -> int:
+    """Bytes per element of ``dtype``.
+
+    Raises:
+        ValueError: if the dtype name is unknown.
+    """
+    try:
+        return DTYPE_ITEMSIZE[dtype]
+    except KeyError:
+        known = ", ".join(sorted(DTYPE_ITEMSIZE))
+        raise ValueError(f"unknown dtype {dtype!r}; use one of: {known}") from None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ParamSpec:
+    """What the planner needs to know about one parameter.
+
+    Args:
+        name: fully-qualified name, e.g. ``layers.0.attn.wq.weight`` (torch) or
+            ``params/Dense_0/kernel`` (Flax).
+        shape: the parameter's shape as this rank holds it.
+        dtype: dtype name such as ``"float32"`` or ``"bfloat16"``.
+        requires_grad: frozen parameters (``False``) get no bucket slot and no optimizer state.
+        device: a placement tag (``"cpu"``, ``"cuda"``); buckets never mix devices.
+        replicated_over: model-parallel axes (``"tp"``, ``"cp"``, ...) over which this parameter
+            is replicated, so its gradient needs an extra sum over them (DESIGN §6).
+
+    Example:
+        >>> ParamSpec(name="fc.weight", shape=(4, 3)).numel
+        12
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str = "float32"
+    requires_grad: bool = True
+    device: str = "cpu"
+    replicated_over: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"a parameter needs a non-empty string name, got {self.name!r}")
+        shape = tuple(self.shape)
+        if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+            raise ValueError(
+                f"parameter {self.name!r} has shape {self.shape!r}; "
+                "every dimension must be a non-negative int"
+            )
+        itemsize(self.dtype)  # validates the name
+        object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "replicated_over", tuple(self.replicated_over))
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * itemsize(self.dtype)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "requires_grad": self.requires_grad,
+            "device": self.device,
+            "replicated_over": list(self.replicated_over),
+        }
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> ParamSpec:
+        """Build a spec from a JSON object; only ``name`` and ``shape`` are required."""
+        if not isinstance(obj, Mapping):
+            raise ValueError(f"a parameter entry must be a JSON object, got {obj!r}")
+        unknown = set(obj) - _JSON_KEYS
+        if unknown:
+            raise ValueError(f"parameter entry {obj!r} has unknown keys {sorted(unknown)}")
+        if "name" not in obj or "shape" not in obj:
+            raise ValueError(f"parameter entry {obj!r} needs at least 'name' and 'shape'")
+        if not isinstance(obj["shape"], list | tuple):
+            raise ValueError(f"parameter {obj['name']!r}: 'shape' must be a list of ints")
+        return cls(
+            name=obj["name"],
+            shape=tuple(obj["shape"]),
+            dtype=obj.get("dtype", "float32"),
+            requires_grad=bool(obj.get("requires_grad", True)),
+            device=obj.get("device", "cpu"),
+            replicated_over=tuple(obj.get("replicated_over", ())),
+        )
+
+
+def check_unique_names(specs: Iterable[ParamSpec]) -> None:
+    """Raise ``ValueError`` if two specs share a name (tied parameters must appear once)."""
+    seen: set[str] = set()
+    for spec in specs:
+        if spec.name in seen:
+            raise ValueError(
+                f"parameter {spec.name!r} appears twice; list tied parameters once "
+                "(deduplicate by identity, as named_parameters() does)"
+            )
+        seen.add(spec.name)
+
+
+def trainable(specs: Sequence[ParamSpec]) -> list[tuple[int, ParamSpec]]:
+    """(registration index, spec) of every parameter that requires grad."""
+    return [(i, s) for i, s in enumerate(specs) if s.requires_grad]

@@ -1,0 +1,3 @@
+"""gradsync_jax: executes gradsync_core plans with jax."""
+
+__all__: list[str] = []
