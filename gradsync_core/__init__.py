@@ -17,6 +17,14 @@ from gradsync_core._buckets import (
     rebuild_buckets,
 )
 from gradsync_core._canonical import PLAN_VERSION, canonical_json, fingerprint
+from gradsync_core._checkpoint import (
+    OPTAX_TO_TORCH_STATE,
+    TORCH_TO_OPTAX_STATE,
+    Manifest,
+    check_compatible,
+    read_manifest,
+    write_manifest,
+)
 from gradsync_core._models import MODELS, builtin_model
 from gradsync_core._shards import Shard, ShardPlan, plan_flat_shards, plan_greedy_shards
 from gradsync_core._specs import DTYPE_ITEMSIZE, ParamSpec, itemsize
@@ -32,10 +40,13 @@ __all__ = [
     "DEFAULT_ORDER",
     "DTYPE_ITEMSIZE",
     "MODELS",
+    "OPTAX_TO_TORCH_STATE",
     "PLAN_VERSION",
     "STANDARD_GROUPS",
+    "TORCH_TO_OPTAX_STATE",
     "Bucket",
     "BucketPlan",
+    "Manifest",
     "ParamSpec",
     "Shard",
     "ShardPlan",
@@ -43,6 +54,7 @@ __all__ = [
     "Topology",
     "builtin_model",
     "canonical_json",
+    "check_compatible",
     "describe_difference",
     "fingerprint",
     "itemsize",
@@ -50,6 +62,8 @@ __all__ = [
     "plan_flat_shards",
     "plan_greedy_shards",
     "plan_legacy_buckets",
+    "read_manifest",
     "rebuild_buckets",
     "split_shapes",
+    "write_manifest",
 ]
