@@ -163,22 +163,21 @@ def _group_by_limits(
     Returns (positions, limit) per bucket: closed buckets in closing order, then the
     still-open ones.
     """
-    open_buckets: dict[tuple[str, str], list[int]] = {}
-    open_bytes: dict[tuple[str, str], int] = {}
-    limit_index: dict[tuple[str, str], int] = {}
+    # key -> [open positions, open bytes, index into limits]
+    state: dict[tuple[str, str], list] = {}
     closed: list[tuple[list[int], int]] = []
     for position, spec in enumerate(walk):
         key = (spec.dtype, spec.device)
-        bucket = open_buckets.setdefault(key, [])
-        bucket.append(position)
-        open_bytes[key] = open_bytes.get(key, 0) + spec.nbytes
-        k = limit_index.setdefault(key, 0)
-        if open_bytes[key] >= limits[k]:
-            closed.append((bucket, limits[k]))
-            open_buckets[key] = []
-            open_bytes[key] = 0
-            limit_index[key] = min(k + 1, len(limits) - 1)
-    closed.extend((b, limits[limit_index[key]]) for key, b in open_buckets.items() if b)
+        entry = state.get(key)
+        if entry is None:
+            entry = state[key] = [[], 0, 0]
+        entry[0].append(position)
+        entry[1] += spec.nbytes
+        if entry[1] >= limits[entry[2]]:
+            closed.append((entry[0], limits[entry[2]]))
+            entry[0], entry[1] = [], 0
+            entry[2] = min(entry[2] + 1, len(limits) - 1)
+    closed.extend((positions, limits[k]) for positions, _, k in state.values() if positions)
     return closed
 
 
@@ -196,7 +195,8 @@ def _layout(
         slots = []
         offset = 0
         for spec in group:
-            offset = _round_up(offset, align)
+            if align > 1:
+                offset = _round_up(offset, align)
             slots.append(Slot(name=spec.name, shape=spec.shape, bucket=index, offset=offset))
             offset += spec.numel
         buckets.append(

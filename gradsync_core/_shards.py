@@ -143,11 +143,11 @@ def plan_greedy_shards(
     for group_index, group in enumerate(groups):
         trainable_specs = [spec for spec in group if spec.requires_grad]
         for spec in sorted(trainable_specs, key=lambda s: s.numel, reverse=True):
-            load, rank = heapq.heappop(loads)
+            load, rank = loads[0]
             shards.append(
                 Shard(name=spec.name, rank=rank, start=0, stop=spec.numel, group=group_index)
             )
-            heapq.heappush(loads, (load + spec.numel, rank))
+            heapq.heapreplace(loads, (load + spec.numel, rank))
     return ShardPlan(kind="greedy", world_size=world_size, shards=tuple(shards))
 
 

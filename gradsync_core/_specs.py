@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 # Bytes per element for the dtype names torch and JAX share. Names follow NumPy/JAX spelling
@@ -68,6 +68,8 @@ class ParamSpec:
     requires_grad: bool = True
     device: str = "cpu"
     replicated_over: tuple[str, ...] = ()
+    # Derived once: planners read it several times per parameter, for 10^5 parameters.
+    numel: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -81,10 +83,7 @@ class ParamSpec:
         itemsize(self.dtype)  # validates the name
         object.__setattr__(self, "shape", shape)
         object.__setattr__(self, "replicated_over", tuple(self.replicated_over))
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
+        object.__setattr__(self, "numel", math.prod(shape))
 
     @property
     def nbytes(self) -> int:

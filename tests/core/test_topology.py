@@ -1,0 +1,190 @@
+"""Topology groups: Megatron-core's order semantics, mesh equivalence, split_shapes (§5)."""
+
+import itertools
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gradsync_core import STANDARD_GROUPS, Topology, split_shapes
+
+
+def megatron_groups(world_size, parallel_size, mask):
+    """An independent transcription of Megatron-core's
+    ``generate_masked_orthogonal_rank_groups`` (decompose the group and in-group indices into
+    masked / unmasked coordinates, first axis fastest) to compare against."""
+
+    def prefix_product(a):
+        out = [1]
+        for v in a:
+            out.append(out[-1] * v)
+        return out
+
+    def decompose(index, shape):
+        stride = prefix_product(shape)
+        return [(index // d) % s for s, d in zip(shape, stride, strict=False)]
+
+    masked_shape = [s for s, m in zip(parallel_size, mask, strict=True) if m]
+    unmasked_shape = [s for s, m in zip(parallel_size, mask, strict=True) if not m]
+    stride = prefix_product(parallel_size)
+    masked_stride = [d for d, m in zip(stride, mask, strict=False) if m]
+    unmasked_stride = [d for d, m in zip(stride, mask, strict=False) if not m]
+    group_size = math.prod(masked_shape)
+    groups = []
+    for g in range(world_size // group_size):
+        gi = decompose(g, unmasked_shape)
+        groups.append(tuple(
+            sum(x * y for x, y in zip(decompose(r, masked_shape), masked_stride, strict=True))
+            + sum(x * y for x, y in zip(gi, unmasked_stride, strict=True))
+            for r in range(group_size)
+        ))
+    return tuple(groups)
+
+
+def test_design_worked_example():
+    topo = Topology.create(world_size=8, tp=2, cp=2)
+    assert topo.dp == 2
+    assert topo.groups("tp") == ((0, 1), (2, 3), (4, 5), (6, 7))
+    assert topo.groups("cp") == ((0, 2), (1, 3), (4, 6), (5, 7))
+    assert topo.groups("dp") == ((0, 4), (1, 5), (2, 6), (3, 7))
+    assert topo.groups("tp-cp") == ((0, 1, 2, 3), (4, 5, 6, 7))
+    assert topo.groups("dp-cp") == ((0, 2, 4, 6), (1, 3, 5, 7))
+    assert topo.groups("cp-dp") == topo.groups("dp-cp")  # membership, not spelling
+    assert topo.coordinates(5) == {"tp": 1, "cp": 0, "ep": 0, "dp": 1, "pp": 0}
+    assert topo.group_of("dp-cp", 5) == (1, 3, 5, 7)
+    assert topo.group_rank("dp-cp", 5) == 2
+    assert topo.mesh_shape == (1, 2, 1, 2, 2)
+    assert topo.mesh_axis_names == ("pp", "dp", "ep", "cp", "tp")
+    assert topo.mesh_axes("dp-cp") == ("dp", "cp")
+
+
+def test_order_swapped_case():
+    # dp varies fastest: data-parallel peers become neighbours.
+    topo = Topology.create(world_size=8, tp=2, cp=2, order="dp-tp-cp-ep-pp")
+    assert topo.groups("dp") == ((0, 1), (2, 3), (4, 5), (6, 7))
+    assert topo.groups("tp") == ((0, 2), (1, 3), (4, 6), (5, 7))
+    assert topo.groups("cp") == ((0, 4), (1, 5), (2, 6), (3, 7))
+    assert topo.groups("tp-cp") == ((0, 2, 4, 6), (1, 3, 5, 7))
+
+
+def test_size_one_axes_may_be_left_out_of_the_order():
+    topo = Topology.create(world_size=4, tp=2, order="tp-dp")
+    assert topo.order == "tp-dp-cp-ep-pp"
+    with pytest.raises(ValueError, match="leaves out \\['cp'\\], whose size is > 1"):
+        Topology(tp=2, cp=2, order="tp-dp")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"world_size": 8, "tp": 3}, "does not divide world_size = 8"),
+        ({"world_size": 8, "tp": 2, "dp": 3}, "= 6 but world_size = 8; pass dp=-1"),
+        ({"world_size": 8, "order": "tp-tp"}, "distinct axes"),
+        ({"world_size": 8, "order": "tp-xx"}, "distinct axes"),
+        ({"world_size": 0}, "positive int"),
+    ],
+    ids=["not-divisible", "explicit-dp-mismatch", "repeated-axis", "unknown-axis", "zero"],
+)
+def test_bad_topologies(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Topology.create(**kwargs)
+
+
+def test_bad_group_names_and_ranks():
+    topo = Topology.create(world_size=4, tp=2)
+    with pytest.raises(ValueError, match="must join distinct axes"):
+        topo.groups("tp-foo")
+    with pytest.raises(ValueError, match="outside a world of 4"):
+        topo.coordinates(4)
+
+
+axis_sizes = st.sampled_from([1, 1, 2, 2, 3])
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    sizes=st.tuples(axis_sizes, axis_sizes, axis_sizes, axis_sizes, axis_sizes),
+    order=st.permutations(["tp", "cp", "ep", "dp", "pp"]),
+    members=st.sets(st.sampled_from(["tp", "cp", "ep", "dp", "pp"]), min_size=1),
+)
+def test_groups_match_megatron_and_partition_the_world(sizes, order, members):
+    tp, cp, ep, dp, pp = sizes
+    topo = Topology(tp=tp, cp=cp, ep=ep, dp=dp, pp=pp, order="-".join(order))
+    name = "-".join(sorted(members))
+    groups = topo.groups(name)
+    parallel_size = [getattr(topo, t) for t in order]
+    mask = [t in members for t in order]
+    assert groups == megatron_groups(topo.world_size, parallel_size, mask)
+    # a partition of the world into ascending groups of the right size
+    flat = sorted(itertools.chain.from_iterable(groups))
+    assert flat == list(range(topo.world_size))
+    assert all(list(g) == sorted(g) and len(g) == topo.group_size(name) for g in groups)
+    # every rank's group, place and coordinates agree with the enumeration
+    for g in groups:
+        for place, rank in enumerate(g):
+            assert topo.group_of(name, rank) == g
+            assert topo.group_rank(name, rank) == place
+            assert topo.rank_of(**topo.coordinates(rank)) == rank
+    # a group is a fibre of the mesh arange(world).reshape(mesh_shape) along its axes
+    axes = [topo.mesh_axis_names.index(a) for a in topo.mesh_axes(name)]
+    assert len(groups) * topo.group_size(name) == math.prod(topo.mesh_shape)
+    for rank in (0, topo.world_size - 1):
+        index = list(_unravel(rank, topo.mesh_shape))
+        fibre = []
+        for combo in itertools.product(*(range(topo.mesh_shape[a]) for a in axes)):
+            for a, c in zip(axes, combo, strict=True):
+                index[a] = c
+            fibre.append(_ravel(index, topo.mesh_shape))
+        assert sorted(fibre) == list(topo.group_of(name, rank))
+    assert Topology.from_json(topo.to_json()) == topo
+
+
+def _unravel(rank, shape):
+    out = []
+    for size in reversed(shape):
+        out.append(rank % size)
+        rank //= size
+    return tuple(reversed(out))
+
+
+def _ravel(index, shape):
+    rank = 0
+    for i, size in zip(index, shape, strict=True):
+        rank = rank * size + i
+    return rank
+
+
+def test_standard_groups_exist_on_every_topology():
+    topo = Topology.create(world_size=16, tp=2, cp=2, pp=2)
+    for name in STANDARD_GROUPS:
+        assert sum(len(g) for g in topo.groups(name)) == 16
+
+
+@pytest.mark.parametrize(
+    ("size", "parts", "expected"),
+    [
+        (10, 4, (3, 3, 3, 1)),
+        (9, 4, (2, 2, 2, 3)),
+        (5, 4, (1, 1, 1, 2)),
+        (8, 4, (2, 2, 2, 2)),
+        (7, 1, (7,)),
+        (4, 4, (1, 1, 1, 1)),
+    ],
+)
+def test_split_shapes(size, parts, expected):
+    assert split_shapes(size, parts) == expected
+
+
+def test_split_shapes_rejects_too_few_elements():
+    with pytest.raises(ValueError, match="cannot split a dimension of 3 over 4 ranks"):
+        split_shapes(3, 4)
+
+
+@given(size=st.integers(1, 500), parts=st.integers(1, 64))
+def test_split_shapes_properties(size, parts):
+    if size < parts:
+        return
+    chunks = split_shapes(size, parts)
+    assert len(chunks) == parts and sum(chunks) == size and min(chunks) >= 1
+    assert len(set(chunks[:-1])) <= 1
