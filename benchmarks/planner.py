@@ -22,7 +22,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from gradsync_core import (  # noqa: E402
+from gradsync_core import (
     DEFAULT_CAP_BYTES,
     DEFAULT_FIRST_CAP_BYTES,
     STANDARD_GROUPS,
@@ -31,7 +31,7 @@ from gradsync_core import (  # noqa: E402
     plan_buckets,
     plan_greedy_shards,
 )
-from tests.core.test_topology import megatron_groups  # noqa: E402
+from tests.core.test_topology import megatron_groups
 
 SHAPES = [(4096, 4096), (4096,), (11008, 4096), (4096, 11008), (1024, 1024), (1024,), (64, 3, 3)]
 
@@ -100,30 +100,47 @@ def main() -> None:
     _, anchor_groups_s = best_of(megatron_all, 1 if args.quick else 3)
 
     rows = [
-        (f"bucket plan, {args.tensors:,} tensors", bucket_s,
-         anchor_bucket_s, "torch C++ DDP assignment"),
-        (f"greedy partition, {args.tensors:,} tensors, dp={args.dp_for_partition}",
-         greedy_s, None, ""),
-        (f"all {len(STANDARD_GROUPS)} standard groups, {args.ranks:,} ranks", groups_s,
-         anchor_groups_s, "Megatron-core algorithm (Python)"),
+        (
+            f"bucket plan, {args.tensors:,} tensors",
+            bucket_s,
+            anchor_bucket_s,
+            "torch C++ DDP assignment",
+        ),
+        (
+            f"greedy partition, {args.tensors:,} tensors, dp={args.dp_for_partition}",
+            greedy_s,
+            None,
+            "",
+        ),
+        (
+            f"all {len(STANDARD_GROUPS)} standard groups, {args.ranks:,} ranks",
+            groups_s,
+            anchor_groups_s,
+            "Megatron-core algorithm (Python)",
+        ),
     ]
     print(f"{'what':<52} {'gradsync s':>10} {'anchor s':>9}  anchor")
     for what, ours, anchor, anchor_name in rows:
         a = f"{anchor:9.3f}" if anchor is not None else f"{'-':>9}"
         print(f"{what:<52} {ours:10.3f} {a}  {anchor_name}")
     print(f"(median of {repeats} runs; topology tp=8 cp=2 pp=4 dp={topo.dp}; target < 1 s each)")
-    print(json.dumps({
-        "bench": "planner",
-        "tensors": args.tensors,
-        "ranks": args.ranks,
-        "bucket_plan_s": round(bucket_s, 4),
-        "anchor_torch_bucket_assignment_s": None if anchor_bucket_s is None
-        else round(anchor_bucket_s, 4),
-        "greedy_partition_s": round(greedy_s, 4),
-        "plan_plus_partition_s": round(bucket_s + greedy_s, 4),
-        "standard_groups_s": round(groups_s, 4),
-        "anchor_megatron_groups_s": round(anchor_groups_s, 4),
-    }))
+    print(
+        json.dumps(
+            {
+                "bench": "planner",
+                "tensors": args.tensors,
+                "ranks": args.ranks,
+                "bucket_plan_s": round(bucket_s, 4),
+                "anchor_torch_bucket_assignment_s": None
+                if anchor_bucket_s is None
+                else round(anchor_bucket_s, 4),
+                "greedy_partition_s": round(greedy_s, 4),
+                "plan_plus_partition_s": round(bucket_s + greedy_s, 4),
+                "standard_groups_s": round(groups_s, 4),
+                "anchor_megatron_groups_s": round(anchor_groups_s, 4),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -104,9 +104,7 @@ class Manifest:
         )
 
 
-def check_compatible(
-    manifest: Manifest, params: Sequence[ParamSpec], *, optimizer: str
-) -> None:
+def check_compatible(manifest: Manifest, params: Sequence[ParamSpec], *, optimizer: str) -> None:
     """Refuse a checkpoint of another model or optimizer, naming the first difference.
 
     The world size may differ (that is resharding); names, shapes, dtypes and which

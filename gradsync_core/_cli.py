@@ -82,15 +82,24 @@ def _bucket_section(plan: BucketPlan) -> str:
     for b in plan.buckets:
         used = b.used_numel * itemsize(b.dtype)
         rows.append(
-            [b.index, b.dtype, len(b.slots), f"{b.numel:,}", _mib(b.nbytes), _mib(b.limit_bytes),
-             f"{100 * used / b.limit_bytes:.0f}%"]
+            [
+                b.index,
+                b.dtype,
+                len(b.slots),
+                f"{b.numel:,}",
+                _mib(b.nbytes),
+                _mib(b.limit_bytes),
+                f"{100 * used / b.limit_bytes:.0f}%",
+            ]
         )
     head = (
         f"Buckets: {len(plan.buckets)} (cap {_mib(plan.cap_bytes)} MiB, first walked "
         f"{_mib(plan.first_cap_bytes)} MiB; bucket 0 is reduced first)"
     )
-    return head + "\n" + _table(
-        ["bucket", "dtype", "params", "elements", "MiB", "cap MiB", "fill"], rows
+    return (
+        head
+        + "\n"
+        + _table(["bucket", "dtype", "params", "elements", "MiB", "cap MiB", "fill"], rows)
     )
 
 
@@ -102,8 +111,13 @@ def _shard_section(plan: ShardPlan, specs: Sequence[ParamSpec]) -> str:
         counts[shard.rank] += 1
         nbytes[shard.rank] += shard.numel * size[shard.name]
     rows = [
-        [rank, counts[rank], f"{plan.rank_numel[rank]:,}", _mib(nbytes[rank]),
-         _mib(2 * nbytes[rank])]
+        [
+            rank,
+            counts[rank],
+            f"{plan.rank_numel[rank]:,}",
+            _mib(nbytes[rank]),
+            _mib(2 * nbytes[rank]),
+        ]
         for rank in range(plan.world_size)
     ]
     head = (
@@ -112,8 +126,12 @@ def _shard_section(plan: ShardPlan, specs: Sequence[ParamSpec]) -> str:
     )
     if plan.kind == "flat":
         head += f", padding {plan.padding_numel:,} elements"
-    return head + "\n" + _table(
-        ["dp rank", "pieces", "elements", "param MiB", "Adam state MiB"], rows, max_rows=16
+    return (
+        head
+        + "\n"
+        + _table(
+            ["dp rank", "pieces", "elements", "param MiB", "Adam state MiB"], rows, max_rows=16
+        )
     )
 
 
@@ -176,8 +194,10 @@ def _plan(args: argparse.Namespace) -> int:
     print()
     print(_group_section(topo))
     print()
-    print(f"fingerprints: buckets {buckets.fingerprint[:16]}  shards {shards.fingerprint[:16]}"
-          f"  topology {topo.fingerprint[:16]}")
+    print(
+        f"fingerprints: buckets {buckets.fingerprint[:16]}  shards {shards.fingerprint[:16]}"
+        f"  topology {topo.fingerprint[:16]}"
+    )
     return 0
 
 
@@ -194,21 +214,35 @@ def build_parser() -> argparse.ArgumentParser:
         "--model", default=DEFAULT_MODEL, help=f"built-in model: {', '.join(MODELS)}"
     )
     source.add_argument(
-        "--params", metavar="FILE",
+        "--params",
+        metavar="FILE",
         help='JSON list of parameters, e.g. [{"name": "fc.weight", "shape": [10, 4]}]',
     )
-    plan.add_argument("--dtype", default="float32", choices=sorted(DTYPE_ITEMSIZE),
-                      help="dtype of a built-in model's parameters")
+    plan.add_argument(
+        "--dtype",
+        default="float32",
+        choices=sorted(DTYPE_ITEMSIZE),
+        help="dtype of a built-in model's parameters",
+    )
     plan.add_argument("--world-size", type=int, default=8, help="number of ranks (default 8)")
     for axis in ("tp", "cp", "ep", "pp"):
         plan.add_argument(f"--{axis}", type=int, default=1, help=f"{axis} size (default 1)")
     plan.add_argument("--order", default=DEFAULT_ORDER, help="rank order, first varies fastest")
-    plan.add_argument("--bucket-cap-mb", type=float, default=None,
-                      help="bucket cap in MiB (default: DDP's 25 MiB with a 1 MiB first bucket)")
-    plan.add_argument("--partition", choices=("greedy", "flat"), default="greedy",
-                      help="optimizer-state partition: whole parameters or flat element ranges")
-    plan.add_argument("--pad-to", type=int, default=1,
-                      help="round bucket lengths up to a multiple of this")
+    plan.add_argument(
+        "--bucket-cap-mb",
+        type=float,
+        default=None,
+        help="bucket cap in MiB (default: DDP's 25 MiB with a 1 MiB first bucket)",
+    )
+    plan.add_argument(
+        "--partition",
+        choices=("greedy", "flat"),
+        default="greedy",
+        help="optimizer-state partition: whole parameters or flat element ranges",
+    )
+    plan.add_argument(
+        "--pad-to", type=int, default=1, help="round bucket lengths up to a multiple of this"
+    )
     plan.add_argument("--json", action="store_true", help="emit the plans as JSON")
     plan.set_defaults(run=_plan)
     return parser

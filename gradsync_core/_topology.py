@@ -62,9 +62,7 @@ class Topology:
                 raise ValueError(f"{axis} must be a positive int, got {size!r}")
         tokens = self.order.split("-")
         if len(set(tokens)) != len(tokens) or any(t not in AXES for t in tokens):
-            raise ValueError(
-                f"order {self.order!r} must join distinct axes from {AXES} with '-'"
-            )
+            raise ValueError(f"order {self.order!r} must join distinct axes from {AXES} with '-'")
         missing = [a for a in AXES if a not in tokens]
         if any(getattr(self, a) > 1 for a in missing):
             bad = [a for a in missing if getattr(self, a) > 1]

@@ -58,7 +58,13 @@ def test_dtypes_are_bucketed_apart_with_their_own_limit_sequence():
     # float32: a closes alone (>= 512 first cap), then [b] >= 1 KiB, then [c]; bfloat16
     # (512 B each): h1 closes at the first cap, h2 alone at 1 KiB stays open till the end.
     assert names(plan) == [["c"], ["h2"], ["b"], ["h1"], ["a"]]
-    assert [b.dtype for b in plan.buckets] == ["float32", "bfloat16", "float32", "bfloat16", "float32"]
+    assert [b.dtype for b in plan.buckets] == [
+        "float32",
+        "bfloat16",
+        "float32",
+        "bfloat16",
+        "float32",
+    ]
 
 
 def test_frozen_parameters_get_no_slot():

@@ -12,7 +12,10 @@ from gradsync_core import BucketPlan, ShardPlan, Topology
 def gradsync(*args, cwd=None):
     return subprocess.run(
         [sys.executable, "-m", "gradsync_core", *args],
-        capture_output=True, text=True, cwd=cwd, timeout=60,
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=60,
     )
 
 
@@ -26,8 +29,20 @@ def test_default_plan_prints_the_three_tables():
 
 
 def test_json_output_is_the_plans():
-    out = gradsync("plan", "--model", "resnet50", "--world-size", "8", "--tp", "2",
-                   "--partition", "flat", "--bucket-cap-mb", "5", "--json")
+    out = gradsync(
+        "plan",
+        "--model",
+        "resnet50",
+        "--world-size",
+        "8",
+        "--tp",
+        "2",
+        "--partition",
+        "flat",
+        "--bucket-cap-mb",
+        "5",
+        "--json",
+    )
     assert out.returncode == 0, out.stderr
     obj = json.loads(out.stdout)
     buckets = BucketPlan.from_json(obj["buckets"])
@@ -41,11 +56,17 @@ def test_json_output_is_the_plans():
 
 def test_user_parameter_file(tmp_path):
     path = tmp_path / "params.json"
-    path.write_text(json.dumps({"params": [
-        {"name": "emb.weight", "shape": [1000, 64]},
-        {"name": "head.weight", "shape": [10, 64], "dtype": "bfloat16"},
-        {"name": "frozen", "shape": [5], "requires_grad": False},
-    ]}))
+    path.write_text(
+        json.dumps(
+            {
+                "params": [
+                    {"name": "emb.weight", "shape": [1000, 64]},
+                    {"name": "head.weight", "shape": [10, 64], "dtype": "bfloat16"},
+                    {"name": "frozen", "shape": [5], "requires_grad": False},
+                ]
+            }
+        )
+    )
     out = gradsync("plan", "--params", str(path), "--world-size", "2")
     assert out.returncode == 0, out.stderr
     assert "3 parameters (2 trainable)" in out.stdout and "bfloat16" in out.stdout
@@ -93,8 +114,14 @@ def test_bad_parameter_files(tmp_path, content, message):
 def test_console_script_is_installed():
     import shutil
 
-    exe = shutil.which("gradsync") or str(__import__("pathlib").Path(sys.executable).parent / "gradsync")
-    out = subprocess.run([exe, "plan", "--model", "mlp-25m", "--world-size", "2"],
-                         capture_output=True, text=True, timeout=60)
+    exe = shutil.which("gradsync") or str(
+        __import__("pathlib").Path(sys.executable).parent / "gradsync"
+    )
+    out = subprocess.run(
+        [exe, "plan", "--model", "mlp-25m", "--world-size", "2"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     assert "Model mlp-25m" in out.stdout

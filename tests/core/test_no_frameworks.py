@@ -34,9 +34,7 @@ SCRIPT = textwrap.dedent(
 
 
 def test_core_plans_with_torch_and_jax_unavailable():
-    out = subprocess.run(
-        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=60
-    )
+    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "planned without frameworks" in out.stderr
 

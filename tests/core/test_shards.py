@@ -1,5 +1,7 @@
 """Shard partitions: greedy (torch ZeroRedundancyOptimizer's rule) and flat (DESIGN §4)."""
 
+import itertools
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -68,7 +70,9 @@ def test_flat_cuts_every_bucket_into_equal_chunks():
 
 def test_flat_needs_buckets_padded_to_the_world_size():
     buckets = plan_buckets([spec("a", 3)])
-    with pytest.raises(ValueError, match="not a multiple of world_size 2; plan the buckets with pad_to=2"):
+    with pytest.raises(
+        ValueError, match="not a multiple of world_size 2; plan the buckets with pad_to=2"
+    ):
         plan_flat_shards(buckets, world_size=2)
 
 
@@ -88,8 +92,10 @@ def test_greedy_properties(numels, world_size):
     plan = plan_greedy_shards(specs, world_size=world_size)
     # every trainable parameter in exactly one shard, whole
     assert sorted(s.name for s in plan.shards) == sorted(s.name for s in specs)
-    assert all(s.start == 0 and s.stop == n for s, n in zip(
-        sorted(plan.shards, key=lambda s: int(s.name[1:])), numels, strict=True))
+    assert all(
+        s.start == 0 and s.stop == n
+        for s, n in zip(sorted(plan.shards, key=lambda s: int(s.name[1:])), numels, strict=True)
+    )
     # the greedy bound: no rank exceeds the ideal load by more than the largest tensor
     assert max(plan.rank_numel) <= sum(numels) / world_size + max(numels)
     assert ShardPlan.from_json(plan.to_json()) == plan
@@ -106,7 +112,7 @@ def test_flat_properties(numels, world_size, cap):
         pieces = sorted((p.start, p.stop) for p in plan.shards if p.name == s.name)
         assert pieces, s.name
         assert pieces[0][0] == 0 and pieces[-1][1] == s.numel
-        assert all(a[1] == b[0] for a, b in zip(pieces, pieces[1:], strict=False))
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(pieces))
     # each rank holds the same number of elements per bucket, padding included
     assert sum(plan.rank_numel) + plan.padding_numel == buckets.numel
     assert plan.padding_numel <= (world_size - 1) * len(buckets.buckets)

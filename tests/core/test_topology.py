@@ -34,11 +34,13 @@ def megatron_groups(world_size, parallel_size, mask):
     groups = []
     for g in range(world_size // group_size):
         gi = decompose(g, unmasked_shape)
-        groups.append(tuple(
-            sum(x * y for x, y in zip(decompose(r, masked_shape), masked_stride, strict=True))
-            + sum(x * y for x, y in zip(gi, unmasked_stride, strict=True))
-            for r in range(group_size)
-        ))
+        groups.append(
+            tuple(
+                sum(x * y for x, y in zip(decompose(r, masked_shape), masked_stride, strict=True))
+                + sum(x * y for x, y in zip(gi, unmasked_stride, strict=True))
+                for r in range(group_size)
+            )
+        )
     return tuple(groups)
 
 

@@ -22,7 +22,11 @@ import torch.multiprocessing as mp
 
 
 def _entry(
-    fn: Callable[..., Any], rank: int, world_size: int, store_path: str, results: Any,
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    store_path: str,
+    results: Any,
     args: tuple[Any, ...],
 ) -> None:
     try:
