@@ -38,7 +38,9 @@ AxisName = str | tuple[str, ...]
 def _axes(axis_name: AxisName) -> tuple[str, ...]:
     axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
     if not axes or not all(isinstance(a, str) for a in axes):
-        raise ValueError(f"axis_name must be a mesh axis name or a tuple of them, got {axis_name!r}")
+        raise ValueError(
+            f"axis_name must be a mesh axis name or a tuple of them, got {axis_name!r}"
+        )
     return axes
 
 
