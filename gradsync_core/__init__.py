@@ -26,6 +26,15 @@ from gradsync_core._checkpoint import (
     write_manifest,
 )
 from gradsync_core._models import MODELS, builtin_model
+from gradsync_core._reductions import (
+    MODEL_AXES,
+    ReductionPlan,
+    SharedReduction,
+    plan_shared_reductions,
+    reduction_group,
+    replicated_axes,
+    with_replicated_over,
+)
 from gradsync_core._shards import Shard, ShardPlan, plan_flat_shards, plan_greedy_shards
 from gradsync_core._specs import DTYPE_ITEMSIZE, ParamSpec, itemsize
 from gradsync_core._topology import AXES, DEFAULT_ORDER, STANDARD_GROUPS, Topology, split_shapes
@@ -40,6 +49,7 @@ __all__ = [
     "DEFAULT_ORDER",
     "DTYPE_ITEMSIZE",
     "MODELS",
+    "MODEL_AXES",
     "OPTAX_TO_TORCH_STATE",
     "PLAN_VERSION",
     "STANDARD_GROUPS",
@@ -48,8 +58,10 @@ __all__ = [
     "BucketPlan",
     "Manifest",
     "ParamSpec",
+    "ReductionPlan",
     "Shard",
     "ShardPlan",
+    "SharedReduction",
     "Slot",
     "Topology",
     "builtin_model",
@@ -62,8 +74,12 @@ __all__ = [
     "plan_flat_shards",
     "plan_greedy_shards",
     "plan_legacy_buckets",
+    "plan_shared_reductions",
     "read_manifest",
     "rebuild_buckets",
+    "reduction_group",
+    "replicated_axes",
     "split_shapes",
+    "with_replicated_over",
     "write_manifest",
 ]
