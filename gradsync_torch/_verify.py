@@ -1,0 +1,122 @@
+"""Construction-time agreement across ranks: same plan (DESIGN §8), same starting state.
+
+A rank that builds a different model would otherwise hang in the first mismatched
+collective, or silently train garbage when sizes happen to line up. One all-gather of a
+32-byte digest makes the check cost nothing when everything agrees; only on a mismatch are the
+full descriptions gathered to name the ranks and the first difference.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import gradsync_core
+from gradsync_torch._specs import dtype_name
+
+_MIB = 1024 * 1024
+# DDP broadcasts module states in chunks of this size (torch.distributed.utils).
+_BROADCAST_CHUNK_BYTES = 250 * _MIB
+# torch 2.13 renamed all_gather_into_tensor (and warns on the old name); older torch lacks it.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def state_entries(module: nn.Module, options: dict[str, Any]) -> list[list[Any]]:
+    """What must agree besides the bucket plan: every parameter (frozen ones too), every
+    buffer, and the options that change the arithmetic; JSON-ready."""
+    entries: list[list[Any]] = [["option", key, repr(value)] for key, value in options.items()]
+    for name, p in module.named_parameters():
+        kind = "parameter" if p.requires_grad else "frozen parameter"
+        entries.append([kind, name, list(p.shape), dtype_name(p.dtype)])
+    for name, b in module.named_buffers():
+        entries.append(["buffer", name, list(b.shape), dtype_name(b.dtype)])
+    return entries
+
+
+def _describe_entries(mine: Sequence[Sequence[Any]], theirs: Sequence[Sequence[Any]]) -> str:
+    for a, b in zip(mine, theirs, strict=False):
+        if list(a) != list(b):
+            return f"{' '.join(map(str, a))} vs {' '.join(map(str, b))}"
+    if len(mine) != len(theirs):
+        longer = mine if len(mine) > len(theirs) else theirs
+        extra = longer[min(len(mine), len(theirs))]
+        return f"one side has more entries, starting with {' '.join(map(str, extra))}"
+    return "the descriptions are equal but their digests differ"
+
+
+def verify_same_everywhere(
+    plan: gradsync_core.BucketPlan,
+    entries: list[list[Any]],
+    group: dist.ProcessGroup,
+    device: torch.device,
+) -> None:
+    """Raise on every rank if any rank of ``group`` holds a different plan or state layout.
+
+    Raises:
+        ValueError: naming the ranks that disagree with group rank 0 and the first
+            differing parameter, buffer or option.
+    """
+    payload = {"plan": plan.to_json(), "entries": entries}
+    digest = hashlib.sha256(gradsync_core.canonical_json(payload).encode("ascii")).digest()
+    mine = torch.tensor(list(digest), dtype=torch.uint8, device=device)
+    world_size = group.size()
+    gathered = torch.empty(world_size * len(digest), dtype=torch.uint8, device=device)
+    _all_gather_single(gathered, mine, group=group)
+    rows = [bytes(row) for row in gathered.view(world_size, -1).cpu().tolist()]
+    if all(row == rows[0] for row in rows):
+        return
+    described: list[Any] = [None] * world_size
+    dist.all_gather_object(described, payload, group=group)
+    global_ranks = [dist.get_global_rank(group, r) for r in range(world_size)]
+    agree = [global_ranks[r] for r in range(world_size) if rows[r] == rows[0]]
+    differ = [global_ranks[r] for r in range(world_size) if rows[r] != rows[0]]
+    first = next(r for r in range(world_size) if rows[r] != rows[0])
+    base, other = described[0], described[first]
+    detail = gradsync_core.describe_difference(
+        gradsync_core.BucketPlan.from_json(base["plan"]),
+        gradsync_core.BucketPlan.from_json(other["plan"]),
+    )
+    if not detail:
+        detail = _describe_entries(base["entries"], other["entries"])
+    raise ValueError(
+        f"DataParallel: ranks {agree} and ranks {differ} hold different models or options; "
+        f"rank {global_ranks[0]} vs rank {global_ranks[first]}: {detail}. Build the same "
+        "model (same parameters in the same order, shapes, dtypes, requires_grad) and pass "
+        "the same DataParallel arguments on every rank"
+    )
+
+
+def broadcast_tensors(
+    tensors: Iterable[torch.Tensor], group: dist.ProcessGroup, *, group_src: int = 0
+) -> None:
+    """Overwrite ``tensors`` in place with group rank ``group_src``'s values.
+
+    Tensors are packed per (dtype, device) into flat chunks of at most 250 MiB (DDP's
+    ``_sync_module_states`` does the same), so a model costs a few collectives, not one per
+    tensor.
+    """
+    by_key: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in tensors:
+        by_key.setdefault((t.dtype, t.device), []).append(t)
+    for members in by_key.values():
+        chunk: list[torch.Tensor] = []
+        nbytes = 0
+        for t in [*members, None]:
+            if t is not None and (not chunk or nbytes + t.nbytes <= _BROADCAST_CHUNK_BYTES):
+                chunk.append(t)
+                nbytes += t.nbytes
+                continue
+            flat = torch.cat([c.detach().reshape(-1) for c in chunk])
+            dist.broadcast(flat, src=dist.get_global_rank(group, group_src), group=group)
+            offset = 0
+            with torch.no_grad():
+                for c in chunk:
+                    c.copy_(flat[offset : offset + c.numel()].view_as(c))
+                    offset += c.numel()
+            if t is not None:
+                chunk, nbytes = [t], t.nbytes
