@@ -1,0 +1,200 @@
+"""sync_gradients: the local-gradient contract (DESIGN §7), mean/sum, dtype, buckets, pmap."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from gradsync_core import Topology, plan_buckets
+from gradsync_jax import local_grad, make_local, mesh_from_topology, sync_gradients
+from gradsync_jax._specs import param_specs
+
+DP = 8
+
+
+def _params() -> dict:
+    rng = np.random.default_rng(0)
+    return {
+        f"layer_{i}": {
+            "kernel": jnp.asarray(rng.normal(0, 0.3, (12, 12)), jnp.float32),
+            "bias": jnp.asarray(rng.normal(0, 0.1, (12,)), jnp.float32),
+        }
+        for i in range(3)
+    }
+
+
+def _loss(params: dict, x: jax.Array) -> jax.Array:
+    for i in range(3):
+        x = jnp.tanh(x @ params[f"layer_{i}"]["kernel"] + params[f"layer_{i}"]["bias"])
+    return jnp.mean(x**2)
+
+
+PARAMS = _params()
+X = jnp.asarray(np.random.default_rng(1).normal(size=(4 * DP, 12)), jnp.float32)
+MESH = mesh_from_topology(Topology.create(DP))
+
+
+def _local_grads_reference() -> list:
+    """Each device's gradient of its shard, computed one device at a time."""
+    return [jax.grad(_loss)(PARAMS, shard) for shard in jnp.split(X, DP)]
+
+
+def _run(body, *, mesh=MESH, check_vma=True, batch_axes="dp"):
+    mapped = jax.shard_map(
+        body, mesh=mesh, in_specs=(P(), P(batch_axes)), out_specs=P(), check_vma=check_vma
+    )
+    replicated, sharded = NamedSharding(mesh, P()), NamedSharding(mesh, P(batch_axes))
+    return jax.jit(mapped)(jax.device_put(PARAMS, replicated), jax.device_put(X, sharded))
+
+
+def _assert_tree_close(actual, expected, *, rtol=1e-5) -> None:
+    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+        e = np.asarray(e)
+        np.testing.assert_allclose(np.asarray(a), e, rtol=rtol, atol=rtol * np.abs(e).max())
+
+
+def _assert_tree_equal(actual, expected) -> None:
+    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(e))
+
+
+def test_mean_and_sum_match_the_per_device_reference() -> None:
+    local = _local_grads_reference()
+    mean_ref = jax.tree.map(lambda *g: np.mean(np.stack(g), axis=0), *local)
+    sum_ref = jax.tree.map(lambda *g: np.sum(np.stack(g), axis=0), *local)
+    full_batch = jax.grad(_loss)(PARAMS, X)  # mean of equal shard means = full-batch mean
+
+    mean = _run(lambda p, x: sync_gradients(local_grad(_loss)(p, x), "dp"))
+    total = _run(lambda p, x: sync_gradients(local_grad(_loss)(p, x), "dp", reduce="sum"))
+    _assert_tree_close(mean, mean_ref)
+    _assert_tree_close(mean, full_batch)
+    _assert_tree_close(total, sum_ref)
+    # Divide-before-sum by a power of two is exact: sum == dp * mean bit for bit.
+    _assert_tree_equal(total, jax.tree.map(lambda g: g * DP, mean))
+
+
+def test_invariant_gradient_is_refused_not_silently_wrong() -> None:
+    """The hazard itself, then the guard that catches it."""
+    # jax.grad of a replicated parameter inside shard_map is already psum'ed: pmean is a no-op
+    # and the result is DP times the mean (the loss is a per-device mean).
+    naive = _run(lambda p, x: lax.pmean(jax.grad(_loss)(p, x), "dp"))
+    full_batch = jax.grad(_loss)(PARAMS, X)
+    _assert_tree_close(naive, jax.tree.map(lambda g: g * DP, full_batch))
+
+    message = "gradient 'layer_0/bias' is already invariant over 'dp'.*count it 8 times"
+    with pytest.raises(ValueError, match=message):
+        _run(lambda p, x: sync_gradients(jax.grad(_loss)(p, x), "dp"))
+    # The documented fix: differentiate w.r.t. make_local(params).
+    fixed = _run(lambda p, x: sync_gradients(jax.grad(_loss)(make_local(p, "dp"), x), "dp"))
+    _assert_tree_close(fixed, full_batch)
+
+
+def test_check_vma_false_and_pmap_give_the_same_gradients() -> None:
+    def body(p, x):
+        return sync_gradients(local_grad(_loss)(p, x), "dp")
+
+    reference = _run(body)
+    # check_vma=False: JAX inserts no psum, gradients are local, the guard cannot apply.
+    _assert_tree_equal(_run(body, check_vma=False), reference)
+    # pmap, both with a replicated (in_axes=None) and a stacked parameter argument.
+    shards = X.reshape(DP, -1, X.shape[1])
+    pmapped = jax.pmap(body, axis_name="dp", in_axes=(None, 0))(PARAMS, shards)
+    _assert_tree_equal(jax.tree.map(lambda g: g[3], pmapped), reference)
+    stacked = jax.tree.map(lambda a: jnp.stack([a] * DP), PARAMS)
+    pmapped = jax.pmap(body, axis_name="dp")(stacked, shards)
+    _assert_tree_equal(jax.tree.map(lambda g: g[0], pmapped), reference)
+
+
+def test_reduce_dtype_bfloat16_compresses_and_restores_dtype() -> None:
+    exact = _run(lambda p, x: sync_gradients(local_grad(_loss)(p, x), "dp"))
+    bf16 = _run(
+        lambda p, x: sync_gradients(local_grad(_loss)(p, x), "dp", reduce_dtype=jnp.bfloat16)
+    )
+    for a, e in zip(jax.tree.leaves(bf16), jax.tree.leaves(exact), strict=True):
+        assert a.dtype == jnp.float32
+        # bf16 keeps 8 bits of mantissa: relative error <= 2**-8 per rounding, a few roundings.
+        np.testing.assert_allclose(a, e, rtol=0, atol=2**-6 * float(jnp.abs(e).max()))
+    assert any(
+        not np.array_equal(a, e)
+        for a, e in zip(jax.tree.leaves(bf16), jax.tree.leaves(exact), strict=True)
+    )
+
+
+def _count_all_reduce(fn, *args) -> int:
+    return len(re.findall(r"stablehlo\.all_reduce|all-reduce\(", fn.lower(*args).as_text()))
+
+
+def test_bucket_plan_is_one_collective_per_bucket_and_bitwise_equal() -> None:
+    plan = plan_buckets(param_specs(PARAMS), cap_bytes=600, first_cap_bytes=600)
+    assert len(plan.buckets) >= 3
+
+    def per_leaf(p, x):
+        return sync_gradients(local_grad(_loss)(p, x), "dp")
+
+    def bucketed(p, x):
+        return sync_gradients(local_grad(_loss)(p, x), "dp", plan=plan)
+
+    _assert_tree_equal(_run(bucketed), _run(per_leaf))
+    args = (
+        jax.device_put(PARAMS, NamedSharding(MESH, P())),
+        jax.device_put(X, NamedSharding(MESH, P("dp"))),
+    )
+    count = {}
+    for name, body in (("leaf", per_leaf), ("bucket", bucketed)):
+        fn = jax.jit(jax.shard_map(body, mesh=MESH, in_specs=(P(), P("dp")), out_specs=P()))
+        count[name] = _count_all_reduce(fn, *args)
+    assert count == {"leaf": len(jax.tree.leaves(PARAMS)), "bucket": len(plan.buckets)}
+
+
+def test_multi_axis_group_reduces_over_the_tuple() -> None:
+    """Batch sharded over ("dp", "cp") of a dp=4, cp=2 mesh: one mean over 8 shards."""
+    mesh = mesh_from_topology(Topology.create(DP, cp=2))
+    axes = ("dp", "cp")
+    got = _run(
+        lambda p, x: sync_gradients(local_grad(_loss, axis_name=axes)(p, x), axes),
+        mesh=mesh,
+        batch_axes=axes,
+    )
+    _assert_tree_close(got, jax.grad(_loss)(PARAMS, X))
+    # Over "dp" alone, a gradient that still varies over "cp" keeps varying: out_specs=P()
+    # rejects it, so a forgotten axis cannot pass silently.
+    with pytest.raises(Exception, match="cp"):
+        _run(
+            lambda p, x: sync_gradients(local_grad(_loss, axis_name=axes)(p, x), "dp"),
+            mesh=mesh,
+            batch_axes=axes,
+        )
+
+
+def test_bad_input_gets_one_clear_sentence() -> None:
+    with pytest.raises(NameError, match="not bound here"):
+        sync_gradients(PARAMS, "dp")
+    with pytest.raises(ValueError, match="reduce must be 'mean' or 'sum'"):
+        _run(lambda p, x: sync_gradients(local_grad(_loss)(p, x), "dp", reduce="avg"))
+    with pytest.raises(TypeError, match="only floating gradients"):
+        _run(lambda p, x: sync_gradients({"n": lax.axis_index("dp")}, "dp"))
+
+    other = plan_buckets(param_specs({"w": PARAMS["layer_0"]["kernel"]}))
+    with pytest.raises(ValueError, match="'layer_0/bias' has no slot in the bucket plan"):
+        _run(lambda p, x: sync_gradients(local_grad(_loss)(p, x), "dp", plan=other))
+    bigger = plan_buckets(param_specs({**PARAMS, "extra": jnp.zeros(3)}))
+    with pytest.raises(ValueError, match="'extra', which is not a leaf of grads"):
+        _run(lambda p, x: sync_gradients(local_grad(_loss)(p, x), "dp", plan=bigger))
+    wrong = plan_buckets(
+        param_specs({**PARAMS, "layer_0": {**PARAMS["layer_0"], "bias": jnp.zeros(5)}})
+    )
+    with pytest.raises(ValueError, match="'layer_0/bias' has shape \\(12,\\) but its plan"):
+        _run(lambda p, x: sync_gradients(local_grad(_loss)(p, x), "dp", plan=wrong))
+
+
+def test_auto_axis_mesh_works_too() -> None:
+    mesh = mesh_from_topology(Topology.create(DP), axis_types=AxisType.Auto)
+    got = _run(lambda p, x: sync_gradients(local_grad(_loss)(p, x), "dp"), mesh=mesh)
+    _assert_tree_close(got, jax.grad(_loss)(PARAMS, X))
