@@ -7,11 +7,57 @@ from gradsync_torch._comm_hooks import (
     fp16_compress_hook,
 )
 from gradsync_torch._data_parallel import DataParallel
+from gradsync_torch._groups import (
+    Group,
+    ProcessGroups,
+    check_reduction_plan,
+    reduce_shared_gradients,
+)
+from gradsync_torch._layers import (
+    ColumnParallelLinear,
+    MLPBlock,
+    MLPTransformer,
+    ParallelMLPBlock,
+    ParallelMLPTransformer,
+    RowParallelLinear,
+    local_state,
+    replicated_over,
+    shared_param_specs,
+)
+from gradsync_torch._mappings import (
+    all_gather_from,
+    copy_to,
+    gather_from,
+    reduce_from,
+    reduce_scatter_to,
+    scatter_to,
+)
+from gradsync_torch._zero import ZeroRedundancyOptimizer
 
 __all__: list[str] = [
+    "ColumnParallelLinear",
     "DataParallel",
     "GradBucket",
+    "Group",
+    "MLPBlock",
+    "MLPTransformer",
+    "ParallelMLPBlock",
+    "ParallelMLPTransformer",
+    "ProcessGroups",
+    "RowParallelLinear",
+    "ZeroRedundancyOptimizer",
+    "all_gather_from",
     "allreduce_hook",
     "bf16_compress_hook",
+    "check_reduction_plan",
+    "copy_to",
     "fp16_compress_hook",
+    "gather_from",
+    "local_state",
+    "reduce_from",
+    "reduce_scatter_to",
+    "reduce_shared_gradients",
+    "replicated_over",
+    "scatter_to",
+    "shared_param_specs",
 ]

@@ -1,0 +1,263 @@
+"""Named process groups from a ``Topology`` and the shared-parameter sums over them (DESIGN §5, §6).
+
+``dist.new_group`` is collective over the whole world: every rank must call it for every
+group, members or not, in the same order, or ranks pair up the wrong groups and hang. So
+``ProcessGroups`` walks ``Topology.groups(name)`` for every requested name identically on
+every rank. A group whose ranks were already created (``tp-cp`` equals ``tp`` when cp=1) reuses
+that process group, the whole world reuses ``dist.group.WORLD``, and a group of one rank gets
+no process group at all: singleton axes cost nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from gradsync_core import AXES, STANDARD_GROUPS, ReductionPlan, Topology, describe_difference
+from gradsync_torch._specs import named_parameters
+
+
+@dataclass(frozen=True, eq=False)
+class Group:
+    """This rank's group of one name: its global ``ranks`` and this rank's ``group_rank``.
+
+    ``process_group`` is ``None`` exactly when ``size == 1``; the mappings are then no-ops.
+    """
+
+    name: str
+    ranks: tuple[int, ...]
+    group_rank: int
+    process_group: ProcessGroup | None
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """The topology axes this group varies, e.g. ``("tp", "cp")``."""
+        return tuple(self.name.split("-"))
+
+    def __repr__(self) -> str:
+        return f"Group({self.name!r}, ranks={self.ranks}, group_rank={self.group_rank})"
+
+
+def _key(name: str) -> frozenset[str]:
+    return frozenset(name.split("-"))
+
+
+class ProcessGroups:
+    """Every named group of a ``Topology`` for this rank (call on every rank, same arguments).
+
+    Args:
+        topology: sizes and order of the parallel axes; ``topology.world_size`` must equal
+            the default group's world size.
+        names: group names to create besides the single axes (``"tp"``, ``"cp"``, ...),
+            which are always created. Default ``STANDARD_GROUPS``; add the groups of a
+            ``ReductionPlan`` with ``names=STANDARD_GROUPS + plan.group_names`` (spellings
+            are sets of axes: ``"cp-tp"`` is ``"tp-cp"``).
+
+    Raises:
+        RuntimeError: if torch.distributed is not initialized.
+        ValueError: if the world size differs from the topology's, or a name is invalid.
+
+    Example:
+        >>> groups = ProcessGroups(Topology.create(dist.get_world_size(), tp=2))
+        >>> groups.size("tp"), groups.group_rank("tp"), groups.ranks("dp")
+        (2, 0, (0, 2))
+    """
+
+    def __init__(self, topology: Topology, names: Iterable[str] = STANDARD_GROUPS) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "torch.distributed is not initialized: call dist.init_process_group first"
+            )
+        world = dist.get_world_size()
+        if world != topology.world_size:
+            raise ValueError(
+                f"the topology needs {topology.world_size} ranks ({topology.order}: "
+                f"{', '.join(f'{t}={getattr(topology, t)}' for t in topology.tokens)}) but "
+                f"the process group has {world}; build it with Topology.create({world}, ...)"
+            )
+        self.topology = topology
+        self.rank = dist.get_rank()
+        self._groups: dict[frozenset[str], Group] = {}
+        self.new_group_calls = 0  # how many process groups this object created
+        created: dict[tuple[int, ...], ProcessGroup] = {}
+        ordered = list(AXES) + [n for n in names if n not in AXES]
+        for name in ordered:
+            key = _key(name)
+            if key in self._groups:
+                continue
+            topology.group_size(name)  # validates the name
+            mine = topology.group_of(name, self.rank)
+            if len(mine) > 1:
+                for ranks in topology.groups(name):
+                    if ranks in created:
+                        continue
+                    if len(ranks) == world:
+                        created[ranks] = dist.group.WORLD
+                    else:
+                        created[ranks] = dist.new_group(list(ranks))
+                        self.new_group_calls += 1
+            self._groups[key] = Group(
+                name=name,
+                ranks=mine,
+                group_rank=mine.index(self.rank),
+                process_group=created.get(mine) if len(mine) > 1 else None,
+            )
+
+    def group(self, name: str) -> Group:
+        """This rank's group of ``name``.
+
+        Raises:
+            KeyError: if ``name`` was not requested at construction.
+        """
+        try:
+            return self._groups[_key(name)]
+        except KeyError:
+            raise KeyError(
+                f"group {name!r} was not created; pass it in names= when building "
+                f"ProcessGroups (created: {sorted(g.name for g in self._groups.values())})"
+            ) from None
+
+    __getitem__ = group
+
+    def __iter__(self) -> Iterator[Group]:
+        return iter(self._groups.values())
+
+    def size(self, name: str) -> int:
+        return self.group(name).size
+
+    def group_rank(self, name: str) -> int:
+        """This rank's position in its ``name`` group (torch's group-local rank)."""
+        return self.group(name).group_rank
+
+    def ranks(self, name: str) -> tuple[int, ...]:
+        """The global ranks of this rank's ``name`` group, ascending."""
+        return self.group(name).ranks
+
+    def device_mesh(self, device_type: str = "cpu") -> dist.device_mesh.DeviceMesh:
+        """A ``DeviceMesh`` over the axes of size > 1, reusing these process groups.
+
+        Dimensions follow ``topology.mesh_axis_names`` (reversed order string, so the last
+        dimension varies fastest) with singleton axes dropped, as torchtitan's
+        ``ParallelDims.build_mesh`` does; ``mesh[name].get_group()`` is ``group(name)``'s
+        process group. A world of one rank gives a 1-D mesh named ``"dp"``.
+        """
+        from torch.distributed.device_mesh import DeviceMesh
+
+        names = [a for a in self.topology.mesh_axis_names if getattr(self.topology, a) > 1]
+        mesh = torch.arange(self.topology.world_size).reshape(
+            [getattr(self.topology, a) for a in names] or [1]
+        )
+        if not names:
+            return DeviceMesh.from_group(dist.group.WORLD, device_type, mesh_dim_names=("dp",))
+        pgs = [self.group(a).process_group for a in names]
+        return DeviceMesh.from_group(pgs, device_type, mesh, mesh_dim_names=tuple(names))
+
+
+def check_reduction_plan(plan: ReductionPlan, groups: ProcessGroups) -> None:
+    """Verify that every member of each reduction group holds the same buckets (collective).
+
+    One tiny ``all_gather_object`` per group, run once at setup: a mismatch raises here,
+    naming the ranks and the first differing parameter, instead of hanging later.
+
+    Raises:
+        ValueError: if the plan's topology is not ``groups.topology`` or members differ.
+    """
+    if plan.topology != groups.topology:
+        raise ValueError(
+            "the reduction plan was made for another topology; build it with "
+            "plan_shared_reductions(specs, groups.topology)"
+        )
+    for reduction in plan.reductions:
+        group = groups.group(reduction.group)
+        if group.size == 1:
+            continue
+        mine = reduction.buckets.to_json()
+        seen: list[dict | None] = [None] * group.size
+        dist.all_gather_object(seen, mine, group=group.process_group)
+        for position, theirs in enumerate(seen):
+            if theirs != mine:
+                other = type(reduction.buckets).from_json(theirs)
+                raise ValueError(
+                    f"ranks {groups.rank} and {group.ranks[position]} of group "
+                    f"{reduction.group!r} hold different shared-reduction buckets: "
+                    f"{describe_difference(reduction.buckets, other)}; build the plan from the "
+                    "same model on every rank"
+                )
+
+
+def reduce_shared_gradients(
+    module: nn.Module | Iterable[tuple[str, torch.Tensor]],
+    groups: ProcessGroups,
+    plan: ReductionPlan,
+) -> None:
+    """Sum the gradients of replicated parameters over their groups, bucketed (DESIGN §6).
+
+    Call after backward, before or after the data-parallel mean (the two commute): each
+    bucket is flattened, all-reduced over its group (all buckets in flight at once) and
+    copied back. A parameter without a gradient contributes zeros and receives the sum.
+
+    Args:
+        module: the model, or its ``named_parameters()``.
+        groups: this rank's groups; must contain every group of ``plan``.
+        plan: from ``plan_shared_reductions(shared_param_specs(model), groups.topology)``.
+
+    Raises:
+        ValueError: if the plan names an unknown parameter or its topology differs.
+        TypeError: on a sparse gradient or one that requires grad.
+
+    Example:
+        >>> loss.backward()
+        >>> reduce_shared_gradients(model, groups, plan)
+    """
+    if plan.topology != groups.topology:
+        raise ValueError(
+            "the reduction plan was made for another topology; build it with "
+            "plan_shared_reductions(specs, groups.topology)"
+        )
+    pairs = named_parameters(module) if isinstance(module, nn.Module) else list(module)
+    params = dict(pairs)
+    pending = []
+    for reduction in plan.reductions:
+        group = groups.group(reduction.group)
+        if group.size == 1:
+            continue
+        for bucket in reduction.buckets.buckets:
+            members = []
+            for slot in bucket.slots:
+                if slot.name not in params:
+                    raise ValueError(
+                        f"the reduction plan names {slot.name!r}, which is not a parameter of "
+                        "this model; build the plan from the same model"
+                    )
+                members.append((slot, params[slot.name]))
+            first = members[0][1]
+            flat = torch.zeros(bucket.numel, dtype=first.dtype, device=first.device)
+            for slot, param in members:
+                grad = param.grad
+                if grad is None:
+                    continue
+                if grad.is_sparse or grad.requires_grad:
+                    raise TypeError(
+                        f"gradient of {slot.name!r} is sparse or requires grad; gradsync "
+                        "reduces dense, detached gradients only"
+                    )
+                flat[slot.offset : slot.offset + slot.numel].copy_(grad.reshape(-1))
+            work = dist.all_reduce(flat, group=group.process_group, async_op=True)
+            pending.append((work, flat, members))
+    for work, flat, members in pending:
+        work.wait()
+        for slot, param in members:
+            value = flat[slot.offset : slot.offset + slot.numel].view(param.shape)
+            if param.grad is None:
+                param.grad = value.clone()
+            else:
+                param.grad.copy_(value)

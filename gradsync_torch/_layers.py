@@ -1,0 +1,368 @@
+"""Reference tensor/context-parallel layers, and replicated_over derived from them (DESIGN §6).
+
+Each parallel layer declares which of its parameters are sharded, and over which axes, in
+``gradsync_sharded_over``; the model declares which axes split its tokens in
+``gradsync_data_axes`` (``("cp",)``, plus ``"tp"`` under sequence parallelism). Every other
+parameter — a plain ``nn.LayerNorm``, an embedding — is unsharded. ``shared_param_specs``
+applies ``gradsync_core.replicated_axes`` to every parameter, so a final norm under context
+parallelism gets its sum over ``cp`` without anyone remembering to mark it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gradsync_core import ParamSpec, replicated_axes, split_shapes
+from gradsync_torch._groups import Group, ProcessGroups
+from gradsync_torch._mappings import (
+    all_gather_from,
+    copy_to,
+    reduce_from,
+    reduce_scatter_to,
+    scatter_to,
+)
+from gradsync_torch._specs import named_parameters, param_specs
+
+
+class _ShardedLinear(nn.Module):
+    """Shared parts: a linear layer with one dimension of its weight split over ``group``."""
+
+    split_dim: int  # 0: output features (column parallel), 1: input features (row parallel)
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        group: Group,
+        *,
+        bias: bool,
+        sequence_parallel: bool,
+        sequence_dim: int,
+        device: torch.device | str | None,
+        dtype: torch.dtype | None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(group, Group):
+            raise TypeError(
+                f"group must be a gradsync_torch Group (ProcessGroups(...)['tp']), got "
+                f"{type(group).__name__}: the layer needs the group's axis names"
+            )
+        self.in_features, self.out_features, self.group = in_features, out_features, group
+        self.sequence_parallel, self.sequence_dim = sequence_parallel, sequence_dim
+        full = (out_features, in_features)
+        self.sizes = split_shapes(full[self.split_dim], group.size)
+        shape = list(full)
+        shape[self.split_dim] = self.sizes[group.group_rank]
+        kw = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.empty(shape, **kw))
+        bias_numel = self.sizes[group.group_rank] if self.split_dim == 0 else out_features
+        self.bias = nn.Parameter(torch.empty(bias_numel, **kw)) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # nn.Linear's distribution, U(-1/sqrt(fan_in), 1/sqrt(fan_in)), with the FULL fan_in.
+        bound = 1 / math.sqrt(self.in_features)
+        nn.init.uniform_(self.weight, -bound, bound)
+        if self.bias is not None:
+            nn.init.uniform_(self.bias, -bound, bound)
+
+    def local_shard(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of the serial layer's tensor ``name`` (a weight or a gradient)."""
+        dim = self.split_dim if name == "weight" else (0 if self.split_dim == 0 else None)
+        if dim is None:
+            return full
+        return full.split(list(self.sizes), dim=dim)[self.group.group_rank]
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group: Group, **kwargs: object) -> _ShardedLinear:
+        """The parallel layer holding this rank's shard of ``linear``'s parameters."""
+        layer = cls(
+            linear.in_features,
+            linear.out_features,
+            group,
+            bias=linear.bias is not None,
+            device=linear.weight.device,
+            dtype=linear.weight.dtype,
+            **kwargs,  # type: ignore[arg-type]
+        )
+        with torch.no_grad():
+            for name, param in layer.named_parameters():
+                param.copy_(layer.local_shard(name, getattr(linear, name)))
+        return layer
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"group={self.group.name!r} {self.sizes}, sequence_parallel={self.sequence_parallel}"
+        )
+
+
+class ColumnParallelLinear(_ShardedLinear):
+    """``y = x A^T + b`` with ``A``'s rows (output features) and ``b`` split over ``group``.
+
+    Input: replicated over the group (entered with ``copy_to``), or, with
+    ``sequence_parallel``, this rank's chunk of the sequence (``all_gather_from`` along
+    ``sequence_dim``). Output: this rank's ``split_shapes(out_features, n)`` chunk of features.
+
+    Example:
+        >>> fc1 = ColumnParallelLinear(8, 32, groups["tp"])  # weight (32 / tp, 8)
+    """
+
+    split_dim = 0
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        group: Group,
+        *,
+        bias: bool = True,
+        sequence_parallel: bool = False,
+        sequence_dim: int = 1,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(
+            in_features,
+            out_features,
+            group,
+            bias=bias,
+            sequence_parallel=sequence_parallel,
+            sequence_dim=sequence_dim,
+            device=device,
+            dtype=dtype,
+        )
+        self.gradsync_sharded_over = {"weight": group.axes, "bias": group.axes}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            x = all_gather_from(x, self.group, dim=self.sequence_dim)
+        else:
+            x = copy_to(x, self.group)
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(_ShardedLinear):
+    """``y = x A^T + b`` with ``A``'s columns (input features) split over ``group``.
+
+    Input: this rank's feature chunk (from a column-parallel layer); ``input_is_parallel=False``
+    scatters a replicated input first. The partial products are summed with ``reduce_from``,
+    or with ``reduce_scatter_to`` along ``sequence_dim`` under sequence parallelism. The bias
+    is added after the sum, so it is unsharded; under sequence parallelism it then meets a
+    sequence chunk and its gradient is partial (``shared_param_specs`` derives the sum).
+    """
+
+    split_dim = 1
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        group: Group,
+        *,
+        bias: bool = True,
+        input_is_parallel: bool = True,
+        sequence_parallel: bool = False,
+        sequence_dim: int = 1,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(
+            in_features,
+            out_features,
+            group,
+            bias=bias,
+            sequence_parallel=sequence_parallel,
+            sequence_dim=sequence_dim,
+            device=device,
+            dtype=dtype,
+        )
+        self.input_is_parallel = input_is_parallel
+        self.gradsync_sharded_over = {"weight": group.axes}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = scatter_to(x, self.group, dim=-1)
+        y = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            y = reduce_scatter_to(y, self.group, dim=self.sequence_dim)
+        else:
+            y = reduce_from(y, self.group)
+        return y if self.bias is None else y + self.bias
+
+
+class MLPBlock(nn.Module):
+    """Serial reference block: ``x + fc2(gelu(fc1(ln(x))))`` (a transformer block, no attention)."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, hidden)
+        self.fc2 = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(F.gelu(self.fc1(self.ln(x))))
+
+
+class MLPTransformer(nn.Module):
+    """Serial reference: ``depth`` ``MLPBlock``s and a final ``LayerNorm``, on (batch, seq, dim)."""
+
+    def __init__(self, dim: int, hidden: int, depth: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(MLPBlock(dim, hidden) for _ in range(depth))
+        self.norm = nn.LayerNorm(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.norm(x)
+
+
+class ParallelMLPBlock(nn.Module):
+    """``MLPBlock`` with fc1 column-parallel and fc2 row-parallel over ``tp``.
+
+    The LayerNorm is torch's own: under context or sequence parallelism it normalizes a
+    sequence chunk, token by token, exactly as the serial one does; its gradient is partial
+    and ``shared_param_specs`` derives the sum.
+    """
+
+    def __init__(
+        self, dim: int, hidden: int, tp: Group, *, sequence_parallel: bool = False
+    ) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(dim)
+        self.fc1 = ColumnParallelLinear(dim, hidden, tp, sequence_parallel=sequence_parallel)
+        self.fc2 = RowParallelLinear(hidden, dim, tp, sequence_parallel=sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(F.gelu(self.fc1(self.ln(x))))
+
+
+class ParallelMLPTransformer(nn.Module):
+    """``MLPTransformer`` over ``groups``: tensor-parallel blocks, tokens split over ``cp``.
+
+    Input on each rank: (batch, its ``cp`` chunk of the sequence, dim), and with
+    ``sequence_parallel`` only its ``tp`` chunk of that chunk. Output: the same tokens.
+
+    Example:
+        >>> model = ParallelMLPTransformer.from_serial(serial, groups)
+        >>> plan = plan_shared_reductions(shared_param_specs(model), groups.topology)
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        hidden: int,
+        depth: int,
+        groups: ProcessGroups,
+        *,
+        sequence_parallel: bool = False,
+    ) -> None:
+        super().__init__()
+        tp = groups.group("tp")
+        self.blocks = nn.ModuleList(
+            ParallelMLPBlock(dim, hidden, tp, sequence_parallel=sequence_parallel)
+            for _ in range(depth)
+        )
+        self.norm = nn.LayerNorm(dim)
+        self.sequence_parallel = sequence_parallel
+        # The axes that split this model's tokens: what replicated_over is derived from.
+        self.gradsync_data_axes = ("cp", "tp") if sequence_parallel else ("cp",)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.norm(x)
+
+    @classmethod
+    def from_serial(
+        cls, serial: MLPTransformer, groups: ProcessGroups, *, sequence_parallel: bool = False
+    ) -> ParallelMLPTransformer:
+        """The parallel model holding this rank's shards of ``serial``'s parameters."""
+        first = serial.blocks[0]
+        model = cls(
+            first.fc1.in_features,
+            first.fc1.out_features,
+            len(serial.blocks),
+            groups,
+            sequence_parallel=sequence_parallel,
+        ).to(dtype=first.fc1.weight.dtype, device=first.fc1.weight.device)
+        model.load_state_dict(local_state(model, serial.state_dict()))
+        return model
+
+
+def local_state(model: nn.Module, full: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """This rank's shard of every tensor in ``full`` (serial names: a state dict or grads).
+
+    Parallel layers cut their own tensors (``local_shard``); all others are kept whole.
+    """
+    owners = {}
+    for prefix, module in model.named_modules():
+        if isinstance(module, _ShardedLinear):
+            for name, _ in module.named_parameters(recurse=False):
+                owners[f"{prefix}.{name}" if prefix else name] = (module, name)
+    out = {}
+    for key, value in full.items():
+        if key in owners:
+            module, name = owners[key]
+            out[key] = module.local_shard(name, value)
+        else:
+            out[key] = value
+    return out
+
+
+def replicated_over(
+    module: nn.Module, *, data_axes: Sequence[str] | None = None
+) -> dict[str, tuple[str, ...]]:
+    """Each parameter's replicated model-parallel axes, derived, never hand-marked.
+
+    Args:
+        module: the model; sharded parameters are declared by their layers'
+            ``gradsync_sharded_over`` (``{"weight": ("tp",)}``), all others are unsharded.
+        data_axes: the axes that split the model's tokens; default
+            ``module.gradsync_data_axes``.
+
+    Returns:
+        ``{name: axes}`` for every parameter (``named_parameters`` order, tied ones once).
+
+    Raises:
+        ValueError: if ``data_axes`` is not given and the module does not declare it.
+    """
+    if data_axes is None:
+        data_axes = getattr(module, "gradsync_data_axes", None)
+        if data_axes is None:
+            raise ValueError(
+                f"{type(module).__name__} does not declare gradsync_data_axes; pass "
+                "data_axes=, the axes its tokens are split over: ('cp',) under context "
+                "parallelism, ('cp', 'tp') with sequence parallelism, () otherwise"
+            )
+    sharded: dict[int, tuple[str, ...]] = {}
+    for sub in module.modules():
+        for name, axes in getattr(sub, "gradsync_sharded_over", {}).items():
+            param = getattr(sub, name)
+            if param is not None:
+                sharded[id(param)] = tuple(axes)
+    return {
+        name: replicated_axes(sharded_over=sharded.get(id(p), ()), data_sharded_over=data_axes)
+        for name, p in named_parameters(module)
+    }
+
+
+def shared_param_specs(
+    module: nn.Module, *, data_axes: Sequence[str] | None = None
+) -> list[ParamSpec]:
+    """``param_specs(module)`` with ``replicated_over`` derived by ``replicated_over``.
+
+    Feed it to ``gradsync_core.plan_shared_reductions`` (and to the data-parallel plan).
+
+    Example:
+        >>> specs = shared_param_specs(model)  # model.gradsync_data_axes == ("cp",)
+        >>> [s.replicated_over for s in specs if s.name == "norm.weight"]
+        [('cp',)]
+    """
+    return param_specs(module, replicated_over=replicated_over(module, data_axes=data_axes))
