@@ -1,0 +1,564 @@
+"""Checks of gradsync_torch.DataParallel that run inside spawned gloo ranks.
+
+``test_data_parallel.py`` spawns one group of ranks per world size and runs every check here
+in it (spawns cost seconds). Each check compares against a single-process reference (the full
+batch on one rank; fp32 tolerance ``REF_TOL``: the sums run in another order) and against
+torch DDP on the same model and data (bitwise: same buckets, same arithmetic). This module
+holds no tests of its own.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_hooks
+from torch.nn import functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import gradsync_torch as gt
+
+REF_TOL = {"rtol": 1e-5, "atol": 1e-6}  # fp32, different summation order
+BF16_TOL = {"rtol": 2e-2, "atol": 2e-3}  # bf16 wire: 8-bit mantissa, divide and sum in bf16
+FP16_TOL = {"rtol": 2e-3, "atol": 2e-4}
+N = 4  # samples per rank
+
+
+def mlp(seed: int = 0, d_in: int = 6, hidden: int = 10, d_out: int = 3) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(d_in, hidden), nn.GELU(), nn.Linear(hidden, hidden), nn.GELU(),
+        nn.Linear(hidden, d_out),
+    )  # fmt: skip
+
+
+def batch(step: int, ws: int, d_in: int = 6, d_out: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 + step)
+    return torch.randn(ws * N, d_in, generator=gen), torch.randn(ws * N, d_out, generator=gen)
+
+
+def shard(t: torch.Tensor, rank: int) -> torch.Tensor:
+    return t[rank * N : (rank + 1) * N]
+
+
+def reference_grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor, ws: int) -> list:
+    """One process, the full batch: the mean over ranks of each rank's mean loss."""
+    ref = copy.deepcopy(model)
+    loss = sum(F.mse_loss(ref(shard(x, r)), shard(y, r)) for r in range(ws)) / ws
+    loss.backward()
+    return [p.grad for p in ref.parameters()]
+
+
+def step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, rank: int) -> None:
+    model.zero_grad(set_to_none=True)
+    F.mse_loss(model(shard(x, rank)), shard(y, rank)).backward()
+    if isinstance(model, gt.DataParallel) and not model.overlap:
+        model.sync_gradients()
+
+
+def grads(model: nn.Module) -> list:
+    return [p.grad for p in model.parameters()]
+
+
+def assert_equal(a: list, b: list, what: str) -> None:
+    assert len(a) == len(b), what
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
+        if x is None or y is None:
+            assert x is None and y is None, f"{what}: grad {i} is {x} vs {y}"
+        else:
+            assert torch.equal(x, y), f"{what}: grad {i} differs by {(x - y).abs().max()}"
+
+
+def assert_close(a: list, b: list, what: str, tol: dict = REF_TOL) -> None:
+    for x, y in zip(a, b, strict=True):
+        torch.testing.assert_close(x, y, **tol, msg=lambda m: f"{what}: {m}")
+
+
+def same_on_all_ranks(tensors: list, what: str) -> None:
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, flat)
+    for r, g in enumerate(gathered):
+        assert torch.equal(g, gathered[0]), f"{what}: rank {r} differs from rank 0"
+
+
+def sync_params(dst: nn.Module, src: nn.Module) -> None:
+    with torch.no_grad():
+        for a, b in zip(dst.parameters(), src.parameters(), strict=True):
+            a.copy_(b)
+
+
+# ---- checks: each takes (rank, ws) and raises on failure --------------------------------
+
+
+def check_matches_reference_and_ddp(rank: int, ws: int) -> None:
+    base = mlp()
+    ddp = DDP(copy.deepcopy(base))
+    ours = gt.DataParallel(copy.deepcopy(base))
+    view = gt.DataParallel(copy.deepcopy(base), gradient_as_bucket_view=True)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (base, ddp, ours, view)]
+    for s in range(3):
+        x, y = batch(s, ws)
+        ref = reference_grads(base, x, y, ws)
+        for m in (ddp, ours, view):
+            step(m, x, y, rank)
+        assert_close(grads(ours), ref, f"step {s} vs single process")
+        assert_equal(grads(ours), grads(ddp), f"step {s} vs torch DDP")
+        assert_equal(grads(view), grads(ours), f"step {s} gradient_as_bucket_view")
+        for p, g in zip(base.parameters(), ref, strict=True):
+            p.grad = g
+        for opt in opts:
+            opt.step()
+    for p, q in zip(ours.parameters(), base.parameters(), strict=True):
+        torch.testing.assert_close(p, q, **REF_TOL)
+    assert_equal(list(ours.parameters()), list(ddp.parameters()), "parameters vs DDP")
+    assert ours.bucket_plan.order == "observed"
+    # Grads of the view mode live in its buckets, so no copy happens.
+    buffers = {b.buffer.untyped_storage().data_ptr() for b in view._buckets}
+    for p in view.parameters():
+        assert p.grad.untyped_storage().data_ptr() in buffers
+
+
+def check_many_buckets_match_ddp(rank: int, ws: int) -> None:
+    """Small caps give several buckets; after the rebuild gradsync's layout is DDP's, so
+    even 4-rank ring sums (whose order depends on a value's position) agree bitwise."""
+    base = mlp(hidden=24)
+    cap = 0.0005  # MiB: ~0.5 KiB buckets
+    ddp = DDP(copy.deepcopy(base), bucket_cap_mb=cap)
+    ours = gt.DataParallel(copy.deepcopy(base), bucket_cap_mb=cap)
+    assert len(ours.bucket_plan.buckets) > 2
+    for s in range(3):
+        sync_params(ddp.module, base)
+        sync_params(ours.module, base)
+        x, y = batch(s, ws)
+        step(ddp, x, y, rank)
+        step(ours, x, y, rank)
+        assert_close(grads(ours), reference_grads(base, x, y, ws), f"step {s} vs reference")
+        # Step 0: DDP starts with one bucket, gradsync with the capped layout.
+        if s > 0 or ws <= 2:
+            assert_equal(grads(ours), grads(ddp), f"step {s} vs torch DDP")
+    same_on_all_ranks([p.grad for p in ours.parameters()], "gradients")
+
+
+def check_legacy_equals_overlap(rank: int, ws: int) -> None:
+    base = mlp()
+    for kwargs in ({}, {"reduce_dtype": torch.bfloat16}, {"reduce": "sum"}):
+        overlap = gt.DataParallel(copy.deepcopy(base), **kwargs)
+        legacy = gt.DataParallel(copy.deepcopy(base), overlap=False, **kwargs)
+        assert legacy.bucket_plan.order == "legacy"
+        for s in range(3):
+            x, y = batch(s, ws)
+            same_layout = overlap.bucket_plan.slots == legacy.bucket_plan.slots
+            step(overlap, x, y, rank)
+            step(legacy, x, y, rank)
+            # Bitwise wherever the arithmetic is the same: two-term sums commute; at 4 ranks
+            # the ring sums each value in an order set by its position in the bucket.
+            if ws <= 2 or same_layout:
+                assert_equal(grads(legacy), grads(overlap), f"{kwargs} step {s}")
+            else:
+                tol = BF16_TOL if kwargs.get("reduce_dtype") else REF_TOL
+                assert_close(grads(legacy), grads(overlap), f"{kwargs} step {s}", tol)
+
+
+def check_no_sync_accumulates(rank: int, ws: int) -> None:
+    base = mlp()
+    micro = 3
+
+    def run(model: nn.Module, style: str) -> list:
+        model.zero_grad(set_to_none=True)
+        for k in range(micro):
+            x, y = batch(k, ws)
+            last = k == micro - 1
+            if style == "property":
+                model.require_backward_grad_sync = last
+                F.mse_loss(model(shard(x, rank)), shard(y, rank)).backward()
+            elif style == "flush":  # every backward local, then an explicit sync
+                with model.no_sync():
+                    F.mse_loss(model(shard(x, rank)), shard(y, rank)).backward()
+                if last:
+                    model.sync_gradients()
+            elif last:
+                F.mse_loss(model(shard(x, rank)), shard(y, rank)).backward()
+            else:
+                with model.no_sync():
+                    F.mse_loss(model(shard(x, rank)), shard(y, rank)).backward()
+        if isinstance(model, gt.DataParallel) and not model.overlap:
+            model.sync_gradients()
+        return grads(model)
+
+    ref = copy.deepcopy(base)
+    for k in range(micro):
+        x, y = batch(k, ws)
+        (sum(F.mse_loss(ref(shard(x, r)), shard(y, r)) for r in range(ws)) / ws).backward()
+    ddp = DDP(copy.deepcopy(base))
+    expected = [run(ddp, "context") for _ in range(2)][-1]  # round 2: rebuilt buckets
+    assert_close(expected, grads(ref), "DDP no_sync vs single process")
+    cases = {
+        "context": gt.DataParallel(copy.deepcopy(base)),
+        "property": gt.DataParallel(copy.deepcopy(base)),
+        "flush": gt.DataParallel(copy.deepcopy(base)),
+        "view": gt.DataParallel(copy.deepcopy(base), gradient_as_bucket_view=True),
+        "legacy": gt.DataParallel(copy.deepcopy(base), overlap=False),
+    }
+    for name, model in cases.items():
+        for _ in range(2):  # the second round runs on the rebuilt layout
+            got = run(model, name if name in ("property", "flush") else "context")
+        if name in ("legacy", "flush") and ws > 2:  # other bucket layout (see above)
+            assert_close(got, expected, name)
+        else:
+            assert_equal(got, expected, f"no_sync ({name}) vs DDP")
+    assert cases["property"].require_backward_grad_sync
+
+
+class Branchy(nn.Module):
+    """``never`` gets no gradient anywhere; ``sometimes`` only where ``use`` is true."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Linear(6, 3)
+        self.sometimes = nn.Linear(6, 3)
+        self.never = nn.Linear(6, 3)
+        self.tail = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor, use: bool) -> torch.Tensor:
+        h = self.body(x)
+        if use:
+            h = h + self.sometimes(x)
+        return self.tail(h)
+
+
+def check_unused_parameters(rank: int, ws: int) -> None:
+    base = Branchy()
+    ours = gt.DataParallel(copy.deepcopy(base))
+    legacy = gt.DataParallel(copy.deepcopy(base), overlap=False)
+    ddp = DDP(copy.deepcopy(base), find_unused_parameters=True)
+    # Step 2 uses ``sometimes`` under no_sync only: its accumulated grad must still travel.
+    plan = [(0, {0}), (1, set()), (2, {ws - 1})]
+    for s, users in plan:
+        x, y = batch(s, ws)
+        ref = copy.deepcopy(base)
+        loss = sum(F.mse_loss(ref(shard(x, r), r in users), shard(y, r)) for r in range(ws))
+        (loss / ws).backward()
+        if s == 2:
+            xa, ya = batch(7, ws)
+            ref_a = sum(F.mse_loss(ref(shard(xa, r), True), shard(ya, r)) for r in range(ws))
+            (ref_a / ws).backward()
+        for m in (ours, legacy, ddp):
+            m.zero_grad(set_to_none=True)
+            if s == 2:
+                with m.no_sync():
+                    F.mse_loss(m(shard(xa, rank), True), shard(ya, rank)).backward()
+            F.mse_loss(m(shard(x, rank), rank in users), shard(y, rank)).backward()
+            if m is legacy:
+                m.sync_gradients()
+        expected = grads(ref)
+        for name, m in (("overlap", ours), ("legacy", legacy)):
+            assert_close(grads(m)[:2] + grads(m)[4:], expected[:2] + expected[4:], name)
+            got = dict(m.module.named_parameters())
+            if users or s == 2:
+                assert_close([got["sometimes.weight"].grad], [ref.sometimes.weight.grad], name)
+            else:  # no rank used it: None, as in one process
+                assert got["sometimes.weight"].grad is None, name
+            assert got["never.weight"].grad is None and got["never.bias"].grad is None, name
+        if ws <= 2:  # DDP(find_unused_parameters=True) keeps its first layout
+            assert_equal(
+                [g for g in grads(ours) if g is not None],
+                [g for g in grads(ddp) if g is not None],
+                f"step {s} vs DDP",
+            )
+        same_on_all_ranks([g for g in grads(ours) if g is not None], f"step {s} gradients")
+
+
+class Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(11, 6)
+        self.mid = nn.Linear(6, 6)
+        self.out = nn.Linear(6, 11, bias=False)
+        self.out.weight = self.embed.weight
+        self.frozen = nn.Linear(6, 6)
+        self.frozen.requires_grad_(False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.out(self.frozen(torch.tanh(self.mid(self.embed(tokens)))))
+
+
+def check_tied_and_frozen(rank: int, ws: int) -> None:
+    base = Tied()
+    ours = gt.DataParallel(copy.deepcopy(base))
+    ddp = DDP(copy.deepcopy(base))
+    names = [slot.name for slot in ours.bucket_plan.slots]
+    assert sorted(names) == ["embed.weight", "mid.bias", "mid.weight"], names
+    for s in range(2):
+        gen = torch.Generator().manual_seed(s)
+        tokens = torch.randint(0, 11, (ws * N, 5), generator=gen)
+        target = torch.randint(0, 11, (ws * N, 5), generator=gen)
+        ref = copy.deepcopy(base)
+        sum(
+            F.cross_entropy(ref(shard(tokens, r)).flatten(0, 1), shard(target, r).flatten())
+            for r in range(ws)
+        ).div(ws).backward()
+        for m in (ours, ddp):
+            m.zero_grad(set_to_none=True)
+            out = m(shard(tokens, rank)).flatten(0, 1)
+            F.cross_entropy(out, shard(target, rank).flatten()).backward()
+        assert_close(
+            [g for g in grads(ours) if g is not None],
+            [g for g in grads(ref) if g is not None],
+            "tied",
+        )
+        assert_equal(grads(ours), grads(ddp), f"step {s} vs DDP")
+        assert ours.module.frozen.weight.grad is None
+    ours.module.frozen.weight.requires_grad_(True)
+    try:
+        ours(shard(tokens, rank))
+    except RuntimeError as err:
+        assert "'frozen.weight' was frozen" in str(err), err
+    else:
+        raise AssertionError("unfreezing after wrapping was not reported")
+
+
+def check_batchnorm_buffers(rank: int, ws: int) -> None:
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.GELU(), nn.Linear(8, 3))
+    ours = gt.DataParallel(copy.deepcopy(base))
+    ddp = DDP(copy.deepcopy(base))
+    for s in range(3):
+        x, y = batch(s, ws)
+        x = x + rank  # ranks see different statistics
+        for m in (ours, ddp):
+            step(m, x, y, rank)
+        assert_equal(grads(ours), grads(ddp), f"step {s} grads vs DDP")
+        assert_equal(list(ours.buffers()), list(ddp.buffers()), f"step {s} buffers vs DDP")
+    with torch.no_grad():
+        ours.eval()(shard(batch(9, ws)[0], rank))  # first forward after training: broadcast
+    bn = ours.module[1]
+    same_on_all_ranks([bn.running_mean, bn.running_var], "BatchNorm statistics")
+    off = gt.DataParallel(copy.deepcopy(base), broadcast_buffers=False)
+    x, y = batch(0, ws)
+    step(off, x + rank, y, rank)
+    step(off, x + rank, y, rank)
+    if ws > 1:
+        gathered = [torch.empty(8) for _ in range(ws)]
+        dist.all_gather(gathered, off.module[1].running_mean)
+        assert not torch.equal(gathered[0], gathered[-1]), "broadcast_buffers=False broadcast"
+
+
+def check_broadcasts(rank: int, ws: int) -> None:
+    model = mlp(seed=rank)  # different weights on every rank
+    ours = gt.DataParallel(model, param_broadcast_period=2)
+    same_on_all_ranks(list(model.parameters()), "parameters after construction")
+    expected = [p.detach().clone() for p in mlp(seed=0).parameters()]
+    assert_equal(list(model.parameters()), expected, "rank 0's initial weights")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for s in range(4):
+        x, y = batch(s, ws)
+        step(ours, x, y, rank)
+        opt.step()
+        with torch.no_grad():  # drift on purpose: only the period broadcast repairs it
+            next(model.parameters()).add_(rank * 1e-3)
+        ours(shard(x, rank))  # forward after sync s + 1
+        if (s + 1) % 2 == 0:
+            same_on_all_ranks(list(model.parameters()), f"parameters after sync {s + 1}")
+
+
+def expect_error(kind: type, needles: list[str], build: Callable[[], object]) -> str:
+    start = time.perf_counter()
+    try:
+        build()
+    except kind as err:
+        text = str(err)
+        for needle in needles:
+            assert needle in text, f"{needle!r} not in: {text}"
+        assert time.perf_counter() - start < 10, "the error took too long"
+        return text
+    raise AssertionError(f"expected {kind.__name__} mentioning {needles}")
+
+
+def check_mismatch_fails_fast(rank: int, ws: int) -> None:
+    odd = ws - 1  # the last rank builds something else
+    others = f"ranks {list(range(odd))} and ranks [{odd}]"
+    hidden = 11 if rank == odd else 10
+    expect_error(
+        ValueError, [others, "parameter #0", "'0.weight'", "(11, 6)"],
+        lambda: gt.DataParallel(mlp(hidden=hidden)),
+    )  # fmt: skip
+    a, b = nn.Linear(4, 4), nn.Linear(4, 3)
+    swapped = nn.Sequential(a, b) if rank != odd else nn.Sequential(nn.Linear(4, 3), a)
+    expect_error(ValueError, [others, "parameter #0"], lambda: gt.DataParallel(swapped))
+    cap = 1.0 if rank == odd else None
+    expect_error(
+        ValueError, [others, "cap_bytes differs"],
+        lambda: gt.DataParallel(mlp(), bucket_cap_mb=cap),
+    )  # fmt: skip
+    mode = {"reduce": "sum"} if rank == odd else {}
+    expect_error(ValueError, [others, "reduce"], lambda: gt.DataParallel(mlp(), **mode))
+    model = mlp()
+    if rank == odd:
+        model[0].bias.requires_grad_(False)
+    expect_error(ValueError, [others, "'0.bias'"], lambda: gt.DataParallel(model))
+    buffered = mlp()
+    buffered.register_buffer("stats", torch.zeros(5 if rank != odd else 6))
+    expect_error(ValueError, [others, "buffer stats [5]"], lambda: gt.DataParallel(buffered))
+    gt.DataParallel(mlp())  # the group still works after the errors
+
+
+def check_compression(rank: int, ws: int) -> None:
+    base = mlp()
+    fp32 = gt.DataParallel(copy.deepcopy(base))
+    wire = {
+        dtype: gt.DataParallel(copy.deepcopy(base), reduce_dtype=dtype)
+        for dtype in (torch.bfloat16, torch.float16)
+    }
+    hooked = {name: gt.DataParallel(copy.deepcopy(base)) for name in ("bf16", "fp16", "ar")}
+    hooked["bf16"].register_comm_hook(None, gt.bf16_compress_hook)
+    hooked["fp16"].register_comm_hook(None, gt.fp16_compress_hook)
+    hooked["ar"].register_comm_hook(None, gt.allreduce_hook)
+    torch_bf16 = gt.DataParallel(copy.deepcopy(base))  # torch's own hook on our buckets
+    torch_bf16.register_comm_hook(dist.group.WORLD, torch_hooks.bf16_compress_hook)
+    ddp_fp16 = DDP(copy.deepcopy(base))  # DDP refuses its bf16 hook without CUDA
+    ddp_fp16.register_comm_hook(dist.group.WORLD, torch_hooks.fp16_compress_hook)
+    models = [fp32, *wire.values(), torch_bf16, ddp_fp16, *hooked.values()]
+    for s in range(2):
+        x, y = batch(s, ws)
+        for m in models:
+            sync_params(m.module, base)
+            step(m, x, y, rank)
+        bf16, fp16 = grads(wire[torch.bfloat16]), grads(wire[torch.float16])
+        assert_equal(grads(hooked["ar"]), grads(fp32), "allreduce_hook vs no hook")
+        assert_equal(grads(hooked["bf16"]), bf16, "bf16 hook vs reduce_dtype=bfloat16")
+        assert_equal(grads(hooked["fp16"]), fp16, "fp16 hook vs reduce_dtype=float16")
+        assert_equal(grads(torch_bf16), bf16, "torch's bf16 hook vs ours")
+        assert_equal(grads(ddp_fp16), fp16, "DDP + fp16 hook vs reduce_dtype=float16")
+        assert_close(bf16, grads(fp32), "bf16 wire vs fp32", BF16_TOL)
+        assert_close(fp16, grads(fp32), "fp16 wire vs fp32", FP16_TOL)
+        assert all(g.dtype == torch.float32 for g in bf16 + fp16)
+    expect_error(
+        RuntimeError,
+        ["only once"],
+        lambda: hooked["ar"].register_comm_hook(None, gt.allreduce_hook),
+    )
+    expect_error(
+        RuntimeError,
+        ["before the first backward"],
+        lambda: fp32.register_comm_hook(None, gt.allreduce_hook),
+    )
+    expect_error(
+        ValueError,
+        ["reduce_dtype"],
+        lambda: gt.DataParallel(mlp(), reduce_dtype=torch.bfloat16).register_comm_hook(
+            None, gt.allreduce_hook
+        ),
+    )
+
+
+def check_reduce_sum_and_groups(rank: int, ws: int) -> None:
+    base = mlp()
+    mean = gt.DataParallel(copy.deepcopy(base))
+    total = gt.DataParallel(copy.deepcopy(base), reduce="sum")
+    x, y = batch(0, ws)
+    step(mean, x, y, rank)
+    step(total, x, y, rank)
+    # Dividing by a power of two is exact, so sum == world_size * mean bitwise.
+    assert_equal(grads(total), [g * ws for g in grads(mean)], "sum vs mean")
+    if ws < 4:
+        return
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    group = pairs[rank // 2]
+    ours = gt.DataParallel(mlp(seed=rank), process_group=group)
+    ddp = DDP(mlp(seed=rank), process_group=group)
+    assert_equal(list(ours.parameters()), list(ddp.parameters()), "broadcast in the pair")
+    for s in range(2):
+        step(ours, x, y, rank)
+        step(ddp, x, y, rank)
+        assert_equal(grads(ours), grads(ddp), f"pair group step {s} vs DDP")
+    pair_ref = [p.detach().clone() for p in mlp(seed=rank - rank % 2).parameters()]
+    assert_equal(list(ours.parameters()), pair_ref, "weights from the pair's first rank")
+
+
+def check_errors(rank: int, ws: int) -> None:
+    expect_error(ValueError, ["reduce must be"], lambda: gt.DataParallel(mlp(), reduce="avg"))
+    expect_error(
+        ValueError, ["reduce_dtype"], lambda: gt.DataParallel(mlp(), reduce_dtype=torch.int8)
+    )
+    expect_error(ValueError, ["bucket_cap_mb"], lambda: gt.DataParallel(mlp(), bucket_cap_mb=0))
+    expect_error(
+        ValueError,
+        ["needs overlap=True"],
+        lambda: gt.DataParallel(mlp(), overlap=False, gradient_as_bucket_view=True),
+    )
+    expect_error(TypeError, ["wraps an nn.Module"], lambda: gt.DataParallel(lambda x: x))
+    torch.manual_seed(0)
+    sparse = gt.DataParallel(nn.Embedding(10, 4, sparse=True))
+    expect_error(
+        RuntimeError, ["'weight'", "sparse"], lambda: sparse(torch.tensor([1, 2])).sum().backward()
+    )
+    double = gt.DataParallel(mlp())
+    x, y = batch(0, ws)
+
+    def create_graph() -> None:
+        loss = F.mse_loss(double(shard(x, rank)), shard(y, rank))
+        loss.backward(create_graph=True)
+
+    expect_error(RuntimeError, ["requires grad", "create_graph"], create_graph)
+    double.zero_grad(set_to_none=True)
+    step(double, x, y, rank)  # the wrapper recovers from the aborted backward
+    if ws > 1:
+        solo = dist.new_group([0])
+        if rank != 0:
+            expect_error(
+                ValueError, ["not a member"], lambda: gt.DataParallel(mlp(), process_group=solo)
+            )
+
+
+CHECKS: dict[str, tuple[Callable[[int, int], None], int]] = {
+    # name: (check, smallest world size where it means something)
+    "matches_reference_and_ddp": (check_matches_reference_and_ddp, 1),
+    "many_buckets_match_ddp": (check_many_buckets_match_ddp, 1),
+    "legacy_equals_overlap": (check_legacy_equals_overlap, 1),
+    "no_sync_accumulates": (check_no_sync_accumulates, 1),
+    "unused_parameters": (check_unused_parameters, 1),
+    "tied_and_frozen": (check_tied_and_frozen, 1),
+    "batchnorm_buffers": (check_batchnorm_buffers, 1),
+    "broadcasts": (check_broadcasts, 2),
+    "mismatch_fails_fast": (check_mismatch_fails_fast, 2),
+    "compression": (check_compression, 1),
+    "reduce_sum_and_groups": (check_reduce_sum_and_groups, 1),
+    "errors": (check_errors, 1),
+}
+
+
+def run_checks(rank: int, ws: int) -> dict[str, str | None]:
+    """Run every check that applies to ``ws``; name -> None (passed) or a traceback.
+
+    After each check the ranks agree on the outcome; once one failed, the rest are reported
+    as not run (the group may be out of step), never as passed.
+    """
+    import traceback
+
+    torch.manual_seed(0)
+    results: dict[str, str | None] = {}
+    failed = False
+    for name, (check, min_ws) in CHECKS.items():
+        if ws < min_ws:
+            continue
+        if failed:
+            results[name] = "not run: an earlier check failed"
+            continue
+        try:
+            check(rank, ws)
+            results[name] = None
+        except Exception:
+            results[name] = traceback.format_exc()
+        flag = torch.tensor([results[name] is not None], dtype=torch.int32)
+        dist.all_reduce(flag)
+        failed = bool(flag.item())
+        if failed and results[name] is None:
+            results[name] = "passed here, failed on another rank"
+    return results
