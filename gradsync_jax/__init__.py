@@ -1,16 +1,54 @@
 """gradsync_jax: executes gradsync_core plans with jax."""
 
 from gradsync_jax._accumulate import accumulate_local_grads, split_microbatches
+from gradsync_jax._layers import (
+    ColumnParallelLinear,
+    MLPBlock,
+    MLPTransformer,
+    ParallelMLPBlock,
+    ParallelMLPTransformer,
+    RowParallelLinear,
+    nnx_functional,
+    shared_param_specs,
+)
+from gradsync_jax._mappings import (
+    all_gather_from,
+    copy_to,
+    gather_from,
+    make_shared_local,
+    mesh_axes,
+    reduce_from,
+    reduce_scatter_to,
+    reduce_shared_gradients,
+    scatter_to,
+)
 from gradsync_jax._mesh import mesh_from_topology
 from gradsync_jax._step import data_parallel_step
 from gradsync_jax._sync import local_grad, make_local, sync_gradients, value_and_local_grad
 
 __all__: list[str] = [
+    "ColumnParallelLinear",
+    "MLPBlock",
+    "MLPTransformer",
+    "ParallelMLPBlock",
+    "ParallelMLPTransformer",
+    "RowParallelLinear",
     "accumulate_local_grads",
+    "all_gather_from",
+    "copy_to",
     "data_parallel_step",
+    "gather_from",
     "local_grad",
     "make_local",
+    "make_shared_local",
+    "mesh_axes",
     "mesh_from_topology",
+    "nnx_functional",
+    "reduce_from",
+    "reduce_scatter_to",
+    "reduce_shared_gradients",
+    "scatter_to",
+    "shared_param_specs",
     "split_microbatches",
     "sync_gradients",
     "value_and_local_grad",

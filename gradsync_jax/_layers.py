@@ -1,0 +1,278 @@
+"""Reference tensor/context-parallel layers in Flax NNX, and replicated_over derived (DESIGN §6).
+
+The layers hold GLOBAL parameters annotated with ``out_sharding`` (``(None, "tp")`` for a
+column-parallel kernel), so a model is built, initialized and checkpointed on one device like
+its serial twin — the two have the same parameter tree — and only its forward runs inside
+``jax.shard_map``, where each device sees its shard and the mappings talk over the mesh.
+A parameter's ``PartitionSpec`` says which axes it is sharded over; the input's spec says
+which axes split the tokens; ``gradsync_core.replicated_axes`` derives the rest.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import replace
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh, PartitionSpec
+
+from gradsync_core import ParamSpec, replicated_axes
+from gradsync_jax._mappings import (
+    all_gather_from,
+    copy_to,
+    reduce_from,
+    reduce_scatter_to,
+)
+from gradsync_jax._specs import param_specs
+
+_default_init = nnx.initializers.lecun_normal()
+
+
+def _param(value: jax.Array, sharding: tuple[Any, ...]) -> nnx.Param:
+    # eager_sharding=False: keep the annotation as metadata; the value stays one global array
+    # until the caller places it with the mesh (device_put / shard_map in_specs).
+    return nnx.Param(value, out_sharding=sharding, eager_sharding=False)
+
+
+class ColumnParallelLinear(nnx.Module):
+    """``y = x @ kernel + bias`` with kernel columns (output features) and bias split on ``axis``.
+
+    Input: replicated over ``axis`` (``copy_to``) or, with ``sequence_parallel``, this device's
+    chunk of the sequence (``all_gather_from`` along ``sequence_dim``). Output: this device's
+    feature chunk. ``out_features`` must divide by the axis size (a ``shard_map`` shard).
+
+    Example:
+        >>> fc1 = ColumnParallelLinear(8, 32, rngs=nnx.Rngs(0))  # kernel spec P(None, "tp")
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        axis: str = "tp",
+        use_bias: bool = True,
+        sequence_parallel: bool = False,
+        sequence_dim: int = 1,
+        kernel_init: Callable[..., jax.Array] = _default_init,
+        param_dtype: Any = jnp.float32,
+        rngs: nnx.Rngs,
+    ) -> None:
+        self.axis, self.sequence_parallel, self.sequence_dim = axis, sequence_parallel, sequence_dim
+        kernel = kernel_init(rngs.params(), (in_features, out_features), param_dtype)
+        self.kernel = _param(kernel, (None, axis))
+        self.bias = _param(jnp.zeros((out_features,), param_dtype), (axis,)) if use_bias else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        if self.sequence_parallel:
+            x = all_gather_from(x, self.axis, dim=self.sequence_dim)
+        else:
+            x = copy_to(x, self.axis)
+        y = x @ self.kernel[...]
+        return y if self.bias is None else y + self.bias[...]
+
+
+class RowParallelLinear(nnx.Module):
+    """``y = x @ kernel + bias`` with kernel rows (input features) split on ``axis``.
+
+    Input: this device's feature chunk. Partial products are summed with ``reduce_from``, or
+    ``reduce_scatter_to`` along ``sequence_dim`` under sequence parallelism; the bias, added
+    after, is unsharded.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        axis: str = "tp",
+        use_bias: bool = True,
+        sequence_parallel: bool = False,
+        sequence_dim: int = 1,
+        kernel_init: Callable[..., jax.Array] = _default_init,
+        param_dtype: Any = jnp.float32,
+        rngs: nnx.Rngs,
+    ) -> None:
+        self.axis, self.sequence_parallel, self.sequence_dim = axis, sequence_parallel, sequence_dim
+        kernel = kernel_init(rngs.params(), (in_features, out_features), param_dtype)
+        self.kernel = _param(kernel, (axis, None))
+        self.bias = _param(jnp.zeros((out_features,), param_dtype), ()) if use_bias else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = x @ self.kernel[...]
+        if self.sequence_parallel:
+            y = reduce_scatter_to(y, self.axis, dim=self.sequence_dim)
+        else:
+            y = reduce_from(y, self.axis)
+        return y if self.bias is None else y + self.bias[...]
+
+
+class MLPBlock(nnx.Module):
+    """Serial reference block: ``x + fc2(gelu(fc1(ln(x))))`` (a transformer block, no attention)."""
+
+    def __init__(self, dim: int, hidden: int, *, rngs: nnx.Rngs) -> None:
+        self.ln = nnx.LayerNorm(dim, rngs=rngs)
+        self.fc1 = nnx.Linear(dim, hidden, rngs=rngs)
+        self.fc2 = nnx.Linear(hidden, dim, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return x + self.fc2(nnx.gelu(self.fc1(self.ln(x)), approximate=False))
+
+
+class MLPTransformer(nnx.Module):
+    """Serial reference: ``depth`` ``MLPBlock``s and a final ``LayerNorm``, on (batch, seq, dim)."""
+
+    def __init__(self, dim: int, hidden: int, depth: int, *, rngs: nnx.Rngs) -> None:
+        self.blocks = nnx.List([MLPBlock(dim, hidden, rngs=rngs) for _ in range(depth)])
+        self.norm = nnx.LayerNorm(dim, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        for block in self.blocks:
+            x = block(x)
+        return self.norm(x)
+
+
+class ParallelMLPBlock(nnx.Module):
+    """``MLPBlock`` with fc1 column- and fc2 row-parallel on ``axis``; same parameter tree.
+
+    The LayerNorm is Flax's own: on a sequence chunk (cp, sequence parallelism) it normalizes
+    token by token exactly as the serial one does.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        hidden: int,
+        *,
+        axis: str = "tp",
+        sequence_parallel: bool = False,
+        rngs: nnx.Rngs,
+    ) -> None:
+        kw = {"axis": axis, "sequence_parallel": sequence_parallel, "rngs": rngs}
+        self.ln = nnx.LayerNorm(dim, rngs=rngs)
+        self.fc1 = ColumnParallelLinear(dim, hidden, **kw)
+        self.fc2 = RowParallelLinear(hidden, dim, **kw)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return x + self.fc2(nnx.gelu(self.fc1(self.ln(x)), approximate=False))
+
+
+class ParallelMLPTransformer(nnx.Module):
+    """``MLPTransformer`` for ``shard_map``: tensor-parallel blocks, tokens split as the input is.
+
+    Its parameter tree equals the serial model's, so ``nnx.update(parallel,
+    nnx.state(serial))`` copies a serial model in. Run it with ``nnx_functional``.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        hidden: int,
+        depth: int,
+        *,
+        axis: str = "tp",
+        sequence_parallel: bool = False,
+        rngs: nnx.Rngs,
+    ) -> None:
+        self.blocks = nnx.List(
+            [
+                ParallelMLPBlock(
+                    dim, hidden, axis=axis, sequence_parallel=sequence_parallel, rngs=rngs
+                )
+                for _ in range(depth)
+            ]
+        )
+        self.norm = nnx.LayerNorm(dim, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        for block in self.blocks:
+            x = block(x)
+        return self.norm(x)
+
+
+def nnx_functional(
+    model: nnx.Module,
+) -> tuple[Callable[[Any, jax.Array], jax.Array], dict[str, Any], dict[str, Any]]:
+    """``(apply, params, specs)`` of an NNX model, as plain dicts for ``shard_map``.
+
+    ``apply(params, x)`` rebuilds the model from ``params`` (a pure dict, global or this
+    device's shards) and calls it; ``specs`` holds each parameter's ``PartitionSpec`` (from
+    ``out_sharding``; ``P()`` when unannotated): the ``in_specs``/``out_specs`` for params.
+
+    Example:
+        >>> apply, params, specs = nnx_functional(ParallelMLPTransformer(8, 32, 2, rngs=rngs))
+        >>> step = jax.shard_map(fn, mesh=mesh, in_specs=(specs, P("dp", "cp")), ...)
+    """
+    graphdef, state = nnx.split(model, nnx.Param)
+    params = nnx.to_pure_dict(state)
+    specs = nnx.to_pure_dict(nnx.get_partition_spec(state))
+
+    def apply(params: Any, x: jax.Array) -> jax.Array:
+        return nnx.merge(graphdef, params)(x)
+
+    return apply, params, specs
+
+
+def _spec_axes(entry: Any) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _local_shape(shape: tuple[int, ...], spec: PartitionSpec, mesh: Mesh) -> tuple[int, ...]:
+    out = list(shape)
+    for dim, entry in enumerate(spec):
+        parts = math.prod(mesh.shape[a] for a in _spec_axes(entry))
+        if out[dim] % parts:
+            raise ValueError(
+                f"a dim of {out[dim]} is sharded as {entry!r} over {parts} devices, which "
+                "does not divide it; shard_map needs even shards (pad the layer)"
+            )
+        out[dim] //= parts
+    return tuple(out)
+
+
+def shared_param_specs(
+    params: Any, specs: Any, *, data_spec: PartitionSpec | Iterable[Any], mesh: Mesh
+) -> list[ParamSpec]:
+    """One ``ParamSpec`` per leaf (local shapes), ``replicated_over`` derived, never marked.
+
+    Args:
+        params: the parameter pytree (arrays or ``jax.ShapeDtypeStruct``, global shapes).
+        specs: the matching ``PartitionSpec`` tree (``nnx_functional(model)[2]``).
+        data_spec: the ``PartitionSpec`` of the model's input: every axis in it splits the
+            tokens (``P("dp", "cp")``; ``P("dp", ("cp", "tp"))`` with sequence parallelism).
+        mesh: the mesh the specs refer to (for the local shapes the reductions carry).
+
+    Returns:
+        Specs named like ``gradsync_jax.param_specs`` (``blocks/0/fc1/kernel``), ready for
+        ``gradsync_core.plan_shared_reductions``.
+
+    Example:
+        >>> specs = shared_param_specs(params, pspecs, data_spec=P("dp", "cp"), mesh=mesh)
+        >>> [s.replicated_over for s in specs if s.name == "norm/scale"]
+        [('cp',)]
+    """
+    data_axes = [a for entry in data_spec for a in _spec_axes(entry)]
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    spec_leaves = treedef.flatten_up_to(specs)
+    local = treedef.unflatten(
+        [
+            jax.ShapeDtypeStruct(_local_shape(tuple(x.shape), s, mesh), x.dtype)
+            for x, s in zip(leaves, spec_leaves, strict=True)
+        ]
+    )
+    return [
+        replace(
+            spec,
+            replicated_over=replicated_axes(
+                sharded_over=[a for entry in s for a in _spec_axes(entry)],
+                data_sharded_over=data_axes,
+            ),
+        )
+        for spec, s in zip(param_specs(local), spec_leaves, strict=True)
+    ]
