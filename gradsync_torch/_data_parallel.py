@@ -19,29 +19,17 @@ from torch import nn
 
 import gradsync_core
 from gradsync_torch._comm_hooks import CommHook
-from gradsync_torch._reducer import BucketBuffers, Reducer, build_buckets
+from gradsync_torch._reducer import BucketBuffers, Reducer, build_buckets, make_plan
 from gradsync_torch._specs import named_parameters, param_specs
-from gradsync_torch._verify import broadcast_tensors, state_entries, verify_same_everywhere
-
-_MIB = 1024 * 1024
-
-
-def _check_group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup:
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError(
-            "DataParallel needs torch.distributed: call "
-            "torch.distributed.init_process_group('gloo' or 'nccl') first (torchrun sets "
-            "the environment for it)"
-        )
-    group = dist.group.WORLD if process_group is None else process_group
-    if group is None or group == dist.GroupMember.NON_GROUP_MEMBER or dist.get_rank(group) < 0:
-        raise ValueError(
-            f"rank {dist.get_rank()} is not a member of the process_group passed to "
-            "DataParallel; every rank that wraps the model must belong to its data-parallel "
-            "group (build it with torch.distributed.new_group on all ranks and pass each "
-            "rank its own group)"
-        )
-    return group
+from gradsync_torch._verify import (
+    broadcast_tensors,
+    check_arguments,
+    check_grad,
+    check_group,
+    comm_device,
+    state_entries,
+    verify_same_everywhere,
+)
 
 
 class DataParallel(nn.Module):
@@ -92,30 +80,16 @@ class DataParallel(nn.Module):
         param_broadcast_period: int = 0,
     ) -> None:
         super().__init__()
-        if not isinstance(module, nn.Module):
-            raise TypeError(f"DataParallel wraps an nn.Module, got {type(module).__name__}")
-        if reduce not in ("mean", "sum"):
-            raise ValueError(f"reduce must be 'mean' or 'sum', got {reduce!r}")
-        if reduce_dtype is not None and not (
-            isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point
-        ):
-            raise ValueError(
-                f"reduce_dtype must be a floating torch.dtype such as torch.bfloat16, "
-                f"got {reduce_dtype!r}"
-            )
-        if bucket_cap_mb is not None and not bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb must be positive or None, got {bucket_cap_mb!r}")
-        if not isinstance(param_broadcast_period, int) or param_broadcast_period < 0:
-            raise ValueError(
-                "param_broadcast_period must be an int >= 0 (0: never), "
-                f"got {param_broadcast_period!r}"
-            )
-        if gradient_as_bucket_view and not overlap:
-            raise ValueError(
-                "gradient_as_bucket_view=True needs overlap=True: legacy mode reuses one "
-                "buffer for every bucket, so gradients cannot live in it"
-            )
-        group = _check_group(process_group)
+        check_arguments(
+            module,
+            reduce=reduce,
+            reduce_dtype=reduce_dtype,
+            bucket_cap_mb=bucket_cap_mb,
+            overlap=overlap,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            param_broadcast_period=param_broadcast_period,
+        )
+        group = check_group(process_group)
         self.module = module
         self.process_group = group
         self.world_size = group.size()
@@ -134,24 +108,9 @@ class DataParallel(nn.Module):
         self._trainable = [(name, p) for name, p in named if p.requires_grad]
         self._frozen = [p for _, p in named if not p.requires_grad]
         self._slot_of = {name: i for i, (name, _) in enumerate(self._trainable)}
-        self._comm_device = self._pick_device(group)
+        self._comm_device = comm_device([p for _, p in self._trainable], group)
 
-        if overlap:
-            # DDP's convention: no cap given -> 25 MiB with a 1 MiB first bucket; a cap
-            # given -> that cap for every bucket.
-            cap_bytes = gradsync_core.DEFAULT_CAP_BYTES
-            first: int | None = gradsync_core.DEFAULT_FIRST_CAP_BYTES
-            if bucket_cap_mb is not None:
-                cap_bytes, first = max(1, int(bucket_cap_mb * _MIB)), None
-            plan = gradsync_core.plan_buckets(
-                self._specs, cap_bytes=cap_bytes, first_cap_bytes=first
-            )
-        else:
-            max_numel = gradsync_core.DEFAULT_LEGACY_MAX_NUMEL
-            if bucket_cap_mb is not None:
-                widest = max((p.element_size() for _, p in self._trainable), default=4)
-                max_numel = max(1, int(bucket_cap_mb * _MIB) // widest)
-            plan = gradsync_core.plan_legacy_buckets(self._specs, max_numel=max_numel)
+        plan = make_plan(self._specs, overlap=overlap, bucket_cap_mb=bucket_cap_mb)
         options = {"overlap": overlap, "reduce": reduce, "reduce_dtype": reduce_dtype}
         verify_same_everywhere(plan, state_entries(module, options), group, self._comm_device)
         # Every rank starts from rank 0's weights and buffers (DDP's _sync_module_states).
@@ -251,7 +210,9 @@ class DataParallel(nn.Module):
             if self._sync_backward and self.param_broadcast_period:
                 due = self._syncs - self._params_broadcast_at >= self.param_broadcast_period
                 if due:
-                    broadcast_tensors([p for _, p in named_parameters(self.module)], self.group)
+                    broadcast_tensors(
+                        [p for _, p in named_parameters(self.module)], self.process_group
+                    )
                     self._params_broadcast_at = self._syncs
             if self.gradient_as_bucket_view:
                 self._bind_views()
@@ -262,26 +223,7 @@ class DataParallel(nn.Module):
         self._sync_buffers_next = torch.is_grad_enabled() and self.require_backward_grad_sync
         return self.module(*args, **kwargs)
 
-    @property
-    def group(self) -> dist.ProcessGroup:
-        return self.process_group
-
     # ---- construction helpers ---------------------------------------------------------
-
-    def _pick_device(self, group: dist.ProcessGroup) -> torch.device:
-        devices = {p.device for _, p in self._trainable} or {torch.device("cpu")}
-        if len({d.type for d in devices}) > 1:
-            raise ValueError(
-                f"DataParallel needs all trainable parameters on one device type, found "
-                f"{sorted(str(d) for d in devices)}; move the model with module.to(device)"
-            )
-        device = next(iter(devices))
-        if "nccl" in str(dist.get_backend(group)) and device.type != "cuda":
-            raise ValueError(
-                "the process group uses NCCL, which needs CUDA tensors, but the model is on "
-                f"{device}; move it with module.to('cuda', local_rank) or use gloo on CPU"
-            )
-        return device
 
     def _install(self, plan: gradsync_core.BucketPlan) -> None:
         params = dict(self._trainable)
@@ -305,24 +247,11 @@ class DataParallel(nn.Module):
 
     # ---- during backward --------------------------------------------------------------
 
-    def _check_grad(self, slot: int, grad: torch.Tensor) -> None:
-        if grad.layout != torch.strided:
-            raise RuntimeError(
-                f"parameter {self._trainable[slot][0]!r} has a {grad.layout} gradient; "
-                "DataParallel reduces dense gradients only (use nn.Embedding(sparse=False))"
-            )
-        if grad.requires_grad:
-            raise RuntimeError(
-                f"the gradient of {self._trainable[slot][0]!r} requires grad "
-                "(backward(create_graph=True)); DataParallel cannot sync a gradient that is "
-                "part of a graph: compute higher-order terms with torch.autograd.grad"
-            )
-
     def _on_grad_ready(self, slot: int, param: torch.Tensor) -> None:
         grad = param.grad
         if grad is None:
             return
-        self._check_grad(slot, grad)
+        check_grad(self._trainable[slot][0], grad)
         self._preset[slot] = False
         if not self._sync_backward:
             self._dirty = True
@@ -344,9 +273,11 @@ class DataParallel(nn.Module):
         bucket = self._buckets[b]
         view = bucket.views[i]
         if grad.data_ptr() != view.data_ptr():
-            view.copy_(grad)
+            self._reducer.copy_in(view, grad)
             if self.gradient_as_bucket_view:
                 param.grad = view
+        else:
+            self._reducer.scale_in_place(view)
         bucket.pending -= 1
         if bucket.pending == 0:
             last = len(self._buckets) - 1
@@ -370,8 +301,10 @@ class DataParallel(nn.Module):
         if grad is None:
             view.zero_()
         elif grad.data_ptr() != view.data_ptr():
-            self._check_grad(slot, grad)
-            view.copy_(grad)
+            check_grad(self._trainable[slot][0], grad)
+            self._reducer.copy_in(view, grad)
+        else:
+            self._reducer.scale_in_place(view)
 
     def _has_grad(self, slot: int, param: nn.Parameter) -> bool:
         return self._fired[slot] or (param.grad is not None and not self._preset[slot])
@@ -448,7 +381,9 @@ class DataParallel(nn.Module):
         if order:
             ranks_order[: len(order)] = torch.tensor(order, dtype=torch.int64)
         ranks_order = ranks_order.to(self._comm_device)
-        dist.broadcast(ranks_order, src=dist.get_global_rank(self.process_group, 0), group=self.process_group)
+        dist.broadcast(
+            ranks_order, src=dist.get_global_rank(self.process_group, 0), group=self.process_group
+        )
         names = [self._trainable[i][0] for i in ranks_order.tolist() if i >= 0]
         plan = gradsync_core.rebuild_buckets(self._plan, self._specs, names)
         old = self._plan

@@ -25,6 +25,33 @@ from torch import nn
 import gradsync_core
 from gradsync_torch._comm_hooks import CommHook, GradBucket
 
+_MIB = 1024 * 1024
+
+
+def make_plan(
+    specs: list[gradsync_core.ParamSpec], *, overlap: bool, bucket_cap_mb: float | None
+) -> gradsync_core.BucketPlan:
+    """The initial layout: DDP's capped assignment (overlap) or fairseq's (legacy).
+
+    DDP's cap convention: no cap given -> 25 MiB buckets with a 1 MiB first bucket; a cap
+    given -> that cap for every bucket. Legacy mode reads the cap as the size of its reused
+    buffer (default 2**28 elements).
+    """
+    if overlap:
+        if bucket_cap_mb is None:
+            return gradsync_core.plan_buckets(
+                specs,
+                cap_bytes=gradsync_core.DEFAULT_CAP_BYTES,
+                first_cap_bytes=gradsync_core.DEFAULT_FIRST_CAP_BYTES,
+            )
+        return gradsync_core.plan_buckets(specs, cap_bytes=max(1, int(bucket_cap_mb * _MIB)))
+    max_numel = gradsync_core.DEFAULT_LEGACY_MAX_NUMEL
+    if bucket_cap_mb is not None:
+        trainable = [s for s in specs if s.requires_grad]
+        widest = max((gradsync_core.itemsize(s.dtype) for s in trainable), default=4)
+        max_numel = max(1, int(bucket_cap_mb * _MIB) // widest)
+    return gradsync_core.plan_legacy_buckets(specs, max_numel=max_numel)
+
 
 @dataclass(eq=False)
 class BucketBuffers:
@@ -107,7 +134,8 @@ class Reducer:
     """Starts and finishes one bucket's reduction over the data-parallel group.
 
     Without a comm hook: divide by the group size first (``reduce="mean"``, in the reduce
-    dtype, as DDP and fairseq do, so low-precision sums do not overflow), then an asynchronous
+    dtype, as DDP and fairseq do, so low-precision sums do not overflow; fused into the copy
+    into the bucket when the wire dtype is the gradients'), then an asynchronous
     ``all_reduce``; with ``reduce_dtype`` the bucket travels in a persistent wire buffer of
     that dtype and is cast back. With a comm hook, the hook owns the reduction (DDP's
     contract) and its future's value is copied back into the bucket.
@@ -123,6 +151,24 @@ class Reducer:
         self.hook: CommHook | None = None
         self.hook_state: Any = None
 
+    @property
+    def divides_on_copy(self) -> bool:
+        # Without a hook or a wire dtype the mean's division rides on the copy into the
+        # bucket (DDP does the same), saving one pass over every gradient.
+        return self.mean and self.hook is None and self.reduce_dtype is None
+
+    def copy_in(self, view: torch.Tensor, grad: torch.Tensor) -> None:
+        """Put one gradient into its bucket slot (divided already, where that is due)."""
+        if self.divides_on_copy:
+            torch.div(grad, self.world_size, out=view)
+        else:
+            view.copy_(grad)
+
+    def scale_in_place(self, view: torch.Tensor) -> None:
+        """The same for a gradient that already lives in its slot (gradient_as_bucket_view)."""
+        if self.divides_on_copy:
+            view.div_(self.world_size)
+
     def launch(self, bucket: BucketBuffers, *, is_last: bool) -> None:
         """Start reducing ``bucket.buffer``; returns before the collective completes."""
         if self.hook is not None:
@@ -133,9 +179,10 @@ class Reducer:
             return
         tensor = bucket.buffer
         if bucket.wire is not None:
+            # Cast, then divide in the wire dtype: the arithmetic of DDP's compress hooks.
             tensor = bucket.wire.copy_(bucket.buffer)
-        if self.mean:
-            tensor.div_(self.world_size)
+            if self.mean:
+                tensor.div_(self.world_size)
         bucket.handle = dist.all_reduce(tensor, group=self.group, async_op=True)
 
     def finish(self, bucket: BucketBuffers) -> None:

@@ -26,6 +26,92 @@ _BROADCAST_CHUNK_BYTES = 250 * _MIB
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+def check_arguments(
+    module: object,
+    *,
+    reduce: str,
+    reduce_dtype: object,
+    bucket_cap_mb: float | None,
+    overlap: bool,
+    gradient_as_bucket_view: bool,
+    param_broadcast_period: object,
+) -> None:
+    """DataParallel's argument checks: one sentence per mistake, before any collective."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"DataParallel wraps an nn.Module, got {type(module).__name__}")
+    if reduce not in ("mean", "sum"):
+        raise ValueError(f"reduce must be 'mean' or 'sum', got {reduce!r}")
+    if reduce_dtype is not None and not (
+        isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point
+    ):
+        raise ValueError(
+            f"reduce_dtype must be a floating torch.dtype such as torch.bfloat16, "
+            f"got {reduce_dtype!r}"
+        )
+    if bucket_cap_mb is not None and not bucket_cap_mb > 0:
+        raise ValueError(f"bucket_cap_mb must be positive or None, got {bucket_cap_mb!r}")
+    if not isinstance(param_broadcast_period, int) or param_broadcast_period < 0:
+        raise ValueError(
+            f"param_broadcast_period must be an int >= 0 (0: never), got {param_broadcast_period!r}"
+        )
+    if gradient_as_bucket_view and not overlap:
+        raise ValueError(
+            "gradient_as_bucket_view=True needs overlap=True: legacy mode reuses one "
+            "buffer for every bucket, so gradients cannot live in it"
+        )
+
+
+def check_group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    """The data-parallel group (default: the world), or a clear error if it cannot serve."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "DataParallel needs torch.distributed: call "
+            "torch.distributed.init_process_group('gloo' or 'nccl') first (torchrun sets "
+            "the environment for it)"
+        )
+    group = dist.group.WORLD if process_group is None else process_group
+    if group is None or group == dist.GroupMember.NON_GROUP_MEMBER or dist.get_rank(group) < 0:
+        raise ValueError(
+            f"rank {dist.get_rank()} is not a member of the process_group passed to "
+            "DataParallel; every rank that wraps the model must belong to its data-parallel "
+            "group (build it with torch.distributed.new_group on all ranks and pass each "
+            "rank its own group)"
+        )
+    return group
+
+
+def comm_device(params: Sequence[torch.Tensor], group: dist.ProcessGroup) -> torch.device:
+    """Where the small bookkeeping collectives run: the parameters' device."""
+    devices = {p.device for p in params} or {torch.device("cpu")}
+    if len({d.type for d in devices}) > 1:
+        raise ValueError(
+            f"DataParallel needs all trainable parameters on one device type, found "
+            f"{sorted(str(d) for d in devices)}; move the model with module.to(device)"
+        )
+    device = next(iter(devices))
+    if "nccl" in str(dist.get_backend(group)) and device.type != "cuda":
+        raise ValueError(
+            "the process group uses NCCL, which needs CUDA tensors, but the model is on "
+            f"{device}; move it with module.to('cuda', local_rank) or use gloo on CPU"
+        )
+    return device
+
+
+def check_grad(name: str, grad: torch.Tensor) -> None:
+    """A gradient DataParallel can reduce: dense and not part of a graph (DESIGN §7)."""
+    if grad.layout != torch.strided:
+        raise RuntimeError(
+            f"parameter {name!r} has a {grad.layout} gradient; DataParallel reduces dense "
+            "gradients only (use nn.Embedding(sparse=False))"
+        )
+    if grad.requires_grad:
+        raise RuntimeError(
+            f"the gradient of {name!r} requires grad (backward(create_graph=True)); "
+            "DataParallel cannot sync a gradient that is part of a graph: compute "
+            "higher-order terms with torch.autograd.grad"
+        )
+
+
 def state_entries(module: nn.Module, options: dict[str, Any]) -> list[list[Any]]:
     """What must agree besides the bucket plan: every parameter (frozen ones too), every
     buffer, and the options that change the arithmetic; JSON-ready."""
