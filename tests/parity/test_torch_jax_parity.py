@@ -1,0 +1,171 @@
+"""One semantics for both frameworks: the same MLP, weights and data give the same training.
+
+torch: ``gradsync_torch.DataParallel`` over 2 gloo ranks. JAX: ``gradsync_jax`` over 2 CPU
+devices. Both start from the Flax initialization (mapped by ``gradsync_jax._naming``), train
+10 steps with SGD and with Adam, and must end with the same parameters and Adam moments:
+relative error ``max|a - b| / max|b| <= 1e-5`` per tensor (the two frameworks' float32
+kernels round differently). The bucket plans built from the torch module and from the Flax
+tree must have the same fingerprint.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import flax.linen as fnn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from gradsync_core import (
+    DEFAULT_FIRST_CAP_BYTES,
+    Topology,
+    describe_difference,
+    plan_buckets,
+)
+from gradsync_jax import data_parallel_step, mesh_from_topology
+from gradsync_jax._naming import from_torch_state, to_torch_state, torch_names, torch_specs
+from gradsync_jax._specs import param_specs as flax_param_specs
+from gradsync_torch._specs import param_specs as torch_param_specs
+from tests.parity.torch_worker import TorchMLP, train
+from tests.torch.harness import run_workers
+
+# 12 Linear layers: Flax names them Dense_0..Dense_11, and Dense_10 sorts before Dense_2.
+WIDTHS = [10] + [16] * 11 + [4]
+RENAMES = {f"Dense_{i}": f"layers.{i}" for i in range(len(WIDTHS) - 1)}
+STEPS = 10
+# Betas whose powers float32 holds exactly: optax computes Adam's bias corrections
+# 1 - b**t and its 1 - b in float32, torch in float64. With the usual (0.9, 0.999), float32's
+# 0.999 makes 1 - b2 wrong by 1.3e-5 relative, and a single-device optax run already differs
+# from torch (and from a float64 run) by ~1e-5 after 10 steps, with no gradsync involved.
+OPTIMIZERS = {"sgd": {"lr": 0.05}, "adam": {"lr": 1e-3, "betas": (0.5, 0.75), "eps": 1e-8}}
+RTOL = 1e-5
+
+
+class LinenMLP(fnn.Module):
+    @fnn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        for i, width in enumerate(WIDTHS[1:]):
+            # Non-zero biases (torch-like init), so per-tensor relative errors are meaningful.
+            x = fnn.Dense(width)(x)
+            if i < len(WIDTHS) - 2:
+                x = jnp.tanh(x)
+        return x
+
+
+class NnxMLP(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.layers = nnx.List([nnx.Linear(a, b, rngs=rngs) for a, b in itertools.pairwise(WIDTHS)])
+
+
+def _plans(specs) -> list:
+    return [
+        plan_buckets(specs, first_cap_bytes=DEFAULT_FIRST_CAP_BYTES),  # DDP's (and DataParallel's)
+        plan_buckets(specs, cap_bytes=2048, first_cap_bytes=1024),  # several buckets
+    ]
+
+
+def test_flax_and_torch_plans_have_the_same_fingerprint() -> None:
+    torch_specs_ = torch_param_specs(TorchMLP(WIDTHS))
+    linen = LinenMLP().init(jax.random.key(0), jnp.zeros((1, WIDTHS[0])))
+    nnx_params = nnx.state(NnxMLP(nnx.Rngs(0)), nnx.Param)
+    for flax_specs in (torch_specs(linen, modules=RENAMES), torch_specs(nnx_params)):
+        assert flax_specs == torch_specs_
+        for mine, theirs in zip(_plans(flax_specs), _plans(torch_specs_), strict=True):
+            assert describe_difference(mine, theirs) == ""
+            assert mine.fingerprint == theirs.fingerprint
+    assert len(_plans(torch_specs_)[1].buckets) > 2
+    # Control: the raw Flax tree (sorted names, (in, out) kernels) plans differently.
+    raw = plan_buckets(flax_param_specs(linen), cap_bytes=2048, first_cap_bytes=1024)
+    assert raw.fingerprint != _plans(torch_specs_)[1].fingerprint
+    # torch_names gives sync_gradients the plan names of a Flax gradient tree.
+    assert sorted(torch_names(linen, modules=RENAMES)) == sorted(s.name for s in torch_specs_)
+
+
+def test_state_round_trip_and_layout() -> None:
+    linen = LinenMLP().init(jax.random.key(1), jnp.zeros((1, WIDTHS[0])))
+    state = to_torch_state(linen, modules=RENAMES)
+    model = TorchMLP(WIDTHS)
+    import torch
+
+    model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in state.items()})
+    x = np.random.default_rng(0).normal(size=(5, WIDTHS[0])).astype(np.float32)
+    with torch.no_grad():
+        torch_out = model(torch.from_numpy(x)).numpy()
+    np.testing.assert_allclose(torch_out, LinenMLP().apply(linen, x), rtol=1e-5, atol=1e-6)
+    back = from_torch_state(model.state_dict(), linen, modules=RENAMES)
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(linen), strict=True):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(KeyError, match=r"no parameter 'layers\.0\.bias' \(Flax 'params/Dense_0"):
+        from_torch_state({}, linen, modules=RENAMES)
+
+
+def _train_jax(params, x, y) -> dict:
+    mesh = mesh_from_topology(Topology.create(2), sorted(jax.devices(), key=lambda d: d.id)[:2])
+    model = LinenMLP()
+
+    def loss_fn(p, batch):
+        return jnp.mean((model.apply(p, batch[0]) - batch[1]) ** 2)
+
+    out = {}
+    for name, hyper in OPTIMIZERS.items():
+        if name == "sgd":
+            tx = optax.sgd(hyper["lr"])
+        else:
+            b1, b2 = hyper["betas"]
+            tx = optax.adam(hyper["lr"], b1=b1, b2=b2, eps=hyper["eps"])
+        step = data_parallel_step(loss_fn, tx, mesh)
+        p, s = params, tx.init(params)
+        for _ in range(STEPS):
+            p, s, _ = step(p, s, (x, y))
+        state = {}
+        if name == "adam":
+            for key in ("mu", "nu"):
+                for k, v in to_torch_state(getattr(s[0], key), modules=RENAMES).items():
+                    state[f"{k}/{key}"] = v
+        out[name] = {"params": to_torch_state(p, modules=RENAMES), "state": state}
+    return out
+
+
+def _relative_error(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+def test_torch_data_parallel_and_gradsync_jax_train_the_same() -> None:
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, WIDTHS[0])).astype(np.float32)
+    y = rng.normal(size=(16, WIDTHS[-1])).astype(np.float32)
+    params = LinenMLP().init(jax.random.key(0), jnp.zeros((1, WIDTHS[0])))
+    init = to_torch_state(params, modules=RENAMES)
+
+    results = run_workers(train, 2, WIDTHS, init, x, y, OPTIMIZERS, STEPS)
+    torch_result = results[0]
+    jax_result = _train_jax(params, jnp.asarray(x), jnp.asarray(y))
+
+    # Same plan on both sides (DataParallel's initial registration-order plan).
+    assert results[1]["fingerprint"] == torch_result["fingerprint"]
+    assert (
+        torch_result["fingerprint"] == _plans(torch_specs(params, modules=RENAMES))[0].fingerprint
+    )
+    worst: dict[str, float] = {}
+    for name in OPTIMIZERS:
+        for rank_result in results[1:]:  # ranks agree bit for bit
+            for key, value in rank_result[name]["params"].items():
+                np.testing.assert_array_equal(value, torch_result[name]["params"][key])
+        for kind in ("params", "state"):
+            t, j = torch_result[name][kind], jax_result[name][kind]
+            assert sorted(t) == sorted(j), (name, kind)
+            for key in t:
+                error = _relative_error(j[key], t[key])
+                worst[name] = max(worst.get(name, 0.0), error)
+                assert error <= RTOL, f"{name} {kind} {key}: relative error {error:.2e}"
+        # The parameters moved: a test that trains nothing would pass trivially.
+        final = torch_result[name]["params"]
+        moved = max(float(np.abs(final[k] - init[k]).max()) for k in init)
+        assert moved > 1e-3, name
+    assert {k.split("/")[1] for k in jax_result["adam"]["state"]} == {"mu", "nu"}
+    assert len(jax_result["adam"]["state"]) == 2 * len(init)
+    print(f"worst relative error torch vs JAX: {worst}")  # shown with pytest -s
