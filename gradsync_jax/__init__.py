@@ -23,6 +23,7 @@ from gradsync_jax._mappings import (
     scatter_to,
 )
 from gradsync_jax._mesh import mesh_from_topology
+from gradsync_jax._naming import from_torch_state, to_torch_state, torch_names, torch_specs
 from gradsync_jax._step import data_parallel_step
 from gradsync_jax._sync import local_grad, make_local, sync_gradients, value_and_local_grad
 
@@ -37,6 +38,7 @@ __all__: list[str] = [
     "all_gather_from",
     "copy_to",
     "data_parallel_step",
+    "from_torch_state",
     "gather_from",
     "local_grad",
     "make_local",
@@ -51,5 +53,8 @@ __all__: list[str] = [
     "shared_param_specs",
     "split_microbatches",
     "sync_gradients",
+    "to_torch_state",
+    "torch_names",
+    "torch_specs",
     "value_and_local_grad",
 ]
