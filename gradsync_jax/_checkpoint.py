@@ -1,0 +1,179 @@
+"""Save and load ``shard_optimizer`` state in gradsync's per-parameter format (DESIGN §9).
+
+The files are the ones ``gradsync_torch``'s ZeRO optimizer writes: a manifest plus one
+safetensors file per rank, tensors named ``"<param name>/<state key>"`` in model space (the
+full tensor), so a checkpoint saved on 8 devices loads on 4, or with the other partition.
+Rank ``d``'s file holds the parameters device ``d`` owns (greedy) or whose first element it
+owns (flat). Leaves tied to no parameter (``count``, injected hyper-parameters) go to rank 0's
+file under ``"__optax__/<state path>"`` and are listed in ``manifest.extra["global_keys"]``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+from safetensors.numpy import load_file
+from safetensors.numpy import save as save_bytes
+
+from gradsync_core import Manifest, check_compatible, read_manifest, write_manifest
+from gradsync_core._checkpoint import rank_file, sha256_file, tensor_key, write_atomic
+from gradsync_jax._zero import ShardedOptimizer, ZeroState
+
+GLOBAL_PARAM = "__optax__"  # the pseudo-parameter that carries global leaves
+
+
+def _file_rank(tx: ShardedOptimizer, params: Any) -> dict[str, int]:
+    """Which rank writes each parameter: its owner, or the owner of its first element."""
+    # Every parameter has exactly one shard starting at element 0.
+    return {shard.name: shard.rank for shard in tx.plan(params).shards if shard.start == 0}
+
+
+def save_optimizer_state(
+    directory: str | os.PathLike[str],
+    tx: ShardedOptimizer,
+    state: ZeroState,
+    params: Any,
+    *,
+    step: int,
+    optimizer: str | None = None,
+) -> Manifest:
+    """Write ``state`` to ``directory`` (created if missing); the manifest is written last.
+
+    Args:
+        directory: the checkpoint directory.
+        tx: the ``shard_optimizer`` that made ``state``.
+        state: its state (arrays addressable from this process).
+        params: the parameter tree (arrays or ``ShapeDtypeStruct``) the state belongs to.
+        step: the training step, stored in the manifest.
+        optimizer: a name checked on load; default derived from the state's types
+            (``"optax:ScaleByAdamState,EmptyState"``).
+
+    Returns:
+        The manifest written.
+
+    Raises:
+        ValueError: if the state is not fully addressable (multi-process JAX is not
+            supported by this writer yet) or does not match ``params``.
+
+    Example:
+        >>> save_optimizer_state("ckpt/opt", tx, opt_state, params, step=100)
+    """
+    for leaf in [*state.shards.values()]:
+        if hasattr(leaf, "is_fully_addressable") and not leaf.is_fully_addressable:
+            raise ValueError(
+                "the optimizer state is spread over several processes; this writer needs "
+                "every shard addressable from one process (single-process JAX)"
+            )
+    layout = tx.config.layout(params)
+    space = layout.space
+    values = layout.gather(state.inner, dict(state.shards))
+    writer = _file_rank(tx, params)
+    n = tx.world_size
+    files: list[dict[str, np.ndarray]] = [{} for _ in range(n)]
+    state_keys: dict[str, list[str]] = {spec.name: [] for spec in space.specs}
+    global_keys = []
+    for leaf, value in zip(space.leaves, values, strict=True):
+        value = np.ascontiguousarray(value)
+        if leaf.param is None:
+            files[0][tensor_key(GLOBAL_PARAM, leaf.key)] = value
+            global_keys.append(leaf.key)
+        else:
+            name = space.specs[leaf.param].name
+            files[writer[name]][tensor_key(name, leaf.key)] = value
+            state_keys[name].append(leaf.key)
+    os.makedirs(directory, exist_ok=True)
+    hashes = {}
+    for rank, tensors in enumerate(files):
+        path = os.path.join(directory, rank_file(rank, n))
+        write_atomic(path, save_bytes(tensors, metadata={"framework": "jax"}))
+        hashes[rank_file(rank, n)] = sha256_file(path)
+    manifest = Manifest(
+        framework="jax",
+        optimizer=optimizer or space.optimizer,
+        world_size=n,
+        step=int(step),
+        params=space.specs,
+        plan=tx.plan(params),
+        state_keys={k: tuple(v) for k, v in state_keys.items()},
+        files=hashes,
+        extra={"partition": tx.partition, "global_keys": global_keys},
+    )
+    write_manifest(directory, manifest)
+    return manifest
+
+
+def load_optimizer_state(
+    directory: str | os.PathLike[str],
+    tx: ShardedOptimizer,
+    params: Any,
+    *,
+    optimizer: str | None = None,
+) -> tuple[ZeroState, Manifest]:
+    """Read a checkpoint into a new state for ``tx`` (any device count, either partition).
+
+    Every file is checked against its manifest hash and every tensor against the expected
+    shape and dtype before anything is placed on a device; on any error nothing changes
+    (the state is a new value: keep using the old one).
+
+    Args:
+        directory: a checkpoint written by ``save_optimizer_state``.
+        tx: the ``shard_optimizer`` to load into (its mesh may differ from the saver's).
+        params: the parameter tree (arrays or ``ShapeDtypeStruct``).
+        optimizer: the name given at save time, if one was.
+
+    Returns:
+        ``(state, manifest)``; ``state`` is placed with ``tx.state_shardings(params)``.
+
+    Raises:
+        ValueError: one sentence naming what is missing, corrupt or different.
+
+    Example:
+        >>> opt_state, manifest = load_optimizer_state("ckpt/opt", tx, params)
+    """
+    manifest = read_manifest(directory)
+    layout = tx.config.layout(params)
+    space = layout.space
+    if manifest.framework != "jax":
+        raise ValueError(
+            f"{directory!s} was written by {manifest.framework!r}; this loader reads "
+            "checkpoints written by gradsync_jax (optax state names)"
+        )
+    check_compatible(manifest, space.specs, optimizer=optimizer or space.optimizer)
+    tensors: dict[str, np.ndarray] = {}
+    for name in manifest.files:
+        try:
+            loaded = load_file(os.path.join(directory, name))
+        except Exception as err:  # safetensors raises its own error types
+            raise ValueError(f"checkpoint file {name} cannot be read ({err})") from None
+        for key, value in loaded.items():
+            if key in tensors:
+                raise ValueError(f"checkpoint tensor {key!r} appears in two rank files")
+            tensors[key] = value
+    values = []
+    expected = set()
+    for leaf in space.leaves:
+        param = GLOBAL_PARAM if leaf.param is None else space.specs[leaf.param].name
+        key = tensor_key(param, leaf.key)
+        expected.add(key)
+        if key not in tensors:
+            raise ValueError(
+                f"checkpoint has no tensor {key!r}: it was saved from another optimizer "
+                "configuration"
+            )
+        value = tensors[key]
+        if tuple(value.shape) != leaf.shape or value.dtype != np.dtype(leaf.dtype):
+            raise ValueError(
+                f"checkpoint tensor {key!r} is {tuple(value.shape)} {value.dtype}, expected "
+                f"{leaf.shape} {leaf.dtype}"
+            )
+        values.append(value)
+    unexpected = sorted(set(tensors) - expected)
+    if unexpected:
+        raise ValueError(
+            f"checkpoint holds {len(unexpected)} tensor(s) this optimizer does not have, "
+            f"starting with {unexpected[0]!r}"
+        )
+    state = tx.scatter_state(space.state_treedef.unflatten(values), params)
+    return state, manifest

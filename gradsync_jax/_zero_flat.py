@@ -1,0 +1,280 @@
+"""Flat partition: element ranges of gradient buckets (ZeRO-2 style, DESIGN §4).
+
+The parameters are laid out in ``gradsync_core.plan_buckets`` buckets padded to a multiple of
+``N``; device ``i`` owns chunk ``i`` of every bucket (``plan_flat_shards``), which is exactly
+what ``lax.psum_scatter(tiled=True)`` leaves on it. One step per bucket: one reduce-scatter,
+the inner update on the flat chunk, one all-gather. The inner transformation sees 1-D chunks
+that cut through parameters, so the result equals the unsharded one only for elementwise
+optimizers; ``check_elementwise`` refuses the others before any state is built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from gradsync_core import BucketPlan, ShardPlan, plan_buckets, plan_flat_shards
+from gradsync_jax._zero_clip import shard_context
+from gradsync_jax._zero_space import ModelSpace, key_part, path_parts
+
+
+class NotElementwiseError(ValueError):
+    """The inner transformation cannot be sharded by element ranges exactly."""
+
+
+def _not_elementwise(reason: str) -> NotElementwiseError:
+    return NotElementwiseError(
+        f"partition='flat' cuts parameters into element ranges, which is exact only for "
+        f"elementwise optimizers (SGD, Adam, AdamW, Lion, RMSProp, ...), but the inner "
+        f"transformation {reason}; use partition='greedy', which gives each device whole "
+        "parameters and works with every optimizer"
+    )
+
+
+def check_elementwise(inner: optax.GradientTransformation) -> None:
+    """Refuse ``inner`` unless it acts on every element independently.
+
+    The probe runs two steps of ``inner`` on a small tree ``{"w": (5, 4), "b": (7,)}`` and,
+    separately, on the same 27 values flattened and cut into two 1-D pieces, each with its
+    own state, as two devices of a flat partition would; the updates and parameters must
+    agree. Per-tensor statistics (LAMB's trust ratio, Adafactor's factored moments and
+    parameter scale), norms across tensors (``optax.clip_by_global_norm`` once it clips: the
+    probe's gradients are large) and shape- or name-based masks all change the result.
+
+    Raises:
+        NotElementwiseError: naming what differed.
+    """
+    rng = np.random.default_rng(1910_02054)
+    params = {"w": rng.normal(size=(5, 4)), "b": rng.normal(size=(7,))}
+    grads = [{k: 100.0 * rng.normal(size=v.shape) for k, v in params.items()} for _ in range(2)]
+
+    def run(params: Any, grads: list[Any]) -> list[Any]:
+        state = inner.init(params)
+        outs = []
+        for g in grads:
+            updates, state = inner.update(g, state, params)
+            params = optax.apply_updates(params, updates)
+            outs.append(updates)
+        return outs
+
+    def cut(tree: Any) -> list[np.ndarray]:
+        flat = np.concatenate([np.ravel(tree["w"]), np.ravel(tree["b"])]).astype(np.float32)
+        return [flat[:13], flat[13:]]
+
+    to32 = lambda t: jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), t)  # noqa: E731
+    try:
+        whole = run(to32(params), [to32(g) for g in grads])
+        pieces = [
+            run(jnp.asarray(p), [jnp.asarray(cut(g)[k]) for g in grads])
+            for k, p in enumerate(cut(params))
+        ]
+    except Exception as err:  # a mask or label tree that needs the parameter structure
+        raise _not_elementwise(f"fails on flat 1-D chunks ({type(err).__name__}: {err})") from err
+    for step in range(len(grads)):
+        expected = np.concatenate([np.asarray(p[step]) for p in pieces])
+        got = cut(jax.tree.map(np.asarray, whole[step]))
+        got = np.concatenate(got)
+        if not np.allclose(got, expected, rtol=1e-5, atol=1e-6 * float(np.abs(got).max() or 1)):
+            raise _not_elementwise(
+                "gives different updates when its input is cut into pieces (it combines "
+                "elements: a per-tensor or global norm, a factorization or a mask)"
+            )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FlatLayout:
+    space: ModelSpace
+    n: int
+    plan: ShardPlan
+    buckets: BucketPlan
+    slots: tuple[tuple[tuple[int, int], ...], ...]  # per bucket: (param leaf, offset)
+    state_treedef: Any  # of inner.init(chunks): a tuple of 1-D chunks, one per bucket
+    # per inner leaf: ("global", space index, -1) | ("element", space prefix id, bucket)
+    sources: tuple[tuple[str, int, int], ...]
+    element_leaves: dict[tuple[int, int], int]  # (prefix id, param leaf) -> space index
+    state_dtypes: tuple[str, ...]  # per inner leaf
+
+    @property
+    def partition(self) -> str:
+        return "flat"
+
+    def chunk(self, bucket: int) -> int:
+        return self.buckets.buckets[bucket].numel // self.n
+
+    def state_specs(self, spec: Any) -> tuple[Any, dict[str, Any]]:
+        leaves = [P(spec) if kind == "element" else P() for kind, _, _ in self.sources]
+        return self.state_treedef.unflatten(leaves), {}
+
+    def nbytes_per_device(self) -> int:
+        total = 0
+        for (kind, index, bucket), dtype in zip(self.sources, self.state_dtypes, strict=True):
+            itemsize = np.dtype(dtype).itemsize
+            total += itemsize * (
+                self.chunk(bucket) if kind == "element" else self.space.leaves[index].numel
+            )
+        return total
+
+    def _flat(self, leaves: list[Any]) -> list[jax.Array]:
+        """Per bucket, the parameters' values in slot order, zero-padded (a full copy)."""
+        out = []
+        for b, bucket in enumerate(self.buckets.buckets):
+            parts = [leaves[i].ravel().astype(bucket.dtype) for i, _ in self.slots[b]]
+            pad = bucket.numel - sum(int(p.size) for p in parts)
+            if pad:
+                parts.append(jnp.zeros(pad, bucket.dtype))
+            out.append(jnp.concatenate(parts))
+        return out
+
+    # -- inside shard_map ------------------------------------------------------------------
+
+    def init_local(self, inner: optax.GradientTransformation, chunks: list[Any], axes: Any) -> Any:
+        return inner.init(tuple(chunks)), {}
+
+    def update_local(
+        self,
+        inner: optax.GradientTransformationExtraArgs,
+        grads: list[jax.Array],
+        inner_state: Any,
+        shards: dict[str, jax.Array],
+        params: list[Any] | None,
+        extra_args: dict[str, Any],
+        axes: Any,
+        mean: bool,
+    ) -> tuple[list[jax.Array], Any, dict[str, jax.Array]]:
+        del shards
+        g_chunks = []
+        for flat in self._flat(grads):
+            if mean:  # divide before the sum, in the gradient dtype, as DDP (DESIGN §7)
+                flat = flat / self.n
+            g_chunks.append(lax.psum_scatter(flat, axes, scatter_dimension=0, tiled=True))
+        g_chunks = tuple(g_chunks)
+        p_chunks = None
+        if params is not None:
+            index = lax.axis_index(axes)
+            p_chunks = tuple(
+                lax.dynamic_slice_in_dim(flat, index * self.chunk(b), self.chunk(b))
+                for b, flat in enumerate(self._flat(params))
+            )
+        norm = jnp.sqrt(lax.psum(sum(jnp.sum(jnp.square(g)) for g in g_chunks), axes))
+        with shard_context(g_chunks, norm):
+            u_chunks, inner_state = inner.update(g_chunks, inner_state, p_chunks, **extra_args)
+        updates: list[Any] = [None] * len(self.space.specs)
+        for b, u in enumerate(u_chunks):
+            full = lax.all_gather(u, axes, tiled=True, to="invarying")
+            for i, offset in self.slots[b]:
+                spec = self.space.specs[i]
+                updates[i] = full[offset : offset + spec.numel].reshape(spec.shape)
+        updates = [  # a zero-size parameter gets a zero-size update
+            jnp.zeros(spec.shape, spec.dtype) if u is None else u
+            for spec, u in zip(self.space.specs, updates, strict=True)
+        ]
+        return updates, inner_state, {}
+
+    # -- host side: model space <-> storage ------------------------------------------------
+
+    def gather(self, inner_state: Any, shards: dict[str, Any]) -> list[np.ndarray]:
+        del shards
+        values = [np.asarray(x) for x in self.state_treedef.flatten_up_to(inner_state)]
+        out: list[Any] = [None] * len(self.space.leaves)
+        for (kind, index, bucket), value in zip(self.sources, values, strict=True):
+            if kind == "global":
+                out[index] = value
+                continue
+            for i, offset in self.slots[bucket]:
+                leaf_index = self.element_leaves[(index, i)]
+                leaf = self.space.leaves[leaf_index]
+                out[leaf_index] = value[offset : offset + leaf.numel].reshape(leaf.shape)
+        for k, leaf in enumerate(self.space.leaves):
+            if out[k] is None:  # zero-size parameter
+                out[k] = np.zeros(leaf.shape, leaf.dtype)
+        return out
+
+    def scatter(self, leaves: list[np.ndarray]) -> tuple[Any, dict[str, Any]]:
+        values = []
+        for (kind, index, bucket), dtype in zip(self.sources, self.state_dtypes, strict=True):
+            if kind == "global":
+                values.append(np.asarray(leaves[index]))
+                continue
+            flat = np.zeros(self.buckets.buckets[bucket].numel, dtype)
+            for i, offset in self.slots[bucket]:
+                leaf_index = self.element_leaves[(index, i)]
+                value = np.ravel(leaves[leaf_index])
+                flat[offset : offset + value.size] = value
+            values.append(flat)
+        return self.state_treedef.unflatten(values), {}
+
+
+def build_flat(
+    inner: optax.GradientTransformation, space: ModelSpace, n: int, cap_bytes: int
+) -> FlatLayout:
+    """Plan buckets (padded to a multiple of ``n``) and map the inner state onto them."""
+    buckets = plan_buckets(list(space.specs), cap_bytes=cap_bytes, pad_to=n)
+    plan = plan_flat_shards(buckets, world_size=n)
+    position = {spec.name: i for i, spec in enumerate(space.specs)}
+    slots = tuple(
+        tuple((position[slot.name], slot.offset) for slot in bucket.slots)
+        for bucket in buckets.buckets
+    )
+
+    def chunks(extra: int) -> tuple[jax.ShapeDtypeStruct, ...]:
+        return tuple(
+            jax.ShapeDtypeStruct((b.numel // n + extra,), b.dtype) for b in buckets.buckets
+        )
+
+    # A leaf whose shape follows the chunk length is per element; one that does not (count,
+    # hyper-parameters) is global. Two lengths tell them apart even when n == 1.
+    state = jax.eval_shape(inner.init, chunks(0))
+    grown = jax.tree.leaves(jax.eval_shape(inner.init, chunks(1)))
+    flat, treedef = jax.tree_util.tree_flatten_with_path(state)
+    if len(grown) != len(flat):
+        raise _not_elementwise("has a state whose structure depends on the parameters' sizes")
+    prefixes = {}  # space prefix text -> id
+    for leaf in space.leaves:
+        if leaf.param is not None:
+            prefixes.setdefault(leaf.prefix, len(prefixes))
+    by_prefix_param = {
+        (prefixes[leaf.prefix], leaf.param): k
+        for k, leaf in enumerate(space.leaves)
+        if leaf.param is not None
+    }
+    sources = []
+    for (path, leaf), bigger in zip(flat, grown, strict=True):
+        parts = path_parts(path)
+        joined = "/".join(parts)
+        if tuple(leaf.shape) == tuple(bigger.shape):
+            if joined not in space.global_by_path:
+                raise _not_elementwise(f"keeps a state leaf {joined!r} not tied to elements")
+            sources.append(("global", space.global_by_path[joined], -1))
+            continue
+        bucket = int(key_part(path[-1])) if path else -1
+        prefix = ".".join(parts[:-1])
+        if prefix not in prefixes or tuple(leaf.shape) != (buckets.buckets[bucket].numel // n,):
+            raise _not_elementwise(f"keeps a state leaf {joined!r} not shaped like its input")
+        for i, _ in slots[bucket]:
+            k = by_prefix_param.get((prefixes[prefix], i))
+            if k is None or space.leaves[k].shape != space.specs[i].shape:
+                raise _not_elementwise(
+                    f"keeps state {prefix!r} of a shape other than its parameter's"
+                )
+        sources.append(("element", prefixes[prefix], bucket))
+    covered = sum(len(slots[b]) for kind, _, b in sources if kind == "element")
+    if covered != len(by_prefix_param):
+        raise _not_elementwise("keeps per-parameter state that the flat layout cannot hold")
+    return FlatLayout(
+        space=space,
+        n=n,
+        plan=plan,
+        buckets=buckets,
+        slots=slots,
+        state_treedef=treedef,
+        sources=tuple(sources),
+        element_leaves=by_prefix_param,
+        state_dtypes=tuple(np.dtype(leaf.dtype).name for _, leaf in flat),
+    )
