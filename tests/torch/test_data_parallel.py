@@ -1,21 +1,72 @@
 """gradsync_torch.DataParallel on gloo at world sizes 1, 2 and 4.
 
-One spawn per world size runs every check of ``test_data_parallel_checks`` (spawns cost
-seconds); each check is then reported as its own test. Tolerances and references are stated
-in that module.
+One spawn per world size runs every check of ``test_data_parallel_checks`` (gradients) and
+``test_data_parallel_setup_checks`` (buffers, broadcasts, mismatches, errors) in one process
+group (spawns cost seconds); each check is then reported as its own test. References and
+tolerances are stated in ``test_data_parallel_checks``.
 """
 
 from __future__ import annotations
 
+import traceback
+from collections.abc import Callable
+
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import gradsync_torch as gt
+from tests.torch import test_data_parallel_checks as grad_checks
+from tests.torch import test_data_parallel_setup_checks as setup_checks
 from tests.torch.harness import run_workers
-from tests.torch.test_data_parallel_checks import CHECKS, run_checks
 
 WORLD_SIZES = (1, 2, 4)
+# name: (check, smallest world size where it means something)
+CHECKS: dict[str, tuple[Callable[[int, int], None], int]] = {
+    "matches_reference_and_ddp": (grad_checks.check_matches_reference_and_ddp, 1),
+    "many_buckets_match_ddp": (grad_checks.check_many_buckets_match_ddp, 1),
+    "legacy_equals_overlap": (grad_checks.check_legacy_equals_overlap, 1),
+    "no_sync_accumulates": (grad_checks.check_no_sync_accumulates, 1),
+    "unused_parameters": (grad_checks.check_unused_parameters, 1),
+    "tied_and_frozen": (grad_checks.check_tied_and_frozen, 1),
+    "compression": (grad_checks.check_compression, 1),
+    "reduce_sum_and_groups": (grad_checks.check_reduce_sum_and_groups, 1),
+    "batchnorm_buffers": (setup_checks.check_batchnorm_buffers, 1),
+    "broadcasts": (setup_checks.check_broadcasts, 2),
+    "mismatch_fails_fast": (setup_checks.check_mismatch_fails_fast, 2),
+    "errors": (setup_checks.check_errors, 1),
+}
+
+
+def run_checks(rank: int, ws: int) -> dict[str, str | None]:
+    """Run every check that applies to ``ws``; name -> None (passed) or a traceback.
+
+    After each check the ranks agree on the outcome; once one failed, the rest are reported
+    as not run (the group may be out of step), never as passed.
+    """
+    torch.manual_seed(0)
+    results: dict[str, str | None] = {}
+    failed = False
+    for name, (check, min_ws) in CHECKS.items():
+        if ws < min_ws:
+            continue
+        if failed:
+            results[name] = "not run: an earlier check failed"
+            continue
+        try:
+            check(rank, ws)
+            results[name] = None
+        except Exception:
+            results[name] = traceback.format_exc()
+        flag = torch.tensor([results[name] is not None], dtype=torch.int32)
+        dist.all_reduce(flag)
+        failed = bool(flag.item())
+        if failed and results[name] is None:
+            results[name] = "passed here, failed on another rank"
+    return results
+
+
 _results: dict[int, list[dict[str, str | None]]] = {}
 
 
