@@ -26,17 +26,34 @@ from gradsync_torch._specs import named_parameters
 class Group:
     """This rank's group of one name: its global ``ranks`` and this rank's ``group_rank``.
 
-    ``process_group`` is ``None`` exactly when ``size == 1``; the mappings are then no-ops.
+    A group of one rank has no process group (it costs nothing); the mappings and the
+    reductions skip it, and ``process_group`` raises rather than return ``None``, which
+    torch.distributed would read as "the whole world".
     """
 
     name: str
     ranks: tuple[int, ...]
     group_rank: int
-    process_group: ProcessGroup | None
+    pg: ProcessGroup | None  # None exactly when size == 1; prefer process_group
 
     @property
     def size(self) -> int:
         return len(self.ranks)
+
+    @property
+    def process_group(self) -> ProcessGroup:
+        """The torch process group.
+
+        Raises:
+            ValueError: for a group of one rank (check ``size`` first: nothing to do there).
+        """
+        if self.pg is None:
+            raise ValueError(
+                f"group {self.name!r} has one rank ({self.ranks[0]}) and no process group; "
+                "skip the collective when size == 1 (passing None to torch.distributed "
+                "would mean the whole world)"
+            )
+        return self.pg
 
     @property
     def axes(self) -> tuple[str, ...]:
@@ -109,7 +126,7 @@ class ProcessGroups:
                 name=name,
                 ranks=mine,
                 group_rank=mine.index(self.rank),
-                process_group=created.get(mine) if len(mine) > 1 else None,
+                pg=created.get(mine) if len(mine) > 1 else None,
             )
 
     def group(self, name: str) -> Group:

@@ -40,7 +40,7 @@ GroupLike = Group | ProcessGroup
 def _resolve(group: GroupLike) -> tuple[ProcessGroup | None, int, int]:
     """(process group or None, size, this rank's position)."""
     if isinstance(group, Group):
-        return group.process_group, group.size, group.group_rank
+        return group.pg, group.size, group.group_rank
     if isinstance(group, ProcessGroup):
         return group, dist.get_world_size(group), dist.get_rank(group)
     raise TypeError(

@@ -109,7 +109,9 @@ def _check_groups(groups: ProcessGroups, new_group_calls: int, expected_calls: i
         assert group.ranks == topo.group_of(name, rank)
         assert group.group_rank == topo.group_rank(name, rank) == groups.group_rank(name)
         if group.size == 1:
-            assert group.process_group is None
+            assert group.pg is None
+            with pytest.raises(ValueError, match="one rank .* no process group"):
+                group.process_group  # noqa: B018  (the property raises)
             continue
         assert dist.get_process_group_ranks(group.process_group) == list(group.ranks)
         t = torch.tensor([float(rank)])
