@@ -190,10 +190,15 @@ def torch_specs(
 def to_torch_state(tree: Any, *, modules: Mapping[str, str] | None = None) -> dict[str, np.ndarray]:
     """A Flax parameter tree as a torch ``state_dict`` of NumPy arrays (torch names/layouts).
 
-    Load it with ``module.load_state_dict({k: torch.from_numpy(v) for k, v in ...})``.
+    The arrays are writable C-contiguous copies: load them with
+    ``module.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()})``.
     """
-    keys = [(_keys(path), leaf) for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]]
-    return {_torch_name_of_keys(k, modules): to_torch_layout("/".join(k), leaf) for k, leaf in keys}
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        keys = _keys(path)
+        array = to_torch_layout("/".join(keys), leaf)
+        out[_torch_name_of_keys(keys, modules)] = np.array(array, copy=True, order="C")
+    return out
 
 
 def from_torch_state(

@@ -13,7 +13,14 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from gradsync_core import Topology, plan_buckets
-from gradsync_jax import local_grad, make_local, mesh_from_topology, sync_gradients
+from gradsync_jax import (
+    local_grad,
+    make_local,
+    mesh_from_topology,
+    sync_gradients,
+    torch_names,
+    torch_specs,
+)
 from gradsync_jax._specs import param_specs
 
 DP = 8
@@ -151,6 +158,22 @@ def test_bucket_plan_is_one_collective_per_bucket_and_bitwise_equal() -> None:
         fn = jax.jit(jax.shard_map(body, mesh=MESH, in_specs=(P(), P("dp")), out_specs=P()))
         count[name] = _count_all_reduce(fn, *args)
     assert count == {"leaf": len(jax.tree.leaves(PARAMS)), "bucket": len(plan.buckets)}
+
+
+def test_plan_from_torch_names_via_names_argument() -> None:
+    """A plan built from torch names/shapes (torch_specs) drives the sync of a Flax tree."""
+    plan = plan_buckets(torch_specs(PARAMS), cap_bytes=600, first_cap_bytes=600)
+    assert plan.slots[0].name.endswith(".weight") or plan.slots[0].name.endswith(".bias")
+
+    def bucketed(p, x):
+        grads = local_grad(_loss)(p, x)
+        return sync_gradients(grads, "dp", plan=plan, names=torch_names(grads))
+
+    _assert_tree_equal(
+        _run(bucketed), _run(lambda p, x: sync_gradients(local_grad(_loss)(p, x), "dp"))
+    )
+    with pytest.raises(ValueError, match="names has 2 entries but grads has 6 leaves"):
+        _run(lambda p, x: sync_gradients(local_grad(_loss)(p, x), "dp", names=["a", "b"]))
 
 
 def test_multi_axis_group_reduces_over_the_tuple() -> None:
