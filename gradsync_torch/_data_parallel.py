@@ -9,6 +9,7 @@ happens during backward; ``sync_gradients()`` reduces through one reused flat bu
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -30,6 +31,12 @@ from gradsync_torch._verify import (
     state_entries,
     verify_same_everywhere,
 )
+
+
+def _grad_ready(owner: weakref.ref, slot: int, param: torch.Tensor) -> None:
+    wrapper = owner()
+    if wrapper is not None:
+        wrapper._on_grad_ready(slot, param)
 
 
 class DataParallel(nn.Module):
@@ -134,8 +141,11 @@ class DataParallel(nn.Module):
         self._ready_order: list[int] | None = [] if overlap else None
         self._hook_handles: list[Any] = []
         if overlap:
+            # The hooks hold the wrapper weakly: once a user drops it (say, to wrap the module
+            # again after unfreezing a layer), its hooks go quiet instead of syncing twice.
+            me = weakref.ref(self)
             for slot, (_, p) in enumerate(self._trainable):
-                hook = functools.partial(self._on_grad_ready, slot)
+                hook = functools.partial(_grad_ready, me, slot)
                 self._hook_handles.append(p.register_post_accumulate_grad_hook(hook))
 
     # ---- public API -------------------------------------------------------------------

@@ -335,6 +335,19 @@ def check_tied_and_frozen(rank: int, ws: int) -> None:
         assert "'frozen.weight' was frozen" in str(err), err
     else:
         raise AssertionError("unfreezing after wrapping was not reported")
+    # Wrap again, as the error says; the dropped wrapper's hooks must not sync as well.
+    module = ours.module
+    twin = gt.DataParallel(copy.deepcopy(module))
+    del ours
+    again = gt.DataParallel(module, reduce="sum")
+    for m in (twin, again):
+        m.zero_grad(set_to_none=True)
+        F.cross_entropy(
+            m(shard(tokens, rank)).flatten(0, 1), shard(target, rank).flatten()
+        ).backward()
+    assert again.module.frozen.weight.grad is not None
+    expected = [None if g is None else g * ws for g in grads(twin)]  # frozen.bias: None
+    assert_equal(grads(again), expected, "re-wrapped, reduce='sum'")
 
 
 def check_compression(rank: int, ws: int) -> None:
