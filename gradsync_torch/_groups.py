@@ -182,8 +182,9 @@ class ProcessGroups:
 def check_reduction_plan(plan: ReductionPlan, groups: ProcessGroups) -> None:
     """Verify that every member of each reduction group holds the same buckets (collective).
 
-    One tiny ``all_gather_object`` per group, run once at setup: a mismatch raises here,
-    naming the ranks and the first differing parameter, instead of hanging later.
+    Tiny ``all_gather_object``s (the group list over the world, then each group's buckets),
+    run once at setup: a mismatch raises here, naming the ranks and the first differing
+    parameter, instead of hanging later.
 
     Raises:
         ValueError: if the plan's topology is not ``groups.topology`` or members differ.
@@ -193,6 +194,17 @@ def check_reduction_plan(plan: ReductionPlan, groups: ProcessGroups) -> None:
             "the reduction plan was made for another topology; build it with "
             "plan_shared_reductions(specs, groups.topology)"
         )
+    # First the list of groups, over the world: a rank missing a group would otherwise
+    # leave its peers waiting in that group's all-gather below.
+    every: list[tuple[str, ...] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, plan.group_names)
+    for other_rank, names in enumerate(every):
+        if names != plan.group_names:
+            raise ValueError(
+                f"rank {groups.rank} plans extra sums over {list(plan.group_names)} but rank "
+                f"{other_rank} over {list(names or ())}; build the plan from the same model "
+                "on every rank"
+            )
     for reduction in plan.reductions:
         group = groups.group(reduction.group)
         if group.size == 1:

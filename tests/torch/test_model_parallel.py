@@ -110,7 +110,7 @@ def _check_groups(groups: ProcessGroups, new_group_calls: int, expected_calls: i
         assert group.group_rank == topo.group_rank(name, rank) == groups.group_rank(name)
         if group.size == 1:
             assert group.pg is None
-            with pytest.raises(ValueError, match="one rank .* no process group"):
+            with pytest.raises(ValueError, match=r"one rank .* no process group"):
                 group.process_group  # noqa: B018  (the property raises)
             continue
         assert dist.get_process_group_ranks(group.process_group) == list(group.ranks)
@@ -183,6 +183,13 @@ def _check_plan_mismatch(groups: ProcessGroups) -> None:
     plan = plan_shared_reductions(shared_param_specs(model, data_axes=axes), groups.topology)
     with pytest.raises(ValueError, match=r"ranks \d and \d of group .* hold different"):
         check_reduction_plan(plan, groups)
+    # A rank whose model has no replicated parameters plans no sums at all.
+    data = () if groups.rank == 1 else axes
+    plan = plan_shared_reductions(shared_param_specs(model, data_axes=data), groups.topology)
+    with pytest.raises(ValueError, match=r"plans extra sums over .* but rank \d over"):
+        check_reduction_plan(plan, groups)
+    with pytest.raises(ValueError, match=r"needs 8 ranks .* has 4"):
+        ProcessGroups(Topology.create(8, tp=2))
 
 
 def _run_config(world_size: int, sizes: dict[str, int], expected_calls: int) -> dict:
