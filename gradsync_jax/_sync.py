@@ -160,12 +160,23 @@ def _check_leaf(name: str, leaf: Any, axes: tuple[str, ...], tracked: bool) -> N
 
 
 def _reduce(x: jax.Array, axes: tuple[str, ...], reduce: str, reduce_dtype: Any) -> jax.Array:
-    """One collective; ``mean`` divides before the sum, in the reduce dtype, as DDP does."""
+    """One collective; ``mean`` divides before the sum, in the reduce dtype, as DDP does.
+
+    For a power-of-two group in float32/float64 the division moves after the sum: scaling by
+    2**-k commutes with rounding, so the result is bit for bit the same (short of subnormals,
+    where dividing last is the more accurate), and XLA fuses it into the consumer instead of
+    spending one extra pass over every gradient before the collective (a few percent of a
+    step on CPU). Narrow wire dtypes keep dividing first: it guards fp16 against overflow.
+    """
     dtype = x.dtype
-    x = x.astype(reduce_dtype or dtype)
-    if reduce == "mean":
-        x = x / lax.axis_size(axes)
-    return lax.psum(x, axes).astype(dtype)
+    wire = jnp.dtype(reduce_dtype or dtype)
+    x = x.astype(wire)
+    if reduce == "sum":
+        return lax.psum(x, axes).astype(dtype)
+    size = lax.axis_size(axes)
+    if size & (size - 1) == 0 and wire in (jnp.float32, jnp.float64):
+        return (lax.psum(x, axes) * (1.0 / size)).astype(dtype)
+    return lax.psum(x / size, axes).astype(dtype)
 
 
 def sync_gradients(

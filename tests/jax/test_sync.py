@@ -85,6 +85,29 @@ def test_mean_and_sum_match_the_per_device_reference() -> None:
     _assert_tree_close(total, sum_ref)
     # Divide-before-sum by a power of two is exact: sum == dp * mean bit for bit.
     _assert_tree_equal(total, jax.tree.map(lambda g: g * DP, mean))
+    # The contract's arithmetic (DESIGN §7: divide by the group size, then sum) bit for bit.
+    _assert_tree_equal(mean, _run(lambda p, x: _divide_then_psum(local_grad(_loss)(p, x))))
+
+
+def _divide_then_psum(grads):
+    return jax.tree.map(lambda g: lax.psum(g / lax.axis_size("dp"), "dp"), grads)
+
+
+def test_mean_over_a_group_that_is_not_a_power_of_two() -> None:
+    """dp = 6 takes the divide-before-sum path; it is the contract's arithmetic exactly."""
+    mesh = mesh_from_topology(Topology.create(6), jax.devices()[:6])
+    x = X[: 6 * 4]
+
+    def run(body):
+        mapped = jax.shard_map(body, mesh=mesh, in_specs=(P(), P("dp")), out_specs=P())
+        return jax.jit(mapped)(
+            jax.device_put(PARAMS, NamedSharding(mesh, P())),
+            jax.device_put(x, NamedSharding(mesh, P("dp"))),
+        )
+
+    mean = run(lambda p, x: sync_gradients(local_grad(_loss)(p, x), "dp"))
+    _assert_tree_equal(mean, run(lambda p, x: _divide_then_psum(local_grad(_loss)(p, x))))
+    _assert_tree_close(mean, jax.grad(_loss)(PARAMS, x))
 
 
 def test_invariant_gradient_is_refused_not_silently_wrong() -> None:
