@@ -1,0 +1,224 @@
+"""torch ZeRO step time and memory: torch's ZeroRedundancyOptimizer vs gradsync ZeRO-1/2.
+
+DESIGN §11: every variant runs in the same process tree, alternating step by step (the order
+rotates every round), on the same model and data; each figure is the median over the timed
+rounds of the slowest rank's step. A step is zero_grad(set_to_none=True), forward, loss,
+backward and optimizer.step() (Adam): the optimizer and the parameter sync are what differ.
+
+    DDP + Adam              torch DDP, plain torch.optim.Adam (every rank holds all state)
+    DDP + torch ZeRO        torch DDP, torch.distributed.optim.ZeroRedundancyOptimizer(Adam)
+    DDP + gradsync ZeRO-1   torch DDP, gradsync_torch.ZeroRedundancyOptimizer(Adam)
+    gradsync ZeRO-2         no DDP; gradsync's optimizer reduce-scatters the gradients
+
+    python benchmarks/torch_zero.py            # 24 x Linear(1024, 1024) + GELU, batch 32, 2 ranks
+    python benchmarks/torch_zero.py --quick    # fewer rounds, < 2 min on 2 cores
+
+The last line is one JSON object: {"bench": "torch_zero", "step_s": ..., "anchor_step_s": ...,
+"ratio_vs_anchor": ..., ...}; the anchor is torch's ZeroRedundancyOptimizer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
+from torch.nn.parallel import DistributedDataParallel
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from gradsync_torch import ZeroRedundancyOptimizer
+
+VARIANTS = ("DDP + Adam", "DDP + torch ZeRO", "DDP + gradsync ZeRO-1", "gradsync ZeRO-2")
+ANCHOR = "DDP + torch ZeRO"
+MIB = 1024 * 1024
+
+
+def build_model(layers: int, width: int) -> nn.Module:
+    torch.manual_seed(0)
+    blocks: list[nn.Module] = []
+    for _ in range(layers):
+        blocks += [nn.Linear(width, width), nn.GELU()]
+    return nn.Sequential(*blocks)
+
+
+def _state_nbytes(opt: torch.optim.Optimizer) -> int:
+    inner = getattr(opt, "optim", opt)  # both ZeRO wrappers keep a local optimizer there
+    return sum(
+        v.numel() * v.element_size()
+        for state in inner.state.values()
+        for v in state.values()
+        if torch.is_tensor(v)
+    )
+
+
+def worker(rank: int, world_size: int, store_path: str, args: argparse.Namespace, out: Any):
+    torch.set_num_threads(args.threads)
+    store = dist.FileStore(store_path, world_size)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+    try:
+        base = build_model(args.layers, args.width)
+        setups: dict[str, tuple[nn.Module, torch.optim.Optimizer]] = {}
+        for name in VARIANTS:
+            module = copy.deepcopy(base)
+            model = module if name == "gradsync ZeRO-2" else DistributedDataParallel(module)
+            if name == "DDP + Adam":
+                opt: torch.optim.Optimizer = torch.optim.Adam(module.parameters(), lr=1e-4)
+            elif name == "DDP + torch ZeRO":
+                opt = TorchZero(module.parameters(), optimizer_class=torch.optim.Adam, lr=1e-4)
+            else:
+                opt = ZeroRedundancyOptimizer(
+                    module.named_parameters(),
+                    torch.optim.Adam,
+                    lr=1e-4,
+                    shard_gradients=name == "gradsync ZeRO-2",
+                )
+            setups[name] = (model, opt)
+        del base
+        gen = torch.Generator().manual_seed(1000 + rank)
+        x = torch.randn(args.batch, args.width, generator=gen)
+        grad_bytes: dict[str, int] = {}
+
+        def step(name: str, measure: bool) -> None:
+            model, opt = setups[name]
+            opt.zero_grad(set_to_none=True)
+            model(x).square().mean().backward()
+            if measure:  # gradients this rank holds when the optimizer runs
+                if isinstance(opt, ZeroRedundancyOptimizer) and opt.shard_gradients:
+                    opt.reduce_scatter_gradients()
+                    grad_bytes[name] = opt.grad_nbytes()
+                else:
+                    grad_bytes[name] = sum(
+                        p.grad.numel() * p.grad.element_size() for p in model.parameters()
+                    )
+            opt.step()
+
+        times: dict[str, list[float]] = {name: [] for name in VARIANTS}
+        rounds = args.warmup + args.steps
+        for r in range(rounds):
+            order = VARIANTS[r % len(VARIANTS) :] + VARIANTS[: r % len(VARIANTS)]
+            for name in order:
+                dist.barrier()
+                start = time.perf_counter()
+                step(name, measure=False)
+                elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank's step
+                if r >= args.warmup:
+                    times[name].append(elapsed.item())
+        for name in VARIANTS:
+            step(name, measure=True)  # untimed: the accounting adds a sync of its own
+        # Same grads, same Adam arithmetic: all four must hold the same parameters (2 ranks:
+        # a mean of two is exact in any order).
+        reference = list(setups["DDP + Adam"][0].parameters())
+        equal = {
+            name: all(
+                torch.equal(a, b)
+                for a, b in zip(reference, setups[name][0].parameters(), strict=True)
+            )
+            for name in VARIANTS[1:]
+        }
+        memory = torch.tensor(
+            [[_state_nbytes(setups[n][1]), grad_bytes[n]] for n in VARIANTS], dtype=torch.int64
+        )
+        dist.all_reduce(memory, op=dist.ReduceOp.MAX)  # the fullest rank
+        if rank == 0:
+            out.put((times, equal, memory.tolist()))
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer rounds (< 2 min)")
+    parser.add_argument("--steps", type=int, default=None, help="timed rounds (default 20)")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument(
+        "--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2), help="per rank"
+    )
+    args = parser.parse_args(argv)
+    if args.steps is None:
+        args.steps = 6 if args.quick else 20
+    if args.quick:
+        args.warmup = min(args.warmup, 2)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        procs = [
+            ctx.Process(target=worker, args=(r, args.world_size, store, args, out))
+            for r in range(args.world_size)
+        ]
+        for p in procs:
+            p.start()
+        times, equal, memory = out.get(timeout=1800)
+        for p in procs:
+            p.join()
+            if p.exitcode != 0:
+                raise SystemExit(f"a benchmark rank exited with code {p.exitcode}")
+    params = args.layers * (args.width * args.width + args.width)
+    medians = {name: statistics.median(ts) for name, ts in times.items()}
+    anchor = medians[ANCHOR]
+    state = {name: memory[i][0] for i, name in enumerate(VARIANTS)}
+    grads = {name: memory[i][1] for i, name in enumerate(VARIANTS)}
+    unsharded = state["DDP + Adam"]
+    print(
+        f"torch ZeRO, {args.layers} x Linear({args.width}, {args.width}) + GELU "
+        f"({params / 1e6:.1f} M parameters), Adam, batch {args.batch} per rank, "
+        f"{args.world_size} gloo ranks x {args.threads} thread(s), median of {args.steps} "
+        f"steps after {args.warmup} warm-up"
+    )
+    print(
+        f"{'variant':<22} {'step (s)':>9} {'vs torch ZeRO':>14} {'min (s)':>8} {'max (s)':>8} "
+        f"{'state MiB/rank':>15} {'vs Adam':>8} {'grad MiB/rank':>14}"
+    )
+    for name in VARIANTS:
+        ts = times[name]
+        print(
+            f"{name:<22} {medians[name]:>9.3f} {medians[name] / anchor:>13.2f}x "
+            f"{min(ts):>8.3f} {max(ts):>8.3f} {state[name] / MIB:>15.1f} "
+            f"{state[name] / unsharded:>7.2f}x {grads[name] / MIB:>14.1f}"
+        )
+    print(
+        "parameters equal to DDP + Adam after the run (bitwise): "
+        + ", ".join(f"{name}: {ok}" for name, ok in equal.items())
+    )
+    zero1, zero2 = "DDP + gradsync ZeRO-1", "gradsync ZeRO-2"
+    result = {
+        "bench": "torch_zero",
+        "step_s": round(medians[zero1], 4),
+        "anchor_step_s": round(anchor, 4),
+        "ratio_vs_anchor": round(medians[zero1] / anchor, 3),
+        "zero2_step_s": round(medians[zero2], 4),
+        "zero2_ratio_vs_anchor": round(medians[zero2] / anchor, 3),
+        "ddp_adam_step_s": round(medians["DDP + Adam"], 4),
+        "state_bytes_per_rank": state[zero1],
+        "anchor_state_bytes_per_rank": state[ANCHOR],
+        "unsharded_state_bytes": unsharded,
+        "state_ratio_vs_unsharded": round(state[zero1] / unsharded, 3),
+        "zero2_grad_bytes_per_rank": grads[zero2],
+        "ddp_grad_bytes_per_rank": grads[zero1],
+        "params_equal": equal,
+        "world_size": args.world_size,
+        "params": params,
+        "steps": args.steps,
+    }
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,396 @@
+"""gradsync_torch.ZeroRedundancyOptimizer against the unsharded optimizer, on gloo.
+
+Every check compares with a plain torch optimizer stepping a copy of the model on the same
+averaged gradients: parameters after every step and optimizer state at the end, bitwise
+(ZeRO-1 runs the same arithmetic on the same inputs). ZeRO-2 sums gradients with gloo's
+reduce instead of an all-reduce; at 2 ranks (a mean of two is exact in any order) and 1 rank
+that is still bitwise, at 4 ranks it is compared with rtol=1e-5, atol=1e-6. One spawn per
+world size runs all checks.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
+
+import gradsync_core
+from gradsync_torch import ZeroRedundancyOptimizer
+from gradsync_torch._specs import param_specs
+from tests.torch.harness import run_workers
+
+BATCH = 24  # divisible by 1, 2, 3 and 4 ranks
+
+
+def make_model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(16, 32),
+        nn.LayerNorm(32),
+        nn.GELU(),
+        nn.Linear(32, 24),
+        nn.GELU(),
+        nn.Linear(24, 8),
+    )
+
+
+def batch(step: int, world_size: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's slice of a global batch that depends only on the step."""
+    gen = torch.Generator().manual_seed(1000 + step)
+    x, y = torch.randn(BATCH, 16, generator=gen), torch.randn(BATCH, 8, generator=gen)
+    n = BATCH // world_size
+    return x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n]
+
+
+def averaged(grad: torch.Tensor, world_size: int) -> torch.Tensor:
+    """DDP's mean: scale by 1/world_size, then sum (DESIGN §7)."""
+    out = grad * (1.0 / world_size)
+    if world_size > 1:
+        dist.all_reduce(out)
+    return out
+
+
+def same(a: torch.Tensor, b: torch.Tensor, exact: bool, what: str) -> None:
+    if exact:
+        assert torch.equal(a, b), f"{what}: max diff {(a - b).abs().max().item():.3g}"
+    else:
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=what)
+
+
+class Pair:
+    """A ZeRO-trained model and a plain-optimizer reference fed the same averaged grads."""
+
+    def __init__(
+        self,
+        world_size: int,
+        make_opt: Callable[[nn.Module], ZeroRedundancyOptimizer],
+        make_ref: Callable[[nn.Module], torch.optim.Optimizer],
+        *,
+        model: nn.Module | None = None,
+        step_index: int = 0,
+    ) -> None:
+        self.world_size, self.rank = world_size, dist.get_rank()
+        self.model = make_model() if model is None else model
+        self.ref_model = copy.deepcopy(self.model)
+        self.opt, self.ref = make_opt(self.model), make_ref(self.ref_model)
+        self.exact = world_size <= 2 or not self.opt.shard_gradients
+        self.step_index = step_index
+
+    def backward(self) -> None:
+        """Local backward; reference gets the averaged grads, ZeRO-1 too (ZeRO-2 keeps
+        its local grads and reduce-scatters them itself)."""
+        x, y = batch(self.step_index, self.world_size, self.rank)
+        F.mse_loss(self.model(x), y).backward()
+        pairs = [
+            (p, q)
+            for p, q in zip(self.model.parameters(), self.ref_model.parameters(), strict=True)
+            if p.grad is not None
+        ]
+        flat = averaged(torch.cat([p.grad.reshape(-1) for p, _ in pairs]), self.world_size)
+        for (p, q), g in zip(pairs, flat.split([p.numel() for p, _ in pairs]), strict=True):
+            q.grad = g.view_as(p).clone()
+            if not self.opt.shard_gradients:
+                p.grad.copy_(q.grad)
+
+    def step(self, closure: bool = False) -> None:
+        self.opt.zero_grad()
+        self.ref.zero_grad()
+        if closure:
+
+            def run() -> float:
+                self.backward()
+                return 1.0
+
+            assert self.opt.step(run) == 1.0
+        else:
+            self.backward()
+            self.opt.step()
+        self.ref.step()
+        self.step_index += 1
+        self.check_params()
+
+    def check_params(self) -> None:
+        for (name, p), q in zip(
+            self.model.named_parameters(), self.ref_model.parameters(), strict=True
+        ):
+            same(p.detach(), q.detach(), self.exact, f"step {self.step_index} {name}")
+
+    def check_state(self) -> None:
+        """Consolidated state (on every rank in turn) equals the reference optimizer's."""
+        expected = self.ref.state_dict()
+        for to in range(self.world_size):
+            self.opt.consolidate_state_dict(to=to)
+            if self.rank != to:
+                with pytest.raises(RuntimeError, match="consolidate_state_dict"):
+                    self.opt.state_dict()
+                continue
+            got = self.opt.state_dict()
+            assert sorted(got["state"]) == sorted(expected["state"])
+            for index, state in expected["state"].items():
+                assert sorted(got["state"][index]) == sorted(state), index
+                for key, value in state.items():
+                    same(got["state"][index][key], value, self.exact, f"state {index} {key}")
+            for mine, theirs in zip(got["param_groups"], expected["param_groups"], strict=True):
+                assert mine["params"] == theirs["params"]
+                assert mine["lr"] == theirs["lr"]
+
+
+def zero(cls: type, **kw: Any) -> Callable[[nn.Module], ZeroRedundancyOptimizer]:
+    options = {
+        k: kw.pop(k)
+        for k in ("shard_gradients", "parameters_as_bucket_view", "bucket_cap_mb")
+        if k in kw
+    }
+    return lambda m: ZeroRedundancyOptimizer(m.named_parameters(), cls, **options, **kw)
+
+
+def plain(cls: type, **kw: Any) -> Callable[[nn.Module], torch.optim.Optimizer]:
+    kw = {
+        k: v
+        for k, v in kw.items()
+        if k not in ("shard_gradients", "parameters_as_bucket_view", "bucket_cap_mb")
+    }
+    return lambda m: cls(m.parameters(), **kw)
+
+
+OPTIMIZERS = [
+    (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),
+    (torch.optim.Adam, {"lr": 1e-2}),
+    (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
+]
+
+
+def check_trajectories(world_size: int) -> dict[str, Any]:
+    """20 steps of each optimizer, ZeRO-1 and ZeRO-2, equal the unsharded optimizer."""
+    finals = {}
+    for i, (cls, kw) in enumerate(OPTIMIZERS):
+        for shard in (False, True):
+            # Vary the layout options too: bucket views, and buckets of a few parameters.
+            extra = {
+                "shard_gradients": shard,
+                "parameters_as_bucket_view": i == 1,
+                "bucket_cap_mb": 0.002 if i == 0 else 25.0,
+            }
+            pair = Pair(world_size, zero(cls, **kw, **extra), plain(cls, **kw))
+            for _ in range(20):
+                pair.step()
+            pair.check_state()
+            finals[(cls.__name__, shard)] = [p.detach().clone() for p in pair.model.parameters()]
+    for cls, _ in OPTIMIZERS:  # ZeRO-2 equals ZeRO-1
+        for a, b in zip(finals[(cls.__name__, False)], finals[(cls.__name__, True)], strict=True):
+            same(a, b, world_size <= 2, f"ZeRO-2 vs ZeRO-1 {cls.__name__}")
+    return {"runs": len(finals)}
+
+
+def check_scheduler_closure_groups(world_size: int) -> None:
+    for shard in (False, True):
+        # An LR scheduler drives param_groups; step(closure) returns the closure's loss.
+        pair = Pair(
+            world_size,
+            zero(torch.optim.Adam, lr=1e-2, shard_gradients=shard),
+            plain(torch.optim.Adam, lr=1e-2),
+        )
+        scheds = [
+            torch.optim.lr_scheduler.StepLR(o, step_size=4, gamma=0.5) for o in (pair.opt, pair.ref)
+        ]
+        for step in range(12):
+            pair.step(closure=step % 2 == 1)
+            for s in scheds:
+                s.step()
+        assert pair.opt.param_groups[0]["lr"] == pair.ref.param_groups[0]["lr"] == 1e-2 / 8
+        pair.check_state()
+
+        # add_param_group: the head joins after 5 steps with its own learning rate.
+        def body(m: nn.Module) -> list[tuple[str, torch.Tensor]]:
+            return [(n, p) for n, p in m.named_parameters() if not n.startswith("5.")]
+
+        def make(m: nn.Module, shard: bool = shard) -> ZeroRedundancyOptimizer:
+            return ZeroRedundancyOptimizer(
+                body(m), torch.optim.AdamW, lr=1e-2, shard_gradients=shard
+            )
+
+        pair = Pair(world_size, make, lambda m: torch.optim.AdamW([p for _, p in body(m)], lr=1e-2))
+        for step in range(12):
+            if step == 5:
+                for model, opt in ((pair.model, pair.opt), (pair.ref_model, pair.ref)):
+                    head = list(model[5].named_parameters(prefix="5"))
+                    group = head if opt is pair.opt else [p for _, p in head]
+                    opt.add_param_group({"params": group, "lr": 3e-2})
+            pair.step()
+        assert len(pair.opt.param_groups) == 2 and pair.opt.param_groups[1]["lr"] == 3e-2
+        pair.check_state()
+
+
+def check_trainability(world_size: int) -> None:
+    """ZeRO-1: a parameter frozen at construction and unfrozen later is re-planned (state
+    moves to new owners); one frozen later keeps its owner and state, as plain Adam."""
+    pair = Pair(world_size, zero(torch.optim.Adam, lr=1e-2), plain(torch.optim.Adam, lr=1e-2))
+    for model in (pair.model, pair.ref_model):
+        model[0].weight.requires_grad_(False)
+    pair.opt = zero(torch.optim.Adam, lr=1e-2)(pair.model)  # built with 0.weight frozen
+    owners_before = pair.opt.plan().shards
+    for step in range(14):
+        if step == 6:
+            for model in (pair.model, pair.ref_model):
+                model[0].weight.requires_grad_(True)
+        if step == 10:
+            for model in (pair.model, pair.ref_model):
+                model[3].weight.requires_grad_(False)
+        pair.step()
+    assert pair.opt.plan().shards != owners_before
+    assert "0.weight" in {s.name for s in pair.opt.plan().shards}
+    pair.check_state()
+
+
+def check_state_dict_interchange(world_size: int) -> None:
+    """The consolidated state_dict loads into a plain Adam that then continues identically,
+    and a plain Adam's state_dict loads into the ZeRO optimizer."""
+    for shard in (False, True):
+        pair = Pair(
+            world_size,
+            zero(torch.optim.Adam, lr=1e-2, shard_gradients=shard),
+            plain(torch.optim.Adam, lr=1e-2),
+        )
+        for _ in range(6):
+            pair.step()
+        pair.opt.consolidate_state_dict(to=0)
+        box = [pair.opt.state_dict() if pair.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        fresh = copy.deepcopy(pair.model)
+        replacement = torch.optim.Adam(fresh.parameters(), lr=5.0)
+        replacement.load_state_dict(box[0])
+        assert replacement.param_groups[0]["lr"] == 1e-2
+        pair.ref_model, pair.ref = fresh, replacement  # plain Adam now continues the ZeRO run
+        for _ in range(4):
+            pair.step()
+        pair.check_state()
+        # ... and the other way: a fresh ZeRO optimizer takes the plain Adam's state.
+        model = copy.deepcopy(pair.ref_model)
+        opt = ZeroRedundancyOptimizer(
+            model.named_parameters(), torch.optim.Adam, lr=5.0, shard_gradients=shard
+        )
+        opt.load_state_dict(copy.deepcopy(pair.ref.state_dict()))  # it returns live tensors
+        pair.model, pair.opt = model, opt
+        for _ in range(4):
+            pair.step()
+        pair.check_state()
+
+
+def check_memory(world_size: int) -> dict[str, float]:
+    """Each rank holds Adam state for exactly the parameters the plan gives it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(8)])
+    opt = ZeroRedundancyOptimizer(model.named_parameters(), torch.optim.Adam, lr=1e-3)
+    ref = torch.optim.Adam(copy.deepcopy(model).parameters(), lr=1e-3)
+    for p in [*model.parameters(), *ref.param_groups[0]["params"]]:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    ref.step()
+    unsharded = sum(v.numel() * v.element_size() for s in ref.state.values() for v in s.values())
+    owned = opt.plan().rank_numel[opt.rank]
+    n_owned = len(opt.plan().shards_of(opt.rank))
+    assert opt.state_nbytes() == 2 * 4 * owned + 4 * n_owned  # exp_avg, exp_avg_sq, step
+    total = torch.tensor([opt.state_nbytes()])
+    dist.all_reduce(total)
+    assert total.item() == unsharded
+    ratio = opt.state_nbytes() / unsharded
+    if world_size == 2:
+        assert ratio <= 0.55, ratio
+    return {"state_ratio": ratio}
+
+
+def check_torch_partition(world_size: int) -> None:
+    """Ownership equals torch's own ZeroRedundancyOptimizer on a real model, two groups."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Embedding(40, 32),
+        nn.TransformerEncoderLayer(32, 4, 64, batch_first=True),
+        nn.TransformerEncoderLayer(32, 4, 64, batch_first=True),
+        nn.Linear(32, 40),
+    )
+    named = list(model.named_parameters())
+    decay = [(n, p) for n, p in named if p.dim() >= 2]
+    no_decay = [(n, p) for n, p in named if p.dim() < 2]
+    theirs = TorchZero(
+        [
+            {"params": [p for _, p in decay]},
+            {"params": [p for _, p in no_decay], "weight_decay": 0.0},
+        ],
+        optimizer_class=torch.optim.AdamW,
+        lr=1e-3,
+    )
+    ours = ZeroRedundancyOptimizer(
+        [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}],
+        torch.optim.AdamW,
+        lr=1e-3,
+    )
+    name_of = {id(p): n for n, p in named}
+    torch_owner = {name_of[id(p)]: r for p, r in theirs._param_to_rank.items()}
+    plan = gradsync_core.plan_greedy_shards(
+        [param_specs(decay), param_specs(no_decay)], world_size=world_size
+    )
+    assert {s.name: s.rank for s in plan.shards} == torch_owner
+    assert ours.plan() == plan
+    mine = {name_of[id(p)] for g in ours.optim.param_groups for p in g["params"]}
+    assert mine == {name_of[id(p)] for g in theirs.optim.param_groups for p in g["params"]}
+
+
+def worker(rank: int, world_size: int, directory: str) -> dict[str, Any]:
+    from tests.torch import test_zero_checkpoint as ckpt
+
+    out: dict[str, Any] = {}
+    if world_size == 3:  # only resharding: load what 4 ranks saved
+        ckpt.check_reshard(world_size, directory)
+        return out
+    out.update(check_trajectories(world_size))
+    if world_size <= 2:
+        check_scheduler_closure_groups(world_size)
+        check_state_dict_interchange(world_size)
+    check_trainability(world_size)
+    out.update(check_memory(world_size))
+    check_torch_partition(world_size)
+    if world_size == 2:
+        ckpt.check_reshard(world_size, directory)
+        ckpt.check_bad_checkpoints(world_size, directory)
+    else:  # 1 and 4: save, restart, resume; 4 also writes what 2 and 3 load
+        ckpt.check_save_resume(world_size, directory)
+    return out
+
+
+@pytest.fixture(scope="module")
+def saved_at_4(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Any], str]:
+    directory = str(tmp_path_factory.mktemp("zero"))
+    return run_workers(worker, 4, directory, timeout=400), directory
+
+
+def test_world4_trajectories_partition_save_resume(saved_at_4: tuple[list[Any], str]) -> None:
+    results, _ = saved_at_4
+    assert [r["runs"] for r in results] == [6] * 4
+
+
+@pytest.mark.parametrize("world_size", [2, 3], ids=lambda w: f"world{w}")
+def test_resharded_resume_and_more(world_size: int, saved_at_4: tuple[list[Any], str]) -> None:
+    run_workers(worker, world_size, saved_at_4[1], timeout=400)
+
+
+def test_world1(tmp_path: Any) -> None:
+    assert run_workers(worker, 1, str(tmp_path))[0]["runs"] == 6
+
+
+def test_zero2_rejects_non_elementwise_optimizers() -> None:
+    with pytest.raises(ValueError, match=r"elementwise.*Adafactor.*shard_gradients=False"):
+        ZeroRedundancyOptimizer(
+            make_model().parameters(), torch.optim.Adafactor, shard_gradients=True
+        )
+
+
+def test_needs_an_initialized_process_group() -> None:
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        ZeroRedundancyOptimizer(make_model().parameters(), torch.optim.Adam)
