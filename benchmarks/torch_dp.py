@@ -32,7 +32,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from gradsync_torch import DataParallel  # noqa: E402
+from gradsync_torch import DataParallel
 
 VARIANTS = ("torch DDP", "gradsync overlap", "gradsync legacy", "compute only")
 
@@ -84,7 +84,9 @@ def worker(rank: int, world_size: int, store_path: str, args: argparse.Namespace
         ddp, overlap, legacy = (models[n] for n in VARIANTS[:3])
         equal = all(
             torch.equal(a.grad, b.grad) and torch.equal(a.grad, c.grad)
-            for a, b, c in zip(ddp.parameters(), overlap.parameters(), legacy.parameters())
+            for a, b, c in zip(
+                ddp.parameters(), overlap.parameters(), legacy.parameters(), strict=True
+            )
         )
         if rank == 0:
             out.put((times, equal, len(overlap.bucket_plan.buckets)))
@@ -102,9 +104,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument(
-        "--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2), help="per rank"
+        "--threads", type=int, help="torch threads per rank (default: cores / ranks)"
     )
     args = parser.parse_args(argv)
+    if args.threads is None:
+        args.threads = max(1, (os.cpu_count() or 2) // args.world_size)
     if args.steps is None:
         args.steps = 10 if args.quick else 20
     ctx = mp.get_context("spawn")

@@ -300,6 +300,9 @@ class DataParallel(nn.Module):
     def _finish_backward(self) -> None:
         try:
             self._sync_after_backward(from_backward=True)
+        except BaseException:
+            self._abandon_backward()
+            raise
         finally:
             self._callback_queued = False
 
@@ -322,9 +325,11 @@ class DataParallel(nn.Module):
     def _write_back(self, bucket: BucketBuffers, i: int, global_used: torch.Tensor | None) -> None:
         slot, param, view = bucket.slot_ids[i], bucket.params[i], bucket.views[i]
         if self._has_grad(slot, param):
-            if self.gradient_as_bucket_view:
+            if param.grad.data_ptr() == view.data_ptr():
+                pass  # a bucket view already: the reduced value is in place
+            elif self.gradient_as_bucket_view:
                 param.grad = view
-            elif param.grad.data_ptr() != view.data_ptr():
+            else:
                 param.grad.copy_(view)
         elif global_used is not None and global_used[slot] > 0:
             # No gradient here but some rank had one: every rank must step the same way.
