@@ -72,6 +72,7 @@ class _Config:
         self.reduce = reduce
         self.bucket_cap_bytes = bucket_cap_bytes
         self.layouts: dict[Any, Layout] = {}
+        self.bodies: dict[int, Any] = {}  # id(layout) -> jitted update body (layouts are kept)
 
     def layout(self, params: Any) -> Layout:
         params = abstract(pure(params))
@@ -84,6 +85,21 @@ class _Config:
                 layout = build_flat(self.inner, space, self.world_size, self.bucket_cap_bytes)
             self.layouts[key] = layout
         return self.layouts[key]
+
+    def body(self, layout: Layout) -> Any:
+        """The update after the checks: local gradients in, full updates and new state out."""
+
+        def run(grads: list[Any], inner: Any, shards: Any, params: Any, extra: Any) -> Any:
+            return layout.update_local(
+                self.inner, grads, inner, shards, params, extra, self.axes, self.reduce == "mean"
+            )
+
+        return run
+
+    def jitted(self, layout: Layout) -> Any:
+        if id(layout) not in self.bodies:
+            self.bodies[id(layout)] = jax.jit(self.body(layout))
+        return self.bodies[id(layout)]
 
     def specs(self, layout: Layout) -> ZeroState:
         inner, shards = layout.state_specs(self.spec_entry)
@@ -261,16 +277,18 @@ def _make_update(config: _Config) -> Any:
                     "state into shard_map with in_specs=tx.state_specs(params) (one row per "
                     "device) and the same parameter tree it was initialized with"
                 )
-        leaves, new_inner, new_shards = layout.update_local(
-            config.inner,
-            grads,
-            state.inner,
-            dict(state.shards),
-            None if params is None else treedef.flatten_up_to(params),
-            extra_args,
-            axes,
-            config.reduce == "mean",
-        )
+        p_leaves = None if params is None else treedef.flatten_up_to(params)
+        arrays = (jax.Array, np.ndarray, np.generic, float, int)
+        if all(isinstance(x, arrays) for x in jax.tree.leaves(extra_args)):
+            # One jitted body: inlined under the user's jit, and compiled once (not primitive
+            # by primitive, every step) when the step runs in shard_map without jit.
+            leaves, new_inner, new_shards = config.jitted(layout)(
+                grads, state.inner, dict(state.shards), p_leaves, extra_args
+            )
+        else:  # e.g. a value_fn for a line search: not a jit argument
+            leaves, new_inner, new_shards = config.body(layout)(
+                grads, state.inner, dict(state.shards), p_leaves, extra_args
+            )
         return treedef.unflatten(leaves), ZeroState(inner=new_inner, shards=new_shards)
 
     return update

@@ -10,6 +10,8 @@ optimizers; ``check_elementwise`` refuses the others before any state is built.
 
 from __future__ import annotations
 
+import contextlib
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +25,9 @@ from jax.sharding import PartitionSpec as P
 from gradsync_core import BucketPlan, ShardPlan, plan_buckets, plan_flat_shards
 from gradsync_jax._zero_clip import shard_context
 from gradsync_jax._zero_space import ModelSpace, key_part, path_parts
+
+# Transformations already probed, by their update function (the probe compiles once).
+_CHECKED: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 
 
 class NotElementwiseError(ValueError):
@@ -51,41 +56,55 @@ def check_elementwise(inner: optax.GradientTransformation) -> None:
     Raises:
         NotElementwiseError: naming what differed.
     """
+    try:
+        if _CHECKED.get(inner.update):
+            return
+    except TypeError:  # not weak-referenceable: just run the probe
+        pass
     rng = np.random.default_rng(1910_02054)
-    params = {"w": rng.normal(size=(5, 4)), "b": rng.normal(size=(7,))}
-    grads = [{k: 100.0 * rng.normal(size=v.shape) for k, v in params.items()} for _ in range(2)]
+    shapes = {"w": (5, 4), "b": (7,)}
+    params = {k: rng.normal(size=v).astype(np.float32) for k, v in shapes.items()}
+    grads = [
+        {k: (100.0 * rng.normal(size=v)).astype(np.float32) for k, v in shapes.items()}
+        for _ in range(2)
+    ]
 
-    def run(params: Any, grads: list[Any]) -> list[Any]:
+    def run(params: Any, grads: list[Any], norms: list[Any]) -> list[Any]:
         state = inner.init(params)
         outs = []
-        for g in grads:
-            updates, state = inner.update(g, state, params)
+        for g, norm in zip(grads, norms, strict=True):
+            # What a device of a flat partition sees: its piece, and the whole gradient's norm
+            # for gradsync_jax.clip_by_global_norm.
+            with shard_context(g, norm):
+                updates, state = inner.update(g, state, params)
             params = optax.apply_updates(params, updates)
             outs.append(updates)
         return outs
 
-    def cut(tree: Any) -> list[np.ndarray]:
-        flat = np.concatenate([np.ravel(tree["w"]), np.ravel(tree["b"])]).astype(np.float32)
+    def cut(tree: Any) -> list[Any]:
+        flat = jnp.concatenate([jnp.ravel(tree["w"]), jnp.ravel(tree["b"])])
         return [flat[:13], flat[13:]]
 
-    to32 = lambda t: jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), t)  # noqa: E731
+    @jax.jit  # one small compile instead of dozens of eager dispatches
+    def probe(params: Any, grads: list[Any]) -> tuple[Any, Any]:
+        norms = [optax.tree.norm(g) for g in grads]
+        whole = [jnp.concatenate(cut(u)) for u in run(params, grads, norms)]
+        pieces = [run(p, [cut(g)[k] for g in grads], norms) for k, p in enumerate(cut(params))]
+        return whole, [jnp.concatenate([p[step] for p in pieces]) for step in range(2)]
+
     try:
-        whole = run(to32(params), [to32(g) for g in grads])
-        pieces = [
-            run(jnp.asarray(p), [jnp.asarray(cut(g)[k]) for g in grads])
-            for k, p in enumerate(cut(params))
-        ]
+        whole, pieces = probe(params, grads)
     except Exception as err:  # a mask or label tree that needs the parameter structure
         raise _not_elementwise(f"fails on flat 1-D chunks ({type(err).__name__}: {err})") from err
-    for step in range(len(grads)):
-        expected = np.concatenate([np.asarray(p[step]) for p in pieces])
-        got = cut(jax.tree.map(np.asarray, whole[step]))
-        got = np.concatenate(got)
+    for got, expected in zip(whole, pieces, strict=True):
+        got, expected = np.asarray(got), np.asarray(expected)
         if not np.allclose(got, expected, rtol=1e-5, atol=1e-6 * float(np.abs(got).max() or 1)):
             raise _not_elementwise(
                 "gives different updates when its input is cut into pieces (it combines "
                 "elements: a per-tensor or global norm, a factorization or a mask)"
             )
+    with contextlib.suppress(TypeError):
+        _CHECKED[inner.update] = True
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
