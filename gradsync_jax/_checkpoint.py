@@ -75,7 +75,7 @@ def save_optimizer_state(
     state_keys: dict[str, list[str]] = {spec.name: [] for spec in space.specs}
     global_keys = []
     for leaf, value in zip(space.leaves, values, strict=True):
-        value = np.ascontiguousarray(value)
+        value = np.array(value, order="C")  # ascontiguousarray would make 0-d arrays 1-d
         if leaf.param is None:
             files[0][tensor_key(GLOBAL_PARAM, leaf.key)] = value
             global_keys.append(leaf.key)
