@@ -125,6 +125,9 @@ def check_errors(rank: int, ws: int) -> None:
     expect_error(RuntimeError, ["requires grad", "create_graph"], create_graph)
     double.zero_grad(set_to_none=True)
     step(double, x, y, rank)  # the wrapper recovers from the aborted backward
+    fresh = gt.DataParallel(mlp())
+    step(fresh, x, y, rank)
+    assert_equal(grads(double), grads(fresh), "after an aborted backward")
     if ws > 1:
         solo = dist.new_group([0])
         if rank != 0:
