@@ -31,6 +31,12 @@ from gradsync_torch._verify import (
     state_entries,
     verify_same_everywhere,
 )
+from gradsync_torch._zero_grads import GradientSharder, pad_for_sharding
+
+
+def _wait_cpu(work: Any, tensor: torch.Tensor) -> torch.Tensor:
+    work.wait()
+    return tensor.cpu()
 
 
 def _grad_ready(owner: weakref.ref, slot: int, param: torch.Tensor) -> None:
@@ -60,6 +66,10 @@ class DataParallel(nn.Module):
             forward that follows a synced training forward, as DDP does.
         param_broadcast_period: re-broadcast parameters from rank 0 every this many syncs
             (MegEngine's ``bcast_period``); 0 never does.
+        shard_gradients: ZeRO-2: reduce-scatter each bucket (padded to a multiple of the
+            group size) instead of all-reducing it and drop ``param.grad``; each rank keeps
+            only its shard, which ``ZeroRedundancyOptimizer(..., shard_gradients=True)``
+            over these parameters steps (see ``gradsync_torch._zero_grads``).
 
     Raises:
         RuntimeError: if torch.distributed is not initialized.
@@ -85,6 +95,7 @@ class DataParallel(nn.Module):
         gradient_as_bucket_view: bool = False,
         broadcast_buffers: bool = True,
         param_broadcast_period: int = 0,
+        shard_gradients: bool = False,
     ) -> None:
         super().__init__()
         check_arguments(
@@ -118,12 +129,20 @@ class DataParallel(nn.Module):
         self._comm_device = comm_device([p for _, p in self._trainable], group)
 
         plan = make_plan(self._specs, overlap=overlap, bucket_cap_mb=bucket_cap_mb)
+        if shard_gradients:
+            plan = pad_for_sharding(plan, self.world_size)
         options = {"overlap": overlap, "reduce": reduce, "reduce_dtype": reduce_dtype}
+        options["shard_gradients"] = shard_gradients
         verify_same_everywhere(plan, state_entries(module, options), group, self._comm_device)
         # Every rank starts from rank 0's weights and buffers (DDP's _sync_module_states).
         broadcast_tensors([p for _, p in named] + [b for _, b in module.named_buffers()], group)
 
-        self._reducer = Reducer(group, reduce=reduce, reduce_dtype=reduce_dtype)
+        self.shard_gradients = shard_gradients
+        self._reducer = (
+            GradientSharder(group, reduce=reduce, reduce_dtype=reduce_dtype, data_parallel=self)
+            if shard_gradients
+            else Reducer(group, reduce=reduce, reduce_dtype=reduce_dtype)
+        )
         self._plan = plan
         self._buckets: list[BucketBuffers] = []
         self._where: list[tuple[int, int]] = []  # slot -> (bucket index, index in bucket)
@@ -137,8 +156,10 @@ class DataParallel(nn.Module):
         self._sync_buffers_next = True
         self._dirty = False  # gradients accumulated under no_sync and not reduced yet
         self._syncs = 0
+        self._used_work: Any = None  # an unwaited used-map all-reduce (see _sync_after_backward)
         self._params_broadcast_at = 0
-        self._ready_order: list[int] | None = [] if overlap else None
+        # Sharded gradients: the layout is the optimizer's ownership, so it stays fixed.
+        self._ready_order: list[int] | None = [] if overlap and not shard_gradients else None
         self._hook_handles: list[Any] = []
         if overlap:
             # The hooks hold the wrapper weakly: once a user drops it (say, to wrap the module
@@ -288,6 +309,8 @@ class DataParallel(nn.Module):
                 param.grad = view
         else:
             self._reducer.scale_in_place(view)
+        if self.shard_gradients:
+            param.grad = None  # ZeRO-2: the bucket holds it until the reduce-scatter
         bucket.pending -= 1
         if bucket.pending == 0:
             last = len(self._buckets) - 1
@@ -324,6 +347,13 @@ class DataParallel(nn.Module):
 
     def _write_back(self, bucket: BucketBuffers, i: int, global_used: torch.Tensor | None) -> None:
         slot, param, view = bucket.slot_ids[i], bucket.params[i], bucket.views[i]
+        if self.shard_gradients:  # ZeRO-2: this rank's shard is in the reducer, not .grad
+            used = self._has_grad(slot, param)
+            used = used or (global_used is not None and bool(global_used[slot] > 0))
+            self._reducer.record_used(param, used)
+            param.grad = None
+            self._preset[slot] = False
+            return
         if self._has_grad(slot, param):
             if param.grad.data_ptr() == view.data_ptr():
                 pass  # a bucket view already: the reduced value is in place
@@ -339,16 +369,19 @@ class DataParallel(nn.Module):
         self._preset[slot] = False
 
     def _sync_after_backward(self, *, from_backward: bool) -> None:
-        has = torch.tensor(
-            [self._has_grad(s, p) for s, (_, p) in enumerate(self._trainable)],
-            dtype=torch.int32,
-        ).to(self._comm_device)
+        if self._used_work is not None:
+            self._used_work.wait()  # last sync's used-map, which this rank did not need then
+            self._used_work = None
+        flags = [self._has_grad(s, p) for s, (_, p) in enumerate(self._trainable)]
+        has = torch.tensor(flags, dtype=torch.int32).to(self._comm_device)
         last = len(self._buckets) - 1
+        # The used-map says which parameters got a gradient on any rank. A rank that had
+        # every gradient never needs it, so it waits only at its next sync.
         if not self.overlap:
             # Legacy: the buckets share one buffer, so each is reduced and written back
-            # before the next; the used-map goes first since write-back needs it.
-            dist.all_reduce(has, group=self.process_group)
-            global_used = has.cpu()
+            # before the next.
+            used_work = dist.all_reduce(has, group=self.process_group, async_op=True)
+            global_used = None if all(flags) else _wait_cpu(used_work, has)
             for bucket in self._buckets:
                 for i, slot in enumerate(bucket.slot_ids):
                     self._fill(slot, bucket.params[i], bucket.views[i])
@@ -363,22 +396,22 @@ class DataParallel(nn.Module):
                     if not self._fired[slot]:
                         self._fill(slot, bucket.params[i], bucket.views[i])
                 self._reducer.launch(bucket, is_last=b == last)
-            # Which parameters got a gradient on any rank. Issued after every bucket, since
-            # ranks may have launched different numbers of buckets during backward and
-            # collectives must be issued in the same order everywhere.
+            # Issued after every bucket: ranks may have launched different numbers of
+            # buckets during backward, and collectives must be issued in the same order.
             used_work = dist.all_reduce(has, group=self.process_group, async_op=True)
             unused: list[tuple[BucketBuffers, int]] = []
             for bucket in self._buckets:
                 self._reducer.finish(bucket)
                 for i, slot in enumerate(bucket.slot_ids):
-                    if self._has_grad(slot, bucket.params[i]):
+                    if flags[slot]:
                         self._write_back(bucket, i, None)
                     else:
                         unused.append((bucket, i))
-            used_work.wait()
-            global_used = has.cpu() if unused else None
+            global_used = _wait_cpu(used_work, has) if unused else None
             for bucket, i in unused:
                 self._write_back(bucket, i, global_used)
+        if global_used is None:
+            self._used_work = used_work
         self._next_launch = 0
         for bucket in self._buckets:
             bucket.reset()

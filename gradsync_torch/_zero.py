@@ -18,11 +18,18 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
-from gradsync_core import ParamSpec, ShardPlan, plan_greedy_shards
+from gradsync_core import ParamSpec, ShardPlan, plan_flat_shards, plan_greedy_shards
 from gradsync_torch import _zero_checkpoint
 from gradsync_torch._specs import dtype_name
-from gradsync_torch._zero_flat import FlatLayout, check_elementwise, plan_flat
-from gradsync_torch._zero_layout import Broadcaster, GreedyLayout, Piece, state_nbytes
+from gradsync_torch._zero_flat import FlatLayout, check_elementwise, plan_flat, rename_plan
+from gradsync_torch._zero_grads import find_sharder
+from gradsync_torch._zero_layout import (
+    Broadcaster,
+    GreedyLayout,
+    Piece,
+    check_same_plan,
+    state_nbytes,
+)
 
 _NOT_HYPER = ("params", "param_names")
 
@@ -123,8 +130,19 @@ class ZeroRedundancyOptimizer(Optimizer):
         self._planned: set[int] = set()
         self._consolidated: dict[int, dict[str, Any]] | None = None
         self._gradsync_steps = 0
+        self._sharder = find_sharder(self._params())
+        if self._sharder is not None and not shard_gradients:
+            raise ValueError(
+                "these parameters are wrapped by DataParallel(shard_gradients=True), which "
+                "keeps only each rank's gradient shard; build the optimizer with "
+                "shard_gradients=True"
+            )
+        if self._sharder is not None and self._sharder.world_size != self.world_size:
+            raise ValueError(
+                f"DataParallel shards gradients over {self._sharder.world_size} ranks, this "
+                f"optimizer's process group has {self.world_size}; pass the same group"
+            )
         self.optim: Optimizer
-        self.layout: GreedyLayout | FlatLayout
         self._rebuild()
         self._initialized = True
 
@@ -183,6 +201,15 @@ class ZeroRedundancyOptimizer(Optimizer):
         the parameters named by ``names``."""
         specs = self._specs(names)
         groups = self._group_of()
+        if self._sharder is not None:  # DataParallel's buckets, renamed to ours
+            by_id = {id(p): i for i, p in enumerate(self._params())}
+            dp_names = {n: by_id.get(id(p)) for n, p in self._sharder.params_by_name().items()}
+            base = plan_flat_shards(
+                self._sharder.data_parallel.bucket_plan, world_size=self.world_size
+            )
+            ours = {n: specs[i].name for n, i in dp_names.items() if i is not None}
+            group_of = {n: groups[i] for n, i in dp_names.items() if i is not None}
+            return rename_plan(base, ours, group_of)
         per_group: list[list[ParamSpec]] = [[] for _ in self.param_groups]
         for spec, g in zip(specs, groups, strict=True):
             per_group[g].append(spec)
@@ -197,31 +224,6 @@ class ZeroRedundancyOptimizer(Optimizer):
             segments, group_of_name, world_size=self.world_size, cap_bytes=self._cap_bytes
         )
 
-    def _check_same_plan(self, plan: ShardPlan, specs: list[ParamSpec]) -> None:
-        """Every rank must hold the same plan, or the sync collectives mismatch and hang."""
-        if self.world_size == 1:
-            return
-        prints: list[Any] = [None] * self.world_size
-        dist.all_gather_object(prints, plan.fingerprint, group=self.process_group)
-        if len(set(prints)) == 1:
-            return
-        tables: list[Any] = [None] * self.world_size
-        mine = [(s.name, s.shape, s.dtype, s.requires_grad) for s in specs]
-        dist.all_gather_object(tables, mine, group=self.process_group)
-        other = next(r for r in range(self.world_size) if prints[r] != prints[0])
-        diff = next(
-            (
-                f"parameter #{i}: {a} vs {b}"
-                for i, (a, b) in enumerate(zip(tables[0], tables[other], strict=False))
-                if a != b
-            ),
-            f"{len(tables[0])} vs {len(tables[other])} parameters",
-        )
-        raise ValueError(
-            f"ranks 0 and {other} built different ZeRO plans ({diff}); every rank must pass "
-            "the same parameters, in the same order, with the same requires_grad"
-        )
-
     # -- the local optimizer --------------------------------------------------------------
 
     def _local_pieces(self) -> list[Piece]:
@@ -229,26 +231,40 @@ class ZeroRedundancyOptimizer(Optimizer):
         return sorted(self.layout.pieces, key=lambda piece: piece.group)
 
     def _rebuild(self) -> None:
-        """(Re)plan ownership, build the layout and a local optimizer over this rank's pieces,
-        keeping every piece's state; pieces whose owner changed travel to the new owner."""
-        old_plan = self.layout.plan if hasattr(self, "layout") else None
-        old_state: dict[tuple[int, int, int], dict[str, Any]] = {}
-        if old_plan is not None:
-            old_state = {
-                (p.index, p.start, p.stop): self.optim.state[p.tensor]
-                for p in self.layout.pieces
-                if p.tensor in self.optim.state
-            }
-        specs = self._specs()
-        plan = self.plan()
-        self._check_same_plan(plan, specs)
+        """(Re)plan ownership, build the layout and a local optimizer over this rank's
+        pieces, and carry every piece's state over (to its new owner if it moved)."""
+        old_plan, old_state = None, []
+        if hasattr(self, "layout"):
+            old_plan, old_state = self.layout.plan, _zero_checkpoint.local_pieces(self)
+        specs, plan = self._specs(), self.plan()
+        check_same_plan(plan, specs, self.process_group, self.world_size)
         params, groups = self._params(), self._group_of()
-        if self.shard_gradients:
-            layout: GreedyLayout | FlatLayout = FlatLayout(
-                params, groups, specs, plan, self._comm, bucket_view=self.parameters_as_bucket_view
+        if self._sharder is not None:
+            by_id = {id(p): i for i, p in enumerate(params)}
+            slot_params = self._sharder.params_by_name()
+            names = {n: specs[by_id[id(p)]].name for n, p in slot_params.items() if id(p) in by_id}
+            slot_params = {names.get(n, n): p for n, p in slot_params.items()}
+            slot_index = {specs[i].name: i for i in range(len(params))}
+            self.layout: GreedyLayout | FlatLayout = FlatLayout(
+                slot_params,
+                slot_index,
+                groups,
+                plan,
+                self._comm,
+                bucket_view=self.parameters_as_bucket_view,
+                sharder=self._sharder,
+            )
+        elif self.shard_gradients:
+            self.layout = FlatLayout(
+                {s.name: p for s, p in zip(specs, params, strict=True)},
+                {s.name: i for i, s in enumerate(specs)},
+                groups,
+                plan,
+                self._comm,
+                bucket_view=self.parameters_as_bucket_view,
             )
         else:
-            layout = GreedyLayout(
+            self.layout = GreedyLayout(
                 params,
                 groups,
                 specs,
@@ -257,7 +273,6 @@ class ZeroRedundancyOptimizer(Optimizer):
                 cap_bytes=self._cap_bytes,
                 bucket_view=self.parameters_as_bucket_view,
             )
-        self.layout = layout
         self._planned = {i for i, s in enumerate(specs) if s.requires_grad}
         local_groups = [
             {**{k: v for k, v in group.items() if k not in _NOT_HYPER}, "params": []}
@@ -268,36 +283,7 @@ class ZeroRedundancyOptimizer(Optimizer):
         self.optim = self.optimizer_class(local_groups, **self._local_defaults)
         _copy_hyper(self.optim.param_groups, self.param_groups)
         if old_plan is not None:
-            self._restore_moved_state(old_plan, plan, old_state)
-
-    def _restore_moved_state(
-        self,
-        old_plan: ShardPlan,
-        plan: ShardPlan,
-        old_state: dict[tuple[int, int, int], dict[str, Any]],
-    ) -> None:
-        before = {(s.name, s.start, s.stop): s.rank for s in old_plan.shards}
-        moved = any(before.get((s.name, s.start, s.stop), s.rank) != s.rank for s in plan.shards)
-        if moved and self.world_size > 1:
-            # Rare (a frozen parameter became trainable): ship every piece this rank no
-            # longer owns to all ranks and let the new owners pick theirs up.
-            keep = {(p.index, p.start, p.stop) for p in self.layout.pieces}
-            outgoing = {
-                key: {k: v.cpu() if torch.is_tensor(v) else v for k, v in state.items()}
-                for key, state in old_state.items()
-                if key not in keep
-            }
-            gathered: list[Any] = [None] * self.world_size
-            dist.all_gather_object(gathered, outgoing, group=self.process_group)
-            for received in gathered:
-                old_state.update(received)
-        for piece in self.layout.pieces:
-            state = old_state.get((piece.index, piece.start, piece.stop))
-            if state is not None:
-                self.optim.state[piece.tensor] = {
-                    k: v.to(piece.tensor.device) if torch.is_tensor(v) and v.dim() else v
-                    for k, v in state.items()
-                }
+            _zero_checkpoint.carry_state(self, old_plan, old_state)
 
     # -- torch.optim.Optimizer API ----------------------------------------------------------
 
@@ -375,34 +361,7 @@ class ZeroRedundancyOptimizer(Optimizer):
         """Gather the full optimizer state on group rank ``to`` (a collective), for
         ``state_dict()`` there."""
         _copy_hyper(self.param_groups, self.optim.param_groups)
-        mine = [
-            (
-                p.index,
-                p.start,
-                p.stop,
-                p.whole,
-                {
-                    k: v.detach().cpu().clone() if torch.is_tensor(v) else v
-                    for k, v in self.optim.state[p.tensor].items()
-                },
-            )
-            for p in self.layout.pieces
-            if p.tensor in self.optim.state
-        ]
-        gathered: list[Any] | None = [None] * self.world_size if self.rank == to else None
-        if self.world_size == 1:
-            gathered = [mine]
-        else:
-            dist.gather_object(
-                mine, gathered, dst=self._comm.global_rank(to), group=self.process_group
-            )
-        if gathered is None:
-            self._consolidated = None
-            return
-        shapes = [tuple(p.shape) for p in self._params()]
-        self._consolidated = _zero_checkpoint.assemble(
-            [piece for pieces in gathered for piece in pieces], shapes
-        )
+        self._consolidated = _zero_checkpoint.consolidate(self, to)
 
     def state_dict(self) -> dict[str, Any]:
         """The full state in torch's format (global parameter indices), loadable by a plain
@@ -438,33 +397,7 @@ class ZeroRedundancyOptimizer(Optimizer):
             )
         shapes = [tuple(p.shape) for p in self._params()]
         full = {int(k): v for k, v in state_dict["state"].items()}
-        self._load_full_state(full, shapes, groups)
-
-    def _load_full_state(
-        self,
-        full: dict[int, dict[str, Any]],
-        shapes: list[tuple[int, ...]],
-        groups: list[dict[str, Any]],
-    ) -> None:
-        """Hand this rank's slices of ``full`` (model-space state by global index) and the
-        hyper-parameters of ``groups`` to the local optimizer's own ``load_state_dict``,
-        which casts state to each parameter's dtype and device as torch does."""
-        pieces = self._local_pieces()
-        local_state = {}
-        for local_index, piece in enumerate(pieces):
-            if piece.index in full:
-                local_state[local_index] = _zero_checkpoint.slice_state(
-                    full[piece.index], piece, shapes[piece.index]
-                )
-        local_groups, position = [], 0
-        for g, group in enumerate(groups):
-            count = sum(1 for p in pieces if p.group == g)
-            hyper = {k: v for k, v in group.items() if k not in _NOT_HYPER}
-            local_groups.append({**hyper, "params": list(range(position, position + count))})
-            position += count
-        _copy_hyper(groups, self.param_groups)
-        self.optim.load_state_dict({"state": local_state, "param_groups": local_groups})
-        _copy_hyper(self.optim.param_groups, self.param_groups)
+        _zero_checkpoint.load_full_state(self, full, shapes, groups)
 
     # -- checkpoints and accounting -----------------------------------------------------------
 

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 from torch import nn
 
+from gradsync_core import ShardPlan
 from gradsync_core._checkpoint import (
     MANIFEST,
     Manifest,
@@ -107,6 +108,93 @@ def slice_state(state: dict[str, Any], piece: Piece, shape: tuple[int, ...]) -> 
         else:
             out[key] = value.clone() if torch.is_tensor(value) else value
     return out
+
+
+def local_pieces(opt: ZeroRedundancyOptimizer, *, cpu: bool = False) -> list[StatePiece]:
+    """This rank's state in model space: one ``StatePiece`` per piece that has state."""
+    out = []
+    for p in opt.layout.pieces:
+        state = opt.optim.state.get(p.tensor)
+        if state:
+            if cpu:
+                state = {
+                    k: v.detach().cpu().clone() if torch.is_tensor(v) else v
+                    for k, v in state.items()
+                }
+            out.append((p.index, p.start, p.stop, p.whole, state))
+    return out
+
+
+def consolidate(opt: ZeroRedundancyOptimizer, to: int) -> dict[int, Any] | None:
+    """Every rank's state, assembled per parameter on group rank ``to`` (a collective)."""
+    mine = local_pieces(opt, cpu=True)
+    gathered: list[Any] | None = [mine]
+    if opt.world_size > 1:
+        gathered = [None] * opt.world_size if opt.rank == to else None
+        dist.gather_object(mine, gathered, dst=opt._comm.global_rank(to), group=opt.process_group)
+    if gathered is None:
+        return None
+    shapes = [tuple(p.shape) for p in opt._params()]
+    return assemble([piece for pieces in gathered for piece in pieces], shapes)
+
+
+def carry_state(opt: ZeroRedundancyOptimizer, old_plan: ShardPlan, old: list[StatePiece]) -> None:
+    """Give the pieces of a rebuilt layout their state: kept pieces keep theirs; if any
+    piece changed owner or range (a frozen parameter became trainable, a re-plan), every
+    rank's state travels through model space to the new owners (rare: one all-gather)."""
+    before = {(s.name, s.start, s.stop): s.rank for s in old_plan.shards}
+    after = {(s.name, s.start, s.stop): s.rank for s in opt.layout.plan.shards}
+    moved = any(k in after and after[k] != r for k, r in before.items()) or any(
+        k not in after for k in before
+    )
+    kept = {(i, start, stop): state for i, start, stop, _, state in old}
+    full: dict[int, Any] = {}
+    if moved and opt.world_size > 1:
+        gathered: list[Any] = [None] * opt.world_size
+        mine = [
+            (i, a, b, w, {k: v.cpu() if torch.is_tensor(v) else v for k, v in st.items()})
+            for i, a, b, w, st in old
+        ]
+        dist.all_gather_object(gathered, mine, group=opt.process_group)
+        shapes = [tuple(p.shape) for p in opt._params()]
+        full = assemble([piece for pieces in gathered for piece in pieces], shapes)
+    elif moved:
+        full = assemble(old, [tuple(p.shape) for p in opt._params()])
+    params = opt._params()
+    for piece in opt.layout.pieces:
+        state = kept.get((piece.index, piece.start, piece.stop))
+        if state is None and piece.index in full:
+            state = slice_state(full[piece.index], piece, tuple(params[piece.index].shape))
+        if state is not None:
+            device = piece.tensor.device
+            opt.optim.state[piece.tensor] = {
+                k: v.to(device) if torch.is_tensor(v) and v.dim() else v for k, v in state.items()
+            }
+
+
+def load_full_state(
+    opt: ZeroRedundancyOptimizer,
+    full: dict[int, dict[str, Any]],
+    shapes: list[tuple[int, ...]],
+    groups: list[dict[str, Any]],
+) -> None:
+    """Hand this rank's slices of ``full`` (model-space state by global index) and the
+    hyper-parameters of ``groups`` to the local optimizer's own ``load_state_dict``, which
+    casts state to each parameter's dtype and device as torch does."""
+    pieces = opt._local_pieces()
+    local_state = {}
+    for local_index, piece in enumerate(pieces):
+        if piece.index in full:
+            local_state[local_index] = slice_state(full[piece.index], piece, shapes[piece.index])
+    local_groups, position = [], 0
+    for g, group in enumerate(groups):
+        count = sum(1 for p in pieces if p.group == g)
+        hyper = {k: v for k, v in group.items() if k not in ("params", "param_names")}
+        local_groups.append({**hyper, "params": list(range(position, position + count))})
+        position += count
+    for src, dst in zip(groups, opt.param_groups, strict=True):
+        dst.update({k: v for k, v in src.items() if k not in ("params", "param_names")})
+    opt.optim.load_state_dict({"state": local_state, "param_groups": local_groups})
 
 
 def _to_json(value: Any, what: str) -> Any:
@@ -314,5 +402,5 @@ def load(
         where = f" (rank {rank})" if opt.world_size > 1 else ""
         raise ValueError(f"cannot load optimizer checkpoint {os.fspath(path)}{where}: {message}")
     shapes = [tuple(p.shape) for p in opt._params()]
-    opt._load_full_state(full, shapes, groups)
+    load_full_state(opt, full, shapes, groups)
     opt._gradsync_steps = manifest.step

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from gradsync_core import Bucket, BucketPlan, ParamSpec, ShardPlan, plan_buckets
 from gradsync_core import plan_flat_shards as _plan_flat_shards
+from gradsync_torch._zero_grads import GradientSharder, finish_reduce_scatter, reduce_scatter
 from gradsync_torch._zero_layout import Broadcaster, Job, Piece, Transfer
 
 # Optimizers whose update of one element reads only that element's gradient and state
@@ -97,62 +98,68 @@ def plan_flat(
 class FlatLayout:
     """ZeRO-2: this rank keeps gradient and state for one element range of every bucket.
 
-    ``reduce_scatter_gradients()`` packs the local gradients of a bucket (times
-    ``1/world_size``, as DDP, DESIGN §7) into a staging buffer and reduce-scatters it into
-    this rank's persistent shard, then drops ``param.grad``. ``sync_params()`` broadcasts
-    every rank's updated range. With ``bucket_view`` the parameters are views of
-    persistent flat buckets and this rank's piece tensors are views of its own range.
+    On its own, ``reduce_scatter_gradients()`` packs the local gradients of a bucket (times
+    ``1/world_size``, as DDP, DESIGN §7) into a staging buffer, reduce-scatters it into this
+    rank's persistent shard and drops ``param.grad``. Under ``DataParallel(shard_gradients=
+    True)`` its ``GradientSharder`` did that during backward and the pieces read its shards.
+    ``sync_params()`` broadcasts every rank's updated range. With ``bucket_view`` the
+    parameters are views of persistent flat buckets and the pieces views of this rank's range.
+
+    Args:
+        slot_params: the tensor of every slot in ``plan`` (by slot name).
+        slot_index: the optimizer's global index of the slots it steps (a DataParallel may
+            reduce parameters this optimizer does not own).
     """
 
     kind = "flat"
 
     def __init__(
         self,
-        params: Sequence[torch.Tensor],
+        slot_params: dict[str, torch.Tensor],
+        slot_index: dict[str, int],
         groups: Sequence[int],
-        specs: Sequence[ParamSpec],
         plan: ShardPlan,
         broadcaster: Broadcaster,
         *,
         bucket_view: bool,
+        sharder: GradientSharder | None = None,
     ) -> None:
         self.plan = plan
         self.broadcaster = broadcaster
-        self.params = params
         self.bucket_view = bucket_view
+        self.sharder = sharder
+        self.slot_params = slot_params
         world, me = plan.world_size, broadcaster.rank
-        self.index_of = {spec.name: i for i, spec in enumerate(specs)}
-        self.trainable = sorted({self.index_of[s.name] for s in plan.shards})
+        self.params = {i: slot_params[name] for name, i in slot_index.items()}
+        self.trainable = sorted({slot_index[s.name] for s in plan.shards if s.name in slot_index})
         self.pieces: list[Piece] = []
-        self.grad_views: list[torch.Tensor] = []
+        self.grad_ranges: list[tuple[int, int, int]] = []  # (bucket, start, stop) in the shard
         self.grad_shards: list[torch.Tensor] = []
-        self.buckets: list[tuple[Bucket, torch.Tensor | None]] = []
+        self.buckets: list[Bucket] = []
         self.jobs: list[Job] = []
-        buckets = plan.buckets.buckets if plan.buckets is not None else ()
-        for bucket in buckets:
-            dtype = params[self.index_of[bucket.slots[0].name]].dtype
-            device = params[self.index_of[bucket.slots[0].name]].device
-            chunk = bucket.numel // world
+        for bucket in plan.buckets.buckets if plan.buckets is not None else ():
+            first = slot_params[bucket.slots[0].name]
+            dtype, device, chunk = first.dtype, first.device, bucket.numel // world
             lo, hi = me * chunk, (me + 1) * chunk
             flat = None
             if bucket_view:
                 flat = torch.zeros(bucket.numel, dtype=dtype, device=device)
                 for slot in bucket.slots:
-                    p = params[self.index_of[slot.name]]
+                    p = slot_params[slot.name]
                     view = flat[slot.offset : slot.offset + slot.numel].view_as(p)
                     view.copy_(p.detach())
                     p.data = view
                 shard = flat[lo:hi]
             else:
                 shard = torch.zeros(chunk, dtype=dtype, device=device)
-            grad_shard = torch.zeros(chunk, dtype=dtype, device=device)
-            self.grad_shards.append(grad_shard)
-            self.buckets.append((bucket, flat))
+            if sharder is None:
+                self.grad_shards.append(torch.zeros(chunk, dtype=dtype, device=device))
+            self.buckets.append(bucket)
             for slot in bucket.slots:
                 a, b = max(slot.offset, lo), min(slot.offset + slot.numel, hi)
-                if a >= b:
+                if a >= b or slot.name not in slot_index:
                     continue
-                index = self.index_of[slot.name]
+                index = slot_index[slot.name]
                 self.pieces.append(
                     Piece(
                         index=index,
@@ -163,9 +170,10 @@ class FlatLayout:
                         whole=False,
                     )
                 )
-                self.grad_views.append(grad_shard[a - lo : b - lo])
+                self.grad_ranges.append((bucket.index, a - lo, b - lo))
             self.jobs.append(self._sync_job(bucket, flat, shard, chunk, dtype, device))
         self.reduced = False
+        self.consumed = sharder.syncs if sharder is not None else 0
 
     def _sync_job(
         self,
@@ -183,7 +191,7 @@ class FlatLayout:
                 for r in range(world)
             ]
             return Job(transfers, 0, dtype, device)
-        params = [self.params[self.index_of[s.name]].detach() for s in bucket.slots]
+        params = [self.slot_params[s.name].detach() for s in bucket.slots]
 
         def pack(buffer: torch.Tensor | None) -> None:
             buffer[me * chunk : (me + 1) * chunk].copy_(shard)
@@ -200,8 +208,12 @@ class FlatLayout:
 
     def reduce_scatter_gradients(self) -> None:
         """Reduce-scatter every bucket's gradients into this rank's shard; drop ``.grad``."""
-        world = self.plan.world_size
-        comm = self.broadcaster
+        if self.sharder is not None:
+            raise RuntimeError(
+                "DataParallel(shard_gradients=True) already reduce-scatters the gradients "
+                "during backward; do not call reduce_scatter_gradients()"
+            )
+        world, comm = self.plan.world_size, self.broadcaster
         has_grad = torch.tensor(
             [self.params[i].grad is not None for i in self.trainable], dtype=torch.uint8
         )
@@ -211,64 +223,53 @@ class FlatLayout:
             dist.all_reduce(has_grad, op=dist.ReduceOp.MAX, group=comm.group)
         stepped = {i for i, h in zip(self.trainable, has_grad.tolist(), strict=True) if h}
         in_flight: deque[tuple[torch.Tensor, torch.Tensor, list[Any]]] = deque()
-        for b, (bucket, _) in enumerate(self.buckets):
+        for b, bucket in enumerate(self.buckets):
             while len(in_flight) >= 2:
-                self._finish_reduce(*in_flight.popleft())
-            first = self.params[self.index_of[bucket.slots[0].name]]
+                finish_reduce_scatter(*in_flight.popleft(), comm.group, comm.rank, world)
+            first = self.slot_params[bucket.slots[0].name]
             send = comm.staging((first.dtype, first.device), b % 2, bucket.numel)
             for slot in bucket.slots:
-                grad = self.params[self.index_of[slot.name]].grad
+                grad = self.slot_params[slot.name].grad
                 view = send[slot.offset : slot.offset + slot.numel]
                 if grad is None:
                     view.zero_()
                 else:
-                    torch.mul(grad.reshape(-1), 1.0 / world, out=view)
+                    torch.div(grad.reshape(-1), world, out=view)  # DataParallel's arithmetic
             end = bucket.slots[-1].offset + bucket.slots[-1].numel
             send[end:].zero_()
-            grad_shard = self.grad_shards[b]
-            in_flight.append((send, grad_shard, self._reduce_scatter(send, grad_shard)))
+            shard = self.grad_shards[b]
+            in_flight.append((send, shard, reduce_scatter(send, shard, comm.group, world)))
         while in_flight:
-            self._finish_reduce(*in_flight.popleft())
+            finish_reduce_scatter(*in_flight.popleft(), comm.group, comm.rank, world)
         for i in self.trainable:
             self.params[i].grad = None  # each rank keeps only its shard (ZeRO-2)
-        for piece, view in zip(self.pieces, self.grad_views, strict=True):
-            piece.tensor.grad = view if piece.index in stepped else None
+        self._attach_grads(lambda index: index in stepped, self.grad_shards)
         self.reduced = True
 
-    def _reduce_scatter(self, send: torch.Tensor, grad_shard: torch.Tensor) -> list[Any]:
-        comm = self.broadcaster
-        world = self.plan.world_size
-        if world == 1:
-            return []
-        chunk = grad_shard.numel()
-        if dist.get_backend(comm.group) == "gloo":
-            # gloo's reduce_scatter goes through lists; one reduce per owner measured
-            # 1.0-1.8x faster here (2 and 4 ranks, 25 MiB buckets), same sums per element.
-            return [
-                dist.reduce(
-                    send[r * chunk : (r + 1) * chunk],
-                    dst=comm.global_rank(r),
-                    group=comm.group,
-                    async_op=True,
-                )
-                for r in range(world)
-            ]
-        return [dist.reduce_scatter_tensor(grad_shard, send, group=comm.group, async_op=True)]
-
-    def _finish_reduce(
-        self, send: torch.Tensor, grad_shard: torch.Tensor, handles: list[Any]
-    ) -> None:
-        for handle in handles:
-            handle.wait()
-        world, me, chunk = self.plan.world_size, self.broadcaster.rank, grad_shard.numel()
-        if world == 1 or dist.get_backend(self.broadcaster.group) == "gloo":
-            grad_shard.copy_(send[me * chunk : (me + 1) * chunk])
+    def _attach_grads(self, used: Any, shards: Any) -> None:
+        for piece, (b, lo, hi) in zip(self.pieces, self.grad_ranges, strict=True):
+            piece.tensor.grad = shards[b][lo:hi] if used(piece.index) else None
 
     def before_step(self) -> None:
-        """Reduce-scatter if the user did not, and refresh this rank's piece tensors from
-        the parameters (so parameters changed outside the optimizer, e.g. by loading a
-        model, are what gets stepped)."""
-        if not self.reduced:
+        """Attach this step's gradient shards to the pieces (reduce-scattering first if the
+        optimizer runs on its own), and refresh the pieces from the parameters (so
+        parameters changed outside the optimizer, e.g. by loading a model, are stepped)."""
+        sharder = self.sharder
+        if sharder is not None:
+            if sharder.syncs == self.consumed:  # no synced backward since the last step
+                self._attach_grads(lambda index: False, None)
+            else:
+                if sharder.synced != tuple(self.buckets):
+                    raise RuntimeError(
+                        "DataParallel reduced gradients with another bucket layout than the "
+                        "optimizer was built for; build the optimizer after wrapping the model"
+                    )
+                used = sharder.used
+                self._attach_grads(
+                    lambda index: used.get(id(self.params[index]), False), sharder.shards
+                )
+                self.consumed = sharder.syncs
+        elif not self.reduced:
             self.reduce_scatter_gradients()
         if not self.bucket_view:
             for piece in self.pieces:
@@ -290,4 +291,28 @@ class FlatLayout:
 
     @property
     def grad_nbytes(self) -> int:
-        return sum(g.numel() * g.element_size() for g in self.grad_shards)
+        shards = self.grad_shards if self.sharder is None else self.sharder.shards.values()
+        return sum(g.numel() * g.element_size() for g in shards)
+
+
+def rename_plan(plan: ShardPlan, names: dict[str, str], groups: dict[str, int]) -> ShardPlan:
+    """``plan`` with parameters renamed by ``names`` and shard groups set by ``groups``
+    (parameters missing from them keep theirs): DataParallel's names are the module's,
+    a checkpoint's are the optimizer's."""
+    buckets = plan.buckets
+    if buckets is not None:
+        renamed = tuple(
+            dataclasses.replace(
+                b,
+                slots=tuple(
+                    dataclasses.replace(s, name=names.get(s.name, s.name)) for s in b.slots
+                ),
+            )
+            for b in buckets.buckets
+        )
+        buckets = dataclasses.replace(buckets, buckets=renamed)
+    shards = tuple(
+        dataclasses.replace(s, name=names.get(s.name, s.name), group=groups.get(s.name, s.group))
+        for s in plan.shards
+    )
+    return dataclasses.replace(plan, shards=shards, buckets=buckets)

@@ -262,3 +262,36 @@ def state_nbytes(state: dict[Any, dict[str, Any]]) -> int:
 
 def numel_of(shape: Sequence[int]) -> int:
     return math.prod(shape)
+
+
+def check_same_plan(
+    plan: ShardPlan, specs: Sequence[ParamSpec], group: Any, world_size: int
+) -> None:
+    """Every rank must hold the same plan, or the sync collectives mismatch and hang
+    (DESIGN §8): one small all-gather of fingerprints, and the specs only on a mismatch.
+
+    Raises:
+        ValueError: naming a differing rank and the first differing parameter.
+    """
+    if world_size == 1:
+        return
+    prints: list[Any] = [None] * world_size
+    dist.all_gather_object(prints, plan.fingerprint, group=group)
+    if len(set(prints)) == 1:
+        return
+    tables: list[Any] = [None] * world_size
+    mine = [(s.name, s.shape, s.dtype, s.requires_grad) for s in specs]
+    dist.all_gather_object(tables, mine, group=group)
+    other = next(r for r in range(world_size) if prints[r] != prints[0])
+    diff = next(
+        (
+            f"parameter #{i}: {a} vs {b}"
+            for i, (a, b) in enumerate(zip(tables[0], tables[other], strict=False))
+            if a != b
+        ),
+        f"{len(tables[0])} vs {len(tables[other])} parameters",
+    )
+    raise ValueError(
+        f"ranks 0 and {other} built different ZeRO plans ({diff}); every rank must pass "
+        "the same parameters, in the same order, with the same requires_grad"
+    )
