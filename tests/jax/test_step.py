@@ -16,6 +16,7 @@ import numpy as np
 import optax
 import pytest
 from jax import lax
+from jax.sharding import AxisType
 
 from gradsync_core import Topology, plan_buckets
 from gradsync_jax import (
@@ -80,6 +81,16 @@ def test_step_equals_single_device_full_batch(name: str) -> None:
     # Replicated outputs: every device holds the same parameters.
     leaf = jax.tree.leaves(params)[0]
     assert leaf.sharding.is_fully_replicated and len(leaf.addressable_shards) == DP
+
+
+def test_auto_axis_mesh() -> None:
+    """With Auto axes shard_map reshards the inputs itself; the result is the same."""
+    tx = OPTIMIZERS["sgd"]()
+    mesh = mesh_from_topology(Topology.create(DP), axis_types=AxisType.Auto)
+    params, state, _ = _run(data_parallel_step(LOSS, tx, mesh), tx, 2)
+    ref_params, ref_state, _ = _reference(tx, 2)
+    _assert_close(params, ref_params)
+    _assert_close(state, ref_state)
 
 
 def test_reduce_sum_gives_dp_times_the_mean_gradient() -> None:

@@ -219,6 +219,23 @@ def test_multi_axis_group_reduces_over_the_tuple() -> None:
         )
 
 
+def test_unused_parameter_takes_part_with_zeros() -> None:
+    """A parameter the loss does not use gets a (local, varying) zero gradient and is synced."""
+    params = {**PARAMS, "unused": jnp.ones(5)}
+    mapped = jax.shard_map(
+        lambda p, x: sync_gradients(local_grad(_loss)(p, x), "dp"),
+        mesh=MESH,
+        in_specs=(P(), P("dp")),
+        out_specs=P(),
+    )
+    got = jax.jit(mapped)(
+        jax.device_put(params, NamedSharding(MESH, P())),
+        jax.device_put(X, NamedSharding(MESH, P("dp"))),
+    )
+    np.testing.assert_array_equal(got["unused"], np.zeros(5, np.float32))
+    _assert_tree_close({k: v for k, v in got.items() if k != "unused"}, jax.grad(_loss)(PARAMS, X))
+
+
 def test_bad_input_gets_one_clear_sentence() -> None:
     with pytest.raises(NameError, match="not bound here"):
         sync_gradients(PARAMS, "dp")
