@@ -8,7 +8,9 @@ backward and optimizer.step() (Adam): the optimizer and the parameter sync are w
     DDP + Adam              torch DDP, plain torch.optim.Adam (every rank holds all state)
     DDP + torch ZeRO        torch DDP, torch.distributed.optim.ZeroRedundancyOptimizer(Adam)
     DDP + gradsync ZeRO-1   torch DDP, gradsync_torch.ZeroRedundancyOptimizer(Adam)
-    gradsync ZeRO-2         no DDP; gradsync's optimizer reduce-scatters the gradients
+    gradsync DP + ZeRO-1    gradsync DataParallel, gradsync ZeRO-1
+    gradsync DP + ZeRO-2    DataParallel(shard_gradients=True): gradients reduce-scattered
+                            during backward, each rank keeps its shard; gradsync ZeRO-2
 
     python benchmarks/torch_zero.py            # 24 x Linear(1024, 1024) + GELU, batch 32, 2 ranks
     python benchmarks/torch_zero.py --quick    # fewer rounds, < 2 min on 2 cores
@@ -37,9 +39,16 @@ from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from gradsync_torch import ZeroRedundancyOptimizer
+from gradsync_torch import DataParallel, ZeroRedundancyOptimizer
 
-VARIANTS = ("DDP + Adam", "DDP + torch ZeRO", "DDP + gradsync ZeRO-1", "gradsync ZeRO-2")
+VARIANTS = (
+    "DDP + Adam",
+    "DDP + torch ZeRO",
+    "DDP + gradsync ZeRO-1",
+    "gradsync DP + ZeRO-1",
+    "gradsync DP + ZeRO-2",
+)
+ZERO1, ZERO2 = "DDP + gradsync ZeRO-1", "gradsync DP + ZeRO-2"
 ANCHOR = "DDP + torch ZeRO"
 MIB = 1024 * 1024
 
@@ -71,7 +80,10 @@ def worker(rank: int, world_size: int, store_path: str, args: argparse.Namespace
         setups: dict[str, tuple[nn.Module, torch.optim.Optimizer]] = {}
         for name in VARIANTS:
             module = copy.deepcopy(base)
-            model = module if name == "gradsync ZeRO-2" else DistributedDataParallel(module)
+            if name.startswith("DDP"):
+                model: nn.Module = DistributedDataParallel(module)
+            else:
+                model = DataParallel(module, shard_gradients=name == ZERO2)
             if name == "DDP + Adam":
                 opt: torch.optim.Optimizer = torch.optim.Adam(module.parameters(), lr=1e-4)
             elif name == "DDP + torch ZeRO":
@@ -81,7 +93,7 @@ def worker(rank: int, world_size: int, store_path: str, args: argparse.Namespace
                     module.named_parameters(),
                     torch.optim.Adam,
                     lr=1e-4,
-                    shard_gradients=name == "gradsync ZeRO-2",
+                    shard_gradients=name == ZERO2,
                 )
             setups[name] = (model, opt)
         del base
@@ -93,9 +105,8 @@ def worker(rank: int, world_size: int, store_path: str, args: argparse.Namespace
             model, opt = setups[name]
             opt.zero_grad(set_to_none=True)
             model(x).square().mean().backward()
-            if measure:  # gradients this rank holds when the optimizer runs
+            if measure:  # gradients this rank holds (param.grad, or its ZeRO-2 shards)
                 if isinstance(opt, ZeroRedundancyOptimizer) and opt.shard_gradients:
-                    opt.reduce_scatter_gradients()
                     grad_bytes[name] = opt.grad_nbytes()
                 else:
                     grad_bytes[name] = sum(
@@ -117,8 +128,8 @@ def worker(rank: int, world_size: int, store_path: str, args: argparse.Namespace
                     times[name].append(elapsed.item())
         for name in VARIANTS:
             step(name, measure=True)  # untimed: the accounting adds a sync of its own
-        # Same grads, same Adam arithmetic: all four must hold the same parameters (2 ranks:
-        # a mean of two is exact in any order).
+        # Same grads, same Adam arithmetic: all must hold the same parameters (2 ranks: a
+        # mean of two is exact in any order).
         reference = list(setups["DDP + Adam"][0].parameters())
         equal = {
             name: all(
@@ -196,7 +207,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "parameters equal to DDP + Adam after the run (bitwise): "
         + ", ".join(f"{name}: {ok}" for name, ok in equal.items())
     )
-    zero1, zero2 = "DDP + gradsync ZeRO-1", "gradsync ZeRO-2"
+    zero1, zero2 = ZERO1, ZERO2
     result = {
         "bench": "torch_zero",
         "step_s": round(medians[zero1], 4),
@@ -205,6 +216,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "zero2_step_s": round(medians[zero2], 4),
         "zero2_ratio_vs_anchor": round(medians[zero2] / anchor, 3),
         "ddp_adam_step_s": round(medians["DDP + Adam"], 4),
+        "dp_zero1_step_s": round(medians["gradsync DP + ZeRO-1"], 4),
         "state_bytes_per_rank": state[zero1],
         "anchor_state_bytes_per_rank": state[ANCHOR],
         "unsharded_state_bytes": unsharded,

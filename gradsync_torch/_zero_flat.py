@@ -19,7 +19,7 @@ import torch.distributed as dist
 from gradsync_core import Bucket, BucketPlan, ParamSpec, ShardPlan, plan_buckets
 from gradsync_core import plan_flat_shards as _plan_flat_shards
 from gradsync_torch._zero_grads import GradientSharder, finish_reduce_scatter, reduce_scatter
-from gradsync_torch._zero_layout import Broadcaster, Job, Piece, Transfer
+from gradsync_torch._zero_layout import ALONE_BYTES, Broadcaster, Job, Piece, Transfer
 
 # Optimizers whose update of one element reads only that element's gradient and state
 # (plus per-tensor scalars such as the step count), so stepping a slice equals stepping the
@@ -171,11 +171,11 @@ class FlatLayout:
                     )
                 )
                 self.grad_ranges.append((bucket.index, a - lo, b - lo))
-            self.jobs.append(self._sync_job(bucket, flat, shard, chunk, dtype, device))
+            self.jobs += self._sync_jobs(bucket, flat, shard, chunk, dtype, device)
         self.reduced = False
         self.consumed = sharder.syncs if sharder is not None else 0
 
-    def _sync_job(
+    def _sync_jobs(
         self,
         bucket: Bucket,
         flat: torch.Tensor | None,
@@ -183,28 +183,68 @@ class FlatLayout:
         chunk: int,
         dtype: torch.dtype,
         device: torch.device,
-    ) -> Job:
+    ) -> list[Job]:
+        """Broadcast every rank's range of ``bucket``. With bucket views: each range in
+        place. Otherwise each large piece goes straight from its owner's shard into the
+        parameter (no copy on the receivers), and the small ones of a range travel packed."""
         world, me = self.plan.world_size, self.broadcaster.rank
         if flat is not None:
             transfers = [
                 Transfer(r, chunk, lambda _, r=r: flat[r * chunk : (r + 1) * chunk])
                 for r in range(world)
             ]
-            return Job(transfers, 0, dtype, device)
-        params = [self.slot_params[s.name].detach() for s in bucket.slots]
+            return [Job(transfers, 0, dtype, device)]
+        jobs, itemsize = [], shard.element_size()
+        for r in range(world):
+            lo, hi = r * chunk, (r + 1) * chunk
+            small: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+            for slot in bucket.slots:
+                a, b = max(slot.offset, lo), min(slot.offset + slot.numel, hi)
+                if a >= b:
+                    continue
+                param = self.slot_params[slot.name].detach()
+                target = param.view(-1)[a - slot.offset : b - slot.offset]
+                source = shard[a - lo : b - lo] if r == me else None
+                if (b - a) * itemsize < ALONE_BYTES:
+                    small.append((target, source))
+                elif source is not None:
+                    jobs.append(
+                        Job(
+                            [Transfer(r, b - a, lambda _, s=source: s)],
+                            0,
+                            dtype,
+                            device,
+                            unpack=lambda _, s=source, t=target: t.copy_(s),
+                        )
+                    )
+                else:
+                    jobs.append(Job([Transfer(r, b - a, lambda _, t=target: t)], 0, dtype, device))
+            if small:
+                jobs.append(self._packed_job(r, small, dtype, device))
+        return jobs
+
+    def _packed_job(
+        self,
+        src: int,
+        pieces: list[tuple[torch.Tensor, torch.Tensor | None]],
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> Job:
+        numel = sum(t.numel() for t, _ in pieces)
 
         def pack(buffer: torch.Tensor | None) -> None:
-            buffer[me * chunk : (me + 1) * chunk].copy_(shard)
+            if src == self.broadcaster.rank:
+                torch.cat([s for _, s in pieces], out=buffer)
 
         def unpack(buffer: torch.Tensor | None) -> None:
-            for slot, p in zip(bucket.slots, params, strict=True):
-                p.copy_(buffer[slot.offset : slot.offset + slot.numel].view_as(p))
+            offset = 0
+            for target, _ in pieces:
+                target.copy_(buffer[offset : offset + target.numel()])
+                offset += target.numel()
 
-        transfers = [
-            Transfer(r, chunk, lambda buffer, r=r: buffer[r * chunk : (r + 1) * chunk])
-            for r in range(world)
-        ]
-        return Job(transfers, bucket.numel, dtype, device, pack, unpack)
+        return Job(
+            [Transfer(src, numel, lambda buffer: buffer)], numel, dtype, device, pack, unpack
+        )
 
     def reduce_scatter_gradients(self) -> None:
         """Reduce-scatter every bucket's gradients into this rank's shard; drop ``.grad``."""

@@ -10,9 +10,10 @@ world size runs all checks.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -23,7 +24,7 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 
 import gradsync_core
-from gradsync_torch import DataParallel, ZeroRedundancyOptimizer
+from gradsync_torch import DataParallel, ZeroRedundancyOptimizer, _zero_flat, _zero_layout
 from gradsync_torch._specs import param_specs
 from tests.torch.harness import run_workers
 
@@ -161,6 +162,17 @@ def plain(cls: type, **kw: Any) -> Callable[[nn.Module], torch.optim.Optimizer]:
     return lambda m: cls(m.parameters(), **kw)
 
 
+@contextlib.contextmanager
+def alone_bytes(value: int) -> Iterator[None]:
+    """Lower the size from which a parameter is broadcast alone, so small models test it."""
+    saved = _zero_layout.ALONE_BYTES
+    _zero_layout.ALONE_BYTES = _zero_flat.ALONE_BYTES = value
+    try:
+        yield
+    finally:
+        _zero_layout.ALONE_BYTES = _zero_flat.ALONE_BYTES = saved
+
+
 OPTIMIZERS = [
     (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),
     (torch.optim.Adam, {"lr": 1e-2}),
@@ -179,7 +191,9 @@ def check_trajectories(world_size: int) -> dict[str, Any]:
                 "parameters_as_bucket_view": i == 1,
                 "bucket_cap_mb": 0.002 if i == 0 else 25.0,
             }
-            pair = Pair(world_size, zero(cls, **kw, **extra), plain(cls, **kw))
+            # AdamW: parameters of >= 256 bytes travel alone, in place (as 1 MiB ones do).
+            with alone_bytes(256 if i == 2 else _zero_layout.ALONE_BYTES):
+                pair = Pair(world_size, zero(cls, **kw, **extra), plain(cls, **kw))
             for _ in range(20):
                 pair.step()
             pair.check_state()
