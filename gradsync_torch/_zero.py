@@ -18,10 +18,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
-from gradsync_core import ParamSpec, ShardPlan, plan_flat_shards, plan_greedy_shards
+from gradsync_core import ParamSpec, ShardPlan, plan_greedy_shards
 from gradsync_torch import _zero_checkpoint
 from gradsync_torch._specs import dtype_name
-from gradsync_torch._zero_flat import FlatLayout, check_elementwise, plan_flat, rename_plan
+from gradsync_torch._zero_flat import FlatLayout, check_elementwise, make_layout, plan_flat
 from gradsync_torch._zero_grads import find_sharder
 from gradsync_torch._zero_layout import (
     Broadcaster,
@@ -201,15 +201,8 @@ class ZeroRedundancyOptimizer(Optimizer):
         the parameters named by ``names``."""
         specs = self._specs(names)
         groups = self._group_of()
-        if self._sharder is not None:  # DataParallel's buckets, renamed to ours
-            by_id = {id(p): i for i, p in enumerate(self._params())}
-            dp_names = {n: by_id.get(id(p)) for n, p in self._sharder.params_by_name().items()}
-            base = plan_flat_shards(
-                self._sharder.data_parallel.bucket_plan, world_size=self.world_size
-            )
-            ours = {n: specs[i].name for n, i in dp_names.items() if i is not None}
-            group_of = {n: groups[i] for n, i in dp_names.items() if i is not None}
-            return rename_plan(base, ours, group_of)
+        if self._sharder is not None:  # DataParallel's buckets, in our names
+            return self._sharder.plan_for(self._params(), specs, groups)
         per_group: list[list[ParamSpec]] = [[] for _ in self.param_groups]
         for spec, g in zip(specs, groups, strict=True):
             per_group[g].append(spec)
@@ -238,41 +231,17 @@ class ZeroRedundancyOptimizer(Optimizer):
             old_plan, old_state = self.layout.plan, _zero_checkpoint.local_pieces(self)
         specs, plan = self._specs(), self.plan()
         check_same_plan(plan, specs, self.process_group, self.world_size)
-        params, groups = self._params(), self._group_of()
-        if self._sharder is not None:
-            by_id = {id(p): i for i, p in enumerate(params)}
-            slot_params = self._sharder.params_by_name()
-            names = {n: specs[by_id[id(p)]].name for n, p in slot_params.items() if id(p) in by_id}
-            slot_params = {names.get(n, n): p for n, p in slot_params.items()}
-            slot_index = {specs[i].name: i for i in range(len(params))}
-            self.layout: GreedyLayout | FlatLayout = FlatLayout(
-                slot_params,
-                slot_index,
-                groups,
-                plan,
-                self._comm,
-                bucket_view=self.parameters_as_bucket_view,
-                sharder=self._sharder,
-            )
-        elif self.shard_gradients:
-            self.layout = FlatLayout(
-                {s.name: p for s, p in zip(specs, params, strict=True)},
-                {s.name: i for i, s in enumerate(specs)},
-                groups,
-                plan,
-                self._comm,
-                bucket_view=self.parameters_as_bucket_view,
-            )
-        else:
-            self.layout = GreedyLayout(
-                params,
-                groups,
-                specs,
-                plan,
-                self._comm,
-                cap_bytes=self._cap_bytes,
-                bucket_view=self.parameters_as_bucket_view,
-            )
+        self.layout: GreedyLayout | FlatLayout = make_layout(
+            self._params(),
+            self._group_of(),
+            specs,
+            plan,
+            self._comm,
+            flat=self.shard_gradients,
+            sharder=self._sharder,
+            cap_bytes=self._cap_bytes,
+            bucket_view=self.parameters_as_bucket_view,
+        )
         self._planned = {i for i, s in enumerate(specs) if s.requires_grad}
         local_groups = [
             {**{k: v for k, v in group.items() if k not in _NOT_HYPER}, "params": []}

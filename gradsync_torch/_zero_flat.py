@@ -19,7 +19,14 @@ import torch.distributed as dist
 from gradsync_core import Bucket, BucketPlan, ParamSpec, ShardPlan, plan_buckets
 from gradsync_core import plan_flat_shards as _plan_flat_shards
 from gradsync_torch._zero_grads import GradientSharder, finish_reduce_scatter, reduce_scatter
-from gradsync_torch._zero_layout import ALONE_BYTES, Broadcaster, Job, Piece, Transfer
+from gradsync_torch._zero_layout import (
+    ALONE_BYTES,
+    Broadcaster,
+    GreedyLayout,
+    Job,
+    Piece,
+    Transfer,
+)
 
 # Optimizers whose update of one element reads only that element's gradient and state
 # (plus per-tensor scalars such as the step count), so stepping a slice equals stepping the
@@ -356,3 +363,36 @@ def rename_plan(plan: ShardPlan, names: dict[str, str], groups: dict[str, int]) 
         for s in plan.shards
     )
     return dataclasses.replace(plan, shards=shards, buckets=buckets)
+
+
+def make_layout(
+    params: Sequence[torch.Tensor],
+    groups: Sequence[int],
+    specs: Sequence[ParamSpec],
+    plan: ShardPlan,
+    broadcaster: Broadcaster,
+    *,
+    flat: bool,
+    sharder: GradientSharder | None,
+    cap_bytes: int,
+    bucket_view: bool,
+) -> GreedyLayout | FlatLayout:
+    """The layout for ``plan``: greedy (ZeRO-1), flat on its own, or flat over the buckets
+    of a sharding DataParallel (whose slots carry the module's names: mapped to ours)."""
+    if not flat:
+        return GreedyLayout(
+            params, groups, specs, plan, broadcaster, cap_bytes=cap_bytes, bucket_view=bucket_view
+        )
+    slot_params = {s.name: p for s, p in zip(specs, params, strict=True)}
+    if sharder is not None:
+        ours = {id(p): s.name for s, p in zip(specs, params, strict=True)}
+        slot_params = {ours.get(id(p), n): p for n, p in sharder.params_by_name().items()}
+    return FlatLayout(
+        slot_params,
+        {s.name: i for i, s in enumerate(specs)},
+        groups,
+        plan,
+        broadcaster,
+        bucket_view=bucket_view,
+        sharder=sharder,
+    )

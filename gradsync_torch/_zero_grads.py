@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gradsync_core import Bucket, BucketPlan
+from gradsync_core import Bucket, BucketPlan, ParamSpec, ShardPlan, plan_flat_shards
 from gradsync_torch._reducer import BucketBuffers, Reducer
 from gradsync_torch._specs import named_parameters
 
@@ -125,6 +125,19 @@ class GradientSharder(Reducer):
 
     def params_by_name(self) -> dict[str, torch.Tensor]:
         return dict(named_parameters(self.data_parallel.module))
+
+    def plan_for(
+        self, params: list[torch.Tensor], specs: list[ParamSpec], groups: list[int]
+    ) -> ShardPlan:
+        """The flat plan of the wrapper's (padded) buckets, named and grouped as the
+        optimizer holding ``params`` (with ``specs`` and param-group indices) names them."""
+        from gradsync_torch._zero_flat import rename_plan
+
+        index = {id(p): i for i, p in enumerate(params)}
+        mine = {n: index[id(p)] for n, p in self.params_by_name().items() if id(p) in index}
+        base = plan_flat_shards(self.data_parallel.bucket_plan, world_size=self.world_size)
+        names = {n: specs[i].name for n, i in mine.items()}
+        return rename_plan(base, names, {n: groups[i] for n, i in mine.items()})
 
     def launch(self, bucket: BucketBuffers, *, is_last: bool) -> None:
         if self.hook is not None:
