@@ -31,6 +31,7 @@ from gradsync_torch._verify import (
     state_entries,
     verify_same_everywhere,
 )
+from gradsync_torch._zero_grads import GradientSharder, pad_for_sharding
 
 
 def _wait_cpu(work: Any, tensor: torch.Tensor) -> torch.Tensor:
@@ -65,6 +66,10 @@ class DataParallel(nn.Module):
             forward that follows a synced training forward, as DDP does.
         param_broadcast_period: re-broadcast parameters from rank 0 every this many syncs
             (MegEngine's ``bcast_period``); 0 never does.
+        shard_gradients: ZeRO-2: reduce-scatter each bucket (padded to a multiple of the
+            group size) instead of all-reducing it and drop ``param.grad``; each rank keeps
+            only its shard, which ``ZeroRedundancyOptimizer(..., shard_gradients=True)``
+            over these parameters steps (see ``gradsync_torch._zero_grads``).
 
     Raises:
         RuntimeError: if torch.distributed is not initialized.
@@ -90,6 +95,7 @@ class DataParallel(nn.Module):
         gradient_as_bucket_view: bool = False,
         broadcast_buffers: bool = True,
         param_broadcast_period: int = 0,
+        shard_gradients: bool = False,
     ) -> None:
         super().__init__()
         check_arguments(
@@ -123,12 +129,20 @@ class DataParallel(nn.Module):
         self._comm_device = comm_device([p for _, p in self._trainable], group)
 
         plan = make_plan(self._specs, overlap=overlap, bucket_cap_mb=bucket_cap_mb)
+        if shard_gradients:
+            plan = pad_for_sharding(plan, self.world_size)
         options = {"overlap": overlap, "reduce": reduce, "reduce_dtype": reduce_dtype}
+        options["shard_gradients"] = shard_gradients
         verify_same_everywhere(plan, state_entries(module, options), group, self._comm_device)
         # Every rank starts from rank 0's weights and buffers (DDP's _sync_module_states).
         broadcast_tensors([p for _, p in named] + [b for _, b in module.named_buffers()], group)
 
-        self._reducer = Reducer(group, reduce=reduce, reduce_dtype=reduce_dtype)
+        self.shard_gradients = shard_gradients
+        self._reducer = (
+            GradientSharder(group, reduce=reduce, reduce_dtype=reduce_dtype, data_parallel=self)
+            if shard_gradients
+            else Reducer(group, reduce=reduce, reduce_dtype=reduce_dtype)
+        )
         self._plan = plan
         self._buckets: list[BucketBuffers] = []
         self._where: list[tuple[int, int]] = []  # slot -> (bucket index, index in bucket)
@@ -144,7 +158,8 @@ class DataParallel(nn.Module):
         self._syncs = 0
         self._used_work: Any = None  # an unwaited used-map all-reduce (see _sync_after_backward)
         self._params_broadcast_at = 0
-        self._ready_order: list[int] | None = [] if overlap else None
+        # Sharded gradients: the layout is the optimizer's ownership, so it stays fixed.
+        self._ready_order: list[int] | None = [] if overlap and not shard_gradients else None
         self._hook_handles: list[Any] = []
         if overlap:
             # The hooks hold the wrapper weakly: once a user drops it (say, to wrap the module
@@ -294,6 +309,8 @@ class DataParallel(nn.Module):
                 param.grad = view
         else:
             self._reducer.scale_in_place(view)
+        if self.shard_gradients:
+            param.grad = None  # ZeRO-2: the bucket holds it until the reduce-scatter
         bucket.pending -= 1
         if bucket.pending == 0:
             last = len(self._buckets) - 1
@@ -330,6 +347,13 @@ class DataParallel(nn.Module):
 
     def _write_back(self, bucket: BucketBuffers, i: int, global_used: torch.Tensor | None) -> None:
         slot, param, view = bucket.slot_ids[i], bucket.params[i], bucket.views[i]
+        if self.shard_gradients:  # ZeRO-2: this rank's shard is in the reducer, not .grad
+            used = self._has_grad(slot, param)
+            used = used or (global_used is not None and bool(global_used[slot] > 0))
+            self._reducer.record_used(param, used)
+            param.grad = None
+            self._preset[slot] = False
+            return
         if self._has_grad(slot, param):
             if param.grad.data_ptr() == view.data_ptr():
                 pass  # a bucket view already: the reduced value is in place
