@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from gradsync_core import BucketPlan, ShardPlan, plan_buckets, plan_flat_shards
 from gradsync_jax._zero_clip import shard_context
-from gradsync_jax._zero_space import ModelSpace, key_part, path_parts
+from gradsync_jax._zero_space import ModelSpace, key_part, path_parts, reduce_scatter
 
 # Transformations already probed, by their update function (the probe compiles once).
 _CHECKED: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
@@ -170,9 +170,7 @@ class FlatLayout:
         del shards
         g_chunks = []
         for flat in self._flat(grads):
-            if mean:  # divide before the sum, in the gradient dtype, as DDP (DESIGN §7)
-                flat = flat / self.n
-            g_chunks.append(lax.psum_scatter(flat, axes, scatter_dimension=0, tiled=True))
+            g_chunks.append(reduce_scatter(flat, axes, self.n, mean))
         g_chunks = tuple(g_chunks)
         p_chunks = None
         if params is not None:

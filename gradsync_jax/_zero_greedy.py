@@ -27,7 +27,7 @@ from jax import lax
 from gradsync_core import ShardPlan, plan_greedy_shards
 from gradsync_jax._sync import _tracks_variance, _varying
 from gradsync_jax._zero_clip import shard_context
-from gradsync_jax._zero_space import ModelSpace, path_parts
+from gradsync_jax._zero_space import ModelSpace, path_parts, reduce_scatter
 
 Slot = tuple[str, int]  # (dtype name, offset in the owner's row)
 
@@ -101,6 +101,7 @@ class GreedyLayout:
     state_slots: dict[int, Slot]  # per-parameter state leaf (space index) -> slot
     state_len: dict[str, int]
     devices: tuple[DeviceState, ...]
+    empty: DeviceState  # the state of a device that owns nothing: global leaves only
 
     @property
     def partition(self) -> str:
@@ -133,12 +134,14 @@ class GreedyLayout:
             [leaf if i in owned else None for i, leaf in enumerate(leaves)]
         )
 
-    def _split_state(self, d: int, state: Any) -> tuple[dict[str, list[Any]], list[Any]]:
-        """Device ``d``'s inner state -> (row pieces per dtype, global values in space order)."""
-        leaves = self.devices[d].treedef.flatten_up_to(state)
+    def _split_state(
+        self, device: DeviceState, state: Any
+    ) -> tuple[dict[str, list[Any]], list[Any]]:
+        """A device's inner state -> (row pieces per dtype, global values in space order)."""
+        leaves = device.treedef.flatten_up_to(state)
         rows: dict[str, list[Any]] = {}
         globals_: dict[int, Any] = {}
-        for (kind, index), leaf in zip(self.devices[d].sources, leaves, strict=True):
+        for (kind, index), leaf in zip(device.sources, leaves, strict=True):
             if kind == "global":
                 globals_[index] = jnp.asarray(leaf).astype(self.space.leaves[index].dtype)
             else:
@@ -146,7 +149,9 @@ class GreedyLayout:
         order = [i for i, s in enumerate(self.space.leaves) if s.param is None]
         return rows, [globals_[i] for i in order]
 
-    def _device_state(self, d: int, rows: dict[str, jax.Array], globals_: list[Any]) -> Any:
+    def _device_state(
+        self, device: DeviceState, rows: dict[str, jax.Array], globals_: list[Any]
+    ) -> Any:
         by_index = dict(
             zip(
                 [i for i, s in enumerate(self.space.leaves) if s.param is None],
@@ -155,20 +160,22 @@ class GreedyLayout:
             )
         )
         leaves = []
-        for kind, index in self.devices[d].sources:
+        for kind, index in device.sources:
             leaf = self.space.leaves[index]
             if kind == "global":
                 leaves.append(by_index[index])
             else:
                 leaves.append(_unpack(rows, self.state_slots[index], leaf.shape, leaf.dtype))
-        return self.devices[d].treedef.unflatten(leaves)
+        return device.treedef.unflatten(leaves)
 
     # -- inside shard_map ------------------------------------------------------------------
 
     def init_local(self, inner: optax.GradientTransformation, params: list[Any], axes: Any) -> Any:
         def branch(d: int) -> Any:
             def run(params: list[Any]) -> Any:
-                rows, globals_ = self._split_state(d, inner.init(self._owned_tree(d, params)))
+                rows, globals_ = self._split_state(
+                    self.devices[d], inner.init(self._owned_tree(d, params))
+                )
                 return _vary((_pack([rows], self.state_len), globals_), axes)
 
             return run
@@ -200,9 +207,7 @@ class GreedyLayout:
         packed = _pack(by_owner, self.grad_len)
         reduced = {}
         for dtype, buf in packed.items():
-            if mean:  # divide before the sum, in the gradient dtype, as DDP (DESIGN §7)
-                buf = buf / self.n
-            reduced[dtype] = lax.psum_scatter(buf, axes, scatter_dimension=0, tiled=True)[0]
+            reduced[dtype] = reduce_scatter(buf, axes, self.n, mean)[0]
         squares = [jnp.sum(jnp.square(r)) for r in reduced.values()]
         norm = jnp.sqrt(lax.psum(sum(squares) if squares else jnp.zeros(()), axes))
         globals_ = [
@@ -215,7 +220,7 @@ class GreedyLayout:
             for i in self.owned[d]:
                 leaves[i] = _unpack(reduced, self.grad_slots[i], specs[i].shape, specs[i].dtype)
             g_tree = self.space.param_treedef.unflatten(leaves)
-            state = self._device_state(d, rows, globals_)
+            state = self._device_state(self.devices[d], rows, globals_)
             with shard_context(g_tree, norm):
                 u_tree, state = inner.update(
                     g_tree, state, self._owned_tree(d, params), **extra_args
@@ -247,7 +252,7 @@ class GreedyLayout:
                 u_rows: dict[str, list[Any]] = {}
                 for i, u in zip(self.owned[d], u_leaves, strict=True):
                     u_rows.setdefault(upd_slots[i][0], []).append(u)
-                s_rows, new_globals = self._split_state(d, state)
+                s_rows, new_globals = self._split_state(self.devices[d], state)
                 u_packed = {k: v[0] for k, v in _pack([u_rows], upd_len).items()}
                 return _vary((u_packed, _pack([s_rows], self.state_len), new_globals), axes)
 
@@ -262,8 +267,37 @@ class GreedyLayout:
             dtype = upd_slots[i][0]
             rows_i = {dtype: gathered[dtype][self.owner[i]]} if dtype in gathered else {}
             updates.append(_unpack(rows_i, upd_slots[i], spec.shape, dtype))
-        new_globals = [lax.all_gather(g, axes, to="invarying")[0] for g in new_globals]
-        return updates, self._inner(new_globals), s_rows
+        outside = self._global_update(inner, globals_, params, norm, extra_args, axes)
+        if outside is None:  # device 0's values, replicated by a (tiny) all-gather
+            outside = [lax.all_gather(g, axes, to="invarying")[0] for g in new_globals]
+        return updates, self._inner(outside), s_rows
+
+    def _global_update(
+        self,
+        inner: optax.GradientTransformationExtraArgs,
+        globals_: list[Any],
+        params: Any,
+        norm: jax.Array,
+        extra_args: dict[str, Any],
+        axes: tuple[str, ...],
+    ) -> list[Any] | None:
+        """The new global leaves (count, scheduled hyper-parameters) from an update of the
+        empty tree, outside the per-device branches, so they stay replicated without a
+        collective. ``None`` if the inner transformation cannot update an empty tree or its
+        global leaves then differ between devices."""
+        empty = self.space.param_treedef.unflatten([None] * len(self.space.specs))
+        try:
+            state = self._device_state(self.empty, {}, globals_)
+            with shard_context(empty, norm):
+                _, state = inner.update(
+                    empty, state, None if params is None else empty, **extra_args
+                )
+            _, new = self._split_state(self.empty, state)
+        except Exception:
+            return None
+        if _tracks_variance(axes) and any(set(axes) & _varying(g) for g in new):
+            return None
+        return new
 
     # -- host side: model space <-> storage ------------------------------------------------
 
@@ -338,8 +372,15 @@ def build_greedy(
         for dtype, length in lengths.items():
             state_len[dtype] = max(state_len.get(dtype, 0), length)
         devices.append(DeviceState(treedef=treedef, sources=tuple(sources)))
+    empty_tree = space.param_treedef.unflatten([None] * len(space.specs))
+    flat, treedef = jax.tree_util.tree_flatten_with_path(jax.eval_shape(inner.init, empty_tree))
+    empty = DeviceState(
+        treedef=treedef,
+        sources=tuple(("global", space.global_by_path["/".join(path_parts(p))]) for p, _ in flat),
+    )
     return GreedyLayout(
         space=space,
+        empty=empty,
         n=n,
         plan=plan,
         owner=owner,

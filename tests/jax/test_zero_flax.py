@@ -80,8 +80,13 @@ def test_nnx_optimizer() -> None:
 
     ref_model = Net(nnx.Rngs(0))
     ref_opt = nnx.Optimizer(ref_model, optax.adam(1e-2), wrt=nnx.Param)
+
+    @nnx.jit
+    def ref_step(model, optimizer):
+        optimizer.update(model, nnx.grad(nnx_loss)(model, X, Y))
+
     for _ in range(STEPS):
-        ref_opt.update(ref_model, nnx.grad(nnx_loss)(ref_model, X, Y))
+        ref_step(ref_model, ref_opt)
     model, optimizer = nnx.merge(graphdef, state)
     params = nnx.as_pure(nnx.state(model, nnx.Param))
     assert_close(params, nnx.as_pure(nnx.state(ref_model, nnx.Param)))

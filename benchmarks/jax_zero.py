@@ -1,0 +1,192 @@
+"""Sharded Optax optimizer (ZeRO) vs the unsharded Adam data-parallel step, 8 CPU devices.
+
+Three jitted ``shard_map`` steps on the same ~10M-parameter MLP and the same batches, run
+alternating in one process (DESIGN §11), one step each per round:
+
+- anchor: ``gradsync_jax.data_parallel_step`` with ``optax.adam`` (all-reduce, every device
+  holds and updates the whole Adam state);
+- greedy: ``shard_optimizer(optax.adam, partition="greedy")`` (whole tensors per device);
+- flat: ``shard_optimizer(optax.adam, partition="flat")`` (element ranges of 25 MiB buckets).
+
+Reported: median step time after warm-up and its ratio to the anchor (target <= 1.15), and
+the optimizer-state bytes each device holds, measured from the arrays' shards, against
+1/N of the unsharded state (target <= 1/N + 5%). The three runs must end with the same
+parameters (to rounding). Last line: one JSON object.
+
+    python benchmarks/jax_zero.py            # 16 x 792^2 MLP (10.0M parameters)
+    python benchmarks/jax_zero.py --quick    # fewer rounds, < 2 minutes on 2 cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from gradsync_core import Topology
+from gradsync_jax import (
+    data_parallel_step,
+    mesh_from_topology,
+    shard_optimizer,
+    value_and_local_grad,
+)
+
+
+def make_mlp(layers: int, width: int, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    scale = 1.0 / np.sqrt(width)
+    return {
+        f"layer_{i}": {
+            "kernel": jnp.asarray(rng.normal(0, scale, (width, width)), jnp.float32),
+            "bias": jnp.zeros((width,), jnp.float32),
+        }
+        for i in range(layers)
+    }
+
+
+def loss_fn(params: dict, batch: tuple[jax.Array, jax.Array]) -> jax.Array:
+    x, y = batch
+    for i in range(len(params)):
+        layer = params[f"layer_{i}"]
+        x = jnp.tanh(x @ layer["kernel"] + layer["bias"])
+    return jnp.mean((x - y) ** 2)
+
+
+def sharded_step(tx, params: dict, mesh):
+    """The training step a user writes with shard_optimizer (state specs from ``tx``)."""
+    specs = tx.state_specs(params)
+
+    def local(params, opt_state, batch):
+        loss, grads = value_and_local_grad(loss_fn)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, lax.pmean(loss, "dp")
+
+    mapped = jax.shard_map(
+        local, mesh=mesh, in_specs=(P(), specs, P("dp")), out_specs=(P(), specs, P())
+    )
+    return jax.jit(mapped)
+
+
+def bytes_per_device(tree) -> int:
+    """The most optimizer-state bytes any device holds, read from the arrays' shards."""
+    held: dict = {}
+    for leaf in jax.tree.leaves(tree):
+        for shard in leaf.addressable_shards:
+            held[shard.device] = held.get(shard.device, 0) + shard.data.nbytes
+    return max(held.values())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer rounds (< 2 minutes)")
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--width", type=int, default=792)
+    parser.add_argument("--batch", type=int, default=64, help="global batch (8 devices)")
+    parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--warmup", type=int, default=3)
+    args = parser.parse_args()
+    rounds = args.rounds or (6 if args.quick else 25)
+
+    mesh = mesh_from_topology(Topology.create(len(jax.devices())))
+    n = mesh.shape["dp"]
+    replicated = NamedSharding(mesh, P())
+    params = jax.device_put(make_mlp(args.layers, args.width), replicated)
+    numel = sum(leaf.size for leaf in jax.tree.leaves(params))
+    rng = np.random.default_rng(1)
+    batch = tuple(
+        jax.device_put(
+            jnp.asarray(rng.normal(size=(args.batch, args.width)), jnp.float32),
+            NamedSharding(mesh, P("dp")),
+        )
+        for _ in range(2)
+    )
+    adam = optax.adam(1e-3)
+    txs = {p: shard_optimizer(adam, mesh, partition=p) for p in ("greedy", "flat")}
+    steps = {"anchor": data_parallel_step(loss_fn, adam, mesh)}
+    state = {"anchor": (params, jax.device_put(adam.init(params), replicated))}
+    for partition, tx in txs.items():
+        steps[partition] = sharded_step(tx, params, mesh)
+        state[partition] = (params, tx.init(params))
+    state_bytes = {name: bytes_per_device(s) for name, (_, s) in state.items()}
+
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for r in range(args.warmup + rounds):
+        for name, step in steps.items():
+            p, s = state[name]
+            t0 = time.perf_counter()
+            p, s, loss = step(p, s, batch)
+            jax.block_until_ready((p, s, loss))
+            if r >= args.warmup:
+                times[name].append(time.perf_counter() - t0)
+            state[name] = (p, s)
+    anchor_params = jax.tree.leaves(state["anchor"][0])
+    for name in txs:
+        pairs = zip(jax.tree.leaves(state[name][0]), anchor_params, strict=True)
+        err = max(float(jnp.max(jnp.abs(a - b))) for a, b in pairs)
+        if err > 1e-4:
+            raise SystemExit(f"{name} diverged from the anchor by {err:.3g}")
+    # The sharded moments are the anchor's too, not only the parameters (DESIGN §7).
+    for name, tx in txs.items():
+        gathered = jax.tree.leaves(tx.gather_state(state[name][1], params))
+        for a, b in zip(gathered, jax.tree.leaves(state["anchor"][1]), strict=True):
+            if not np.allclose(a, np.asarray(b), rtol=1e-3, atol=1e-6):
+                raise SystemExit(f"{name}: optimizer state diverged from the anchor")
+
+    medians = {name: statistics.median(ts) for name, ts in times.items()}
+    unsharded = state_bytes["anchor"]
+    ideal = unsharded / n
+    plans = {name: tx.plan(params) for name, tx in txs.items()}
+    print(
+        f"jax_zero: MLP {args.layers} x {args.width}^2 ({numel / 1e6:.1f}M params), {n} CPU "
+        f"devices, global batch {args.batch}, Adam, {rounds} rounds after {args.warmup} "
+        "warm-up, alternating"
+    )
+    print(
+        f"{'variant':<28} {'median step (s)':>15} {'vs anchor':>10} "
+        f"{'state MB/device':>16} {'vs 1/N':>8}"
+    )
+    labels = {
+        "anchor": "anchor (unsharded Adam DP)",
+        "greedy": "shard_optimizer greedy",
+        "flat": "shard_optimizer flat",
+    }
+    for name, t in medians.items():
+        print(
+            f"{labels[name]:<28} {t:>15.4f} {t / medians['anchor']:>10.3f} "
+            f"{state_bytes[name] / 2**20:>16.2f} {state_bytes[name] / ideal:>8.3f}"
+        )
+    print(
+        f"greedy plan: imbalance {plans['greedy'].imbalance:.4f} (max/mean load - 1); "
+        f"flat plan: {len(plans['flat'].buckets.buckets)} buckets, "
+        f"{plans['flat'].padding_numel} padding elements"
+    )
+    figures = {"bench": "jax_zero", "params": numel, "devices": n}
+    figures["anchor_step_s"] = round(medians["anchor"], 5)
+    figures["state_bytes_unsharded"] = unsharded
+    for name in txs:
+        figures[f"{name}_step_s"] = round(medians[name], 5)
+        figures[f"{name}_ratio_vs_anchor"] = round(medians[name] / medians["anchor"], 4)
+        figures[f"{name}_state_bytes_per_device"] = state_bytes[name]
+        figures[f"{name}_state_vs_ideal"] = round(state_bytes[name] / ideal, 4)
+    figures["greedy_imbalance"] = round(plans["greedy"].imbalance, 5)
+    figures["flat_padding_numel"] = plans["flat"].padding_numel
+    figures["step_s"] = figures["greedy_step_s"]
+    figures["ratio_vs_anchor"] = figures["greedy_ratio_vs_anchor"]
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()
