@@ -53,14 +53,17 @@ class ZeroRedundancyOptimizer(Optimizer):
 
     Ownership is torch's sorted-greedy partition (``gradsync_core.plan_greedy_shards``):
     per param group, largest parameters first, each to the least-loaded rank. After the
-    local step each rank broadcasts its parameters in buckets of ``bucket_cap_mb``.
+    local step each owner broadcasts its parameters: those of 1 MiB or more alone and in
+    place, smaller ones packed into buckets of ``bucket_cap_mb``.
     Frozen parameters (``requires_grad=False`` when the optimizer is built) get no owner;
     if one becomes trainable later, the next ``step`` re-plans and moves state to new owners.
 
     Gradients must be averaged over the ranks before ``step`` (``DataParallel``, DDP, or an
-    all-reduce), unless ``shard_gradients=True``: then leave them local and the optimizer
-    reduce-scatters them (``reduce_scatter_gradients``, called by ``step`` if you did not),
-    so each rank keeps only its flat shard of every bucket (``plan_flat_shards``).
+    all-reduce). With ``shard_gradients=True`` (ZeRO-2; elementwise optimizers only) each rank
+    keeps only its flat shard of every bucket (``plan_flat_shards``): under
+    ``DataParallel(model, shard_gradients=True)`` the wrapper reduce-scatters the buckets
+    during backward and this optimizer steps the shards; on its own, leave the gradients
+    local and ``step`` (or ``reduce_scatter_gradients()``) reduce-scatters them.
 
     Args:
         params: parameters, ``model.named_parameters()`` (names make checkpoints
@@ -78,10 +81,10 @@ class ZeroRedundancyOptimizer(Optimizer):
             ranks were given different parameters.
 
     Example:
-        >>> model = DataParallel(net)  # or torch DDP
+        >>> model = DataParallel(net)  # or torch DDP; DataParallel(net, shard_gradients=True)
         >>> opt = ZeroRedundancyOptimizer(net.named_parameters(), torch.optim.AdamW, lr=1e-3)
         >>> model(x).sum().backward(); opt.step(); opt.zero_grad()
-        >>> opt.save("ckpt/opt")  # load("ckpt/opt") at any world size
+        >>> opt.save("ckpt/opt")  # opt.load("ckpt/opt") at any world size
     """
 
     def __init__(

@@ -20,6 +20,7 @@ import hashlib
 import itertools
 import math
 import os
+import re
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -46,6 +47,8 @@ from gradsync_core._checkpoint import (
 if TYPE_CHECKING:
     from gradsync_torch._zero import ZeroRedundancyOptimizer
     from gradsync_torch._zero_layout import Piece
+
+_RANK_FILE = re.compile(r"rank-\d{5}-of-\d{5}\.safetensors")
 
 # (global index, start, stop, whole, state): a piece of one parameter's state in model space.
 StatePiece = tuple[int, int, int, bool, dict[str, Any]]
@@ -222,8 +225,8 @@ def save(
     """Write ``opt``'s state to directory ``path`` (a collective over its process group).
 
     Each rank writes its own file atomically; rank 0 writes the manifest after every file
-    exists (the old manifest is removed first, so an interrupted save is never mistaken for
-    a complete one).
+    exists (the old manifest and rank files of another world size are removed first, so an
+    interrupted save is never mistaken for a complete one).
 
     Raises:
         ValueError: if parameter names are unknown (see ``param_names``) or a state value
@@ -239,6 +242,10 @@ def save(
         os.makedirs(path, exist_ok=True)
         if os.path.exists(os.path.join(path, MANIFEST)):
             os.unlink(os.path.join(path, MANIFEST))
+        current = {rank_file(r, world) for r in range(world)}
+        for name in os.listdir(path):  # rank files of an earlier save at another world size
+            if _RANK_FILE.fullmatch(name) and name not in current:
+                os.unlink(os.path.join(path, name))
     if world > 1:
         dist.barrier(group=group)
     tensors: dict[str, torch.Tensor] = {}

@@ -156,9 +156,6 @@ class FlatLayout:
                     view = flat[slot.offset : slot.offset + slot.numel].view_as(p)
                     view.copy_(p.detach())
                     p.data = view
-                shard = flat[lo:hi]
-            else:
-                shard = torch.zeros(chunk, dtype=dtype, device=device)
             if sharder is None:
                 self.grad_shards.append(torch.zeros(chunk, dtype=dtype, device=device))
             self.buckets.append(bucket)
@@ -167,18 +164,23 @@ class FlatLayout:
                 if a >= b or slot.name not in slot_index:
                     continue
                 index = slot_index[slot.name]
+                # The local optimizer steps a view of the parameter itself (or of its bucket
+                # view): no copy in or out of a separate shard.
+                tensor = flat[a:b] if flat is not None else _flat_view(slot_params[slot.name])
+                if flat is None:
+                    tensor = tensor[a - slot.offset : b - slot.offset]
                 self.pieces.append(
                     Piece(
                         index=index,
                         group=groups[index],
                         start=a - slot.offset,
                         stop=b - slot.offset,
-                        tensor=shard[a - lo : b - lo],
+                        tensor=tensor,
                         whole=False,
                     )
                 )
                 self.grad_ranges.append((bucket.index, a - lo, b - lo))
-            self.jobs += self._sync_jobs(bucket, flat, shard, chunk, dtype, device)
+            self.jobs += self._sync_jobs(bucket, flat, chunk, dtype, device)
         self.reduced = False
         self.consumed = sharder.syncs if sharder is not None else 0
 
@@ -186,68 +188,54 @@ class FlatLayout:
         self,
         bucket: Bucket,
         flat: torch.Tensor | None,
-        shard: torch.Tensor,
         chunk: int,
         dtype: torch.dtype,
         device: torch.device,
     ) -> list[Job]:
-        """Broadcast every rank's range of ``bucket``. With bucket views: each range in
-        place. Otherwise each large piece goes straight from its owner's shard into the
-        parameter (no copy on the receivers), and the small ones of a range travel packed."""
-        world, me = self.plan.world_size, self.broadcaster.rank
+        """Broadcast every rank's range of ``bucket`` from its owner. With bucket views: each
+        range in place. Otherwise each large piece in place (the owner stepped the
+        parameter's own memory), and the small pieces of a range packed together."""
+        world = self.plan.world_size
         if flat is not None:
             transfers = [
                 Transfer(r, chunk, lambda _, r=r: flat[r * chunk : (r + 1) * chunk])
                 for r in range(world)
             ]
             return [Job(transfers, 0, dtype, device)]
-        jobs, itemsize = [], shard.element_size()
+        jobs, itemsize = [], torch.empty(0, dtype=dtype).element_size()
         for r in range(world):
             lo, hi = r * chunk, (r + 1) * chunk
-            small: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+            small: list[torch.Tensor] = []
             for slot in bucket.slots:
                 a, b = max(slot.offset, lo), min(slot.offset + slot.numel, hi)
                 if a >= b:
                     continue
-                param = self.slot_params[slot.name].detach()
-                target = param.view(-1)[a - slot.offset : b - slot.offset]
-                source = shard[a - lo : b - lo] if r == me else None
+                view = _flat_view(self.slot_params[slot.name])
+                piece = view[a - slot.offset : b - slot.offset]
                 if (b - a) * itemsize < ALONE_BYTES:
-                    small.append((target, source))
-                elif source is not None:
-                    jobs.append(
-                        Job(
-                            [Transfer(r, b - a, lambda _, s=source: s)],
-                            0,
-                            dtype,
-                            device,
-                            unpack=lambda _, s=source, t=target: t.copy_(s),
-                        )
-                    )
+                    small.append(piece)
                 else:
-                    jobs.append(Job([Transfer(r, b - a, lambda _, t=target: t)], 0, dtype, device))
+                    jobs.append(Job([Transfer(r, b - a, lambda _, t=piece: t)], 0, dtype, device))
             if small:
                 jobs.append(self._packed_job(r, small, dtype, device))
         return jobs
 
     def _packed_job(
-        self,
-        src: int,
-        pieces: list[tuple[torch.Tensor, torch.Tensor | None]],
-        dtype: torch.dtype,
-        device: torch.device,
+        self, src: int, pieces: list[torch.Tensor], dtype: torch.dtype, device: torch.device
     ) -> Job:
-        numel = sum(t.numel() for t, _ in pieces)
+        numel = sum(t.numel() for t in pieces)
+        me = self.broadcaster.rank
 
         def pack(buffer: torch.Tensor | None) -> None:
-            if src == self.broadcaster.rank:
-                torch.cat([s for _, s in pieces], out=buffer)
+            if src == me:
+                torch.cat(pieces, out=buffer)
 
         def unpack(buffer: torch.Tensor | None) -> None:
-            offset = 0
-            for target, _ in pieces:
-                target.copy_(buffer[offset : offset + target.numel()])
-                offset += target.numel()
+            if src != me:
+                offset = 0
+                for piece in pieces:
+                    piece.copy_(buffer[offset : offset + piece.numel()])
+                    offset += piece.numel()
 
         return Job(
             [Transfer(src, numel, lambda buffer: buffer)], numel, dtype, device, pack, unpack
@@ -299,8 +287,7 @@ class FlatLayout:
 
     def before_step(self) -> None:
         """Attach this step's gradient shards to the pieces (reduce-scattering first if the
-        optimizer runs on its own), and refresh the pieces from the parameters (so
-        parameters changed outside the optimizer, e.g. by loading a model, are stepped)."""
+        optimizer runs on its own)."""
         sharder = self.sharder
         if sharder is not None:
             if sharder.syncs == self.consumed:  # no synced backward since the last step
@@ -318,16 +305,8 @@ class FlatLayout:
                 self.consumed = sharder.syncs
         elif not self.reduced:
             self.reduce_scatter_gradients()
-        if not self.bucket_view:
-            for piece in self.pieces:
-                source = self.params[piece.index].detach().reshape(-1)
-                piece.tensor.copy_(source[piece.start : piece.stop])
 
     def sync_params(self) -> None:
-        if self.plan.world_size == 1 and not self.bucket_view:
-            for piece in self.pieces:  # no collective: write the stepped pieces back
-                param = self.params[piece.index].detach()
-                param.view(-1)[piece.start : piece.stop].copy_(piece.tensor)
         self.broadcaster.run(self.jobs)
         self.reduced = False
 
@@ -340,6 +319,17 @@ class FlatLayout:
     def grad_nbytes(self) -> int:
         shards = self.grad_shards if self.sharder is None else self.sharder.shards.values()
         return sum(g.numel() * g.element_size() for g in shards)
+
+
+def _flat_view(param: torch.Tensor) -> torch.Tensor:
+    """The parameter's memory as one flat view, which pieces and broadcasts write into."""
+    if not param.is_contiguous():
+        raise ValueError(
+            f"gradient sharding steps views of each parameter's memory, but a parameter of "
+            f"shape {tuple(param.shape)} is not contiguous; make it contiguous before building "
+            "the optimizer"
+        )
+    return param.detach().view(-1)
 
 
 def rename_plan(plan: ShardPlan, names: dict[str, str], groups: dict[str, int]) -> ShardPlan:
