@@ -20,6 +20,7 @@ from torch import nn
 
 import gradsync_core
 from gradsync_torch._comm_hooks import CommHook
+from gradsync_torch._groups import ProcessGroups, check_reduction_plan, reduce_shared_gradients
 from gradsync_torch._reducer import BucketBuffers, Reducer, build_buckets, make_plan
 from gradsync_torch._specs import named_parameters, param_specs
 from gradsync_torch._verify import (
@@ -28,6 +29,7 @@ from gradsync_torch._verify import (
     check_grad,
     check_group,
     comm_device,
+    resolve_shared,
     state_entries,
     verify_same_everywhere,
 )
@@ -70,6 +72,16 @@ class DataParallel(nn.Module):
             group size) instead of all-reducing it and drop ``param.grad``; each rank keeps
             only its shard, which ``ZeroRedundancyOptimizer(..., shard_gradients=True)``
             over these parameters steps (see ``gradsync_torch._zero_grads``).
+        groups: model parallelism (DESIGN §6): the ``ProcessGroups`` of the topology. The
+            data-parallel group is then ``groups["dp"]`` (leave ``process_group`` unset),
+            and after every synced mean the gradients of parameters replicated over a
+            model-parallel axis (a norm under context parallelism, a bias after a
+            sequence-parallel reduce-scatter) get their sum over that axis, bucketed. Which
+            ones is derived from the model (``shared_param_specs``: the layers'
+            ``gradsync_sharded_over``, the model's ``gradsync_data_axes``), never marked.
+            Construct on every rank of the world (it checks the plan across groups).
+        shared_plan: the ``ReductionPlan`` to use instead of the derived one
+            (``plan_shared_reductions(shared_param_specs(model, data_axes=...), topo)``).
 
     Raises:
         RuntimeError: if torch.distributed is not initialized.
@@ -81,6 +93,8 @@ class DataParallel(nn.Module):
         >>> model(torch.randn(8, 4)).sum().backward()  # grads are averaged when this returns
         >>> with model.no_sync():  # accumulate locally; the next backward outside syncs
         ...     model(torch.randn(8, 4)).sum().backward()
+        >>> groups = ProcessGroups(Topology.create(4, tp=2, cp=2))  # doctest: +SKIP
+        >>> tp_cp_model = DataParallel(ParallelMLPTransformer(8, 32, 2, groups), groups=groups)
     """
 
     def __init__(
@@ -96,6 +110,8 @@ class DataParallel(nn.Module):
         broadcast_buffers: bool = True,
         param_broadcast_period: int = 0,
         shard_gradients: bool = False,
+        groups: ProcessGroups | None = None,
+        shared_plan: gradsync_core.ReductionPlan | None = None,
     ) -> None:
         super().__init__()
         check_arguments(
@@ -107,7 +123,17 @@ class DataParallel(nn.Module):
             gradient_as_bucket_view=gradient_as_bucket_view,
             param_broadcast_period=param_broadcast_period,
         )
+        process_group, shared_plan = resolve_shared(
+            module,
+            process_group=process_group,
+            groups=groups,
+            shared_plan=shared_plan,
+            shard_gradients=shard_gradients,
+        )
         group = check_group(process_group)
+        if shared_plan is not None:
+            check_reduction_plan(shared_plan, groups)  # collective over the world, once
+        self.process_groups, self.shared_plan = groups, shared_plan
         self.module = module
         self.process_group = group
         self.world_size = group.size()
@@ -412,6 +438,10 @@ class DataParallel(nn.Module):
                 self._write_back(bucket, i, global_used)
         if global_used is None:
             self._used_work = used_work
+        if self.shared_plan is not None:
+            # The model-parallel sums (DESIGN §6) commute with the dp mean and with
+            # accumulation, so one pass after the mean covers every no_sync step too.
+            reduce_shared_gradients(self.module, self.process_groups, self.shared_plan)
         self._next_launch = 0
         for bucket in self._buckets:
             bucket.reset()

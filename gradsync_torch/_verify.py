@@ -17,6 +17,8 @@ import torch.distributed as dist
 from torch import nn
 
 import gradsync_core
+from gradsync_torch._groups import ProcessGroups
+from gradsync_torch._layers import shared_param_specs
 from gradsync_torch._specs import dtype_name
 
 _MIB = 1024 * 1024
@@ -78,6 +80,66 @@ def check_group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup:
             "rank its own group)"
         )
     return group
+
+
+def resolve_shared(
+    module: nn.Module,
+    *,
+    process_group: dist.ProcessGroup | None,
+    groups: ProcessGroups | None,
+    shared_plan: gradsync_core.ReductionPlan | None,
+    shard_gradients: bool,
+) -> tuple[dist.ProcessGroup | None, gradsync_core.ReductionPlan | None]:
+    """DataParallel's model-parallel arguments: ``(data-parallel group, shared-sum plan)``.
+
+    With ``groups`` the data-parallel group is ``groups["dp"]`` and, unless ``shared_plan``
+    is given, the plan is derived from the layers' sharding declarations (DESIGN §6). A dp
+    axis of size 1 has no process group in ``ProcessGroups``; DataParallel still needs one
+    (its checks and buffers), so it gets this rank alone, created locally (no other rank
+    takes part, so ranks of other dp groups need not call it).
+    """
+    if groups is None:
+        if shared_plan is not None:
+            raise ValueError(
+                "shared_plan needs groups=: pass the ProcessGroups the plan's reduction "
+                "groups live in (DataParallel(model, groups=groups, shared_plan=plan))"
+            )
+        return process_group, None
+    if not isinstance(groups, ProcessGroups):
+        raise TypeError(
+            f"groups must be a gradsync_torch.ProcessGroups, got {type(groups).__name__}"
+        )
+    if process_group is not None:
+        raise ValueError(
+            "pass process_group or groups, not both: with groups= the data-parallel group "
+            "is groups['dp']"
+        )
+    if shared_plan is None:
+        try:
+            specs = shared_param_specs(module)
+        except ValueError as err:
+            raise ValueError(
+                f"DataParallel(groups=...) derives the model-parallel gradient sums from the "
+                f"model, but {err}; or pass shared_plan=plan_shared_reductions("
+                "shared_param_specs(model, data_axes=...), groups.topology)"
+            ) from None
+        shared_plan = gradsync_core.plan_shared_reductions(specs, groups.topology)
+    elif not isinstance(shared_plan, gradsync_core.ReductionPlan):
+        raise TypeError(
+            f"shared_plan must be a gradsync_core.ReductionPlan, got {type(shared_plan).__name__}"
+        )
+    if shard_gradients and shared_plan.reductions:
+        raise ValueError(
+            "shard_gradients=True cannot be combined with shared-parameter sums (here over "
+            f"{list(shared_plan.group_names)}): after the reduce-scatter each rank holds only "
+            "its shard of a bucket, and members of a model-parallel group may hold different "
+            "buckets; use shard_gradients=False with model parallelism "
+            "(ZeroRedundancyOptimizer still shards the optimizer state, ZeRO-1)"
+        )
+    dp = groups.group("dp")
+    if dp.size > 1:
+        return dp.process_group, shared_plan
+    return dist.new_group([dp.ranks[0]], use_local_synchronization=True), shared_plan
 
 
 def comm_device(params: Sequence[torch.Tensor], group: dist.ProcessGroup) -> torch.device:
