@@ -6,9 +6,11 @@
     torchrun --nproc_per_node 4 examples/torch_tp_train.py --skip-shared-sums  # drifts, exit 1
 
 Every rank also trains the serial model on the full batch (it is tiny) and the script
-prints how far the parallel parameters drift from it. The extra gradient sums over ``cp``
-(and ``tp`` under sequence parallelism) are derived from the layers: nothing is marked.
-The last line is one JSON object.
+prints how far the parallel parameters drift from it. ``DataParallel(model, groups=groups)``
+averages over ``dp`` and adds the extra gradient sums over ``cp`` (and ``tp`` under sequence
+parallelism), derived from the layers: nothing is marked, nothing is called by hand.
+``--skip-shared-sums`` builds the wrapper with an empty plan instead. The last line is one
+JSON object.
 """
 
 from __future__ import annotations
@@ -20,16 +22,13 @@ import os
 import torch
 import torch.distributed as dist
 
-from gradsync_core import Topology, plan_shared_reductions, split_shapes
+from gradsync_core import ReductionPlan, Topology, split_shapes
 from gradsync_torch import (
     DataParallel,
     MLPTransformer,
     ParallelMLPTransformer,
     ProcessGroups,
-    check_reduction_plan,
     local_state,
-    reduce_shared_gradients,
-    shared_param_specs,
 )
 
 
@@ -72,11 +71,12 @@ def main() -> None:
     torch.manual_seed(0)  # the same serial model on every rank
     serial = MLPTransformer(args.dim, args.hidden, args.depth)
     model = ParallelMLPTransformer.from_serial(serial, groups, sequence_parallel=sp)
-    plan = plan_shared_reductions(shared_param_specs(model), topo)
-    check_reduction_plan(plan, groups)  # one tiny all-gather per group, once
+    # The dp mean (over groups["dp"]) during backward, then the derived model-parallel sums.
+    # The control leaves them out with an empty plan.
+    empty = ReductionPlan(topology=topo, reductions=()) if args.skip_shared_sums else None
+    wrapped = DataParallel(model, groups=groups, shared_plan=empty)
+    plan = wrapped.shared_plan
     dp = groups.group("dp")
-    # DataParallel averages over dp during backward; with dp=1 there is nothing to average.
-    wrapped = DataParallel(model, process_group=dp.process_group) if dp.size > 1 else model
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     serial_opt = torch.optim.AdamW(serial.parameters(), lr=args.lr)
     # The loss is summed over the axes that split the tokens, then averaged over dp.
@@ -98,9 +98,7 @@ def main() -> None:
             tokens * args.dim
         )  # this rank's share of its replica's loss
         opt.zero_grad()
-        share.backward()  # DataParallel's dp mean is done when this returns
-        if not args.skip_shared_sums:
-            reduce_shared_gradients(model, groups, plan)  # the derived model-parallel sums
+        share.backward()  # the dp mean and the model-parallel sums are done when this returns
         opt.step()
 
         serial_opt.zero_grad()
