@@ -175,7 +175,10 @@ class ShardedOptimizer(optax.GradientTransformationExtraArgs):
                 raise ValueError(
                     f"state leaf {leaf.name!r} has shape {np.shape(value)}, expected {leaf.shape}"
                 )
-        inner, shards = layout.scatter([np.asarray(v) for v in leaves])
+        values = [
+            np.asarray(v, dtype=s.dtype) for s, v in zip(layout.space.leaves, leaves, strict=True)
+        ]
+        inner, shards = layout.scatter(values)
         return jax.device_put(ZeroState(inner=inner, shards=shards), self.state_shardings(params))
 
 
@@ -269,7 +272,13 @@ def _make_update(config: _Config) -> Any:
                 f"state must be the ZeroState from this transformation's init, got "
                 f"{type(state).__name__}"
             )
-        expected = layout.state_specs(config.spec_entry)[1]
+        inner_specs, expected = layout.state_specs(config.spec_entry)
+        wanted = len(jax.tree.leaves(inner_specs, is_leaf=lambda x: isinstance(x, P)))
+        if len(jax.tree.leaves(state.inner)) != wanted or set(state.shards) != set(expected):
+            raise ValueError(
+                "the optimizer state does not match this transformation and parameter tree: "
+                "pass the state that tx.init(params) returned (and the updates made from it)"
+            )
         for dtype, buf in state.shards.items():
             if dtype not in expected or buf.ndim != 2 or buf.shape[0] != 1:
                 raise ValueError(

@@ -23,6 +23,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from gradsync_core import BucketPlan, ShardPlan, plan_buckets, plan_flat_shards
+from gradsync_jax._sync import _tracks_variance, _varying
 from gradsync_jax._zero_clip import shard_context
 from gradsync_jax._zero_space import ModelSpace, key_part, path_parts, reduce_scatter
 
@@ -182,6 +183,14 @@ class FlatLayout:
         norm = jnp.sqrt(lax.psum(sum(jnp.sum(jnp.square(g)) for g in g_chunks), axes))
         with shard_context(g_chunks, norm):
             u_chunks, inner_state = inner.update(g_chunks, inner_state, p_chunks, **extra_args)
+        if _tracks_variance(axes):  # a global leaf computed from this device's chunk only
+            leaves = self.state_treedef.flatten_up_to(inner_state)
+            for (kind, index, _), leaf in zip(self.sources, leaves, strict=True):
+                if kind == "global" and set(axes) & _varying(leaf):
+                    raise _not_elementwise(
+                        f"computes its state leaf {self.space.leaves[index].name!r} from the "
+                        "gradient as a whole"
+                    )
         updates: list[Any] = [None] * len(self.space.specs)
         for b, u in enumerate(u_chunks):
             full = lax.all_gather(u, axes, tiled=True, to="invarying")

@@ -86,7 +86,7 @@ class DeviceState:
     """How device ``d``'s inner state (``inner.init`` of its owned tree) maps to storage."""
 
     treedef: Any
-    sources: tuple[tuple[str, int], ...]  # per leaf: ("global", space index) | ("param", ...)
+    sources: tuple[tuple[str, int], ...]  # per leaf: ("global" | "param", space index)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -210,9 +210,7 @@ class GreedyLayout:
             reduced[dtype] = reduce_scatter(buf, axes, self.n, mean)[0]
         squares = [jnp.sum(jnp.square(r)) for r in reduced.values()]
         norm = jnp.sqrt(lax.psum(sum(squares) if squares else jnp.zeros(()), axes))
-        globals_ = [
-            leaf for leaf in jax.tree.leaves(inner_state)
-        ]  # the inner field holds exactly the global leaves, in space order
+        globals_ = list(jax.tree.leaves(inner_state))  # exactly the global leaves, in order
         rows = {dtype: buf[0] for dtype, buf in shards.items()}
 
         def owned_update(d: int, reduced: Any, rows: Any, globals_: Any, params: Any) -> Any:
@@ -293,7 +291,7 @@ class GreedyLayout:
                     empty, state, None if params is None else empty, **extra_args
                 )
             _, new = self._split_state(self.empty, state)
-        except Exception:
+        except Exception:  # any failure: fall back to the all-gather, which always works
             return None
         if _tracks_variance(axes) and any(set(axes) & _varying(g) for g in new):
             return None
@@ -309,6 +307,8 @@ class GreedyLayout:
         for index, leaf in enumerate(self.space.leaves):
             if leaf.param is None:
                 out.append(next(globals_))
+            elif leaf.numel == 0:  # zero-size tensors have no row at all
+                out.append(np.zeros(leaf.shape, leaf.dtype))
             else:
                 dtype, offset = self.state_slots[index]
                 row = host[dtype][self.owner[leaf.param]]
@@ -319,7 +319,7 @@ class GreedyLayout:
         """Unsharded leaves -> (inner with globals, host shard buffers)."""
         host = {dtype: np.zeros((self.n, n), dtype) for dtype, n in self.state_len.items()}
         for index, (leaf, value) in enumerate(zip(self.space.leaves, leaves, strict=True)):
-            if leaf.param is not None:
+            if leaf.param is not None and leaf.numel:
                 dtype, offset = self.state_slots[index]
                 host[dtype][self.owner[leaf.param], offset : offset + leaf.numel] = np.ravel(value)
         globals_ = [v for s, v in zip(self.space.leaves, leaves, strict=True) if s.param is None]
