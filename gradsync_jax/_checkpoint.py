@@ -10,7 +10,9 @@ file under ``"__optax__/<state path>"`` and are listed in ``manifest.extra["glob
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 from typing import Any
 
 import numpy as np
@@ -18,10 +20,11 @@ from safetensors.numpy import load_file
 from safetensors.numpy import save as save_bytes
 
 from gradsync_core import Manifest, check_compatible, read_manifest, write_manifest
-from gradsync_core._checkpoint import rank_file, sha256_file, tensor_key, write_atomic
+from gradsync_core._checkpoint import MANIFEST, rank_file, sha256_file, tensor_key, write_atomic
 from gradsync_jax._zero import ShardedOptimizer, ZeroState
 
 GLOBAL_PARAM = "__optax__"  # the pseudo-parameter that carries global leaves
+_RANK_FILE = re.compile(r"rank-\d{5}-of-\d{5}\.safetensors")
 
 
 def _file_rank(tx: ShardedOptimizer, params: Any) -> dict[str, int]:
@@ -84,6 +87,10 @@ def save_optimizer_state(
             files[writer[name]][tensor_key(name, leaf.key)] = value
             state_keys[name].append(leaf.key)
     os.makedirs(directory, exist_ok=True)
+    # Remove the old manifest first: a save cut short then reads as "not finished", never as
+    # the old checkpoint with some new rank files (which the hashes would also catch).
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join(directory, MANIFEST))
     hashes = {}
     for rank, tensors in enumerate(files):
         path = os.path.join(directory, rank_file(rank, n))
@@ -101,6 +108,9 @@ def save_optimizer_state(
         extra={"partition": tx.partition, "global_keys": global_keys},
     )
     write_manifest(directory, manifest)
+    for name in os.listdir(directory):  # rank files of an earlier save on another device count
+        if _RANK_FILE.fullmatch(name) and name not in hashes:
+            os.unlink(os.path.join(directory, name))
     return manifest
 
 

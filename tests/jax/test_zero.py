@@ -211,6 +211,25 @@ def test_chain_clip_schedule_inject_hyperparams() -> None:
     assert not np.allclose(unclipped["head"]["kernel"], ref_params["head"]["kernel"])
 
 
+def test_reduce_sum() -> None:
+    """reduce="sum" feeds the inner optimizer the sum of the local gradients, not the mean."""
+    n, params = 2, make_params()
+    txs = [
+        shard_optimizer(optax.sgd(0.01, momentum=0.9), mesh_of(n), partition=p, reduce="sum")
+        for p in ("greedy", "flat")
+    ]
+    params_list, states = run_sharded(txs, n, params, steps=3)
+    ref, ref_tx = params, optax.sgd(0.01, momentum=0.9)
+    ref_state = ref_tx.init(ref)
+    for step in range(3):
+        grads = jax.tree.map(lambda g: g[0] + g[1], local_grads(n, step))
+        updates, ref_state = ref_tx.update(grads, ref_state, ref)
+        ref = optax.apply_updates(ref, updates)
+    for tx, p, s in zip(txs, params_list, states, strict=True):
+        assert_tree_close(p, ref, f"reduce=sum {tx.partition}")
+        assert_tree_close(tx.gather_state(s, params), ref_state, f"reduce=sum {tx.partition}")
+
+
 @pytest.mark.parametrize("partition", ["greedy", "flat"])
 def test_init_eval_shape_shardings_and_bytes(partition: str) -> None:
     n, params = 4, make_params()

@@ -173,3 +173,12 @@ def test_bad_checkpoints_are_refused(saved, tmp_path) -> None:
 
     # Nothing was touched: the state in hand is the one from before the failed loads.
     assert_equal(tx.gather_state(state, params), before)
+
+    # Saving over it on 2 devices replaces the 8 rank files; the result loads.
+    save_optimizer_state(corrupt, tx, state, params, step=0)
+    assert sorted(p.name for p in corrupt.iterdir()) == [
+        "manifest.json",
+        "rank-00000-of-00002.safetensors",
+        "rank-00001-of-00002.safetensors",
+    ]
+    assert_equal(tx.gather_state(load_optimizer_state(corrupt, tx, params)[0], params), before)
