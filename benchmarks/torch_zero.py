@@ -143,7 +143,8 @@ def worker(rank: int, world_size: int, store_path: str, args: argparse.Namespace
         )
         dist.all_reduce(memory, op=dist.ReduceOp.MAX)  # the fullest rank
         if rank == 0:
-            out.put((times, equal, memory.tolist()))
+            plan = setups[ZERO1][1].plan()  # type: ignore[union-attr]
+            out.put((times, equal, memory.tolist(), plan.imbalance))
     finally:
         dist.destroy_process_group()
 
@@ -175,7 +176,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ]
         for p in procs:
             p.start()
-        times, equal, memory = out.get(timeout=1800)
+        times, equal, memory, imbalance = out.get(timeout=1800)
         for p in procs:
             p.join()
             if p.exitcode != 0:
@@ -213,6 +214,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "optimizer state on the fullest rank; grad: gradients it holds at the step "
         "(param.grad, or its ZeRO-2 shards; DDP's and DataParallel's bucket buffers excluded)"
     )
+    print(f"ZeRO-1 plan imbalance (max / mean load - 1): {imbalance:.4f}")
     print(
         "parameters equal to DDP + Adam after the run (bitwise): "
         + ", ".join(f"{name}: {ok}" for name, ok in equal.items())
@@ -234,6 +236,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "anchor_state_bytes_per_rank": state[ANCHOR],
         "unsharded_state_bytes": unsharded,
         "state_ratio_vs_unsharded": round(state[zero1] / unsharded, 3),
+        "plan_imbalance": round(imbalance, 4),
         "zero2_grad_bytes_per_rank": grads[zero2],
         "ddp_grad_bytes_per_rank": grads[zero1],
         "params_equal": equal,
