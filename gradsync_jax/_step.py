@@ -1,4 +1,5 @@
-"""A jitted data-parallel training step: batch sharded over ``dp``, parameters replicated."""
+"""A jitted data-parallel training step: batch sharded over ``dp``, parameters replicated
+(or sharded over model-parallel axes, with the derived shared-parameter sums, DESIGN §6)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from gradsync_core import BucketPlan
+from gradsync_core import BucketPlan, ReductionPlan
 from gradsync_jax._accumulate import accumulate_local_grads
+from gradsync_jax._mappings import make_shared_local
 from gradsync_jax._sync import AxisName, _axes, sync_gradients
 
 StepFn = Callable[[Any, Any, Any], tuple[Any, Any, jax.Array]]
@@ -28,6 +30,9 @@ def data_parallel_step(
     reduce_dtype: Any = None,
     plan: BucketPlan | None = None,
     accumulate_steps: int = 1,
+    param_specs: Any = None,
+    batch_spec: P | None = None,
+    shared: ReductionPlan | None = None,
 ) -> StepFn:
     """Build ``step(params, opt_state, batch) -> (params, opt_state, loss)``, jitted.
 
@@ -44,13 +49,28 @@ def data_parallel_step(
         reduce, reduce_dtype, plan: passed to ``sync_gradients``.
         accumulate_steps: split each device's batch into this many micro-batches and sync
             once; the step then equals one step on the whole batch.
+        param_specs: model parallelism: a ``PartitionSpec`` tree matching ``params``
+            (``nnx_functional(model)[2]``); default every parameter replicated (``P()``).
+            The optimizer state's specs are derived from it (``optax.tree_map_params``).
+        batch_spec: the batch's ``PartitionSpec``; its first entry must be ``axis_name``.
+            Default ``P(axis_name)``. Further axes split the tokens (``P("dp", "cp")``,
+            ``P("dp", ("cp", "tp"))`` under sequence parallelism); ``loss_fn`` then returns
+            this device's SHARE of its data-parallel replica's loss (divide by the replica's
+            token count), and the reported loss sums the shares over those axes.
+        shared: the shared-parameter sums, ``plan_shared_reductions(shared_param_specs(
+            params, param_specs, data_spec=batch_spec, mesh=mesh), topology)``: planned
+            gradients stay partial through accumulation and are summed over their groups
+            once, bucketed, after the dp mean (without it JAX's implicit ``psum`` at every
+            use gives the same values, one collective per use and micro-step).
 
     Returns:
         ``step``; ``batch`` is a pytree whose leaves share a leading dimension divisible by
         ``dp_size * accumulate_steps``; ``loss`` is the mean over the global batch.
 
     Raises:
-        ValueError: if ``axis_name`` is not a mesh axis, or (when called) the batch does not
+        ValueError: if ``axis_name`` is not a mesh axis, ``batch_spec`` does not start with
+            it, ``shared`` was planned for another topology, the optimizer state's specs
+            cannot be derived from ``param_specs``, or (when called) the batch does not
             split evenly.
 
     Example:
@@ -67,29 +87,50 @@ def data_parallel_step(
     dp_size = 1
     for a in axes:
         dp_size *= mesh.shape[a]
-    batch_spec = P(axes if len(axes) > 1 else axes[0])
+    if batch_spec is None:
+        batch_spec = P(axes if len(axes) > 1 else axes[0])
+    elif not isinstance(batch_spec, P) or not batch_spec or _entry_axes(batch_spec[0]) != axes:
+        raise ValueError(
+            f"batch_spec must be a PartitionSpec whose first entry is the data-parallel axis "
+            f"{axis_name!r} (the batch dimension), e.g. P({axis_name!r}, 'cp'); got {batch_spec!r}"
+        )
+    token_axes = tuple(a for entry in batch_spec[1:] for a in _entry_axes(entry))
+    if shared is not None:
+        _check_topology(shared, mesh)
+    specs = P() if param_specs is None else param_specs
 
     def local_step(params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, jax.Array]:
+        # Planned parameters vary over their groups, so their gradients stay partial through
+        # the micro-steps and sync_gradients sums them once.
+        local = params if shared is None else make_shared_local(params, shared)
         loss, grads = accumulate_local_grads(
-            loss_fn, params, batch, accumulate_steps, axis_name=axis_name
+            loss_fn, local, batch, accumulate_steps, axis_name=axis_name
         )
         grads = sync_gradients(
-            grads, axis_name, reduce=reduce, reduce_dtype=reduce_dtype, plan=plan
+            grads, axis_name, reduce=reduce, reduce_dtype=reduce_dtype, plan=plan, shared=shared
         )
         updates, opt_state = tx.update(grads, opt_state, params)
+        if token_axes:  # each device holds its share of its replica's loss
+            loss = lax.psum(loss, token_axes)
         return optax.apply_updates(params, updates), opt_state, lax.pmean(loss, axis_name)
 
-    mapped = jax.shard_map(
-        local_step, mesh=mesh, in_specs=(P(), P(), batch_spec), out_specs=(P(), P(), P())
-    )
     explicit = all(t == AxisType.Explicit for t in mesh.axis_types)
-    replicated, sharded = NamedSharding(mesh, P()), NamedSharding(mesh, batch_spec)
+    sharded = NamedSharding(mesh, batch_spec)
 
     @jax.jit
     def jitted(params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, jax.Array]:
+        state_specs = P() if param_specs is None else _state_specs(tx, opt_state, param_specs)
         if explicit:  # Explicit axes: shard_map inputs must already carry its in_specs
-            params, opt_state = jax.reshard((params, opt_state), replicated)
+            to_sharding = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
+            params = jax.reshard(params, jax.tree.map(to_sharding, specs))
+            opt_state = jax.reshard(opt_state, jax.tree.map(to_sharding, state_specs))
             batch = jax.reshard(batch, sharded)
+        mapped = jax.shard_map(
+            local_step,
+            mesh=mesh,
+            in_specs=(specs, state_specs, batch_spec),
+            out_specs=(specs, state_specs, P()),
+        )
         return mapped(params, opt_state, batch)
 
     def step(params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, jax.Array]:
@@ -104,3 +145,34 @@ def data_parallel_step(
 
     step.jitted = jitted  # type: ignore[attr-defined]  # for .lower() (tests count collectives)
     return step
+
+
+def _entry_axes(entry: Any) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _check_topology(shared: ReductionPlan, mesh: Mesh) -> None:
+    topology = shared.topology
+    sizes = {a: getattr(topology, a) for a in topology.mesh_axis_names}
+    if any(mesh.shape.get(a, 1) != n for a, n in sizes.items()):
+        raise ValueError(
+            f"the shared reduction plan was made for axes {sizes} but the mesh has "
+            f"{dict(mesh.shape)}; plan it with the mesh's topology "
+            "(mesh_from_topology(topology) and plan_shared_reductions(..., topology))"
+        )
+
+
+def _state_specs(tx: optax.GradientTransformation, opt_state: Any, param_specs: Any) -> Any:
+    """The optimizer state's specs: each parameter-shaped subtree gets ``param_specs``."""
+    try:
+        return optax.tree_map_params(
+            tx, lambda _, spec: spec, opt_state, param_specs, transform_non_params=lambda _: P()
+        )
+    except Exception as err:  # optax raises whatever the init or the tree map raised
+        raise ValueError(
+            f"could not derive the optimizer state's PartitionSpecs from param_specs with "
+            f"optax.tree_map_params ({type(err).__name__}: {err}); param_specs must match the "
+            "params tree, and the optimizer's init must accept optax's params placeholder"
+        ) from err

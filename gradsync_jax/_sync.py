@@ -17,6 +17,12 @@ gradient that is already invariant over the axis is refused with an error.
 Inside ``jax.pmap`` (and ``shard_map(check_vma=False)``) JAX does not insert that ``psum``,
 gradients are local by construction and ``sync_gradients`` works the same; the invariance
 check is impossible there and skipped.
+
+Model parallelism (DESIGN §6): with ``shared=plan`` (a ``gradsync_core.ReductionPlan``),
+``make_local``/``local_grad`` also keep the gradients of parameters replicated over a
+model-parallel group PARTIAL (``make_shared_local``), and ``sync_gradients`` adds their sum
+over that group to the dp mean, one variadic ``psum`` per bucket, once per step (after
+accumulation, not at every use as JAX's implicit ``psum`` would).
 """
 
 from __future__ import annotations
@@ -29,7 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from gradsync_core import BucketPlan
+from gradsync_core import BucketPlan, ReductionPlan
+from gradsync_jax._mappings import make_shared_local, reduce_shared_gradients
 from gradsync_jax._specs import path_name
 
 AxisName = str | tuple[str, ...]
@@ -69,15 +76,26 @@ def _tracks_variance(axes: tuple[str, ...]) -> bool:
     return set(axes) <= _varying(index)
 
 
-def make_local(tree: Any, axis_name: AxisName = "dp") -> Any:
+def make_local(
+    tree: Any,
+    axis_name: AxisName = "dp",
+    *,
+    shared: ReductionPlan | None = None,
+    names: Sequence[str] | None = None,
+) -> Any:
     """Mark every leaf of ``tree`` as varying over ``axis_name`` (``lax.pcast``).
 
     Differentiate w.r.t. the result to get local gradients inside ``shard_map``. Leaves that
     already vary are left alone; under ``pmap`` or ``check_vma=False`` this is the identity.
+    With ``shared``, planned leaves also vary over their reduction group
+    (``make_shared_local``; ``names`` as there), so their gradients stay partial until
+    ``sync_gradients(..., shared=plan)`` sums them.
 
     Example:
         >>> grads = jax.grad(loss)(make_local(params, "dp"), batch)  # inside shard_map
     """
+    if shared is not None:
+        tree = make_shared_local(tree, shared, names=names)
     axes = _axes(axis_name)
 
     def cast(leaf: Any) -> Any:
@@ -95,6 +113,7 @@ def value_and_local_grad(
     *,
     has_aux: bool = False,
     axis_name: AxisName = "dp",
+    shared: ReductionPlan | None = None,
 ) -> Callable[..., Any]:
     """``jax.value_and_grad`` whose gradients stay local over ``axis_name`` (DESIGN §7).
 
@@ -104,6 +123,8 @@ def value_and_local_grad(
         fun: the loss, e.g. ``loss(params, batch) -> scalar`` (mean over the local batch).
         argnums, has_aux: as in ``jax.value_and_grad``.
         axis_name: the data-parallel mesh axis (or tuple of axes).
+        shared: a ``ReductionPlan`` naming the leaves of the (single) differentiated
+            argument: their gradients also stay partial over their model-parallel group.
 
     Returns:
         A function with ``fun``'s signature returning ``(value, local_grads)`` (value is
@@ -114,12 +135,17 @@ def value_and_local_grad(
         >>> grads = sync_gradients(grads, "dp")
     """
     positions = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    if shared is not None and len(positions) != 1:
+        raise ValueError(
+            f"shared= names the leaves of one argument (the parameters) but argnums={argnums!r} "
+            "differentiates several; pass argnums as one int"
+        )
     grad_fn = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)
 
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         args = list(args)
         for i in positions:
-            args[i] = make_local(args[i], axis_name)
+            args[i] = make_local(args[i], axis_name, shared=shared)
         return grad_fn(*args, **kwargs)
 
     return wrapped
@@ -131,9 +157,12 @@ def local_grad(
     *,
     has_aux: bool = False,
     axis_name: AxisName = "dp",
+    shared: ReductionPlan | None = None,
 ) -> Callable[..., Any]:
     """``jax.grad`` whose gradients stay local over ``axis_name``; see ``value_and_local_grad``."""
-    value_and_grad = value_and_local_grad(fun, argnums, has_aux=has_aux, axis_name=axis_name)
+    value_and_grad = value_and_local_grad(
+        fun, argnums, has_aux=has_aux, axis_name=axis_name, shared=shared
+    )
 
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         value, grads = value_and_grad(*args, **kwargs)
@@ -187,6 +216,7 @@ def sync_gradients(
     reduce_dtype: Any = None,
     plan: BucketPlan | None = None,
     names: Sequence[str] | None = None,
+    shared: ReductionPlan | None = None,
 ) -> Any:
     """Mean (or sum) local gradients over ``axis_name``; call inside ``shard_map`` or ``pmap``.
 
@@ -205,13 +235,20 @@ def sync_gradients(
         names: the plan name of every leaf in flattening order; default
             ``path_name(key_path)`` (``params/Dense_0/kernel``). Pass
             ``gradsync_jax.torch_names(grads)`` to use a plan built from a torch module.
+        shared: model parallelism (DESIGN §6): a ``gradsync_core.ReductionPlan``
+            (``plan_shared_reductions(shared_param_specs(...), topology)``); after the mean,
+            each planned gradient is summed over its model-parallel group (in its own dtype),
+            one ``psum`` per bucket. The gradients must be partial there: get them with
+            ``local_grad(..., shared=plan)``.
 
     Returns:
-        A pytree like ``grads``, identical on every member of the axis.
+        A pytree like ``grads``, identical on every member of the axis (and of the
+        reduction groups of ``shared``).
 
     Raises:
         ValueError: on an unknown ``reduce``, a gradient already invariant over the axis
-            (DESIGN §7), or a plan that does not cover exactly the leaves of ``grads``.
+            (DESIGN §7), or a plan that does not cover exactly the leaves of ``grads``, or a
+            ``shared`` gradient already summed over its group.
         TypeError: on a non-floating gradient leaf.
         NameError: if ``axis_name`` is not bound (called outside shard_map/pmap).
 
@@ -236,7 +273,11 @@ def sync_gradients(
         out = [_reduce(leaf, axes, reduce, reduce_dtype) for leaf in leaves]
     else:
         out = _reduce_buckets(leaves, list(names), axes, reduce, reduce_dtype, plan)
-    return jax.tree_util.tree_unflatten(treedef, out)
+    synced = jax.tree_util.tree_unflatten(treedef, out)
+    if shared is None:
+        return synced
+    # The sum over a model-parallel group commutes with the dp mean (DESIGN §6).
+    return reduce_shared_gradients(synced, shared, names=names)
 
 
 def _reduce_buckets(
