@@ -19,7 +19,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from gradsync_core import ParamSpec, ShardPlan, plan_greedy_shards
-from gradsync_torch import _zero_checkpoint
+from gradsync_torch import _zero_checkpoint, _zero_state
 from gradsync_torch._specs import dtype_name
 from gradsync_torch._zero_flat import FlatLayout, check_elementwise, make_layout, plan_flat
 from gradsync_torch._zero_grads import find_sharder
@@ -231,7 +231,7 @@ class ZeroRedundancyOptimizer(Optimizer):
         pieces, and carry every piece's state over (to its new owner if it moved)."""
         old_plan, old_state = None, []
         if hasattr(self, "layout"):
-            old_plan, old_state = self.layout.plan, _zero_checkpoint.local_pieces(self)
+            old_plan, old_state = self.layout.plan, _zero_state.local_pieces(self)
         specs, plan = self._specs(), self.plan()
         check_same_plan(plan, specs, self.process_group, self.world_size)
         self.layout: GreedyLayout | FlatLayout = make_layout(
@@ -255,7 +255,7 @@ class ZeroRedundancyOptimizer(Optimizer):
         self.optim = self.optimizer_class(local_groups, **self._local_defaults)
         _copy_hyper(self.optim.param_groups, self.param_groups)
         if old_plan is not None:
-            _zero_checkpoint.carry_state(self, old_plan, old_state)
+            _zero_state.carry_state(self, old_plan, old_state)
 
     # -- torch.optim.Optimizer API ----------------------------------------------------------
 
@@ -333,7 +333,7 @@ class ZeroRedundancyOptimizer(Optimizer):
         """Gather the full optimizer state on group rank ``to`` (a collective), for
         ``state_dict()`` there."""
         _copy_hyper(self.param_groups, self.optim.param_groups)
-        self._consolidated = _zero_checkpoint.consolidate(self, to)
+        self._consolidated = _zero_state.consolidate(self, to)
 
     def state_dict(self) -> dict[str, Any]:
         """The full state in torch's format (global parameter indices), loadable by a plain
@@ -369,7 +369,7 @@ class ZeroRedundancyOptimizer(Optimizer):
             )
         shapes = [tuple(p.shape) for p in self._params()]
         full = {int(k): v for k, v in state_dict["state"].items()}
-        _zero_checkpoint.load_full_state(self, full, shapes, groups)
+        _zero_state.load_full_state(self, full, shapes, groups)
 
     # -- checkpoints and accounting -----------------------------------------------------------
 

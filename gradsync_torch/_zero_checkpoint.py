@@ -18,11 +18,8 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import math
 import os
 import re
-from collections import defaultdict
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import safetensors.torch
@@ -31,7 +28,6 @@ import torch.distributed as dist
 from safetensors import safe_open
 from torch import nn
 
-from gradsync_core import ShardPlan
 from gradsync_core._checkpoint import (
     MANIFEST,
     Manifest,
@@ -43,161 +39,12 @@ from gradsync_core._checkpoint import (
     write_atomic,
     write_manifest,
 )
+from gradsync_torch._zero_state import StatePiece, assemble, load_full_state
 
 if TYPE_CHECKING:
     from gradsync_torch._zero import ZeroRedundancyOptimizer
-    from gradsync_torch._zero_layout import Piece
 
 _RANK_FILE = re.compile(r"rank-\d{5}-of-\d{5}\.safetensors")
-
-# (global index, start, stop, whole, state): a piece of one parameter's state in model space.
-StatePiece = tuple[int, int, int, bool, dict[str, Any]]
-
-
-def assemble(pieces: Sequence[StatePiece], shapes: Sequence[tuple[int, ...]]) -> dict[int, Any]:
-    """Per-parameter state from pieces: whole ones as they are; flat slices concatenated in
-    element order and reshaped to the parameter (0-d entries taken from the first slice).
-
-    Raises:
-        ValueError: if the slices of a parameter do not cover it exactly once.
-    """
-    by_index: dict[int, list[StatePiece]] = defaultdict(list)
-    for piece in pieces:
-        by_index[piece[0]].append(piece)
-    full: dict[int, Any] = {}
-    for index, parts in by_index.items():
-        if len(parts) == 1 and parts[0][3]:
-            full[index] = parts[0][4]
-            continue
-        parts.sort(key=lambda p: p[1])
-        numel, cursor = math.prod(shapes[index]), 0
-        for _, start, stop, _, _ in parts:
-            if start != cursor:
-                break
-            cursor = stop
-        if cursor != numel:
-            raise ValueError(
-                f"the state slices of parameter #{index} cover elements up to {cursor} of "
-                f"{numel}: a rank file is missing or from another save"
-            )
-        state = {}
-        for key, first in parts[0][4].items():
-            if torch.is_tensor(first) and first.dim() >= 1:
-                state[key] = torch.cat([p[4][key].reshape(-1) for p in parts]).view(shapes[index])
-            else:
-                state[key] = first
-        full[index] = state
-    return full
-
-
-def slice_state(state: dict[str, Any], piece: Piece, shape: tuple[int, ...]) -> dict[str, Any]:
-    """The part of one parameter's model-space ``state`` that ``piece`` steps.
-
-    Raises:
-        ValueError: if a tensor is neither 0-d nor the parameter's size (such state cannot
-            be cut into element ranges).
-    """
-    if piece.whole:
-        return dict(state)
-    numel, out = math.prod(shape), {}
-    for key, value in state.items():
-        if torch.is_tensor(value) and value.dim() >= 1:
-            if value.numel() != numel:
-                raise ValueError(
-                    f"state {key!r} of parameter #{piece.index} has {value.numel()} elements, "
-                    f"not the parameter's {numel}; it cannot be sharded by element ranges"
-                )
-            out[key] = value.reshape(-1)[piece.start : piece.stop].clone()
-        else:
-            out[key] = value.clone() if torch.is_tensor(value) else value
-    return out
-
-
-def local_pieces(opt: ZeroRedundancyOptimizer, *, cpu: bool = False) -> list[StatePiece]:
-    """This rank's state in model space: one ``StatePiece`` per piece that has state."""
-    out = []
-    for p in opt.layout.pieces:
-        state = opt.optim.state.get(p.tensor)
-        if state:
-            if cpu:
-                state = {
-                    k: v.detach().cpu().clone() if torch.is_tensor(v) else v
-                    for k, v in state.items()
-                }
-            out.append((p.index, p.start, p.stop, p.whole, state))
-    return out
-
-
-def consolidate(opt: ZeroRedundancyOptimizer, to: int) -> dict[int, Any] | None:
-    """Every rank's state, assembled per parameter on group rank ``to`` (a collective)."""
-    mine = local_pieces(opt, cpu=True)
-    gathered: list[Any] | None = [mine]
-    if opt.world_size > 1:
-        gathered = [None] * opt.world_size if opt.rank == to else None
-        dist.gather_object(mine, gathered, dst=opt._comm.global_rank(to), group=opt.process_group)
-    if gathered is None:
-        return None
-    shapes = [tuple(p.shape) for p in opt._params()]
-    return assemble([piece for pieces in gathered for piece in pieces], shapes)
-
-
-def carry_state(opt: ZeroRedundancyOptimizer, old_plan: ShardPlan, old: list[StatePiece]) -> None:
-    """Give the pieces of a rebuilt layout their state: kept pieces keep theirs; if any
-    piece changed owner or range (a frozen parameter became trainable, a re-plan), every
-    rank's state travels through model space to the new owners (rare: one all-gather)."""
-    before = {(s.name, s.start, s.stop): s.rank for s in old_plan.shards}
-    after = {(s.name, s.start, s.stop): s.rank for s in opt.layout.plan.shards}
-    moved = any(k in after and after[k] != r for k, r in before.items()) or any(
-        k not in after for k in before
-    )
-    kept = {(i, start, stop): state for i, start, stop, _, state in old}
-    full: dict[int, Any] = {}
-    if moved and opt.world_size > 1:
-        gathered: list[Any] = [None] * opt.world_size
-        mine = [
-            (i, a, b, w, {k: v.cpu() if torch.is_tensor(v) else v for k, v in st.items()})
-            for i, a, b, w, st in old
-        ]
-        dist.all_gather_object(gathered, mine, group=opt.process_group)
-        shapes = [tuple(p.shape) for p in opt._params()]
-        full = assemble([piece for pieces in gathered for piece in pieces], shapes)
-    elif moved:
-        full = assemble(old, [tuple(p.shape) for p in opt._params()])
-    params = opt._params()
-    for piece in opt.layout.pieces:
-        state = kept.get((piece.index, piece.start, piece.stop))
-        if state is None and piece.index in full:
-            state = slice_state(full[piece.index], piece, tuple(params[piece.index].shape))
-        if state is not None:
-            device = piece.tensor.device
-            opt.optim.state[piece.tensor] = {
-                k: v.to(device) if torch.is_tensor(v) and v.dim() else v for k, v in state.items()
-            }
-
-
-def load_full_state(
-    opt: ZeroRedundancyOptimizer,
-    full: dict[int, dict[str, Any]],
-    shapes: list[tuple[int, ...]],
-    groups: list[dict[str, Any]],
-) -> None:
-    """Hand this rank's slices of ``full`` (model-space state by global index) and the
-    hyper-parameters of ``groups`` to the local optimizer's own ``load_state_dict``, which
-    casts state to each parameter's dtype and device as torch does."""
-    pieces = opt._local_pieces()
-    local_state = {}
-    for local_index, piece in enumerate(pieces):
-        if piece.index in full:
-            local_state[local_index] = slice_state(full[piece.index], piece, shapes[piece.index])
-    local_groups, position = [], 0
-    for g, group in enumerate(groups):
-        count = sum(1 for p in pieces if p.group == g)
-        hyper = {k: v for k, v in group.items() if k not in ("params", "param_names")}
-        local_groups.append({**hyper, "params": list(range(position, position + count))})
-        position += count
-    for src, dst in zip(groups, opt.param_groups, strict=True):
-        dst.update({k: v for k, v in src.items() if k not in ("params", "param_names")})
-    opt.optim.load_state_dict({"state": local_state, "param_groups": local_groups})
 
 
 def _to_json(value: Any, what: str) -> Any:
@@ -219,35 +66,28 @@ def _from_json(value: Any, current: Any) -> Any:
     return value
 
 
-def save(
-    opt: ZeroRedundancyOptimizer, path: str | os.PathLike[str], *, model: nn.Module | None
-) -> None:
-    """Write ``opt``'s state to directory ``path`` (a collective over its process group).
+def _agree(opt: ZeroRedundancyOptimizer, error: str | None, what: str) -> None:
+    """Raise the first rank's error on every rank (a collective), so no rank goes on to a
+    collective the failed rank never reaches (a hang)."""
+    errors: list[Any] = [error]
+    if opt.world_size > 1:
+        errors = [None] * opt.world_size
+        dist.all_gather_object(errors, error, group=opt.process_group)
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if failed:
+        rank, message = failed[0]
+        where = f" (rank {rank})" if opt.world_size > 1 else ""
+        raise ValueError(f"{what}{where}: {message}")
 
-    Each rank writes its own file atomically; rank 0 writes the manifest after every file
-    exists (the old manifest and rank files of another world size are removed first, so an
-    interrupted save is never mistaken for a complete one).
 
-    Raises:
-        ValueError: if parameter names are unknown (see ``param_names``) or a state value
-            is neither a tensor nor a number.
-    """
-    from gradsync_torch._zero import optimizer_name
+def _message(e: BaseException) -> str:
+    return f"{e}" if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
 
-    names = opt.param_names(model)
-    specs, plan = opt._specs(names), opt.plan(names)
-    world, rank, group = opt.world_size, opt.rank, opt.process_group
-    path = os.fspath(path)
-    if rank == 0:
-        os.makedirs(path, exist_ok=True)
-        if os.path.exists(os.path.join(path, MANIFEST)):
-            os.unlink(os.path.join(path, MANIFEST))
-        current = {rank_file(r, world) for r in range(world)}
-        for name in os.listdir(path):  # rank files of an earlier save at another world size
-            if _RANK_FILE.fullmatch(name) and name not in current:
-                os.unlink(os.path.join(path, name))
-    if world > 1:
-        dist.barrier(group=group)
+
+def _rank_state(
+    opt: ZeroRedundancyOptimizer, names: list[str]
+) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, list[str]]]:
+    """This rank's tensors, non-tensor numbers and state keys, by checkpoint name."""
     tensors: dict[str, torch.Tensor] = {}
     scalars: dict[str, Any] = {}
     state_keys: dict[str, list[str]] = {}
@@ -263,50 +103,107 @@ def save(
             keys.append(key)
         if keys:
             state_keys[name] = keys
-    data = safetensors.torch.save(tensors, metadata={"rank": str(rank), "world_size": str(world)})
+    return tensors, scalars, state_keys
+
+
+def _groups_json(opt: ZeroRedundancyOptimizer, names: list[str]) -> list[dict[str, Any]]:
+    out, first = [], 0
+    for g, group in enumerate(opt.param_groups):
+        entry = {
+            k: _to_json(v, f"hyper-parameter {k!r} of param group {g}")
+            for k, v in group.items()
+            if k not in ("params", "param_names")
+        }
+        entry["params"] = names[first : first + len(group["params"])]
+        first += len(group["params"])
+        out.append(entry)
+    return out
+
+
+def save(
+    opt: ZeroRedundancyOptimizer, path: str | os.PathLike[str], *, model: nn.Module | None
+) -> None:
+    """Write ``opt``'s state to directory ``path`` (a collective over its process group).
+
+    Each rank writes its own file atomically; rank 0 writes the manifest after every file
+    exists (the old manifest and rank files of another world size are removed first, so an
+    interrupted save is never mistaken for a complete one). A failure on any rank (a state
+    value that is not a number, a full disk) raises on every rank and writes no manifest.
+
+    Raises:
+        ValueError: if parameter names are unknown (see ``param_names``), or on any rank's
+            failure, naming the rank.
+    """
+    from gradsync_torch._zero import optimizer_name
+
+    names = opt.param_names(model)
+    specs, plan = opt._specs(names), opt.plan(names)
+    world, rank, group = opt.world_size, opt.rank, opt.process_group
+    path, what = os.fspath(path), f"cannot save optimizer checkpoint {os.fspath(path)}"
+    error = None
+    try:
+        groups_json = _groups_json(opt, names)
+        tensors, scalars, state_keys = _rank_state(opt, names)
+    except Exception as e:
+        error = _message(e)
+    _agree(opt, error, what)  # nothing on disk has changed yet
+    if rank == 0:
+        try:
+            os.makedirs(path, exist_ok=True)
+            if os.path.exists(os.path.join(path, MANIFEST)):
+                os.unlink(os.path.join(path, MANIFEST))
+            current = {rank_file(r, world) for r in range(world)}
+            for name in os.listdir(path):  # rank files of an earlier save at another size
+                if _RANK_FILE.fullmatch(name) and name not in current:
+                    os.unlink(os.path.join(path, name))
+        except Exception as e:
+            error = _message(e)
+    _agree(opt, error, what)  # also orders rank 0's clean-up before every write
     file_name = rank_file(rank, world)
-    write_atomic(os.path.join(path, file_name), data)
-    mine = (file_name, hashlib.sha256(data).hexdigest(), state_keys, scalars)
+    mine: tuple[Any, ...] = (file_name, None, {}, {}, None)
+    try:
+        data = safetensors.torch.save(tensors, metadata={"rank": str(rank), "world": str(world)})
+        write_atomic(os.path.join(path, file_name), data)
+        mine = (file_name, hashlib.sha256(data).hexdigest(), state_keys, scalars, None)
+    except Exception as e:
+        mine = (file_name, None, {}, {}, _message(e))
     gathered: list[Any] = [mine]
     if world > 1:
         gathered = [None] * world
         dist.gather_object(
             mine, gathered if rank == 0 else None, dst=opt._comm.global_rank(0), group=group
         )
+    error = None
     if rank == 0:
-        all_keys: dict[str, tuple[str, ...]] = {}
-        all_scalars: dict[str, Any] = {}
-        for _, _, keys, values in gathered:
-            all_keys.update({name: tuple(k) for name, k in keys.items()})
-            all_scalars.update(values)
-        groups_json = []
-        for g, group_dict in enumerate(opt.param_groups):
-            entry = {
-                k: _to_json(v, f"hyper-parameter {k!r} of param group {g}")
-                for k, v in group_dict.items()
-                if k not in ("params", "param_names")
-            }
-            first = sum(len(pg["params"]) for pg in opt.param_groups[:g])
-            entry["params"] = names[first : first + len(group_dict["params"])]
-            groups_json.append(entry)
-        manifest = Manifest(
-            framework="torch",
-            optimizer=optimizer_name(opt.optimizer_class),
-            world_size=world,
-            step=opt.steps,
-            params=tuple(specs),
-            plan=plan,
-            state_keys=dict(sorted(all_keys.items())),
-            files={f: digest for f, digest, _, _ in gathered},
-            extra={
-                "param_groups": groups_json,
-                "scalars": all_scalars,
-                "shard_gradients": opt.shard_gradients,
-            },
-        )
-        write_manifest(path, manifest)
-    if world > 1:
-        dist.barrier(group=group)  # nobody returns before the checkpoint is complete
+        failed = [(r, g[4]) for r, g in enumerate(gathered) if g[4] is not None]
+        if failed:
+            error = f"rank {failed[0][0]} could not write its file: {failed[0][1]}"
+        else:
+            all_keys: dict[str, tuple[str, ...]] = {}
+            all_scalars: dict[str, Any] = {}
+            for _, _, keys, values, _ in gathered:
+                all_keys.update({name: tuple(k) for name, k in keys.items()})
+                all_scalars.update(values)
+            manifest = Manifest(
+                framework="torch",
+                optimizer=optimizer_name(opt.optimizer_class),
+                world_size=world,
+                step=opt.steps,
+                params=tuple(specs),
+                plan=plan,
+                state_keys=dict(sorted(all_keys.items())),
+                files={f: digest for f, digest, _, _, _ in gathered},
+                extra={
+                    "param_groups": groups_json,
+                    "scalars": all_scalars,
+                    "shard_gradients": opt.shard_gradients,
+                },
+            )
+            try:
+                write_manifest(path, manifest)
+            except Exception as e:
+                error = _message(e)
+    _agree(opt, error, what)  # nobody returns before the checkpoint is complete
 
 
 def _read(
@@ -398,16 +295,8 @@ def load(
     try:
         manifest, full, groups = _read(opt, os.fspath(path), names)
     except Exception as e:  # any failure must reach the other ranks, or they would load
-        error = f"{e}" if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
-    errors: list[Any] = [error]
-    if opt.world_size > 1:
-        errors = [None] * opt.world_size
-        dist.all_gather_object(errors, error, group=opt.process_group)
-    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
-    if failed:
-        rank, message = failed[0]
-        where = f" (rank {rank})" if opt.world_size > 1 else ""
-        raise ValueError(f"cannot load optimizer checkpoint {os.fspath(path)}{where}: {message}")
+        error = _message(e)
+    _agree(opt, error, f"cannot load optimizer checkpoint {os.fspath(path)}")
     shapes = [tuple(p.shape) for p in opt._params()]
     load_full_state(opt, full, shapes, groups)
     opt._gradsync_steps = manifest.step

@@ -21,8 +21,8 @@ from torch import nn
 
 from gradsync_core._checkpoint import MANIFEST, rank_file
 from gradsync_torch import ZeroRedundancyOptimizer
-from gradsync_torch._zero_checkpoint import assemble, slice_state
 from gradsync_torch._zero_layout import Piece
+from gradsync_torch._zero_state import assemble, slice_state
 from tests.torch.test_zero import Pair, make_model, plain, zero
 
 ADAM = {"lr": 1e-2}
@@ -195,6 +195,20 @@ def check_bad_checkpoints(world_size: int, directory: str) -> None:
         assert all(torch.equal(a[k], b[k]) for k in a), "a failed load changed the state"
     for _ in range(2):
         pair.step()  # still in lockstep with the plain optimizer: nothing was touched
+
+    # A save that fails on one rank fails on all (no hang) and writes no manifest.
+    odd = os.path.join(directory, f"odd-{world_size}")
+    state = pair.opt.optim.state[pair.opt.layout.pieces[0].tensor]
+    if rank == world_size - 1:
+        state["note"] = {"not": "a number"}
+    with pytest.raises(
+        ValueError,
+        match=rf"cannot save .*\(rank {world_size - 1}\): cannot save "
+        r"state 'note' of .*: not a number",
+    ):
+        pair.opt.save(odd)
+    state.pop("note", None)
+    assert not os.path.exists(os.path.join(odd, MANIFEST))
 
     # Without names, save and load take them from the model.
     model = make_model()
