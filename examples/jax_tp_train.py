@@ -4,11 +4,17 @@
     python examples/jax_tp_train.py --sequence-parallel   # tokens split over cp and tp
     python examples/jax_tp_train.py --skip-shared-sums    # drifts from serial, exit 1
 
-The twin of examples/torch_tp_train.py. The forward runs inside ``jax.shard_map``; the
-parameters are made local over ``dp`` and over their derived reduction groups, so each device
-holds its partial gradient, then ``sync_gradients`` takes the dp mean and
-``reduce_shared_gradients`` the model-parallel sums. AdamW runs on the sharded global arrays.
-The serial model is trained beside it; the last line is one JSON object.
+The twin of examples/torch_tp_train.py. One call builds the step:
+``data_parallel_step(loss, tx, mesh, param_specs=specs, batch_spec=data, shared=plan)`` runs
+the forward inside ``jax.shard_map``, keeps the gradients local over ``dp`` and PARTIAL over
+the derived reduction groups (``plan``, from the parameters' and the input's specs), then
+takes the dp mean and the model-parallel sums (bucketed, once per step); AdamW runs on the
+sharded arrays. The serial model is trained beside it; the last line is one JSON object.
+
+``--skip-shared-sums``: in JAX a replicated parameter cannot silently keep a partial
+gradient (leaving ``shared`` out only moves the sums back into JAX's implicit ``psum`` at
+every use), so the flag imitates what a forgotten sum does in torch: one member's partial
+gradient stands in for the sum, and the model drifts.
 """
 
 from __future__ import annotations
@@ -33,13 +39,12 @@ from gradsync_core import Topology, plan_shared_reductions
 from gradsync_jax import (
     MLPTransformer,
     ParallelMLPTransformer,
-    make_local,
-    make_shared_local,
+    data_parallel_step,
     mesh_from_topology,
     nnx_functional,
-    reduce_shared_gradients,
     shared_param_specs,
     sync_gradients,
+    value_and_local_grad,
 )
 
 
@@ -70,32 +75,18 @@ def main() -> None:
     data = P("dp", ("cp", "tp")) if sp else P("dp", "cp")
     shared = shared_param_specs(params, specs, data_spec=data, mesh=mesh)  # leaf order
     plan = plan_shared_reductions(shared, topo)
-    tokens = args.batch // topo.dp * args.seq  # one replica's tokens
 
-    def local_step(params, x, target):
-        local = make_shared_local(make_local(params, "dp"), plan)
+    def loss_fn(params, batch):  # this device's share of its replica's loss
+        x, target = batch  # x.shape[0]: the replica's rows; args.seq: its whole sequence
+        return ((apply(params, x) - target) ** 2).sum() / (x.shape[0] * args.seq * args.dim)
 
-        def share(p):  # this device's share of its replica's loss
-            return ((apply(p, x) - target) ** 2).sum() / (tokens * args.dim)
-
-        loss, grads = jax.value_and_grad(share)(local)
-        grads = sync_gradients(grads, "dp")
-        if args.skip_shared_sums:  # a forgotten sum: one member's partial gradient stands in
-            grads = _keep_first_member(grads, plan, [s.name for s in shared])
-        grads = reduce_shared_gradients(grads, plan)
-        split = tuple(a for e in data[1:] for a in ((e,) if isinstance(e, str) else e))
-        return jax.lax.pmean(jax.lax.psum(loss, split), "dp"), grads
-
-    grad_step = jax.shard_map(
-        local_step, mesh=mesh, in_specs=(specs, data, data), out_specs=(P(), specs)
-    )
     opt = optax.adamw(args.lr)
-
-    @jax.jit
-    def train_step(params, opt_state, x, target):
-        loss, grads = grad_step(params, x, target)
-        updates, opt_state = opt.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+    if args.skip_shared_sums:
+        train_step = _forgetful_step(loss_fn, opt, mesh, specs, data, plan, shared)
+    else:
+        train_step = data_parallel_step(
+            loss_fn, opt, mesh, param_specs=specs, batch_spec=data, shared=plan
+        )
 
     @jax.jit
     def serial_step(params, opt_state, x, target):
@@ -105,8 +96,7 @@ def main() -> None:
         updates, opt_state = opt.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    shard = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))  # noqa: E731
-    par_params = jax.tree.map(shard, params, specs)
+    par_params = params  # the step shards them as param_specs says
     par_state = opt.init(par_params)
     ser_params, ser_state = params, opt.init(params)
     print(f"topology {topo.order}: tp={topo.tp} cp={topo.cp} dp={topo.dp}, sp={sp}")
@@ -117,9 +107,7 @@ def main() -> None:
     for step in range(args.steps):
         x = rng.standard_normal((args.batch, args.seq, args.dim)).astype(np.float32)
         target = np.tanh(x[..., ::-1])
-        par_params, par_state, loss = train_step(
-            par_params, par_state, shard(x, data), shard(target, data)
-        )
+        par_params, par_state, loss = train_step(par_params, par_state, (x, target))
         ser_params, ser_state, ser_loss = serial_step(ser_params, ser_state, x, target)
         if step % 5 == 0 or step == args.steps - 1:
             print(f"{step:>4} {float(loss):>10.5f} {float(ser_loss):>12.5f}")
@@ -144,6 +132,37 @@ def main() -> None:
     print(json.dumps(summary))
     if drift > 1e-4:
         raise SystemExit(f"parallel training drifted from the serial model by {drift}")
+
+
+def _forgetful_step(loss_fn, opt, mesh, specs, data, plan, shared):
+    """The step with a forgotten sum: each planned gradient is one member's partial."""
+    names = [s.name for s in shared]
+    split = tuple(a for e in data[1:] for a in ((e,) if isinstance(e, str) else e))
+
+    def local_step(params, opt_state, batch):
+        loss, grads = value_and_local_grad(loss_fn, shared=plan)(params, batch)
+        grads = sync_gradients(_keep_first_member(grads, plan, names), "dp", shared=plan)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        loss = jax.lax.pmean(jax.lax.psum(loss, split), "dp")
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    def place(tree, tree_specs):
+        return jax.reshard(tree, jax.tree.map(lambda s: NamedSharding(mesh, s), tree_specs))
+
+    @jax.jit
+    def step(params, opt_state, batch):
+        state_specs = optax.tree_map_params(
+            opt, lambda _, s: s, opt_state, specs, transform_non_params=lambda _: P()
+        )
+        mapped = jax.shard_map(
+            local_step,
+            mesh=mesh,
+            in_specs=(specs, state_specs, data),
+            out_specs=(specs, state_specs, P()),
+        )
+        return mapped(place(params, specs), place(opt_state, state_specs), place(batch, data))
+
+    return step
 
 
 def _keep_first_member(grads, plan, names):
