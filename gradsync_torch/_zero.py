@@ -223,8 +223,10 @@ class ZeroRedundancyOptimizer(Optimizer):
     # -- the local optimizer --------------------------------------------------------------
 
     def _local_pieces(self) -> list[Piece]:
-        """This rank's pieces in the local optimizer's order (group by group)."""
-        return sorted(self.layout.pieces, key=lambda piece: piece.group)
+        """This rank's pieces in the local optimizer's order: group by group, largest first
+        (torch's partition order). On CPU, torch's per-tensor Adam measured ~40% slower
+        with 4 MB weights and 4 KB biases interleaved than with the weights first."""
+        return sorted(self.layout.pieces, key=lambda piece: (piece.group, -piece.numel))
 
     def _rebuild(self) -> None:
         """(Re)plan ownership, build the layout and a local optimizer over this rank's

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -24,7 +23,7 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 
 import gradsync_core
-from gradsync_torch import DataParallel, ZeroRedundancyOptimizer, _zero_flat, _zero_layout
+from gradsync_torch import ZeroRedundancyOptimizer, _zero_flat, _zero_layout
 from gradsync_torch._specs import param_specs
 from tests.torch.harness import run_workers
 
@@ -357,64 +356,9 @@ def check_torch_partition(world_size: int) -> None:
     assert mine == {name_of[id(p)] for g in theirs.optim.param_groups for p in g["params"]}
 
 
-def check_data_parallel(world_size: int, directory: str) -> None:
-    """ZeRO-2 as an option of DataParallel: gradients are reduce-scattered during backward
-    (param.grad dropped, each rank holds its shard), and the run equals DataParallel +
-    plain Adam, accumulation under no_sync() included. Its checkpoint loads into ZeRO-1."""
-    rank = dist.get_rank()
-    model = make_model()
-    ref_model = copy.deepcopy(model)
-    sharded = DataParallel(model, shard_gradients=True, bucket_cap_mb=0.002)
-    plain_dp = DataParallel(ref_model, bucket_cap_mb=0.002)
-    with pytest.raises(ValueError, match=r"DataParallel\(shard_gradients=True\)"):
-        ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam)
-    opt = ZeroRedundancyOptimizer(
-        model.named_parameters(), torch.optim.Adam, lr=1e-2, shard_gradients=True
-    )
-    ref = torch.optim.Adam(ref_model.parameters(), lr=1e-2)
-    assert len(sharded.bucket_plan.buckets) > 1
-    assert all(b.numel % world_size == 0 for b in sharded.bucket_plan.buckets)
-    exact = world_size <= 2
-    for step in range(8):
-        opt.zero_grad()
-        ref.zero_grad()
-        for micro in range(2 if step % 3 == 2 else 1):  # every third step accumulates
-            x, y = batch(10 * step + micro, world_size, rank)
-            for wrapper in (sharded, plain_dp):
-                if micro == 0 and step % 3 == 2:
-                    with wrapper.no_sync():
-                        F.mse_loss(wrapper(x), y).backward()
-                else:
-                    F.mse_loss(wrapper(x), y).backward()
-        assert all(p.grad is None for p in model.parameters()), "ZeRO-2 keeps only shards"
-        assert 0 < opt.grad_nbytes() <= 4 * sum(p.numel() for p in model.parameters())
-        opt.step()
-        ref.step()
-        for (name, p), q in zip(model.named_parameters(), ref_model.parameters(), strict=True):
-            same(p.detach(), q.detach(), exact, f"DataParallel ZeRO-2 step {step} {name}")
-    pair = Pair(world_size, lambda m: opt, lambda m: ref, model=model)
-    pair.exact = exact
-    pair.check_state()
-    path = os.path.join(directory, f"dp-zero2-{world_size}")
-    opt.save(path)
-    other = ZeroRedundancyOptimizer(
-        copy.deepcopy(model).named_parameters(), torch.optim.Adam, lr=1.0
-    )
-    other.load(path)
-    for to in range(world_size):
-        opt.consolidate_state_dict(to)
-        mine = opt.state_dict() if rank == to else None
-        other.consolidate_state_dict(to)
-        if rank == to:
-            theirs = other.state_dict()
-            assert mine["param_groups"] == theirs["param_groups"]
-            for index, state in mine["state"].items():
-                for key, value in state.items():
-                    assert torch.equal(value, theirs["state"][index][key]), (index, key)
-
-
 def worker(rank: int, world_size: int, directory: str) -> dict[str, Any]:
     from tests.torch import test_zero_checkpoint as ckpt
+    from tests.torch import test_zero_data_parallel as with_dp
 
     out: dict[str, Any] = {}
     if world_size == 3:  # only resharding: load what 4 ranks saved
@@ -428,7 +372,7 @@ def worker(rank: int, world_size: int, directory: str) -> dict[str, Any]:
     out.update(check_memory(world_size))
     check_torch_partition(world_size)
     if world_size > 1:
-        check_data_parallel(world_size, directory)
+        with_dp.check_data_parallel(world_size, directory)
     if world_size == 2:
         ckpt.check_reshard(world_size, directory)
         ckpt.check_bad_checkpoints(world_size, directory)

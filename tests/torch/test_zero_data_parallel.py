@@ -1,0 +1,86 @@
+"""ZeRO-2 as an option of gradsync DataParallel (``DataParallel(shard_gradients=True)``).
+
+The check runs inside the world-size workers of ``test_zero.py`` (2 and 4 ranks); the tests
+here need no processes.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from gradsync_core import ParamSpec, plan_buckets
+from gradsync_torch import DataParallel, ZeroRedundancyOptimizer
+from gradsync_torch._zero_grads import pad_for_sharding
+from tests.torch.test_zero import Pair, batch, make_model, same
+
+
+def check_data_parallel(world_size: int, directory: str) -> None:
+    """ZeRO-2 as an option of DataParallel: gradients are reduce-scattered during backward
+    (param.grad dropped, each rank holds its shard), and the run equals DataParallel +
+    plain Adam, accumulation under no_sync() included. Its checkpoint loads into ZeRO-1."""
+    rank = dist.get_rank()
+    model = make_model()
+    ref_model = copy.deepcopy(model)
+    sharded = DataParallel(model, shard_gradients=True, bucket_cap_mb=0.002)
+    plain_dp = DataParallel(ref_model, bucket_cap_mb=0.002)
+    with pytest.raises(ValueError, match=r"DataParallel\(shard_gradients=True\)"):
+        ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam)
+    opt = ZeroRedundancyOptimizer(
+        model.named_parameters(), torch.optim.Adam, lr=1e-2, shard_gradients=True
+    )
+    ref = torch.optim.Adam(ref_model.parameters(), lr=1e-2)
+    assert len(sharded.bucket_plan.buckets) > 1
+    assert all(b.numel % world_size == 0 for b in sharded.bucket_plan.buckets)
+    exact = world_size <= 2
+    for step in range(8):
+        opt.zero_grad()
+        ref.zero_grad()
+        for micro in range(2 if step % 3 == 2 else 1):  # every third step accumulates
+            x, y = batch(10 * step + micro, world_size, rank)
+            for wrapper in (sharded, plain_dp):
+                if micro == 0 and step % 3 == 2:
+                    with wrapper.no_sync():
+                        F.mse_loss(wrapper(x), y).backward()
+                else:
+                    F.mse_loss(wrapper(x), y).backward()
+        assert all(p.grad is None for p in model.parameters()), "ZeRO-2 keeps only shards"
+        assert 0 < opt.grad_nbytes() <= 4 * sum(p.numel() for p in model.parameters())
+        opt.step()
+        ref.step()
+        for (name, p), q in zip(model.named_parameters(), ref_model.parameters(), strict=True):
+            same(p.detach(), q.detach(), exact, f"DataParallel ZeRO-2 step {step} {name}")
+    pair = Pair(world_size, lambda m: opt, lambda m: ref, model=model)
+    pair.exact = exact
+    pair.check_state()
+    path = os.path.join(directory, f"dp-zero2-{world_size}")
+    opt.save(path)
+    other = ZeroRedundancyOptimizer(
+        copy.deepcopy(model).named_parameters(), torch.optim.Adam, lr=1.0
+    )
+    other.load(path)
+    for to in range(world_size):
+        opt.consolidate_state_dict(to)
+        mine = opt.state_dict() if rank == to else None
+        other.consolidate_state_dict(to)
+        if rank == to:
+            theirs = other.state_dict()
+            assert mine["param_groups"] == theirs["param_groups"]
+            for index, state in mine["state"].items():
+                for key, value in state.items():
+                    assert torch.equal(value, theirs["state"][index][key]), (index, key)
+
+
+def test_pad_for_sharding_only_pads() -> None:
+    specs = [ParamSpec(name=f"w{i}", shape=(5 + i,)) for i in range(5)]
+    plan = plan_buckets(specs, cap_bytes=40)
+    padded = pad_for_sharding(plan, 4)
+    assert [b.numel % 4 for b in padded.buckets] == [0] * len(plan.buckets)
+    assert [b.slots for b in padded.buckets] == [b.slots for b in plan.buckets]
+    assert padded.pad_to == 4
+    assert padded == plan_buckets(specs, cap_bytes=40, pad_to=4)
