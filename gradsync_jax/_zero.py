@@ -80,7 +80,9 @@ class _Config:
         if key not in self.layouts:
             space = model_space(self.inner, params)
             if self.partition == "greedy":
-                layout: Layout = build_greedy(self.inner, space, params, self.world_size)
+                layout: Layout = build_greedy(
+                    self.inner, space, params, self.world_size, self.bucket_cap_bytes
+                )
             else:
                 layout = build_flat(self.inner, space, self.world_size, self.bucket_cap_bytes)
             self.layouts[key] = layout

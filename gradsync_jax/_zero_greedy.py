@@ -1,20 +1,20 @@
-"""Greedy partition: each device owns whole parameters (ZeRO-1, DESIGN §4).
+"""Greedy partition: each device owns whole parameters (ZeRO-1 ownership, DESIGN §4).
 
 Owners come from ``gradsync_core.plan_greedy_shards`` (torch's ``ZeroRedundancyOptimizer``
 rule), so a torch job with the same parameter list picks the same owners. Device ``d`` runs
 the inner transformation on the whole tensors it owns, so any Optax optimizer works, Adafactor
 included. The devices own different trees, so the update branches on ``lax.axis_index``
-(``lax.switch``: each device executes only its own branch) and its per-parameter state lives
-in one packed row per dtype: a ``(N, L)`` buffer sharded ``P(axis)``, ``L`` the largest
-device's share.
+(``lax.switch``: each device executes only its own branch), and the per-parameter state lives
+in row buffers (``_zero_rows``): ``(N, L)`` arrays sharded ``P(axis)``, one row per device.
 
-One step: gradients packed by owner and reduce-scattered (each device receives the summed
-gradients of the tensors it owns), the inner update on them, then one all-gather of the
-packed updates; the same bytes on the wire as one all-reduce.
+One step: the gradients packed by owner and reduce-scattered (each device receives the
+summed gradients of the tensors it owns), the inner update on them, then an all-gather of the
+updates: the same bytes on the wire as one all-reduce.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,24 +27,8 @@ from jax import lax
 from gradsync_core import ShardPlan, plan_greedy_shards
 from gradsync_jax._sync import _tracks_variance, _varying
 from gradsync_jax._zero_clip import shard_context
+from gradsync_jax._zero_rows import Rows, plan_rows
 from gradsync_jax._zero_space import ModelSpace, path_parts, reduce_scatter
-
-Slot = tuple[str, int]  # (dtype name, offset in the owner's row)
-
-
-def _pack(rows: list[dict[str, list[jax.Array]]], lengths: dict[str, int]) -> dict[str, jax.Array]:
-    """Per dtype, a (len(rows), L) array: row d = concatenation of rows[d][dtype], zero-padded."""
-    out = {}
-    for dtype, length in lengths.items():
-        pieces = []
-        for row in rows:
-            parts = [x.ravel() for x in row.get(dtype, [])]
-            used = sum(int(p.size) for p in parts)
-            if length > used:
-                parts.append(jnp.zeros(length - used, dtype))
-            pieces.extend(parts)
-        out[dtype] = jnp.concatenate(pieces).reshape(len(rows), length)
-    return out
 
 
 def _vary(tree: Any, axes: tuple[str, ...]) -> Any:
@@ -60,30 +44,9 @@ def _vary(tree: Any, axes: tuple[str, ...]) -> Any:
     return jax.tree.map(cast, tree)
 
 
-def _unpack(
-    rows: dict[str, jax.Array], slot: Slot, shape: tuple[int, ...], dtype: str
-) -> jax.Array:
-    """The tensor at ``slot`` of a packed row (zero-size tensors have no row at all)."""
-    numel = int(np.prod(shape, dtype=np.int64))
-    if numel == 0:
-        return jnp.zeros(shape, dtype)
-    offset = slot[1]
-    return rows[slot[0]][offset : offset + numel].reshape(shape)
-
-
-def _slots(items: list[tuple[int, str, int]]) -> tuple[dict[int, Slot], dict[str, int]]:
-    """(key, dtype, numel) in order -> each key's (dtype, offset) and the row length per dtype."""
-    offsets: dict[str, int] = {}
-    slots = {}
-    for key, dtype, numel in items:
-        slots[key] = (dtype, offsets.get(dtype, 0))
-        offsets[dtype] = offsets.get(dtype, 0) + numel
-    return slots, offsets
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DeviceState:
-    """How device ``d``'s inner state (``inner.init`` of its owned tree) maps to storage."""
+    """How one device's inner state (``inner.init`` of its owned tree) maps to storage."""
 
     treedef: Any
     sources: tuple[tuple[str, int], ...]  # per leaf: ("global" | "param", space index)
@@ -96,10 +59,9 @@ class GreedyLayout:
     plan: ShardPlan
     owner: tuple[int, ...]  # per parameter leaf
     owned: tuple[tuple[int, ...], ...]  # per device: its parameter leaves, in tree order
-    grad_slots: dict[int, Slot]  # parameter leaf -> slot in its owner's gradient row
-    grad_len: dict[str, int]
-    state_slots: dict[int, Slot]  # per-parameter state leaf (space index) -> slot
-    state_len: dict[str, int]
+    grads: Rows  # gradient rows (packed): keys are parameter leaves
+    grad_cuts: tuple[tuple[int, ...], ...]  # per gradient buffer: column chunk boundaries
+    state: Rows  # per-parameter state rows: keys are space indices of state leaves
     devices: tuple[DeviceState, ...]
     empty: DeviceState  # the state of a device that owns nothing: global leaves only
 
@@ -107,18 +69,20 @@ class GreedyLayout:
     def partition(self) -> str:
         return "greedy"
 
+    @property
+    def globals(self) -> list[int]:
+        return [i for i, s in enumerate(self.space.leaves) if s.param is None]
+
     def state_specs(self, spec: Any) -> tuple[Any, dict[str, Any]]:
         """(inner spec tree, shards spec dict): globals replicated, per-parameter leaves None."""
-        inner = self.space.state_treedef.unflatten(
-            [jax.sharding.PartitionSpec() if s.param is None else None for s in self.space.leaves]
-        )
-        return inner, {dtype: jax.sharding.PartitionSpec(spec) for dtype in self.state_len}
+        inner = self._inner([jax.sharding.PartitionSpec()] * len(self.globals))
+        return inner, {name: jax.sharding.PartitionSpec(spec) for name in self.state.names()}
 
     def nbytes_per_device(self) -> int:
-        globals_ = sum(
-            s.numel * np.dtype(s.dtype).itemsize for s in self.space.leaves if s.param is None
+        leaves = self.space.leaves
+        return self.state.nbytes + sum(
+            leaves[i].numel * np.dtype(leaves[i].dtype).itemsize for i in self.globals
         )
-        return globals_ + sum(n * np.dtype(d).itemsize for d, n in self.state_len.items())
 
     def _inner(self, global_values: list[Any]) -> Any:
         it = iter(global_values)
@@ -134,49 +98,76 @@ class GreedyLayout:
             [leaf if i in owned else None for i, leaf in enumerate(leaves)]
         )
 
-    def _split_state(
-        self, device: DeviceState, state: Any
-    ) -> tuple[dict[str, list[Any]], list[Any]]:
-        """A device's inner state -> (row pieces per dtype, global values in space order)."""
-        leaves = device.treedef.flatten_up_to(state)
-        rows: dict[str, list[Any]] = {}
-        globals_: dict[int, Any] = {}
-        for (kind, index), leaf in zip(device.sources, leaves, strict=True):
+    def _split_state(self, device: DeviceState, state: Any) -> tuple[dict[int, Any], list[Any]]:
+        """A device's inner state -> (per-parameter leaves by space index, global values)."""
+        per_param, globals_ = {}, {}
+        for (kind, index), leaf in zip(
+            device.sources, device.treedef.flatten_up_to(state), strict=True
+        ):
             if kind == "global":
                 globals_[index] = jnp.asarray(leaf).astype(self.space.leaves[index].dtype)
             else:
-                rows.setdefault(self.state_slots[index][0], []).append(leaf)
-        order = [i for i, s in enumerate(self.space.leaves) if s.param is None]
-        return rows, [globals_[i] for i in order]
+                per_param[index] = leaf
+        return per_param, [globals_[i] for i in self.globals]
 
-    def _device_state(
-        self, device: DeviceState, rows: dict[str, jax.Array], globals_: list[Any]
-    ) -> Any:
-        by_index = dict(
-            zip(
-                [i for i, s in enumerate(self.space.leaves) if s.param is None],
-                globals_,
-                strict=True,
-            )
-        )
-        leaves = []
-        for kind, index in device.sources:
-            leaf = self.space.leaves[index]
-            if kind == "global":
-                leaves.append(by_index[index])
-            else:
-                leaves.append(_unpack(rows, self.state_slots[index], leaf.shape, leaf.dtype))
+    def _device_state(self, device: DeviceState, rows: list[Any], globals_: list[Any]) -> Any:
+        by_index = dict(zip(self.globals, globals_, strict=True))
+        leaves = [
+            by_index[index]
+            if kind == "global"
+            else self.state.unpack(rows, index, self.space.leaves[index].shape)
+            for kind, index in device.sources
+        ]
         return device.treedef.unflatten(leaves)
+
+    def _grad_chunk(self, grads: list[jax.Array], b: int, lo: int, hi: int) -> jax.Array:
+        """Columns ``[lo, hi)`` of gradient buffer ``b``, all rows, flattened row by row.
+
+        Rows hold each device's tensors latest-registered first (the order backward produces
+        them) and are cut into column chunks of about ``bucket_cap_bytes``, so XLA can start
+        a chunk's reduce-scatter while backward still runs (one buffer made the 8-device CPU
+        step of flat 1.3x slower than two buckets).
+        """
+        parts = []
+        for d in range(self.n):
+            used = 0
+            for i in self.grads.members[d][b]:
+                offset, numel = self.grads.slots[i][1], self.grads.numel[i]
+                a, z = max(lo, offset), min(hi, offset + numel)
+                if a < z:
+                    flat = grads[i].ravel()
+                    parts.append(
+                        flat
+                        if (a, z) == (offset, offset + numel)
+                        else flat[a - offset : z - offset]
+                    )
+                    used += z - a
+            if used < hi - lo:  # a row's padding lies after its tensors
+                parts.append(jnp.zeros(hi - lo - used, self.grads.buffers[b][0]))
+        return jnp.concatenate(parts)
+
+    def _owned_grad(self, chunks: list[list[jax.Array]], i: int) -> jax.Array:
+        """Gradient ``i`` from this device's reduced row, read from its chunks directly:
+        concatenating them first copies the row (and XLA may fuse the copy into readers)."""
+        spec = self.space.specs[i]
+        if spec.numel == 0:
+            return jnp.zeros(spec.shape, spec.dtype)
+        b, offset = self.grads.slots[i]
+        parts = []
+        for c, (lo, hi) in enumerate(itertools.pairwise(self.grad_cuts[b])):
+            a, z = max(lo, offset), min(hi, offset + spec.numel)
+            if a < z:
+                parts.append(chunks[b][c][a - lo : z - lo])
+        return (parts[0] if len(parts) == 1 else jnp.concatenate(parts)).reshape(spec.shape)
 
     # -- inside shard_map ------------------------------------------------------------------
 
     def init_local(self, inner: optax.GradientTransformation, params: list[Any], axes: Any) -> Any:
         def branch(d: int) -> Any:
             def run(params: list[Any]) -> Any:
-                rows, globals_ = self._split_state(
-                    self.devices[d], inner.init(self._owned_tree(d, params))
-                )
-                return _vary((_pack([rows], self.state_len), globals_), axes)
+                state = inner.init(self._owned_tree(d, params))
+                per_param, globals_ = self._split_state(self.devices[d], state)
+                return _vary((self.state.pack(d, per_param), globals_), axes)
 
             return run
 
@@ -186,7 +177,9 @@ class GreedyLayout:
         # Every device computes the same global leaves (count, hyper-parameters); the switch
         # makes them device-varying, so take device 0's to return them replicated.
         globals_ = [lax.all_gather(g, axes, to="invarying")[0] for g in globals_]
-        return self._inner(globals_), rows
+        return self._inner(globals_), dict(
+            zip(self.state.names(), [r[None] for r in rows], strict=True)
+        )
 
     def update_local(
         self,
@@ -200,23 +193,29 @@ class GreedyLayout:
         mean: bool,
     ) -> tuple[list[jax.Array], Any, dict[str, jax.Array]]:
         specs = self.space.specs
-        by_owner: list[dict[str, list[jax.Array]]] = [{} for _ in range(self.n)]
-        for d in range(self.n):
-            for i in self.owned[d]:
-                by_owner[d].setdefault(self.grad_slots[i][0], []).append(grads[i])
-        packed = _pack(by_owner, self.grad_len)
-        reduced = {}
-        for dtype, buf in packed.items():
-            reduced[dtype] = reduce_scatter(buf, axes, self.n, mean)[0]
-        squares = [jnp.sum(jnp.square(r)) for r in reduced.values()]
-        norm = jnp.sqrt(lax.psum(sum(squares) if squares else jnp.zeros(()), axes))
+        chunks = [
+            [
+                reduce_scatter(self._grad_chunk(grads, b, lo, hi), axes, self.n, mean)
+                for lo, hi in itertools.pairwise(cuts)
+            ]
+            for b, cuts in enumerate(self.grad_cuts)
+        ]
+        norm = jnp.sqrt(
+            lax.psum(
+                sum(
+                    (jnp.sum(jnp.square(c)) for cs in chunks for c in cs),
+                    jnp.zeros((), jnp.float32),
+                ),
+                axes,
+            )
+        )
         globals_ = list(jax.tree.leaves(inner_state))  # exactly the global leaves, in order
-        rows = {dtype: buf[0] for dtype, buf in shards.items()}
+        rows = [shards[name][0] for name in self.state.names()]
 
-        def owned_update(d: int, reduced: Any, rows: Any, globals_: Any, params: Any) -> Any:
+        def owned_update(d: int, chunks: Any, rows: Any, globals_: Any, params: Any) -> Any:
             leaves: list[Any] = [None] * len(specs)
             for i in self.owned[d]:
-                leaves[i] = _unpack(reduced, self.grad_slots[i], specs[i].shape, specs[i].dtype)
+                leaves[i] = self._owned_grad(chunks, i)
             g_tree = self.space.param_treedef.unflatten(leaves)
             state = self._device_state(self.devices[d], rows, globals_)
             with shard_context(g_tree, norm):
@@ -224,51 +223,39 @@ class GreedyLayout:
                     g_tree, state, self._owned_tree(d, params), **extra_args
                 )
             u_leaves = self.space.param_treedef.flatten_up_to(u_tree)
-            return [u_leaves[i] for i in self.owned[d]], state
+            return {i: u_leaves[i] for i in self.owned[d]}, state
 
         # The updates' dtypes are the inner transformation's business (e.g. fp32 updates of
-        # bf16 parameters); read them from an abstract run before packing.
-        operands = (reduced, rows, globals_, params)
+        # bf16 parameters): read them from an abstract run, then lay out their rows.
+        operands = (chunks, rows, globals_, params)
         upd_items = []
         for d in range(self.n):
-            shapes = jax.eval_shape(lambda *ops, d=d: owned_update(d, *ops)[0], *operands)
-            upd_items += [
-                (i, np.dtype(s.dtype).name, specs[i].numel)
-                for i, s in zip(self.owned[d], shapes, strict=True)
-            ]
-        upd_slots: dict[int, Slot] = {}
-        upd_len: dict[str, int] = {}
-        for d in range(self.n):
-            slots, lengths = _slots([t for t in upd_items if t[0] in set(self.owned[d])])
-            upd_slots.update(slots)
-            for dtype, length in lengths.items():
-                upd_len[dtype] = max(upd_len.get(dtype, 0), length)
+            out = jax.eval_shape(lambda *ops, d=d: owned_update(d, *ops)[0], *operands)
+            upd_items.append([(i, np.dtype(out[i].dtype).name, specs[i].numel) for i in out])
+        upd = plan_rows(upd_items)
 
         def branch(d: int) -> Any:
-            def run(reduced: Any, rows: Any, globals_: Any, params: Any) -> Any:
-                u_leaves, state = owned_update(d, reduced, rows, globals_, params)
-                u_rows: dict[str, list[Any]] = {}
-                for i, u in zip(self.owned[d], u_leaves, strict=True):
-                    u_rows.setdefault(upd_slots[i][0], []).append(u)
-                s_rows, new_globals = self._split_state(self.devices[d], state)
-                u_packed = {k: v[0] for k, v in _pack([u_rows], upd_len).items()}
-                return _vary((u_packed, _pack([s_rows], self.state_len), new_globals), axes)
+            def run(chunks: Any, rows: Any, globals_: Any, params: Any) -> Any:
+                u_leaves, state = owned_update(d, chunks, rows, globals_, params)
+                per_param, new_globals = self._split_state(self.devices[d], state)
+                packed = (upd.pack(d, u_leaves), self.state.pack(d, per_param), new_globals)
+                return _vary(packed, axes)
 
             return run
 
         u_rows, s_rows, new_globals = lax.switch(
             lax.axis_index(axes), [branch(d) for d in range(self.n)], *operands
         )
-        gathered = {k: lax.all_gather(v, axes, to="invarying") for k, v in u_rows.items()}
+        gathered = [lax.all_gather(r, axes, to="invarying") for r in u_rows]  # (N, L) each
         updates = []
         for i, spec in enumerate(specs):
-            dtype = upd_slots[i][0]
-            rows_i = {dtype: gathered[dtype][self.owner[i]]} if dtype in gathered else {}
-            updates.append(_unpack(rows_i, upd_slots[i], spec.shape, dtype))
+            owner_rows = [g[self.owner[i]] for g in gathered]
+            updates.append(upd.unpack(owner_rows, i, spec.shape))
         outside = self._global_update(inner, globals_, params, norm, extra_args, axes)
         if outside is None:  # device 0's values, replicated by a (tiny) all-gather
             outside = [lax.all_gather(g, axes, to="invarying")[0] for g in new_globals]
-        return updates, self._inner(outside), s_rows
+        new_shards = dict(zip(self.state.names(), [r[None] for r in s_rows], strict=True))
+        return updates, self._inner(outside), new_shards
 
     def _global_update(
         self,
@@ -285,12 +272,12 @@ class GreedyLayout:
         global leaves then differ between devices."""
         empty = self.space.param_treedef.unflatten([None] * len(self.space.specs))
         try:
-            state = self._device_state(self.empty, {}, globals_)
+            state = self._device_state(self.empty, [], globals_)
             with shard_context(empty, norm):
                 _, state = inner.update(
                     empty, state, None if params is None else empty, **extra_args
                 )
-            _, new = self._split_state(self.empty, state)
+            new = self._split_state(self.empty, state)[1]
         except Exception:  # any failure: fall back to the all-gather, which always works
             return None
         if _tracks_variance(axes) and any(set(axes) & _varying(g) for g in new):
@@ -301,93 +288,98 @@ class GreedyLayout:
 
     def gather(self, inner_state: Any, shards: dict[str, Any]) -> list[np.ndarray]:
         """The unsharded inner state's leaves (NumPy), in ``space.leaves`` order."""
-        host = {dtype: np.asarray(buf) for dtype, buf in shards.items()}
+        host = [np.asarray(shards[name]) for name in self.state.names()]
         globals_ = iter(np.asarray(g) for g in jax.tree.leaves(inner_state))
         out = []
         for index, leaf in enumerate(self.space.leaves):
             if leaf.param is None:
                 out.append(next(globals_))
-            elif leaf.numel == 0:  # zero-size tensors have no row at all
-                out.append(np.zeros(leaf.shape, leaf.dtype))
             else:
-                dtype, offset = self.state_slots[index]
-                row = host[dtype][self.owner[leaf.param]]
-                out.append(row[offset : offset + leaf.numel].reshape(leaf.shape))
+                owner_rows = [buf[self.owner[leaf.param]] for buf in host]
+                out.append(self.state.unpack(owner_rows, index, leaf.shape, np))
         return out
 
     def scatter(self, leaves: list[np.ndarray]) -> tuple[Any, dict[str, np.ndarray]]:
         """Unsharded leaves -> (inner with globals, host shard buffers)."""
-        host = {dtype: np.zeros((self.n, n), dtype) for dtype, n in self.state_len.items()}
+        host = [np.zeros((self.n, length), dtype) for dtype, length in self.state.buffers]
         for index, (leaf, value) in enumerate(zip(self.space.leaves, leaves, strict=True)):
             if leaf.param is not None and leaf.numel:
-                dtype, offset = self.state_slots[index]
-                host[dtype][self.owner[leaf.param], offset : offset + leaf.numel] = np.ravel(value)
-        globals_ = [v for s, v in zip(self.space.leaves, leaves, strict=True) if s.param is None]
-        return self._inner(globals_), host
+                b, offset = self.state.slots[index]
+                host[b][self.owner[leaf.param], offset : offset + leaf.numel] = np.ravel(value)
+        globals_ = [leaves[i] for i in self.globals]
+        return self._inner(globals_), dict(zip(self.state.names(), host, strict=True))
+
+
+def _cuts(length: int, chunks: int) -> tuple[int, ...]:
+    """Boundaries of ``chunks`` (at least 1) near-equal column ranges of ``[0, length)``."""
+    chunks = max(1, min(chunks, length))
+    return tuple(length * c // chunks for c in range(chunks + 1))
+
+
+def _device_state(
+    inner: optax.GradientTransformation, space: ModelSpace, tree: Any, d: int, owner: Any
+) -> tuple[DeviceState, list[tuple[int, str, int]]]:
+    """Map ``inner.init(tree)`` (device ``d``'s share) onto the unsharded state's leaves."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(jax.eval_shape(inner.init, tree))
+    sources, items = [], []
+    for path, leaf in flat:
+        joined = "/".join(path_parts(path))
+        if joined in space.global_by_path:
+            sources.append(("global", space.global_by_path[joined]))
+            continue
+        index = space.param_by_path.get(joined)
+        known = None if index is None else space.leaves[index]
+        if known is None or owner[known.param] != d or known.shape != tuple(leaf.shape):
+            raise ValueError(
+                f"inner optimizer state leaf {joined!r} of device {d}'s share does not match "
+                "the unsharded state; the inner transformation's state must be laid out per "
+                "parameter"
+            )
+        sources.append(("param", index))
+        items.append((index, np.dtype(leaf.dtype).name, known.numel))
+    return DeviceState(treedef=treedef, sources=tuple(sources)), items
 
 
 def build_greedy(
-    inner: optax.GradientTransformation, space: ModelSpace, params: Any, n: int
+    inner: optax.GradientTransformation, space: ModelSpace, params: Any, n: int, cap_bytes: int
 ) -> GreedyLayout:
-    """Plan owners and pack layouts for ``params`` (abstract) over ``n`` devices."""
+    """Plan owners and row layouts for ``params`` (abstract) over ``n`` devices."""
     plan = plan_greedy_shards(list(space.specs), world_size=n)
     rank_of = {shard.name: shard.rank for shard in plan.shards}
     owner = tuple(rank_of[spec.name] for spec in space.specs)
     owned = tuple(tuple(i for i, o in enumerate(owner) if o == d) for d in range(n))
-    grad_slots: dict[int, Slot] = {}
-    grad_len: dict[str, int] = {}
-    state_slots: dict[int, Slot] = {}
-    state_len: dict[str, int] = {}
-    devices = []
     leaves = jax.tree.leaves(params)
+    devices, state_items = [], []
     for d in range(n):
-        slots, lengths = _slots([(i, space.specs[i].dtype, space.specs[i].numel) for i in owned[d]])
-        grad_slots.update(slots)
-        for dtype, length in lengths.items():
-            grad_len[dtype] = max(grad_len.get(dtype, 0), length)
         tree = space.param_treedef.unflatten(
-            [leaf if owner[i] == d else None for i, leaf in enumerate(leaves)]
+            [x if owner[i] == d else None for i, x in enumerate(leaves)]
         )
-        device_state = jax.eval_shape(inner.init, tree)
-        flat, treedef = jax.tree_util.tree_flatten_with_path(device_state)
-        sources = []
-        items = []
-        for path, leaf in flat:
-            joined = "/".join(path_parts(path))
-            if joined in space.global_by_path:
-                sources.append(("global", space.global_by_path[joined]))
-                continue
-            index = space.param_by_path.get(joined)
-            known = None if index is None else space.leaves[index]
-            if known is None or owner[known.param] != d or known.shape != tuple(leaf.shape):
-                raise ValueError(
-                    f"inner optimizer state leaf {joined!r} of device {d}'s share does not "
-                    "match the unsharded state; the inner transformation's state must be laid "
-                    "out per parameter"
-                )
-            sources.append(("param", index))
-            items.append((index, np.dtype(leaf.dtype).name, known.numel))
-        slots, lengths = _slots(items)
-        state_slots.update(slots)
-        for dtype, length in lengths.items():
-            state_len[dtype] = max(state_len.get(dtype, 0), length)
-        devices.append(DeviceState(treedef=treedef, sources=tuple(sources)))
+        device, items = _device_state(inner, space, tree, d, owner)
+        devices.append(device)
+        state_items.append(items)
     empty_tree = space.param_treedef.unflatten([None] * len(space.specs))
-    flat, treedef = jax.tree_util.tree_flatten_with_path(jax.eval_shape(inner.init, empty_tree))
-    empty = DeviceState(
-        treedef=treedef,
-        sources=tuple(("global", space.global_by_path["/".join(path_parts(p))]) for p, _ in flat),
+    empty, _ = _device_state(inner, space, empty_tree, -1, owner)
+    # Gradient rows stay packed (a reduce-scatter needs one buffer per dtype anyway), with
+    # each device's tensors latest-registered first.
+    grads = plan_rows(
+        [
+            [(i, space.specs[i].dtype, space.specs[i].numel) for i in reversed(owned[d])]
+            for d in range(n)
+        ],
+        slack=-1.0,
     )
     return GreedyLayout(
         space=space,
-        empty=empty,
         n=n,
         plan=plan,
         owner=owner,
         owned=owned,
-        grad_slots=grad_slots,
-        grad_len={k: v for k, v in grad_len.items() if v},
-        state_slots=state_slots,
-        state_len={k: v for k, v in state_len.items() if v},
+        grads=grads,
+        grad_cuts=tuple(
+            _cuts(length, -(-n * length * np.dtype(dtype).itemsize // cap_bytes))
+            for dtype, length in grads.buffers
+        ),
+        state=plan_rows(state_items),
         devices=tuple(devices),
+        empty=empty,
     )

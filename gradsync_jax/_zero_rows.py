@@ -1,0 +1,115 @@
+"""Row layouts: how each device's differently shaped tensors share ``(N, L)`` buffers.
+
+The greedy partition gives device ``d`` its own list of tensors (optimizer-state leaves,
+updates). They are stored in buffers with one row per device, sharded over the axis. Two
+layouts, chosen per dtype:
+
+- *slotted*: buffer ``k`` holds every device's k-th largest tensor (padded to the largest of
+  them). A row is then one tensor: nothing is copied to pack it. Used when the padding costs
+  at most ``slack`` of the packed row, which is the case for stacks of equal layers.
+- *packed*: one buffer whose row ``d`` is device ``d``'s tensors concatenated; its length is
+  the largest device's share (the imbalance of the plan).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Item = tuple[Hashable, str, int]  # (key, dtype name, numel)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Rows:
+    """Buffers of one row per device and where each tensor sits in its owner's row."""
+
+    n: int
+    buffers: tuple[tuple[str, int], ...]  # (dtype, row length) per buffer
+    slots: dict[Hashable, tuple[int, int]]  # key -> (buffer, offset in its owner's row)
+    members: tuple[tuple[tuple[Hashable, ...], ...], ...]  # [device][buffer] -> keys in order
+    numel: dict[Hashable, int]
+    dtype: dict[Hashable, str]
+
+    def names(self) -> list[str]:
+        """Buffer names for ``ZeroState.shards``: ``"float32"`` or ``"float32/2"``."""
+        dtypes = [dtype for dtype, _ in self.buffers]
+        out, seen = [], {}
+        for dtype in dtypes:
+            seen[dtype] = seen.get(dtype, -1) + 1
+            out.append(dtype if dtypes.count(dtype) == 1 else f"{dtype}/{seen[dtype]}")
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one row of every buffer: what each device holds."""
+        return sum(length * np.dtype(dtype).itemsize for dtype, length in self.buffers)
+
+    def pack(self, d: int, values: dict[Hashable, jax.Array]) -> list[jax.Array]:
+        """Device ``d``'s rows (1-D, one per buffer) from its tensors ``values`` by key."""
+        out = []
+        for b, (dtype, length) in enumerate(self.buffers):
+            parts = [values[key].ravel() for key in self.members[d][b]]
+            used = sum(int(p.size) for p in parts)
+            if length > used:
+                parts.append(jnp.zeros(length - used, dtype))
+            out.append(parts[0] if len(parts) == 1 else jnp.concatenate(parts))
+        return out
+
+    def unpack(
+        self, rows: Sequence[Any], key: Hashable, shape: tuple[int, ...], xp: Any = jnp
+    ) -> Any:
+        """The tensor ``key`` from its owner's rows (1-D arrays, one per buffer); ``xp`` is
+        ``jax.numpy`` inside a step, ``numpy`` on the host."""
+        if self.numel[key] == 0:  # zero-size tensors take no room
+            return xp.zeros(shape, self.dtype[key])
+        b, offset = self.slots[key]
+        return rows[b][offset : offset + self.numel[key]].reshape(shape)
+
+
+def plan_rows(per_device: Sequence[Sequence[Item]], *, slack: float = 0.05) -> Rows:
+    """Lay out every device's tensors (``per_device[d]``, in order) in row buffers."""
+    n = len(per_device)
+    numel = {key: size for items in per_device for key, _, size in items}
+    dtypes = sorted({dtype for items in per_device for _, dtype, _ in items})
+    buffers: list[tuple[str, int]] = []
+    slots: dict[Hashable, tuple[int, int]] = {}
+    members: list[list[tuple[Hashable, ...]]] = [[] for _ in range(n)]
+    for dtype in dtypes:
+        lists = [[(key, size) for key, dt, size in items if dt == dtype] for items in per_device]
+        packed = max(sum(size for _, size in keys) for keys in lists)
+        ranked = [sorted(keys, key=lambda item: -item[1]) for keys in lists]  # stable
+        widths = [
+            max((keys[k][1] if k < len(keys) else 0) for keys in ranked)
+            for k in range(max(len(keys) for keys in ranked))
+        ]
+        if packed and sum(widths) <= packed * (1 + slack):
+            for k, width in enumerate(widths):
+                if not width:
+                    continue
+                for d, keys in enumerate(ranked):
+                    member = (keys[k][0],) if k < len(keys) else ()
+                    members[d].append(member)
+                    for key in member:
+                        slots[key] = (len(buffers), 0)
+                buffers.append((dtype, width))
+        elif packed:
+            for d, keys in enumerate(lists):
+                offset = 0
+                for key, size in keys:
+                    slots[key] = (len(buffers), offset)
+                    offset += size
+                members[d].append(tuple(key for key, size in keys if size))
+            buffers.append((dtype, packed))
+    return Rows(
+        n=n,
+        buffers=tuple(buffers),
+        slots=slots,
+        members=tuple(tuple(m) for m in members),
+        numel=numel,
+        dtype={key: dtype for items in per_device for key, dtype, _ in items},
+    )
