@@ -18,6 +18,7 @@ rank-bucket moved 100 MB between 2 ranks in ~33 ms, ``all_gather`` took ~105-165
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -198,17 +199,21 @@ class GreedyLayout:
             )
             for i in sorted(owned[me])
         ]
-        self.jobs: list[Job] = []
+        per_rank: list[list[Job]] = [[] for _ in owned]
         self.flat_buckets: list[torch.Tensor] = []
         for rank, indices in enumerate(owned):
             rank_specs = [specs[i] for i in indices]
             alone = [s for s in rank_specs if s.nbytes >= ALONE_BYTES and not bucket_view]
             packed = [s for s in rank_specs if s.nbytes < ALONE_BYTES or bucket_view]
             for spec in alone:
-                self.jobs.append(self._job(rank, [params[index_of[spec.name]]], bucket_view))
+                per_rank[rank].append(self._job(rank, [params[index_of[spec.name]]], bucket_view))
             for bucket in plan_buckets(packed, cap_bytes=cap_bytes).buckets:
                 members = [params[index_of[slot.name]] for slot in bucket.slots]
-                self.jobs.append(self._job(rank, members, bucket_view))
+                per_rank[rank].append(self._job(rank, members, bucket_view))
+        # Owners take turns, so every rank sends and receives at once (both directions of
+        # each link busy) instead of the ranks broadcasting one after another.
+        rounds = itertools.zip_longest(*per_rank)
+        self.jobs = [job for jobs in rounds for job in jobs if job is not None]
 
     def _job(self, src: int, members: list[torch.Tensor], bucket_view: bool) -> Job:
         numel = sum(p.numel() for p in members)
