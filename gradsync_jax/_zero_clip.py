@@ -26,7 +26,14 @@ class ShardContext:
     """What ``shard_optimizer`` tells the transformations it wraps while tracing them."""
 
     grads: tuple[Any, ...]  # the gradient leaves handed to the inner update (identity check)
-    norm: jax.Array  # the global norm of the reduced gradient, over all devices
+    norm: jax.Array | None  # the global norm of the reduced gradient, over all devices
+    asked: list[bool]  # appended to when a transformation reads ``norm``
+
+    def global_norm(self) -> jax.Array:
+        self.asked.append(True)
+        if self.norm is None:
+            raise RuntimeError("gradsync internal error: the global norm was not computed")
+        return self.norm
 
 
 _CONTEXT: contextvars.ContextVar[ShardContext | None] = contextvars.ContextVar(
@@ -35,8 +42,18 @@ _CONTEXT: contextvars.ContextVar[ShardContext | None] = contextvars.ContextVar(
 
 
 @contextlib.contextmanager
-def shard_context(grads: Any, norm: jax.Array) -> Iterator[None]:
-    token = _CONTEXT.set(ShardContext(grads=tuple(jax.tree.leaves(grads)), norm=norm))
+def shard_context(
+    grads: Any, norm: jax.Array | None, asked: list[bool] | None = None
+) -> Iterator[None]:
+    """Trace the inner update with the cross-device gradient norm at hand.
+
+    ``shard_optimizer`` computes the norm (one scalar psum) only when a trial trace shows that
+    a transformation reads it (``asked``): an unused psum cannot always be removed by XLA.
+    """
+    context = ShardContext(
+        grads=tuple(jax.tree.leaves(grads)), norm=norm, asked=[] if asked is None else asked
+    )
+    token = _CONTEXT.set(context)
     try:
         yield
     finally:
@@ -79,7 +96,7 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
                     "chain wrapped by shard_optimizer: it clips the gradient by the norm of the "
                     "whole gradient across devices, which is known only for the gradient itself"
                 )
-            g_norm = context.norm
+            g_norm = context.global_norm()
         # The same arithmetic as optax.clip_by_global_norm, so the unsharded run matches.
         trigger = jnp.squeeze(g_norm < max_norm)
 

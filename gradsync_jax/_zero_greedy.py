@@ -200,17 +200,13 @@ class GreedyLayout:
             ]
             for b, cuts in enumerate(self.grad_cuts)
         ]
-        norm = jnp.sqrt(
-            lax.psum(
-                sum(
-                    (jnp.sum(jnp.square(c)) for cs in chunks for c in cs),
-                    jnp.zeros((), jnp.float32),
-                ),
-                axes,
-            )
-        )
         globals_ = list(jax.tree.leaves(inner_state))  # exactly the global leaves, in order
         rows = [shards[name][0] for name in self.state.names()]
+
+        asked: list[bool] = []
+        # ``owned_update`` reads ``norm`` when called: a stand-in for the trial traces below,
+        # then the real norm (or None when nothing reads it) for the branches.
+        norm: jax.Array | None = jnp.zeros((), jnp.float32)
 
         def owned_update(d: int, chunks: Any, rows: Any, globals_: Any, params: Any) -> Any:
             leaves: list[Any] = [None] * len(specs)
@@ -218,7 +214,7 @@ class GreedyLayout:
                 leaves[i] = self._owned_grad(chunks, i)
             g_tree = self.space.param_treedef.unflatten(leaves)
             state = self._device_state(self.devices[d], rows, globals_)
-            with shard_context(g_tree, norm):
+            with shard_context(g_tree, norm, asked):
                 u_tree, state = inner.update(
                     g_tree, state, self._owned_tree(d, params), **extra_args
                 )
@@ -233,6 +229,12 @@ class GreedyLayout:
             out = jax.eval_shape(lambda *ops, d=d: owned_update(d, *ops)[0], *operands)
             upd_items.append([(i, np.dtype(out[i].dtype).name, specs[i].numel) for i in out])
         upd = plan_rows(upd_items)
+        # The global norm for clip_by_global_norm, only if the trial traces read it: each
+        # device sums the squares of what it owns, one scalar psum (outside the branches).
+        norm = None
+        if asked:
+            squares = [jnp.sum(jnp.square(c)) for cs in chunks for c in cs]
+            norm = jnp.sqrt(lax.psum(sum(squares, jnp.zeros((), jnp.float32)), axes))
 
         def branch(d: int) -> Any:
             def run(chunks: Any, rows: Any, globals_: Any, params: Any) -> Any:
@@ -251,6 +253,8 @@ class GreedyLayout:
         for i, spec in enumerate(specs):
             owner_rows = [g[self.owner[i]] for g in gathered]
             updates.append(upd.unpack(owner_rows, i, spec.shape))
+        if norm is None:
+            norm = jnp.zeros((), jnp.float32)  # not read by the inner update
         outside = self._global_update(inner, globals_, params, norm, extra_args, axes)
         if outside is None:  # device 0's values, replicated by a (tiny) all-gather
             outside = [lax.all_gather(g, axes, to="invarying")[0] for g in new_globals]
