@@ -5,6 +5,7 @@ arXiv:1910.02054). ``init`` runs outside ``jax.shard_map`` and places the state 
 sharded; ``update`` runs inside it on LOCAL gradients (DESIGN §7), reduces them itself
 (reduce-scatter), runs the inner update on this device's share only and all-gathers full,
 replicated updates, so ``TrainState.apply_gradients`` and ``nnx.Optimizer`` work unchanged.
+The partitions live in ``_zero_greedy`` (whole tensors) and ``_zero_flat`` (element ranges).
 """
 
 from __future__ import annotations
@@ -333,7 +334,8 @@ def shard_optimizer(
             gradient buckets, one reduce-scatter and one all-gather per bucket, elementwise
             optimizers only (checked when built).
         reduce: ``"mean"`` divides the local gradients by N before the sum; ``"sum"`` does not.
-        bucket_cap_bytes: bucket size of ``partition="flat"``.
+        bucket_cap_bytes: ``"flat"``: the gradient bucket size; ``"greedy"``: the size of
+            the column chunks its packed gradients are reduce-scattered in.
 
     Returns:
         A ``ShardedOptimizer`` (an ``optax.GradientTransformationExtraArgs``).

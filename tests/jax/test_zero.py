@@ -3,9 +3,9 @@
 Every device gets its own local gradient (a slice of a ``(N, ...)`` array sharded over
 ``dp``); the reference is the same Optax optimizer on one device fed the mean of the local
 gradients, summed in device order (what ``psum_scatter`` does on CPU). Tolerance: every leaf
-within ``1e-5`` relative plus ``1e-6`` of the leaf's largest magnitude; in practice SGD,
-Lion, RMSProp and Adafactor come out bitwise equal and Adam-family leaves within a few ulps
-(XLA fuses the update differently inside the per-device branch).
+within ``1e-5`` relative plus ``1e-6`` of the leaf's largest magnitude; in practice greedy
+SGD, Lion, RMSProp and Adafactor come out bitwise equal and the rest within a few ulps (XLA
+fuses the update math differently from the unsharded program).
 """
 
 from __future__ import annotations
