@@ -11,12 +11,14 @@ file under ``"__optax__/<state path>"`` and are listed in ``manifest.extra["glob
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
+import struct
 from typing import Any
 
+import ml_dtypes
 import numpy as np
-from safetensors.numpy import load_file
 from safetensors.numpy import save as save_bytes
 
 from gradsync_core import Manifest, check_compatible, read_manifest, write_manifest
@@ -25,6 +27,40 @@ from gradsync_jax._zero import ShardedOptimizer, ZeroState
 
 GLOBAL_PARAM = "__optax__"  # the pseudo-parameter that carries global leaves
 _RANK_FILE = re.compile(r"rank-\d{5}-of-\d{5}\.safetensors")
+
+
+# safetensors dtype names -> NumPy; safetensors.numpy.load has no bfloat16 (it raises
+# KeyError 'BF16'), while its save writes BF16 correctly and torch reads it.
+_DTYPES = {
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn,
+    "F8_E5M2": ml_dtypes.float8_e5m2,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
+}
+
+
+def _read_safetensors(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
+    """Every tensor of a safetensors file (format: u64 header size, JSON header, data)."""
+    with open(path, "rb") as f:
+        data = f.read()
+    (size,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + size])
+    header.pop("__metadata__", None)
+    body = memoryview(data)[8 + size :]
+    out = {}
+    for key, entry in header.items():
+        start, stop = entry["data_offsets"]
+        array = np.frombuffer(body[start:stop], dtype=_DTYPES[entry["dtype"]])
+        out[key] = array.reshape(entry["shape"]).copy()
+    return out
 
 
 def _file_rank(tx: ShardedOptimizer, params: Any) -> dict[str, int]:
@@ -154,8 +190,8 @@ def load_optimizer_state(
     tensors: dict[str, np.ndarray] = {}
     for name in manifest.files:
         try:
-            loaded = load_file(os.path.join(directory, name))
-        except Exception as err:  # safetensors raises its own error types
+            loaded = _read_safetensors(os.path.join(directory, name))
+        except Exception as err:  # a malformed header or a dtype this reader does not know
             raise ValueError(f"checkpoint file {name} cannot be read ({err})") from None
         for key, value in loaded.items():
             if key in tensors:

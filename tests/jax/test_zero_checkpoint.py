@@ -182,3 +182,20 @@ def test_bad_checkpoints_are_refused(saved, tmp_path) -> None:
         "rank-00001-of-00002.safetensors",
     ]
     assert_equal(tx.gather_state(load_optimizer_state(corrupt, tx, params)[0], params), before)
+
+
+def test_bfloat16_state_round_trip(tmp_path) -> None:
+    """bf16 moments survive a save on 2 devices and a load on 4 (safetensors BF16)."""
+    params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params0())
+    tx2 = shard_optimizer(optax.adam(1e-2, mu_dtype=jnp.bfloat16), mesh_of(2))
+    state = tx2.init(params)
+    state = tx2.scatter_state(
+        jax.tree.map(lambda x: np.full(x.shape, 0.375, x.dtype), tx2.gather_state(state, params)),
+        params,
+    )
+    save_optimizer_state(tmp_path / "bf16", tx2, state, params, step=1)
+    tx4 = shard_optimizer(optax.adam(1e-2, mu_dtype=jnp.bfloat16), mesh_of(4), partition="flat")
+    loaded, _ = load_optimizer_state(tmp_path / "bf16", tx4, params)
+    got = tx4.gather_state(loaded, params)
+    assert got[0].mu["head"]["kernel"].dtype == jnp.bfloat16
+    assert_equal(got, tx2.gather_state(state, params))
