@@ -16,6 +16,7 @@ from gradsync_core import BucketPlan, ReductionPlan
 from gradsync_jax._accumulate import accumulate_local_grads
 from gradsync_jax._mappings import make_shared_local
 from gradsync_jax._sync import AxisName, _axes, sync_gradients
+from gradsync_jax._zero import ShardedOptimizer
 
 StepFn = Callable[[Any, Any, Any], tuple[Any, Any, jax.Array]]
 
@@ -43,7 +44,9 @@ def data_parallel_step(
 
     Args:
         loss_fn: ``loss_fn(params, batch) -> scalar``, the mean over its (local) batch.
-        tx: any Optax transformation; ``opt_state = tx.init(params)``.
+        tx: any Optax transformation; ``opt_state = tx.init(params)``. A
+            ``shard_optimizer(...)`` (ZeRO) is taken as is: it gets the local gradients and
+            reduce-scatters them itself, and its state carries ``tx.state_specs(params)``.
         mesh: e.g. ``mesh_from_topology(Topology.create(len(jax.devices())))``.
         axis_name: the mesh axis (or tuple of axes) the batch is sharded over.
         reduce, reduce_dtype, plan: passed to ``sync_gradients``.
@@ -99,6 +102,22 @@ def data_parallel_step(
         _check_topology(shared, mesh)
     specs = P() if param_specs is None else param_specs
 
+    zero = isinstance(tx, ShardedOptimizer)
+    if zero and (
+        plan is not None
+        or reduce_dtype is not None
+        or shared is not None
+        or param_specs is not None
+        or reduce != tx.config.reduce
+        or _axes(axis_name) != tx.config.axes
+        or mesh != tx.mesh
+    ):
+        raise ValueError(
+            "tx is a shard_optimizer(...), which reduces the local gradients itself: give "
+            "data_parallel_step the same mesh, axis_name and reduce as shard_optimizer, and "
+            "no plan, reduce_dtype, shared or param_specs"
+        )
+
     def local_step(params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, jax.Array]:
         # Planned parameters vary over their groups, so their gradients stay partial through
         # the micro-steps and sync_gradients sums them once.
@@ -106,9 +125,15 @@ def data_parallel_step(
         loss, grads = accumulate_local_grads(
             loss_fn, local, batch, accumulate_steps, axis_name=axis_name
         )
-        grads = sync_gradients(
-            grads, axis_name, reduce=reduce, reduce_dtype=reduce_dtype, plan=plan, shared=shared
-        )
+        if not zero:  # a ShardedOptimizer reduce-scatters the local gradients itself
+            grads = sync_gradients(
+                grads,
+                axis_name,
+                reduce=reduce,
+                reduce_dtype=reduce_dtype,
+                plan=plan,
+                shared=shared,
+            )
         updates, opt_state = tx.update(grads, opt_state, params)
         if token_axes:  # each device holds its share of its replica's loss
             loss = lax.psum(loss, token_axes)
@@ -119,7 +144,12 @@ def data_parallel_step(
 
     @jax.jit
     def jitted(params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, jax.Array]:
-        state_specs = P() if param_specs is None else _state_specs(tx, opt_state, param_specs)
+        if zero:
+            state_specs = tx.state_specs(params)
+        elif param_specs is None:
+            state_specs = P()
+        else:
+            state_specs = _state_specs(tx, opt_state, param_specs)
         if explicit:  # Explicit axes: shard_map inputs must already carry its in_specs
             to_sharding = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
             params = jax.reshard(params, jax.tree.map(to_sharding, specs))
