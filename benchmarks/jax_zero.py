@@ -35,6 +35,7 @@ import optax
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from jax_dp import loss_fn, make_mlp  # the same ~10M-parameter MLP as benchmarks/jax_dp.py
 
 from gradsync_core import Topology
 from gradsync_jax import (
@@ -43,26 +44,6 @@ from gradsync_jax import (
     shard_optimizer,
     value_and_local_grad,
 )
-
-
-def make_mlp(layers: int, width: int, seed: int = 0) -> dict:
-    rng = np.random.default_rng(seed)
-    scale = 1.0 / np.sqrt(width)
-    return {
-        f"layer_{i}": {
-            "kernel": jnp.asarray(rng.normal(0, scale, (width, width)), jnp.float32),
-            "bias": jnp.zeros((width,), jnp.float32),
-        }
-        for i in range(layers)
-    }
-
-
-def loss_fn(params: dict, batch: tuple[jax.Array, jax.Array]) -> jax.Array:
-    x, y = batch
-    for i in range(len(params)):
-        layer = params[f"layer_{i}"]
-        x = jnp.tanh(x @ layer["kernel"] + layer["bias"])
-    return jnp.mean((x - y) ** 2)
 
 
 def sharded_step(tx, params: dict, mesh):
