@@ -25,6 +25,7 @@ from gradsync_jax._mappings import (
 )
 from gradsync_jax._mesh import mesh_from_topology
 from gradsync_jax._naming import from_torch_state, to_torch_state, torch_names, torch_specs
+from gradsync_jax._specs import param_specs, path_name
 from gradsync_jax._step import data_parallel_step
 from gradsync_jax._sync import local_grad, make_local, sync_gradients, value_and_local_grad
 from gradsync_jax._zero import ShardedOptimizer, ZeroState, shard_optimizer
@@ -55,6 +56,8 @@ __all__: list[str] = [
     "mesh_axes",
     "mesh_from_topology",
     "nnx_functional",
+    "param_specs",
+    "path_name",
     "reduce_from",
     "reduce_scatter_to",
     "reduce_shared_gradients",

@@ -32,6 +32,7 @@ from gradsync_torch._mappings import (
     reduce_scatter_to,
     scatter_to,
 )
+from gradsync_torch._specs import dtype_name, param_specs
 from gradsync_torch._zero import ZeroRedundancyOptimizer
 
 __all__: list[str] = [
@@ -51,9 +52,11 @@ __all__: list[str] = [
     "bf16_compress_hook",
     "check_reduction_plan",
     "copy_to",
+    "dtype_name",
     "fp16_compress_hook",
     "gather_from",
     "local_state",
+    "param_specs",
     "reduce_from",
     "reduce_scatter_to",
     "reduce_shared_gradients",
