@@ -19,7 +19,5 @@ def test_the_readme_has_runnable_examples():
 
 @pytest.mark.parametrize("block", RUNNABLE, ids=lambda b: b.split("\n")[0][:40])
 def test_readme_example_runs(block):
-    out = subprocess.run(
-        [sys.executable, "-c", block], capture_output=True, text=True, timeout=180
-    )
+    out = subprocess.run([sys.executable, "-c", block], capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr[-3000:]
