@@ -94,8 +94,8 @@ def worker(rank: int, world_size: int, store_path: str, args: argparse.Namespace
         dist.destroy_process_group()
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_common_args(parser: argparse.ArgumentParser) -> None:
+    """The options every torch benchmark shares: rounds, world size and the model's size."""
     parser.add_argument("--quick", action="store_true", help="fewer rounds (< 2 min)")
     parser.add_argument("--steps", type=int, default=None, help="timed rounds (default 20)")
     parser.add_argument("--warmup", type=int, default=3)
@@ -103,6 +103,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=32)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_common_args(parser)
     parser.add_argument(
         "--threads", type=int, help="torch threads per rank (default: cores / ranks)"
     )

@@ -39,6 +39,8 @@ from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from torch_dp import add_common_args, build_model  # the same 25M-parameter model
+
 from gradsync_torch import DataParallel, ZeroRedundancyOptimizer
 
 VARIANTS = (
@@ -51,14 +53,6 @@ VARIANTS = (
 ZERO1, ZERO2 = "DDP + gradsync ZeRO-1", "gradsync DP + ZeRO-2"
 ANCHOR = "DDP + torch ZeRO"
 MIB = 1024 * 1024
-
-
-def build_model(layers: int, width: int) -> nn.Module:
-    torch.manual_seed(0)
-    blocks: list[nn.Module] = []
-    for _ in range(layers):
-        blocks += [nn.Linear(width, width), nn.GELU()]
-    return nn.Sequential(*blocks)
 
 
 def _state_nbytes(opt: torch.optim.Optimizer) -> int:
@@ -151,13 +145,7 @@ def worker(rank: int, world_size: int, store_path: str, args: argparse.Namespace
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer rounds (< 2 min)")
-    parser.add_argument("--steps", type=int, default=None, help="timed rounds (default 20)")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--layers", type=int, default=24)
-    parser.add_argument("--width", type=int, default=1024)
-    parser.add_argument("--batch", type=int, default=32)
+    add_common_args(parser)
     parser.add_argument(
         "--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2), help="per rank"
     )
