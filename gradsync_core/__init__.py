@@ -18,11 +18,18 @@ from gradsync_core._buckets import (
 )
 from gradsync_core._canonical import PLAN_VERSION, canonical_json, fingerprint
 from gradsync_core._checkpoint import (
+    MANIFEST,
     OPTAX_TO_TORCH_STATE,
+    RANK_FILE_RE,
     TORCH_TO_OPTAX_STATE,
     Manifest,
     check_compatible,
+    rank_file,
     read_manifest,
+    sha256_file,
+    tensor_key,
+    verify_file_hashes,
+    write_atomic,
     write_manifest,
 )
 from gradsync_core._models import MODELS, builtin_model
@@ -48,10 +55,12 @@ __all__ = [
     "DEFAULT_LEGACY_MAX_NUMEL",
     "DEFAULT_ORDER",
     "DTYPE_ITEMSIZE",
+    "MANIFEST",
     "MODELS",
     "MODEL_AXES",
     "OPTAX_TO_TORCH_STATE",
     "PLAN_VERSION",
+    "RANK_FILE_RE",
     "STANDARD_GROUPS",
     "TORCH_TO_OPTAX_STATE",
     "Bucket",
@@ -75,11 +84,16 @@ __all__ = [
     "plan_greedy_shards",
     "plan_legacy_buckets",
     "plan_shared_reductions",
+    "rank_file",
     "read_manifest",
     "rebuild_buckets",
     "reduction_group",
     "replicated_axes",
+    "sha256_file",
     "split_shapes",
+    "tensor_key",
+    "verify_file_hashes",
     "with_replicated_over",
+    "write_atomic",
     "write_manifest",
 ]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -37,20 +38,18 @@ TORCH_TO_OPTAX_STATE = {
 OPTAX_TO_TORCH_STATE = {v: k for k, v in TORCH_TO_OPTAX_STATE.items()}
 
 
+# Matches every name ``rank_file`` produces (and nothing else a save writes).
+RANK_FILE_RE = re.compile(r"rank-\d{5}-of-\d{5}\.safetensors")
+
+
 def rank_file(rank: int, world_size: int) -> str:
+    """``"rank-00001-of-00004.safetensors"``: the file that holds one rank's state."""
     return f"rank-{rank:05d}-of-{world_size:05d}.safetensors"
 
 
 def tensor_key(param: str, state_key: str) -> str:
     """``"layers.0.weight/exp_avg"``: how a state tensor is named inside a rank file."""
     return f"{param}/{state_key}"
-
-
-def split_tensor_key(key: str) -> tuple[str, str]:
-    param, _, state_key = key.rpartition("/")
-    if not param:
-        raise ValueError(f"checkpoint tensor {key!r} is not named '<param>/<state key>'")
-    return param, state_key
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -184,13 +183,33 @@ def read_manifest(directory: str | os.PathLike[str], *, verify_files: bool = Tru
     except (json.JSONDecodeError, KeyError, TypeError) as e:
         raise ValueError(f"{path} is corrupt ({e}); restore it or save again") from None
     if verify_files:
-        for name, digest in manifest.files.items():
-            file_path = os.path.join(directory, name)
-            if not os.path.exists(file_path):
-                raise ValueError(f"checkpoint file {file_path} is missing")
-            if sha256_file(file_path) != digest:
-                raise ValueError(
-                    f"checkpoint file {file_path} does not match its manifest hash: corrupt or "
-                    "from another save"
-                )
+        verify_file_hashes(directory, manifest)
     return manifest
+
+
+def verify_file_hashes(
+    directory: str | os.PathLike[str], manifest: Manifest, files: Sequence[str] | None = None
+) -> None:
+    """Check rank files against the sha256 the manifest recorded for them.
+
+    Args:
+        directory: the checkpoint directory.
+        manifest: its manifest, as returned by ``read_manifest``.
+        files: the rank files to check (default: every file the manifest lists). A rank that
+            reads only some files can check those plus its share of the rest, so that together
+            the ranks check every file once.
+
+    Raises:
+        ValueError: naming the first file that is missing, unlisted or does not match.
+    """
+    for name in manifest.files if files is None else files:
+        file_path = os.path.join(directory, name)
+        if name not in manifest.files:
+            raise ValueError(f"checkpoint file {file_path} is not listed in its manifest")
+        if not os.path.exists(file_path):
+            raise ValueError(f"checkpoint file {file_path} is missing")
+        if sha256_file(file_path) != manifest.files[name]:
+            raise ValueError(
+                f"checkpoint file {file_path} does not match its manifest hash: corrupt or "
+                "from another save"
+            )
