@@ -1,7 +1,7 @@
 """Sharded Optax optimizer (ZeRO) vs the unsharded Adam data-parallel step, 8 CPU devices.
 
 Three jitted ``shard_map`` steps on the same ~10M-parameter MLP and the same batches, run
-alternating in one process (DESIGN §11), one step each per round:
+alternating in one process (docs/design.md §11), one step each per round:
 
 - anchor: ``gradsync_jax.data_parallel_step`` with ``optax.adam`` (all-reduce, every device
   holds and updates the whole Adam state);
@@ -119,7 +119,7 @@ def main() -> None:
         err = max(float(jnp.max(jnp.abs(a - b))) for a, b in pairs)
         if err > 1e-4:
             raise SystemExit(f"{name} diverged from the anchor by {err:.3g}")
-    # The sharded moments are the anchor's too, not only the parameters (DESIGN §7).
+    # The sharded moments are the anchor's too, not only the parameters (docs/design.md §7).
     for name, tx in txs.items():
         gathered = jax.tree.leaves(tx.gather_state(state[name][1], params))
         for a, b in zip(gathered, jax.tree.leaves(state["anchor"][1]), strict=True):

@@ -1,6 +1,6 @@
 """torch data-parallel step time: torch DDP vs gradsync overlap vs gradsync legacy vs no sync.
 
-DESIGN §11: all four run in the same process tree, alternating step by step (the order rotates
+docs/design.md §11: all four run in the same process tree, alternating step by step (the order rotates
 every round), on the same model and data; each figure is the median over the timed rounds of
 the slowest rank's step. "compute only" is the same step without any gradient sync, the lower
 bound. A step is zero_grad(set_to_none=True), forward, loss, backward (and, in legacy mode,

@@ -1,6 +1,6 @@
 """torch ZeRO step time and memory: torch's ZeroRedundancyOptimizer vs gradsync ZeRO-1/2.
 
-DESIGN §11: every variant runs in the same process tree, alternating step by step (the order
+docs/design.md §11: every variant runs in the same process tree, alternating step by step (the order
 rotates every round), on the same model and data; each figure is the median over the timed
 rounds of the slowest rank's step. A step is zero_grad(set_to_none=True), forward, loss,
 backward and optimizer.step() (Adam): the optimizer and the parameter sync are what differ.

@@ -7,7 +7,7 @@ Runs on 8 CPU devices by default (fake host devices), so it works on a laptop:
     python examples/flax_dp_train.py --devices 4 --reduce-dtype bfloat16
 
 gradsync builds the mesh from a Topology (devices placed by rank), keeps gradients local
-inside ``shard_map`` and reduces them once over ``dp`` (DESIGN §7); the step is one jitted
+inside ``shard_map`` and reduces them once over ``dp`` (docs/design.md §7); the step is one jitted
 function and the script never calls ``pcast``/``pmean`` itself.
 """
 

@@ -1,4 +1,4 @@
-"""Bucket layouts: which gradients travel together in one collective (DESIGN §3)."""
+"""Bucket layouts: which gradients travel together in one collective (docs/design.md §3)."""
 
 from __future__ import annotations
 

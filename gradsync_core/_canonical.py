@@ -1,4 +1,4 @@
-"""Canonical JSON and fingerprints shared by every plan (DESIGN §8)."""
+"""Canonical JSON and fingerprints shared by every plan (docs/design.md §8)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The optimizer-checkpoint format shared by the torch and JAX executors (DESIGN §9).
+"""The optimizer-checkpoint format shared by the torch and JAX executors (docs/design.md §9).
 
 A checkpoint is a directory::
 

@@ -1,4 +1,4 @@
-"""Shared-parameter reductions: the extra gradient sums model parallelism needs (DESIGN §6).
+"""Shared-parameter reductions: the extra gradient sums model parallelism needs (docs/design.md §6).
 
 A parameter that is *not* sharded over a model-parallel axis, but is applied to tokens that
 *are* split over it (a LayerNorm under context parallelism, a bias after a sequence-parallel

@@ -1,4 +1,4 @@
-"""Parameter specs: the planner's only input (DESIGN §2)."""
+"""Parameter specs: the planner's only input (docs/design.md §2)."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ class ParamSpec:
         requires_grad: frozen parameters (``False``) get no bucket slot and no optimizer state.
         device: a placement tag (``"cpu"``, ``"cuda"``); buckets never mix devices.
         replicated_over: model-parallel axes (``"tp"``, ``"cp"``, ...) over which this parameter
-            is replicated, so its gradient needs an extra sum over them (DESIGN §6).
+            is replicated, so its gradient needs an extra sum over them (docs/design.md §6).
 
     Example:
         >>> ParamSpec(name="fc.weight", shape=(4, 3)).numel

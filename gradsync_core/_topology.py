@@ -1,4 +1,4 @@
-"""Parallel-group topology with Megatron-core's order-string semantics (DESIGN §5)."""
+"""Parallel-group topology with Megatron-core's order-string semantics (docs/design.md §5)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 ``k`` micro-steps run in a ``lax.scan`` on each device and sum LOCAL gradients; the caller
 then syncs once (``sync_gradients``), so the program holds the collectives of one step, not
-``k`` (DESIGN §7; tests count them in the compiled HLO).
+``k`` (docs/design.md §7; tests count them in the compiled HLO).
 """
 
 from __future__ import annotations

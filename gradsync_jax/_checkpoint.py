@@ -1,4 +1,4 @@
-"""Save and load ``shard_optimizer`` state in gradsync's per-parameter format (DESIGN §9).
+"""Save and load ``shard_optimizer`` state in gradsync's per-parameter format (docs/design.md §9).
 
 The files are the ones ``gradsync_torch``'s ZeRO optimizer writes: a manifest plus one
 safetensors file per rank, tensors named ``"<param name>/<state key>"`` in model space (the

@@ -1,4 +1,4 @@
-"""Reference tensor/context-parallel layers in Flax NNX, and replicated_over derived (DESIGN §6).
+"""Reference tensor/context-parallel layers in Flax NNX, and replicated_over derived (docs/design.md §6).
 
 The layers hold GLOBAL parameters annotated with ``out_sharding`` (``(None, "tp")`` for a
 column-parallel kernel), so a model is built, initialized and checkpointed on one device like

@@ -1,4 +1,4 @@
-"""The six model-parallel mappings for ``jax.shard_map`` (DESIGN §6), same names as torch.
+"""The six model-parallel mappings for ``jax.shard_map`` (docs/design.md §6), same names as torch.
 
 No ``custom_vjp``: under ``check_vma=True`` JAX's own transposes ARE Megatron's operators
 (arXiv:1909.08053 §3, arXiv:2205.05198 §4.2), so plain autodiff is both correct and simplest:
@@ -262,7 +262,7 @@ def make_shared_local(
 def reduce_shared_gradients(
     grads: Any, plan: ReductionPlan, *, names: Sequence[str] | None = None
 ) -> Any:
-    """Sum partial gradients of replicated parameters over their groups (DESIGN §6).
+    """Sum partial gradients of replicated parameters over their groups (docs/design.md §6).
 
     Call inside ``shard_map`` after differentiating w.r.t. ``make_shared_local(params, plan)``,
     before or after the data-parallel mean (they commute). Each bucket of the plan is one

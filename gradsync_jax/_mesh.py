@@ -1,4 +1,4 @@
-"""A ``jax.sharding.Mesh`` from a gradsync ``Topology``, devices placed by rank (DESIGN §5).
+"""A ``jax.sharding.Mesh`` from a gradsync ``Topology``, devices placed by rank (docs/design.md §5).
 
 The topology's rank of a device is its position in the device list (default: ``jax.devices()``
 sorted by id, which is the global list in a multi-process job). The mesh array is

@@ -1,5 +1,5 @@
 """A jitted data-parallel training step: batch sharded over ``dp``, parameters replicated
-(or sharded over model-parallel axes, with the derived shared-parameter sums, DESIGN §6)."""
+(or sharded over model-parallel axes, with the derived shared-parameter sums, docs/design.md §6)."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def data_parallel_step(
 
     Inside one ``jax.shard_map`` over ``mesh``: each device computes LOCAL gradients of its
     batch shard (``accumulate_steps`` micro-steps without communication), gradsync reduces
-    them once over ``axis_name`` (DESIGN §7: no implicit ``psum``, no double count), and the
+    them once over ``axis_name`` (docs/design.md §7: no implicit ``psum``, no double count), and the
     Optax update runs identically on every device. The user never sees ``pcast``.
 
     Args:

@@ -1,4 +1,4 @@
-"""Gradient synchronization over a data-parallel mesh axis (DESIGN §7, §10).
+"""Gradient synchronization over a data-parallel mesh axis (docs/design.md §7, §10).
 
 Contract: ``sync_gradients`` takes LOCAL gradients — each device's gradient of its own batch
 shard, varying over ``axis_name`` — and returns their mean (or sum) over ``axis_name``,
@@ -18,7 +18,7 @@ Inside ``jax.pmap`` (and ``shard_map(check_vma=False)``) JAX does not insert tha
 gradients are local by construction and ``sync_gradients`` works the same; the invariance
 check is impossible there and skipped.
 
-Model parallelism (DESIGN §6): with ``shared=plan`` (a ``gradsync_core.ReductionPlan``),
+Model parallelism (docs/design.md §6): with ``shared=plan`` (a ``gradsync_core.ReductionPlan``),
 ``make_local``/``local_grad`` also keep the gradients of parameters replicated over a
 model-parallel group PARTIAL (``make_shared_local``), and ``sync_gradients`` adds their sum
 over that group to the dp mean, one variadic ``psum`` per bucket, once per step (after
@@ -115,7 +115,7 @@ def value_and_local_grad(
     axis_name: AxisName = "dp",
     shared: ReductionPlan | None = None,
 ) -> Callable[..., Any]:
-    """``jax.value_and_grad`` whose gradients stay local over ``axis_name`` (DESIGN §7).
+    """``jax.value_and_grad`` whose gradients stay local over ``axis_name`` (docs/design.md §7).
 
     Use inside ``shard_map``/``pmap``, then reduce with ``sync_gradients``.
 
@@ -235,7 +235,7 @@ def sync_gradients(
         names: the plan name of every leaf in flattening order; default
             ``path_name(key_path)`` (``params/Dense_0/kernel``). Pass
             ``gradsync_jax.torch_names(grads)`` to use a plan built from a torch module.
-        shared: model parallelism (DESIGN §6): a ``gradsync_core.ReductionPlan``
+        shared: model parallelism (docs/design.md §6): a ``gradsync_core.ReductionPlan``
             (``plan_shared_reductions(shared_param_specs(...), topology)``); after the mean,
             each planned gradient is summed over its model-parallel group (in its own dtype),
             one ``psum`` per bucket. The gradients must be partial there: get them with
@@ -247,7 +247,7 @@ def sync_gradients(
 
     Raises:
         ValueError: on an unknown ``reduce``, a gradient already invariant over the axis
-            (DESIGN §7), or a plan that does not cover exactly the leaves of ``grads``, or a
+            (docs/design.md §7), or a plan that does not cover exactly the leaves of ``grads``, or a
             ``shared`` gradient already summed over its group.
         TypeError: on a non-floating gradient leaf.
         NameError: if ``axis_name`` is not bound (called outside shard_map/pmap).
@@ -276,7 +276,7 @@ def sync_gradients(
     synced = jax.tree_util.tree_unflatten(treedef, out)
     if shared is None:
         return synced
-    # The sum over a model-parallel group commutes with the dp mean (DESIGN §6).
+    # The sum over a model-parallel group commutes with the dp mean (docs/design.md §6).
     return reduce_shared_gradients(synced, shared, names=names)
 
 

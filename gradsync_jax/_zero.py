@@ -2,7 +2,7 @@
 
 ``shard_optimizer(inner, mesh)`` wraps any Optax transformation (ZeRO stage 1/2,
 arXiv:1910.02054). ``init`` runs outside ``jax.shard_map`` and places the state already
-sharded; ``update`` runs inside it on LOCAL gradients (DESIGN §7), reduces them itself
+sharded; ``update`` runs inside it on LOCAL gradients (docs/design.md §7), reduces them itself
 (reduce-scatter), runs the inner update on this device's share only and all-gathers full,
 replicated updates, so ``TrainState.apply_gradients`` and ``nnx.Optimizer`` work unchanged.
 The partitions live in ``_zero_greedy`` (whole tensors) and ``_zero_flat`` (element ranges).
@@ -320,7 +320,7 @@ def shard_optimizer(
     ``init(params)`` runs outside ``shard_map`` (also under ``jax.eval_shape``) and returns a
     ``ZeroState`` already placed with ``state_shardings(params)``. ``update(grads, state,
     params)`` runs inside ``jax.shard_map`` with ``in_specs=tx.state_specs(params)`` for the
-    state; ``grads`` are LOCAL (DESIGN §7: ``make_local`` / ``value_and_local_grad``), and it
+    state; ``grads`` are LOCAL (docs/design.md §7: ``make_local`` / ``value_and_local_grad``), and it
     returns the FULL update, identical on every device, plus the new sharded state.
 
     Args:

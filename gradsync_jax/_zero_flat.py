@@ -1,4 +1,4 @@
-"""Flat partition: element ranges of gradient buckets (ZeRO-2 style, DESIGN §4).
+"""Flat partition: element ranges of gradient buckets (ZeRO-2 style, docs/design.md §4).
 
 The parameters are laid out in ``gradsync_core.plan_buckets`` buckets padded to a multiple of
 ``N``; device ``i`` owns chunk ``i`` of every bucket (``plan_flat_shards``), which is exactly

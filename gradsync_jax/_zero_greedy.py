@@ -1,4 +1,4 @@
-"""Greedy partition: each device owns whole parameters (ZeRO-1 ownership, DESIGN §4).
+"""Greedy partition: each device owns whole parameters (ZeRO-1 ownership, docs/design.md §4).
 
 Owners come from ``gradsync_core.plan_greedy_shards`` (torch's ``ZeroRedundancyOptimizer``
 rule), so a torch job with the same parameter list picks the same owners. Device ``d`` runs

@@ -1,7 +1,7 @@
 """Model space: the inner Optax state as the unsharded optimizer would hold it.
 
 Both shard partitions convert to and from this form (``gather_state`` / ``scatter_state``),
-and checkpoints store it per parameter (DESIGN §9). A leaf of the inner state is either
+and checkpoints store it per parameter (docs/design.md §9). A leaf of the inner state is either
 *per-parameter* (``mu`` of ``params/Dense_0/kernel``; it sits under that parameter's key path)
 or *global* (``count``, injected hyper-parameters): global leaves are exactly those that
 ``inner.init`` still creates for a tree with every parameter removed.
@@ -174,7 +174,7 @@ def model_space(inner: optax.GradientTransformation, params: Any) -> ModelSpace:
 def divide_after(dtype: Any, n: int) -> bool:
     """True when dividing the sum by ``n`` is bitwise the same as summing divided values.
 
-    DDP divides before the sum (DESIGN §7) so fp16 sums cannot overflow. For a power-of-two
+    DDP divides before the sum (docs/design.md §7) so fp16 sums cannot overflow. For a power-of-two
     ``n`` and a wide-exponent dtype the division is exact, so the result can be divided
     instead: a pass over 1/n of the gradient rather than over all of it.
     """

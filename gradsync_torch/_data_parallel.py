@@ -1,4 +1,4 @@
-"""``DataParallel``: gradsync's bucket plans executed on torch.distributed (DESIGN §3, §7, §8).
+"""``DataParallel``: gradsync's bucket plans executed on torch.distributed (docs/design.md §3, §7, §8).
 
 Overlap mode follows the DDP paper (arXiv:2006.15704): each bucket's all-reduce starts as soon
 as its last gradient is accumulated, buckets start in plan order, and backward returns only
@@ -72,7 +72,7 @@ class DataParallel(nn.Module):
             group size) instead of all-reducing it and drop ``param.grad``; each rank keeps
             only its shard, which ``ZeroRedundancyOptimizer(..., shard_gradients=True)``
             over these parameters steps (see ``gradsync_torch._zero_grads``).
-        groups: model parallelism (DESIGN §6): the ``ProcessGroups`` of the topology. The
+        groups: model parallelism (docs/design.md §6): the ``ProcessGroups`` of the topology. The
             data-parallel group is then ``groups["dp"]`` (leave ``process_group`` unset),
             and after every synced mean the gradients of parameters replicated over a
             model-parallel axis (a norm under context parallelism, a bias after a
@@ -439,7 +439,7 @@ class DataParallel(nn.Module):
         if global_used is None:
             self._used_work = used_work
         if self.shared_plan is not None:
-            # The model-parallel sums (DESIGN §6) commute with the dp mean and with
+            # The model-parallel sums (docs/design.md §6) commute with the dp mean and with
             # accumulation, so one pass after the mean covers every no_sync step too.
             reduce_shared_gradients(self.module, self.process_groups, self.shared_plan)
         self._next_launch = 0

@@ -1,4 +1,4 @@
-"""Named process groups from a ``Topology`` and the shared-parameter sums over them (DESIGN §5, §6).
+"""Named process groups from a ``Topology`` and the shared-parameter sums over them (docs/design.md §5, §6).
 
 ``dist.new_group`` is collective over the whole world: every rank must call it for every
 group, members or not, in the same order, or ranks pair up the wrong groups and hang. So
@@ -228,7 +228,7 @@ def reduce_shared_gradients(
     groups: ProcessGroups,
     plan: ReductionPlan,
 ) -> None:
-    """Sum the gradients of replicated parameters over their groups, bucketed (DESIGN §6).
+    """Sum the gradients of replicated parameters over their groups, bucketed (docs/design.md §6).
 
     Call after backward, before or after the data-parallel mean (the two commute): each
     bucket is flattened, all-reduced over its group (all buckets in flight at once) and

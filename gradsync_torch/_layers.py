@@ -1,4 +1,4 @@
-"""Reference tensor/context-parallel layers, and replicated_over derived from them (DESIGN §6).
+"""Reference tensor/context-parallel layers, and replicated_over derived from them (docs/design.md §6).
 
 Each parallel layer declares which of its parameters are sharded, and over which axes, in
 ``gradsync_sharded_over``; the model declares which axes split its tokens in

@@ -1,4 +1,4 @@
-"""The six differentiable collectives of tensor/context parallelism (DESIGN §6).
+"""The six differentiable collectives of tensor/context parallelism (docs/design.md §6).
 
 Megatron-LM's ``f``/``g`` operators (arXiv:1909.08053 §3) and their sequence-parallel pair
 (arXiv:2205.05198 §4.2), over a NAMED group passed as an argument, never a module global:

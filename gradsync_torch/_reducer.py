@@ -9,7 +9,7 @@ two methods and swaps the collective: ``launch`` becomes a ``reduce_scatter_tens
 bucket (planned with ``gradsync_core.plan_flat_shards``, buckets padded with ``pad_to``) into
 the rank's chunk, and ``finish`` waits and exposes only that chunk. Nothing else in
 ``DataParallel`` talks to the process group about gradients. Shared-parameter reductions
-(DESIGN §6: an extra sum over the model-parallel groups in ``ParamSpec.replicated_over``)
+(docs/design.md §6: an extra sum over the model-parallel groups in ``ParamSpec.replicated_over``)
 belong here too, as a second collective per affected bucket.
 """
 

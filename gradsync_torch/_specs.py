@@ -30,7 +30,7 @@ def param_specs(
 
     Args:
         named: a module, or ``(name, tensor)`` pairs such as ``module.named_parameters()``.
-        replicated_over: model-parallel axes per parameter name (DESIGN §6).
+        replicated_over: model-parallel axes per parameter name (docs/design.md §6).
 
     Example:
         >>> [s.name for s in param_specs(nn.Linear(3, 2))]

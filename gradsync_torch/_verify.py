@@ -1,4 +1,4 @@
-"""Construction-time agreement across ranks: same plan (DESIGN §8), same starting state.
+"""Construction-time agreement across ranks: same plan (docs/design.md §8), same starting state.
 
 A rank that builds a different model would otherwise hang in the first mismatched
 collective, or silently train garbage when sizes happen to line up. One all-gather of a
@@ -93,7 +93,7 @@ def resolve_shared(
     """DataParallel's model-parallel arguments: ``(data-parallel group, shared-sum plan)``.
 
     With ``groups`` the data-parallel group is ``groups["dp"]`` and, unless ``shared_plan``
-    is given, the plan is derived from the layers' sharding declarations (DESIGN §6). A dp
+    is given, the plan is derived from the layers' sharding declarations (docs/design.md §6). A dp
     axis of size 1 has no process group in ``ProcessGroups``; DataParallel still needs one
     (its checks and buffers), so it gets this rank alone, created locally (no other rank
     takes part, so ranks of other dp groups need not call it).
@@ -160,7 +160,7 @@ def comm_device(params: Sequence[torch.Tensor], group: dist.ProcessGroup) -> tor
 
 
 def check_grad(name: str, grad: torch.Tensor) -> None:
-    """A gradient DataParallel can reduce: dense and not part of a graph (DESIGN §7)."""
+    """A gradient DataParallel can reduce: dense and not part of a graph (docs/design.md §7)."""
     if grad.layout != torch.strided:
         raise RuntimeError(
             f"parameter {name!r} has a {grad.layout} gradient; DataParallel reduces dense "

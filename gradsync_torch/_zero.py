@@ -3,7 +3,7 @@
 A drop-in for ``torch.distributed.optim.ZeroRedundancyOptimizer`` (same partition, same
 public API) whose parameter sync uses a few large broadcasts, which can also shard
 gradients (ZeRO-2, arXiv:1910.02054) and which saves checkpoints that load at any world
-size (DESIGN §9; torch's cannot, pytorch issue 65650).
+size (docs/design.md §9; torch's cannot, pytorch issue 65650).
 """
 
 from __future__ import annotations

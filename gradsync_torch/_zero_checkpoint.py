@@ -1,4 +1,4 @@
-"""Resharding checkpoints for ``ZeroRedundancyOptimizer`` (DESIGN §9).
+"""Resharding checkpoints for ``ZeroRedundancyOptimizer`` (docs/design.md §9).
 
 The format is gradsync_core's (``gradsync_core._checkpoint``): a directory with one
 safetensors file per rank holding ``"<param name>/<state key>"`` tensors in model space and

@@ -106,7 +106,7 @@ class FlatLayout:
     """ZeRO-2: this rank keeps gradient and state for one element range of every bucket.
 
     On its own, ``reduce_scatter_gradients()`` packs the local gradients of a bucket (times
-    ``1/world_size``, as DDP, DESIGN §7) into a staging buffer, reduce-scatters it into this
+    ``1/world_size``, as DDP, docs/design.md §7) into a staging buffer, reduce-scatters it into this
     rank's persistent shard and drops ``param.grad``. Under ``DataParallel(shard_gradients=
     True)`` its ``GradientSharder`` did that during backward and the pieces read its shards.
     ``sync_params()`` broadcasts every rank's updated range. With ``bucket_view`` the
@@ -254,7 +254,7 @@ class FlatLayout:
         )
         if world > 1 and has_grad.numel():
             # A parameter no rank computed a gradient for is skipped, as by a plain
-            # optimizer; one that some ranks skipped contributes their zeros (DESIGN §7).
+            # optimizer; one that some ranks skipped contributes their zeros (docs/design.md §7).
             dist.all_reduce(has_grad, op=dist.ReduceOp.MAX, group=comm.group)
         stepped = {i for i, h in zip(self.trainable, has_grad.tolist(), strict=True) if h}
         in_flight: deque[tuple[torch.Tensor, torch.Tensor, list[Any]]] = deque()

@@ -273,7 +273,7 @@ def check_same_plan(
     plan: ShardPlan, specs: Sequence[ParamSpec], group: Any, world_size: int
 ) -> None:
     """Every rank must hold the same plan, or the sync collectives mismatch and hang
-    (DESIGN §8): one small all-gather of fingerprints, and the specs only on a mismatch.
+    (docs/design.md §8): one small all-gather of fingerprints, and the specs only on a mismatch.
 
     Raises:
         ValueError: naming a differing rank and the first differing parameter.

@@ -1,4 +1,4 @@
-"""Test-wide settings that must happen before any JAX operation (DESIGN §10)."""
+"""Test-wide settings that must happen before any JAX operation (docs/design.md §10)."""
 
 import os
 

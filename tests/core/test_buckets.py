@@ -1,4 +1,4 @@
-"""Bucket layouts: DDP's assignment, alignment, padding, rebuild, legacy (DESIGN §3)."""
+"""Bucket layouts: DDP's assignment, alignment, padding, rebuild, legacy (docs/design.md §3)."""
 
 import pytest
 from hypothesis import given, settings

@@ -1,4 +1,4 @@
-"""Shard partitions: greedy (torch ZeroRedundancyOptimizer's rule) and flat (DESIGN §4)."""
+"""Shard partitions: greedy (torch ZeroRedundancyOptimizer's rule) and flat (docs/design.md §4)."""
 
 import itertools
 

@@ -1,4 +1,4 @@
-"""ParamSpec validation, canonical JSON and fingerprints (DESIGN §2, §8)."""
+"""ParamSpec validation, canonical JSON and fingerprints (docs/design.md §2, §8)."""
 
 import json
 

@@ -2,7 +2,7 @@
 
 Parameters AND optimizer state (Adam's mu/nu/count) are compared: Adam is nearly scale
 invariant, so a step that used N times the gradient would still move the parameters almost
-right — its moments would not (DESIGN §7). Tolerance: rtol 1e-5, atol 1e-5 x the leaf's
+right — its moments would not (docs/design.md §7). Tolerance: rtol 1e-5, atol 1e-5 x the leaf's
 largest magnitude (the mean of 8 shard means is the full-batch mean up to rounding).
 """
 

@@ -1,4 +1,4 @@
-"""sync_gradients: the local-gradient contract (DESIGN §7), mean/sum, dtype, buckets, pmap."""
+"""sync_gradients: the local-gradient contract (docs/design.md §7), mean/sum, dtype, buckets, pmap."""
 
 from __future__ import annotations
 
@@ -85,7 +85,7 @@ def test_mean_and_sum_match_the_per_device_reference() -> None:
     _assert_tree_close(total, sum_ref)
     # Divide-before-sum by a power of two is exact: sum == dp * mean bit for bit.
     _assert_tree_equal(total, jax.tree.map(lambda g: g * DP, mean))
-    # The contract's arithmetic (DESIGN §7: divide by the group size, then sum) bit for bit.
+    # The contract's arithmetic (docs/design.md §7: divide by the group size, then sum) bit for bit.
     _assert_tree_equal(mean, _run(lambda p, x: _divide_then_psum(local_grad(_loss)(p, x))))
 
 

@@ -1,4 +1,4 @@
-"""Spawn harness for multi-process torch tests on gloo (DESIGN §10).
+"""Spawn harness for multi-process torch tests on gloo (docs/design.md §10).
 
 ``run_workers(fn, world_size, *args)`` starts ``world_size`` processes, each with a gloo
 process group over a FileStore, calls ``fn(rank, world_size, *args)`` and returns the results

@@ -1,4 +1,4 @@
-"""gradsync_core's bucket plan equals PyTorch DDP's assignment on real modules (DESIGN §3).
+"""gradsync_core's bucket plan equals PyTorch DDP's assignment on real modules (docs/design.md §3).
 
 Compared two ways: with torch's own assignment function, and with the buckets a real
 ``DistributedDataParallel`` reducer holds (``find_unused_parameters=True``, the mode in which

@@ -1,4 +1,4 @@
-"""DataParallel(groups=...) adds the derived model-parallel sums to the dp mean (DESIGN §6).
+"""DataParallel(groups=...) adds the derived model-parallel sums to the dp mean (docs/design.md §6).
 
 4 gloo ranks, one spawn, two topologies: tp=2 x dp=2 with sequence parallelism (the fc2
 biases and the norms are summed over ``tp``) and cp=2 x tp=2 (dp=1; the norms and fc2 biases

@@ -51,7 +51,7 @@ def batch(step: int, world_size: int, rank: int) -> tuple[torch.Tensor, torch.Te
 
 
 def averaged(grad: torch.Tensor, world_size: int) -> torch.Tensor:
-    """DataParallel's mean: divide by world_size, then sum (DESIGN §7)."""
+    """DataParallel's mean: divide by world_size, then sum (docs/design.md §7)."""
     out = grad / world_size
     if world_size > 1:
         dist.all_reduce(out)
