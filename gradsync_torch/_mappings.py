@@ -28,11 +28,11 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from gradsync_core import split_shapes
-from gradsync_torch._groups import Group
 
 # torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+from gradsync_torch._collectives import all_gather_single as _all_gather_single
+from gradsync_torch._collectives import reduce_scatter_single as _reduce_scatter_single
+from gradsync_torch._groups import Group
 
 GroupLike = Group | ProcessGroup
 

@@ -25,7 +25,7 @@ _MIB = 1024 * 1024
 # DDP broadcasts module states in chunks of this size (torch.distributed.utils).
 _BROADCAST_CHUNK_BYTES = 250 * _MIB
 # torch 2.13 renamed all_gather_into_tensor (and warns on the old name); older torch lacks it.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+from gradsync_torch._collectives import all_gather_single as _all_gather_single
 
 
 def check_arguments(

@@ -18,7 +18,8 @@ import torch.distributed as dist
 
 from gradsync_core import Bucket, BucketPlan, ParamSpec, ShardPlan, plan_buckets
 from gradsync_core import plan_flat_shards as _plan_flat_shards
-from gradsync_torch._zero_grads import GradientSharder, finish_reduce_scatter, reduce_scatter
+from gradsync_torch._collectives import finish_reduce_scatter, reduce_scatter
+from gradsync_torch._zero_grads import GradientSharder
 from gradsync_torch._zero_layout import (
     ALONE_BYTES,
     Broadcaster,
