@@ -7,13 +7,15 @@ from gradsync_torch._comm_hooks import (
     fp16_compress_hook,
 )
 from gradsync_torch._data_parallel import DataParallel
-from gradsync_torch._groups import (
+from gradsync_torch._specs import dtype_name, param_specs
+from gradsync_torch._zero import ZeroRedundancyOptimizer
+from gradsync_torch.model_parallel.groups import (
     Group,
     ProcessGroups,
     check_reduction_plan,
     reduce_shared_gradients,
 )
-from gradsync_torch._layers import (
+from gradsync_torch.model_parallel.layers import (
     ColumnParallelLinear,
     MLPBlock,
     MLPTransformer,
@@ -24,7 +26,7 @@ from gradsync_torch._layers import (
     replicated_over,
     shared_param_specs,
 )
-from gradsync_torch._mappings import (
+from gradsync_torch.model_parallel.mappings import (
     all_gather_from,
     copy_to,
     gather_from,
@@ -32,8 +34,6 @@ from gradsync_torch._mappings import (
     reduce_scatter_to,
     scatter_to,
 )
-from gradsync_torch._specs import dtype_name, param_specs
-from gradsync_torch._zero import ZeroRedundancyOptimizer
 
 __all__: list[str] = [
     "ColumnParallelLinear",

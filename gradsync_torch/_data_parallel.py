@@ -20,7 +20,6 @@ from torch import nn
 
 import gradsync_core
 from gradsync_torch._comm_hooks import CommHook
-from gradsync_torch._groups import ProcessGroups, check_reduction_plan, reduce_shared_gradients
 from gradsync_torch._reducer import BucketBuffers, Reducer, build_buckets, make_plan
 from gradsync_torch._specs import named_parameters, param_specs
 from gradsync_torch._verify import (
@@ -34,6 +33,11 @@ from gradsync_torch._verify import (
     verify_same_everywhere,
 )
 from gradsync_torch._zero_grads import GradientSharder, pad_for_sharding
+from gradsync_torch.model_parallel.groups import (
+    ProcessGroups,
+    check_reduction_plan,
+    reduce_shared_gradients,
+)
 
 
 def _wait_cpu(work: Any, tensor: torch.Tensor) -> torch.Tensor:

@@ -17,9 +17,9 @@ import torch.distributed as dist
 from torch import nn
 
 import gradsync_core
-from gradsync_torch._groups import ProcessGroups
-from gradsync_torch._layers import shared_param_specs
 from gradsync_torch._specs import dtype_name
+from gradsync_torch.model_parallel.groups import ProcessGroups
+from gradsync_torch.model_parallel.layers import shared_param_specs
 
 _MIB = 1024 * 1024
 # DDP broadcasts module states in chunks of this size (torch.distributed.utils).

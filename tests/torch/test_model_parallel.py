@@ -15,19 +15,19 @@ import torch
 import torch.distributed as dist
 
 from gradsync_core import STANDARD_GROUPS, Topology, plan_shared_reductions, split_shapes
-from gradsync_torch._groups import (
+from gradsync_torch.model_parallel.groups import (
     Group,
     ProcessGroups,
     check_reduction_plan,
     reduce_shared_gradients,
 )
-from gradsync_torch._layers import (
+from gradsync_torch.model_parallel.layers import (
     MLPTransformer,
     ParallelMLPTransformer,
     local_state,
     shared_param_specs,
 )
-from gradsync_torch._mappings import (
+from gradsync_torch.model_parallel.mappings import (
     all_gather_from,
     copy_to,
     gather_from,

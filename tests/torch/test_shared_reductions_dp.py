@@ -19,7 +19,7 @@ from torch import nn
 
 from gradsync_core import ReductionPlan, Topology, split_shapes
 from gradsync_torch import DataParallel, ProcessGroups
-from gradsync_torch._layers import MLPTransformer, ParallelMLPTransformer, local_state
+from gradsync_torch.model_parallel.layers import MLPTransformer, ParallelMLPTransformer, local_state
 from tests.torch.harness import run_workers
 
 TOL = {"rtol": 1e-10, "atol": 1e-12}

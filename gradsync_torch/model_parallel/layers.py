@@ -1,4 +1,4 @@
-"""Reference tensor/context-parallel layers, and replicated_over derived from them (docs/design.md §6).
+"""Tensor/context-parallel linear layers and replicated_over derived from them (docs/design.md §6).
 
 Each parallel layer declares which of its parameters are sharded, and over which axes, in
 ``gradsync_sharded_over``; the model declares which axes split its tokens in
@@ -18,15 +18,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from gradsync_core import ParamSpec, replicated_axes, split_shapes
-from gradsync_torch._groups import Group, ProcessGroups
-from gradsync_torch._mappings import (
+from gradsync_torch._specs import named_parameters, param_specs
+from gradsync_torch.model_parallel.groups import Group, ProcessGroups
+from gradsync_torch.model_parallel.mappings import (
     all_gather_from,
     copy_to,
     reduce_from,
     reduce_scatter_to,
     scatter_to,
 )
-from gradsync_torch._specs import named_parameters, param_specs
 
 
 class _ShardedLinear(nn.Module):

@@ -1,4 +1,4 @@
-"""Named process groups from a ``Topology`` and the shared-parameter sums over them (docs/design.md §5, §6).
+"""Process groups named by a ``Topology``; shared-parameter gradient sums (docs/design.md §5, §6).
 
 ``dist.new_group`` is collective over the whole world: every rank must call it for every
 group, members or not, in the same order, or ranks pair up the wrong groups and hang. So
