@@ -2,9 +2,12 @@
 
 A hook receives one bucket (a flat tensor holding the bucket's gradients, see ``GradBucket``)
 and returns a future whose value is the reduced flat tensor; ``DataParallel`` copies that value
-back into the bucket if the hook returned a different tensor. As in DDP, a hook owns the whole
-reduction, division by the group size included. torch's own hooks
-(``torch.distributed.algorithms.ddp_comm_hooks.default_hooks``) accept these buckets too.
+back into the bucket (cast to the gradients' dtype) if the hook returned a different tensor.
+As in DDP, a hook owns the whole reduction, division by the group size included. torch's own
+hooks (``torch.distributed.algorithms.ddp_comm_hooks``: the default, quantization and PowerSGD
+hooks) accept these buckets too, and so do its wrappers (``fp16_compress_wrapper``,
+``bf16_compress_wrapper``), which swap the bucket's buffer for a cast copy before the inner hook
+runs.
 """
 
 from __future__ import annotations
@@ -21,15 +24,27 @@ CommHook: TypeAlias = Callable[[Any, "GradBucket"], torch.futures.Future[torch.T
 class GradBucket:
     """What a comm hook sees of one bucket (the methods of ``torch.distributed.GradBucket``).
 
+    DDP's contract, which wrappers such as torch's ``fp16_compress_wrapper`` rely on:
+    ``set_buffer`` replaces the flat tensor, and from then on ``buffer()`` returns the new
+    tensor and ``gradients()`` returns views *of the new tensor* at the same offsets and shapes
+    (DDP's C++ ``GradBucket`` slices its current buffer on every call). A wrapper can thus cast
+    the bucket to a wire dtype and hand it to an inner hook that reads ``gradients()``.
+
     Args:
         index: the bucket's position in the plan (bucket 0 is reduced first).
         buffer: the flat gradient tensor of the bucket (reduce it in place or return another).
         gradients: one view of ``buffer`` per parameter, shaped like the parameter.
         parameters: the parameters whose gradients the bucket holds, in slot order.
         is_last: whether this is the last bucket reduced in this step.
+
+    Example:
+        >>> bucket = GradBucket(0, flat, views, params, True)  # doctest: +SKIP
+        >>> bucket.set_buffer(bucket.buffer().half())
+        >>> bucket.gradients()[0].dtype
+        torch.float16
     """
 
-    __slots__ = ("_buffer", "_gradients", "_index", "_is_last", "_parameters")
+    __slots__ = ("_buffer", "_gradients", "_index", "_is_last", "_original", "_parameters")
 
     def __init__(
         self,
@@ -41,6 +56,8 @@ class GradBucket:
     ) -> None:
         self._index = index
         self._buffer = buffer
+        # The buffer the views were cut from: where their offsets are measured from.
+        self._original = buffer
         self._gradients = list(gradients)
         self._parameters = list(parameters)
         self._is_last = is_last
@@ -52,7 +69,30 @@ class GradBucket:
         return self._buffer
 
     def gradients(self) -> list[torch.Tensor]:
-        return list(self._gradients)
+        """One tensor per parameter, shaped like it: views of the current ``buffer()``.
+
+        Raises:
+            ValueError: if ``set_buffer`` installed a tensor that is not flat or is shorter
+                than the bucket (its slots would fall outside it).
+        """
+        if self._buffer is self._original:
+            return list(self._gradients)
+        # Only after set_buffer: cut the same slots out of the replacement, as DDP does. The
+        # offsets are derived here, not at construction, so a bucket whose buffer is never
+        # replaced (every hook but a wrapper) pays nothing per parameter.
+        buffer = self._buffer
+        if buffer.dim() != 1 or buffer.numel() < self._original.numel():
+            raise ValueError(
+                f"gradients() needs the bucket's buffer to be flat with at least "
+                f"{self._original.numel()} elements, but set_buffer installed shape "
+                f"{tuple(buffer.shape)}; cast or copy buffer() instead, e.g. "
+                "bucket.set_buffer(bucket.buffer().to(torch.float16))"
+            )
+        start = self._original.storage_offset()
+        return [
+            buffer.narrow(0, view.storage_offset() - start, view.numel()).view(view.shape)
+            for view in self._gradients
+        ]
 
     def parameters(self) -> list[torch.Tensor]:
         return list(self._parameters)
@@ -61,6 +101,7 @@ class GradBucket:
         return self._is_last
 
     def set_buffer(self, tensor: torch.Tensor) -> None:
+        """Replace the flat tensor; ``buffer()`` and ``gradients()`` then read ``tensor``."""
         self._buffer = tensor
 
 
