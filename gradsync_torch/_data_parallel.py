@@ -32,7 +32,7 @@ from gradsync_torch._verify import (
     state_entries,
     verify_same_everywhere,
 )
-from gradsync_torch._zero_grads import GradientSharder, pad_for_sharding
+from gradsync_torch.data_parallel.grad_sharding import GradientSharder, pad_for_sharding
 from gradsync_torch.model_parallel.groups import (
     ProcessGroups,
     check_reduction_plan,
@@ -200,6 +200,11 @@ class DataParallel(nn.Module):
                 self._hook_handles.append(p.register_post_accumulate_grad_hook(hook))
 
     # ---- public API -------------------------------------------------------------------
+
+    @property
+    def gradient_sharder(self) -> GradientSharder | None:
+        """The ZeRO-2 ``GradientSharder`` (``shard_gradients=True``), else ``None``."""
+        return self._reducer if isinstance(self._reducer, GradientSharder) else None
 
     @property
     def bucket_plan(self) -> gradsync_core.BucketPlan:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from gradsync_core import ParamSpec, plan_buckets
 from gradsync_torch import DataParallel, ZeroRedundancyOptimizer
-from gradsync_torch._zero_grads import pad_for_sharding
+from gradsync_torch.data_parallel.grad_sharding import pad_for_sharding
 from tests.torch.test_zero import Pair, batch, make_model, same
 
 

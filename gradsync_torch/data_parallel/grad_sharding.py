@@ -76,7 +76,23 @@ class GradientSharder(Reducer):
         self._launched: list[Bucket] = []
         self.used: dict[int, bool] = {}  # id(param) -> some rank had a gradient for it
         self.syncs = 0
+        self._consumer: weakref.ref | None = None
         _SHARDERS.add(self)
+
+    def claim(self, consumer: object) -> None:
+        """Record ``consumer`` (the ZeRO optimizer) as the one that steps these shards.
+
+        Raises:
+            ValueError: if another live consumer claimed this sharder already.
+        """
+        current = None if self._consumer is None else self._consumer()
+        if current is not None and current is not consumer:
+            raise ValueError(
+                f"this DataParallel(shard_gradients=True) already feeds a "
+                f"{type(current).__name__}; each rank's gradient shards can be stepped by one "
+                "optimizer only: build one ZeroRedundancyOptimizer per DataParallel"
+            )
+        self._consumer = weakref.ref(consumer)
 
     @property
     def data_parallel(self) -> nn.Module:

@@ -1,0 +1,1 @@
+"""Data parallelism: the ``DataParallel`` wrapper, its bucket reducer and ZeRO-2's sharder."""
