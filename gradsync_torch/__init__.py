@@ -6,9 +6,8 @@ from gradsync_torch._comm_hooks import (
     bf16_compress_hook,
     fp16_compress_hook,
 )
-from gradsync_torch._data_parallel import DataParallel
+from gradsync_torch.data_parallel import DataParallel
 from gradsync_torch._specs import dtype_name, param_specs
-from gradsync_torch._zero import ZeroRedundancyOptimizer
 from gradsync_torch.model_parallel.groups import (
     Group,
     ProcessGroups,
@@ -34,6 +33,7 @@ from gradsync_torch.model_parallel.mappings import (
     reduce_scatter_to,
     scatter_to,
 )
+from gradsync_torch.zero import ZeroRedundancyOptimizer
 
 __all__: list[str] = [
     "ColumnParallelLinear",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -23,8 +24,10 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 
 import gradsync_core
-from gradsync_torch import ZeroRedundancyOptimizer, _zero_flat, _zero_layout
+from gradsync_torch import ZeroRedundancyOptimizer
 from gradsync_torch._specs import param_specs
+from gradsync_torch.zero import flat as zero_flat
+from gradsync_torch.zero import layout as zero_layout
 from tests.torch.harness import run_workers
 
 BATCH = 24  # divisible by 1, 2, 3 and 4 ranks
@@ -164,12 +167,12 @@ def plain(cls: type, **kw: Any) -> Callable[[nn.Module], torch.optim.Optimizer]:
 @contextlib.contextmanager
 def alone_bytes(value: int) -> Iterator[None]:
     """Lower the size from which a parameter is broadcast alone, so small models test it."""
-    saved = _zero_layout.ALONE_BYTES
-    _zero_layout.ALONE_BYTES = _zero_flat.ALONE_BYTES = value
+    saved = zero_layout.ALONE_BYTES
+    zero_layout.ALONE_BYTES = zero_flat.ALONE_BYTES = value
     try:
         yield
     finally:
-        _zero_layout.ALONE_BYTES = _zero_flat.ALONE_BYTES = saved
+        zero_layout.ALONE_BYTES = zero_flat.ALONE_BYTES = saved
 
 
 OPTIMIZERS = [
@@ -191,7 +194,7 @@ def check_trajectories(world_size: int) -> dict[str, Any]:
                 "bucket_cap_mb": 0.002 if i == 0 else 25.0,
             }
             # AdamW: parameters of >= 256 bytes travel alone, in place (as 1 MiB ones do).
-            with alone_bytes(256 if i == 2 else _zero_layout.ALONE_BYTES):
+            with alone_bytes(256 if i == 2 else zero_layout.ALONE_BYTES):
                 pair = Pair(world_size, zero(cls, **kw, **extra), plain(cls, **kw))
             for _ in range(20):
                 pair.step()
@@ -356,29 +359,58 @@ def check_torch_partition(world_size: int) -> None:
     assert mine == {name_of[id(p)] for g in theirs.optim.param_groups for p in g["params"]}
 
 
-def worker(rank: int, world_size: int, directory: str) -> dict[str, Any]:
+def _checks(world_size: int, directory: str) -> list[tuple[str, Callable[[], Any]]]:
+    """The checks one worker of ``world_size`` ranks runs, by name, in order."""
     from tests.torch import test_zero_checkpoint as ckpt
-    from tests.torch import test_zero_data_parallel as with_dp
 
-    out: dict[str, Any] = {}
     if world_size == 3:  # only resharding: load what 4 ranks saved
-        ckpt.check_reshard(world_size, directory)
-        return out
-    out.update(check_trajectories(world_size))
+        return [("reshard", lambda: ckpt.check_reshard(world_size, directory))]
+    checks: list[tuple[str, Callable[[], Any]]] = [
+        ("trajectories", lambda: check_trajectories(world_size))
+    ]
     if world_size <= 2:
-        check_scheduler_closure_groups(world_size)
-        check_state_dict_interchange(world_size)
-    check_trainability(world_size)
-    out.update(check_memory(world_size))
-    check_torch_partition(world_size)
-    if world_size > 1:
-        with_dp.check_data_parallel(world_size, directory)
+        checks += [
+            ("scheduler_closure_groups", lambda: check_scheduler_closure_groups(world_size)),
+            ("state_dict_interchange", lambda: check_state_dict_interchange(world_size)),
+        ]
+    checks += [
+        ("trainability", lambda: check_trainability(world_size)),
+        ("memory", lambda: check_memory(world_size)),
+        ("torch_partition", lambda: check_torch_partition(world_size)),
+    ]
     if world_size == 2:
-        ckpt.check_reshard(world_size, directory)
-        ckpt.check_bad_checkpoints(world_size, directory)
+        checks += [
+            ("reshard", lambda: ckpt.check_reshard(world_size, directory)),
+            ("bad_checkpoints", lambda: ckpt.check_bad_checkpoints(world_size, directory)),
+        ]
     else:  # 1 and 4: save, restart, resume; 4 also writes what 2 and 3 load
-        ckpt.check_save_resume(world_size, directory)
+        checks.append(("save_resume", lambda: ckpt.check_save_resume(world_size, directory)))
+    return checks
+
+
+def worker(rank: int, world_size: int, directory: str) -> dict[str, Any]:
+    """Run every check and report each by name (``None``: passed, else the traceback), so
+    the first failure does not hide the rest."""
+    out: dict[str, Any] = {"checks": {}}
+    for name, check in _checks(world_size, directory):
+        try:
+            result = check()
+        except Exception:
+            out["checks"][name] = traceback.format_exc()
+        else:
+            out["checks"][name] = None
+            out.update(result or {})
     return out
+
+
+def failures(results: list[dict[str, Any]]) -> list[str]:
+    """``"rank R: check: error"`` for every check that failed on any rank."""
+    return [
+        f"rank {rank}: {name}: {error}"
+        for rank, result in enumerate(results)
+        for name, error in result["checks"].items()
+        if error is not None
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -389,16 +421,22 @@ def saved_at_4(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Any], str
 
 def test_world4_trajectories_partition_save_resume(saved_at_4: tuple[list[Any], str]) -> None:
     results, _ = saved_at_4
+    assert failures(results) == []
+    expected = {"trajectories", "trainability", "memory", "torch_partition", "save_resume"}
+    assert all(set(r["checks"]) == expected for r in results)
     assert [r["runs"] for r in results] == [6] * 4
 
 
 @pytest.mark.parametrize("world_size", [2, 3], ids=lambda w: f"world{w}")
 def test_resharded_resume_and_more(world_size: int, saved_at_4: tuple[list[Any], str]) -> None:
-    run_workers(worker, world_size, saved_at_4[1], timeout=400)
+    results = run_workers(worker, world_size, saved_at_4[1], timeout=400)
+    assert failures(results) == []
 
 
 def test_world1(tmp_path: Any) -> None:
-    assert run_workers(worker, 1, str(tmp_path))[0]["runs"] == 6
+    results = run_workers(worker, 1, str(tmp_path))
+    assert failures(results) == []
+    assert results[0]["runs"] == 6
 
 
 def test_zero2_rejects_non_elementwise_optimizers() -> None:

@@ -19,10 +19,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gradsync_core._checkpoint import MANIFEST, rank_file
+from gradsync_core import MANIFEST, rank_file
 from gradsync_torch import ZeroRedundancyOptimizer
-from gradsync_torch._zero_layout import Piece
-from gradsync_torch._zero_state import assemble, slice_state
+from gradsync_torch.zero.broadcast import Piece
+from gradsync_torch.zero.state import StatePiece, assemble, slice_state
 from tests.torch.test_zero import Pair, make_model, plain, zero
 
 ADAM = {"lr": 1e-2}
@@ -228,14 +228,16 @@ def test_assemble_joins_flat_slices_and_keeps_whole_state() -> None:
     exp_avg = torch.arange(6.0).view(2, 3)
     step = torch.tensor(4.0)
     pieces = [
-        (1, 4, 6, False, {"exp_avg": exp_avg.view(-1)[4:6], "step": step}),
-        (1, 0, 4, False, {"exp_avg": exp_avg.view(-1)[0:4], "step": step}),
-        (0, 0, 3, True, {"exp_avg": torch.ones(3), "step": step}),
+        StatePiece(1, 4, 6, False, {"exp_avg": exp_avg.view(-1)[4:6], "step": step}),
+        StatePiece(1, 0, 4, False, {"exp_avg": exp_avg.view(-1)[0:4], "step": step}),
+        StatePiece(0, 0, 3, True, {"exp_avg": torch.ones(3), "step": step}),
     ]
     full = assemble(pieces, [(3,), (2, 3)])
     assert torch.equal(full[1]["exp_avg"], exp_avg) and full[1]["step"] is step
     assert torch.equal(full[0]["exp_avg"], torch.ones(3))
-    with pytest.raises(ValueError, match=r"cover elements up to 4 of 6: a rank file is missing"):
+    with pytest.raises(
+        ValueError, match=r"cover elements up to 4 of 6 without a gap or overlap: .* do not tile"
+    ):
         assemble(pieces[1:2], [(3,), (2, 3)])
 
 

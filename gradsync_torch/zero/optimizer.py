@@ -8,7 +8,6 @@ size (docs/design.md §9; torch's cannot, pytorch issue 65650).
 
 from __future__ import annotations
 
-import itertools
 import os
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -18,33 +17,30 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
-from gradsync_core import ParamSpec, ShardPlan, plan_greedy_shards
-from gradsync_torch import _zero_checkpoint, _zero_state
-from gradsync_torch._specs import dtype_name
-from gradsync_torch._zero_flat import FlatLayout, check_elementwise, make_layout, plan_flat
-from gradsync_torch._zero_grads import find_sharder
-from gradsync_torch._zero_layout import (
-    Broadcaster,
-    GreedyLayout,
-    Piece,
+from gradsync_core import ParamSpec, ShardPlan
+from gradsync_torch._data_parallel import DataParallel
+from gradsync_torch.zero import checkpoint
+from gradsync_torch.zero.broadcast import Broadcaster, Piece
+from gradsync_torch.zero.flat import FlatLayout, check_options, claim_sharder
+from gradsync_torch.zero.layout import Layout, make_layout
+from gradsync_torch.zero.plans import (
     check_same_plan,
+    param_specs_of,
+    parameter_names,
+    plan_over_buckets,
+    plan_shards,
+)
+from gradsync_torch.zero.state import (
+    RankGroup,
+    carry_state,
+    consolidate,
+    copy_hyper,
+    hyper_parameters,
+    local_pieces,
+    local_state_dict,
+    optimizer_name,
     state_nbytes,
 )
-
-_NOT_HYPER = ("params", "param_names")
-
-
-def optimizer_name(optimizer_class: type) -> str:
-    """``torch.optim.Adam`` for torch's optimizers (their public path), else module.qualname."""
-    if getattr(torch.optim, optimizer_class.__name__, None) is optimizer_class:
-        return f"torch.optim.{optimizer_class.__name__}"
-    return f"{optimizer_class.__module__}.{optimizer_class.__qualname__}"
-
-
-def _copy_hyper(src: list[dict[str, Any]], dst: list[dict[str, Any]]) -> None:
-    """Copy hyper-parameters (lr set by a scheduler, betas, ...) between param groups."""
-    for s, d in zip(src, dst, strict=True):
-        d.update({k: v for k, v in s.items() if k not in _NOT_HYPER})
 
 
 class ZeroRedundancyOptimizer(Optimizer):
@@ -60,10 +56,11 @@ class ZeroRedundancyOptimizer(Optimizer):
 
     Gradients must be averaged over the ranks before ``step`` (``DataParallel``, DDP, or an
     all-reduce). With ``shard_gradients=True`` (ZeRO-2; elementwise optimizers only) each rank
-    keeps only its flat shard of every bucket (``plan_flat_shards``): under
-    ``DataParallel(model, shard_gradients=True)`` the wrapper reduce-scatters the buckets
-    during backward and this optimizer steps the shards; on its own, leave the gradients
-    local and ``step`` (or ``reduce_scatter_gradients()``) reduce-scatters them.
+    keeps only its flat shard of every bucket (``plan_flat_shards``): given
+    ``data_parallel=model`` for a ``DataParallel(net, shard_gradients=True)``, the wrapper
+    reduce-scatters the buckets during backward and this optimizer steps the shards; on its
+    own, leave the gradients local and ``step`` (or ``reduce_scatter_gradients()``)
+    reduce-scatters them.
 
     Args:
         params: parameters, ``model.named_parameters()`` (names make checkpoints
@@ -73,16 +70,21 @@ class ZeroRedundancyOptimizer(Optimizer):
         parameters_as_bucket_view: store parameters as views of flat buckets, so the sync
             broadcasts them in place without copies (``param.data`` is replaced).
         shard_gradients: ZeRO-2; elementwise optimizers only (SGD, Adam, AdamW, ...).
+        data_parallel: with ``shard_gradients=True``, the ``DataParallel(...,
+            shard_gradients=True)`` whose gradient shards this optimizer steps (it claims
+            them: one optimizer per wrapper).
         bucket_cap_mb: bucket size in MiB for the parameter sync and gradient buckets.
         **defaults: hyper-parameters for ``optimizer_class`` (``lr=1e-3``, ...).
 
     Raises:
-        ValueError: if ``shard_gradients`` is set for a non-elementwise optimizer, or the
-            ranks were given different parameters.
+        ValueError: if ``shard_gradients`` is set for a non-elementwise optimizer, the
+            ranks were given different parameters, or ``data_parallel`` is given without
+            ``shard_gradients=True`` or was built without it.
 
     Example:
-        >>> model = DataParallel(net)  # or torch DDP; DataParallel(net, shard_gradients=True)
-        >>> opt = ZeroRedundancyOptimizer(net.named_parameters(), torch.optim.AdamW, lr=1e-3)
+        >>> model = DataParallel(net, shard_gradients=True)  # or DataParallel(net), DDP: ZeRO-1
+        >>> opt = ZeroRedundancyOptimizer(net.named_parameters(), torch.optim.AdamW,
+        ...     shard_gradients=True, data_parallel=model, lr=1e-3)
         >>> model(x).sum().backward(); opt.step(); opt.zero_grad()
         >>> opt.save("ckpt/opt")  # opt.load("ckpt/opt") at any world size
     """
@@ -95,33 +97,17 @@ class ZeroRedundancyOptimizer(Optimizer):
         process_group: Any | None = None,
         parameters_as_bucket_view: bool = False,
         shard_gradients: bool = False,
+        data_parallel: DataParallel | None = None,
         bucket_cap_mb: float = 25.0,
         **defaults: Any,
     ) -> None:
-        if defaults.pop("overlap_with_ddp", False):
-            raise ValueError(
-                "overlap_with_ddp is not supported; pass shard_gradients=True to overlap "
-                "gradient communication with the sharded step instead"
-            )
-        if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, Optimizer)):
-            raise TypeError(
-                f"optimizer_class must be a torch.optim.Optimizer subclass such as "
-                f"torch.optim.Adam, got {optimizer_class!r}"
-            )
-        if shard_gradients:
-            check_elementwise(optimizer_class)
-        if not dist.is_initialized():
-            raise RuntimeError(
-                "ZeroRedundancyOptimizer needs torch.distributed; call "
-                "torch.distributed.init_process_group() first (world_size=1 works too)"
-            )
-        if bucket_cap_mb <= 0:
-            raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb!r}")
+        check_options(optimizer_class, shard_gradients, data_parallel, bucket_cap_mb, defaults)
         self._initialized = False
         self.optimizer_class = optimizer_class
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
+        self._ranks = RankGroup(process_group, self.rank, self.world_size)
         self.parameters_as_bucket_view = parameters_as_bucket_view
         self.shard_gradients = shard_gradients
         self._cap_bytes = max(1, int(bucket_cap_mb * 1024 * 1024))
@@ -132,19 +118,9 @@ class ZeroRedundancyOptimizer(Optimizer):
         self._segment_starts = [0]
         self._planned: set[int] = set()
         self._consolidated: dict[int, dict[str, Any]] | None = None
-        self._gradsync_steps = 0
-        self._sharder = find_sharder(self._params())
-        if self._sharder is not None and not shard_gradients:
-            raise ValueError(
-                "these parameters are wrapped by DataParallel(shard_gradients=True), which "
-                "keeps only each rank's gradient shard; build the optimizer with "
-                "shard_gradients=True"
-            )
-        if self._sharder is not None and self._sharder.world_size != self.world_size:
-            raise ValueError(
-                f"DataParallel shards gradients over {self._sharder.world_size} ranks, this "
-                f"optimizer's process group has {self.world_size}; pass the same group"
-            )
+        self._steps = 0
+        self._data_parallel = data_parallel
+        self._sharder = claim_sharder(data_parallel, self, self.world_size)
         self.optim: Optimizer
         self._rebuild()
         self._initialized = True
@@ -164,22 +140,7 @@ class ZeroRedundancyOptimizer(Optimizer):
         Raises:
             ValueError: if neither is available, or ``model`` lacks a parameter.
         """
-        if all("param_names" in g for g in self.param_groups):
-            return [n for group in self.param_groups for n in group["param_names"]]
-        if model is None:
-            raise ValueError(
-                "this optimizer has no parameter names: build it from "
-                "model.named_parameters() or pass model=<the module> to save/load"
-            )
-        by_id = {id(p): name for name, p in model.named_parameters()}
-        names = [by_id.get(id(p)) for p in self._params()]
-        if None in names:
-            i = names.index(None)
-            raise ValueError(
-                f"parameter #{i} ({tuple(self._params()[i].shape)}) is not a parameter of the "
-                "given model; pass the model this optimizer trains"
-            )
-        return names  # type: ignore[return-value]
+        return parameter_names(self.param_groups, model)
 
     def _specs(self, names: list[str] | None = None) -> list[ParamSpec]:
         if names is None:
@@ -187,37 +148,29 @@ class ZeroRedundancyOptimizer(Optimizer):
                 names = self.param_names()
             except ValueError:
                 names = [f"param[{i}]" for i in range(len(self._params()))]
-        return [
-            ParamSpec(
-                name=name,
-                shape=tuple(p.shape),
-                dtype=dtype_name(p.dtype),
-                # Once planned, a parameter keeps its owner (and state) when frozen again.
-                requires_grad=p.requires_grad or i in self._planned,
-                device=p.device.type,
-            )
-            for i, (name, p) in enumerate(zip(names, self._params(), strict=True))
-        ]
+        return param_specs_of(names, self._params(), self._planned)
 
     def plan(self, names: list[str] | None = None) -> ShardPlan:
         """The shard plan in force (greedy for ZeRO-1, flat for ZeRO-2), optionally with
         the parameters named by ``names``."""
-        specs = self._specs(names)
-        groups = self._group_of()
-        if self._sharder is not None:  # DataParallel's buckets, in our names
-            return self._sharder.plan_for(self._params(), specs, groups)
-        per_group: list[list[ParamSpec]] = [[] for _ in self.param_groups]
-        for spec, g in zip(specs, groups, strict=True):
-            per_group[g].append(spec)
-        if not self.shard_gradients:
-            return plan_greedy_shards(per_group, world_size=self.world_size)
-        bounds = [*self._segment_starts, len(self.param_groups)]
-        segments = [
-            [s for g in range(a, b) for s in per_group[g]] for a, b in itertools.pairwise(bounds)
-        ]
-        group_of_name = {s.name: g for s, g in zip(specs, groups, strict=True)}
-        return plan_flat(
-            segments, group_of_name, world_size=self.world_size, cap_bytes=self._cap_bytes
+        specs, groups = self._specs(names), self._group_of()
+        if self._sharder is not None and self._data_parallel is not None:
+            return plan_over_buckets(  # DataParallel's buckets, in our names
+                self._data_parallel.bucket_plan,
+                self._sharder.params_by_name(),
+                self._params(),
+                specs,
+                groups,
+                world_size=self.world_size,
+            )
+        return plan_shards(
+            specs,
+            groups,
+            group_count=len(self.param_groups),
+            segment_starts=self._segment_starts,
+            world_size=self.world_size,
+            flat=self.shard_gradients,
+            cap_bytes=self._cap_bytes,
         )
 
     # -- the local optimizer --------------------------------------------------------------
@@ -231,12 +184,11 @@ class ZeroRedundancyOptimizer(Optimizer):
     def _rebuild(self) -> None:
         """(Re)plan ownership, build the layout and a local optimizer over this rank's
         pieces, and carry every piece's state over (to its new owner if it moved)."""
-        old_plan, old_state = None, []
-        if hasattr(self, "layout"):
-            old_plan, old_state = self.layout.plan, _zero_state.local_pieces(self)
+        old_layout = getattr(self, "layout", None)
+        old_state = [] if old_layout is None else local_pieces(old_layout.pieces, self.optim.state)
         specs, plan = self._specs(), self.plan()
         check_same_plan(plan, specs, self.process_group, self.world_size)
-        self.layout: GreedyLayout | FlatLayout = make_layout(
+        self.layout: Layout = make_layout(
             self._params(),
             self._group_of(),
             specs,
@@ -248,16 +200,21 @@ class ZeroRedundancyOptimizer(Optimizer):
             bucket_view=self.parameters_as_bucket_view,
         )
         self._planned = {i for i, s in enumerate(specs) if s.requires_grad}
-        local_groups = [
-            {**{k: v for k, v in group.items() if k not in _NOT_HYPER}, "params": []}
-            for group in self.param_groups
-        ]
+        local_groups = [{**hyper_parameters(group), "params": []} for group in self.param_groups]
         for piece in self._local_pieces():
             local_groups[piece.group]["params"].append(piece.tensor)
         self.optim = self.optimizer_class(local_groups, **self._local_defaults)
-        _copy_hyper(self.optim.param_groups, self.param_groups)
-        if old_plan is not None:
-            _zero_state.carry_state(self, old_plan, old_state)
+        copy_hyper(self.optim.param_groups, self.param_groups)
+        if old_layout is not None:
+            carried = carry_state(
+                old_layout.plan, old_state, plan, self.layout.pieces, self._shapes(), self._ranks
+            )
+            for piece, state in zip(self.layout.pieces, carried, strict=True):
+                if state is not None:
+                    self.optim.state[piece.tensor] = state
+
+    def _shapes(self) -> list[tuple[int, ...]]:
+        return [tuple(p.shape) for p in self._params()]
 
     # -- torch.optim.Optimizer API ----------------------------------------------------------
 
@@ -318,24 +275,25 @@ class ZeroRedundancyOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()  # its gradients must be reduce-scattered before the step
             closure = None
-        _copy_hyper(self.param_groups, self.optim.param_groups)
+        copy_hyper(self.param_groups, self.optim.param_groups)
         with torch.no_grad():
             self.layout.before_step()
         if closure is not None:
             loss = self.optim.step(closure=closure, **kwargs)
         else:
             self.optim.step(**kwargs)
-        _copy_hyper(self.optim.param_groups, self.param_groups)
+        copy_hyper(self.optim.param_groups, self.param_groups)
         with torch.no_grad():
             self.layout.sync_params()
-        self._gradsync_steps += 1
+        self._steps += 1
         return loss
 
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather the full optimizer state on group rank ``to`` (a collective), for
         ``state_dict()`` there."""
-        _copy_hyper(self.param_groups, self.optim.param_groups)
-        self._consolidated = _zero_state.consolidate(self, to)
+        copy_hyper(self.param_groups, self.optim.param_groups)
+        mine = local_pieces(self.layout.pieces, self.optim.state)
+        self._consolidated = consolidate(mine, self._shapes(), self._ranks, to)
 
     def state_dict(self) -> dict[str, Any]:
         """The full state in torch's format (global parameter indices), loadable by a plain
@@ -369,26 +327,61 @@ class ZeroRedundancyOptimizer(Optimizer):
                 f"{[len(g['params']) for g in self.param_groups]}; load the state of the same "
                 "parameters"
             )
-        shapes = [tuple(p.shape) for p in self._params()]
         full = {int(k): v for k, v in state_dict["state"].items()}
-        _zero_state.load_full_state(self, full, shapes, groups)
+        self._load_full_state(full, groups)
+
+    def _load_full_state(
+        self, full: dict[int, dict[str, Any]], groups: list[dict[str, Any]]
+    ) -> None:
+        """Take this rank's slices of ``full`` (model-space state by global index) and the
+        hyper-parameters of ``groups``, through the local optimizer's ``load_state_dict``."""
+        local = local_state_dict(self._local_pieces(), full, self._shapes(), groups)
+        copy_hyper(groups, self.param_groups)
+        self.optim.load_state_dict(local)
 
     # -- checkpoints and accounting -----------------------------------------------------------
 
     def save(self, path: str | os.PathLike[str], *, model: nn.Module | None = None) -> None:
         """Write a resharding checkpoint to directory ``path`` (a collective; every rank
-        must see the same filesystem). See ``gradsync_torch._zero_checkpoint.save``."""
-        _zero_checkpoint.save(self, path, model=model)
+        must see the same filesystem); the format is in docs/design.md §9.
+
+        Raises:
+            ValueError: if parameter names are unknown (see ``param_names``), or on any
+                rank's failure, naming the rank.
+        """
+        names = self.param_names(model)
+        snapshot = checkpoint.Snapshot(
+            optimizer=optimizer_name(self.optimizer_class),
+            step=self._steps,
+            shard_gradients=self.shard_gradients,
+            names=names,
+            specs=self._specs(names),
+            plan=self.plan(names),
+            param_groups=self.param_groups,
+            pieces=local_pieces(self.layout.pieces, self.optim.state),
+        )
+        checkpoint.save(path, snapshot, self._ranks)
 
     def load(self, path: str | os.PathLike[str], *, model: nn.Module | None = None) -> None:
         """Load a checkpoint written at any world size (a collective); on any error every
         rank raises ``ValueError`` and the optimizer is untouched."""
-        _zero_checkpoint.load(self, path, model=model)
+        names = self.param_names(model)
+        target = checkpoint.LoadTarget(
+            optimizer=optimizer_name(self.optimizer_class),
+            names=names,
+            specs=self._specs(names),
+            param_groups=self.param_groups,
+            shapes=self._shapes(),
+            needed={piece.index for piece in self.layout.pieces},
+        )
+        loaded = checkpoint.load(path, target, self._ranks)
+        self._load_full_state(loaded.state, loaded.param_groups)
+        self._steps = loaded.step
 
     @property
     def steps(self) -> int:
         """Optimizer steps taken (restored by ``load``)."""
-        return self._gradsync_steps
+        return self._steps
 
     def state_nbytes(self) -> int:
         """Bytes of optimizer state this rank holds."""

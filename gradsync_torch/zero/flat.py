@@ -8,26 +8,19 @@ only elementwise optimizers give the unsharded result.
 
 from __future__ import annotations
 
-import dataclasses
 from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.optim import Optimizer
 
-from gradsync_core import Bucket, BucketPlan, ParamSpec, ShardPlan, plan_buckets
-from gradsync_core import plan_flat_shards as _plan_flat_shards
+from gradsync_core import Bucket, ShardPlan
 from gradsync_torch._collectives import finish_reduce_scatter, reduce_scatter
-from gradsync_torch._zero_grads import GradientSharder
-from gradsync_torch._zero_layout import (
-    ALONE_BYTES,
-    Broadcaster,
-    GreedyLayout,
-    Job,
-    Piece,
-    Transfer,
-)
+from gradsync_torch._data_parallel import DataParallel
+from gradsync_torch.data_parallel.grad_sharding import GradientSharder
+from gradsync_torch.zero.broadcast import ALONE_BYTES, Broadcaster, Job, Piece, Transfer
 
 # Optimizers whose update of one element reads only that element's gradient and state
 # (plus per-tensor scalars such as the step count), so stepping a slice equals stepping the
@@ -62,45 +55,69 @@ def check_elementwise(optimizer_class: type) -> None:
         )
 
 
-def concat_bucket_plans(plans: Sequence[BucketPlan]) -> BucketPlan:
-    """One plan holding the buckets of ``plans`` in order (re-indexed): parameters added
-    with ``add_param_group`` get buckets of their own and leave the earlier ones alone."""
-    buckets: list[Bucket] = []
-    for plan in plans:
-        for bucket in plan.buckets:
-            index = len(buckets)
-            slots = tuple(dataclasses.replace(s, bucket=index) for s in bucket.slots)
-            buckets.append(dataclasses.replace(bucket, index=index, slots=slots))
-    first = plans[0]
-    return BucketPlan(
-        buckets=tuple(buckets),
-        cap_bytes=first.cap_bytes,
-        first_cap_bytes=first.first_cap_bytes,
-        align=first.align,
-        pad_to=first.pad_to,
-        order=first.order,
-    )
+def check_options(
+    optimizer_class: type,
+    shard_gradients: bool,
+    data_parallel: DataParallel | None,
+    bucket_cap_mb: float,
+    defaults: dict[str, Any],
+) -> None:
+    """Refuse ``ZeroRedundancyOptimizer`` options that cannot work, naming the fix (removes
+    torch's ``overlap_with_ddp`` from ``defaults``, after refusing it when set).
+
+    Raises:
+        TypeError: if ``optimizer_class`` is not a torch optimizer class.
+        ValueError: for a non-elementwise optimizer with ZeRO-2, ``data_parallel`` without
+            ZeRO-2, a non-positive bucket cap or ``overlap_with_ddp``.
+        RuntimeError: if torch.distributed is not initialized.
+    """
+    if defaults.pop("overlap_with_ddp", False):
+        raise ValueError(
+            "overlap_with_ddp is not supported; pass shard_gradients=True to overlap "
+            "gradient communication with the sharded step instead"
+        )
+    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, Optimizer)):
+        raise TypeError(
+            f"optimizer_class must be a torch.optim.Optimizer subclass such as "
+            f"torch.optim.Adam, got {optimizer_class!r}"
+        )
+    if shard_gradients:
+        check_elementwise(optimizer_class)
+    elif data_parallel is not None:
+        raise ValueError(
+            "data_parallel= hands this optimizer DataParallel's gradient shards (ZeRO-2); "
+            "pass shard_gradients=True with it, or leave data_parallel out for ZeRO-1"
+        )
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "ZeroRedundancyOptimizer needs torch.distributed; call "
+            "torch.distributed.init_process_group() first (world_size=1 works too)"
+        )
+    if bucket_cap_mb <= 0:
+        raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb!r}")
 
 
-def plan_flat(
-    segments: Sequence[Sequence[ParamSpec]],
-    groups: dict[str, int],
-    *,
-    world_size: int,
-    cap_bytes: int,
-) -> ShardPlan:
-    """The ZeRO-2 plan: each segment (the constructor's groups, then each added group)
-    bucketed with ``pad_to=world_size`` and cut by ``plan_flat_shards``."""
-    plans = [
-        plan_buckets(seg, cap_bytes=cap_bytes, pad_to=world_size)
-        for seg in segments
-        if any(s.requires_grad for s in seg)
-    ]
-    if not plans:
-        return ShardPlan(kind="flat", world_size=world_size, shards=())
-    plan = _plan_flat_shards(concat_bucket_plans(plans), world_size=world_size)
-    shards = tuple(dataclasses.replace(s, group=groups[s.name]) for s in plan.shards)
-    return dataclasses.replace(plan, shards=shards)
+def claim_sharder(
+    data_parallel: DataParallel | None, consumer: object, world_size: int
+) -> GradientSharder | None:
+    """The gradient sharder of ``data_parallel``, checked and claimed by ``consumer`` (the
+    optimizer that steps its shards), if ``data_parallel`` is given."""
+    if data_parallel is None:
+        return None
+    sharder = data_parallel.gradient_sharder
+    if sharder is None:
+        raise ValueError(
+            "data_parallel= was built without shard_gradients=True, so it all-reduces "
+            "whole gradients; wrap the model as DataParallel(net, shard_gradients=True), "
+            "or leave data_parallel out and this optimizer reduce-scatters in step()"
+        )
+    if sharder.world_size != world_size:
+        raise ValueError(
+            f"DataParallel shards gradients over {sharder.world_size} ranks, this "
+            f"optimizer's process group has {world_size}; pass the same group"
+        )
+    sharder.claim(consumer)
+    return sharder
 
 
 class FlatLayout:
@@ -118,8 +135,6 @@ class FlatLayout:
         slot_index: the optimizer's global index of the slots it steps (a DataParallel may
             reduce parameters this optimizer does not own).
     """
-
-    kind = "flat"
 
     def __init__(
         self,
@@ -331,59 +346,3 @@ def _flat_view(param: torch.Tensor) -> torch.Tensor:
             "the optimizer"
         )
     return param.detach().view(-1)
-
-
-def rename_plan(plan: ShardPlan, names: dict[str, str], groups: dict[str, int]) -> ShardPlan:
-    """``plan`` with parameters renamed by ``names`` and shard groups set by ``groups``
-    (parameters missing from them keep theirs): DataParallel's names are the module's,
-    a checkpoint's are the optimizer's."""
-    buckets = plan.buckets
-    if buckets is not None:
-        renamed = tuple(
-            dataclasses.replace(
-                b,
-                slots=tuple(
-                    dataclasses.replace(s, name=names.get(s.name, s.name)) for s in b.slots
-                ),
-            )
-            for b in buckets.buckets
-        )
-        buckets = dataclasses.replace(buckets, buckets=renamed)
-    shards = tuple(
-        dataclasses.replace(s, name=names.get(s.name, s.name), group=groups.get(s.name, s.group))
-        for s in plan.shards
-    )
-    return dataclasses.replace(plan, shards=shards, buckets=buckets)
-
-
-def make_layout(
-    params: Sequence[torch.Tensor],
-    groups: Sequence[int],
-    specs: Sequence[ParamSpec],
-    plan: ShardPlan,
-    broadcaster: Broadcaster,
-    *,
-    flat: bool,
-    sharder: GradientSharder | None,
-    cap_bytes: int,
-    bucket_view: bool,
-) -> GreedyLayout | FlatLayout:
-    """The layout for ``plan``: greedy (ZeRO-1), flat on its own, or flat over the buckets
-    of a sharding DataParallel (whose slots carry the module's names: mapped to ours)."""
-    if not flat:
-        return GreedyLayout(
-            params, groups, specs, plan, broadcaster, cap_bytes=cap_bytes, bucket_view=bucket_view
-        )
-    slot_params = {s.name: p for s, p in zip(specs, params, strict=True)}
-    if sharder is not None:
-        ours = {id(p): s.name for s, p in zip(specs, params, strict=True)}
-        slot_params = {ours.get(id(p), n): p for n, p in sharder.params_by_name().items()}
-    return FlatLayout(
-        slot_params,
-        {s.name: i for i, s in enumerate(specs)},
-        groups,
-        plan,
-        broadcaster,
-        bucket_view=bucket_view,
-        sharder=sharder,
-    )

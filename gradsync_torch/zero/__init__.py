@@ -1,0 +1,11 @@
+"""ZeRO for torch: optimizer state (ZeRO-1) and gradients (ZeRO-2) sharded over data-parallel
+ranks, with checkpoints that load at any world size (docs/design.md §9).
+
+``optimizer`` holds ``ZeroRedundancyOptimizer``; ``plans`` decides which rank owns what;
+``layout`` (ZeRO-1) and ``flat`` (ZeRO-2) say where state lives and how parameters travel,
+through ``broadcast``; ``state`` moves state between layouts; ``checkpoint`` saves and loads.
+"""
+
+from gradsync_torch.zero.optimizer import ZeroRedundancyOptimizer
+
+__all__: list[str] = ["ZeroRedundancyOptimizer"]

@@ -1,0 +1,367 @@
+"""Resharding checkpoints for ``ZeroRedundancyOptimizer`` (docs/design.md §9).
+
+The format is gradsync_core's: a directory with one safetensors file per rank holding
+``"<param name>/<state key>"`` tensors in model space and a ``manifest.json`` written last by
+rank 0 (plan, world size, step, state keys, sha256 per file). A ZeRO-1 (greedy) rank file
+holds whole, parameter-shaped state tensors; a ZeRO-2 (flat) rank file holds, under the same
+key, the 1-D slice ``[start, stop)`` of the flattened state named by that rank's shard in the
+manifest's plan (0-d state such as Adam's ``step`` is stored whole with every slice). Numbers
+that are not tensors go to the manifest's ``extra["scalars"]``; param-group hyper-parameters
+to ``extra["param_groups"]``.
+
+Loading at any world size re-plans: each rank assembles only the parameters it now owns
+from the files holding them. Every rank validates before any rank changes state, and the
+ranks agree on the outcome, so a failed load leaves every optimizer untouched. The functions
+here take what they need and return values; the optimizer applies a ``Loaded`` itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import os
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import safetensors.torch
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+
+from gradsync_core import (
+    MANIFEST,
+    RANK_FILE_RE,
+    Manifest,
+    ParamSpec,
+    Shard,
+    ShardPlan,
+    check_compatible,
+    rank_file,
+    read_manifest,
+    tensor_key,
+    verify_file_hashes,
+    write_atomic,
+    write_manifest,
+)
+from gradsync_torch._collectives import global_rank
+from gradsync_torch.zero.state import NOT_HYPER, RankGroup, StatePiece, assemble
+
+
+class Snapshot(NamedTuple):
+    """What ``save`` writes: one rank's view of the optimizer."""
+
+    optimizer: str  # e.g. "torch.optim.Adam"
+    step: int
+    shard_gradients: bool
+    names: list[str]  # one per parameter, global index order
+    specs: list[ParamSpec]
+    plan: ShardPlan
+    param_groups: list[dict[str, Any]]
+    pieces: list[StatePiece]  # this rank's state
+
+
+class LoadTarget(NamedTuple):
+    """The optimizer a checkpoint is loaded into, as ``load`` needs to check and slice."""
+
+    optimizer: str
+    names: list[str]
+    specs: list[ParamSpec]
+    param_groups: list[dict[str, Any]]
+    shapes: list[tuple[int, ...]]
+    needed: set[int]  # global indices of the parameters this rank's layout steps
+
+
+class Loaded(NamedTuple):
+    """What a checkpoint gives the optimizer: its step, this rank's state, its groups."""
+
+    step: int
+    state: dict[int, dict[str, Any]]  # model-space state by global index
+    param_groups: list[dict[str, Any]]  # saved hyper-parameters with the current params
+
+
+class _RankFile(NamedTuple):
+    """One rank's written file, as rank 0 gathers it for the manifest."""
+
+    name: str
+    sha256: str | None
+    state_keys: dict[str, list[str]]
+    scalars: dict[str, Any]
+    error: str | None
+
+
+def _to_json(value: Any, what: str) -> Any:
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    if isinstance(value, tuple | list):
+        return [_to_json(v, what) for v in value]
+    if torch.is_tensor(value) and value.numel() == 1:
+        return value.item()
+    raise ValueError(f"cannot save {what} = {value!r}: not a number, string or tuple of them")
+
+
+def _from_json(value: Any, current: Any) -> Any:
+    """A saved hyper-parameter in the type the optimizer holds now (tuples, 0-d tensors)."""
+    if isinstance(current, tuple) and isinstance(value, list):
+        return tuple(_from_json(v, c) for v, c in zip(value, current, strict=False))
+    if torch.is_tensor(current) and not torch.is_tensor(value):
+        return torch.tensor(value, dtype=current.dtype, device=current.device)
+    return value
+
+
+def agree(ranks: RankGroup, error: str | None, what: str) -> None:
+    """Raise the first rank's error on every rank (a collective), so no rank goes on to a
+    collective the failed rank never reaches (a hang)."""
+    errors: list[Any] = [error]
+    if ranks.world_size > 1:
+        errors = [None] * ranks.world_size
+        dist.all_gather_object(errors, error, group=ranks.process_group)
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if failed:
+        rank, message = failed[0]
+        where = f" (rank {rank})" if ranks.world_size > 1 else ""
+        raise ValueError(f"{what}{where}: {message}")
+
+
+def _message(e: BaseException) -> str:
+    return f"{e}" if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+
+
+def _rank_state(
+    pieces: Sequence[StatePiece], names: Sequence[str]
+) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, list[str]]]:
+    """This rank's tensors, non-tensor numbers and state keys, by checkpoint name."""
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, Any] = {}
+    state_keys: dict[str, list[str]] = {}
+    for piece in pieces:
+        name, keys = names[piece.index], []
+        for key, value in piece.state.items():
+            if value is None:
+                continue
+            if torch.is_tensor(value):
+                tensors[tensor_key(name, key)] = value.detach().cpu().contiguous()
+            else:
+                scalars[tensor_key(name, key)] = _to_json(value, f"state {key!r} of {name!r}")
+            keys.append(key)
+        if keys:
+            state_keys[name] = keys
+    return tensors, scalars, state_keys
+
+
+def _groups_json(
+    param_groups: Sequence[dict[str, Any]], names: Sequence[str]
+) -> list[dict[str, Any]]:
+    out, first = [], 0
+    for g, group in enumerate(param_groups):
+        entry = {
+            k: _to_json(v, f"hyper-parameter {k!r} of param group {g}")
+            for k, v in group.items()
+            if k not in NOT_HYPER
+        }
+        entry["params"] = list(names[first : first + len(group["params"])])
+        first += len(group["params"])
+        out.append(entry)
+    return out
+
+
+def _remove_stale(path: str, world_size: int) -> None:
+    """Remove the old manifest and the rank files of an earlier save at another world size,
+    so an interrupted save is never mistaken for a complete one."""
+    os.makedirs(path, exist_ok=True)
+    if os.path.exists(os.path.join(path, MANIFEST)):
+        os.unlink(os.path.join(path, MANIFEST))
+    current = {rank_file(r, world_size) for r in range(world_size)}
+    for name in os.listdir(path):
+        if RANK_FILE_RE.fullmatch(name) and name not in current:
+            os.unlink(os.path.join(path, name))
+
+
+def _write_rank_file(
+    path: str,
+    tensors: dict[str, torch.Tensor],
+    state_keys: dict[str, list[str]],
+    scalars: dict[str, Any],
+    ranks: RankGroup,
+) -> _RankFile:
+    """Write this rank's file atomically; a failure is returned, not raised."""
+    name = rank_file(ranks.rank, ranks.world_size)
+    try:
+        metadata = {"rank": str(ranks.rank), "world": str(ranks.world_size)}
+        data = safetensors.torch.save(tensors, metadata=metadata)
+        write_atomic(os.path.join(path, name), data)
+    except Exception as e:
+        return _RankFile(name, None, {}, {}, _message(e))
+    return _RankFile(name, hashlib.sha256(data).hexdigest(), state_keys, scalars, None)
+
+
+def _manifest(snapshot: Snapshot, files: Sequence[_RankFile], groups_json: Any) -> Manifest:
+    all_keys: dict[str, tuple[str, ...]] = {}
+    all_scalars: dict[str, Any] = {}
+    for written in files:
+        all_keys.update({name: tuple(keys) for name, keys in written.state_keys.items()})
+        all_scalars.update(written.scalars)
+    return Manifest(
+        framework="torch",
+        optimizer=snapshot.optimizer,
+        world_size=len(files),
+        step=snapshot.step,
+        params=tuple(snapshot.specs),
+        plan=snapshot.plan,
+        state_keys=dict(sorted(all_keys.items())),
+        files={written.name: written.sha256 for written in files},
+        extra={
+            "param_groups": groups_json,
+            "scalars": all_scalars,
+            "shard_gradients": snapshot.shard_gradients,
+        },
+    )
+
+
+def save(path: str | os.PathLike[str], snapshot: Snapshot, ranks: RankGroup) -> None:
+    """Write ``snapshot`` to directory ``path`` (a collective over ``ranks``).
+
+    Each rank writes its own file atomically; rank 0 writes the manifest after every file
+    exists (stale files are removed first). A failure on any rank (a state value that is not
+    a number, a full disk) raises on every rank and writes no manifest.
+
+    Raises:
+        ValueError: on any rank's failure, naming the rank.
+    """
+    path = os.fspath(path)
+    what = f"cannot save optimizer checkpoint {path}"
+    error = None
+    try:
+        groups_json = _groups_json(snapshot.param_groups, snapshot.names)
+        tensors, scalars, state_keys = _rank_state(snapshot.pieces, snapshot.names)
+    except Exception as e:
+        error = _message(e)
+    agree(ranks, error, what)  # nothing on disk has changed yet
+    if ranks.rank == 0:
+        try:
+            _remove_stale(path, ranks.world_size)
+        except Exception as e:
+            error = _message(e)
+    agree(ranks, error, what)  # also orders rank 0's clean-up before every write
+    mine = _write_rank_file(path, tensors, state_keys, scalars, ranks)
+    gathered: list[Any] = [mine]
+    if ranks.world_size > 1:
+        gathered = [None] * ranks.world_size
+        dist.gather_object(
+            mine,
+            gathered if ranks.rank == 0 else None,
+            dst=global_rank(ranks.process_group, 0),
+            group=ranks.process_group,
+        )
+    error = None
+    if ranks.rank == 0:
+        files = [_RankFile(*written) for written in gathered]
+        failed = [(r, written.error) for r, written in enumerate(files) if written.error]
+        if failed:
+            error = f"rank {failed[0][0]} could not write its file: {failed[0][1]}"
+        else:
+            try:
+                write_manifest(path, _manifest(snapshot, files, groups_json))
+            except Exception as e:
+                error = _message(e)
+    agree(ranks, error, what)  # nobody returns before the checkpoint is complete
+
+
+def _check_manifest(path: str, target: LoadTarget) -> Manifest:
+    """Read the manifest and refuse another framework, model, optimizer or param groups."""
+    manifest = read_manifest(path, verify_files=False)
+    if manifest.framework != "torch":
+        raise ValueError(f"{path} was written by the {manifest.framework} executor; load it there")
+    check_compatible(manifest, target.specs, optimizer=target.optimizer)
+    bounds = [0]
+    for group in target.param_groups:
+        bounds.append(bounds[-1] + len(group["params"]))
+    mine = [target.names[a:b] for a, b in itertools.pairwise(bounds)]
+    theirs = [list(g.get("params", [])) for g in manifest.extra.get("param_groups", [])]
+    if mine != theirs:
+        raise ValueError(
+            f"param groups differ: {len(theirs)} group(s) of {[len(g) for g in theirs]} "
+            f"parameters in the checkpoint, {len(mine)} of {[len(g) for g in mine]} here; "
+            "build the optimizer with the same param groups before loading"
+        )
+    expected = {rank_file(r, manifest.world_size) for r in range(manifest.world_size)}
+    if set(manifest.files) != expected:
+        raise ValueError(f"{path}/{MANIFEST} does not list one file per saved rank")
+    return manifest
+
+
+def _shards_to_read(manifest: Manifest, target: LoadTarget) -> list[Shard]:
+    """The saved shards with state of the parameters this rank's layout steps."""
+    index_of = {name: i for i, name in enumerate(target.names)}
+    return [
+        s
+        for s in manifest.plan.shards
+        if index_of.get(s.name) in target.needed and s.name in manifest.state_keys
+    ]
+
+
+def _read_pieces(
+    path: str, manifest: Manifest, shards: Sequence[Shard], names: Sequence[str]
+) -> list[StatePiece]:
+    """The state of ``shards`` from their rank files, as pieces in the current indices."""
+    index_of = {name: i for i, name in enumerate(names)}
+    scalars = manifest.extra.get("scalars", {})
+    whole = manifest.plan.kind == "greedy"
+    files = sorted({rank_file(s.rank, manifest.world_size) for s in shards})
+    handles = {f: safe_open(os.path.join(path, f), framework="pt") for f in files}
+    pieces = []
+    for shard in shards:
+        handle = handles[rank_file(shard.rank, manifest.world_size)]
+        state: dict[str, Any] = {}
+        for key in manifest.state_keys[shard.name]:
+            full_key = tensor_key(shard.name, key)
+            state[key] = scalars[full_key] if full_key in scalars else handle.get_tensor(full_key)
+        pieces.append(StatePiece(index_of[shard.name], shard.start, shard.stop, whole, state))
+    return pieces
+
+
+def _check_shapes(full: dict[int, dict[str, Any]], target: LoadTarget, *, whole: bool) -> None:
+    for index, state in full.items():
+        for key, value in state.items():
+            if whole or not torch.is_tensor(value) or value.dim() < 1:
+                continue
+            if tuple(value.shape) != target.shapes[index]:
+                raise ValueError(
+                    f"state {key!r} of {target.names[index]!r} has the wrong shape: "
+                    f"{tuple(value.shape)} in the checkpoint, {target.shapes[index]} here"
+                )
+
+
+def _read(path: str, target: LoadTarget, ranks: RankGroup) -> Loaded:
+    """Validate the checkpoint and read this rank's state; touches nothing."""
+    manifest = _check_manifest(path, target)
+    shards = _shards_to_read(manifest, target)
+    # Every file is hashed by some rank (and every file a rank reads, by that rank), so a
+    # corrupt file fails the load everywhere even when nobody needs its tensors.
+    to_read = {rank_file(s.rank, manifest.world_size) for s in shards}
+    spread = {f for i, f in enumerate(sorted(manifest.files)) if i % ranks.world_size == ranks.rank}
+    verify_file_hashes(path, manifest, sorted(to_read | spread))
+    full = assemble(_read_pieces(path, manifest, shards, target.names), target.shapes)
+    _check_shapes(full, target, whole=manifest.plan.kind == "greedy")
+    groups = []
+    saved_groups = manifest.extra.get("param_groups", [])
+    for saved, current in zip(saved_groups, target.param_groups, strict=True):
+        hyper = {k: _from_json(v, current.get(k)) for k, v in saved.items() if k != "params"}
+        groups.append({**hyper, "params": current["params"]})
+    return Loaded(manifest.step, full, groups)
+
+
+def load(path: str | os.PathLike[str], target: LoadTarget, ranks: RankGroup) -> Loaded:
+    """Read a checkpoint written at any world size for ``target`` (a collective).
+
+    Raises:
+        ValueError: on every rank, naming the first rank's problem (missing or corrupt
+            file, another model or optimizer class, other param groups); nothing is
+            returned to any rank, so no rank's state changes.
+    """
+    error: str | None = None
+    try:
+        loaded = _read(os.fspath(path), target, ranks)
+    except Exception as e:  # any failure must reach the other ranks, or they would load
+        error = _message(e)
+    agree(ranks, error, f"cannot load optimizer checkpoint {os.fspath(path)}")
+    return loaded

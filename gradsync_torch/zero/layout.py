@@ -1,0 +1,163 @@
+"""Where a ZeRO rank's optimizer state lives: the ``Layout`` protocol and ZeRO-1's layout.
+
+Two layouts, both driven by gradsync_core plans (ZeRO, arXiv:1910.02054):
+
+- ``GreedyLayout`` (ZeRO-1): each rank owns whole parameters (``plan_greedy_shards``); its
+  local optimizer steps the real parameters; afterwards every rank's parameters are
+  broadcast from their owner.
+- ``FlatLayout`` (ZeRO-2, in ``zero.flat``): each rank owns one contiguous element range of
+  every padded bucket (``plan_flat_shards``); gradients are reduce-scattered into it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from gradsync_core import ParamSpec, ShardPlan, plan_buckets
+from gradsync_torch.data_parallel.grad_sharding import GradientSharder
+from gradsync_torch.zero.broadcast import ALONE_BYTES, Broadcaster, Job, Piece, Transfer, flat_views
+from gradsync_torch.zero.flat import FlatLayout
+
+
+class Layout(Protocol):
+    """What the optimizer needs from a layout (docs/design.md §9).
+
+    ``pieces`` are what the local optimizer steps, in model space (parameter index and
+    element range); ``before_step`` gives them this step's gradients; ``sync_params`` makes
+    every replica's parameters equal again after the local step.
+    """
+
+    plan: ShardPlan
+    pieces: list[Piece]
+
+    def before_step(self) -> None: ...
+
+    def sync_params(self) -> None: ...
+
+
+class GreedyLayout:
+    """ZeRO-1: this rank steps the whole parameters it owns; owners broadcast afterwards.
+
+    Each rank's owned parameters are packed into buckets of at most ``cap_bytes`` (the last
+    parameter may overflow, as DDP's rule) by ``plan_buckets``, so a sync is a few large
+    broadcasts instead of one per parameter. With ``bucket_view`` the parameters become
+    views of persistent flat buckets (torch's ``parameters_as_bucket_view``) and the
+    broadcast needs no copy; otherwise a bucket is packed into a staging buffer, and a
+    bucket of one parameter is broadcast in place.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        groups: Sequence[int],
+        specs: Sequence[ParamSpec],
+        plan: ShardPlan,
+        broadcaster: Broadcaster,
+        *,
+        cap_bytes: int,
+        bucket_view: bool,
+    ) -> None:
+        self.plan = plan
+        self.broadcaster = broadcaster
+        index_of = {spec.name: i for i, spec in enumerate(specs)}
+        owned = [[index_of[s.name] for s in plan.shards_of(r)] for r in range(plan.world_size)]
+        me = broadcaster.rank
+        self.pieces = [
+            Piece(
+                index=i,
+                group=groups[i],
+                start=0,
+                stop=params[i].numel(),
+                tensor=params[i],
+                whole=True,
+            )
+            for i in sorted(owned[me])
+        ]
+        per_rank: list[list[Job]] = [[] for _ in owned]
+        self.flat_buckets: list[torch.Tensor] = []
+        for rank, indices in enumerate(owned):
+            rank_specs = [specs[i] for i in indices]
+            alone = [s for s in rank_specs if s.nbytes >= ALONE_BYTES and not bucket_view]
+            packed = [s for s in rank_specs if s.nbytes < ALONE_BYTES or bucket_view]
+            for spec in alone:
+                per_rank[rank].append(self._job(rank, [params[index_of[spec.name]]], bucket_view))
+            for bucket in plan_buckets(packed, cap_bytes=cap_bytes).buckets:
+                members = [params[index_of[slot.name]] for slot in bucket.slots]
+                per_rank[rank].append(self._job(rank, members, bucket_view))
+        # Owners take turns, so every rank sends and receives at once (both directions of
+        # each link busy) instead of the ranks broadcasting one after another.
+        rounds = itertools.zip_longest(*per_rank)
+        self.jobs = [job for jobs in rounds for job in jobs if job is not None]
+
+    def _job(self, src: int, members: list[torch.Tensor], bucket_view: bool) -> Job:
+        numel = sum(p.numel() for p in members)
+        dtype, device = members[0].dtype, members[0].device
+        if bucket_view:
+            flat = torch.empty(numel, dtype=dtype, device=device)
+            for p, view in zip(members, flat_views(flat, members), strict=True):
+                view.copy_(p.detach())
+                p.data = view  # torch's parameters_as_bucket_view: params live in the bucket
+            self.flat_buckets.append(flat)
+            return Job([Transfer(src, numel, lambda _: flat)], 0, dtype, device)
+        if len(members) == 1 and members[0].is_contiguous():
+            only = members[0]
+            return Job([Transfer(src, numel, lambda _: only.detach())], 0, dtype, device)
+        me = self.broadcaster.rank
+        detached = [p.detach() for p in members]
+
+        def pack(buffer: torch.Tensor | None) -> None:
+            if src == me:
+                torch.cat([p.reshape(-1) for p in detached], out=buffer)
+
+        def unpack(buffer: torch.Tensor | None) -> None:
+            if src != me:
+                for p, view in zip(detached, flat_views(buffer, detached), strict=True):
+                    p.copy_(view)
+
+        return Job(
+            [Transfer(src, numel, lambda buffer: buffer)], numel, dtype, device, pack, unpack
+        )
+
+    def before_step(self) -> None:
+        """Nothing to do: the local optimizer steps the parameters themselves."""
+
+    def sync_params(self) -> None:
+        """Broadcast every parameter from its owner."""
+        self.broadcaster.run(self.jobs)
+
+
+def make_layout(
+    params: Sequence[torch.Tensor],
+    groups: Sequence[int],
+    specs: Sequence[ParamSpec],
+    plan: ShardPlan,
+    broadcaster: Broadcaster,
+    *,
+    flat: bool,
+    sharder: GradientSharder | None,
+    cap_bytes: int,
+    bucket_view: bool,
+) -> Layout:
+    """The layout for ``plan``: greedy (ZeRO-1), flat on its own, or flat over the buckets
+    of a sharding DataParallel (whose slots carry the module's names: mapped to ours)."""
+    if not flat:
+        return GreedyLayout(
+            params, groups, specs, plan, broadcaster, cap_bytes=cap_bytes, bucket_view=bucket_view
+        )
+    slot_params = {s.name: p for s, p in zip(specs, params, strict=True)}
+    if sharder is not None:
+        ours = {id(p): s.name for s, p in zip(specs, params, strict=True)}
+        slot_params = {ours.get(id(p), n): p for n, p in sharder.params_by_name().items()}
+    return FlatLayout(
+        slot_params,
+        {s.name: i for i, s in enumerate(specs)},
+        groups,
+        plan,
+        broadcaster,
+        bucket_view=bucket_view,
+        sharder=sharder,
+    )

@@ -1,0 +1,215 @@
+"""Which rank owns what: the ZeRO-1 and ZeRO-2 shard plans of an optimizer's parameters.
+
+Pure functions of gradsync_core specs and plans (docs/design.md §4, §9), apart from
+``check_same_plan``, which compares the plans of all ranks before any collective uses them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gradsync_core import (
+    Bucket,
+    BucketPlan,
+    ParamSpec,
+    ShardPlan,
+    plan_buckets,
+    plan_flat_shards,
+    plan_greedy_shards,
+)
+from gradsync_torch._specs import dtype_name
+
+
+def parameter_names(
+    param_groups: Sequence[dict[str, Any]], model: nn.Module | None = None
+) -> list[str]:
+    """One name per parameter of ``param_groups`` (global index order): the names given
+    with ``named_parameters()``, else looked up in ``model``.
+
+    Raises:
+        ValueError: if neither is available, or ``model`` lacks a parameter.
+    """
+    if all("param_names" in g for g in param_groups):
+        return [n for group in param_groups for n in group["param_names"]]
+    if model is None:
+        raise ValueError(
+            "this optimizer has no parameter names: build it from "
+            "model.named_parameters() or pass model=<the module> to save/load"
+        )
+    params = [p for group in param_groups for p in group["params"]]
+    by_id = {id(p): name for name, p in model.named_parameters()}
+    names = [by_id.get(id(p)) for p in params]
+    if None in names:
+        i = names.index(None)
+        raise ValueError(
+            f"parameter #{i} ({tuple(params[i].shape)}) is not a parameter of the "
+            "given model; pass the model this optimizer trains"
+        )
+    return names  # type: ignore[return-value]
+
+
+def param_specs_of(
+    names: Sequence[str], params: Sequence[torch.Tensor], planned: set[int]
+) -> list[ParamSpec]:
+    """The specs the plans are made of; ``planned`` are the indices planned before."""
+    return [
+        ParamSpec(
+            name=name,
+            shape=tuple(p.shape),
+            dtype=dtype_name(p.dtype),
+            # Once planned, a parameter keeps its owner (and state) when frozen again.
+            requires_grad=p.requires_grad or i in planned,
+            device=p.device.type,
+        )
+        for i, (name, p) in enumerate(zip(names, params, strict=True))
+    ]
+
+
+def plan_shards(
+    specs: Sequence[ParamSpec],
+    groups: Sequence[int],
+    *,
+    group_count: int,
+    segment_starts: Sequence[int],
+    world_size: int,
+    flat: bool,
+    cap_bytes: int,
+) -> ShardPlan:
+    """The plan of an optimizer on its own: torch's greedy partition per param group
+    (ZeRO-1), or flat shards of padded buckets (ZeRO-2), one bucket run per segment of param
+    groups (the constructor's groups, then each added group; ``segment_starts`` are their
+    first group indices)."""
+    per_group: list[list[ParamSpec]] = [[] for _ in range(group_count)]
+    for spec, g in zip(specs, groups, strict=True):
+        per_group[g].append(spec)
+    if not flat:
+        return plan_greedy_shards(per_group, world_size=world_size)
+    bounds = [*segment_starts, group_count]
+    segments = [
+        [s for g in range(a, b) for s in per_group[g]] for a, b in itertools.pairwise(bounds)
+    ]
+    group_of_name = {s.name: g for s, g in zip(specs, groups, strict=True)}
+    return plan_flat(segments, group_of_name, world_size=world_size, cap_bytes=cap_bytes)
+
+
+def concat_bucket_plans(plans: Sequence[BucketPlan]) -> BucketPlan:
+    """One plan holding the buckets of ``plans`` in order (re-indexed): parameters added
+    with ``add_param_group`` get buckets of their own and leave the earlier ones alone."""
+    buckets: list[Bucket] = []
+    for plan in plans:
+        for bucket in plan.buckets:
+            index = len(buckets)
+            slots = tuple(dataclasses.replace(s, bucket=index) for s in bucket.slots)
+            buckets.append(dataclasses.replace(bucket, index=index, slots=slots))
+    first = plans[0]
+    return BucketPlan(
+        buckets=tuple(buckets),
+        cap_bytes=first.cap_bytes,
+        first_cap_bytes=first.first_cap_bytes,
+        align=first.align,
+        pad_to=first.pad_to,
+        order=first.order,
+    )
+
+
+def plan_flat(
+    segments: Sequence[Sequence[ParamSpec]],
+    groups: dict[str, int],
+    *,
+    world_size: int,
+    cap_bytes: int,
+) -> ShardPlan:
+    """The ZeRO-2 plan: each segment (the constructor's groups, then each added group)
+    bucketed with ``pad_to=world_size`` and cut by ``plan_flat_shards``."""
+    plans = [
+        plan_buckets(seg, cap_bytes=cap_bytes, pad_to=world_size)
+        for seg in segments
+        if any(s.requires_grad for s in seg)
+    ]
+    if not plans:
+        return ShardPlan(kind="flat", world_size=world_size, shards=())
+    plan = plan_flat_shards(concat_bucket_plans(plans), world_size=world_size)
+    shards = tuple(dataclasses.replace(s, group=groups[s.name]) for s in plan.shards)
+    return dataclasses.replace(plan, shards=shards)
+
+
+def rename_plan(plan: ShardPlan, names: dict[str, str], groups: dict[str, int]) -> ShardPlan:
+    """``plan`` with parameters renamed by ``names`` and shard groups set by ``groups``
+    (parameters missing from them keep theirs): DataParallel's names are the module's,
+    a checkpoint's are the optimizer's."""
+    buckets = plan.buckets
+    if buckets is not None:
+        renamed = tuple(
+            dataclasses.replace(
+                b,
+                slots=tuple(
+                    dataclasses.replace(s, name=names.get(s.name, s.name)) for s in b.slots
+                ),
+            )
+            for b in buckets.buckets
+        )
+        buckets = dataclasses.replace(buckets, buckets=renamed)
+    shards = tuple(
+        dataclasses.replace(s, name=names.get(s.name, s.name), group=groups.get(s.name, s.group))
+        for s in plan.shards
+    )
+    return dataclasses.replace(plan, shards=shards, buckets=buckets)
+
+
+def plan_over_buckets(
+    bucket_plan: BucketPlan,
+    module_params: dict[str, torch.Tensor],
+    params: Sequence[torch.Tensor],
+    specs: Sequence[ParamSpec],
+    groups: Sequence[int],
+    *,
+    world_size: int,
+) -> ShardPlan:
+    """The flat plan of a sharding ``DataParallel``'s (padded) ``bucket_plan``, whose slots
+    carry the module's names (``module_params``), renamed and grouped as the optimizer
+    holding ``params`` (with ``specs`` and param-group indices ``groups``) names them."""
+    index = {id(p): i for i, p in enumerate(params)}
+    ours = {name: index[id(p)] for name, p in module_params.items() if id(p) in index}
+    base = plan_flat_shards(bucket_plan, world_size=world_size)
+    names = {name: specs[i].name for name, i in ours.items()}
+    return rename_plan(base, names, {name: groups[i] for name, i in ours.items()})
+
+
+def check_same_plan(
+    plan: ShardPlan, specs: Sequence[ParamSpec], group: Any, world_size: int
+) -> None:
+    """Every rank must hold the same plan, or the sync collectives mismatch and hang
+    (docs/design.md §8): one small all-gather of fingerprints, and the specs only on a mismatch.
+
+    Raises:
+        ValueError: naming a differing rank and the first differing parameter.
+    """
+    if world_size == 1:
+        return
+    prints: list[Any] = [None] * world_size
+    dist.all_gather_object(prints, plan.fingerprint, group=group)
+    if len(set(prints)) == 1:
+        return
+    tables: list[Any] = [None] * world_size
+    mine = [(s.name, s.shape, s.dtype, s.requires_grad) for s in specs]
+    dist.all_gather_object(tables, mine, group=group)
+    other = next(r for r in range(world_size) if prints[r] != prints[0])
+    diff = next(
+        (
+            f"parameter #{i}: {a} vs {b}"
+            for i, (a, b) in enumerate(zip(tables[0], tables[other], strict=False))
+            if a != b
+        ),
+        f"{len(tables[0])} vs {len(tables[other])} parameters",
+    )
+    raise ValueError(
+        f"ranks 0 and {other} built different ZeRO plans ({diff}); every rank must pass "
+        "the same parameters, in the same order, with the same requires_grad"
+    )
