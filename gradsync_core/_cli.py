@@ -1,4 +1,19 @@
-"""The ``gradsync`` command line: show the plans for a model without running it."""
+"""The ``gradsync`` command line: show the plans for a model without running it.
+
+Every input is bounded, so a typo cannot make the planner allocate for minutes:
+
+- ``--world-size`` and each of ``--tp/--cp/--ep/--pp``: an int from 1 to 1,048,576 (2**20);
+  groups are computed by arithmetic, so the largest world plans in well under 2 s and 1 GiB,
+  and the group table shows counts, sizes and the first groups, not every group.
+- ``--bucket-cap-mb``: a finite number of MiB, above 0 and at most 65,536 (64 GiB).
+- ``--pad-to``: an int from 1 to 1,048,576.
+- ``--partition flat``: at most 131,072 (2**17) shard pieces, about buckets x dp ranks;
+  beyond that, raise ``--bucket-cap-mb`` or use the greedy partition.
+- ``--params``: a JSON file of at most 64 MiB, nested at most a few hundred levels, each entry
+  a parameter of the right types (see ``ParamSpec.from_json``).
+
+Bad input prints one line on stderr and exits with code 2 (the CLI is in docs/design.md §2).
+"""
 
 from __future__ import annotations
 
@@ -22,6 +37,14 @@ from gradsync_core._specs import DTYPE_ITEMSIZE, ParamSpec, check_unique_names, 
 from gradsync_core._topology import DEFAULT_ORDER, STANDARD_GROUPS, Topology
 
 DEFAULT_MODEL = "gpt2-small"
+MAX_WORLD_SIZE = 1 << 20  # 1,048,576 ranks: beyond today's largest jobs, and plans in < 2 s
+MAX_BUCKET_CAP_MB = 65536.0  # 64 GiB: larger than any device's memory
+MAX_PAD_TO = MAX_WORLD_SIZE
+MAX_PARAMS_FILE_BYTES = 64 << 20  # about a million parameter entries
+# A flat partition lists a piece per (bucket, rank) it touches: buckets x dp of them.
+MAX_FLAT_PIECES = 1 << 17
+# Partition tables list at most this many data-parallel ranks (head and tail).
+_SHOWN_RANKS = 16
 
 
 class UsageError(Exception):
@@ -35,12 +58,29 @@ class _Parser(argparse.ArgumentParser):
 
 def _load_params(path: str) -> list[ParamSpec]:
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+        with open(path, "rb") as f:
+            # Read one byte past the cap to tell "at the cap" from "over it" without
+            # reading a huge file whole.
+            raw = f.read(MAX_PARAMS_FILE_BYTES + 1)
     except OSError as e:
         raise UsageError(f"cannot read parameter file {path!r}: {e.strerror}") from None
+    if len(raw) > MAX_PARAMS_FILE_BYTES:
+        raise UsageError(
+            f"parameter file {path!r} is larger than {MAX_PARAMS_FILE_BYTES >> 20} MiB; "
+            "list each parameter once with its name, shape and dtype only"
+        )
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise UsageError(f"{path!r} is not UTF-8 text: {e.reason} at byte {e.start}") from None
     except json.JSONDecodeError as e:
         raise UsageError(f"{path!r} is not valid JSON: {e.msg} at line {e.lineno}") from None
+    except RecursionError:
+        raise UsageError(
+            f"{path!r} is nested too deeply to be a parameter list; expect a list of objects"
+        ) from None
+    except ValueError as e:  # e.g. an integer literal with more digits than Python parses
+        raise UsageError(f"{path!r} is not usable JSON: {e}") from None
     entries = data.get("params") if isinstance(data, dict) else data
     if not isinstance(entries, list) or not entries:
         raise UsageError(
@@ -53,6 +93,25 @@ def _load_params(path: str) -> list[ParamSpec]:
     except (ValueError, TypeError) as e:
         raise UsageError(f"{path!r}: {e}") from None
     return specs
+
+
+def _check_bounds(args: argparse.Namespace) -> None:
+    """Refuse sizes beyond the documented maxima before anything is planned."""
+    maxima = {name: MAX_WORLD_SIZE for name in ("world_size", "tp", "cp", "ep", "pp")}
+    for name, maximum in (maxima | {"pad_to": MAX_PAD_TO}).items():
+        value = getattr(args, name)
+        if not 1 <= value <= maximum:
+            raise UsageError(
+                f"--{name.replace('_', '-')} must be between 1 and {maximum:,}, got {value:,}"
+            )
+    cap = args.bucket_cap_mb
+    if cap is not None:
+        if math.isnan(cap) or cap <= 0:
+            raise UsageError(f"--bucket-cap-mb must be positive, got {cap}")
+        if not cap <= MAX_BUCKET_CAP_MB:
+            raise UsageError(
+                f"--bucket-cap-mb must be at most {MAX_BUCKET_CAP_MB:,.0f} (64 GiB), got {cap}"
+            )
 
 
 def _mib(nbytes: float) -> str:
@@ -103,6 +162,13 @@ def _bucket_section(plan: BucketPlan) -> str:
     )
 
 
+def _shown(count: int, limit: int) -> list[int]:
+    """Indices a table shows: all of them, or the first and last ``limit // 2``."""
+    if count <= limit:
+        return list(range(count))
+    return [*range(limit // 2), *range(count - limit // 2, count)]
+
+
 def _shard_section(plan: ShardPlan, specs: Sequence[ParamSpec]) -> str:
     size = {s.name: itemsize(s.dtype) for s in specs}
     counts = [0] * plan.world_size
@@ -110,16 +176,19 @@ def _shard_section(plan: ShardPlan, specs: Sequence[ParamSpec]) -> str:
     for shard in plan.shards:
         counts[shard.rank] += 1
         nbytes[shard.rank] += shard.numel * size[shard.name]
-    rows = [
+    rank_numel = plan.rank_numel  # a property that walks every shard: read it once
+    rows: list[Sequence[Any]] = [
         [
             rank,
             counts[rank],
-            f"{plan.rank_numel[rank]:,}",
+            f"{rank_numel[rank]:,}",
             _mib(nbytes[rank]),
             _mib(2 * nbytes[rank]),
         ]
-        for rank in range(plan.world_size)
+        for rank in _shown(plan.world_size, _SHOWN_RANKS)
     ]
+    if plan.world_size > _SHOWN_RANKS:
+        rows.insert(_SHOWN_RANKS // 2, ["..."] * 5)
     head = (
         f"Shard partition: {plan.kind} over {plan.world_size} data-parallel ranks, "
         f"imbalance {100 * plan.imbalance:.2f}% (max/mean - 1)"
@@ -130,17 +199,29 @@ def _shard_section(plan: ShardPlan, specs: Sequence[ParamSpec]) -> str:
         head
         + "\n"
         + _table(
-            ["dp rank", "pieces", "elements", "param MiB", "Adam state MiB"], rows, max_rows=16
+            ["dp rank", "pieces", "elements", "param MiB", "Adam state MiB"],
+            rows,
+            max_rows=_SHOWN_RANKS + 1,
         )
     )
+
+
+def _group_preview(topo: Topology, name: str, index: int, limit: int = 8) -> str:
+    """Like ``_ranks(topo.group_at(name, index))`` without building a 10^6-rank group."""
+    size = topo.group_size(name)
+    places = list(range(size)) if size <= limit else [*range(limit - 2), size - 1]
+    ranks = [topo.rank_at(name, index, place) for place in places]
+    if size <= limit:
+        return _ranks(ranks)
+    return "[" + ",".join(map(str, ranks[:-1])) + f",...,{ranks[-1]}]"
 
 
 def _group_section(topo: Topology) -> str:
     rows = []
     for name in STANDARD_GROUPS:
-        groups = topo.groups(name)
-        shown = " ".join(_ranks(g) for g in groups[:3]) + (" ..." if len(groups) > 3 else "")
-        rows.append([name, len(groups[0]), len(groups), shown])
+        count = topo.group_count(name)
+        shown = " ".join(_group_preview(topo, name, i) for i in range(min(count, 3)))
+        rows.append([name, topo.group_size(name), count, shown + (" ..." if count > 3 else "")])
     head = (
         f"Rank groups: order {topo.order!r} (first varies fastest); mesh shape "
         f"{topo.mesh_shape} axes {topo.mesh_axis_names}"
@@ -149,6 +230,7 @@ def _group_section(topo: Topology) -> str:
 
 
 def _plan(args: argparse.Namespace) -> int:
+    _check_bounds(args)
     specs = _load_params(args.params) if args.params else builtin_model(args.model, args.dtype)
     topo = Topology.create(
         args.world_size, tp=args.tp, cp=args.cp, ep=args.ep, pp=args.pp, order=args.order
@@ -157,12 +239,19 @@ def _plan(args: argparse.Namespace) -> int:
     if args.bucket_cap_mb is None:
         cap, first = DEFAULT_CAP_BYTES, DEFAULT_FIRST_CAP_BYTES
     else:
-        if args.bucket_cap_mb <= 0:
-            raise UsageError(f"--bucket-cap-mb must be positive, got {args.bucket_cap_mb}")
         cap = first = int(args.bucket_cap_mb * MIB)
     pad_to = math.lcm(args.pad_to, topo.dp) if args.partition == "flat" else args.pad_to
     buckets = plan_buckets(specs, cap_bytes=cap, first_cap_bytes=first, pad_to=pad_to)
     if args.partition == "flat":
+        # Each bucket is cut into dp pieces, plus one more wherever a parameter straddles a
+        # cut: bound it before building them.
+        pieces = sum(len(b.slots) for b in buckets.buckets) + len(buckets.buckets) * topo.dp
+        if pieces > MAX_FLAT_PIECES:
+            raise UsageError(
+                f"a flat partition of {len(buckets.buckets)} buckets over dp = {topo.dp:,} "
+                f"ranks has up to {pieces:,} pieces, more than {MAX_FLAT_PIECES:,}; raise "
+                "--bucket-cap-mb or use --partition greedy"
+            )
         shards = plan_flat_shards(buckets, world_size=topo.dp)
     else:
         shards = plan_greedy_shards(specs, world_size=topo.dp)
@@ -216,7 +305,8 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument(
         "--params",
         metavar="FILE",
-        help='JSON list of parameters, e.g. [{"name": "fc.weight", "shape": [10, 4]}]',
+        help='JSON list of parameters, e.g. [{"name": "fc.weight", "shape": [10, 4]}]; '
+        f"at most {MAX_PARAMS_FILE_BYTES >> 20} MiB",
     )
     plan.add_argument(
         "--dtype",
@@ -224,24 +314,34 @@ def build_parser() -> argparse.ArgumentParser:
         choices=sorted(DTYPE_ITEMSIZE),
         help="dtype of a built-in model's parameters",
     )
-    plan.add_argument("--world-size", type=int, default=8, help="number of ranks (default 8)")
+    most = f"{MAX_WORLD_SIZE:,}"
+    plan.add_argument(
+        "--world-size", type=int, default=8, help=f"number of ranks, 1 to {most} (default 8)"
+    )
     for axis in ("tp", "cp", "ep", "pp"):
-        plan.add_argument(f"--{axis}", type=int, default=1, help=f"{axis} size (default 1)")
+        plan.add_argument(
+            f"--{axis}", type=int, default=1, help=f"{axis} size, 1 to {most} (default 1)"
+        )
     plan.add_argument("--order", default=DEFAULT_ORDER, help="rank order, first varies fastest")
     plan.add_argument(
         "--bucket-cap-mb",
         type=float,
         default=None,
-        help="bucket cap in MiB (default: DDP's 25 MiB with a 1 MiB first bucket)",
+        help=f"bucket cap in MiB, above 0 and at most {MAX_BUCKET_CAP_MB:,.0f} "
+        "(default: DDP's 25 MiB with a 1 MiB first bucket)",
     )
     plan.add_argument(
         "--partition",
         choices=("greedy", "flat"),
         default="greedy",
-        help="optimizer-state partition: whole parameters or flat element ranges",
+        help="optimizer-state partition: whole parameters or flat element ranges "
+        f"(flat: at most {MAX_FLAT_PIECES:,} pieces, about buckets x dp)",
     )
     plan.add_argument(
-        "--pad-to", type=int, default=1, help="round bucket lengths up to a multiple of this"
+        "--pad-to",
+        type=int,
+        default=1,
+        help=f"round bucket lengths up to a multiple of this, 1 to {MAX_PAD_TO:,}",
     )
     plan.add_argument("--json", action="store_true", help="emit the plans as JSON")
     plan.set_defaults(run=_plan)

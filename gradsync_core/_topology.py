@@ -34,6 +34,17 @@ def _offsets(sizes: list[int], strides: list[int]) -> list[int]:
     return offsets
 
 
+def _offset_at(index: int, sizes: list[int], strides: list[int]) -> int:
+    """``_offsets(sizes, strides)[index]`` without building the list: decompose ``index``
+    into coordinates, the first axis fastest, so one entry of a 10^6-rank world costs
+    O(axes) instead of O(world_size)."""
+    offset = 0
+    for size, stride in zip(sizes, strides, strict=True):
+        index, coord = divmod(index, size)
+        offset += coord * stride
+    return offset
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Topology:
     """Sizes of the parallel axes and the order in which ranks enumerate them.
@@ -136,35 +147,75 @@ class Topology:
                 raise ValueError(f"coordinate {axis}={c!r} is outside this topology")
         return sum(c * strides[a] for a, c in coords.items())
 
-    def _within(self, members: set[str]) -> list[int]:
-        """Offsets of a group's ranks from its first rank, ascending."""
+    def _split(self, name: str) -> tuple[list[int], list[int], list[int], list[int]]:
+        """Sizes and strides of the member axes and of the other axes, in ``order``."""
+        members = set(_parse_axes(name))
         strides = self._strides()
         inner = [t for t in self.tokens if t in members]
-        return _offsets([getattr(self, t) for t in inner], [strides[t] for t in inner])
+        outer = [t for t in self.tokens if t not in members]
+        return (
+            [getattr(self, t) for t in inner],
+            [strides[t] for t in inner],
+            [getattr(self, t) for t in outer],
+            [strides[t] for t in outer],
+        )
 
     def groups(self, name: str) -> tuple[tuple[int, ...], ...]:
         """Every group that varies the axes in ``name`` and fixes the rest.
 
         Ranks inside a group ascend; groups are listed with the first non-member axis (in
-        ``order``) varying fastest — Megatron-core's order.
+        ``order``) varying fastest — Megatron-core's order. This lists all ``world_size``
+        ranks; for a large world ask for one group with ``group_at`` or ``group_of``.
         """
-        members = set(_parse_axes(name))
-        strides = self._strides()
-        outer = [t for t in self.tokens if t not in members]
-        within = self._within(members)
-        bases = _offsets([getattr(self, t) for t in outer], [strides[t] for t in outer])
+        inner_sizes, inner_strides, outer_sizes, outer_strides = self._split(name)
+        within = _offsets(inner_sizes, inner_strides)
+        bases = _offsets(outer_sizes, outer_strides)
         return tuple(tuple(base + o for o in within) for base in bases)
+
+    def group_count(self, name: str) -> int:
+        """How many ``name`` groups partition the world: ``world_size // group_size(name)``."""
+        return self.world_size // self.group_size(name)
+
+    def rank_at(self, name: str, index: int, group_rank: int) -> int:
+        """The rank at place ``group_rank`` of ``groups(name)[index]``, by arithmetic.
+
+        Example:
+            >>> Topology.create(world_size=8, tp=2, cp=2).rank_at("dp-cp", 1, 2)
+            5
+        """
+        inner_sizes, inner_strides, outer_sizes, outer_strides = self._split(name)
+        count, size = math.prod(outer_sizes), math.prod(inner_sizes)
+        if not _is_index(index, count) or not _is_index(group_rank, size):
+            raise ValueError(
+                f"group {index!r}, place {group_rank!r} is outside the {count} {name!r} "
+                f"groups of {size} ranks each"
+            )
+        base = _offset_at(index, outer_sizes, outer_strides)
+        return base + _offset_at(group_rank, inner_sizes, inner_strides)
+
+    def group_at(self, name: str, index: int) -> tuple[int, ...]:
+        """``groups(name)[index]`` without listing the other groups."""
+        return tuple(self.rank_at(name, index, place) for place in range(self.group_size(name)))
 
     def group_of(self, name: str, rank: int) -> tuple[int, ...]:
         """The group of ``name`` that contains ``rank``."""
         members = set(_parse_axes(name))
         coords, strides = self.coordinates(rank), self._strides()
         base = rank - sum(coords[a] * strides[a] for a in members)
-        return tuple(base + o for o in self._within(members))
+        inner_sizes, inner_strides, _, _ = self._split(name)
+        return tuple(base + o for o in _offsets(inner_sizes, inner_strides))
 
     def group_rank(self, name: str, rank: int) -> int:
         """Position of ``rank`` inside its ``name`` group (torch's group-local rank)."""
-        return self.group_of(name, rank).index(rank)
+        # The member coordinates, first member axis fastest: what .index() on the
+        # ascending group would find, without listing the group.
+        coords, place, scale = self.coordinates(rank), 0, 1
+        members = set(_parse_axes(name))
+        for token in self.tokens:
+            if token in members:
+                place += coords[token] * scale
+                scale *= getattr(self, token)
+        return place
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
@@ -197,6 +248,10 @@ class Topology:
     @property
     def fingerprint(self) -> str:
         return fingerprint(self.to_json())
+
+
+def _is_index(value: object, length: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < length
 
 
 def split_shapes(size: int, parts: int) -> tuple[int, ...]:
