@@ -6,8 +6,8 @@ from gradsync_torch._comm_hooks import (
     bf16_compress_hook,
     fp16_compress_hook,
 )
-from gradsync_torch.data_parallel import DataParallel
 from gradsync_torch._specs import dtype_name, param_specs
+from gradsync_torch.data_parallel import DataParallel
 from gradsync_torch.model_parallel.groups import (
     Group,
     ProcessGroups,
@@ -16,10 +16,6 @@ from gradsync_torch.model_parallel.groups import (
 )
 from gradsync_torch.model_parallel.layers import (
     ColumnParallelLinear,
-    MLPBlock,
-    MLPTransformer,
-    ParallelMLPBlock,
-    ParallelMLPTransformer,
     RowParallelLinear,
     local_state,
     replicated_over,
@@ -40,10 +36,6 @@ __all__: list[str] = [
     "DataParallel",
     "GradBucket",
     "Group",
-    "MLPBlock",
-    "MLPTransformer",
-    "ParallelMLPBlock",
-    "ParallelMLPTransformer",
     "ProcessGroups",
     "RowParallelLinear",
     "ZeroRedundancyOptimizer",

@@ -104,7 +104,6 @@ class ProcessGroups:
         self.topology = topology
         self.rank = dist.get_rank()
         self._groups: dict[frozenset[str], Group] = {}
-        self.new_group_calls = 0  # how many process groups this object created
         created: dict[tuple[int, ...], ProcessGroup] = {}
         ordered = list(AXES) + [n for n in names if n not in AXES]
         for name in ordered:
@@ -121,7 +120,6 @@ class ProcessGroups:
                         created[ranks] = dist.group.WORLD
                     else:
                         created[ranks] = dist.new_group(list(ranks))
-                        self.new_group_calls += 1
             self._groups[key] = Group(
                 name=name,
                 ranks=mine,
@@ -241,7 +239,7 @@ def reduce_shared_gradients(
 
     Raises:
         ValueError: if the plan names an unknown parameter or its topology differs.
-        TypeError: on a sparse gradient or one that requires grad.
+        RuntimeError: on a sparse gradient or one that requires grad (as DataParallel).
 
     Example:
         >>> loss.backward()
@@ -275,7 +273,7 @@ def reduce_shared_gradients(
                 if grad is None:
                     continue
                 if grad.is_sparse or grad.requires_grad:
-                    raise TypeError(
+                    raise RuntimeError(
                         f"gradient of {slot.name!r} is sparse or requires grad; gradsync "
                         "reduces dense, detached gradients only"
                     )

@@ -19,7 +19,7 @@ from torch import nn
 
 from gradsync_core import ParamSpec, replicated_axes, split_shapes
 from gradsync_torch._specs import named_parameters, param_specs
-from gradsync_torch.model_parallel.groups import Group, ProcessGroups
+from gradsync_torch.model_parallel.groups import Group
 from gradsync_torch.model_parallel.mappings import (
     all_gather_from,
     copy_to,
@@ -77,23 +77,6 @@ class _ShardedLinear(nn.Module):
         if dim is None:
             return full
         return full.split(list(self.sizes), dim=dim)[self.group.group_rank]
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, group: Group, **kwargs: object) -> _ShardedLinear:
-        """The parallel layer holding this rank's shard of ``linear``'s parameters."""
-        layer = cls(
-            linear.in_features,
-            linear.out_features,
-            group,
-            bias=linear.bias is not None,
-            device=linear.weight.device,
-            dtype=linear.weight.dtype,
-            **kwargs,  # type: ignore[arg-type]
-        )
-        with torch.no_grad():
-            for name, param in layer.named_parameters():
-                param.copy_(layer.local_shard(name, getattr(linear, name)))
-        return layer
 
     def extra_repr(self) -> str:
         return (
@@ -194,106 +177,6 @@ class RowParallelLinear(_ShardedLinear):
         else:
             y = reduce_from(y, self.group)
         return y if self.bias is None else y + self.bias
-
-
-class MLPBlock(nn.Module):
-    """Serial reference block: ``x + fc2(gelu(fc1(ln(x))))`` (a transformer block, no attention)."""
-
-    def __init__(self, dim: int, hidden: int) -> None:
-        super().__init__()
-        self.ln = nn.LayerNorm(dim)
-        self.fc1 = nn.Linear(dim, hidden)
-        self.fc2 = nn.Linear(hidden, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(F.gelu(self.fc1(self.ln(x))))
-
-
-class MLPTransformer(nn.Module):
-    """Serial reference: ``depth`` ``MLPBlock``s and a final ``LayerNorm``, on (batch, seq, dim)."""
-
-    def __init__(self, dim: int, hidden: int, depth: int) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(MLPBlock(dim, hidden) for _ in range(depth))
-        self.norm = nn.LayerNorm(dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return self.norm(x)
-
-
-class ParallelMLPBlock(nn.Module):
-    """``MLPBlock`` with fc1 column-parallel and fc2 row-parallel over ``tp``.
-
-    The LayerNorm is torch's own: under context or sequence parallelism it normalizes a
-    sequence chunk, token by token, exactly as the serial one does; its gradient is partial
-    and ``shared_param_specs`` derives the sum.
-    """
-
-    def __init__(
-        self, dim: int, hidden: int, tp: Group, *, sequence_parallel: bool = False
-    ) -> None:
-        super().__init__()
-        self.ln = nn.LayerNorm(dim)
-        self.fc1 = ColumnParallelLinear(dim, hidden, tp, sequence_parallel=sequence_parallel)
-        self.fc2 = RowParallelLinear(hidden, dim, tp, sequence_parallel=sequence_parallel)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(F.gelu(self.fc1(self.ln(x))))
-
-
-class ParallelMLPTransformer(nn.Module):
-    """``MLPTransformer`` over ``groups``: tensor-parallel blocks, tokens split over ``cp``.
-
-    Input on each rank: (batch, its ``cp`` chunk of the sequence, dim), and with
-    ``sequence_parallel`` only its ``tp`` chunk of that chunk. Output: the same tokens.
-
-    Example:
-        >>> model = ParallelMLPTransformer.from_serial(serial, groups)
-        >>> plan = plan_shared_reductions(shared_param_specs(model), groups.topology)
-    """
-
-    def __init__(
-        self,
-        dim: int,
-        hidden: int,
-        depth: int,
-        groups: ProcessGroups,
-        *,
-        sequence_parallel: bool = False,
-    ) -> None:
-        super().__init__()
-        tp = groups.group("tp")
-        self.blocks = nn.ModuleList(
-            ParallelMLPBlock(dim, hidden, tp, sequence_parallel=sequence_parallel)
-            for _ in range(depth)
-        )
-        self.norm = nn.LayerNorm(dim)
-        self.sequence_parallel = sequence_parallel
-        # The axes that split this model's tokens: what replicated_over is derived from.
-        self.gradsync_data_axes = ("cp", "tp") if sequence_parallel else ("cp",)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return self.norm(x)
-
-    @classmethod
-    def from_serial(
-        cls, serial: MLPTransformer, groups: ProcessGroups, *, sequence_parallel: bool = False
-    ) -> ParallelMLPTransformer:
-        """The parallel model holding this rank's shards of ``serial``'s parameters."""
-        first = serial.blocks[0]
-        model = cls(
-            first.fc1.in_features,
-            first.fc1.out_features,
-            len(serial.blocks),
-            groups,
-            sequence_parallel=sequence_parallel,
-        ).to(dtype=first.fc1.weight.dtype, device=first.fc1.weight.device)
-        model.load_state_dict(local_state(model, serial.state_dict()))
-        return model
 
 
 def local_state(model: nn.Module, full: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

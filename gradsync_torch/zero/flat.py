@@ -18,8 +18,7 @@ from torch.optim import Optimizer
 
 from gradsync_core import Bucket, ShardPlan
 from gradsync_torch._collectives import finish_reduce_scatter, reduce_scatter
-from gradsync_torch._data_parallel import DataParallel
-from gradsync_torch.data_parallel.grad_sharding import GradientSharder
+from gradsync_torch.data_parallel import DataParallel, GradientSharder
 from gradsync_torch.zero.broadcast import ALONE_BYTES, Broadcaster, Job, Piece, Transfer
 
 # Optimizers whose update of one element reads only that element's gradient and state

@@ -18,7 +18,7 @@ from typing import Protocol
 import torch
 
 from gradsync_core import ParamSpec, ShardPlan, plan_buckets
-from gradsync_torch.data_parallel.grad_sharding import GradientSharder
+from gradsync_torch.data_parallel import GradientSharder
 from gradsync_torch.zero.broadcast import ALONE_BYTES, Broadcaster, Job, Piece, Transfer, flat_views
 from gradsync_torch.zero.flat import FlatLayout
 

@@ -18,7 +18,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from gradsync_core import ParamSpec, ShardPlan
-from gradsync_torch._data_parallel import DataParallel
+from gradsync_torch.data_parallel import DataParallel
 from gradsync_torch.zero import checkpoint
 from gradsync_torch.zero.broadcast import Broadcaster, Piece
 from gradsync_torch.zero.flat import FlatLayout, check_options, claim_sharder

@@ -19,8 +19,9 @@ from torch import nn
 
 from gradsync_core import ReductionPlan, Topology, split_shapes
 from gradsync_torch import DataParallel, ProcessGroups
-from gradsync_torch.model_parallel.layers import MLPTransformer, ParallelMLPTransformer, local_state
+from gradsync_torch.model_parallel.layers import local_state
 from tests.torch.harness import run_workers
+from tests.torch.models import MLPTransformer, ParallelMLPTransformer
 
 TOL = {"rtol": 1e-10, "atol": 1e-12}
 DIM, HIDDEN, DEPTH, SEQ = 8, 9, 2, 7  # 9 -> [5, 4] over tp; 7 -> [4, 3] over cp
