@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from gradsync_jax._sync import AxisName, value_and_local_grad
+from gradsync_jax._axes import AxisName
+from gradsync_jax._sync import value_and_local_grad
 
 
 def split_microbatches(batch: Any, steps: int) -> Any:

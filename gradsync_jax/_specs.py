@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -25,6 +26,32 @@ def path_name(path: tuple[Any, ...]) -> str:
     return "/".join(parts)
 
 
+def leaf_names(
+    tree: Any, names: Sequence[str] | None = None, *, label: str = "the tree"
+) -> list[str]:
+    """The plan name of every leaf of ``tree`` in flattening order: ``names`` when given
+    (checked against the leaf count; ``label`` names ``tree`` in the error), else ``path_name`` of each key path.
+
+    Raises:
+        ValueError: if ``names`` has another length than ``tree`` has leaves.
+    """
+    paths_leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    if names is None:
+        return [path_name(path) for path, _ in paths_leaves]
+    if len(names) != len(paths_leaves):
+        raise ValueError(
+            f"names has {len(names)} entries but {label} has {len(paths_leaves)} leaves"
+        )
+    return list(names)
+
+
+def _device_tag() -> str:
+    """The placement tag of the default backend, spelled as torch spells its devices so a
+    plan made from a JAX model on a GPU matches one made from the torch model."""
+    backend = jax.default_backend()
+    return {"gpu": "cuda", "cuda": "cuda", "rocm": "cuda"}.get(backend, backend)
+
+
 def param_specs(tree: Any) -> list[ParamSpec]:
     """One ParamSpec per leaf of ``tree``, in ``jax.tree_util`` flattening order.
 
@@ -40,7 +67,7 @@ def param_specs(tree: Any) -> list[ParamSpec]:
             name=path_name(path),
             shape=tuple(int(d) for d in leaf.shape),
             dtype=np.dtype(leaf.dtype).name,
-            device="cpu" if jax.default_backend() == "cpu" else "cuda",
+            device=_device_tag(),
         )
         for path, leaf in leaves
     ]

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -14,11 +15,23 @@ from jax.sharding import PartitionSpec as P
 
 from gradsync_core import BucketPlan, ReductionPlan
 from gradsync_jax._accumulate import accumulate_local_grads
-from gradsync_jax._mappings import make_shared_local
-from gradsync_jax._sync import AxisName, _axes, sync_gradients
-from gradsync_jax._zero import ShardedOptimizer
+from gradsync_jax._axes import AxisName, axis_tuple, display_axis, spec_entry_axes
+from gradsync_jax._sync import sync_gradients
+from gradsync_jax.model_parallel.mappings import make_shared_local
+from gradsync_jax.zero.transform import ShardedOptimizer
 
 StepFn = Callable[[Any, Any, Any], tuple[Any, Any, jax.Array]]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Placement:
+    """How the step's inputs are laid out over the mesh (the ``shard_map`` specs)."""
+
+    axes: tuple[str, ...]  # the data-parallel axes
+    dp_size: int
+    batch_spec: P
+    token_axes: tuple[str, ...]  # axes after the batch dimension: they split the tokens
+    param_specs: Any  # a PartitionSpec tree, or P() for everything replicated
 
 
 def data_parallel_step(
@@ -81,41 +94,26 @@ def data_parallel_step(
         >>> step = data_parallel_step(loss_fn, optax.adam(1e-3), mesh)
         >>> params, opt_state, loss = step(params, tx.init(params), batch)
     """
-    axes = _axes(axis_name)
+    axes = axis_tuple(axis_name)
     missing = [a for a in axes if a not in mesh.axis_names]
     if missing:
         raise ValueError(f"axis {missing[0]!r} is not an axis of the mesh {mesh.axis_names}")
     if not isinstance(accumulate_steps, int) or accumulate_steps < 1:
         raise ValueError(f"accumulate_steps must be a positive int, got {accumulate_steps!r}")
-    dp_size = 1
-    for a in axes:
-        dp_size *= mesh.shape[a]
-    if batch_spec is None:
-        batch_spec = P(axes if len(axes) > 1 else axes[0])
-    elif not isinstance(batch_spec, P) or not batch_spec or _entry_axes(batch_spec[0]) != axes:
-        raise ValueError(
-            f"batch_spec must be a PartitionSpec whose first entry is the data-parallel axis "
-            f"{axis_name!r} (the batch dimension), e.g. P({axis_name!r}, 'cp'); got {batch_spec!r}"
-        )
-    token_axes = tuple(a for entry in batch_spec[1:] for a in _entry_axes(entry))
+    placement = _placement(mesh, axes, axis_name, batch_spec, param_specs)
     if shared is not None:
         _check_topology(shared, mesh)
-    specs = P() if param_specs is None else param_specs
-
     zero = isinstance(tx, ShardedOptimizer)
-    if zero and (
-        plan is not None
-        or reduce_dtype is not None
-        or shared is not None
-        or param_specs is not None
-        or reduce != tx.config.reduce
-        or _axes(axis_name) != tx.config.axes
-        or mesh != tx.mesh
-    ):
-        raise ValueError(
-            "tx is a shard_optimizer(...), which reduces the local gradients itself: give "
-            "data_parallel_step the same mesh, axis_name and reduce as shard_optimizer, and "
-            "no plan, reduce_dtype, shared or param_specs"
+    if zero:
+        _check_sharded_optimizer(
+            tx,
+            mesh,
+            axes,
+            reduce,
+            plan is not None
+            or reduce_dtype is not None
+            or shared is not None
+            or param_specs is not None,
         )
 
     def local_step(params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, jax.Array]:
@@ -135,52 +133,99 @@ def data_parallel_step(
                 shared=shared,
             )
         updates, opt_state = tx.update(grads, opt_state, params)
-        if token_axes:  # each device holds its share of its replica's loss
-            loss = lax.psum(loss, token_axes)
+        if placement.token_axes:  # each device holds its share of its replica's loss
+            loss = lax.psum(loss, placement.token_axes)
         return optax.apply_updates(params, updates), opt_state, lax.pmean(loss, axis_name)
 
+    mapped = _mapped_step(
+        local_step, tx, mesh, placement, derive_state_specs=param_specs is not None
+    )
+    multiple = placement.dp_size * accumulate_steps
+
+    def step(params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, jax.Array]:
+        for leaf in jax.tree.leaves(batch):
+            if leaf.ndim == 0 or leaf.shape[0] % multiple:
+                raise ValueError(
+                    f"a batch leaf has shape {leaf.shape}; its leading dimension must be a "
+                    f"multiple of dp size {placement.dp_size} x accumulate_steps "
+                    f"{accumulate_steps} = {multiple}"
+                )
+        return mapped(params, opt_state, batch)
+
+    return step
+
+
+def _placement(
+    mesh: Mesh,
+    axes: tuple[str, ...],
+    axis_name: AxisName,
+    batch_spec: P | None,
+    param_specs: Any,
+) -> _Placement:
+    if batch_spec is None:
+        batch_spec = P(display_axis(axes))
+    elif not isinstance(batch_spec, P) or not batch_spec or spec_entry_axes(batch_spec[0]) != axes:
+        raise ValueError(
+            f"batch_spec must be a PartitionSpec whose first entry is the data-parallel axis "
+            f"{axis_name!r} (the batch dimension), e.g. P({axis_name!r}, 'cp'); got {batch_spec!r}"
+        )
+    dp_size = 1
+    for a in axes:
+        dp_size *= mesh.shape[a]
+    return _Placement(
+        axes=axes,
+        dp_size=dp_size,
+        batch_spec=batch_spec,
+        token_axes=tuple(a for entry in batch_spec[1:] for a in spec_entry_axes(entry)),
+        param_specs=P() if param_specs is None else param_specs,
+    )
+
+
+def _check_sharded_optimizer(
+    tx: ShardedOptimizer, mesh: Mesh, axes: tuple[str, ...], reduce: str, reduces_itself: bool
+) -> None:
+    settings = tx.settings
+    if reduces_itself or reduce != settings.reduce or axes != settings.axes or mesh != tx.mesh:
+        raise ValueError(
+            "tx is a shard_optimizer(...), which reduces the local gradients itself: give "
+            "data_parallel_step the same mesh, axis_name and reduce as shard_optimizer, and "
+            "no plan, reduce_dtype, shared or param_specs"
+        )
+
+
+def _mapped_step(
+    local_step: StepFn,
+    tx: optax.GradientTransformation,
+    mesh: Mesh,
+    placement: _Placement,
+    *,
+    derive_state_specs: bool,
+) -> StepFn:
+    """``local_step`` in one ``shard_map`` over ``mesh``, jitted."""
     explicit = all(t == AxisType.Explicit for t in mesh.axis_types)
-    sharded = NamedSharding(mesh, batch_spec)
+    specs = placement.param_specs
 
     @jax.jit
-    def jitted(params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, jax.Array]:
-        if zero:
+    def mapped(params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, jax.Array]:
+        if isinstance(tx, ShardedOptimizer):
             state_specs = tx.state_specs(params)
-        elif param_specs is None:
-            state_specs = P()
+        elif derive_state_specs:
+            state_specs = _state_specs(tx, opt_state, specs)
         else:
-            state_specs = _state_specs(tx, opt_state, param_specs)
+            state_specs = P()
         if explicit:  # Explicit axes: shard_map inputs must already carry its in_specs
             to_sharding = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
             params = jax.reshard(params, jax.tree.map(to_sharding, specs))
             opt_state = jax.reshard(opt_state, jax.tree.map(to_sharding, state_specs))
-            batch = jax.reshard(batch, sharded)
-        mapped = jax.shard_map(
+            batch = jax.reshard(batch, NamedSharding(mesh, placement.batch_spec))
+        return jax.shard_map(
             local_step,
             mesh=mesh,
-            in_specs=(specs, state_specs, batch_spec),
+            in_specs=(specs, state_specs, placement.batch_spec),
             out_specs=(specs, state_specs, P()),
-        )
-        return mapped(params, opt_state, batch)
+        )(params, opt_state, batch)
 
-    def step(params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, jax.Array]:
-        for leaf in jax.tree.leaves(batch):
-            if leaf.ndim == 0 or leaf.shape[0] % (dp_size * accumulate_steps):
-                raise ValueError(
-                    f"a batch leaf has shape {leaf.shape}; its leading dimension must be a "
-                    f"multiple of dp size {dp_size} x accumulate_steps {accumulate_steps} "
-                    f"= {dp_size * accumulate_steps}"
-                )
-        return jitted(params, opt_state, batch)
-
-    step.jitted = jitted  # type: ignore[attr-defined]  # for .lower() (tests count collectives)
-    return step
-
-
-def _entry_axes(entry: Any) -> tuple[str, ...]:
-    if entry is None:
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)
+    return mapped
 
 
 def _check_topology(shared: ReductionPlan, mesh: Mesh) -> None:

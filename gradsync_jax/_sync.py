@@ -36,44 +36,17 @@ import numpy as np
 from jax import lax
 
 from gradsync_core import BucketPlan, ReductionPlan
-from gradsync_jax._mappings import make_shared_local, reduce_shared_gradients
-from gradsync_jax._specs import path_name
-
-AxisName = str | tuple[str, ...]
-
-
-def _axes(axis_name: AxisName) -> tuple[str, ...]:
-    axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
-    if not axes or not all(isinstance(a, str) for a in axes):
-        raise ValueError(
-            f"axis_name must be a mesh axis name or a tuple of them, got {axis_name!r}"
-        )
-    return axes
-
-
-def _varying(x: Any) -> frozenset[str]:
-    """The manual mesh axes ``x`` varies over (its "vma"); empty outside ``shard_map``."""
-    aval = jax.typeof(x)
-    mat = getattr(aval, "mat", None)  # jax >= 0.9: ShapedArray.mat.varying
-    if mat is not None:
-        return frozenset(mat.varying)
-    return frozenset(getattr(aval, "vma", ()))  # jax 0.6 - 0.8
-
-
-def _tracks_variance(axes: tuple[str, ...]) -> bool:
-    """True inside ``shard_map(check_vma=True)`` over ``axes``; False in pmap / check_vma=False.
-
-    ``axis_index`` varies over its axis exactly when JAX tracks variance.
-    """
-    try:
-        index = lax.axis_index(axes)
-    except NameError as err:
-        raise NameError(
-            f"axis {axes if len(axes) > 1 else axes[0]!r} is not bound here: call "
-            "sync_gradients inside jax.shard_map over a mesh with that axis, or inside "
-            "jax.pmap(..., axis_name=...)"
-        ) from err
-    return set(axes) <= _varying(index)
+from gradsync_jax._axes import (
+    AxisName,
+    axis_tuple,
+    cast_varying,
+    display_axis,
+    psum_mean,
+    tracks_variance,
+    varying,
+)
+from gradsync_jax._specs import leaf_names
+from gradsync_jax.model_parallel.mappings import make_shared_local, reduce_shared_gradients
 
 
 def make_local(
@@ -96,15 +69,7 @@ def make_local(
     """
     if shared is not None:
         tree = make_shared_local(tree, shared, names=names)
-    axes = _axes(axis_name)
-
-    def cast(leaf: Any) -> Any:
-        missing = tuple(a for a in axes if a not in _varying(leaf))
-        return lax.pcast(leaf, missing, to="varying") if missing else leaf
-
-    if not _tracks_variance(axes):
-        return tree
-    return jax.tree.map(cast, tree)
+    return cast_varying(tree, axis_tuple(axis_name))
 
 
 def value_and_local_grad(
@@ -177,8 +142,8 @@ def _check_leaf(name: str, leaf: Any, axes: tuple[str, ...], tracked: bool) -> N
             f"gradient {name!r} has dtype {leaf.dtype}; only floating gradients can be "
             "reduced (leave integer leaves out of the differentiated tree)"
         )
-    if tracked and not set(axes) <= _varying(leaf):
-        axis = axes if len(axes) > 1 else axes[0]
+    if tracked and not set(axes) <= varying(leaf):
+        axis = display_axis(axes)
         raise ValueError(
             f"gradient {name!r} is already invariant over {axis!r}: jax.grad inside "
             f"shard_map summed it over {axis!r} because its parameter is replicated (P()), so "
@@ -189,23 +154,10 @@ def _check_leaf(name: str, leaf: Any, axes: tuple[str, ...], tracked: bool) -> N
 
 
 def _reduce(x: jax.Array, axes: tuple[str, ...], reduce: str, reduce_dtype: Any) -> jax.Array:
-    """One collective; ``mean`` divides before the sum, in the reduce dtype, as DDP does.
-
-    For a power-of-two group in float32/float64 the division moves after the sum: scaling by
-    2**-k commutes with rounding, so the result is bit for bit the same (short of subnormals,
-    where dividing last is the more accurate), and XLA fuses it into the consumer instead of
-    spending one extra pass over every gradient before the collective (a few percent of a
-    step on CPU). Narrow wire dtypes keep dividing first: it guards fp16 against overflow.
-    """
+    """One collective in the wire dtype; where a mean divides is ``divide_after``'s rule."""
     dtype = x.dtype
-    wire = jnp.dtype(reduce_dtype or dtype)
-    x = x.astype(wire)
-    if reduce == "sum":
-        return lax.psum(x, axes).astype(dtype)
-    size = lax.axis_size(axes)
-    if size & (size - 1) == 0 and wire in (jnp.float32, jnp.float64):
-        return (lax.psum(x, axes) * (1.0 / size)).astype(dtype)
-    return lax.psum(x / size, axes).astype(dtype)
+    wire = x.astype(jnp.dtype(reduce_dtype or dtype))
+    return psum_mean(wire, axes, mean=reduce == "mean").astype(dtype)
 
 
 def sync_gradients(
@@ -221,7 +173,7 @@ def sync_gradients(
     """Mean (or sum) local gradients over ``axis_name``; call inside ``shard_map`` or ``pmap``.
 
     Without ``plan`` each leaf gets its own ``psum`` and XLA's all-reduce combiner merges them
-    (measured not slower than bucketing on CPU, see docs/readme/jax.md). With ``plan`` each
+    (measured not slower than bucketing on CPU, see docs/jax.md). With ``plan`` each
     bucket is one collective: its leaves are flattened in slot order, reduced together and
     split back (alignment padding is not sent: it only matters for reduce-scatter).
 
@@ -259,14 +211,10 @@ def sync_gradients(
     """
     if reduce not in ("mean", "sum"):
         raise ValueError(f"reduce must be 'mean' or 'sum', got {reduce!r}")
-    axes = _axes(axis_name)
-    tracked = _tracks_variance(axes)
-    paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(grads)
-    leaves = [leaf for _, leaf in paths_leaves]
-    if names is None:
-        names = [path_name(path) for path, _ in paths_leaves]
-    elif len(names) != len(leaves):
-        raise ValueError(f"names has {len(names)} entries but grads has {len(leaves)} leaves")
+    axes = axis_tuple(axis_name)
+    tracked = tracks_variance(axes)
+    leaves, treedef = jax.tree_util.tree_flatten(grads)
+    names = leaf_names(grads, names, label="grads")
     for name, leaf in zip(names, leaves, strict=True):
         _check_leaf(name, leaf, axes, tracked)
     if plan is None:

@@ -16,25 +16,23 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from gradsync_core import Topology, plan_shared_reductions, split_shapes
-from gradsync_jax import make_local, mesh_from_topology
-from gradsync_jax._layers import (
-    MLPTransformer,
-    ParallelMLPTransformer,
-    nnx_functional,
-    shared_param_specs,
-)
-from gradsync_jax._mappings import (
+from gradsync_jax import (
     all_gather_from,
     copy_to,
     gather_from,
+    group_axes,
+    make_local,
     make_shared_local,
-    mesh_axes,
+    mesh_from_topology,
+    nnx_functional,
+    path_name,
     reduce_from,
     reduce_scatter_to,
     reduce_shared_gradients,
     scatter_to,
+    shared_param_specs,
 )
-from gradsync_jax._specs import path_name
+from tests.jax.models import MLPTransformer, ParallelMLPTransformer
 
 TOPO = Topology.create(8, tp=2, cp=2)  # dp=2; mesh axes (pp, dp, ep, cp, tp)
 MESH = mesh_from_topology(TOPO)
@@ -157,7 +155,7 @@ def test_mapping_misuse_is_a_clear_error() -> None:
     seen = []
 
     def resolve(x):
-        seen.append(mesh_axes("tp-cp"))
+        seen.append(group_axes("tp-cp"))
         return x
 
     jax.shard_map(resolve, mesh=MESH, in_specs=P(), out_specs=P())(_put(np.zeros(2), P()))

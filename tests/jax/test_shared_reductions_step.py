@@ -23,12 +23,14 @@ from gradsync_jax import (
     data_parallel_step,
     local_grad,
     mesh_from_topology,
+    nnx_functional,
+    path_name,
     shared_param_specs,
     sync_gradients,
 )
-from gradsync_jax._layers import MLPTransformer, ParallelMLPTransformer, nnx_functional
-from gradsync_jax._specs import path_name
-from tests.jax.test_step import _collectives_in_loops
+from tests.helpers import assert_tree_close
+from tests.jax.hlo import collectives_in_loops
+from tests.jax.models import MLPTransformer, ParallelMLPTransformer
 
 TOPO = Topology.create(8, tp=2, cp=2)  # dp=2
 MESH = mesh_from_topology(TOPO)
@@ -91,17 +93,6 @@ def _run(step, tx):
     return params, state, losses
 
 
-def _assert_close(actual, expected) -> None:
-    flat_a = jax.tree_util.tree_leaves_with_path(actual)
-    flat_e = jax.tree.leaves(expected)
-    assert len(flat_a) == len(flat_e)
-    for (path, a), e in zip(flat_a, flat_e, strict=True):
-        e = np.asarray(e)
-        np.testing.assert_allclose(
-            np.asarray(a), e, rtol=RTOL, atol=RTOL * np.abs(e).max(), err_msg=path_name(path)
-        )
-
-
 @pytest.mark.parametrize(
     ("sp", "accumulate_steps"),
     [(False, 1), (False, 2), (True, 2)],
@@ -122,8 +113,10 @@ def test_step_with_shared_sums_equals_serial_params_and_adam_moments(sp, accumul
     )
     params, state, losses = _run(step, tx)
     ref_params, ref_state, ref_losses = _serial(tx)
-    _assert_close(params, ref_params)
-    _assert_close(state, ref_state)  # mu, nu and count: an N-times gradient shows here
+    assert_tree_close(params, ref_params, rtol=RTOL)
+    assert_tree_close(
+        state, ref_state, rtol=RTOL
+    )  # mu, nu and count: an N-times gradient shows here
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     # The tensor-parallel kernels come back sharded as declared.
     kernel = params["blocks"][0]["fc1"]["kernel"]
@@ -149,14 +142,16 @@ def test_shared_sums_run_once_after_accumulation():
         )
 
     def compiled(step):
-        return step.jitted.lower(PARAMS, state, BATCHES[0]).compile()
+        return jax.jit(step).lower(PARAMS, state, BATCHES[0]).compile()
 
     with_plan, without = compiled(build(plan)), compiled(build(None))
     # The remaining in-loop all-reduces are the tp mappings' (XLA combines what it can:
     # measured 4 with the plan vs 5 without).
-    in_loops = [_collectives_in_loops(c.as_text())[2] for c in (with_plan, without)]
+    in_loops = [collectives_in_loops(c.as_text())[2] for c in (with_plan, without)]
     assert in_loops[0] < in_loops[1], in_loops
-    _assert_close(with_plan(PARAMS, state, BATCHES[0])[0], without(PARAMS, state, BATCHES[0])[0])
+    assert_tree_close(
+        with_plan(PARAMS, state, BATCHES[0])[0], without(PARAMS, state, BATCHES[0])[0], rtol=RTOL
+    )
 
 
 def _named(tree) -> dict:

@@ -14,18 +14,21 @@ import optax
 import pytest
 
 from gradsync_jax import data_parallel_step, shard_optimizer
-from tests.jax.test_step import LOSS as LOSS_FN
-from tests.jax.test_step import MESH, PARAMS, _assert_close, _reference, _run
+from tests.helpers import assert_tree_close
+from tests.jax.step_problem import LOSS as LOSS_FN
+from tests.jax.step_problem import MESH, PARAMS, reference_training, run_training
 
 
 @pytest.mark.parametrize("partition", ["greedy", "flat"])
 def test_sharded_optimizer_step_equals_single_device_full_batch(partition: str) -> None:
     inner = optax.adam(1e-2)
     tx = shard_optimizer(inner, MESH, partition=partition)
-    params, state, losses = _run(data_parallel_step(LOSS_FN, tx, MESH, accumulate_steps=2), tx, 3)
-    ref_params, ref_state, ref_losses = _reference(inner, 3)
-    _assert_close(params, ref_params)
-    _assert_close(tx.gather_state(state, params), ref_state)
+    params, state, losses = run_training(
+        data_parallel_step(LOSS_FN, tx, MESH, accumulate_steps=2), tx, 3
+    )
+    ref_params, ref_state, ref_losses = reference_training(inner, 3)
+    assert_tree_close(params, ref_params)
+    assert_tree_close(tx.gather_state(state, params), ref_state)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
     # The state really is sharded: each device holds less than Adam's full mu + nu (on this
     # tiny model greedy's share is set by its largest tensor, so no tighter bound holds).

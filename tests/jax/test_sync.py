@@ -1,4 +1,4 @@
-"""sync_gradients: the local-gradient contract (docs/design.md §7), mean/sum, dtype, buckets, pmap."""
+"""sync_gradients: the local-gradient contract (docs/design.md §7), mean/sum, dtype, buckets."""
 
 from __future__ import annotations
 
@@ -17,11 +17,12 @@ from gradsync_jax import (
     local_grad,
     make_local,
     mesh_from_topology,
+    param_specs,
     sync_gradients,
     torch_names,
     torch_specs,
 )
-from gradsync_jax._specs import param_specs
+from tests.helpers import assert_tree_close, assert_tree_equal
 
 DP = 8
 
@@ -61,17 +62,6 @@ def _run(body, *, mesh=MESH, check_vma=True, batch_axes="dp"):
     return jax.jit(mapped)(jax.device_put(PARAMS, replicated), jax.device_put(X, sharded))
 
 
-def _assert_tree_close(actual, expected, *, rtol=1e-5) -> None:
-    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
-        e = np.asarray(e)
-        np.testing.assert_allclose(np.asarray(a), e, rtol=rtol, atol=rtol * np.abs(e).max())
-
-
-def _assert_tree_equal(actual, expected) -> None:
-    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(e))
-
-
 def test_mean_and_sum_match_the_per_device_reference() -> None:
     local = _local_grads_reference()
     mean_ref = jax.tree.map(lambda *g: np.mean(np.stack(g), axis=0), *local)
@@ -80,13 +70,13 @@ def test_mean_and_sum_match_the_per_device_reference() -> None:
 
     mean = _run(lambda p, x: sync_gradients(local_grad(_loss)(p, x), "dp"))
     total = _run(lambda p, x: sync_gradients(local_grad(_loss)(p, x), "dp", reduce="sum"))
-    _assert_tree_close(mean, mean_ref)
-    _assert_tree_close(mean, full_batch)
-    _assert_tree_close(total, sum_ref)
+    assert_tree_close(mean, mean_ref)
+    assert_tree_close(mean, full_batch)
+    assert_tree_close(total, sum_ref)
     # Divide-before-sum by a power of two is exact: sum == dp * mean bit for bit.
-    _assert_tree_equal(total, jax.tree.map(lambda g: g * DP, mean))
+    assert_tree_equal(total, jax.tree.map(lambda g: g * DP, mean))
     # The contract's arithmetic (docs/design.md §7: divide by the group size, then sum) bit for bit.
-    _assert_tree_equal(mean, _run(lambda p, x: _divide_then_psum(local_grad(_loss)(p, x))))
+    assert_tree_equal(mean, _run(lambda p, x: _divide_then_psum(local_grad(_loss)(p, x))))
 
 
 def _divide_then_psum(grads):
@@ -106,8 +96,8 @@ def test_mean_over_a_group_that_is_not_a_power_of_two() -> None:
         )
 
     mean = run(lambda p, x: sync_gradients(local_grad(_loss)(p, x), "dp"))
-    _assert_tree_equal(mean, run(lambda p, x: _divide_then_psum(local_grad(_loss)(p, x))))
-    _assert_tree_close(mean, jax.grad(_loss)(PARAMS, x))
+    assert_tree_equal(mean, run(lambda p, x: _divide_then_psum(local_grad(_loss)(p, x))))
+    assert_tree_close(mean, jax.grad(_loss)(PARAMS, x))
 
 
 def test_invariant_gradient_is_refused_not_silently_wrong() -> None:
@@ -116,14 +106,14 @@ def test_invariant_gradient_is_refused_not_silently_wrong() -> None:
     # and the result is DP times the mean (the loss is a per-device mean).
     naive = _run(lambda p, x: lax.pmean(jax.grad(_loss)(p, x), "dp"))
     full_batch = jax.grad(_loss)(PARAMS, X)
-    _assert_tree_close(naive, jax.tree.map(lambda g: g * DP, full_batch))
+    assert_tree_close(naive, jax.tree.map(lambda g: g * DP, full_batch))
 
     message = "gradient 'layer_0/bias' is already invariant over 'dp'.*count it 8 times"
     with pytest.raises(ValueError, match=message):
         _run(lambda p, x: sync_gradients(jax.grad(_loss)(p, x), "dp"))
     # The documented fix: differentiate w.r.t. make_local(params).
     fixed = _run(lambda p, x: sync_gradients(jax.grad(_loss)(make_local(p, "dp"), x), "dp"))
-    _assert_tree_close(fixed, full_batch)
+    assert_tree_close(fixed, full_batch)
 
 
 def test_check_vma_false_and_pmap_give_the_same_gradients() -> None:
@@ -132,14 +122,14 @@ def test_check_vma_false_and_pmap_give_the_same_gradients() -> None:
 
     reference = _run(body)
     # check_vma=False: JAX inserts no psum, gradients are local, the guard cannot apply.
-    _assert_tree_equal(_run(body, check_vma=False), reference)
+    assert_tree_equal(_run(body, check_vma=False), reference)
     # pmap, both with a replicated (in_axes=None) and a stacked parameter argument.
     shards = X.reshape(DP, -1, X.shape[1])
     pmapped = jax.pmap(body, axis_name="dp", in_axes=(None, 0))(PARAMS, shards)
-    _assert_tree_equal(jax.tree.map(lambda g: g[3], pmapped), reference)
+    assert_tree_equal(jax.tree.map(lambda g: g[3], pmapped), reference)
     stacked = jax.tree.map(lambda a: jnp.stack([a] * DP), PARAMS)
     pmapped = jax.pmap(body, axis_name="dp")(stacked, shards)
-    _assert_tree_equal(jax.tree.map(lambda g: g[0], pmapped), reference)
+    assert_tree_equal(jax.tree.map(lambda g: g[0], pmapped), reference)
 
 
 def test_reduce_dtype_bfloat16_compresses_and_restores_dtype() -> None:
@@ -171,7 +161,7 @@ def test_bucket_plan_is_one_collective_per_bucket_and_bitwise_equal() -> None:
     def bucketed(p, x):
         return sync_gradients(local_grad(_loss)(p, x), "dp", plan=plan)
 
-    _assert_tree_equal(_run(bucketed), _run(per_leaf))
+    assert_tree_equal(_run(bucketed), _run(per_leaf))
     args = (
         jax.device_put(PARAMS, NamedSharding(MESH, P())),
         jax.device_put(X, NamedSharding(MESH, P("dp"))),
@@ -192,7 +182,7 @@ def test_plan_from_torch_names_via_names_argument() -> None:
         grads = local_grad(_loss)(p, x)
         return sync_gradients(grads, "dp", plan=plan, names=torch_names(grads))
 
-    _assert_tree_equal(
+    assert_tree_equal(
         _run(bucketed), _run(lambda p, x: sync_gradients(local_grad(_loss)(p, x), "dp"))
     )
     with pytest.raises(ValueError, match="names has 2 entries but grads has 6 leaves"):
@@ -208,7 +198,7 @@ def test_multi_axis_group_reduces_over_the_tuple() -> None:
         mesh=mesh,
         batch_axes=axes,
     )
-    _assert_tree_close(got, jax.grad(_loss)(PARAMS, X))
+    assert_tree_close(got, jax.grad(_loss)(PARAMS, X))
     # Over "dp" alone, a gradient that still varies over "cp" keeps varying: out_specs=P()
     # rejects it, so a forgotten axis cannot pass silently.
     with pytest.raises(Exception, match="cp"):
@@ -233,7 +223,7 @@ def test_unused_parameter_takes_part_with_zeros() -> None:
         jax.device_put(X, NamedSharding(MESH, P("dp"))),
     )
     np.testing.assert_array_equal(got["unused"], np.zeros(5, np.float32))
-    _assert_tree_close({k: v for k, v in got.items() if k != "unused"}, jax.grad(_loss)(PARAMS, X))
+    assert_tree_close({k: v for k, v in got.items() if k != "unused"}, jax.grad(_loss)(PARAMS, X))
 
 
 def test_bad_input_gets_one_clear_sentence() -> None:
@@ -260,4 +250,4 @@ def test_bad_input_gets_one_clear_sentence() -> None:
 def test_auto_axis_mesh_works_too() -> None:
     mesh = mesh_from_topology(Topology.create(DP), axis_types=AxisType.Auto)
     got = _run(lambda p, x: sync_gradients(local_grad(_loss)(p, x), "dp"), mesh=mesh)
-    _assert_tree_close(got, jax.grad(_loss)(PARAMS, X))
+    assert_tree_close(got, jax.grad(_loss)(PARAMS, X))

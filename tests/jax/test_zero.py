@@ -24,9 +24,10 @@ from gradsync_jax import (
     ZeroState,
     clip_by_global_norm,
     mesh_from_topology,
+    param_specs,
     shard_optimizer,
 )
-from gradsync_jax._specs import param_specs
+from tests.helpers import assert_tree_close
 
 STEPS = 10
 SHAPES = {  # six tensors: on 8 devices the greedy plan leaves two devices with nothing
@@ -129,17 +130,6 @@ def sharded_step(txs: list, params: dict, mesh, *, jit: bool = True):
     return jax.jit(mapped) if jit else mapped
 
 
-def assert_tree_close(got, expected, what: str) -> None:
-    got_leaves = jax.tree.leaves(got)
-    expected_leaves = jax.tree.leaves(expected)
-    assert len(got_leaves) == len(expected_leaves), what
-    for a, b in zip(got_leaves, expected_leaves, strict=True):
-        a, b = np.asarray(a), np.asarray(b)
-        assert a.shape == b.shape and a.dtype == b.dtype, what
-        scale = float(np.abs(b).max()) if b.size else 0.0
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * max(scale, 1e-30), err_msg=what)
-
-
 def run_sharded(txs: list, n: int, params: dict, *, steps: int = STEPS, jit: bool = True):
     mesh = mesh_of(n)
     step = sharded_step(txs, params, mesh, jit=jit)
@@ -161,8 +151,16 @@ def test_every_optimizer_matches_unsharded(n: int) -> None:
     for (name, part), tx, p, s in zip(combos, txs, params_list, states, strict=True):
         ref_params, ref_state = run_reference(name, OPTIMIZERS[name], n, params)
         what = f"{name} partition={part} on {n} devices"
-        assert_tree_close(p, ref_params, f"parameters of {what}")
-        assert_tree_close(tx.gather_state(s, params), ref_state, f"optimizer state of {what}")
+        assert_tree_close(
+            p, ref_params, atol_rel=1e-6, check_dtype=True, what=f"parameters of {what}"
+        )
+        assert_tree_close(
+            tx.gather_state(s, params),
+            ref_state,
+            atol_rel=1e-6,
+            check_dtype=True,
+            what=f"optimizer state of {what}",
+        )
         # The state really moved (moments are not still zero): the comparison can fail.
         moved = [np.abs(np.asarray(x)).max() for x in jax.tree.leaves(ref_state) if np.size(x)]
         assert max(moved) > 0, what
@@ -177,8 +175,16 @@ def test_without_jit_matches_unsharded() -> None:
     params_list, states = run_sharded(txs, n, params, steps=2, jit=False)
     for (name, part), tx, p, s in zip(combos, txs, params_list, states, strict=True):
         ref_params, ref_state = run_reference(name, OPTIMIZERS[name], n, params, steps=2)
-        assert_tree_close(p, ref_params, f"{name} {part} without jit")
-        assert_tree_close(tx.gather_state(s, params), ref_state, f"{name} {part} without jit")
+        assert_tree_close(
+            p, ref_params, atol_rel=1e-6, check_dtype=True, what=f"{name} {part} without jit"
+        )
+        assert_tree_close(
+            tx.gather_state(s, params),
+            ref_state,
+            atol_rel=1e-6,
+            check_dtype=True,
+            what=f"{name} {part} without jit",
+        )
 
 
 def test_chain_clip_schedule_inject_hyperparams() -> None:
@@ -202,8 +208,16 @@ def test_chain_clip_schedule_inject_hyperparams() -> None:
     norm = optax.tree.norm(mean_in_device_order(local_grads(n, 0), n))
     assert norm > 2 * max_norm, "the test must clip"
     for tx, p, s in zip(txs, params_list, states, strict=True):
-        assert_tree_close(p, ref_params, f"clipped chain, {tx.partition}")
-        assert_tree_close(tx.gather_state(s, params), ref_state, f"clipped chain {tx.partition}")
+        assert_tree_close(
+            p, ref_params, atol_rel=1e-6, check_dtype=True, what=f"clipped chain, {tx.partition}"
+        )
+        assert_tree_close(
+            tx.gather_state(s, params),
+            ref_state,
+            atol_rel=1e-6,
+            check_dtype=True,
+            what=f"clipped chain {tx.partition}",
+        )
         lr = s.inner[1].hyperparams["learning_rate"]  # the inner state's own fields
         np.testing.assert_array_equal(lr, ref_state[1].hyperparams["learning_rate"])
     # Without clipping the result differs: the comparison above can fail.
@@ -226,8 +240,16 @@ def test_reduce_sum() -> None:
         updates, ref_state = ref_tx.update(grads, ref_state, ref)
         ref = optax.apply_updates(ref, updates)
     for tx, p, s in zip(txs, params_list, states, strict=True):
-        assert_tree_close(p, ref, f"reduce=sum {tx.partition}")
-        assert_tree_close(tx.gather_state(s, params), ref_state, f"reduce=sum {tx.partition}")
+        assert_tree_close(
+            p, ref, atol_rel=1e-6, check_dtype=True, what=f"reduce=sum {tx.partition}"
+        )
+        assert_tree_close(
+            tx.gather_state(s, params),
+            ref_state,
+            atol_rel=1e-6,
+            check_dtype=True,
+            what=f"reduce=sum {tx.partition}",
+        )
 
 
 @pytest.mark.parametrize("partition", ["greedy", "flat"])

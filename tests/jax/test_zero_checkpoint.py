@@ -29,6 +29,7 @@ from gradsync_jax import (
     save_optimizer_state,
     shard_optimizer,
 )
+from tests.helpers import assert_tree_close, assert_tree_equal
 
 BATCH = 32
 SHAPES = {"dense_0": {"kernel": (6, 10), "bias": (10,)}, "head": {"kernel": (10, 3), "bias": (3,)}}
@@ -91,19 +92,6 @@ def reference(steps: int):
     return params, state
 
 
-def assert_close(got, expected) -> None:
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
-        a, b = np.asarray(a), np.asarray(b)
-        scale = float(np.abs(b).max()) if b.size else 0.0
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * max(scale, 1e-30))
-
-
-def assert_equal(got, expected) -> None:
-    assert jax.tree.structure(got) == jax.tree.structure(expected)
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-
-
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """Three steps on 8 devices (greedy), saved."""
@@ -120,15 +108,17 @@ def test_saved_on_8_resumes_on_4(saved, partition: str) -> None:
     tx4 = shard_optimizer(inner(), mesh_of(4), partition=partition)
     state, manifest = load_optimizer_state(directory, tx4, params)
     assert (manifest.world_size, manifest.step, manifest.framework) == (8, 3, "jax")
-    assert_equal(tx4.gather_state(state, params), saved_state)  # bitwise, resharded 8 -> 4
+    assert_tree_equal(
+        tx4.gather_state(state, params), saved_state, same_structure=True
+    )  # bitwise, resharded 8 -> 4
     for leaf, want in zip(
         jax.tree.leaves(state), jax.tree.leaves(tx4.state_shardings(params)), strict=True
     ):
         assert leaf.sharding.is_equivalent_to(want, leaf.ndim)
     params, state = train(tx4, params, state, range(3, 6))
     ref_params, ref_state = reference(6)
-    assert_close(params, ref_params)
-    assert_close(tx4.gather_state(state, params), ref_state)
+    assert_tree_close(params, ref_params, atol_rel=1e-6)
+    assert_tree_close(tx4.gather_state(state, params), ref_state, atol_rel=1e-6)
 
 
 def test_files_are_per_parameter(saved) -> None:
@@ -172,7 +162,7 @@ def test_bad_checkpoints_are_refused(saved, tmp_path) -> None:
         load_optimizer_state(directory, shard_optimizer(optax.lion(1e-3), mesh_of(2)), params)
 
     # Nothing was touched: the state in hand is the one from before the failed loads.
-    assert_equal(tx.gather_state(state, params), before)
+    assert_tree_equal(tx.gather_state(state, params), before, same_structure=True)
 
     # Saving over it on 2 devices replaces the 8 rank files; the result loads.
     save_optimizer_state(corrupt, tx, state, params, step=0)
@@ -181,7 +171,11 @@ def test_bad_checkpoints_are_refused(saved, tmp_path) -> None:
         "rank-00000-of-00002.safetensors",
         "rank-00001-of-00002.safetensors",
     ]
-    assert_equal(tx.gather_state(load_optimizer_state(corrupt, tx, params)[0], params), before)
+    assert_tree_equal(
+        tx.gather_state(load_optimizer_state(corrupt, tx, params)[0], params),
+        before,
+        same_structure=True,
+    )
 
 
 def test_bfloat16_state_round_trip(tmp_path) -> None:
@@ -198,4 +192,4 @@ def test_bfloat16_state_round_trip(tmp_path) -> None:
     loaded, _ = load_optimizer_state(tmp_path / "bf16", tx4, params)
     got = tx4.gather_state(loaded, params)
     assert got[0].mu["head"]["kernel"].dtype == jnp.bfloat16
-    assert_equal(got, tx2.gather_state(state, params))
+    assert_tree_equal(got, tx2.gather_state(state, params), same_structure=True)

@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from gradsync_core import Topology
 from gradsync_jax import make_local, mesh_from_topology, shard_optimizer
+from tests.helpers import assert_tree_close
 
 N, STEPS = 4, 3
 X = jnp.asarray(np.random.default_rng(0).normal(size=(8 * N, 5)), jnp.float32)
@@ -34,12 +35,6 @@ def place(tree):
 
 def specs_of(tree):
     return jax.tree.map(lambda x: x.sharding.spec, tree)
-
-
-def assert_close(got, expected) -> None:
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
-        a, b = np.asarray(a), np.asarray(b)
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * max(float(np.abs(b).max()), 1e-30))
 
 
 class Net(nnx.Module):
@@ -89,9 +84,9 @@ def test_nnx_optimizer() -> None:
         ref_step(ref_model, ref_opt)
     model, optimizer = nnx.merge(graphdef, state)
     params = nnx.as_pure(nnx.state(model, nnx.Param))
-    assert_close(params, nnx.as_pure(nnx.state(ref_model, nnx.Param)))
+    assert_tree_close(params, nnx.as_pure(nnx.state(ref_model, nnx.Param)), atol_rel=1e-6)
     moments = optimizer.tx.gather_state(nnx.as_pure(optimizer.opt_state), params)
-    assert_close(moments, nnx.as_pure(ref_opt.opt_state))
+    assert_tree_close(moments, nnx.as_pure(ref_opt.opt_state), atol_rel=1e-6)
     assert int(optimizer.step[...]) == STEPS
 
 
@@ -127,6 +122,6 @@ def test_linen_train_state() -> None:
     )
     for _ in range(STEPS):
         ref = ref.apply_gradients(grads=jax.grad(loss)(ref.params, X, Y))
-    assert_close(state.params, ref.params)
-    assert_close(tx.gather_state(state.opt_state, params), ref.opt_state)
+    assert_tree_close(state.params, ref.params, atol_rel=1e-6)
+    assert_tree_close(tx.gather_state(state.opt_state, params), ref.opt_state, atol_rel=1e-6)
     assert int(state.step) == STEPS

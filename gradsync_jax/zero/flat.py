@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -23,9 +23,10 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from gradsync_core import BucketPlan, ShardPlan, plan_buckets, plan_flat_shards
-from gradsync_jax._sync import _tracks_variance, _varying
-from gradsync_jax._zero_clip import shard_context
-from gradsync_jax._zero_space import ModelSpace, key_part, path_parts, reduce_scatter
+from gradsync_jax._axes import psum_scatter_mean, tracks_variance, varying
+from gradsync_jax.zero.clip import shard_context
+from gradsync_jax.zero.layout import Collective, UpdateInputs, UpdateResult, ZeroState
+from gradsync_jax.zero.model_space import ModelSpace, key_part, path_parts
 
 # Transformations already probed, by their update function (the probe compiles once).
 _CHECKED: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
@@ -108,29 +109,41 @@ def check_elementwise(inner: optax.GradientTransformation) -> None:
         _CHECKED[inner.update] = True
 
 
+class FlatSlot(NamedTuple):
+    """Where a parameter sits in its bucket."""
+
+    param: int  # parameter leaf index
+    offset: int  # elements from the bucket start
+
+
+class FlatSource(NamedTuple):
+    """Where one leaf of the flat inner state comes from."""
+
+    kind: str  # "global" (count, hyper-parameters) or "element" (mu, nu: one bucket's chunk)
+    index: int  # "global": index into space.leaves; "element": the state prefix's id
+    bucket: int  # "element": the bucket; -1 for "global"
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class FlatLayout:
+    """Implements ``Layout``: device ``i`` holds chunk ``i`` of every bucket's state."""
+
     space: ModelSpace
     n: int
     plan: ShardPlan
     buckets: BucketPlan
-    slots: tuple[tuple[tuple[int, int], ...], ...]  # per bucket: (param leaf, offset)
+    slots: tuple[tuple[FlatSlot, ...], ...]  # per bucket, in slot order
     state_treedef: Any  # of inner.init(chunks): a tuple of 1-D chunks, one per bucket
-    # per inner leaf: ("global", space index, -1) | ("element", space prefix id, bucket)
-    sources: tuple[tuple[str, int, int], ...]
+    sources: tuple[FlatSource, ...]  # per inner leaf
     element_leaves: dict[tuple[int, int], int]  # (prefix id, param leaf) -> space index
     state_dtypes: tuple[str, ...]  # per inner leaf
-
-    @property
-    def partition(self) -> str:
-        return "flat"
 
     def chunk(self, bucket: int) -> int:
         return self.buckets.buckets[bucket].numel // self.n
 
-    def state_specs(self, spec: Any) -> tuple[Any, dict[str, Any]]:
-        leaves = [P(spec) if kind == "element" else P() for kind, _, _ in self.sources]
-        return self.state_treedef.unflatten(leaves), {}
+    def state_specs(self, spec_entry: Any) -> ZeroState:
+        leaves = [P(spec_entry) if s.kind == "element" else P() for s in self.sources]
+        return ZeroState(inner=self.state_treedef.unflatten(leaves), shards={})
 
     def nbytes_per_device(self) -> int:
         total = 0
@@ -140,6 +153,12 @@ class FlatLayout:
                 self.chunk(bucket) if kind == "element" else self.space.leaves[index].numel
             )
         return total
+
+    def init_sharded(self) -> bool:
+        return True
+
+    def init_inputs(self, leaves: list[Any]) -> list[jax.Array]:
+        return self._flat(leaves)
 
     def _flat(self, leaves: list[Any]) -> list[jax.Array]:
         """Per bucket, the parameters' values in slot order, zero-padded (a full copy)."""
@@ -154,25 +173,22 @@ class FlatLayout:
 
     # -- inside shard_map ------------------------------------------------------------------
 
-    def init_local(self, inner: optax.GradientTransformation, chunks: list[Any], axes: Any) -> Any:
-        return inner.init(tuple(chunks)), {}
+    def init_local(
+        self, inner: optax.GradientTransformation, inputs: list[Any], axes: tuple[str, ...]
+    ) -> ZeroState:
+        return ZeroState(inner=inner.init(tuple(inputs)), shards={})
 
     def update_local(
         self,
         inner: optax.GradientTransformationExtraArgs,
-        grads: list[jax.Array],
-        inner_state: Any,
-        shards: dict[str, jax.Array],
-        params: list[Any] | None,
-        extra_args: dict[str, Any],
-        axes: Any,
-        mean: bool,
-    ) -> tuple[list[jax.Array], Any, dict[str, jax.Array]]:
-        del shards
-        g_chunks = []
-        for flat in self._flat(grads):
-            g_chunks.append(reduce_scatter(flat, axes, self.n, mean))
-        g_chunks = tuple(g_chunks)
+        inputs: UpdateInputs,
+        group: Collective,
+    ) -> UpdateResult:
+        axes, params = group.axes, inputs.params
+        g_chunks = tuple(
+            psum_scatter_mean(flat, axes, self.n, mean=group.mean)
+            for flat in self._flat(inputs.grads)
+        )
         p_chunks = None
         if params is not None:
             index = lax.axis_index(axes)
@@ -182,11 +198,13 @@ class FlatLayout:
             )
         norm = jnp.sqrt(lax.psum(sum(jnp.sum(jnp.square(g)) for g in g_chunks), axes))
         with shard_context(g_chunks, norm):
-            u_chunks, inner_state = inner.update(g_chunks, inner_state, p_chunks, **extra_args)
-        if _tracks_variance(axes):  # a global leaf computed from this device's chunk only
+            u_chunks, inner_state = inner.update(
+                g_chunks, inputs.state.inner, p_chunks, **inputs.extra_args
+            )
+        if tracks_variance(axes):  # a global leaf computed from this device's chunk only
             leaves = self.state_treedef.flatten_up_to(inner_state)
             for (kind, index, _), leaf in zip(self.sources, leaves, strict=True):
-                if kind == "global" and set(axes) & _varying(leaf):
+                if kind == "global" and set(axes) & varying(leaf):
                     raise _not_elementwise(
                         f"computes its state leaf {self.space.leaves[index].name!r} from the "
                         "gradient as a whole"
@@ -201,13 +219,12 @@ class FlatLayout:
             jnp.zeros(spec.shape, spec.dtype) if u is None else u
             for spec, u in zip(self.space.specs, updates, strict=True)
         ]
-        return updates, inner_state, {}
+        return UpdateResult(updates=updates, state=ZeroState(inner=inner_state, shards={}))
 
     # -- host side: model space <-> storage ------------------------------------------------
 
-    def gather(self, inner_state: Any, shards: dict[str, Any]) -> list[np.ndarray]:
-        del shards
-        values = [np.asarray(x) for x in self.state_treedef.flatten_up_to(inner_state)]
+    def gather(self, state: ZeroState) -> list[np.ndarray]:
+        values = [np.asarray(x) for x in self.state_treedef.flatten_up_to(state.inner)]
         out: list[Any] = [None] * len(self.space.leaves)
         for (kind, index, bucket), value in zip(self.sources, values, strict=True):
             if kind == "global":
@@ -222,7 +239,7 @@ class FlatLayout:
                 out[k] = np.zeros(leaf.shape, leaf.dtype)
         return out
 
-    def scatter(self, leaves: list[np.ndarray]) -> tuple[Any, dict[str, Any]]:
+    def scatter(self, leaves: list[np.ndarray]) -> ZeroState:
         values = []
         for (kind, index, bucket), dtype in zip(self.sources, self.state_dtypes, strict=True):
             if kind == "global":
@@ -234,7 +251,7 @@ class FlatLayout:
                 value = np.ravel(leaves[leaf_index])
                 flat[offset : offset + value.size] = value
             values.append(flat)
-        return self.state_treedef.unflatten(values), {}
+        return ZeroState(inner=self.state_treedef.unflatten(values), shards={})
 
 
 def build_flat(
@@ -245,7 +262,7 @@ def build_flat(
     plan = plan_flat_shards(buckets, world_size=n)
     position = {spec.name: i for i, spec in enumerate(space.specs)}
     slots = tuple(
-        tuple((position[slot.name], slot.offset) for slot in bucket.slots)
+        tuple(FlatSlot(position[slot.name], slot.offset) for slot in bucket.slots)
         for bucket in buckets.buckets
     )
 
@@ -277,7 +294,7 @@ def build_flat(
         if tuple(leaf.shape) == tuple(bigger.shape):
             if joined not in space.global_by_path:
                 raise _not_elementwise(f"keeps a state leaf {joined!r} not tied to elements")
-            sources.append(("global", space.global_by_path[joined], -1))
+            sources.append(FlatSource("global", space.global_by_path[joined], -1))
             continue
         bucket = int(key_part(path[-1])) if path else -1
         prefix = ".".join(parts[:-1])
@@ -289,7 +306,7 @@ def build_flat(
                 raise _not_elementwise(
                     f"keeps state {prefix!r} of a shape other than its parameter's"
                 )
-        sources.append(("element", prefixes[prefix], bucket))
+        sources.append(FlatSource("element", prefixes[prefix], bucket))
     covered = sum(len(slots[b]) for kind, _, b in sources if kind == "element")
     if covered != len(by_prefix_param):
         raise _not_elementwise("keeps per-parameter state that the flat layout cannot hold")

@@ -40,12 +40,11 @@ import numpy as np
 from jax import lax
 
 from gradsync_core import ReductionPlan, split_shapes
-from gradsync_jax._specs import path_name
+from gradsync_jax._axes import AxisName, varying
+from gradsync_jax._specs import leaf_names
 
-AxisName = str | tuple[str, ...]
 
-
-def mesh_axes(axis: AxisName) -> tuple[str, ...]:
+def group_axes(axis: AxisName) -> tuple[str, ...]:
     """Mesh axis names of ``axis``; a group name ``"tp-cp"`` becomes ``("cp", "tp")``.
 
     Raises:
@@ -69,17 +68,11 @@ def mesh_axes(axis: AxisName) -> tuple[str, ...]:
     return names
 
 
-def _varying(x: Any) -> frozenset[str]:
-    aval = jax.typeof(x)
-    mat = getattr(aval, "mat", None)  # jax >= 0.9
-    return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
-
-
 def _group(axis: AxisName, who: str) -> tuple[tuple[str, ...], int]:
     """(mesh axes, group size); checks that JAX tracks variance (the transposes need it)."""
-    axes = mesh_axes(axis)
+    axes = group_axes(axis)
     n = math.prod(lax.axis_size(a) for a in axes)
-    if n > 1 and not set(axes) <= _varying(lax.axis_index(axes)):
+    if n > 1 and not set(axes) <= varying(lax.axis_index(axes)):
         raise ValueError(
             f"{who} needs jax.shard_map(..., check_vma=True) (the default): its backward "
             "is JAX's transpose of a typed collective, which check_vma=False changes"
@@ -134,9 +127,9 @@ def copy_to(x: jax.Array, axis: AxisName) -> jax.Array:
     axes, n = _group(axis, "copy_to")
     if n == 1:
         return x
-    if set(axes) & _varying(x):
+    if set(axes) & varying(x):
         raise ValueError(
-            f"copy_to: x already varies over {sorted(set(axes) & _varying(x))}; copy_to enters "
+            f"copy_to: x already varies over {sorted(set(axes) & varying(x))}; copy_to enters "
             "a region from a value replicated over the group (drop copy_to, or reduce first)"
         )
     return lax.pcast(x, axes, to="varying")
@@ -215,12 +208,8 @@ def all_gather_from(
 def _leaf_groups(
     tree: Any, plan: ReductionPlan, names: Sequence[str] | None
 ) -> tuple[list[Any], Any, list[str]]:
-    paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    leaves = [leaf for _, leaf in paths_leaves]
-    if names is None:
-        names = [path_name(path) for path, _ in paths_leaves]
-    elif len(names) != len(leaves):
-        raise ValueError(f"names has {len(names)} entries but the tree has {len(leaves)} leaves")
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    names = leaf_names(tree, names)
     known = set(names)
     for reduction in plan.reductions:
         for name in reduction.names:
@@ -229,7 +218,7 @@ def _leaf_groups(
                     f"the reduction plan names {name!r}, which is not a leaf here; build the "
                     "plan from the same tree (shared_param_specs) or pass names="
                 )
-    return leaves, treedef, list(names)
+    return leaves, treedef, names
 
 
 def make_shared_local(
@@ -252,8 +241,8 @@ def make_shared_local(
     for name, leaf in zip(names, leaves, strict=True):
         group = group_of.get(name)
         if group is not None:
-            missing = tuple(a for a in plan.topology.mesh_axes(group) if a not in _varying(leaf))
-            if missing and set(missing) <= _varying(lax.axis_index(missing)):
+            missing = tuple(a for a in plan.topology.mesh_axes(group) if a not in varying(leaf))
+            if missing and set(missing) <= varying(lax.axis_index(missing)):
                 leaf = lax.pcast(leaf, missing, to="varying")
         out.append(leaf)
     return jax.tree_util.tree_unflatten(treedef, out)
@@ -283,11 +272,11 @@ def reduce_shared_gradients(
     out = list(leaves)
     for reduction in plan.reductions:
         axes = plan.topology.mesh_axes(reduction.group)
-        tracked = set(axes) <= _varying(lax.axis_index(axes))
+        tracked = set(axes) <= varying(lax.axis_index(axes))
         for bucket in reduction.buckets.buckets:
             members = [position[slot.name] for slot in bucket.slots]
             for i in members:
-                if tracked and not set(axes) <= _varying(leaves[i]):
+                if tracked and not set(axes) <= varying(leaves[i]):
                     raise ValueError(
                         f"gradient {names[i]!r} is already invariant over {axes}: JAX summed it "
                         "because its parameter was replicated there, and a psum would count it "

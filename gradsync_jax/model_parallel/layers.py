@@ -1,4 +1,4 @@
-"""Reference tensor/context-parallel layers in Flax NNX, and replicated_over derived (docs/design.md §6).
+"""Tensor/context-parallel layers in Flax NNX, and replicated_over derived (docs/design.md §6).
 
 The layers hold GLOBAL parameters annotated with ``out_sharding`` (``(None, "tp")`` for a
 column-parallel kernel), so a model is built, initialized and checkpointed on one device like
@@ -21,13 +21,14 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
 from gradsync_core import ParamSpec, replicated_axes
-from gradsync_jax._mappings import (
+from gradsync_jax._axes import spec_entry_axes
+from gradsync_jax._specs import param_specs
+from gradsync_jax.model_parallel.mappings import (
     all_gather_from,
     copy_to,
     reduce_from,
     reduce_scatter_to,
 )
-from gradsync_jax._specs import param_specs
 
 _default_init = nnx.initializers.lecun_normal()
 
@@ -111,89 +112,6 @@ class RowParallelLinear(nnx.Module):
         return y if self.bias is None else y + self.bias[...]
 
 
-class MLPBlock(nnx.Module):
-    """Serial reference block: ``x + fc2(gelu(fc1(ln(x))))`` (a transformer block, no attention)."""
-
-    def __init__(self, dim: int, hidden: int, *, rngs: nnx.Rngs) -> None:
-        self.ln = nnx.LayerNorm(dim, rngs=rngs)
-        self.fc1 = nnx.Linear(dim, hidden, rngs=rngs)
-        self.fc2 = nnx.Linear(hidden, dim, rngs=rngs)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return x + self.fc2(nnx.gelu(self.fc1(self.ln(x)), approximate=False))
-
-
-class MLPTransformer(nnx.Module):
-    """Serial reference: ``depth`` ``MLPBlock``s and a final ``LayerNorm``, on (batch, seq, dim)."""
-
-    def __init__(self, dim: int, hidden: int, depth: int, *, rngs: nnx.Rngs) -> None:
-        self.blocks = nnx.List([MLPBlock(dim, hidden, rngs=rngs) for _ in range(depth)])
-        self.norm = nnx.LayerNorm(dim, rngs=rngs)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        for block in self.blocks:
-            x = block(x)
-        return self.norm(x)
-
-
-class ParallelMLPBlock(nnx.Module):
-    """``MLPBlock`` with fc1 column- and fc2 row-parallel on ``axis``; same parameter tree.
-
-    The LayerNorm is Flax's own: on a sequence chunk (cp, sequence parallelism) it normalizes
-    token by token exactly as the serial one does.
-    """
-
-    def __init__(
-        self,
-        dim: int,
-        hidden: int,
-        *,
-        axis: str = "tp",
-        sequence_parallel: bool = False,
-        rngs: nnx.Rngs,
-    ) -> None:
-        kw = {"axis": axis, "sequence_parallel": sequence_parallel, "rngs": rngs}
-        self.ln = nnx.LayerNorm(dim, rngs=rngs)
-        self.fc1 = ColumnParallelLinear(dim, hidden, **kw)
-        self.fc2 = RowParallelLinear(hidden, dim, **kw)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return x + self.fc2(nnx.gelu(self.fc1(self.ln(x)), approximate=False))
-
-
-class ParallelMLPTransformer(nnx.Module):
-    """``MLPTransformer`` for ``shard_map``: tensor-parallel blocks, tokens split as the input is.
-
-    Its parameter tree equals the serial model's, so ``nnx.update(parallel,
-    nnx.state(serial))`` copies a serial model in. Run it with ``nnx_functional``.
-    """
-
-    def __init__(
-        self,
-        dim: int,
-        hidden: int,
-        depth: int,
-        *,
-        axis: str = "tp",
-        sequence_parallel: bool = False,
-        rngs: nnx.Rngs,
-    ) -> None:
-        self.blocks = nnx.List(
-            [
-                ParallelMLPBlock(
-                    dim, hidden, axis=axis, sequence_parallel=sequence_parallel, rngs=rngs
-                )
-                for _ in range(depth)
-            ]
-        )
-        self.norm = nnx.LayerNorm(dim, rngs=rngs)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        for block in self.blocks:
-            x = block(x)
-        return self.norm(x)
-
-
 def nnx_functional(
     model: nnx.Module,
 ) -> tuple[Callable[[Any, jax.Array], jax.Array], dict[str, Any], dict[str, Any]]:
@@ -204,7 +122,7 @@ def nnx_functional(
     ``out_sharding``; ``P()`` when unannotated): the ``in_specs``/``out_specs`` for params.
 
     Example:
-        >>> apply, params, specs = nnx_functional(ParallelMLPTransformer(8, 32, 2, rngs=rngs))
+        >>> apply, params, specs = nnx_functional(model)  # model built from the layers above
         >>> step = jax.shard_map(fn, mesh=mesh, in_specs=(specs, P("dp", "cp")), ...)
     """
     graphdef, state = nnx.split(model, nnx.Param)
@@ -217,16 +135,10 @@ def nnx_functional(
     return apply, params, specs
 
 
-def _spec_axes(entry: Any) -> tuple[str, ...]:
-    if entry is None:
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)
-
-
 def _local_shape(shape: tuple[int, ...], spec: PartitionSpec, mesh: Mesh) -> tuple[int, ...]:
     out = list(shape)
     for dim, entry in enumerate(spec):
-        parts = math.prod(mesh.shape[a] for a in _spec_axes(entry))
+        parts = math.prod(mesh.shape[a] for a in spec_entry_axes(entry))
         if out[dim] % parts:
             raise ValueError(
                 f"a dim of {out[dim]} is sharded as {entry!r} over {parts} devices, which "
@@ -257,7 +169,7 @@ def shared_param_specs(
         >>> [s.replicated_over for s in specs if s.name == "norm/scale"]
         [('cp',)]
     """
-    data_axes = [a for entry in data_spec for a in _spec_axes(entry)]
+    data_axes = [a for entry in data_spec for a in spec_entry_axes(entry)]
     leaves, treedef = jax.tree_util.tree_flatten(params)
     spec_leaves = treedef.flatten_up_to(specs)
     local = treedef.unflatten(
@@ -270,7 +182,7 @@ def shared_param_specs(
         replace(
             spec,
             replicated_over=replicated_axes(
-                sharded_over=[a for entry in s for a in _spec_axes(entry)],
+                sharded_over=[a for entry in s for a in spec_entry_axes(entry)],
                 data_sharded_over=data_axes,
             ),
         )

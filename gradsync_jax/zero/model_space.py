@@ -17,7 +17,6 @@ from typing import Any
 import jax
 import numpy as np
 import optax
-from jax import lax
 
 from gradsync_core import ParamSpec
 from gradsync_jax._specs import param_specs
@@ -169,23 +168,3 @@ def model_space(inner: optax.GradientTransformation, params: Any) -> ModelSpace:
         },
         optimizer="optax:" + ",".join(types),
     )
-
-
-def divide_after(dtype: Any, n: int) -> bool:
-    """True when dividing the sum by ``n`` is bitwise the same as summing divided values.
-
-    DDP divides before the sum (docs/design.md §7) so fp16 sums cannot overflow. For a power-of-two
-    ``n`` and a wide-exponent dtype the division is exact, so the result can be divided
-    instead: a pass over 1/n of the gradient rather than over all of it.
-    """
-    return np.dtype(dtype).name in ("float32", "float64", "bfloat16") and n & (n - 1) == 0
-
-
-def reduce_scatter(buf: jax.Array, axes: tuple[str, ...], n: int, mean: bool) -> jax.Array:
-    """Sum ``buf`` (leading dimension a multiple of ``n``) over ``axes`` and keep this
-    device's chunk, divided by ``n`` with ``mean`` (see ``divide_after``)."""
-    after = mean and divide_after(buf.dtype, n)
-    if mean and not after:
-        buf = buf / n
-    out = lax.psum_scatter(buf, axes, scatter_dimension=0, tiled=True)
-    return out / n if after else out

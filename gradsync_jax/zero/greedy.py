@@ -5,7 +5,7 @@ rule), so a torch job with the same parameter list picks the same owners. Device
 the inner transformation on the whole tensors it owns, so any Optax optimizer works, Adafactor
 included. The devices own different trees, so the update branches on ``lax.axis_index``
 (``lax.switch``: each device executes only its own branch), and the per-parameter state lives
-in row buffers (``_zero_rows``): ``(N, L)`` arrays sharded ``P(axis)``, one row per device.
+in row buffers (``rows``): ``(N, L)`` arrays sharded ``P(axis)``, one row per device.
 
 One step: the gradients packed by owner and reduce-scattered (each device receives the
 summed gradients of the tensors it owns), the inner update on them, then an all-gather of the
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -25,23 +25,22 @@ import optax
 from jax import lax
 
 from gradsync_core import ShardPlan, plan_greedy_shards
-from gradsync_jax._sync import _tracks_variance, _varying
-from gradsync_jax._zero_clip import shard_context
-from gradsync_jax._zero_rows import Rows, plan_rows
-from gradsync_jax._zero_space import ModelSpace, path_parts, reduce_scatter
+from gradsync_jax._axes import cast_varying, psum_scatter_mean, tracks_variance, varying
+from gradsync_jax.zero.clip import shard_context
+from gradsync_jax.zero.layout import Collective, UpdateInputs, UpdateResult, ZeroState
+from gradsync_jax.zero.model_space import ModelSpace, path_parts
+from gradsync_jax.zero.rows import Rows, plan_rows
+
+# The branches of ``lax.switch`` must return equal types, and a device that owns nothing
+# returns constants where the others return varying values: every branch output goes
+# through ``cast_varying``.
 
 
-def _vary(tree: Any, axes: tuple[str, ...]) -> Any:
-    """Mark every leaf varying over ``axes``: ``lax.switch`` needs equal output types, and a
-    device that owns nothing returns constants where the others return varying values."""
-    if not _tracks_variance(axes):
-        return tree
+class StateSource(NamedTuple):
+    """Where one leaf of a device's inner state is stored."""
 
-    def cast(x: Any) -> Any:
-        missing = tuple(a for a in axes if a not in _varying(x))
-        return lax.pcast(x, missing, to="varying") if missing else x
-
-    return jax.tree.map(cast, tree)
+    kind: str  # "global" (count, hyper-parameters: replicated) or "param" (a state row)
+    index: int  # index into space.leaves
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -49,11 +48,27 @@ class DeviceState:
     """How one device's inner state (``inner.init`` of its owned tree) maps to storage."""
 
     treedef: Any
-    sources: tuple[tuple[str, int], ...]  # per leaf: ("global" | "param", space index)
+    sources: tuple[StateSource, ...]  # per leaf of the device's inner state
+
+
+class _Operands(NamedTuple):
+    """The per-device inputs of the update branches."""
+
+    chunks: list[list[jax.Array]]  # per gradient buffer: this device's reduced column chunks
+    rows: list[jax.Array]  # this device's state rows, one per state buffer
+    globals_: list[jax.Array]  # the global state leaves (replicated)
+    params: list[Any] | None
+
+
+def _global_norm(chunks: list[list[jax.Array]], axes: tuple[str, ...]) -> jax.Array:
+    squares = [jnp.sum(jnp.square(c)) for cs in chunks for c in cs]
+    return jnp.sqrt(lax.psum(sum(squares, jnp.zeros((), jnp.float32)), axes))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class GreedyLayout:
+    """Implements ``Layout``: device ``d`` stores the state of the parameters it owns."""
+
     space: ModelSpace
     n: int
     plan: ShardPlan
@@ -66,17 +81,20 @@ class GreedyLayout:
     empty: DeviceState  # the state of a device that owns nothing: global leaves only
 
     @property
-    def partition(self) -> str:
-        return "greedy"
-
-    @property
     def globals(self) -> list[int]:
         return [i for i, s in enumerate(self.space.leaves) if s.param is None]
 
-    def state_specs(self, spec: Any) -> tuple[Any, dict[str, Any]]:
-        """(inner spec tree, shards spec dict): globals replicated, per-parameter leaves None."""
+    def state_specs(self, spec_entry: Any) -> ZeroState:
+        """Globals replicated, per-parameter leaves ``None``, rows sharded over the axis."""
         inner = self._inner([jax.sharding.PartitionSpec()] * len(self.globals))
-        return inner, {name: jax.sharding.PartitionSpec(spec) for name in self.state.names()}
+        rows = {name: jax.sharding.PartitionSpec(spec_entry) for name in self.state.names()}
+        return ZeroState(inner=inner, shards=rows)
+
+    def init_sharded(self) -> bool:
+        return False
+
+    def init_inputs(self, leaves: list[Any]) -> list[Any]:
+        return leaves
 
     def nbytes_per_device(self) -> int:
         leaves = self.space.leaves
@@ -110,7 +128,8 @@ class GreedyLayout:
                 per_param[index] = leaf
         return per_param, [globals_[i] for i in self.globals]
 
-    def _device_state(self, device: DeviceState, rows: list[Any], globals_: list[Any]) -> Any:
+    def _state_of_device(self, device: DeviceState, rows: list[Any], globals_: list[Any]) -> Any:
+        """A device's inner state (as ``inner.update`` takes it) from its rows and the globals."""
         by_index = dict(zip(self.globals, globals_, strict=True))
         leaves = [
             by_index[index]
@@ -162,104 +181,127 @@ class GreedyLayout:
 
     # -- inside shard_map ------------------------------------------------------------------
 
-    def init_local(self, inner: optax.GradientTransformation, params: list[Any], axes: Any) -> Any:
+    def init_local(
+        self, inner: optax.GradientTransformation, inputs: list[Any], axes: tuple[str, ...]
+    ) -> ZeroState:
         def branch(d: int) -> Any:
             def run(params: list[Any]) -> Any:
                 state = inner.init(self._owned_tree(d, params))
                 per_param, globals_ = self._split_state(self.devices[d], state)
-                return _vary((self.state.pack(d, per_param), globals_), axes)
+                return cast_varying((self.state.pack(d, per_param), globals_), axes)
 
             return run
 
         rows, globals_ = lax.switch(
-            lax.axis_index(axes), [branch(d) for d in range(self.n)], params
+            lax.axis_index(axes), [branch(d) for d in range(self.n)], inputs
         )
         # Every device computes the same global leaves (count, hyper-parameters); the switch
         # makes them device-varying, so take device 0's to return them replicated.
         globals_ = [lax.all_gather(g, axes, to="invarying")[0] for g in globals_]
-        return self._inner(globals_), dict(
-            zip(self.state.names(), [r[None] for r in rows], strict=True)
-        )
+        shards = dict(zip(self.state.names(), [r[None] for r in rows], strict=True))
+        return ZeroState(inner=self._inner(globals_), shards=shards)
 
     def update_local(
         self,
         inner: optax.GradientTransformationExtraArgs,
-        grads: list[jax.Array],
-        inner_state: Any,
-        shards: dict[str, jax.Array],
-        params: list[Any] | None,
-        extra_args: dict[str, Any],
-        axes: Any,
-        mean: bool,
-    ) -> tuple[list[jax.Array], Any, dict[str, jax.Array]]:
-        specs = self.space.specs
+        inputs: UpdateInputs,
+        group: Collective,
+    ) -> UpdateResult:
+        """Reduce-scatter the gradients by owner, run each device's own inner update in a
+        ``lax.switch`` branch, all-gather the updates."""
         chunks = [
             [
-                reduce_scatter(self._grad_chunk(grads, b, lo, hi), axes, self.n, mean)
+                psum_scatter_mean(
+                    self._grad_chunk(inputs.grads, b, lo, hi), group.axes, self.n, mean=group.mean
+                )
                 for lo, hi in itertools.pairwise(cuts)
             ]
             for b, cuts in enumerate(self.grad_cuts)
         ]
-        globals_ = list(jax.tree.leaves(inner_state))  # exactly the global leaves, in order
-        rows = [shards[name][0] for name in self.state.names()]
-
-        asked: list[bool] = []
-        # ``owned_update`` reads ``norm`` when called: a stand-in for the trial traces below,
-        # then the real norm (or None when nothing reads it) for the branches.
-        norm: jax.Array | None = jnp.zeros((), jnp.float32)
-
-        def owned_update(d: int, chunks: Any, rows: Any, globals_: Any, params: Any) -> Any:
-            leaves: list[Any] = [None] * len(specs)
-            for i in self.owned[d]:
-                leaves[i] = self._owned_grad(chunks, i)
-            g_tree = self.space.param_treedef.unflatten(leaves)
-            state = self._device_state(self.devices[d], rows, globals_)
-            with shard_context(g_tree, norm, asked):
-                u_tree, state = inner.update(
-                    g_tree, state, self._owned_tree(d, params), **extra_args
-                )
-            u_leaves = self.space.param_treedef.flatten_up_to(u_tree)
-            return {i: u_leaves[i] for i in self.owned[d]}, state
-
-        # The updates' dtypes are the inner transformation's business (e.g. fp32 updates of
-        # bf16 parameters): read them from an abstract run, then lay out their rows.
-        operands = (chunks, rows, globals_, params)
-        upd_items = []
-        for d in range(self.n):
-            out = jax.eval_shape(lambda *ops, d=d: owned_update(d, *ops)[0], *operands)
-            upd_items.append([(i, np.dtype(out[i].dtype).name, specs[i].numel) for i in out])
-        upd = plan_rows(upd_items)
-        # The global norm for clip_by_global_norm, only if the trial traces read it: each
-        # device sums the squares of what it owns, one scalar psum (outside the branches).
-        norm = None
-        if asked:
-            squares = [jnp.sum(jnp.square(c)) for cs in chunks for c in cs]
-            norm = jnp.sqrt(lax.psum(sum(squares, jnp.zeros((), jnp.float32)), axes))
+        globals_ = list(jax.tree.leaves(inputs.state.inner))  # exactly the global leaves
+        rows = [inputs.state.shards[name][0] for name in self.state.names()]
+        operands = _Operands(chunks=chunks, rows=rows, globals_=globals_, params=inputs.params)
+        update_rows, reads_norm = self._probe(inner, operands, inputs.extra_args)
+        # The global norm for clip_by_global_norm, only if the probe read it: each device sums
+        # the squares of what it owns, one scalar psum outside the branches (an unused psum
+        # cannot always be removed by XLA).
+        norm = _global_norm(chunks, group.axes) if reads_norm else None
 
         def branch(d: int) -> Any:
-            def run(chunks: Any, rows: Any, globals_: Any, params: Any) -> Any:
-                u_leaves, state = owned_update(d, chunks, rows, globals_, params)
+            def run(operands: _Operands) -> Any:
+                u_leaves, state = self._owned_update(inner, d, operands, norm, inputs.extra_args)
                 per_param, new_globals = self._split_state(self.devices[d], state)
-                packed = (upd.pack(d, u_leaves), self.state.pack(d, per_param), new_globals)
-                return _vary(packed, axes)
+                packed = (update_rows.pack(d, u_leaves), self.state.pack(d, per_param), new_globals)
+                return cast_varying(packed, group.axes)
 
             return run
 
         u_rows, s_rows, new_globals = lax.switch(
-            lax.axis_index(axes), [branch(d) for d in range(self.n)], *operands
+            lax.axis_index(group.axes), [branch(d) for d in range(self.n)], operands
         )
-        gathered = [lax.all_gather(r, axes, to="invarying") for r in u_rows]  # (N, L) each
-        updates = []
-        for i, spec in enumerate(specs):
-            owner_rows = [g[self.owner[i]] for g in gathered]
-            updates.append(upd.unpack(owner_rows, i, spec.shape))
+        updates = self._gather_updates(update_rows, u_rows, group.axes)
         if norm is None:
             norm = jnp.zeros((), jnp.float32)  # not read by the inner update
-        outside = self._global_update(inner, globals_, params, norm, extra_args, axes)
+        outside = self._global_update(
+            inner, globals_, inputs.params, norm, inputs.extra_args, group.axes
+        )
         if outside is None:  # device 0's values, replicated by a (tiny) all-gather
-            outside = [lax.all_gather(g, axes, to="invarying")[0] for g in new_globals]
+            outside = [lax.all_gather(g, group.axes, to="invarying")[0] for g in new_globals]
         new_shards = dict(zip(self.state.names(), [r[None] for r in s_rows], strict=True))
-        return updates, self._inner(outside), new_shards
+        return UpdateResult(updates=updates, state=ZeroState(self._inner(outside), new_shards))
+
+    def _owned_update(
+        self,
+        inner: optax.GradientTransformationExtraArgs,
+        d: int,
+        operands: _Operands,
+        norm: jax.Array | None,
+        extra_args: dict[str, Any],
+        norm_reads: list[bool] | None = None,
+    ) -> tuple[dict[int, jax.Array], Any]:
+        """Device ``d``'s inner update of the tensors it owns: (updates by leaf, new state)."""
+        leaves: list[Any] = [None] * len(self.space.specs)
+        for i in self.owned[d]:
+            leaves[i] = self._owned_grad(operands.chunks, i)
+        g_tree = self.space.param_treedef.unflatten(leaves)
+        state = self._state_of_device(self.devices[d], operands.rows, operands.globals_)
+        with shard_context(g_tree, norm, norm_reads):
+            u_tree, state = inner.update(
+                g_tree, state, self._owned_tree(d, operands.params), **extra_args
+            )
+        u_leaves = self.space.param_treedef.flatten_up_to(u_tree)
+        return {i: u_leaves[i] for i in self.owned[d]}, state
+
+    def _probe(
+        self,
+        inner: optax.GradientTransformationExtraArgs,
+        operands: _Operands,
+        extra_args: dict[str, Any],
+    ) -> tuple[Rows, bool]:
+        """Trace every device's update abstractly: the row layout of the updates (their
+        dtypes are the inner transformation's business, e.g. fp32 updates of bf16
+        parameters) and whether it reads the global norm."""
+        stand_in = jnp.zeros((), jnp.float32)
+        norm_reads: list[bool] = []
+        items = []
+        for d in range(self.n):
+
+            def updates_of(operands: _Operands, d: int = d) -> Any:
+                return self._owned_update(inner, d, operands, stand_in, extra_args, norm_reads)[0]
+
+            out = jax.eval_shape(updates_of, operands)
+            items.append([(i, np.dtype(out[i].dtype).name, self.space.specs[i].numel) for i in out])
+        return plan_rows(items), bool(norm_reads)
+
+    def _gather_updates(
+        self, update_rows: Rows, local_rows: list[jax.Array], axes: tuple[str, ...]
+    ) -> list[jax.Array]:
+        """Every parameter's full update, read from its owner's all-gathered row."""
+        gathered = [lax.all_gather(r, axes, to="invarying") for r in local_rows]  # (N, L) each
+        return [
+            update_rows.unpack([g[self.owner[i]] for g in gathered], i, spec.shape)
+            for i, spec in enumerate(self.space.specs)
+        ]
 
     def _global_update(
         self,
@@ -276,7 +318,7 @@ class GreedyLayout:
         global leaves then differ between devices."""
         empty = self.space.param_treedef.unflatten([None] * len(self.space.specs))
         try:
-            state = self._device_state(self.empty, [], globals_)
+            state = self._state_of_device(self.empty, [], globals_)
             with shard_context(empty, norm):
                 _, state = inner.update(
                     empty, state, None if params is None else empty, **extra_args
@@ -284,16 +326,16 @@ class GreedyLayout:
             new = self._split_state(self.empty, state)[1]
         except Exception:  # any failure: fall back to the all-gather, which always works
             return None
-        if _tracks_variance(axes) and any(set(axes) & _varying(g) for g in new):
+        if tracks_variance(axes) and any(set(axes) & varying(g) for g in new):
             return None
         return new
 
     # -- host side: model space <-> storage ------------------------------------------------
 
-    def gather(self, inner_state: Any, shards: dict[str, Any]) -> list[np.ndarray]:
+    def gather(self, state: ZeroState) -> list[np.ndarray]:
         """The unsharded inner state's leaves (NumPy), in ``space.leaves`` order."""
-        host = [np.asarray(shards[name]) for name in self.state.names()]
-        globals_ = iter(np.asarray(g) for g in jax.tree.leaves(inner_state))
+        host = [np.asarray(state.shards[name]) for name in self.state.names()]
+        globals_ = iter(np.asarray(g) for g in jax.tree.leaves(state.inner))
         out = []
         for index, leaf in enumerate(self.space.leaves):
             if leaf.param is None:
@@ -303,15 +345,17 @@ class GreedyLayout:
                 out.append(self.state.unpack(owner_rows, index, leaf.shape, np))
         return out
 
-    def scatter(self, leaves: list[np.ndarray]) -> tuple[Any, dict[str, np.ndarray]]:
-        """Unsharded leaves -> (inner with globals, host shard buffers)."""
+    def scatter(self, leaves: list[np.ndarray]) -> ZeroState:
+        """Unsharded leaves -> inner with globals, and host shard buffers."""
         host = [np.zeros((self.n, length), dtype) for dtype, length in self.state.buffers]
         for index, (leaf, value) in enumerate(zip(self.space.leaves, leaves, strict=True)):
             if leaf.param is not None and leaf.numel:
                 b, offset = self.state.slots[index]
                 host[b][self.owner[leaf.param], offset : offset + leaf.numel] = np.ravel(value)
         globals_ = [leaves[i] for i in self.globals]
-        return self._inner(globals_), dict(zip(self.state.names(), host, strict=True))
+        return ZeroState(
+            inner=self._inner(globals_), shards=dict(zip(self.state.names(), host, strict=True))
+        )
 
 
 def _cuts(length: int, chunks: int) -> tuple[int, ...]:
@@ -320,7 +364,7 @@ def _cuts(length: int, chunks: int) -> tuple[int, ...]:
     return tuple(length * c // chunks for c in range(chunks + 1))
 
 
-def _device_state(
+def _map_device_state(
     inner: optax.GradientTransformation, space: ModelSpace, tree: Any, d: int, owner: Any
 ) -> tuple[DeviceState, list[tuple[int, str, int]]]:
     """Map ``inner.init(tree)`` (device ``d``'s share) onto the unsharded state's leaves."""
@@ -329,7 +373,7 @@ def _device_state(
     for path, leaf in flat:
         joined = "/".join(path_parts(path))
         if joined in space.global_by_path:
-            sources.append(("global", space.global_by_path[joined]))
+            sources.append(StateSource("global", space.global_by_path[joined]))
             continue
         index = space.param_by_path.get(joined)
         known = None if index is None else space.leaves[index]
@@ -339,7 +383,7 @@ def _device_state(
                 "the unsharded state; the inner transformation's state must be laid out per "
                 "parameter"
             )
-        sources.append(("param", index))
+        sources.append(StateSource("param", index))
         items.append((index, np.dtype(leaf.dtype).name, known.numel))
     return DeviceState(treedef=treedef, sources=tuple(sources)), items
 
@@ -358,11 +402,11 @@ def build_greedy(
         tree = space.param_treedef.unflatten(
             [x if owner[i] == d else None for i, x in enumerate(leaves)]
         )
-        device, items = _device_state(inner, space, tree, d, owner)
+        device, items = _map_device_state(inner, space, tree, d, owner)
         devices.append(device)
         state_items.append(items)
     empty_tree = space.param_treedef.unflatten([None] * len(space.specs))
-    empty, _ = _device_state(inner, space, empty_tree, -1, owner)
+    empty, _ = _map_device_state(inner, space, empty_tree, -1, owner)
     # Gradient rows stay packed (a reduce-scatter needs one buffer per dtype anyway), with
     # each device's tensors latest-registered first.
     grads = plan_rows(

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import struct
 from typing import Any
 
@@ -21,12 +20,22 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import save as save_bytes
 
-from gradsync_core import Manifest, check_compatible, read_manifest, write_manifest
-from gradsync_core._checkpoint import MANIFEST, rank_file, sha256_file, tensor_key, write_atomic
-from gradsync_jax._zero import ShardedOptimizer, ZeroState
+from gradsync_core import (
+    MANIFEST,
+    RANK_FILE_RE,
+    Manifest,
+    check_compatible,
+    rank_file,
+    read_manifest,
+    sha256_file,
+    tensor_key,
+    write_atomic,
+    write_manifest,
+)
+from gradsync_jax.zero.layout import ZeroState
+from gradsync_jax.zero.transform import ShardedOptimizer
 
 GLOBAL_PARAM = "__optax__"  # the pseudo-parameter that carries global leaves
-_RANK_FILE = re.compile(r"rank-\d{5}-of-\d{5}\.safetensors")
 
 
 # safetensors dtype names -> NumPy; safetensors.numpy.load has no bfloat16 (it raises
@@ -105,9 +114,9 @@ def save_optimizer_state(
                 "the optimizer state is spread over several processes; this writer needs "
                 "every shard addressable from one process (single-process JAX)"
             )
-    layout = tx.config.layout(params)
+    layout = tx.layout(params)
     space = layout.space
-    values = layout.gather(state.inner, dict(state.shards))
+    values = layout.gather(ZeroState(inner=state.inner, shards=dict(state.shards)))
     writer = _file_rank(tx, params)
     n = tx.world_size
     files: list[dict[str, np.ndarray]] = [{} for _ in range(n)]
@@ -145,7 +154,7 @@ def save_optimizer_state(
     )
     write_manifest(directory, manifest)
     for name in os.listdir(directory):  # rank files of an earlier save on another device count
-        if _RANK_FILE.fullmatch(name) and name not in hashes:
+        if RANK_FILE_RE.fullmatch(name) and name not in hashes:
             os.unlink(os.path.join(directory, name))
     return manifest
 
@@ -179,7 +188,7 @@ def load_optimizer_state(
         >>> opt_state, manifest = load_optimizer_state("ckpt/opt", tx, params)
     """
     manifest = read_manifest(directory)
-    layout = tx.config.layout(params)
+    layout = tx.layout(params)
     space = layout.space
     if manifest.framework != "jax":
         raise ValueError(

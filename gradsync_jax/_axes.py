@@ -1,0 +1,130 @@
+"""Mesh-axis helpers, variance tracking and the divide-after-sum rule (docs/design.md §7).
+
+One home for what the data-parallel sync, the training step, the sharded optimizer and the
+model-parallel mappings all need: normalising an axis argument, asking JAX which manual axes a
+value varies over, and deciding where a mean divides.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+from jax import lax
+
+AxisName = str | tuple[str, ...]
+
+# float32's largest exponent: a dtype with at least this range cannot overflow in a sum of
+# up to 2**k values that each fit, for any group size a mesh can have (k < 64).
+_WIDE_MAXEXP = int(np.finfo(np.float32).maxexp)
+
+
+def axis_tuple(axis_name: AxisName) -> tuple[str, ...]:
+    """``"dp"`` -> ``("dp",)``; a tuple of names is kept as given.
+
+    Raises:
+        ValueError: if ``axis_name`` is neither a name nor a non-empty tuple of names.
+    """
+    axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+    if not axes or not all(isinstance(a, str) for a in axes):
+        raise ValueError(
+            f"axis_name must be a mesh axis name or a tuple of them, got {axis_name!r}"
+        )
+    return axes
+
+
+def display_axis(axes: tuple[str, ...]) -> str | tuple[str, ...]:
+    """How an error message names ``axes``: ``"dp"`` for one axis, the tuple otherwise."""
+    return axes[0] if len(axes) == 1 else axes
+
+
+def spec_entry_axes(entry: Any) -> tuple[str, ...]:
+    """The mesh axes of one ``PartitionSpec`` entry (``None``, a name or a tuple of names)."""
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def varying(x: Any) -> frozenset[str]:
+    """The manual mesh axes ``x`` varies over (its "vma"); empty outside ``shard_map``."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None)  # jax >= 0.9: ShapedArray.mat.varying
+    if mat is not None:
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", ()))  # jax 0.6 - 0.8
+
+
+def tracks_variance(axes: tuple[str, ...]) -> bool:
+    """True inside ``shard_map(check_vma=True)`` over ``axes``; False in pmap / check_vma=False.
+
+    ``axis_index`` varies over its axis exactly when JAX tracks variance.
+
+    Raises:
+        NameError: if an axis is not bound (called outside ``shard_map``/``pmap``).
+    """
+    try:
+        index = lax.axis_index(axes)
+    except NameError as err:
+        raise NameError(
+            f"axis {display_axis(axes)!r} is not bound here: gradsync's collectives run "
+            "inside jax.shard_map over a mesh with that axis, or inside "
+            "jax.pmap(..., axis_name=...); call this function from the mapped function"
+        ) from err
+    return set(axes) <= varying(index)
+
+
+def cast_varying(tree: Any, axes: tuple[str, ...]) -> Any:
+    """Mark every leaf of ``tree`` varying over ``axes`` (``lax.pcast``); leaves that already
+    vary are kept. The identity where JAX does not track variance."""
+    if not tracks_variance(axes):
+        return tree
+
+    def cast(leaf: Any) -> Any:
+        missing = tuple(a for a in axes if a not in varying(leaf))
+        return lax.pcast(leaf, missing, to="varying") if missing else leaf
+
+    return jax.tree.map(cast, tree)
+
+
+def divide_after(dtype: Any, n: int) -> bool:
+    """True when a mean over ``n`` devices may divide the SUM instead of every summand.
+
+    DDP divides before the sum (docs/design.md §7) so a narrow sum cannot overflow. Dividing
+    after gives the same bits when both hold:
+
+    - ``n`` is a power of two: scaling by ``2**-k`` is exact and commutes with rounding, so
+      ``sum(x / n) == sum(x) / n`` (short of subnormals, where dividing last is the more
+      accurate);
+    - the dtype's exponent range is float32's or wider (float32, float64, bfloat16): a sum of
+      ``n`` values that each fit cannot overflow, while float16 (largest 65504) can.
+
+    Dividing after is cheaper: a pass over 1/n of the gradient after a reduce-scatter, or one
+    XLA fuses into the consumer after an all-reduce, instead of a pass over all of it.
+
+    Example:
+        >>> divide_after(jnp.bfloat16, 8), divide_after(jnp.float16, 8), divide_after("float32", 3)
+        (True, False, False)
+    """
+    power_of_two = n > 0 and n & (n - 1) == 0
+    return power_of_two and int(jax.numpy.finfo(dtype).maxexp) >= _WIDE_MAXEXP
+
+
+def psum_mean(x: jax.Array, axes: tuple[str, ...], *, mean: bool) -> jax.Array:
+    """All-reduce ``x`` over ``axes``: the sum, or with ``mean`` the mean (``divide_after``)."""
+    if not mean:
+        return lax.psum(x, axes)
+    n = lax.axis_size(axes)
+    if divide_after(x.dtype, n):
+        return lax.psum(x, axes) * (1.0 / n)
+    return lax.psum(x / n, axes)
+
+
+def psum_scatter_mean(buf: jax.Array, axes: tuple[str, ...], n: int, *, mean: bool) -> jax.Array:
+    """Sum ``buf`` (leading dimension a multiple of ``n``) over ``axes`` and keep this device's
+    chunk, divided by ``n`` with ``mean`` (where: ``divide_after``)."""
+    after = mean and divide_after(buf.dtype, n)
+    if mean and not after:
+        buf = buf / n
+    out = lax.psum_scatter(buf, axes, scatter_dimension=0, tiled=True)
+    return out / n if after else out

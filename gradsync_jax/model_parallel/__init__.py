@@ -1,0 +1,35 @@
+"""Model parallelism in ``jax.shard_map``: the six mappings and NNX layers (docs/design.md §6)."""
+
+from gradsync_jax.model_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    nnx_functional,
+    shared_param_specs,
+)
+from gradsync_jax.model_parallel.mappings import (
+    all_gather_from,
+    copy_to,
+    gather_from,
+    group_axes,
+    make_shared_local,
+    reduce_from,
+    reduce_scatter_to,
+    reduce_shared_gradients,
+    scatter_to,
+)
+
+__all__: list[str] = [
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "all_gather_from",
+    "copy_to",
+    "gather_from",
+    "group_axes",
+    "make_shared_local",
+    "nnx_functional",
+    "reduce_from",
+    "reduce_scatter_to",
+    "reduce_shared_gradients",
+    "scatter_to",
+    "shared_param_specs",
+]

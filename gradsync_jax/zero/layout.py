@@ -1,0 +1,103 @@
+"""What a shard partition provides: the ``Layout`` protocol and the records it exchanges.
+
+``shard_optimizer`` talks to its partition (``GreedyLayout``: whole parameters per device;
+``FlatLayout``: element ranges of gradient buckets) only through this protocol, so the
+transformation, the checkpoint code and the tests treat both alike (docs/design.md §4).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Protocol
+
+import jax
+import numpy as np
+import optax
+
+from gradsync_core import ShardPlan
+from gradsync_jax.zero.model_space import ModelSpace
+
+
+class ZeroState(NamedTuple):
+    """State of ``shard_optimizer``.
+
+    Attributes:
+        inner: the inner transformation's own state type (so ``state.inner.hyperparams`` of
+            ``inject_hyperparams`` works). ``partition="flat"``: its per-element leaves
+            (``mu``, ``nu``, ...) are 1-D, one per gradient bucket, sharded over the axis.
+            ``partition="greedy"``: only the leaves tied to no parameter (``count``, hyper-
+            parameters), replicated; the per-parameter positions are ``None``.
+        shards: ``partition="greedy"``: per dtype a ``(N, L)`` buffer sharded over the axis,
+            row ``d`` = device ``d``'s per-parameter state, packed. Empty for ``"flat"``.
+    """
+
+    inner: Any
+    shards: dict[str, jax.Array]
+
+
+class UpdateInputs(NamedTuple):
+    """What one device hands its layout inside ``shard_map`` for one update."""
+
+    grads: list[jax.Array]  # LOCAL gradients, one per parameter leaf
+    state: ZeroState  # this device's view: shard rows of shape (1, L)
+    params: list[Any] | None  # parameter leaves, if the inner update wants them
+    extra_args: dict[str, Any]  # passed on to the inner update (a line search's value_fn)
+
+
+class Collective(NamedTuple):
+    """The data-parallel group the layout reduces over, and how."""
+
+    axes: tuple[str, ...]
+    mean: bool  # divide by the group size (``reduce="mean"``)
+
+
+class UpdateResult(NamedTuple):
+    """The full (replicated) updates, one per parameter leaf, and the new local state."""
+
+    updates: list[jax.Array]
+    state: ZeroState
+
+
+class Layout(Protocol):
+    """A partition of the inner optimizer state over ``n`` devices."""
+
+    @property
+    def space(self) -> ModelSpace: ...  # the unsharded state it stores
+
+    @property
+    def n(self) -> int: ...
+
+    @property
+    def plan(self) -> ShardPlan: ...  # owners, padding, imbalance
+
+    def state_specs(self, spec_entry: Any) -> ZeroState:
+        """The ``PartitionSpec`` of every state leaf, sharded over ``spec_entry``."""
+        ...
+
+    def nbytes_per_device(self) -> int: ...
+
+    def init_inputs(self, leaves: list[Any]) -> list[Any]:
+        """The parameter leaves as ``init_local`` takes them (outside ``shard_map``)."""
+        ...
+
+    def init_sharded(self) -> bool:
+        """Whether ``init_inputs`` are sharded over the axis (else replicated)."""
+        ...
+
+    def init_local(
+        self, inner: optax.GradientTransformation, inputs: list[Any], axes: tuple[str, ...]
+    ) -> ZeroState: ...
+
+    def update_local(
+        self,
+        inner: optax.GradientTransformationExtraArgs,
+        inputs: UpdateInputs,
+        group: Collective,
+    ) -> UpdateResult: ...
+
+    def gather(self, state: ZeroState) -> list[np.ndarray]:
+        """The unsharded inner state's leaves (NumPy), in ``space.leaves`` order."""
+        ...
+
+    def scatter(self, leaves: list[np.ndarray]) -> ZeroState:
+        """Unsharded leaves -> a host-side ``ZeroState`` to place on the mesh."""
+        ...

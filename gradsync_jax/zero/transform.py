@@ -1,0 +1,406 @@
+"""A sharded Optax transformation: each device keeps 1/N of the optimizer state (ZeRO).
+
+``shard_optimizer(inner, mesh)`` wraps any Optax transformation (ZeRO stage 1/2,
+arXiv:1910.02054). ``init`` runs outside ``jax.shard_map`` and places the state already
+sharded; ``update`` runs inside it on LOCAL gradients (docs/design.md §7), reduces them itself
+(reduce-scatter), runs the inner update on this device's share only and all-gathers full,
+replicated updates, so ``TrainState.apply_gradients`` and ``nnx.Optimizer`` work unchanged.
+The partitions live in ``greedy`` (whole tensors) and ``flat`` (element ranges), behind the
+``layout.Layout`` protocol.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from gradsync_core import ShardPlan
+from gradsync_jax._axes import AxisName, axis_tuple, display_axis, tracks_variance, varying
+from gradsync_jax.zero.clip import CROSS_PARAMETER, find_cross_parameter
+from gradsync_jax.zero.flat import build_flat, check_elementwise
+from gradsync_jax.zero.greedy import build_greedy
+from gradsync_jax.zero.layout import Collective, Layout, UpdateInputs, UpdateResult, ZeroState
+from gradsync_jax.zero.model_space import abstract, model_space, pure, signature
+
+PARTITIONS = ("greedy", "flat")
+_MIB = 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ZeroSettings:
+    """The arguments of ``shard_optimizer``, checked and normalised."""
+
+    inner: optax.GradientTransformationExtraArgs
+    mesh: Mesh
+    axis_name: AxisName
+    partition: str
+    reduce: str
+    bucket_cap_bytes: int
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        return axis_tuple(self.axis_name)
+
+    @property
+    def spec_entry(self) -> str | tuple[str, ...]:
+        """The ``PartitionSpec`` entry that shards over the axes."""
+        return display_axis(self.axes)
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.mesh.shape[a] for a in self.axes)
+
+    @property
+    def collective(self) -> Collective:
+        return Collective(axes=self.axes, mean=self.reduce == "mean")
+
+
+class _LayoutCache:
+    """Layouts planned once per parameter-tree signature, and their compiled bodies.
+
+    Keyed by layout identity: a layout is kept as long as the cache, so ids stay unique.
+    """
+
+    def __init__(self, settings: ZeroSettings) -> None:
+        self.settings = settings
+        self._layouts: dict[Any, Layout] = {}
+        self._inits: dict[int, Any] = {}
+        self._updates: dict[int, Any] = {}
+
+    def layout(self, params: Any) -> Layout:
+        params = abstract(pure(params))
+        key = signature(params)
+        if key not in self._layouts:
+            s = self.settings
+            space = model_space(s.inner, params)
+            if s.partition == "greedy":
+                layout: Layout = build_greedy(
+                    s.inner, space, params, s.world_size, s.bucket_cap_bytes
+                )
+            else:
+                layout = build_flat(s.inner, space, s.world_size, s.bucket_cap_bytes)
+            self._layouts[key] = layout
+        return self._layouts[key]
+
+    def update_body(self, layout: Layout, *, jitted: bool) -> Any:
+        """Local gradients in, full updates and new state out (inside ``shard_map``).
+
+        Jitted, it is inlined under the user's jit and compiled once (not primitive by
+        primitive, every step) when the step runs in ``shard_map`` without jit.
+        """
+
+        def body(inputs: UpdateInputs) -> UpdateResult:
+            return layout.update_local(self.settings.inner, inputs, self.settings.collective)
+
+        if not jitted:
+            return body
+        if id(layout) not in self._updates:
+            self._updates[id(layout)] = jax.jit(body)
+        return self._updates[id(layout)]
+
+    def init_body(self, layout: Layout) -> Any:
+        """Parameter leaves (replicated) in, the sharded ``ZeroState`` out; jitted."""
+        if id(layout) not in self._inits:
+            self._inits[id(layout)] = _build_init(self.settings, layout)
+        return self._inits[id(layout)]
+
+
+def _explicit(mesh: Mesh) -> bool:
+    return all(t == AxisType.Explicit for t in mesh.axis_types)
+
+
+def _build_init(settings: ZeroSettings, layout: Layout) -> Any:
+    mesh = settings.mesh
+    in_spec = P(settings.spec_entry) if layout.init_sharded() else P()
+
+    def local(inputs: list[Any]) -> ZeroState:
+        return layout.init_local(settings.inner, inputs, settings.axes)
+
+    specs = layout.state_specs(settings.spec_entry)
+    mapped = jax.shard_map(local, mesh=mesh, in_specs=(in_spec,), out_specs=specs)
+
+    def run(leaves: list[Any]) -> ZeroState:
+        if _explicit(mesh):  # Explicit axes: shard_map inputs must carry its in_specs
+            leaves = jax.reshard(leaves, NamedSharding(mesh, P()))
+        inputs = layout.init_inputs(leaves)
+        if _explicit(mesh):
+            inputs = jax.reshard(inputs, NamedSharding(mesh, in_spec))
+        return mapped(inputs)
+
+    return jax.jit(run)
+
+
+def _check_inside(axes: tuple[str, ...], n: int) -> bool:
+    """Check that the update runs in ``shard_map`` over ``n`` devices; True if JAX tracks
+    variance there."""
+    try:
+        size = lax.axis_size(axes)
+    except NameError:
+        raise ValueError(
+            f"the update of shard_optimizer must run inside jax.shard_map over mesh axis "
+            f"{display_axis(axes)!r}, with the optimizer state passed with "
+            "in_specs=tx.state_specs(params) (it reduces the local gradients itself)"
+        ) from None
+    if size != n:
+        raise ValueError(
+            f"axis {axes} has {size} devices here but the optimizer was built for {n}; "
+            "build shard_optimizer with the mesh the step runs on"
+        )
+    return tracks_variance(axes)
+
+
+def _check_grads(settings: ZeroSettings, layout: Layout, grads: list[Any], tracked: bool) -> None:
+    for spec, g in zip(layout.space.specs, grads, strict=True):
+        if not jnp.issubdtype(g.dtype, jnp.inexact):
+            raise TypeError(f"gradient {spec.name!r} has non-floating dtype {g.dtype}")
+        if tracked and not set(settings.axes) <= varying(g):
+            raise ValueError(
+                f"gradient {spec.name!r} is invariant over {settings.axis_name!r}: it was "
+                "already summed (jax.grad of a replicated parameter inside shard_map, or "
+                "sync_gradients), and shard_optimizer would sum it again. Pass LOCAL "
+                "gradients: differentiate w.r.t. gradsync_jax.make_local(params) (or use "
+                "value_and_local_grad) and do not call sync_gradients first"
+            )
+
+
+def _check_state(settings: ZeroSettings, layout: Layout, state: Any) -> None:
+    if not isinstance(state, ZeroState):
+        raise TypeError(
+            f"state must be the ZeroState from this transformation's init, got "
+            f"{type(state).__name__}"
+        )
+    expected = layout.state_specs(settings.spec_entry)
+    wanted = len(jax.tree.leaves(expected.inner, is_leaf=lambda x: isinstance(x, P)))
+    if len(jax.tree.leaves(state.inner)) != wanted or set(state.shards) != set(expected.shards):
+        raise ValueError(
+            "the optimizer state does not match this transformation and parameter tree: "
+            "pass the state that tx.init(params) returned (and the updates made from it)"
+        )
+    for dtype, buf in state.shards.items():
+        if dtype not in expected.shards or buf.ndim != 2 or buf.shape[0] != 1:
+            raise ValueError(
+                f"optimizer state buffer {dtype!r} has local shape {buf.shape}; pass the "
+                "state into shard_map with in_specs=tx.state_specs(params) (one row per "
+                "device) and the same parameter tree it was initialized with"
+            )
+
+
+class _ZeroTransform:
+    """The ``init`` and ``update`` of one ``shard_optimizer``, over its settings and cache."""
+
+    def __init__(self, settings: ZeroSettings) -> None:
+        self.settings = settings
+        self.cache = _LayoutCache(settings)
+
+    def init(self, params: Any) -> ZeroState:
+        params = pure(params)
+        layout = self.cache.layout(params)
+        leaves = layout.space.param_treedef.flatten_up_to(params)
+        leaves = jax.device_put(leaves, NamedSharding(self.settings.mesh, P()))
+        return self.cache.init_body(layout)(leaves)
+
+    def update(
+        self, updates: Any, state: ZeroState, params: Any = None, **extra_args: Any
+    ) -> tuple[Any, ZeroState]:
+        settings = self.settings
+        tracked = _check_inside(settings.axes, settings.world_size)
+        updates, params = pure(updates), pure(params)
+        layout = self.cache.layout(updates)
+        treedef = layout.space.param_treedef
+        grads = treedef.flatten_up_to(updates)
+        _check_grads(settings, layout, grads, tracked)
+        _check_state(settings, layout, state)
+        inputs = UpdateInputs(
+            grads=grads,
+            state=ZeroState(inner=state.inner, shards=dict(state.shards)),
+            params=None if params is None else treedef.flatten_up_to(params),
+            extra_args=extra_args,
+        )
+        arrays = (jax.Array, np.ndarray, np.generic, float, int)
+        # A non-array extra argument (a line search's value_fn) cannot be a jit argument.
+        jitted = all(isinstance(x, arrays) for x in jax.tree.leaves(extra_args))
+        result = self.cache.update_body(layout, jitted=jitted)(inputs)
+        return treedef.unflatten(result.updates), result.state
+
+
+class ShardedOptimizer(optax.GradientTransformationExtraArgs):
+    """What ``shard_optimizer`` returns: an Optax transformation plus layout helpers.
+
+    ``init`` and ``update`` are the methods of one private transform object that owns the
+    settings and the layout cache; the helpers below reach both through ``update``, so the
+    tuple itself stays what Optax expects (two functions). The helpers take the parameter
+    tree (arrays or ``ShapeDtypeStruct``) because the layout is planned from it; each plan
+    is computed once per tree signature and cached.
+    """
+
+    __slots__ = ()
+
+    @property
+    def _transform(self) -> _ZeroTransform:
+        return self.update.__self__  # type: ignore[attr-defined]
+
+    @property
+    def settings(self) -> ZeroSettings:
+        """The checked arguments of ``shard_optimizer`` (read-only)."""
+        return self._transform.settings
+
+    @property
+    def mesh(self) -> Mesh:
+        return self.settings.mesh
+
+    @property
+    def axis_name(self) -> AxisName:
+        return self.settings.axis_name
+
+    @property
+    def partition(self) -> str:
+        return self.settings.partition
+
+    @property
+    def world_size(self) -> int:
+        """Devices sharing the state (the size of ``axis_name``)."""
+        return self.settings.world_size
+
+    def layout(self, params: Any) -> Layout:
+        """The partition's ``Layout`` for ``params`` (where every state leaf is stored)."""
+        return self._transform.cache.layout(params)
+
+    def plan(self, params: Any) -> ShardPlan:
+        """The ``gradsync_core.ShardPlan`` in force (owners, padding, imbalance)."""
+        return self.layout(params).plan
+
+    def state_specs(self, params: Any) -> ZeroState:
+        """The ``PartitionSpec`` of every state leaf: use as ``shard_map`` in/out specs."""
+        return self.layout(params).state_specs(self.settings.spec_entry)
+
+    def state_shardings(self, params: Any) -> ZeroState:
+        """``state_specs`` as ``NamedSharding`` on the mesh: for ``device_put``/checkpointing."""
+        return jax.tree.map(
+            lambda spec: NamedSharding(self.mesh, spec),
+            self.state_specs(params),
+            is_leaf=lambda x: isinstance(x, P),
+        )
+
+    def state_nbytes_per_device(self, params: Any) -> int:
+        """Planned optimizer-state bytes on each device (padding included)."""
+        return self.layout(params).nbytes_per_device()
+
+    def gather_state(self, state: ZeroState, params: Any) -> Any:
+        """The state as the unsharded inner optimizer holds it (NumPy leaves, host memory).
+
+        Example:
+            >>> np.testing.assert_allclose(tx.gather_state(s, p)[0].mu["w"], ref[0].mu["w"])
+        """
+        layout = self.layout(params)
+        values = layout.gather(ZeroState(inner=state.inner, shards=dict(state.shards)))
+        return layout.space.state_treedef.unflatten(values)
+
+    def scatter_state(self, inner_state: Any, params: Any) -> ZeroState:
+        """Shard an unsharded inner state (as ``inner.init`` makes it) onto the mesh.
+
+        Raises:
+            ValueError: if its leaves' shapes do not match ``inner.init(params)``'s.
+        """
+        layout = self.layout(params)
+        leaves = layout.space.state_treedef.flatten_up_to(inner_state)
+        for leaf, value in zip(layout.space.leaves, leaves, strict=True):
+            if tuple(np.shape(value)) != leaf.shape:
+                raise ValueError(
+                    f"state leaf {leaf.name!r} has shape {np.shape(value)}, expected {leaf.shape}"
+                )
+        values = [
+            np.asarray(v, dtype=s.dtype) for s, v in zip(layout.space.leaves, leaves, strict=True)
+        ]
+        return jax.device_put(layout.scatter(values), self.state_shardings(params))
+
+
+def shard_optimizer(
+    inner: optax.GradientTransformation,
+    mesh: Mesh,
+    *,
+    axis_name: AxisName = "dp",
+    partition: str = "greedy",
+    reduce: str = "mean",
+    bucket_cap_mb: float = 25.0,
+) -> ShardedOptimizer:
+    """Wrap ``inner`` so each device along ``axis_name`` keeps 1/N of its state (ZeRO).
+
+    ``init(params)`` runs outside ``shard_map`` (also under ``jax.eval_shape``) and returns a
+    ``ZeroState`` already placed with ``state_shardings(params)``. ``update(grads, state,
+    params)`` runs inside ``jax.shard_map`` with ``in_specs=tx.state_specs(params)`` for the
+    state; ``grads`` are LOCAL (docs/design.md §7: ``make_local`` / ``value_and_local_grad``),
+    and it returns the FULL update, identical on every device, plus the new sharded state.
+
+    Args:
+        inner: any Optax transformation (``optax.chain``, schedules, ``inject_hyperparams``
+            work). For global-norm clipping put ``gradsync_jax.clip_by_global_norm`` first
+            in it.
+        mesh: the mesh the training step's ``shard_map`` runs on.
+        axis_name: the data-parallel axis (or tuple of axes) the batch is split over.
+        partition: ``"greedy"``: whole parameters per device (``plan_greedy_shards``, the
+            owners torch's ZeRO optimizer picks), any optimizer. ``"flat"``: element ranges of
+            gradient buckets, one reduce-scatter and one all-gather per bucket, elementwise
+            optimizers only (checked when built).
+        reduce: ``"mean"`` divides the local gradients by N before the sum; ``"sum"`` does not.
+        bucket_cap_mb: in MiB, as torch's DDP and ``gradsync_torch`` take it. ``"flat"``: the
+            gradient bucket size; ``"greedy"``: the size of the column chunks its packed
+            gradients are reduce-scattered in.
+
+    Returns:
+        A ``ShardedOptimizer`` (an ``optax.GradientTransformationExtraArgs``).
+
+    Raises:
+        ValueError: on an unknown partition/reduce, a non-positive ``bucket_cap_mb``, an
+            axis the mesh lacks, a cross-parameter
+            transformation inside ``inner`` (``optax.clip_by_global_norm``), or (``"flat"``)
+            a non-elementwise ``inner``.
+
+    Example:
+        >>> tx = shard_optimizer(optax.adam(1e-3), mesh)
+        >>> opt_state = tx.init(params)
+        >>> @jax.jit
+        ... @partial(jax.shard_map, mesh=mesh, in_specs=(P(), tx.state_specs(params), P("dp")),
+        ...          out_specs=(P(), tx.state_specs(params)))
+        ... def step(params, opt_state, batch):
+        ...     grads = local_grad(loss_fn)(params, batch)
+        ...     updates, opt_state = tx.update(grads, opt_state, params)
+        ...     return optax.apply_updates(params, updates), opt_state
+    """
+    if partition not in PARTITIONS:
+        raise ValueError(f"partition must be one of {PARTITIONS}, got {partition!r}")
+    if reduce not in ("mean", "sum"):
+        raise ValueError(f"reduce must be 'mean' or 'sum', got {reduce!r}")
+    if not bucket_cap_mb > 0:
+        raise ValueError(f"bucket_cap_mb must be positive (MiB), got {bucket_cap_mb!r}")
+    axes = axis_tuple(axis_name)
+    missing = [a for a in axes if a not in mesh.axis_names]
+    if missing:
+        raise ValueError(f"axis {missing[0]!r} is not an axis of the mesh {mesh.axis_names}")
+    found = find_cross_parameter(inner)
+    if found:
+        raise ValueError(
+            f"inner contains optax.{found}, which combines all parameters' gradients; "
+            f"shard_optimizer runs it on each device's share only, which silently changes "
+            f"its result: {CROSS_PARAMETER[found]}"
+        )
+    if partition == "flat":
+        check_elementwise(inner)
+    settings = ZeroSettings(
+        inner=optax.with_extra_args_support(inner),
+        mesh=mesh,
+        axis_name=axis_name,
+        partition=partition,
+        reduce=reduce,
+        bucket_cap_bytes=max(1, int(bucket_cap_mb * _MIB)),
+    )
+    transform = _ZeroTransform(settings)
+    return ShardedOptimizer(transform.init, transform.update)
