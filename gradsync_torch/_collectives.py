@@ -1,11 +1,12 @@
 """Small collective helpers shared by the data-parallel wrapper, ZeRO and the mappings.
 
-One home for the torch-version shims and the reduce-scatter pattern, so the callers do not
-each carry a copy that drifts.
+One home for the torch-version shims, the reduce-scatter pattern and the chunked broadcast of
+module state, so the callers do not each carry a copy that drifts.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -56,3 +57,38 @@ def finish_reduce_scatter(
         handle.wait()
     if world_size == 1 or dist.get_backend(group) == "gloo":
         out.copy_(send[rank * out.numel() : (rank + 1) * out.numel()])
+
+
+# DDP broadcasts module states in chunks of this size (torch.distributed.utils).
+BROADCAST_CHUNK_BYTES = 250 * MIB
+
+
+def broadcast_tensors(
+    tensors: Iterable[torch.Tensor], group: dist.ProcessGroup, *, group_src: int = 0
+) -> None:
+    """Overwrite ``tensors`` in place with group rank ``group_src``'s values.
+
+    Tensors are packed per (dtype, device) into flat chunks of at most 250 MiB (DDP's
+    ``_sync_module_states`` does the same), so a model costs a few collectives, not one per
+    tensor.
+    """
+    by_key: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in tensors:
+        by_key.setdefault((t.dtype, t.device), []).append(t)
+    for members in by_key.values():
+        chunk: list[torch.Tensor] = []
+        nbytes = 0
+        for t in [*members, None]:
+            if t is not None and (not chunk or nbytes + t.nbytes <= BROADCAST_CHUNK_BYTES):
+                chunk.append(t)
+                nbytes += t.nbytes
+                continue
+            flat = torch.cat([c.detach().reshape(-1) for c in chunk])
+            dist.broadcast(flat, src=global_rank(group, group_src), group=group)
+            offset = 0
+            with torch.no_grad():
+                for c in chunk:
+                    c.copy_(flat[offset : offset + c.numel()].view_as(c))
+                    offset += c.numel()
+            if t is not None:
+                chunk, nbytes = [t], t.nbytes

@@ -2,11 +2,14 @@
 
 One collective pattern, two callers: ``FlatLayout.reduce_scatter_gradients`` (the optimizer
 on its own, after backward) and ``GradientSharder``, the reducer ``DataParallel`` uses with
-``shard_gradients=True`` (during backward, overlapped, through its per-bucket seam).
+``shard_gradients=True`` (during backward, overlapped, through the same per-bucket verbs).
 
 Rank ``r`` receives elements ``[r * chunk, (r + 1) * chunk)`` of every bucket, exactly
 ``gradsync_core.plan_flat_shards``'s ownership, so the optimizer's pieces of that range find
-their gradients there.
+their gradients there. The link to the optimizer is explicit: the user passes the wrapper
+(``ZeroRedundancyOptimizer(..., shard_gradients=True, data_parallel=model)``), and the
+optimizer ``claim``s ``model.gradient_sharder``. A sharder nobody claimed refuses to finish a
+sync, so gradients are never dropped silently.
 """
 
 from __future__ import annotations
@@ -14,15 +17,24 @@ from __future__ import annotations
 import dataclasses
 import math
 import weakref
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from gradsync_core import Bucket, BucketPlan, ParamSpec, ShardPlan, plan_flat_shards
+import gradsync_core
+from gradsync_core import Bucket, BucketPlan
 from gradsync_torch._collectives import finish_reduce_scatter, reduce_scatter
-from gradsync_torch._reducer import BucketBuffers, Reducer
-from gradsync_torch._specs import named_parameters
+from gradsync_torch.data_parallel.buckets import BucketBuffers
+from gradsync_torch.data_parallel.reducer import Reducer
+
+UNCLAIMED_MESSAGE = (
+    "DataParallel(shard_gradients=True) keeps only each rank's gradient shard, and no "
+    "optimizer was given it, so these gradients would be lost; build "
+    "ZeroRedundancyOptimizer(model.parameters(), ..., shard_gradients=True, "
+    "data_parallel=model) before the first backward"
+)
 
 
 def pad_for_sharding(plan: BucketPlan, world_size: int) -> BucketPlan:
@@ -35,52 +47,63 @@ def pad_for_sharding(plan: BucketPlan, world_size: int) -> BucketPlan:
     return dataclasses.replace(plan, buckets=buckets, pad_to=multiple)
 
 
-# Live sharders, so the optimizer can find the DataParallel that reduces its parameters.
-_SHARDERS: weakref.WeakSet[GradientSharder] = weakref.WeakSet()
-
-
 class GradientSharder(Reducer):
     """``DataParallel``'s reducer under ``shard_gradients=True``: each bucket is
-    reduce-scattered into a persistent shard on this rank instead of all-reduced, and the
-    wrapper drops ``param.grad``; ``ZeroRedundancyOptimizer(shard_gradients=True)`` over the
-    same parameters steps the shards.
+    reduce-scattered into a persistent shard on this rank instead of all-reduced, and
+    ``param.grad`` is dropped; the ``ZeroRedundancyOptimizer`` that ``claim``ed it steps the
+    shards. The layout stays fixed (no rebuild): it is the optimizer's ownership.
 
-    Raises:
-        ValueError: with ``reduce_dtype`` or ``gradient_as_bucket_view`` (not supported
-            with gradient sharding).
+    What the optimizer reads: ``world_size``, ``shards`` (bucket index -> this rank's summed
+    chunk), ``synced`` (the buckets of the last completed sync), ``used`` (``id(param)`` ->
+    some rank had a gradient for it), ``syncs`` (completed syncs) and ``params_by_name()``.
+
+    Args:
+        group, trainable, specs, plan, comm_device, reduce, overlap: as for ``Reducer``;
+            ``plan`` is padded already (``pad_for_sharding``).
+        module_params: every parameter of the wrapped module by name (frozen ones too),
+            which the optimizer maps to its own names.
     """
+
+    keeps_param_grads = False
 
     def __init__(
         self,
         group: dist.ProcessGroup,
+        trainable: Sequence[tuple[str, nn.Parameter]],
+        specs: Sequence[gradsync_core.ParamSpec],
+        plan: BucketPlan,
         *,
+        comm_device: torch.device,
         reduce: str,
-        reduce_dtype: torch.dtype | None,
-        data_parallel: nn.Module,
+        overlap: bool,
+        module_params: dict[str, nn.Parameter],
     ) -> None:
-        if getattr(data_parallel, "gradient_as_bucket_view", False):
-            raise ValueError(
-                "shard_gradients=True drops param.grad after each bucket's reduce-scatter, so "
-                "gradients cannot be bucket views; leave gradient_as_bucket_view=False"
-            )
-        if reduce_dtype is not None:
-            raise ValueError(
-                "shard_gradients=True reduce-scatters in the gradients' dtype; reduce_dtype "
-                "is not supported with it"
-            )
-        super().__init__(group, reduce=reduce, reduce_dtype=None)
+        super().__init__(
+            group,
+            trainable,
+            specs,
+            plan,
+            comm_device=comm_device,
+            reduce=reduce,
+            reduce_dtype=None,
+            overlap=overlap,
+            gradient_as_bucket_view=False,
+            record_ready_order=False,
+        )
         self.rank = dist.get_rank(group)
-        self._data_parallel = weakref.ref(data_parallel)
+        self._module_params = dict(module_params)
         self.shards: dict[int, torch.Tensor] = {}
-        self.synced: tuple[Bucket, ...] = ()  # the buckets of the last completed sync
+        self.synced: tuple[Bucket, ...] = ()
         self._launched: list[Bucket] = []
-        self.used: dict[int, bool] = {}  # id(param) -> some rank had a gradient for it
+        self.used: dict[int, bool] = {}
         self.syncs = 0
-        self._consumer: weakref.ref | None = None
-        _SHARDERS.add(self)
+        self._consumer: Callable[[], object | None] | None = None
 
     def claim(self, consumer: object) -> None:
         """Record ``consumer`` (the ZeRO optimizer) as the one that steps these shards.
+
+        Claiming again with the same consumer is a no-op; once a consumer is garbage
+        collected, another may claim.
 
         Raises:
             ValueError: if another live consumer claimed this sharder already.
@@ -89,33 +112,22 @@ class GradientSharder(Reducer):
         if current is not None and current is not consumer:
             raise ValueError(
                 f"this DataParallel(shard_gradients=True) already feeds a "
-                f"{type(current).__name__}; each rank's gradient shards can be stepped by one "
-                "optimizer only: build one ZeroRedundancyOptimizer per DataParallel"
+                f"{type(current).__name__} (id {id(current):#x}); each rank's gradient shards "
+                f"can be stepped by one optimizer only, not also by this "
+                f"{type(consumer).__name__}: build one ZeroRedundancyOptimizer per DataParallel"
             )
-        self._consumer = weakref.ref(consumer)
+        try:
+            self._consumer = weakref.ref(consumer)
+        except TypeError:  # not weakly referenceable: hold it for the sharder's lifetime
+            self._consumer = lambda: consumer
 
     @property
-    def data_parallel(self) -> nn.Module:
-        dp = self._data_parallel()
-        if dp is None:
-            raise RuntimeError("the DataParallel that shards these gradients was deleted")
-        return dp
+    def claimed(self) -> bool:
+        return self._consumer is not None and self._consumer() is not None
 
     def params_by_name(self) -> dict[str, torch.Tensor]:
-        return dict(named_parameters(self.data_parallel.module))
-
-    def plan_for(
-        self, params: list[torch.Tensor], specs: list[ParamSpec], groups: list[int]
-    ) -> ShardPlan:
-        """The flat plan of the wrapper's (padded) buckets, named and grouped as the
-        optimizer holding ``params`` (with ``specs`` and param-group indices) names them."""
-        from gradsync_torch._zero_flat import rename_plan
-
-        index = {id(p): i for i, p in enumerate(params)}
-        mine = {n: index[id(p)] for n, p in self.params_by_name().items() if id(p) in index}
-        base = plan_flat_shards(self.data_parallel.bucket_plan, world_size=self.world_size)
-        names = {n: specs[i].name for n, i in mine.items()}
-        return rename_plan(base, names, {n: groups[i] for n, i in mine.items()})
+        """Every parameter of the wrapped module by name (the names in the bucket plan)."""
+        return dict(self._module_params)
 
     def launch(self, bucket: BucketBuffers, *, is_last: bool) -> None:
         if self.hook is not None:
@@ -132,27 +144,26 @@ class GradientSharder(Reducer):
         if spec.index == 0:
             self._launched = []
         self._launched.append(spec)
-        handles = reduce_scatter(bucket.buffer, shard, self.group, self.world_size)
-        bucket.handle = (handles, is_last)
+        bucket.handle = reduce_scatter(bucket.buffer, shard, self.group, self.world_size)
 
     def finish(self, bucket: BucketBuffers) -> None:
-        (handles, is_last), bucket.handle = bucket.handle, None
+        handles, bucket.handle = bucket.handle, None
         shard = self.shards[bucket.spec.index]
         finish_reduce_scatter(bucket.buffer, shard, handles, self.group, self.rank, self.world_size)
-        if is_last:
-            self.synced = tuple(self._launched)
-            self.syncs += 1
 
-    def record_used(self, param: torch.Tensor, used: bool) -> None:
-        """Called by DataParallel for every parameter after each sync."""
-        self.used[id(param)] = used
+    def _write_back(self, bucket: BucketBuffers, i: int, global_used: torch.Tensor | None) -> None:
+        # ZeRO-2: this rank's shard of the sum is in ``shards``; only the used-map is kept.
+        slot, param = bucket.slot_ids[i], bucket.params[i]
+        used = self._has_grad(slot, param)
+        self.used[id(param)] = used or (global_used is not None and bool(global_used[slot] > 0))
+        param.grad = None
+        self._preset[slot] = False
 
-
-def find_sharder(params: list[torch.Tensor]) -> GradientSharder | None:
-    """The live ``GradientSharder`` whose DataParallel reduces any of ``params``."""
-    ids = {id(p) for p in params}
-    for sharder in list(_SHARDERS):
-        dp = sharder._data_parallel()
-        if dp is not None and any(id(p) in ids for _, p in named_parameters(dp.module)):
-            return sharder
-    return None
+    def _end_sync(self, unwaited_used_work: object) -> None:
+        super()._end_sync(unwaited_used_work)
+        self.synced = tuple(self._launched)
+        self.syncs += 1
+        # Every rank reaches this point after the same collectives, so each raises here
+        # without leaving another rank waiting in one.
+        if not self.claimed:
+            raise RuntimeError(UNCLAIMED_MESSAGE)

@@ -1,9 +1,9 @@
 """gradsync_torch.DataParallel on gloo at world sizes 1, 2 and 4.
 
-One spawn per world size runs every check of ``test_data_parallel_checks`` (gradients) and
-``test_data_parallel_setup_checks`` (buffers, broadcasts, mismatches, errors) in one process
+One spawn per world size runs every check of ``dp_grad_checks`` (gradients) and
+``dp_setup_checks`` (buffers, broadcasts, mismatches, errors) in one process
 group (spawns cost seconds); each check is then reported as its own test. References and
-tolerances are stated in ``test_data_parallel_checks``.
+tolerances are stated in ``dp_grad_checks``.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import torch.distributed as dist
 from torch import nn
 
 import gradsync_torch as gt
-from tests.torch import test_data_parallel_checks as grad_checks
-from tests.torch import test_data_parallel_setup_checks as setup_checks
+from tests.torch import dp_grad_checks as grad_checks
+from tests.torch import dp_setup_checks as setup_checks
 from tests.torch.harness import run_workers
 
 WORLD_SIZES = (1, 2, 4)
@@ -36,6 +36,7 @@ CHECKS: dict[str, tuple[Callable[[int, int], None], int]] = {
     "broadcasts": (setup_checks.check_broadcasts, 2),
     "mismatch_fails_fast": (setup_checks.check_mismatch_fails_fast, 2),
     "errors": (setup_checks.check_errors, 1),
+    "gradient_sharder_link": (setup_checks.check_gradient_sharder_link, 1),
 }
 
 

@@ -1,11 +1,12 @@
 """Checks of DataParallel's setup and state that run inside spawned gloo ranks: buffers,
 broadcasts, fail-fast mismatch detection and errors. Run by ``test_data_parallel.py``; the
-helpers and tolerances live in ``test_data_parallel_checks.py``. No tests of its own.
+helpers and tolerances live in ``dp_grad_checks.py``. No tests of its own.
 """
 
 from __future__ import annotations
 
 import copy
+import gc
 
 import torch
 import torch.distributed as dist
@@ -14,7 +15,8 @@ from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsync_torch as gt
-from tests.torch.test_data_parallel_checks import (
+from gradsync_torch.data_parallel import GradientSharder
+from tests.torch.dp_grad_checks import (
     assert_equal,
     batch,
     expect_error,
@@ -110,6 +112,16 @@ def check_errors(rank: int, ws: int) -> None:
         lambda: gt.DataParallel(mlp(), overlap=False, gradient_as_bucket_view=True),
     )
     expect_error(TypeError, ["wraps an nn.Module"], lambda: gt.DataParallel(lambda x: x))
+    expect_error(
+        ValueError,
+        ["shard_gradients=True", "gradient_as_bucket_view=False"],
+        lambda: gt.DataParallel(mlp(), shard_gradients=True, gradient_as_bucket_view=True),
+    )
+    expect_error(
+        ValueError,
+        ["shard_gradients=True", "reduce_dtype=torch.bfloat16"],
+        lambda: gt.DataParallel(mlp(), shard_gradients=True, reduce_dtype=torch.bfloat16),
+    )
     torch.manual_seed(0)
     sparse = gt.DataParallel(nn.Embedding(10, 4, sparse=True))
     expect_error(
@@ -134,3 +146,39 @@ def check_errors(rank: int, ws: int) -> None:
             expect_error(
                 ValueError, ["not a member"], lambda: gt.DataParallel(mlp(), process_group=solo)
             )
+
+
+class _Consumer:
+    """Stands in for the ZeRO optimizer: anything that claims a sharder."""
+
+
+def check_gradient_sharder_link(rank: int, ws: int) -> None:
+    """ZeRO-2's explicit link: a sharder nobody claimed refuses to drop gradients silently,
+    on every rank and in both modes; one consumer at a time may claim it."""
+    assert gt.DataParallel(mlp()).gradient_sharder is None
+    x, y = batch(0, ws)
+    for overlap in (True, False):
+        model = gt.DataParallel(mlp(), shard_gradients=True, overlap=overlap)
+        sharder = model.gradient_sharder
+        assert isinstance(sharder, GradientSharder)
+        expect_error(
+            RuntimeError,
+            ["DataParallel(shard_gradients=True) keeps only", "data_parallel=model"],
+            lambda model=model: step(model, x, y, rank),
+        )
+        first = _Consumer()
+        sharder.claim(first)
+        sharder.claim(first)  # the same consumer again: fine
+        expect_error(
+            ValueError,
+            ["already feeds a _Consumer"],
+            lambda sharder=sharder: sharder.claim(_Consumer()),
+        )
+        syncs = sharder.syncs
+        step(model, x, y, rank)  # claimed: the wrapper recovered from the refused sync
+        assert sharder.syncs == syncs + 1, (sharder.syncs, syncs)
+        assert all(p.grad is None for p in model.parameters()), "ZeRO-2 keeps only shards"
+        assert sharder.shards and all(sharder.used.values()), sharder.used
+        del first
+        gc.collect()
+        sharder.claim(_Consumer())  # the first consumer is gone, so another may claim

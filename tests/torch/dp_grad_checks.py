@@ -131,7 +131,7 @@ def check_matches_reference_and_ddp(rank: int, ws: int) -> None:
     assert_equal(list(ours.parameters()), list(ddp.parameters()), "parameters vs DDP")
     assert ours.bucket_plan.order == "observed"
     # Grads of the view mode live in its buckets, so no copy happens.
-    buffers = {b.buffer.untyped_storage().data_ptr() for b in view._buckets}
+    buffers = {b.buffer.untyped_storage().data_ptr() for b in view._reducer.buckets}
     for p in view.parameters():
         assert p.grad.untyped_storage().data_ptr() in buffers
 

@@ -1,15 +1,16 @@
-"""Construction-time agreement across ranks: same plan (docs/design.md §8), same starting state.
+"""Cross-rank checks: arguments, groups, gradients, and agreement on the plan (docs/design.md §8).
 
 A rank that builds a different model would otherwise hang in the first mismatched
 collective, or silently train garbage when sizes happen to line up. One all-gather of a
 32-byte digest makes the check cost nothing when everything agrees; only on a mismatch are the
-full descriptions gathered to name the ranks and the first difference.
+full descriptions gathered to name the ranks and the first difference. The argument checks run
+before any collective, so a mistake on one rank cannot leave the others waiting.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -17,15 +18,8 @@ import torch.distributed as dist
 from torch import nn
 
 import gradsync_core
+from gradsync_torch._collectives import all_gather_single
 from gradsync_torch._specs import dtype_name
-from gradsync_torch.model_parallel.groups import ProcessGroups
-from gradsync_torch.model_parallel.layers import shared_param_specs
-
-_MIB = 1024 * 1024
-# DDP broadcasts module states in chunks of this size (torch.distributed.utils).
-_BROADCAST_CHUNK_BYTES = 250 * _MIB
-# torch 2.13 renamed all_gather_into_tensor (and warns on the old name); older torch lacks it.
-from gradsync_torch._collectives import all_gather_single as _all_gather_single
 
 
 def check_arguments(
@@ -37,6 +31,7 @@ def check_arguments(
     overlap: bool,
     gradient_as_bucket_view: bool,
     param_broadcast_period: object,
+    shard_gradients: bool,
 ) -> None:
     """DataParallel's argument checks: one sentence per mistake, before any collective."""
     if not isinstance(module, nn.Module):
@@ -61,6 +56,16 @@ def check_arguments(
             "gradient_as_bucket_view=True needs overlap=True: legacy mode reuses one "
             "buffer for every bucket, so gradients cannot live in it"
         )
+    if shard_gradients and gradient_as_bucket_view:
+        raise ValueError(
+            "shard_gradients=True drops param.grad after each bucket's reduce-scatter, so "
+            "gradients cannot be bucket views; leave gradient_as_bucket_view=False"
+        )
+    if shard_gradients and reduce_dtype is not None:
+        raise ValueError(
+            f"shard_gradients=True reduce-scatters in the gradients' dtype; reduce_dtype="
+            f"{reduce_dtype} is not supported with it (leave reduce_dtype=None)"
+        )
 
 
 def check_group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup:
@@ -82,66 +87,6 @@ def check_group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     return group
 
 
-def resolve_shared(
-    module: nn.Module,
-    *,
-    process_group: dist.ProcessGroup | None,
-    groups: ProcessGroups | None,
-    shared_plan: gradsync_core.ReductionPlan | None,
-    shard_gradients: bool,
-) -> tuple[dist.ProcessGroup | None, gradsync_core.ReductionPlan | None]:
-    """DataParallel's model-parallel arguments: ``(data-parallel group, shared-sum plan)``.
-
-    With ``groups`` the data-parallel group is ``groups["dp"]`` and, unless ``shared_plan``
-    is given, the plan is derived from the layers' sharding declarations (docs/design.md §6). A dp
-    axis of size 1 has no process group in ``ProcessGroups``; DataParallel still needs one
-    (its checks and buffers), so it gets this rank alone, created locally (no other rank
-    takes part, so ranks of other dp groups need not call it).
-    """
-    if groups is None:
-        if shared_plan is not None:
-            raise ValueError(
-                "shared_plan needs groups=: pass the ProcessGroups the plan's reduction "
-                "groups live in (DataParallel(model, groups=groups, shared_plan=plan))"
-            )
-        return process_group, None
-    if not isinstance(groups, ProcessGroups):
-        raise TypeError(
-            f"groups must be a gradsync_torch.ProcessGroups, got {type(groups).__name__}"
-        )
-    if process_group is not None:
-        raise ValueError(
-            "pass process_group or groups, not both: with groups= the data-parallel group "
-            "is groups['dp']"
-        )
-    if shared_plan is None:
-        try:
-            specs = shared_param_specs(module)
-        except ValueError as err:
-            raise ValueError(
-                f"DataParallel(groups=...) derives the model-parallel gradient sums from the "
-                f"model, but {err}; or pass shared_plan=plan_shared_reductions("
-                "shared_param_specs(model, data_axes=...), groups.topology)"
-            ) from None
-        shared_plan = gradsync_core.plan_shared_reductions(specs, groups.topology)
-    elif not isinstance(shared_plan, gradsync_core.ReductionPlan):
-        raise TypeError(
-            f"shared_plan must be a gradsync_core.ReductionPlan, got {type(shared_plan).__name__}"
-        )
-    if shard_gradients and shared_plan.reductions:
-        raise ValueError(
-            "shard_gradients=True cannot be combined with shared-parameter sums (here over "
-            f"{list(shared_plan.group_names)}): after the reduce-scatter each rank holds only "
-            "its shard of a bucket, and members of a model-parallel group may hold different "
-            "buckets; use shard_gradients=False with model parallelism "
-            "(ZeroRedundancyOptimizer still shards the optimizer state, ZeRO-1)"
-        )
-    dp = groups.group("dp")
-    if dp.size > 1:
-        return dp.process_group, shared_plan
-    return dist.new_group([dp.ranks[0]], use_local_synchronization=True), shared_plan
-
-
 def comm_device(params: Sequence[torch.Tensor], group: dist.ProcessGroup) -> torch.device:
     """Where the small bookkeeping collectives run: the parameters' device."""
     devices = {p.device for p in params} or {torch.device("cpu")}
@@ -160,11 +105,16 @@ def comm_device(params: Sequence[torch.Tensor], group: dist.ProcessGroup) -> tor
 
 
 def check_grad(name: str, grad: torch.Tensor) -> None:
-    """A gradient DataParallel can reduce: dense and not part of a graph (docs/design.md §7)."""
+    """A gradient DataParallel can reduce: dense and not part of a graph (docs/design.md §7).
+
+    Raises:
+        RuntimeError: for a sparse gradient or one that requires grad (the model-parallel
+            reductions raise the same type for the same mistakes).
+    """
     if grad.layout != torch.strided:
         raise RuntimeError(
-            f"parameter {name!r} has a {grad.layout} gradient; DataParallel reduces dense "
-            "gradients only (use nn.Embedding(sparse=False))"
+            f"parameter {name!r} has a {grad.layout} gradient of shape {tuple(grad.shape)}; "
+            "DataParallel reduces dense gradients only (use nn.Embedding(sparse=False))"
         )
     if grad.requires_grad:
         raise RuntimeError(
@@ -214,7 +164,7 @@ def verify_same_everywhere(
     mine = torch.tensor(list(digest), dtype=torch.uint8, device=device)
     world_size = group.size()
     gathered = torch.empty(world_size * len(digest), dtype=torch.uint8, device=device)
-    _all_gather_single(gathered, mine, group=group)
+    all_gather_single(gathered, mine, group=group)
     rows = [bytes(row) for row in gathered.view(world_size, -1).cpu().tolist()]
     if all(row == rows[0] for row in rows):
         return
@@ -237,34 +187,3 @@ def verify_same_everywhere(
         "model (same parameters in the same order, shapes, dtypes, requires_grad) and pass "
         "the same DataParallel arguments on every rank"
     )
-
-
-def broadcast_tensors(
-    tensors: Iterable[torch.Tensor], group: dist.ProcessGroup, *, group_src: int = 0
-) -> None:
-    """Overwrite ``tensors`` in place with group rank ``group_src``'s values.
-
-    Tensors are packed per (dtype, device) into flat chunks of at most 250 MiB (DDP's
-    ``_sync_module_states`` does the same), so a model costs a few collectives, not one per
-    tensor.
-    """
-    by_key: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for t in tensors:
-        by_key.setdefault((t.dtype, t.device), []).append(t)
-    for members in by_key.values():
-        chunk: list[torch.Tensor] = []
-        nbytes = 0
-        for t in [*members, None]:
-            if t is not None and (not chunk or nbytes + t.nbytes <= _BROADCAST_CHUNK_BYTES):
-                chunk.append(t)
-                nbytes += t.nbytes
-                continue
-            flat = torch.cat([c.detach().reshape(-1) for c in chunk])
-            dist.broadcast(flat, src=dist.get_global_rank(group, group_src), group=group)
-            offset = 0
-            with torch.no_grad():
-                for c in chunk:
-                    c.copy_(flat[offset : offset + c.numel()].view_as(c))
-                    offset += c.numel()
-            if t is not None:
-                chunk, nbytes = [t], t.nbytes

@@ -1,0 +1,135 @@
+"""The runtime of a bucket plan: one flat buffer per bucket, reused every step.
+
+``make_plan`` picks the initial layout (DDP's capped assignment, or fairseq's legacy one);
+``build_buckets`` allocates it. The ``Reducer`` (``reducer.py``) owns the resulting
+``BucketBuffers`` and everything that changes in them during a step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+import gradsync_core
+from gradsync_torch._collectives import MIB
+
+
+class SlotPlace(NamedTuple):
+    """Where one trainable parameter lives in the bucket runtime."""
+
+    bucket: int  # index into the list of BucketBuffers
+    index: int  # position inside that bucket's params / views
+
+
+def make_plan(
+    specs: list[gradsync_core.ParamSpec], *, overlap: bool, bucket_cap_mb: float | None
+) -> gradsync_core.BucketPlan:
+    """The initial layout: DDP's capped assignment (overlap) or fairseq's (legacy).
+
+    DDP's cap convention: no cap given -> 25 MiB buckets with a 1 MiB first bucket; a cap
+    given -> that cap for every bucket. Legacy mode reads the cap as the size of its reused
+    buffer (default 2**28 elements).
+    """
+    if overlap:
+        if bucket_cap_mb is None:
+            return gradsync_core.plan_buckets(
+                specs,
+                cap_bytes=gradsync_core.DEFAULT_CAP_BYTES,
+                first_cap_bytes=gradsync_core.DEFAULT_FIRST_CAP_BYTES,
+            )
+        return gradsync_core.plan_buckets(specs, cap_bytes=max(1, int(bucket_cap_mb * MIB)))
+    max_numel = gradsync_core.DEFAULT_LEGACY_MAX_NUMEL
+    if bucket_cap_mb is not None:
+        trainable = [s for s in specs if s.requires_grad]
+        widest = max((gradsync_core.itemsize(s.dtype) for s in trainable), default=4)
+        max_numel = max(1, int(bucket_cap_mb * MIB) // widest)
+    return gradsync_core.plan_legacy_buckets(specs, max_numel=max_numel)
+
+
+@dataclass(eq=False)
+class BucketBuffers:
+    """The runtime of one plan bucket: its flat buffer and one view per parameter."""
+
+    spec: gradsync_core.Bucket
+    buffer: torch.Tensor  # flat, spec.numel elements of the gradients' dtype
+    views: tuple[torch.Tensor, ...]  # views[i] is slot i of the bucket, shaped like its param
+    params: tuple[nn.Parameter, ...]
+    slot_ids: tuple[int, ...]  # positions in DataParallel's list of trainable parameters
+    wire: torch.Tensor | None  # the same elements in reduce_dtype, if it differs
+    pending: int = 0  # gradients still to arrive in this backward
+    handle: Any = field(default=None, repr=False)  # Work or Future of the collective in flight
+
+    def reset(self) -> None:
+        self.pending = len(self.params)
+        self.handle = None
+
+
+def build_buckets(
+    plan: gradsync_core.BucketPlan,
+    params: dict[str, nn.Parameter],
+    slot_of: dict[str, int],
+    *,
+    reduce_dtype: torch.dtype | None,
+    shared: bool,
+) -> list[BucketBuffers]:
+    """Allocate the buffers of ``plan`` once; they are reused every step.
+
+    Args:
+        plan: the bucket layout.
+        params: trainable parameters by name.
+        slot_of: each trainable parameter's position in the wrapper's list.
+        reduce_dtype: the dtype on the wire, ``None`` for the gradients' own.
+        shared: one staging buffer per (dtype, device), as large as the largest bucket, reused
+            by every bucket (fairseq's legacy mode: buckets must then be reduced one by one).
+    """
+    staging: dict[tuple[torch.dtype, torch.device], tuple[torch.Tensor, torch.Tensor | None]] = {}
+    if shared:
+        sizes: dict[tuple[torch.dtype, torch.device], int] = {}
+        for bucket in plan.buckets:
+            first = params[bucket.slots[0].name]
+            key = (first.dtype, first.device)
+            sizes[key] = max(sizes.get(key, 0), bucket.numel)
+        for (dtype, device), numel in sizes.items():
+            wire = None
+            if reduce_dtype is not None and reduce_dtype != dtype:
+                wire = torch.zeros(numel, dtype=reduce_dtype, device=device)
+            staging[(dtype, device)] = (torch.zeros(numel, dtype=dtype, device=device), wire)
+    out = []
+    for bucket in plan.buckets:
+        members = tuple(params[slot.name] for slot in bucket.slots)
+        dtype, device = members[0].dtype, members[0].device
+        if shared:
+            full, full_wire = staging[(dtype, device)]
+            buffer = full[: bucket.numel]
+            wire = None if full_wire is None else full_wire[: bucket.numel]
+        else:
+            buffer = torch.zeros(bucket.numel, dtype=dtype, device=device)
+            wire = None
+            if reduce_dtype is not None and reduce_dtype != dtype:
+                wire = torch.zeros(bucket.numel, dtype=reduce_dtype, device=device)
+        views = tuple(
+            buffer[slot.offset : slot.offset + slot.numel].view(slot.shape) for slot in bucket.slots
+        )
+        state = BucketBuffers(
+            spec=bucket,
+            buffer=buffer,
+            views=views,
+            params=members,
+            slot_ids=tuple(slot_of[slot.name] for slot in bucket.slots),
+            wire=wire,
+        )
+        state.reset()
+        out.append(state)
+    return out
+
+
+def slot_places(buckets: list[BucketBuffers], num_slots: int) -> list[SlotPlace]:
+    """``places[slot]``: the bucket and position of every trainable parameter."""
+    places = [SlotPlace(0, 0)] * num_slots
+    for b, bucket in enumerate(buckets):
+        for i, slot in enumerate(bucket.slot_ids):
+            places[slot] = SlotPlace(b, i)
+    return places

@@ -1,0 +1,356 @@
+"""``DataParallel``: bucket plans executed on torch.distributed (docs/design.md §3, §7, §8).
+
+Overlap mode follows the DDP paper (arXiv:2006.15704): each bucket's all-reduce starts as soon
+as its last gradient is accumulated, buckets start in plan order, and backward returns only
+after all of them finished. Legacy mode is fairseq's ``LegacyDistributedDataParallel``: nothing
+happens during backward; ``sync_gradients()`` reduces through one reused flat buffer.
+
+The wrapper decides *when*: which forward is a synced one (``no_sync``), when a gradient is
+handed over, when the backward is over. Its ``Reducer`` (``reducer.py``) owns the buckets and
+decides *what* and *how*; ``setup.py`` holds the construction steps.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import gradsync_core
+from gradsync_torch._agreement import check_arguments, check_grad, check_group, comm_device
+from gradsync_torch._collectives import broadcast_tensors
+from gradsync_torch._comm_hooks import CommHook
+from gradsync_torch._specs import named_parameters
+from gradsync_torch.data_parallel.grad_sharding import GradientSharder
+from gradsync_torch.data_parallel.reducer import Reducer
+from gradsync_torch.data_parallel.setup import (
+    Layout,
+    plan_layout,
+    resolve_groups,
+    verify_and_broadcast,
+)
+from gradsync_torch.model_parallel.groups import (
+    ProcessGroups,
+    check_reduction_plan,
+    reduce_shared_gradients,
+)
+
+
+def _grad_ready(owner: weakref.ref, slot: int, param: torch.Tensor) -> None:
+    wrapper = owner()
+    if wrapper is not None:
+        wrapper._on_grad_ready(slot, param)
+
+
+class DataParallel(nn.Module):
+    """Data-parallel wrapper: ``forward`` passes through, gradients are averaged across ranks.
+
+    Args:
+        module: the model; every rank must build the same one (checked at construction).
+        process_group: the data-parallel group (default: the world).
+        bucket_cap_mb: bucket size limit in MiB. ``None`` (the default) is DDP's default:
+            25 MiB buckets with a 1 MiB first bucket (the earliest layers, reduced last, so
+            the tail after backward stays short). A number applies to every bucket, as in
+            DDP. In legacy mode it sizes the reused buffer (default 2**28 elements).
+        overlap: ``True``: reduce during backward. ``False``: legacy explicit mode, call
+            ``sync_gradients()`` after backward.
+        reduce: ``"mean"`` divides by the group size before the sum; ``"sum"`` does not.
+        reduce_dtype: dtype on the wire (e.g. ``torch.bfloat16``); the result is cast back
+            into the gradient dtype. ``None``: the gradients' own dtype.
+        gradient_as_bucket_view: make ``param.grad`` views into the bucket buffers (saves the
+            two copies and one gradient's worth of memory; overlap mode only).
+        broadcast_buffers: broadcast buffers (BatchNorm statistics) from rank 0 before a
+            forward that follows a synced training forward, as DDP does.
+        param_broadcast_period: re-broadcast parameters from rank 0 every this many syncs
+            (MegEngine's ``bcast_period``); 0 never does.
+        shard_gradients: ZeRO-2: reduce-scatter each bucket (padded to a multiple of the
+            group size) instead of all-reducing it and drop ``param.grad``; each rank keeps
+            only its shard, which a ZeRO optimizer given this wrapper steps:
+            ``ZeroRedundancyOptimizer(model.parameters(), ..., shard_gradients=True,
+            data_parallel=model)``; a sync with no such optimizer raises.
+        groups: model parallelism (docs/design.md §6): the ``ProcessGroups`` of the topology. The
+            data-parallel group is then ``groups["dp"]`` (leave ``process_group`` unset),
+            and after every synced mean the gradients of parameters replicated over a
+            model-parallel axis (a norm under context parallelism, a bias after a
+            sequence-parallel reduce-scatter) get their sum over that axis, bucketed. Which
+            ones is derived from the model (``shared_param_specs``: the layers'
+            ``gradsync_sharded_over``, the model's ``gradsync_data_axes``), never marked.
+            Construct on every rank of the world (it checks the plan across groups).
+        shared_plan: the ``ReductionPlan`` to use instead of the derived one
+            (``plan_shared_reductions(shared_param_specs(model, data_axes=...), topo)``).
+
+    Raises:
+        RuntimeError: if torch.distributed is not initialized.
+        ValueError: on bad arguments, a group this rank is not in, or ranks whose models or
+            arguments differ (naming the ranks and the first differing parameter).
+
+    Example:
+        >>> model = DataParallel(nn.Linear(4, 2))  # doctest: +SKIP
+        >>> model(torch.randn(8, 4)).sum().backward()  # grads are averaged when this returns
+        >>> with model.no_sync():  # accumulate locally; the next backward outside syncs
+        ...     model(torch.randn(8, 4)).sum().backward()
+        >>> groups = ProcessGroups(Topology.create(4, tp=2, cp=2))  # doctest: +SKIP
+        >>> tp_cp_model = DataParallel(ParallelMLPTransformer(8, 32, 2, groups), groups=groups)
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        process_group: dist.ProcessGroup | None = None,
+        bucket_cap_mb: float | None = None,
+        overlap: bool = True,
+        reduce: str = "mean",
+        reduce_dtype: torch.dtype | None = None,
+        gradient_as_bucket_view: bool = False,
+        broadcast_buffers: bool = True,
+        param_broadcast_period: int = 0,
+        shard_gradients: bool = False,
+        groups: ProcessGroups | None = None,
+        shared_plan: gradsync_core.ReductionPlan | None = None,
+    ) -> None:
+        super().__init__()
+        check_arguments(
+            module,
+            reduce=reduce,
+            reduce_dtype=reduce_dtype,
+            bucket_cap_mb=bucket_cap_mb,
+            overlap=overlap,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            param_broadcast_period=param_broadcast_period,
+            shard_gradients=shard_gradients,
+        )
+        choice = resolve_groups(
+            module,
+            process_group=process_group,
+            groups=groups,
+            shared_plan=shared_plan,
+            shard_gradients=shard_gradients,
+        )
+        group = check_group(choice.process_group)
+        if choice.shared_plan is not None:
+            check_reduction_plan(choice.shared_plan, groups)  # collective over the world, once
+        self.process_groups, self.shared_plan = groups, choice.shared_plan
+        self.module = module
+        self.process_group = group
+        self.world_size = group.size()
+        self.group_rank = dist.get_rank(group)
+        self.overlap = overlap
+        self.reduce = reduce
+        self.reduce_dtype = reduce_dtype
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.broadcast_buffers = broadcast_buffers
+        self.param_broadcast_period = param_broadcast_period
+        self.shard_gradients = shard_gradients
+        # Plain attribute, as in DDP: no_sync() flips it, loops may set it directly.
+        self.require_backward_grad_sync = True
+
+        layout = plan_layout(
+            module,
+            overlap=overlap,
+            bucket_cap_mb=bucket_cap_mb,
+            shard_gradients=shard_gradients,
+            world_size=self.world_size,
+        )
+        self._names = [name for name, _ in layout.trainable]
+        self._frozen = layout.frozen
+        device = comm_device([p for _, p in layout.trainable], group)
+        options = {"overlap": overlap, "reduce": reduce, "reduce_dtype": reduce_dtype}
+        options["shard_gradients"] = shard_gradients
+        verify_and_broadcast(module, layout.plan, options, group, device)
+        self._reducer = self._make_reducer(layout, device)
+
+        self._callback_queued = False  # a backward's end-of-sync callback is pending
+        self._sync_backward = True  # decided by the latest grad-enabled forward (as DDP)
+        self._sync_buffers_next = True
+        self._dirty = False  # gradients accumulated under no_sync and not reduced yet
+        self._syncs = 0
+        self._params_broadcast_at = 0
+        if overlap:
+            self._install_hooks(layout.trainable)
+
+    def _make_reducer(self, layout: Layout, device: torch.device) -> Reducer:
+        if self.shard_gradients:
+            return GradientSharder(
+                self.process_group,
+                layout.trainable,
+                layout.specs,
+                layout.plan,
+                comm_device=device,
+                reduce=self.reduce,
+                overlap=self.overlap,
+                module_params=dict(named_parameters(self.module)),
+            )
+        return Reducer(
+            self.process_group,
+            layout.trainable,
+            layout.specs,
+            layout.plan,
+            comm_device=device,
+            reduce=self.reduce,
+            reduce_dtype=self.reduce_dtype,
+            overlap=self.overlap,
+            gradient_as_bucket_view=self.gradient_as_bucket_view,
+            # Sharded gradients: the layout is the optimizer's ownership, so it stays fixed.
+            record_ready_order=self.overlap,
+        )
+
+    def _install_hooks(self, trainable: list[tuple[str, nn.Parameter]]) -> None:
+        # The hooks hold the wrapper weakly: once a user drops it (say, to wrap the module
+        # again after unfreezing a layer), its hooks go quiet instead of syncing twice.
+        me = weakref.ref(self)
+        for slot, (_, p) in enumerate(trainable):
+            p.register_post_accumulate_grad_hook(functools.partial(_grad_ready, me, slot))
+
+    # ---- public API -------------------------------------------------------------------
+
+    @property
+    def bucket_plan(self) -> gradsync_core.BucketPlan:
+        """The bucket layout in force (rebuilt once after the first synced backward)."""
+        return self._reducer.plan
+
+    @property
+    def gradient_sharder(self) -> GradientSharder | None:
+        """The ZeRO-2 ``GradientSharder`` (``shard_gradients=True``), else ``None``; pass the
+        wrapper to ``ZeroRedundancyOptimizer(..., data_parallel=model)``, which claims it."""
+        return self._reducer if isinstance(self._reducer, GradientSharder) else None
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally; the first backward after the context syncs the sum.
+
+        As in DDP, the forward decides: run forward and backward inside the context.
+        """
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = previous
+
+    def register_comm_hook(self, state: Any, hook: CommHook) -> None:
+        """Reduce each bucket with ``hook(state, bucket) -> Future[Tensor]`` (DDP's contract).
+
+        The hook owns the whole reduction, division included (see ``allreduce_hook``,
+        ``bf16_compress_hook``, ``fp16_compress_hook``; torch's DDP hooks work too).
+        Register it once, before the first backward.
+
+        Raises:
+            RuntimeError: if a hook is already registered or a sync already happened.
+            ValueError: if ``reduce="sum"`` or ``reduce_dtype`` was set, which the hook
+                would silently override.
+        """
+        if self._reducer.hook is not None:
+            raise RuntimeError("register_comm_hook may be called only once")
+        if self._syncs or self._callback_queued:
+            raise RuntimeError("register_comm_hook must be called before the first backward")
+        if not callable(hook):
+            raise TypeError(f"hook must be callable, got {type(hook).__name__}")
+        if self.reduce != "mean" or self.reduce_dtype is not None:
+            raise ValueError(
+                "a comm hook owns the reduction (division and wire dtype), so "
+                f"reduce={self.reduce!r} / reduce_dtype={self.reduce_dtype} would be "
+                "ignored; build DataParallel with the defaults and do it in the hook"
+            )
+        self._reducer.set_comm_hook(hook, state)
+
+    def sync_gradients(self) -> None:
+        """Reduce the gradients now (legacy mode: call it after every backward).
+
+        Legacy mode: reduces every bucket through the reused buffer. Overlap mode: the
+        backward already synced, so this only reduces gradients accumulated under
+        ``no_sync()`` since the last sync (a no-op otherwise), so one loop fits both modes.
+        Inside ``no_sync()`` it does nothing, as fairseq's ``all_reduce`` does.
+        """
+        if not self.require_backward_grad_sync:
+            return
+        if self._callback_queued:
+            raise RuntimeError("sync_gradients() cannot run inside backward")
+        if self.overlap and not self._dirty:
+            return
+        self._sync_after_backward(from_backward=False)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._callback_queued:
+            self._abandon_backward()  # the last backward raised before it finished
+        if torch.is_grad_enabled():
+            self._check_frozen()
+            self._sync_backward = self.require_backward_grad_sync
+            if self._sync_backward and self.param_broadcast_period:
+                self._maybe_broadcast_params()
+            if self.gradient_as_bucket_view:
+                self._reducer.bind_views()
+        if self.broadcast_buffers and self._sync_buffers_next and self.world_size > 1:
+            buffers = [b for _, b in self.module.named_buffers()]
+            if buffers:
+                broadcast_tensors(buffers, self.process_group)
+        self._sync_buffers_next = torch.is_grad_enabled() and self.require_backward_grad_sync
+        return self.module(*args, **kwargs)
+
+    # ---- before a forward -------------------------------------------------------------
+
+    def _maybe_broadcast_params(self) -> None:
+        """MegEngine's ``bcast_period``: rank 0's weights every ``param_broadcast_period``."""
+        if self._syncs - self._params_broadcast_at >= self.param_broadcast_period:
+            broadcast_tensors([p for _, p in named_parameters(self.module)], self.process_group)
+            self._params_broadcast_at = self._syncs
+
+    def _check_frozen(self) -> None:
+        for p in self._frozen:
+            if p.requires_grad:
+                name = next(n for n, q in named_parameters(self.module) if q is p)
+                raise RuntimeError(
+                    f"parameter {name!r} was frozen when DataParallel was built and now "
+                    "requires grad, so its gradient would never be synced; wrap the model "
+                    "again after changing requires_grad"
+                )
+
+    # ---- during and after backward ----------------------------------------------------
+
+    def _on_grad_ready(self, slot: int, param: torch.Tensor) -> None:
+        grad = param.grad
+        if grad is None:
+            return
+        check_grad(self._names[slot], grad)
+        if not self._sync_backward:
+            self._reducer.mark_accumulated(slot)
+            self._dirty = True
+            return
+        if not self._callback_queued:
+            # Runs when the whole backward is done, before backward() returns.
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+            self._callback_queued = True
+        self._reducer.mark_ready(slot, param, grad)
+
+    def _finish_backward(self) -> None:
+        try:
+            self._sync_after_backward(from_backward=True)
+        except BaseException:
+            self._abandon_backward()
+            raise
+        finally:
+            self._callback_queued = False
+
+    def _sync_after_backward(self, *, from_backward: bool) -> None:
+        if self.overlap:
+            self._reducer.sync_overlap()
+        else:
+            self._reducer.sync_legacy()
+        if self.shared_plan is not None:
+            # The model-parallel sums (docs/design.md §6) commute with the dp mean and with
+            # accumulation, so one pass after the mean covers every no_sync step too.
+            reduce_shared_gradients(self.module, self.process_groups, self.shared_plan)
+        self._dirty = False
+        self._syncs += 1
+        if from_backward:
+            self._reducer.rebuild()  # once: DDP's rebuild from the observed ready order
+
+    def _abandon_backward(self) -> None:
+        self._reducer.abandon()
+        self._callback_queued = False
