@@ -101,24 +101,72 @@ class ParamSpec:
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> ParamSpec:
-        """Build a spec from a JSON object; only ``name`` and ``shape`` are required."""
+        """Build a spec from a JSON object; only ``name`` and ``shape`` are required.
+
+        Types are checked as JSON has them, so ``"requires_grad": "no"`` is refused rather
+        than read as true: ``name`` a non-empty string, ``shape`` a list of non-negative
+        ints, ``dtype`` a name from ``DTYPE_ITEMSIZE``, ``requires_grad`` true or false,
+        ``device`` a string and ``replicated_over`` a list of strings.
+
+        Raises:
+            ValueError: naming the field, the value seen and what it should be.
+        """
         if not isinstance(obj, Mapping):
-            raise ValueError(f"a parameter entry must be a JSON object, got {obj!r}")
+            raise ValueError(f"a parameter entry must be a JSON object, got {_short(obj)}")
         unknown = set(obj) - _JSON_KEYS
         if unknown:
-            raise ValueError(f"parameter entry {obj!r} has unknown keys {sorted(unknown)}")
+            raise ValueError(f"parameter entry {_short(obj)} has unknown keys {sorted(unknown)}")
         if "name" not in obj or "shape" not in obj:
-            raise ValueError(f"parameter entry {obj!r} needs at least 'name' and 'shape'")
-        if not isinstance(obj["shape"], list | tuple):
-            raise ValueError(f"parameter {obj['name']!r}: 'shape' must be a list of ints")
+            raise ValueError(f"parameter entry {_short(obj)} needs at least 'name' and 'shape'")
+        name = obj["name"]
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"a parameter's 'name' must be a non-empty string, got {_short(name)}")
+        shape = obj["shape"]
+        if not isinstance(shape, list | tuple) or not all(_is_size(d) for d in shape):
+            raise ValueError(
+                f"parameter {name!r}: 'shape' must be a list of non-negative ints, "
+                f"got {_short(shape)}"
+            )
+        dtype = obj.get("dtype", "float32")
+        if not isinstance(dtype, str):
+            raise ValueError(f"parameter {name!r}: 'dtype' must be a string, got {_short(dtype)}")
+        requires_grad = obj.get("requires_grad", True)
+        if not isinstance(requires_grad, bool):
+            raise ValueError(
+                f"parameter {name!r}: 'requires_grad' must be true or false, "
+                f"got {_short(requires_grad)}"
+            )
+        device = obj.get("device", "cpu")
+        if not isinstance(device, str) or not device:
+            raise ValueError(
+                f"parameter {name!r}: 'device' must be a non-empty string, got {_short(device)}"
+            )
+        replicated_over = obj.get("replicated_over", [])
+        if not isinstance(replicated_over, list | tuple) or not all(
+            isinstance(axis, str) for axis in replicated_over
+        ):
+            raise ValueError(
+                f"parameter {name!r}: 'replicated_over' must be a list of axis names such as "
+                f'["tp"], got {_short(replicated_over)}'
+            )
         return cls(
-            name=obj["name"],
-            shape=tuple(obj["shape"]),
-            dtype=obj.get("dtype", "float32"),
-            requires_grad=bool(obj.get("requires_grad", True)),
-            device=obj.get("device", "cpu"),
-            replicated_over=tuple(obj.get("replicated_over", ())),
+            name=name,
+            shape=tuple(shape),
+            dtype=dtype,
+            requires_grad=requires_grad,
+            device=device,
+            replicated_over=tuple(replicated_over),
         )
+
+
+def _is_size(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _short(value: object, limit: int = 80) -> str:
+    """``repr`` cut to ``limit`` characters: an error line must stay one short line."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def check_unique_names(specs: Iterable[ParamSpec]) -> None:
