@@ -1,4 +1,4 @@
-"""Data-parallel step on 8 CPU devices: plain per-leaf ``pmean`` vs gradsync's sync (docs/design.md §11).
+"""Data-parallel step on 8 CPU devices: per-leaf ``pmean`` vs gradsync's sync (docs/design.md §11).
 
 All variants are the same jitted ``shard_map`` step (local gradients, one reduction, Adam)
 and differ only in the reduction:
