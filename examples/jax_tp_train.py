@@ -37,8 +37,8 @@ from jax.sharding import PartitionSpec as P
 
 from gradsync_core import Topology, plan_shared_reductions
 from gradsync_jax import (
-    MLPTransformer,
-    ParallelMLPTransformer,
+    ColumnParallelLinear,
+    RowParallelLinear,
     data_parallel_step,
     mesh_from_topology,
     nnx_functional,
@@ -46,6 +46,39 @@ from gradsync_jax import (
     sync_gradients,
     value_and_local_grad,
 )
+
+
+class Block(nnx.Module):
+    """``x + fc2(gelu(fc1(ln(x))))``; with ``parallel`` fc1 is column- and fc2 row-parallel
+    over ``tp``, with the same parameter tree as the serial block."""
+
+    def __init__(self, dim: int, hidden: int, *, parallel: bool, sp: bool, rngs: nnx.Rngs):
+        self.ln = nnx.LayerNorm(dim, rngs=rngs)
+        if parallel:
+            self.fc1 = ColumnParallelLinear(dim, hidden, sequence_parallel=sp, rngs=rngs)
+            self.fc2 = RowParallelLinear(hidden, dim, sequence_parallel=sp, rngs=rngs)
+        else:
+            self.fc1 = nnx.Linear(dim, hidden, rngs=rngs)
+            self.fc2 = nnx.Linear(hidden, dim, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return x + self.fc2(nnx.gelu(self.fc1(self.ln(x)), approximate=False))
+
+
+class Transformer(nnx.Module):
+    """``depth`` blocks and a final LayerNorm on (batch, seq, dim); no attention."""
+
+    def __init__(
+        self, dim: int, hidden: int, depth: int, *, parallel: bool, sp: bool, rngs: nnx.Rngs
+    ):
+        kw = {"parallel": parallel, "sp": sp, "rngs": rngs}
+        self.blocks = nnx.List([Block(dim, hidden, **kw) for _ in range(depth)])
+        self.norm = nnx.LayerNorm(dim, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        for block in self.blocks:
+            x = block(x)
+        return self.norm(x)
 
 
 def main() -> None:
@@ -66,11 +99,10 @@ def main() -> None:
 
     topo = Topology.create(len(jax.devices()), tp=args.tp, cp=args.cp)
     mesh = mesh_from_topology(topo)
-    serial = MLPTransformer(args.dim, args.hidden, args.depth, rngs=nnx.Rngs(0))
+    dims = (args.dim, args.hidden, args.depth)
+    serial = Transformer(*dims, parallel=False, sp=False, rngs=nnx.Rngs(0))
     apply_serial, params, _ = nnx_functional(serial)
-    model = ParallelMLPTransformer(
-        args.dim, args.hidden, args.depth, sequence_parallel=sp, rngs=nnx.Rngs(0)
-    )
+    model = Transformer(*dims, parallel=True, sp=sp, rngs=nnx.Rngs(0))
     apply, _, specs = nnx_functional(model)  # same tree as serial: start from its weights
     data = P("dp", ("cp", "tp")) if sp else P("dp", "cp")
     shared = shared_param_specs(params, specs, data_spec=data, mesh=mesh)  # leaf order

@@ -1,4 +1,4 @@
-"""gradsync_jax._naming: torch names, layouts and registration order from a Flax tree."""
+"""gradsync_jax naming: torch names, layouts and registration order from a Flax tree."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from torch import nn
 from gradsync_core import ParamSpec
 from gradsync_jax import from_torch_state, to_torch_state, torch_names, torch_specs
 from gradsync_jax._naming import from_torch_layout, to_torch_layout, torch_name
-from gradsync_torch._specs import param_specs
+from gradsync_torch import param_specs
 
 
 def _dense(n_in: int, n_out: int) -> dict:

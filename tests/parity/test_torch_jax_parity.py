@@ -1,7 +1,7 @@
 """One semantics for both frameworks: the same MLP, weights and data give the same training.
 
 torch: ``gradsync_torch.DataParallel`` over 2 gloo ranks. JAX: ``gradsync_jax`` over 2 CPU
-devices. Both start from the Flax initialization (mapped by ``gradsync_jax._naming``), train
+devices. Both start from the Flax initialization (mapped by ``gradsync_jax.to_torch_state``), train
 10 steps with SGD and with Adam, and must end with the same parameters and Adam moments:
 relative error ``max|a - b| / max|b| <= 1e-5`` per tensor (the two frameworks' float32
 kernels round differently). The bucket plans built from the torch module and from the Flax
@@ -26,10 +26,16 @@ from gradsync_core import (
     describe_difference,
     plan_buckets,
 )
-from gradsync_jax import data_parallel_step, mesh_from_topology
-from gradsync_jax._naming import from_torch_state, to_torch_state, torch_names, torch_specs
-from gradsync_jax._specs import param_specs as flax_param_specs
-from gradsync_torch._specs import param_specs as torch_param_specs
+from gradsync_jax import (
+    data_parallel_step,
+    from_torch_state,
+    mesh_from_topology,
+    to_torch_state,
+    torch_names,
+    torch_specs,
+)
+from gradsync_jax import param_specs as flax_param_specs
+from gradsync_torch import param_specs as torch_param_specs
 from tests.parity.torch_worker import TorchMLP, train
 from tests.torch.harness import run_workers
 

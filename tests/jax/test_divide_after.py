@@ -1,0 +1,61 @@
+"""The divide-after-sum rule (docs/design.md §7): where a mean over n devices divides.
+
+Dividing the sum by n gives the same bits as summing the divided values only when n is a
+power of two (scaling by 2**-k is exact and commutes with rounding) and the dtype has
+float32's exponent range or more (the sum of n values that each fit cannot overflow:
+float16's largest value is 65504, bfloat16 shares float32's range).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from gradsync_jax._axes import divide_after
+
+# dtype -> n -> may the mean divide after the sum?
+RULE = {
+    "float32": {2: True, 3: False, 4: True, 8: True},
+    "bfloat16": {2: True, 3: False, 4: True, 8: True},
+    "float16": {2: False, 3: False, 4: False, 8: False},
+}
+CASES = [(dtype, n, after) for dtype, by_n in RULE.items() for n, after in by_n.items()]
+
+
+@pytest.mark.parametrize(("dtype", "n", "after"), CASES, ids=[f"{d}-n{n}" for d, n, _ in CASES])
+def test_rule(dtype: str, n: int, after: bool) -> None:
+    assert divide_after(jnp.dtype(dtype), n) is after
+    assert divide_after(dtype, n) is after  # a dtype name works too
+
+
+def _sequential_sum(values: jnp.ndarray) -> jnp.ndarray:
+    total = values[0]
+    for v in values[1:]:
+        total = total + v  # rounded to the dtype at every step, as a ring all-reduce does
+    return total
+
+
+@pytest.mark.parametrize(("dtype", "n", "after"), [c for c in CASES if c[2]])
+def test_dividing_after_is_bitwise_equal_where_the_rule_allows(
+    dtype: str, n: int, after: bool
+) -> None:
+    rng = np.random.default_rng(n)
+    values = jnp.asarray(rng.normal(size=(n, 4096)), dtype)
+    before = _sequential_sum(values / n)
+    divided_after = _sequential_sum(values) * (1.0 / n)
+    np.testing.assert_array_equal(np.asarray(divided_after), np.asarray(before))
+
+
+def test_float16_sum_overflows_where_dividing_first_does_not() -> None:
+    values = jnp.full((8, 4), 30000.0, jnp.float16)  # each fits; their sum does not
+    assert bool(jnp.isinf(_sequential_sum(values)).all())
+    assert bool(jnp.isfinite(_sequential_sum(values / 8)).all())
+
+
+def test_non_power_of_two_division_rounds_differently() -> None:
+    rng = np.random.default_rng(3)
+    values = jnp.asarray(rng.normal(size=(3, 4096)), jnp.float32)
+    before = np.asarray(_sequential_sum(values / 3))
+    after = np.asarray(_sequential_sum(values) * (1.0 / 3))
+    assert not np.array_equal(before, after)
