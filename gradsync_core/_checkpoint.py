@@ -19,14 +19,18 @@ import re
 import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
+from gradsync_core._canonical import fingerprint
 from gradsync_core._shards import ShardPlan
-from gradsync_core._specs import ParamSpec
+from gradsync_core._specs import ParamSpec, check_unique_names
 
 FORMAT = "gradsync-optimizer-checkpoint"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
+FRAMEWORKS = ("torch", "jax")
+_REQUIRED = ("framework", "optimizer", "world_size", "step", "params", "plan", "state_keys")
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
 # The one place torch and Optax state names meet: torch.optim key -> optax field.
 TORCH_TO_OPTAX_STATE = {
@@ -83,6 +87,15 @@ class Manifest:
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> Manifest:
+        """Build a manifest from its JSON, checking every field before anything is loaded.
+
+        A manifest that parses but holds ``"step": "seven"``, a string learning rate or a
+        parameter without state keys would otherwise fail much later, inside the
+        optimizer's step; here it fails at once (docs/design.md §9).
+
+        Raises:
+            ValueError: one sentence naming the field, the value seen and what was expected.
+        """
         if not isinstance(obj, Mapping) or obj.get("format") != FORMAT:
             raise ValueError("not a gradsync optimizer checkpoint manifest")
         if obj.get("version") != FORMAT_VERSION:
@@ -90,17 +103,158 @@ class Manifest:
                 f"checkpoint format version {obj.get('version')!r} is not {FORMAT_VERSION}, "
                 "the version this gradsync reads"
             )
+        for key in (*_REQUIRED, "files"):
+            if key not in obj:
+                raise ValueError(f"manifest field {key!r} is missing; restore it or save again")
+        if obj["framework"] not in FRAMEWORKS:
+            _refuse("framework", obj["framework"], f"one of {list(FRAMEWORKS)}")
+        if not isinstance(obj["optimizer"], str) or not obj["optimizer"]:
+            _refuse("optimizer", obj["optimizer"], "a class name such as 'torch.optim.Adam'")
+        world_size, step = obj["world_size"], obj["step"]
+        if not _is_int(world_size) or world_size < 1:
+            _refuse("world_size", world_size, "an int >= 1")
+        if not _is_int(step) or step < 0:
+            _refuse("step", step, "an int >= 0")
+        params = _params(obj["params"])
         return cls(
             framework=obj["framework"],
             optimizer=obj["optimizer"],
-            world_size=obj["world_size"],
-            step=obj["step"],
-            params=tuple(ParamSpec.from_json(p) for p in obj["params"]),
-            plan=ShardPlan.from_json(obj["plan"]),
-            state_keys={k: tuple(v) for k, v in obj["state_keys"].items()},
-            files=dict(obj["files"]),
-            extra=dict(obj.get("extra", {})),
+            world_size=world_size,
+            step=step,
+            params=params,
+            plan=_plan(obj["plan"], params, world_size),
+            state_keys=_state_keys(obj["state_keys"], params),
+            files=_files(obj["files"], world_size),
+            extra=_extra(obj.get("extra", {}), obj["state_keys"]),
         )
+
+
+def _refuse(field: str, value: Any, expected: str) -> NoReturn:
+    text = repr(value)
+    text = text if len(text) <= 80 else text[:77] + "..."
+    raise ValueError(f"manifest field {field!r} is {text}, expected {expected}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_hyper(value: Any) -> bool:
+    """A JSON number, bool or null, or a list of them (Adam's ``betas``)."""
+    if isinstance(value, list):
+        return all(_is_hyper(v) and not isinstance(v, list) for v in value)
+    return value is None or isinstance(value, bool | int | float)
+
+
+def _params(value: Any) -> tuple[ParamSpec, ...]:
+    if not isinstance(value, list):
+        _refuse("params", value, "a list of parameter objects")
+    specs = []
+    for i, entry in enumerate(value):
+        try:
+            specs.append(ParamSpec.from_json(entry))
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"manifest field 'params[{i}]': {e}") from None
+    try:
+        check_unique_names(specs)
+    except ValueError as e:
+        raise ValueError(f"manifest field 'params': {e}") from None
+    return tuple(specs)
+
+
+def _plan(value: Any, params: tuple[ParamSpec, ...], world_size: int) -> ShardPlan:
+    try:
+        plan = ShardPlan.from_json(value)
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        _refuse("plan", value, f"a shard plan as ShardPlan.to_json writes it ({e!r})")
+    if plan.world_size != world_size:
+        _refuse("plan.world_size", plan.world_size, f"world_size = {world_size}")
+    numel = {p.name: p.numel for p in params}
+    for shard in plan.shards:
+        if shard.name not in numel:
+            _refuse("plan.shards", shard.name, "the name of a parameter listed in 'params'")
+        in_range = all(_is_int(v) for v in (shard.rank, shard.start, shard.stop, shard.group))
+        if not (in_range and 0 <= shard.rank < world_size):
+            _refuse(f"plan.shards[{shard.name!r}].rank", shard.rank, f"0 <= rank < {world_size}")
+        if not 0 <= shard.start <= shard.stop <= numel[shard.name]:
+            _refuse(
+                f"plan.shards[{shard.name!r}]",
+                (shard.start, shard.stop),
+                f"0 <= start <= stop <= {numel[shard.name]} (the parameter's numel)",
+            )
+    return plan
+
+
+def _state_keys(value: Any, params: tuple[ParamSpec, ...]) -> dict[str, tuple[str, ...]]:
+    if not isinstance(value, Mapping):
+        _refuse("state_keys", value, "an object mapping parameter names to lists of state keys")
+    names = {p.name for p in params}
+    for name, keys in value.items():
+        if name not in names:
+            _refuse("state_keys", name, "the name of a parameter listed in 'params'")
+        if (
+            not isinstance(keys, list)
+            or not all(isinstance(k, str) and k for k in keys)
+            or len(set(keys)) != len(keys)
+        ):
+            _refuse(f"state_keys[{name!r}]", keys, 'a list of distinct names like ["exp_avg"]')
+    # An empty mapping is a stateless optimizer (SGD without momentum) or a save before the
+    # first step; otherwise a trainable parameter without an entry was dropped.
+    if value:
+        for p in params:
+            if p.requires_grad and p.name not in value:
+                _refuse("state_keys", f"<no entry for {p.name!r}>", "one entry per trainable param")
+    return {name: tuple(keys) for name, keys in value.items()}
+
+
+def _files(value: Any, world_size: int) -> dict[str, str]:
+    if not isinstance(value, Mapping):
+        _refuse("files", value, "an object mapping rank files to sha256 digests")
+    for name, digest in value.items():
+        if not isinstance(name, str) or not RANK_FILE_RE.fullmatch(name):
+            _refuse("files", name, "a rank file name like 'rank-00000-of-00004.safetensors'")
+        if not isinstance(digest, str) or not _SHA256_HEX.fullmatch(digest):
+            _refuse(f"files[{name!r}]", digest, "a sha256 digest of 64 lowercase hex digits")
+    # Count first: a forged world_size of 10**12 must not build a set of 10**12 names.
+    if len(value) != world_size or set(value) != {
+        rank_file(r, world_size) for r in range(world_size)
+    }:
+        _refuse("files", sorted(value)[:3], f"exactly one file per rank of {world_size}")
+    return dict(value)
+
+
+def _extra(value: Any, state_keys: Mapping[str, Sequence[str]]) -> dict[str, Any]:
+    """Check the entries the executors read back: torch's param groups and scalars, JAX's
+    partition and global keys. Other entries are kept as they are."""
+    if not isinstance(value, Mapping):
+        _refuse("extra", value, "a JSON object")
+    groups = value.get("param_groups", [])
+    if not isinstance(groups, list) or not all(isinstance(g, Mapping) for g in groups):
+        _refuse("extra.param_groups", groups, "a list of param-group objects")
+    for i, group in enumerate(groups):
+        for key, hyper in group.items():
+            if key == "params":
+                if not isinstance(hyper, list) or not all(isinstance(n, str) for n in hyper):
+                    _refuse(f"extra.param_groups[{i}].params", hyper, "a list of names")
+            elif not _is_hyper(hyper):
+                _refuse(f"extra.param_groups[{i}].{key}", hyper, "a number, bool or null")
+    scalars = value.get("scalars", {})
+    if not isinstance(scalars, Mapping):
+        _refuse("extra.scalars", scalars, "an object of state values")
+    listed = {tensor_key(name, key) for name, keys in state_keys.items() for key in keys}
+    for key, scalar in scalars.items():
+        if key not in listed:
+            _refuse("extra.scalars", key, "'<param>/<state key>' of a key in 'state_keys'")
+        if not _is_hyper(scalar):
+            _refuse(f"extra.scalars[{key!r}]", scalar, "a number, bool or null")
+    if not isinstance(value.get("shard_gradients", False), bool):
+        _refuse("extra.shard_gradients", value["shard_gradients"], "true or false")
+    if not isinstance(value.get("partition", ""), str):
+        _refuse("extra.partition", value["partition"], "a partition name such as 'flat'")
+    global_keys = value.get("global_keys", [])
+    if not isinstance(global_keys, list) or not all(isinstance(k, str) for k in global_keys):
+        _refuse("extra.global_keys", global_keys, "a list of state paths")
+    return dict(value)
 
 
 def check_compatible(manifest: Manifest, params: Sequence[ParamSpec], *, optimizer: str) -> None:
@@ -160,28 +314,55 @@ def write_atomic(path: str | os.PathLike[str], data: bytes) -> None:
         raise
 
 
+def manifest_checksum(obj: Mapping[str, Any]) -> str:
+    """sha256 of the canonical JSON of every manifest field except ``"checksum"``."""
+    return fingerprint({k: v for k, v in obj.items() if k != "checksum"})
+
+
 def write_manifest(directory: str | os.PathLike[str], manifest: Manifest) -> None:
-    text = json.dumps(manifest.to_json(), indent=1, sort_keys=True)
+    """Write ``manifest.json`` atomically, with a ``"checksum"`` over its other fields."""
+    # Through JSON and back first, so the checksum covers exactly what a reader will parse
+    # (tuples become lists, int keys strings).
+    obj = json.loads(json.dumps(manifest.to_json()))
+    obj["checksum"] = manifest_checksum(obj)
+    text = json.dumps(obj, indent=1, sort_keys=True)
     write_atomic(os.path.join(directory, MANIFEST), text.encode("utf-8"))
 
 
 def read_manifest(directory: str | os.PathLike[str], *, verify_files: bool = True) -> Manifest:
     """Read and check a checkpoint's manifest (and, by default, every rank file's hash).
 
+    The manifest's own checksum and every field are checked before anything is loaded.
+
     Raises:
-        ValueError: if the manifest is missing, unreadable, or a file is missing or corrupt.
+        ValueError: if the manifest is missing, unreadable, edited, holds a field of the
+            wrong type, or a file is missing or corrupt.
     """
     path = os.path.join(directory, MANIFEST)
     try:
         with open(path, encoding="utf-8") as f:
-            manifest = Manifest.from_json(json.load(f))
+            obj = json.load(f)
     except FileNotFoundError:
         raise ValueError(
             f"{directory!s} has no {MANIFEST}: not a gradsync checkpoint, or its save did "
             "not finish"
         ) from None
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, bad UTF-8, deep nesting
         raise ValueError(f"{path} is corrupt ({e}); restore it or save again") from None
+    # Manifests written before the checksum existed have none; they are accepted, and still
+    # get every field check below. A manifest that has one must match it.
+    if isinstance(obj, Mapping) and "checksum" in obj:
+        if obj["checksum"] != manifest_checksum(obj):
+            raise ValueError(
+                f"{path} does not match its own checksum: edited by hand or corrupt; "
+                "restore it or save again"
+            )
+    try:
+        manifest = Manifest.from_json(obj)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+    except (KeyError, TypeError) as e:  # a shape the field checks did not foresee
+        raise ValueError(f"{path} is corrupt ({e!r}); restore it or save again") from None
     if verify_files:
         verify_file_hashes(directory, manifest)
     return manifest
