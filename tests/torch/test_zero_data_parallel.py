@@ -1,7 +1,9 @@
 """ZeRO-2 as an option of gradsync DataParallel (``DataParallel(shard_gradients=True)``).
 
-The check runs inside the world-size workers of ``test_zero.py`` (2 and 4 ranks); the tests
-here need no processes.
+The checks run inside the world-size workers of ``test_zero.py`` (2 and 4 ranks); the tests
+here need no processes. The optimizer is linked to the wrapper explicitly
+(``ZeroRedundancyOptimizer(..., shard_gradients=True, data_parallel=model)``); the unclaimed
+case is ``check_explicit_link`` here and ``check_gradient_sharder_link`` in ``dp_setup_checks``.
 """
 
 from __future__ import annotations
@@ -25,15 +27,29 @@ def check_data_parallel(world_size: int, directory: str) -> None:
     (param.grad dropped, each rank holds its shard), and the run equals DataParallel +
     plain Adam, accumulation under no_sync() included. Its checkpoint loads into ZeRO-1."""
     rank = dist.get_rank()
+    check_explicit_link(world_size, rank)
     model = make_model()
     ref_model = copy.deepcopy(model)
     sharded = DataParallel(model, shard_gradients=True, bucket_cap_mb=0.002)
     plain_dp = DataParallel(ref_model, bucket_cap_mb=0.002)
-    with pytest.raises(ValueError, match=r"DataParallel\(shard_gradients=True\)"):
-        ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam)
+    with pytest.raises(ValueError, match=r"pass shard_gradients=True with it"):
+        ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, data_parallel=sharded)
+    with pytest.raises(ValueError, match=r"built without shard_gradients=True"):
+        ZeroRedundancyOptimizer(
+            ref_model.parameters(), torch.optim.Adam, shard_gradients=True, data_parallel=plain_dp
+        )
     opt = ZeroRedundancyOptimizer(
-        model.named_parameters(), torch.optim.Adam, lr=1e-2, shard_gradients=True
+        model.named_parameters(),
+        torch.optim.Adam,
+        lr=1e-2,
+        shard_gradients=True,
+        data_parallel=sharded,
     )
+    assert sharded.gradient_sharder is not None and plain_dp.gradient_sharder is None
+    with pytest.raises(ValueError, match=r"already feeds a ZeroRedundancyOptimizer"):
+        ZeroRedundancyOptimizer(
+            model.parameters(), torch.optim.Adam, shard_gradients=True, data_parallel=sharded
+        )
     ref = torch.optim.Adam(ref_model.parameters(), lr=1e-2)
     assert len(sharded.bucket_plan.buckets) > 1
     assert all(b.numel % world_size == 0 for b in sharded.bucket_plan.buckets)
@@ -74,6 +90,21 @@ def check_data_parallel(world_size: int, directory: str) -> None:
             for index, state in mine["state"].items():
                 for key, value in state.items():
                     assert torch.equal(value, theirs["state"][index][key]), (index, key)
+
+
+def check_explicit_link(world_size: int, rank: int) -> None:
+    """The optimizer finds DataParallel's shards only through ``data_parallel=``: one built
+    without it leaves the sharder unclaimed, and the first synced backward raises on every
+    rank (the shards would otherwise never be stepped) instead of dropping the gradients."""
+    model = make_model()
+    wrapped = DataParallel(model, shard_gradients=True, bucket_cap_mb=0.002)
+    ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, shard_gradients=True)
+    x, y = batch(0, world_size, rank)
+    with wrapped.no_sync():  # nothing is reduced under no_sync, so nothing is lost yet
+        F.mse_loss(wrapped(x), y).backward()
+    unclaimed = r"DataParallel\(shard_gradients=True\) keeps only .* data_parallel=model\)"
+    with pytest.raises(RuntimeError, match=unclaimed):
+        F.mse_loss(wrapped(x), y).backward()
 
 
 def test_pad_for_sharding_only_pads() -> None:
