@@ -30,7 +30,8 @@ def leaf_names(
     tree: Any, names: Sequence[str] | None = None, *, label: str = "the tree"
 ) -> list[str]:
     """The plan name of every leaf of ``tree`` in flattening order: ``names`` when given
-    (checked against the leaf count; ``label`` names ``tree`` in the error), else ``path_name`` of each key path.
+    (checked against the leaf count; ``label`` names ``tree`` in the error), else the
+    ``path_name`` of each key path.
 
     Raises:
         ValueError: if ``names`` has another length than ``tree`` has leaves.

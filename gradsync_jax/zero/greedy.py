@@ -28,27 +28,12 @@ from gradsync_core import ShardPlan, plan_greedy_shards
 from gradsync_jax._axes import cast_varying, psum_scatter_mean, tracks_variance, varying
 from gradsync_jax.zero.clip import shard_context
 from gradsync_jax.zero.layout import Collective, UpdateInputs, UpdateResult, ZeroState
-from gradsync_jax.zero.model_space import ModelSpace, path_parts
-from gradsync_jax.zero.rows import Rows, plan_rows
+from gradsync_jax.zero.model_space import ModelSpace
+from gradsync_jax.zero.rows import DeviceState, Rows, map_device_state, plan_rows
 
 # The branches of ``lax.switch`` must return equal types, and a device that owns nothing
 # returns constants where the others return varying values: every branch output goes
 # through ``cast_varying``.
-
-
-class StateSource(NamedTuple):
-    """Where one leaf of a device's inner state is stored."""
-
-    kind: str  # "global" (count, hyper-parameters: replicated) or "param" (a state row)
-    index: int  # index into space.leaves
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class DeviceState:
-    """How one device's inner state (``inner.init`` of its owned tree) maps to storage."""
-
-    treedef: Any
-    sources: tuple[StateSource, ...]  # per leaf of the device's inner state
 
 
 class _Operands(NamedTuple):
@@ -364,30 +349,6 @@ def _cuts(length: int, chunks: int) -> tuple[int, ...]:
     return tuple(length * c // chunks for c in range(chunks + 1))
 
 
-def _map_device_state(
-    inner: optax.GradientTransformation, space: ModelSpace, tree: Any, d: int, owner: Any
-) -> tuple[DeviceState, list[tuple[int, str, int]]]:
-    """Map ``inner.init(tree)`` (device ``d``'s share) onto the unsharded state's leaves."""
-    flat, treedef = jax.tree_util.tree_flatten_with_path(jax.eval_shape(inner.init, tree))
-    sources, items = [], []
-    for path, leaf in flat:
-        joined = "/".join(path_parts(path))
-        if joined in space.global_by_path:
-            sources.append(StateSource("global", space.global_by_path[joined]))
-            continue
-        index = space.param_by_path.get(joined)
-        known = None if index is None else space.leaves[index]
-        if known is None or owner[known.param] != d or known.shape != tuple(leaf.shape):
-            raise ValueError(
-                f"inner optimizer state leaf {joined!r} of device {d}'s share does not match "
-                "the unsharded state; the inner transformation's state must be laid out per "
-                "parameter"
-            )
-        sources.append(StateSource("param", index))
-        items.append((index, np.dtype(leaf.dtype).name, known.numel))
-    return DeviceState(treedef=treedef, sources=tuple(sources)), items
-
-
 def build_greedy(
     inner: optax.GradientTransformation, space: ModelSpace, params: Any, n: int, cap_bytes: int
 ) -> GreedyLayout:
@@ -402,11 +363,11 @@ def build_greedy(
         tree = space.param_treedef.unflatten(
             [x if owner[i] == d else None for i, x in enumerate(leaves)]
         )
-        device, items = _map_device_state(inner, space, tree, d, owner)
+        device, items = map_device_state(inner, space, tree, d, owner)
         devices.append(device)
         state_items.append(items)
     empty_tree = space.param_treedef.unflatten([None] * len(space.specs))
-    empty, _ = _map_device_state(inner, space, empty_tree, -1, owner)
+    empty, _ = map_device_state(inner, space, empty_tree, -1, owner)
     # Gradient rows stay packed (a reduce-scatter needs one buffer per dtype anyway), with
     # each device's tensors latest-registered first.
     grads = plan_rows(

@@ -15,11 +15,14 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
+
+from gradsync_jax.zero.model_space import ModelSpace, path_parts
 
 Item = tuple[Hashable, str, int]  # (key, dtype name, numel)
 
@@ -113,3 +116,42 @@ def plan_rows(per_device: Sequence[Sequence[Item]], *, slack: float = 0.05) -> R
         numel=numel,
         dtype={key: dtype for items in per_device for key, dtype, _ in items},
     )
+
+
+class StateSource(NamedTuple):
+    """Where one leaf of a device's inner state is stored."""
+
+    kind: str  # "global" (count, hyper-parameters: replicated) or "param" (a state row)
+    index: int  # index into space.leaves
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeviceState:
+    """How one device's inner state (``inner.init`` of its owned tree) maps to storage."""
+
+    treedef: Any
+    sources: tuple[StateSource, ...]  # per leaf of the device's inner state
+
+
+def map_device_state(
+    inner: optax.GradientTransformation, space: ModelSpace, tree: Any, d: int, owner: Any
+) -> tuple[DeviceState, list[tuple[int, str, int]]]:
+    """Map ``inner.init(tree)`` (device ``d``'s share) onto the unsharded state's leaves."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(jax.eval_shape(inner.init, tree))
+    sources, items = [], []
+    for path, leaf in flat:
+        joined = "/".join(path_parts(path))
+        if joined in space.global_by_path:
+            sources.append(StateSource("global", space.global_by_path[joined]))
+            continue
+        index = space.param_by_path.get(joined)
+        known = None if index is None else space.leaves[index]
+        if known is None or owner[known.param] != d or known.shape != tuple(leaf.shape):
+            raise ValueError(
+                f"inner optimizer state leaf {joined!r} of device {d}'s share does not match "
+                "the unsharded state; the inner transformation's state must be laid out per "
+                "parameter"
+            )
+        sources.append(StateSource("param", index))
+        items.append((index, np.dtype(leaf.dtype).name, known.numel))
+    return DeviceState(treedef=treedef, sources=tuple(sources)), items

@@ -16,15 +16,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
-from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from gradsync_core import ShardPlan
-from gradsync_jax._axes import AxisName, axis_tuple, display_axis, tracks_variance, varying
+from gradsync_jax._axes import AxisName, axis_tuple, display_axis
+from gradsync_jax.zero.checks import check_grads, check_inside, check_state
 from gradsync_jax.zero.clip import CROSS_PARAMETER, find_cross_parameter
 from gradsync_jax.zero.flat import build_flat, check_elementwise
 from gradsync_jax.zero.greedy import build_greedy
@@ -139,61 +138,6 @@ def _build_init(settings: ZeroSettings, layout: Layout) -> Any:
     return jax.jit(run)
 
 
-def _check_inside(axes: tuple[str, ...], n: int) -> bool:
-    """Check that the update runs in ``shard_map`` over ``n`` devices; True if JAX tracks
-    variance there."""
-    try:
-        size = lax.axis_size(axes)
-    except NameError:
-        raise ValueError(
-            f"the update of shard_optimizer must run inside jax.shard_map over mesh axis "
-            f"{display_axis(axes)!r}, with the optimizer state passed with "
-            "in_specs=tx.state_specs(params) (it reduces the local gradients itself)"
-        ) from None
-    if size != n:
-        raise ValueError(
-            f"axis {axes} has {size} devices here but the optimizer was built for {n}; "
-            "build shard_optimizer with the mesh the step runs on"
-        )
-    return tracks_variance(axes)
-
-
-def _check_grads(settings: ZeroSettings, layout: Layout, grads: list[Any], tracked: bool) -> None:
-    for spec, g in zip(layout.space.specs, grads, strict=True):
-        if not jnp.issubdtype(g.dtype, jnp.inexact):
-            raise TypeError(f"gradient {spec.name!r} has non-floating dtype {g.dtype}")
-        if tracked and not set(settings.axes) <= varying(g):
-            raise ValueError(
-                f"gradient {spec.name!r} is invariant over {settings.axis_name!r}: it was "
-                "already summed (jax.grad of a replicated parameter inside shard_map, or "
-                "sync_gradients), and shard_optimizer would sum it again. Pass LOCAL "
-                "gradients: differentiate w.r.t. gradsync_jax.make_local(params) (or use "
-                "value_and_local_grad) and do not call sync_gradients first"
-            )
-
-
-def _check_state(settings: ZeroSettings, layout: Layout, state: Any) -> None:
-    if not isinstance(state, ZeroState):
-        raise TypeError(
-            f"state must be the ZeroState from this transformation's init, got "
-            f"{type(state).__name__}"
-        )
-    expected = layout.state_specs(settings.spec_entry)
-    wanted = len(jax.tree.leaves(expected.inner, is_leaf=lambda x: isinstance(x, P)))
-    if len(jax.tree.leaves(state.inner)) != wanted or set(state.shards) != set(expected.shards):
-        raise ValueError(
-            "the optimizer state does not match this transformation and parameter tree: "
-            "pass the state that tx.init(params) returned (and the updates made from it)"
-        )
-    for dtype, buf in state.shards.items():
-        if dtype not in expected.shards or buf.ndim != 2 or buf.shape[0] != 1:
-            raise ValueError(
-                f"optimizer state buffer {dtype!r} has local shape {buf.shape}; pass the "
-                "state into shard_map with in_specs=tx.state_specs(params) (one row per "
-                "device) and the same parameter tree it was initialized with"
-            )
-
-
 class _ZeroTransform:
     """The ``init`` and ``update`` of one ``shard_optimizer``, over its settings and cache."""
 
@@ -212,13 +156,13 @@ class _ZeroTransform:
         self, updates: Any, state: ZeroState, params: Any = None, **extra_args: Any
     ) -> tuple[Any, ZeroState]:
         settings = self.settings
-        tracked = _check_inside(settings.axes, settings.world_size)
+        tracked = check_inside(settings.axes, settings.world_size)
         updates, params = pure(updates), pure(params)
         layout = self.cache.layout(updates)
         treedef = layout.space.param_treedef
         grads = treedef.flatten_up_to(updates)
-        _check_grads(settings, layout, grads, tracked)
-        _check_state(settings, layout, state)
+        check_grads(settings.axis_name, layout, grads, tracked)
+        check_state(settings.spec_entry, layout, state)
         inputs = UpdateInputs(
             grads=grads,
             state=ZeroState(inner=state.inner, shards=dict(state.shards)),
