@@ -12,18 +12,26 @@ backward and optimizer.step() (Adam): the optimizer and the parameter sync are w
     gradsync DP + ZeRO-2    DataParallel(shard_gradients=True): gradients reduce-scattered
                             during backward, each rank keeps its shard; gradsync ZeRO-2
 
-    python benchmarks/torch_zero.py            # 24 x Linear(1024, 1024) + GELU, batch 32, 2 ranks
-    python benchmarks/torch_zero.py --quick    # fewer rounds, < 2 min on 2 cores
+    python benchmarks/torch_zero.py                   # 24 x Linear(1024, 1024) + GELU, 2 ranks
+    python benchmarks/torch_zero.py --quick           # fewer rounds, < 2 min on 2 cores
+    python benchmarks/torch_zero.py --world-size 4    # 4 gloo ranks
+    python benchmarks/torch_zero.py --profile         # + local step / param sync / rest split
+    python benchmarks/torch_zero.py --repeat 5        # the whole run 5 times: median and range
+
+``--model`` and the size options are torch_dp.py's (benchmarks/_torch_models.py). ``--profile``
+adds an untimed pass after the timed rounds that splits each variant's ``opt.step()`` into the
+local optimizer step, the parameter sync and the rest (benchmarks/_zero_profile.py).
 
 The last line is one JSON object: {"bench": "torch_zero", "step_s": ..., "anchor_step_s": ...,
-"ratio_vs_anchor": ..., ...}; the anchor is torch's ZeroRedundancyOptimizer.
+"ratio_vs_anchor": ..., "ratio_median": ..., "ratios": [...], ...}; the anchor is torch's
+ZeroRedundancyOptimizer.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import json
+import math
 import os
 import statistics
 import sys
@@ -39,7 +47,17 @@ from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from torch_dp import add_common_args, build_model  # the same 25M-parameter model
+from _report import add_repeat_arg, finish, run_repeats
+from _torch_models import (
+    add_common_args,
+    build_model,
+    count_params,
+    describe,
+    fill_model_defaults,
+    loss_of,
+    make_batch,
+)
+from _zero_profile import StepSplit
 
 from gradsync_torch import DataParallel, ZeroRedundancyOptimizer
 
@@ -53,6 +71,13 @@ VARIANTS = (
 ZERO1, ZERO2 = "DDP + gradsync ZeRO-1", "gradsync DP + ZeRO-2"
 ANCHOR = "DDP + torch ZeRO"
 MIB = 1024 * 1024
+RATIO_KEYS = (
+    "ratio_vs_anchor",
+    "paired_ratio_vs_anchor",
+    "zero2_ratio_vs_anchor",
+    "zero2_paired_ratio_vs_anchor",
+    "dp_zero1_paired_ratio_vs_anchor",
+)
 
 
 def _state_nbytes(opt: torch.optim.Optimizer) -> int:
@@ -65,12 +90,34 @@ def _state_nbytes(opt: torch.optim.Optimizer) -> int:
     )
 
 
+def profile(
+    setups: dict[str, tuple[nn.Module, torch.optim.Optimizer]],
+    backward: Any,
+    steps: int,
+) -> list[list[float]]:
+    """``steps`` untimed rounds with every variant's ``opt.step()`` split into local step,
+    parameter sync and rest; per variant (whole, local, sync, rest) medians, slowest rank."""
+    splits = {name: StepSplit(opt) for name, (_, opt) in setups.items()}
+    try:
+        for _ in range(steps):
+            for name in VARIANTS:
+                backward(name)
+                dist.barrier()
+                splits[name].step()
+    finally:
+        for split in splits.values():
+            split.restore()
+    medians = torch.tensor([splits[n].medians() for n in VARIANTS], dtype=torch.float64)
+    dist.all_reduce(medians, op=dist.ReduceOp.MAX)  # NaN (a part not found) stays NaN
+    return medians.tolist()
+
+
 def worker(rank: int, world_size: int, store_path: str, args: argparse.Namespace, out: Any):
     torch.set_num_threads(args.threads)
     store = dist.FileStore(store_path, world_size)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
     try:
-        base = build_model(args.layers, args.width)
+        base = build_model(args)
         setups: dict[str, tuple[nn.Module, torch.optim.Optimizer]] = {}
         for name in VARIANTS:
             module = copy.deepcopy(base)
@@ -91,14 +138,13 @@ def worker(rank: int, world_size: int, store_path: str, args: argparse.Namespace
                 )
             setups[name] = (model, opt)
         del base
-        gen = torch.Generator().manual_seed(1000 + rank)
-        x = torch.randn(args.batch, args.width, generator=gen)
+        inputs, targets = make_batch(args, rank, torch.device("cpu"))
         grad_bytes: dict[str, int] = {}
 
-        def step(name: str, measure: bool) -> None:
+        def backward(name: str, measure: bool = False) -> None:
             model, opt = setups[name]
             opt.zero_grad(set_to_none=True)
-            model(x).square().mean().backward()
+            loss_of(model, inputs, targets).backward()
             if measure:  # gradients this rank holds (param.grad, or its ZeRO-2 shards)
                 if isinstance(opt, ZeroRedundancyOptimizer) and opt.shard_gradients:
                     grad_bytes[name] = opt.grad_nbytes()
@@ -106,7 +152,10 @@ def worker(rank: int, world_size: int, store_path: str, args: argparse.Namespace
                     grad_bytes[name] = sum(
                         p.grad.numel() * p.grad.element_size() for p in model.parameters()
                     )
-            opt.step()
+
+        def step(name: str, measure: bool) -> None:
+            backward(name, measure)
+            setups[name][1].step()
 
         times: dict[str, list[float]] = {name: [] for name in VARIANTS}
         rounds = args.warmup + args.steps
@@ -120,6 +169,7 @@ def worker(rank: int, world_size: int, store_path: str, args: argparse.Namespace
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank's step
                 if r >= args.warmup:
                     times[name].append(elapsed.item())
+        split = profile(setups, backward, args.steps) if args.profile else None
         for name in VARIANTS:
             step(name, measure=True)  # untimed: the accounting adds a sync of its own
         # Same grads, same Adam arithmetic: all must hold the same parameters (2 ranks: a
@@ -138,22 +188,23 @@ def worker(rank: int, world_size: int, store_path: str, args: argparse.Namespace
         dist.all_reduce(memory, op=dist.ReduceOp.MAX)  # the fullest rank
         if rank == 0:
             plan = setups[ZERO1][1].plan()  # type: ignore[union-attr]
-            out.put((times, equal, memory.tolist(), plan.imbalance))
+            out.put(
+                (
+                    times,
+                    equal,
+                    memory.tolist(),
+                    plan.imbalance,
+                    count_params(setups[ANCHOR][0]),
+                    split,
+                )
+            )
+        dist.barrier()  # no rank tears gloo down while a peer still talks to it
     finally:
         dist.destroy_process_group()
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_common_args(parser)
-    parser.add_argument(
-        "--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2), help="per rank"
-    )
-    args = parser.parse_args(argv)
-    if args.steps is None:
-        args.steps = 6 if args.quick else 20
-    if args.quick:
-        args.warmup = min(args.warmup, 2)
+def run_once(args: argparse.Namespace) -> tuple[Any, ...]:
+    """Spawn the ranks, run every variant, return rank 0's measurements."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -164,20 +215,46 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ]
         for p in procs:
             p.start()
-        times, equal, memory, imbalance = out.get(timeout=1800)
+        measured = out.get(timeout=1800)
         for p in procs:
             p.join()
             if p.exitcode != 0:
                 raise SystemExit(f"a benchmark rank exited with code {p.exitcode}")
-    params = args.layers * (args.width * args.width + args.width)
+    return measured
+
+
+def print_profile(split: list[list[float]]) -> dict[str, dict[str, float | None]]:
+    """The step split table; returns it keyed by variant for the JSON object."""
+    print(
+        f"opt.step() split (--profile, untimed pass, median per step, slowest rank per column):\n"
+        f"{'variant':<22} {'step (ms)':>10} {'local (ms)':>11} {'sync (ms)':>10} {'rest (ms)':>10}"
+    )
+    table: dict[str, dict[str, float | None]] = {}
+    for name, row in zip(VARIANTS, split, strict=True):
+        cells = [f"{v * 1e3:>10.2f}" if not math.isnan(v) else f"{'n/a':>10}" for v in row]
+        print(f"{name:<22} {cells[0]} {cells[1]:>11} {cells[2]} {cells[3]}")
+        table[name] = {
+            key: None if math.isnan(v) else round(v, 6)
+            for key, v in zip(("step_s", "local_step_s", "sync_s", "rest_s"), row, strict=True)
+        }
+    print(
+        "local: the local optimizer's step (opt.optim.step); sync: the parameter sync after it "
+        "(torch: _sync_params, gradsync: layout.sync_params; n/a: not found on this object); "
+        "rest: step - local - sync (bookkeeping); DDP + Adam has no wrapper, so all of it is rest"
+    )
+    return table
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """One whole run: the tables on stdout, the figures as a dict."""
+    times, equal, memory, imbalance, params, split = run_once(args)
     medians = {name: statistics.median(ts) for name, ts in times.items()}
     anchor = medians[ANCHOR]
     state = {name: memory[i][0] for i, name in enumerate(VARIANTS)}
     grads = {name: memory[i][1] for i, name in enumerate(VARIANTS)}
     unsharded = state["DDP + Adam"]
     print(
-        f"torch ZeRO, {args.layers} x Linear({args.width}, {args.width}) + GELU "
-        f"({params / 1e6:.1f} M parameters), Adam, batch {args.batch} per rank, "
+        f"torch ZeRO, {describe(args, params)}, Adam, "
         f"{args.world_size} gloo ranks x {args.threads} thread(s), median of {args.steps} "
         f"steps after {args.warmup} warm-up"
     )
@@ -200,7 +277,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(
         "vs torch ZeRO: ratio of medians; paired: median of the per-round ratios; state: "
         "optimizer state on the fullest rank; grad: gradients it holds at the step "
-        "(param.grad, or its ZeRO-2 shards; DDP's and DataParallel's bucket buffers excluded)"
+        "(param.grad, or its ZeRO-2 shards)"
+    )
+    print(
+        "TODO grad memory: DDP's and DataParallel's bucket buffers (about one more gradient "
+        "copy per rank unless gradient_as_bucket_view) are not counted: neither exposes them "
+        "publicly"
     )
     print(f"ZeRO-1 plan imbalance (max / mean load - 1): {imbalance:.4f}")
     print(
@@ -231,9 +313,34 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "world_size": args.world_size,
         "params": params,
         "steps": args.steps,
+        "model": args.model,
     }
-    print(json.dumps(result))
+    if split is not None:
+        result["profile"] = print_profile(split)
     return result
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_common_args(parser)
+    add_repeat_arg(parser)
+    parser.add_argument("--threads", type=int, help="per rank (default: cores / ranks)")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="after the timed rounds, split opt.step() into local step, param sync and rest",
+    )
+    args = parser.parse_args(argv)
+    fill_model_defaults(args)
+    args.world_size = args.world_size or 2
+    if args.threads is None:
+        args.threads = max(1, (os.cpu_count() or 2) // args.world_size)
+    if args.steps is None:
+        args.steps = 6 if args.quick else 20
+    if args.quick:
+        args.warmup = min(args.warmup, 2)
+    runs = run_repeats(lambda _: measure(args), args.repeat)
+    return finish(runs, RATIO_KEYS)
 
 
 if __name__ == "__main__":
