@@ -12,12 +12,12 @@ step time after warm-up. Last line: one JSON object.
 
     python benchmarks/jax_dp.py            # ~10M-parameter MLP
     python benchmarks/jax_dp.py --quick    # fewer rounds, < 2 minutes on 2 cores
+    python benchmarks/jax_dp.py --repeat 5 # the whole run 5 times: median and range of ratios
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from _report import add_repeat_arg, finish, run_repeats
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -37,9 +38,9 @@ from gradsync_core import Topology, plan_buckets
 from gradsync_jax import (
     data_parallel_step,
     mesh_from_topology,
+    param_specs,
     value_and_local_grad,
 )
-from gradsync_jax._specs import param_specs
 
 
 def make_mlp(layers: int, width: int, seed: int = 0) -> dict:
@@ -92,12 +93,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64, help="global batch (8 devices)")
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--warmup", type=int, default=3)
+    add_repeat_arg(parser)
     args = parser.parse_args()
     rounds = args.rounds or (8 if args.quick else 30)
 
     mesh = mesh_from_topology(Topology.create(len(jax.devices())))
     params = make_mlp(args.layers, args.width)
-    numel = sum(leaf.size for leaf in jax.tree.leaves(params))
     rng = np.random.default_rng(1)
     batch = tuple(
         jax.device_put(
@@ -115,6 +116,14 @@ def main() -> None:
             loss_fn, tx, mesh, plan=plan
         ),
     }
+    # Built once: the repeats reuse the compiled steps, and each starts from the same state.
+    runs = run_repeats(lambda _: measure(args, rounds, params, batch, tx, steps), args.repeat)
+    finish(runs, ("ratio_vs_anchor", "bucketed_ratio_vs_anchor"))
+
+
+def measure(args, rounds: int, params: dict, batch: tuple, tx, steps: dict) -> dict:
+    """One whole run (warm-up, alternating rounds, the agreement check) from the same state."""
+    numel = sum(leaf.size for leaf in jax.tree.leaves(params))
     state = {name: (params, tx.init(params)) for name in steps}
     times: dict[str, list[float]] = {name: [] for name in steps}
     results = {}
@@ -148,19 +157,15 @@ def main() -> None:
         print(f"{name:<34} {t:>16.4f} {t / anchor:>16.3f}")
     gradsync = medians["gradsync (default)"]
     bucketed = next(t for name, t in medians.items() if name.startswith("gradsync bucketed"))
-    print(
-        json.dumps(
-            {
-                "bench": "jax_dp",
-                "params": numel,
-                "step_s": round(gradsync, 5),
-                "anchor_step_s": round(anchor, 5),
-                "ratio_vs_anchor": round(gradsync / anchor, 4),
-                "bucketed_step_s": round(bucketed, 5),
-                "bucketed_ratio_vs_anchor": round(bucketed / anchor, 4),
-            }
-        )
-    )
+    return {
+        "bench": "jax_dp",
+        "params": numel,
+        "step_s": round(gradsync, 5),
+        "anchor_step_s": round(anchor, 5),
+        "ratio_vs_anchor": round(gradsync / anchor, 4),
+        "bucketed_step_s": round(bucketed, 5),
+        "bucketed_ratio_vs_anchor": round(bucketed / anchor, 4),
+    }
 
 
 if __name__ == "__main__":

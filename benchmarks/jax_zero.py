@@ -6,21 +6,24 @@ alternating in one process (docs/design.md §11), one step each per round:
 - anchor: ``gradsync_jax.data_parallel_step`` with ``optax.adam`` (all-reduce, every device
   holds and updates the whole Adam state);
 - greedy: ``shard_optimizer(optax.adam, partition="greedy")`` (whole tensors per device);
-- flat: ``shard_optimizer(optax.adam, partition="flat")`` (element ranges of 25 MiB buckets).
+- flat: ``shard_optimizer(optax.adam, partition="flat")`` (element ranges of 25 MiB buckets);
+- auto: ``shard_optimizer(optax.adam, partition="auto")``, only when this gradsync accepts it.
 
 Reported: median step time after warm-up, the median of the per-round ratios to the anchor
 (target <= 1.15), and the optimizer-state bytes each device holds, measured from the arrays'
 shards, against 1/N of the unsharded state (target <= 1/N + 5%). The three runs must end with
 the same parameters and Adam moments (to rounding). Last line: one JSON object.
 
-    python benchmarks/jax_zero.py            # 16 x 792^2 MLP (10.0M parameters)
-    python benchmarks/jax_zero.py --quick    # fewer rounds, < 2 minutes on 2 cores
+    python benchmarks/jax_zero.py                  # 16 x 792^2 MLP (10.0M parameters)
+    python benchmarks/jax_zero.py --quick          # fewer rounds, < 2 minutes on 2 cores
+    python benchmarks/jax_zero.py --shape 96x512   # layers x width (issue 12: 16x792,
+                                                   # 10x1000, 96x512, 24x2048)
+    python benchmarks/jax_zero.py --repeat 5       # the whole run 5 times: median and range
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -32,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from _report import add_repeat_arg, finish, run_repeats
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -70,41 +74,58 @@ def bytes_per_device(tree) -> int:
     return max(held.values())
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer rounds (< 2 minutes)")
-    parser.add_argument("--layers", type=int, default=16)
-    parser.add_argument("--width", type=int, default=792)
-    parser.add_argument("--batch", type=int, default=64, help="global batch (8 devices)")
-    parser.add_argument("--rounds", type=int, default=None)
-    parser.add_argument("--warmup", type=int, default=3)
-    args = parser.parse_args()
-    rounds = args.rounds or (6 if args.quick else 25)
+LABELS = {
+    "anchor": "anchor (unsharded Adam DP)",
+    "greedy": "shard_optimizer greedy",
+    "flat": "shard_optimizer flat",
+    "auto": "shard_optimizer auto",
+}
 
-    mesh = mesh_from_topology(Topology.create(len(jax.devices())))
-    n = mesh.shape["dp"]
-    replicated = NamedSharding(mesh, P())
-    params = jax.device_put(make_mlp(args.layers, args.width), replicated)
-    numel = sum(leaf.size for leaf in jax.tree.leaves(params))
-    rng = np.random.default_rng(1)
-    batch = tuple(
-        jax.device_put(
-            jnp.asarray(rng.normal(size=(args.batch, args.width)), jnp.float32),
-            NamedSharding(mesh, P("dp")),
-        )
-        for _ in range(2)
-    )
-    adam = optax.adam(1e-3)
+
+def parse_shape(text: str) -> tuple[int, int]:
+    """``"16x792"`` -> (16, 792): layers x width of the square Dense layers."""
+    try:
+        layers, width = (int(part) for part in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--shape wants LAYERSxWIDTH such as 16x792, got {text!r}"
+        ) from None
+    return layers, width
+
+
+def sharded_optimizers(adam, mesh) -> dict:
+    """greedy and flat, plus ``auto`` when this gradsync's shard_optimizer accepts it."""
     txs = {p: shard_optimizer(adam, mesh, partition=p) for p in ("greedy", "flat")}
-    steps = {"anchor": data_parallel_step(loss_fn, adam, mesh)}
+    try:
+        txs["auto"] = shard_optimizer(adam, mesh, partition="auto")
+    except ValueError:  # an unknown partition: this version has no "auto" yet
+        pass
+    return txs
+
+
+def describe_plan(name: str, plan) -> str:
+    """One phrase per plan, from whichever of the known figures the plan has."""
+    parts = []
+    if getattr(plan, "imbalance", None) is not None:
+        parts.append(f"imbalance {plan.imbalance:.4f} (max/mean load - 1)")
+    if getattr(plan, "buckets", None) is not None:
+        parts.append(f"{len(plan.buckets.buckets)} buckets")
+    if getattr(plan, "padding_numel", None) is not None:
+        parts.append(f"{plan.padding_numel} padding elements")
+    return f"{name} plan: " + (", ".join(parts) or type(plan).__name__)
+
+
+def measure(args, mesh, params, batch, adam, txs, steps) -> dict:
+    """One whole run (warm-up, alternating rounds, checks) from the initial state."""
+    replicated = NamedSharding(mesh, P())
+    n = mesh.shape["dp"]
     state = {"anchor": (params, jax.device_put(adam.init(params), replicated))}
     for partition, tx in txs.items():
-        steps[partition] = sharded_step(tx, params, mesh)
         state[partition] = (params, tx.init(params))
     state_bytes = {name: bytes_per_device(s) for name, (_, s) in state.items()}
 
     times: dict[str, list[float]] = {name: [] for name in steps}
-    for r in range(args.warmup + rounds):
+    for r in range(args.warmup + args.rounds):
         for name, step in steps.items():
             p, s = state[name]
             t0 = time.perf_counter()
@@ -135,32 +156,27 @@ def main() -> None:
     }
     unsharded = state_bytes["anchor"]
     ideal = unsharded / n
-    plans = {name: tx.plan(params) for name, tx in txs.items()}
+    numel = sum(leaf.size for leaf in jax.tree.leaves(params))
     print(
         f"jax_zero: MLP {args.layers} x {args.width}^2 ({numel / 1e6:.1f}M params), {n} CPU "
-        f"devices, global batch {args.batch}, Adam, {rounds} rounds after {args.warmup} "
+        f"devices, global batch {args.batch}, Adam, {args.rounds} rounds after {args.warmup} "
         "warm-up, alternating"
     )
     print(
         f"{'variant':<28} {'median step (s)':>15} {'vs anchor':>10} "
         f"{'state MB/device':>16} {'vs 1/N':>8}"
     )
-    labels = {
-        "anchor": "anchor (unsharded Adam DP)",
-        "greedy": "shard_optimizer greedy",
-        "flat": "shard_optimizer flat",
-    }
     for name, t in medians.items():
         print(
-            f"{labels[name]:<28} {t:>15.4f} {ratios[name]:>10.3f} "
+            f"{LABELS[name]:<28} {t:>15.4f} {ratios[name]:>10.3f} "
             f"{state_bytes[name] / 2**20:>16.2f} {state_bytes[name] / ideal:>8.3f}"
         )
-    print(
-        f"greedy plan: imbalance {plans['greedy'].imbalance:.4f} (max/mean load - 1); "
-        f"flat plan: {len(plans['flat'].buckets.buckets)} buckets, "
-        f"{plans['flat'].padding_numel} padding elements"
-    )
+    plans = {name: tx.plan(params) for name, tx in txs.items()}
+    for name, plan in plans.items():
+        print(describe_plan(name, plan))
     figures = {"bench": "jax_zero", "params": numel, "devices": n}
+    figures["shape"] = f"{args.layers}x{args.width}"
+    figures["partitions"] = list(txs)
     figures["anchor_step_s"] = round(medians["anchor"], 5)
     figures["state_bytes_unsharded"] = unsharded
     for name in txs:
@@ -172,7 +188,45 @@ def main() -> None:
     figures["flat_padding_numel"] = plans["flat"].padding_numel
     figures["step_s"] = figures["greedy_step_s"]
     figures["ratio_vs_anchor"] = figures["greedy_ratio_vs_anchor"]
-    print(json.dumps(figures))
+    return figures
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer rounds (< 2 minutes)")
+    parser.add_argument(
+        "--shape", type=parse_shape, help="LAYERSxWIDTH, e.g. 16x792 (overrides the two below)"
+    )
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--width", type=int, default=792)
+    parser.add_argument("--batch", type=int, default=64, help="global batch (8 devices)")
+    parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--warmup", type=int, default=3)
+    add_repeat_arg(parser)
+    args = parser.parse_args()
+    if args.shape is not None:
+        args.layers, args.width = args.shape
+    args.rounds = args.rounds or (6 if args.quick else 25)
+
+    mesh = mesh_from_topology(Topology.create(len(jax.devices())))
+    replicated = NamedSharding(mesh, P())
+    params = jax.device_put(make_mlp(args.layers, args.width), replicated)
+    rng = np.random.default_rng(1)
+    batch = tuple(
+        jax.device_put(
+            jnp.asarray(rng.normal(size=(args.batch, args.width)), jnp.float32),
+            NamedSharding(mesh, P("dp")),
+        )
+        for _ in range(2)
+    )
+    adam = optax.adam(1e-3)
+    txs = sharded_optimizers(adam, mesh)
+    # Built once: the repeats reuse the compiled steps, and each starts from the same state.
+    steps = {"anchor": data_parallel_step(loss_fn, adam, mesh)}
+    for partition, tx in txs.items():
+        steps[partition] = sharded_step(tx, params, mesh)
+    runs = run_repeats(lambda _: measure(args, mesh, params, batch, adam, txs, steps), args.repeat)
+    finish(runs, ["ratio_vs_anchor"] + [f"{name}_ratio_vs_anchor" for name in txs])
 
 
 if __name__ == "__main__":
