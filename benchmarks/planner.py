@@ -7,20 +7,22 @@ is installed, and a direct transcription of Megatron-core's
 ``generate_masked_orthogonal_rank_groups`` for the groups.
 
     python benchmarks/planner.py [--quick]
+    python benchmarks/planner.py --repeat 5    # the whole run 5 times: median and range
 
-The last line printed is one JSON object with the figures.
+The last line printed is one JSON object with the figures, including each anchor ratio
+(``bucket_plan_ratio_vs_anchor``, ``groups_ratio_vs_anchor``) and its spread over the repeats.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _report import add_repeat_arg, finish, run_repeats
 
 from gradsync_core import (
     DEFAULT_CAP_BYTES,
@@ -43,7 +45,8 @@ def make_specs(count: int) -> list[ParamSpec]:
     ]
 
 
-def best_of(fn, repeats: int) -> float:
+def best_of(fn, repeats: int) -> tuple[float, float]:
+    """(fastest, median) seconds of ``repeats`` calls of ``fn``."""
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -58,9 +61,18 @@ def main() -> None:
     parser.add_argument("--tensors", type=int, default=100_000)
     parser.add_argument("--ranks", type=int, default=65_536)
     parser.add_argument("--dp-for-partition", type=int, default=64)
+    add_repeat_arg(parser)
     args = parser.parse_args()
-    repeats = 3 if args.quick else 7
+    runs = run_repeats(lambda _: measure(args), args.repeat)
+    keys = ["groups_ratio_vs_anchor"]
+    if runs[0]["bucket_plan_ratio_vs_anchor"] is not None:
+        keys.insert(0, "bucket_plan_ratio_vs_anchor")
+    finish(runs, keys)
 
+
+def measure(args: argparse.Namespace) -> dict:
+    """One whole run: the table on stdout, the figures as a dict."""
+    repeats = 3 if args.quick else 7
     specs = make_specs(args.tensors)
     _, bucket_s = best_of(
         lambda: plan_buckets(
@@ -124,23 +136,23 @@ def main() -> None:
         a = f"{anchor:9.3f}" if anchor is not None else f"{'-':>9}"
         print(f"{what:<52} {ours:10.3f} {a}  {anchor_name}")
     print(f"(median of {repeats} runs; topology tp=8 cp=2 pp=4 dp={topo.dp}; target < 1 s each)")
-    print(
-        json.dumps(
-            {
-                "bench": "planner",
-                "tensors": args.tensors,
-                "ranks": args.ranks,
-                "bucket_plan_s": round(bucket_s, 4),
-                "anchor_torch_bucket_assignment_s": None
-                if anchor_bucket_s is None
-                else round(anchor_bucket_s, 4),
-                "greedy_partition_s": round(greedy_s, 4),
-                "plan_plus_partition_s": round(bucket_s + greedy_s, 4),
-                "standard_groups_s": round(groups_s, 4),
-                "anchor_megatron_groups_s": round(anchor_groups_s, 4),
-            }
-        )
-    )
+    return {
+        "bench": "planner",
+        "tensors": args.tensors,
+        "ranks": args.ranks,
+        "bucket_plan_s": round(bucket_s, 4),
+        "anchor_torch_bucket_assignment_s": None
+        if anchor_bucket_s is None
+        else round(anchor_bucket_s, 4),
+        "bucket_plan_ratio_vs_anchor": None
+        if anchor_bucket_s is None
+        else round(bucket_s / anchor_bucket_s, 4),
+        "greedy_partition_s": round(greedy_s, 4),
+        "plan_plus_partition_s": round(bucket_s + greedy_s, 4),
+        "standard_groups_s": round(groups_s, 4),
+        "anchor_megatron_groups_s": round(anchor_groups_s, 4),
+        "groups_ratio_vs_anchor": round(groups_s / anchor_groups_s, 4),
+    }
 
 
 if __name__ == "__main__":
