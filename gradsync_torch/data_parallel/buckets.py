@@ -57,7 +57,7 @@ class BucketBuffers:
     buffer: torch.Tensor  # flat, spec.numel elements of the gradients' dtype
     views: tuple[torch.Tensor, ...]  # views[i] is slot i of the bucket, shaped like its param
     params: tuple[nn.Parameter, ...]
-    slot_ids: tuple[int, ...]  # positions in DataParallel's list of trainable parameters
+    slot_ids: tuple[int, ...]  # the Reducer's slots (positions among trainable parameters)
     wire: torch.Tensor | None  # the same elements in reduce_dtype, if it differs
     pending: int = 0  # gradients still to arrive in this backward
     handle: Any = field(default=None, repr=False)  # Work or Future of the collective in flight
