@@ -3,10 +3,13 @@
 import json
 import subprocess
 import sys
+import time
+import tracemalloc
 
 import pytest
 
 from gradsync_core import BucketPlan, ShardPlan, Topology
+from gradsync_core._cli import main
 
 
 def gradsync(*args, cwd=None):
@@ -82,6 +85,40 @@ def test_user_parameter_file(tmp_path):
         (["plan", "--world-size", "two"], "invalid int value: 'two'"),
         (["plan", "--order", "tp-tp"], "distinct axes"),
         (["frobnicate"], "invalid choice: 'frobnicate'"),
+        (["plan", "--world-size", "1000000000"], "--world-size must be between 1 and 1,048,576"),
+        (["plan", "--world-size", "1048577"], "got 1,048,577"),
+        (["plan", "--world-size", "0"], "--world-size must be between 1"),
+        (["plan", "--tp", "2097152"], "--tp must be between 1 and 1,048,576"),
+        (["plan", "--pp", "-4"], "--pp must be between 1"),
+        (["plan", "--pad-to", "0"], "--pad-to must be between 1"),
+        (["plan", "--bucket-cap-mb", "inf"], "--bucket-cap-mb must be at most 65,536"),
+        (["plan", "--bucket-cap-mb", "nan"], "--bucket-cap-mb must be positive, got nan"),
+        (["plan", "--bucket-cap-mb", "1e300"], "--bucket-cap-mb must be at most"),
+        (["plan", "--bucket-cap-mb", "0"], "--bucket-cap-mb must be positive"),
+        (
+            ["plan", "--world-size", "1048576", "--partition", "flat"],
+            "more than 131,072; raise --bucket-cap-mb or use --partition greedy",
+        ),
+    ],
+    ids=[
+        "unknown-model",
+        "not-divisible",
+        "no-file",
+        "negative-cap",
+        "not-an-int",
+        "repeated-axis",
+        "unknown-command",
+        "world-1e9",
+        "world-just-over",
+        "world-zero",
+        "tp-over",
+        "pp-negative",
+        "pad-to-zero",
+        "cap-inf",
+        "cap-nan",
+        "cap-huge",
+        "cap-zero",
+        "flat-too-many-pieces",
     ],
 )
 def test_bad_input_is_one_line_on_stderr_and_exit_2(args, message):
@@ -100,15 +137,113 @@ def test_bad_input_is_one_line_on_stderr_and_exit_2(args, message):
         ('[{"name": "w"}]', "needs at least 'name' and 'shape'"),
         ('[{"name": "w", "shape": [2]}, {"name": "w", "shape": [2]}]', "appears twice"),
         ('[{"name": "w", "shape": [2], "dtype": "float31"}]', "unknown dtype"),
+        ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+        ('[{"name": "w", "shape": [2], "requires_grad": "no"}]', "'requires_grad' must be true"),
+        ('[{"name": "w", "shape": [2], "requires_grad": 0}]', "got 0"),
+        ('[{"name": "w", "shape": [2.0]}]', "list of non-negative ints"),
+        ('[{"name": "w", "shape": [-1]}]', "list of non-negative ints"),
+        ('[{"name": "w", "shape": [true]}]', "list of non-negative ints"),
+        ('[{"name": "w", "shape": "2"}]', "list of non-negative ints"),
+        ('[{"name": "", "shape": [2]}]', "'name' must be a non-empty string"),
+        ('[{"name": 7, "shape": [2]}]', "'name' must be a non-empty string"),
+        ('[{"name": "w", "shape": [2], "dtype": 4}]', "'dtype' must be a string"),
+        ('[{"name": "w", "shape": [2], "device": null}]', "'device' must be a non-empty"),
+        ('[{"name": "w", "shape": [2], "replicated_over": "tp"}]', "list of axis names"),
+        ('[{"name": "w", "shape": [' + "9" * 5000 + "]}]", "is not usable JSON"),
+        ("[1, 2]", "must be a JSON object"),
     ],
-    ids=["malformed", "empty", "missing-shape", "duplicate", "bad-dtype"],
+    ids=[
+        "malformed",
+        "empty",
+        "missing-shape",
+        "duplicate",
+        "bad-dtype",
+        "deeply-nested",
+        "requires-grad-string",
+        "requires-grad-int",
+        "shape-float",
+        "shape-negative",
+        "shape-bool",
+        "shape-string",
+        "name-empty",
+        "name-number",
+        "dtype-number",
+        "device-null",
+        "replicated-over-string",
+        "huge-int-literal",
+        "entry-not-object",
+    ],
 )
 def test_bad_parameter_files(tmp_path, content, message):
     path = tmp_path / "params.json"
     path.write_text(content)
     out = gradsync("plan", "--params", str(path))
     assert out.returncode == 2 and message in out.stderr
-    assert out.stderr.count("\n") == 1
+    assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr
+    assert len(out.stderr) < 400
+
+
+def test_parameter_file_over_the_size_cap(tmp_path, monkeypatch, capsys):
+    import gradsync_core._cli as cli
+
+    monkeypatch.setattr(cli, "MAX_PARAMS_FILE_BYTES", 100)  # writing 64 MiB would be slow
+    path = tmp_path / "params.json"
+    path.write_text(json.dumps([{"name": f"w{i}", "shape": [2]} for i in range(10)]))
+    assert main(["plan", "--params", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "is larger than 0 MiB" in err and err.count("\n") == 1
+
+
+def test_help_states_the_maxima():
+    out = gradsync("plan", "--help")
+    assert out.returncode == 0
+    text = " ".join(out.stdout.split())
+    for maximum in ("1 to 1,048,576", "at most 65,536", "at most 64 MiB", "131,072 pieces"):
+        assert maximum in text
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--world-size", "1048576"],
+        [
+            "--world-size",
+            "1048576",
+            "--tp",
+            "8",
+            "--cp",
+            "2",
+            "--pp",
+            "4",
+            "--order",
+            "dp-tp-cp-ep-pp",
+        ],
+        ["--world-size", "1048576", "--json"],
+        ["--world-size", "1048576", "--tp", "1024", "--partition", "flat", "--json"],
+    ],
+    ids=["dp-only", "4d-dp-fastest", "json", "flat"],
+)
+def test_a_million_ranks_plan_in_bounded_time_and_memory(args, capsys):
+    argv = ["plan", "--model", "gpt2-small", *args]
+    start = time.perf_counter()
+    assert main(argv) == 0
+    elapsed = time.perf_counter() - start
+    out = capsys.readouterr().out
+    assert elapsed < 2.0, f"{elapsed:.2f} s"  # about 0.5 s on one core
+    # Again in-process under tracemalloc, which sees every allocation the planner and the
+    # printer make (and would have inflated the time above).
+    tracemalloc.start()
+    try:
+        assert main(argv) == 0
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert capsys.readouterr().out == out  # deterministic
+    assert peak < 1 << 30, f"{peak / 2**20:.0f} MiB"
+    if "flat" not in args:  # a flat plan's JSON lists its pieces; the others are summaries
+        assert len(out) < 64 * 1024
+    if "--json" not in args:
+        assert "Rank groups: " in out and "1048576" in out.replace(",", "")
 
 
 def test_console_script_is_installed():
