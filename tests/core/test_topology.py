@@ -190,3 +190,40 @@ def test_split_shapes_properties(size, parts):
     chunks = split_shapes(size, parts)
     assert len(chunks) == parts and sum(chunks) == size and min(chunks) >= 1
     assert len(set(chunks[:-1])) <= 1
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    sizes=st.tuples(axis_sizes, axis_sizes, axis_sizes, axis_sizes, axis_sizes),
+    order=st.permutations(["tp", "cp", "ep", "dp", "pp"]),
+    members=st.sets(st.sampled_from(["tp", "cp", "ep", "dp", "pp"]), min_size=1),
+)
+def test_groups_by_arithmetic_match_the_enumeration(sizes, order, members):
+    tp, cp, ep, dp, pp = sizes
+    topo = Topology(tp=tp, cp=cp, ep=ep, dp=dp, pp=pp, order="-".join(order))
+    name = "-".join(sorted(members))
+    groups = topo.groups(name)
+    assert topo.group_count(name) == len(groups)
+    for index, group in enumerate(groups):
+        assert topo.group_at(name, index) == group
+        assert [topo.rank_at(name, index, p) for p in range(len(group))] == list(group)
+
+
+def test_one_group_of_a_million_ranks_without_listing_the_world():
+    topo = Topology.create(world_size=1 << 20, tp=8, cp=2, pp=4)
+    assert topo.dp == 1 << 14 and topo.group_count("tp") == 1 << 17
+    assert topo.rank_at("dp", 0, topo.group_size("dp") - 1) == (topo.dp - 1) * 16
+    assert topo.group_at("pp", 5) == (5, 5 + (1 << 18), 5 + (2 << 18), 5 + (3 << 18))
+    rank = 123_457
+    assert topo.group_rank("dp-cp", rank) == topo.group_of("dp-cp", rank).index(rank)
+
+
+@pytest.mark.parametrize(
+    ("index", "place"),
+    [(4, 0), (-1, 0), (0, 2), (0, -1), (True, 0)],
+    ids=["group-past-end", "group-negative", "place-past-end", "place-negative", "bool"],
+)
+def test_rank_at_outside_the_groups(index, place):
+    topo = Topology.create(world_size=8, tp=2)
+    with pytest.raises(ValueError, match="outside the 4 'tp' groups of 2 ranks each"):
+        topo.rank_at("tp", index, place)
