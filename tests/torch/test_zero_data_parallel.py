@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -19,7 +20,8 @@ import torch.nn.functional as F
 from gradsync_core import ParamSpec, plan_buckets
 from gradsync_torch import DataParallel, ZeroRedundancyOptimizer
 from gradsync_torch.data_parallel.grad_sharding import pad_for_sharding
-from tests.torch.test_zero import Pair, batch, make_model, same
+from tests.torch.harness import run_workers
+from tests.torch.zero_helpers import Pair, batch, make_model, same
 
 
 def check_data_parallel(world_size: int, directory: str) -> None:
@@ -115,3 +117,12 @@ def test_pad_for_sharding_only_pads() -> None:
     assert [b.slots for b in padded.buckets] == [b.slots for b in plan.buckets]
     assert padded.pad_to == 4
     assert padded == plan_buckets(specs, cap_bytes=40, pad_to=4)
+
+
+def _zero2_worker(rank: int, world_size: int, directory: str) -> None:
+    check_data_parallel(world_size, directory)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_zero2_through_data_parallel_matches_plain_adam(world_size: int, tmp_path: Any) -> None:
+    run_workers(_zero2_worker, world_size, str(tmp_path), timeout=300)
