@@ -1,13 +1,13 @@
 """gradsync_torch: executes gradsync_core plans with torch."""
 
-from gradsync_torch._comm_hooks import (
+from gradsync_torch._specs import dtype_name, param_specs
+from gradsync_torch.data_parallel import DataParallel
+from gradsync_torch.data_parallel.comm_hooks import (
     GradBucket,
     allreduce_hook,
     bf16_compress_hook,
     fp16_compress_hook,
 )
-from gradsync_torch._specs import dtype_name, param_specs
-from gradsync_torch.data_parallel import DataParallel
 from gradsync_torch.model_parallel.groups import (
     Group,
     ProcessGroups,

@@ -30,8 +30,8 @@ from torch import nn
 import gradsync_core
 from gradsync_torch._agreement import check_grad
 from gradsync_torch._collectives import global_rank
-from gradsync_torch._comm_hooks import CommHook, GradBucket
 from gradsync_torch.data_parallel.buckets import BucketBuffers, build_buckets, slot_places
+from gradsync_torch.data_parallel.comm_hooks import CommHook, GradBucket
 
 
 def _wait_cpu(work: Any, tensor: torch.Tensor) -> torch.Tensor:

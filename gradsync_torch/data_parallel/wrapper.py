@@ -25,8 +25,8 @@ from torch import nn
 import gradsync_core
 from gradsync_torch._agreement import check_arguments, check_grad, check_group, comm_device
 from gradsync_torch._collectives import broadcast_tensors
-from gradsync_torch._comm_hooks import CommHook
 from gradsync_torch._specs import named_parameters
+from gradsync_torch.data_parallel.comm_hooks import CommHook
 from gradsync_torch.data_parallel.grad_sharding import GradientSharder
 from gradsync_torch.data_parallel.reducer import Reducer
 from gradsync_torch.data_parallel.setup import (
