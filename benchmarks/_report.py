@@ -74,13 +74,20 @@ def _merge(values: list[Any]) -> Any:
     return values  # nothing sensible to merge: keep every run's value
 
 
-def summarize(runs: Sequence[Figures], ratio_keys: Sequence[str]) -> Figures:
+def summarize(
+    runs: Sequence[Figures], ratio_keys: Sequence[str], largest_keys: Sequence[str] = ()
+) -> Figures:
     """The merged figures of ``runs`` plus the median, range and list of each ratio key.
+
+    ``largest_keys`` are worst cases (a largest difference): they keep the largest value
+    over the runs instead of the median.
 
     Raises:
         KeyError: a ratio key missing from a run (a ratio the script did not measure).
     """
     merged: Figures = {key: _merge([run.get(key) for run in runs]) for key in runs[0]}
+    for key in largest_keys:
+        merged[key] = max(run[key] for run in runs)
     merged["repeats"] = len(runs)
     for key in ratio_keys:
         ratios = [float(run[key]) for run in runs]
@@ -92,9 +99,11 @@ def summarize(runs: Sequence[Figures], ratio_keys: Sequence[str]) -> Figures:
     return merged
 
 
-def finish(runs: Sequence[Figures], ratio_keys: Sequence[str]) -> Figures:
+def finish(
+    runs: Sequence[Figures], ratio_keys: Sequence[str], largest_keys: Sequence[str] = ()
+) -> Figures:
     """Print each ratio's spread over the runs, then the one-line JSON object; return it."""
-    merged = summarize(runs, ratio_keys)
+    merged = summarize(runs, ratio_keys, largest_keys)
     if len(runs) > 1:
         print(f"over {len(runs)} repeats (median, range min-max, each repeat):")
         for key in ratio_keys:

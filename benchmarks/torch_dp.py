@@ -78,7 +78,13 @@ def worker(rank: int, world_size: int, store_path: str, args: argparse.Namespace
     device = torch.device("cuda", rank) if on_gpu else torch.device("cpu")
     store = dist.FileStore(store_path, world_size)
     backend = "nccl" if on_gpu else "gloo"
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+    dist.init_process_group(
+        backend,
+        store=store,
+        rank=rank,
+        world_size=world_size,
+        device_id=device if on_gpu else None,  # barrier() then knows its GPU
+    )
     try:
         base = build_model(args).to(device)
         models = {
@@ -233,7 +239,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.steps is None:
         args.steps = 10 if args.quick else 20
     runs = run_repeats(lambda _: measure(args), args.repeat)
-    return finish(runs, RATIO_KEYS)
+    return finish(runs, RATIO_KEYS, largest_keys=("grads_max_rel_diff",))
 
 
 if __name__ == "__main__":
