@@ -9,7 +9,9 @@ Three models, picked with ``--model``:
   cost of the gradient hooks dominates, not the arithmetic.
 - ``gpt``: a decoder-only transformer from torch.nn layers (token and position embeddings, a
   stack of pre-LayerNorm blocks of causal self-attention + 4x MLP, a head tied to the token
-  embedding); 12 x 768, 32,000 tokens, 16 sequences of 512: about 110M parameters.
+  embedding); on a GPU 12 x 768, 32,000 tokens, 16 sequences of 512: about 110M parameters.
+  On the CPU the default is 4 x 256, 4 sequences of 128 (11.4M parameters), so ``--quick``
+  stays short; the flags set any size on either.
 """
 
 from __future__ import annotations
@@ -20,8 +22,13 @@ import torch
 from torch import nn
 
 MODELS = ("mlp", "many-small", "gpt")
-# Per model: layers, width, batch (rows or sequences per rank).
-MODEL_DEFAULTS = {"mlp": (24, 1024, 32), "many-small": (500, 64, 64), "gpt": (12, 768, 16)}
+# Per model: layers, width, batch (rows or sequences per rank), sequence length.
+MODEL_DEFAULTS = {
+    "mlp": (24, 1024, 32, 0),
+    "many-small": (500, 64, 64, 0),
+    "gpt": (12, 768, 16, 512),
+    "gpt-cpu": (4, 256, 4, 128),
+}
 
 
 class TanhResidualStack(nn.Module):
@@ -85,17 +92,20 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", choices=MODELS, default="mlp")
     parser.add_argument("--layers", type=int, help="default: 24 mlp, 500 many-small, 12 gpt")
     parser.add_argument("--width", type=int, help="default: 1024 mlp, 64 many-small, 768 gpt")
+    # gpt's defaults above are the GPU's; on the CPU they are 4 x 256, batch 4, seq 128.
     parser.add_argument(
         "--batch", type=int, help="per rank; default: 32 mlp, 64 many-small, 16 gpt"
     )
-    parser.add_argument("--seq", type=int, default=512, help="gpt: tokens per sequence")
+    parser.add_argument("--seq", type=int, help="gpt: tokens per sequence (default 512)")
     parser.add_argument("--vocab", type=int, default=32000, help="gpt: vocabulary size")
     parser.add_argument("--heads", type=int, help="gpt: attention heads (default: width // 64)")
 
 
-def fill_model_defaults(args: argparse.Namespace) -> None:
-    """Replace the size options left unset by the chosen model's defaults."""
-    layers, width, batch = MODEL_DEFAULTS[args.model]
+def fill_model_defaults(args: argparse.Namespace, device: str = "cpu") -> None:
+    """Replace the size options left unset by the chosen model's defaults on ``device``."""
+    on_cpu_gpt = args.model == "gpt" and device == "cpu"
+    layers, width, batch, seq = MODEL_DEFAULTS["gpt-cpu" if on_cpu_gpt else args.model]
+    args.seq = seq if args.seq is None else args.seq
     args.layers = layers if args.layers is None else args.layers
     args.width = width if args.width is None else args.width
     args.batch = batch if args.batch is None else args.batch

@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--threads", type=int, help="torch threads per rank (default: cores / ranks)"
     )
     args = parser.parse_args(argv)
-    fill_model_defaults(args)
+    fill_model_defaults(args, args.device)
     if args.device == "cuda":
         gpus = torch.cuda.device_count()
         if gpus == 0:

@@ -286,7 +286,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     )
     print(f"ZeRO-1 plan imbalance (max / mean load - 1): {imbalance:.4f}")
     print(
-        "parameters equal to DDP + Adam after the run (bitwise): "
+        "parameters equal to DDP + Adam after the run (bitwise; expected at 2 ranks, beyond "
+        "that a different summation order may differ in the last bits): "
         + ", ".join(f"{name}: {ok}" for name, ok in equal.items())
     )
     zero1, zero2 = ZERO1, ZERO2
