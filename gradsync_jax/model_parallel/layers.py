@@ -39,7 +39,40 @@ def _param(value: jax.Array, sharding: tuple[Any, ...]) -> nnx.Param:
     return nnx.Param(value, out_sharding=sharding, eager_sharding=False)
 
 
-class ColumnParallelLinear(nnx.Module):
+class _ShardedLinear(nnx.Module):
+    """Shared parts: ``y = x @ kernel + bias`` with one kernel dimension split on ``axis``.
+
+    Subclasses say where the split is (``_kernel_spec`` / ``_bias_spec``, as functions of the
+    axis name) and which mappings enter and leave the layer (``__call__``).
+    """
+
+    _kernel_spec: Callable[[str], tuple[Any, ...]]
+    _bias_spec: Callable[[str], tuple[Any, ...]]
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        axis: str = "tp",
+        use_bias: bool = True,
+        sequence_parallel: bool = False,
+        sequence_dim: int = 1,
+        kernel_init: Callable[..., jax.Array] = _default_init,
+        param_dtype: Any = jnp.float32,
+        rngs: nnx.Rngs,
+    ) -> None:
+        self.axis, self.sequence_parallel, self.sequence_dim = axis, sequence_parallel, sequence_dim
+        kernel = kernel_init(rngs.params(), (in_features, out_features), param_dtype)
+        self.kernel = _param(kernel, type(self)._kernel_spec(axis))
+        bias = jnp.zeros((out_features,), param_dtype)
+        self.bias = _param(bias, type(self)._bias_spec(axis)) if use_bias else None
+
+    def _add_bias(self, y: jax.Array) -> jax.Array:
+        return y if self.bias is None else y + self.bias[...]
+
+
+class ColumnParallelLinear(_ShardedLinear):
     """``y = x @ kernel + bias`` with kernel columns (output features) and bias split on ``axis``.
 
     Input: replicated over ``axis`` (``copy_to``) or, with ``sequence_parallel``, this device's
@@ -50,34 +83,23 @@ class ColumnParallelLinear(nnx.Module):
         >>> fc1 = ColumnParallelLinear(8, 32, rngs=nnx.Rngs(0))  # kernel spec P(None, "tp")
     """
 
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        *,
-        axis: str = "tp",
-        use_bias: bool = True,
-        sequence_parallel: bool = False,
-        sequence_dim: int = 1,
-        kernel_init: Callable[..., jax.Array] = _default_init,
-        param_dtype: Any = jnp.float32,
-        rngs: nnx.Rngs,
-    ) -> None:
-        self.axis, self.sequence_parallel, self.sequence_dim = axis, sequence_parallel, sequence_dim
-        kernel = kernel_init(rngs.params(), (in_features, out_features), param_dtype)
-        self.kernel = _param(kernel, (None, axis))
-        self.bias = _param(jnp.zeros((out_features,), param_dtype), (axis,)) if use_bias else None
+    @staticmethod
+    def _kernel_spec(axis: str) -> tuple[Any, ...]:
+        return (None, axis)
+
+    @staticmethod
+    def _bias_spec(axis: str) -> tuple[Any, ...]:
+        return (axis,)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         if self.sequence_parallel:
             x = all_gather_from(x, self.axis, dim=self.sequence_dim)
         else:
             x = copy_to(x, self.axis)
-        y = x @ self.kernel[...]
-        return y if self.bias is None else y + self.bias[...]
+        return self._add_bias(x @ self.kernel[...])
 
 
-class RowParallelLinear(nnx.Module):
+class RowParallelLinear(_ShardedLinear):
     """``y = x @ kernel + bias`` with kernel rows (input features) split on ``axis``.
 
     Input: this device's feature chunk. Partial products are summed with ``reduce_from``, or
@@ -85,23 +107,13 @@ class RowParallelLinear(nnx.Module):
     after, is unsharded.
     """
 
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        *,
-        axis: str = "tp",
-        use_bias: bool = True,
-        sequence_parallel: bool = False,
-        sequence_dim: int = 1,
-        kernel_init: Callable[..., jax.Array] = _default_init,
-        param_dtype: Any = jnp.float32,
-        rngs: nnx.Rngs,
-    ) -> None:
-        self.axis, self.sequence_parallel, self.sequence_dim = axis, sequence_parallel, sequence_dim
-        kernel = kernel_init(rngs.params(), (in_features, out_features), param_dtype)
-        self.kernel = _param(kernel, (axis, None))
-        self.bias = _param(jnp.zeros((out_features,), param_dtype), ()) if use_bias else None
+    @staticmethod
+    def _kernel_spec(axis: str) -> tuple[Any, ...]:
+        return (axis, None)
+
+    @staticmethod
+    def _bias_spec(axis: str) -> tuple[Any, ...]:
+        return ()
 
     def __call__(self, x: jax.Array) -> jax.Array:
         y = x @ self.kernel[...]
@@ -109,7 +121,7 @@ class RowParallelLinear(nnx.Module):
             y = reduce_scatter_to(y, self.axis, dim=self.sequence_dim)
         else:
             y = reduce_from(y, self.axis)
-        return y if self.bias is None else y + self.bias[...]
+        return self._add_bias(y)
 
 
 def nnx_functional(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -30,9 +31,19 @@ from gradsync_torch.model_parallel.mappings import (
 
 
 class _ShardedLinear(nn.Module):
-    """Shared parts: a linear layer with one dimension of its weight split over ``group``."""
+    """Shared parts: a linear layer with one dimension of its weight split over ``group``.
+
+    Args:
+        in_features, out_features: the SERIAL layer's sizes (each rank holds its chunk).
+        group: a ``ProcessGroups`` group, e.g. ``groups["tp"]``.
+        bias: whether the layer has a bias.
+        sequence_parallel: enter/leave the layer with sequence chunks instead of replicas.
+        sequence_dim: the sequence dimension of the activations.
+        device, dtype: as for ``nn.Linear``.
+    """
 
     split_dim: int  # 0: output features (column parallel), 1: input features (row parallel)
+    sharded_params: tuple[str, ...]  # the parameters split over the group
 
     def __init__(
         self,
@@ -40,11 +51,11 @@ class _ShardedLinear(nn.Module):
         out_features: int,
         group: Group,
         *,
-        bias: bool,
-        sequence_parallel: bool,
-        sequence_dim: int,
-        device: torch.device | str | None,
-        dtype: torch.dtype | None,
+        bias: bool = True,
+        sequence_parallel: bool = False,
+        sequence_dim: int = 1,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(group, Group):
@@ -62,6 +73,7 @@ class _ShardedLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(shape, **kw))
         bias_numel = self.sizes[group.group_rank] if self.split_dim == 0 else out_features
         self.bias = nn.Parameter(torch.empty(bias_numel, **kw)) if bias else None
+        self.gradsync_sharded_over = {name: group.axes for name in self.sharded_params}
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -97,30 +109,7 @@ class ColumnParallelLinear(_ShardedLinear):
     """
 
     split_dim = 0
-
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        group: Group,
-        *,
-        bias: bool = True,
-        sequence_parallel: bool = False,
-        sequence_dim: int = 1,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        super().__init__(
-            in_features,
-            out_features,
-            group,
-            bias=bias,
-            sequence_parallel=sequence_parallel,
-            sequence_dim=sequence_dim,
-            device=device,
-            dtype=dtype,
-        )
-        self.gradsync_sharded_over = {"weight": group.axes, "bias": group.axes}
+    sharded_params = ("weight", "bias")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
@@ -141,6 +130,7 @@ class RowParallelLinear(_ShardedLinear):
     """
 
     split_dim = 1
+    sharded_params = ("weight",)
 
     def __init__(
         self,
@@ -148,25 +138,11 @@ class RowParallelLinear(_ShardedLinear):
         out_features: int,
         group: Group,
         *,
-        bias: bool = True,
         input_is_parallel: bool = True,
-        sequence_parallel: bool = False,
-        sequence_dim: int = 1,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
+        **options: Any,
     ) -> None:
-        super().__init__(
-            in_features,
-            out_features,
-            group,
-            bias=bias,
-            sequence_parallel=sequence_parallel,
-            sequence_dim=sequence_dim,
-            device=device,
-            dtype=dtype,
-        )
+        super().__init__(in_features, out_features, group, **options)
         self.input_is_parallel = input_is_parallel
-        self.gradsync_sharded_over = {"weight": group.axes}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
