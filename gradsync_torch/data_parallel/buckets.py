@@ -8,20 +8,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
 
 import gradsync_core
 from gradsync_torch._collectives import MIB
-
-
-class SlotPlace(NamedTuple):
-    """Where one trainable parameter lives in the bucket runtime."""
-
-    bucket: int  # index into the list of BucketBuffers
-    index: int  # position inside that bucket's params / views
 
 
 def make_plan(
@@ -124,12 +117,3 @@ def build_buckets(
         state.reset()
         out.append(state)
     return out
-
-
-def slot_places(buckets: list[BucketBuffers], num_slots: int) -> list[SlotPlace]:
-    """``places[slot]``: the bucket and position of every trainable parameter."""
-    places = [SlotPlace(0, 0)] * num_slots
-    for b, bucket in enumerate(buckets):
-        for i, slot in enumerate(bucket.slot_ids):
-            places[slot] = SlotPlace(b, i)
-    return places

@@ -4,18 +4,22 @@
 called ``sync_gradients()``); the Reducer decides *what* and *how*, the way DDP's Python wrapper
 drives its C++ ``Reducer``. The wrapper talks to it through a few verbs:
 
-- ``mark_ready(slot, param, grad)``: a gradient arrived during a synced backward; copy it
-  into its bucket and start every bucket whose gradients are all in, in plan order (the DDP
-  paper, arXiv:2006.15704: launch order must be the same on every rank).
+- ``mark_ready(slot)``: a gradient arrived during a synced backward. Per gradient this only
+  counts (the hot path: on a GPU the thread running the hooks also launches the backward
+  kernels, so every microsecond per parameter is paid in full); when a bucket's last gradient
+  is in, the bucket is staged in one batch (``torch._foreach_copy_`` and one division over the
+  flat buffer) and every complete bucket is launched, in plan order (the DDP paper,
+  arXiv:2006.15704: launch order must be the same on every rank).
 - ``mark_accumulated(slot)``: a gradient arrived under ``no_sync()``; nothing to reduce yet.
 - ``sync_overlap()`` / ``sync_legacy()``: after backward, reduce what is left, write the
   averages back into ``param.grad`` and reset for the next step (docs/design.md §7).
 - ``rebuild()``: once, adopt rank 0's observed gradient-ready order as the layout.
 - ``bind_views()``, ``abandon()``, ``set_comm_hook()``.
 
-Besides the bucket collectives the Reducer issues the used-map all-reduce (which parameters
-got a gradient on any rank) and the rebuild broadcast. ``GradientSharder``
-(``grad_sharding.py``) subclasses it for ZeRO-2 and swaps the collective and the write-back.
+Besides the bucket collectives the Reducer issues the used-map all-reduce and the rebuild
+broadcast, both on CPU tensors over gloo (``used_map.py``): nothing in a step reads a device
+value on the host. ``GradientSharder`` (``grad_sharding.py``) subclasses it for ZeRO-2 and
+swaps the collective (``launch`` / ``finish``) and the per-parameter write-back.
 """
 
 from __future__ import annotations
@@ -30,13 +34,17 @@ from torch import nn
 import gradsync_core
 from gradsync_torch._agreement import check_grad
 from gradsync_torch._collectives import global_rank
-from gradsync_torch.data_parallel.buckets import BucketBuffers, build_buckets, slot_places
+from gradsync_torch.data_parallel.buckets import BucketBuffers, build_buckets
 from gradsync_torch.data_parallel.comm_hooks import CommHook, GradBucket
+from gradsync_torch.data_parallel.used_map import UsedMap
+from gradsync_torch.data_parallel.used_map import bookkeeping_group as make_bookkeeping_group
 
-
-def _wait_cpu(work: Any, tensor: torch.Tensor) -> torch.Tensor:
-    work.wait()
-    return tensor.cpu()
+# On the CPU, a bucket whose tensors average at least this many elements is divided tensor by
+# tensor while copying (one pass over memory, as DDP does); smaller tensors are copied in one
+# ``torch._foreach_copy_`` and the bucket is divided once, where the per-tensor call would cost
+# more than the second pass. On an accelerator the host launching kernels is the critical path,
+# so buckets are always staged in a batch there.
+PER_TENSOR_DIVISION_MIN_NUMEL = 1 << 16
 
 
 class Reducer:
@@ -55,7 +63,10 @@ class Reducer:
             position is its *slot*.
         specs: the specs of every parameter (frozen ones too), for rebuilding the plan.
         plan: the initial bucket layout.
-        comm_device: where the used-map and the rebuild broadcast run.
+        bookkeeping_group: a gloo group over the same ranks, for the used-map and the
+            rebuild broadcast on CPU tensors; ``None``: ``used_map.bookkeeping_group(group)``.
+        comm_device: ignored; accepted so that subclasses written against the signature
+            before the bookkeeping moved to gloo keep working (to be removed).
         reduce: ``"mean"`` or ``"sum"``.
         reduce_dtype: the dtype on the wire, ``None`` for the gradients' own.
         overlap: one buffer per bucket (``True``) or fairseq's one reused buffer.
@@ -72,7 +83,8 @@ class Reducer:
         specs: Sequence[gradsync_core.ParamSpec],
         plan: gradsync_core.BucketPlan,
         *,
-        comm_device: torch.device,
+        bookkeeping_group: dist.ProcessGroup | None = None,
+        comm_device: torch.device | None = None,
         reduce: str,
         reduce_dtype: torch.dtype | None,
         overlap: bool,
@@ -90,12 +102,15 @@ class Reducer:
         self._names = [name for name, _ in trainable]
         self._params = [p for _, p in trainable]
         self._specs = list(specs)
-        self._comm_device = comm_device
+        del comm_device
+        if bookkeeping_group is None:
+            bookkeeping_group = make_bookkeeping_group(group)
+        self._used_map = UsedMap(bookkeeping_group)
+        self._group_src = global_rank(bookkeeping_group, 0)
         n = len(self._params)
         self._fired = [False] * n  # gradient arrived in this synced backward
         self._preset = [False] * n  # grad is a zeroed bucket view we bound, not a gradient
         self._next_launch = 0  # the first bucket not launched yet in this backward
-        self._used_work: Any = None  # an unwaited used-map all-reduce (see sync_overlap)
         self._ready_order: list[int] | None = [] if record_ready_order else None
         self._install(plan)
 
@@ -109,7 +124,15 @@ class Reducer:
             reduce_dtype=self.reduce_dtype,
             shared=not self.overlap,
         )
-        self._where = slot_places(self.buckets, len(self._params))
+        self._bucket_of = [self.buckets[0]] * len(self._params) if self.buckets else []
+        for bucket in self.buckets:
+            for slot in bucket.slot_ids:
+                self._bucket_of[slot] = bucket
+        self._per_tensor_division = [
+            b.buffer.device.type == "cpu"
+            and b.spec.numel >= PER_TENSOR_DIVISION_MIN_NUMEL * len(b.params)
+            for b in self.buckets
+        ]
 
     # ---- how one bucket is reduced ----------------------------------------------------
 
@@ -123,17 +146,60 @@ class Reducer:
         # bucket (DDP does the same), saving one pass over every gradient.
         return self.mean and self.hook is None and self.reduce_dtype is None
 
-    def copy_in(self, view: torch.Tensor, grad: torch.Tensor) -> None:
-        """Put one gradient into its bucket slot (divided already, where that is due)."""
-        if self.divides_on_copy:
-            torch.div(grad, self.world_size, out=view)
-        else:
-            view.copy_(grad)
+    def stage(self, bucket: BucketBuffers) -> None:
+        """Put every gradient of ``bucket`` into its slot, divided where that is due.
 
-    def scale_in_place(self, view: torch.Tensor) -> None:
-        """The same for a gradient that already lives in its slot (gradient_as_bucket_view)."""
-        if self.divides_on_copy:
-            view.div_(self.world_size)
+        A parameter without a gradient contributes zeros; one whose gradient is its bucket
+        view already is only divided. The gradients are checked here, once per bucket, so
+        the per-gradient hook stays a counter.
+
+        Raises:
+            RuntimeError: for a sparse gradient or one that requires grad.
+        """
+        zeros: list[torch.Tensor] = []
+        targets: list[torch.Tensor] = []
+        sources: list[torch.Tensor] = []
+        copied: list[torch.Tensor] = []  # the parameters of targets / sources
+        in_place: list[torch.Tensor] = []
+        for param, view, slot in zip(bucket.params, bucket.views, bucket.slot_ids, strict=True):
+            grad = param.grad
+            if grad is None:
+                zeros.append(view)
+                continue
+            if grad.layout != torch.strided or grad.requires_grad:
+                check_grad(self._names[slot], grad)
+            if grad.data_ptr() == view.data_ptr():
+                in_place.append(view)
+            else:
+                targets.append(view)
+                sources.append(grad)
+                copied.append(param)
+        if zeros:
+            torch._foreach_zero_(zeros)
+        if not self.divides_on_copy:
+            if targets:
+                torch._foreach_copy_(targets, sources)
+        elif self._per_tensor_division[bucket.spec.index]:
+            # Large tensors: divide while copying, one pass over each (DDP's fused copy).
+            for view, grad in zip(targets, sources, strict=True):
+                torch.div(grad, self.world_size, out=view)
+            if in_place:
+                torch._foreach_div_(in_place, self.world_size)
+        else:
+            if targets:
+                torch._foreach_copy_(targets, sources)
+            # Zeros and padding stay zero; the quotient is the same bits as dividing each
+            # gradient on its own (an elementwise, correctly rounded division).
+            bucket.buffer.div_(self.world_size)
+        if not self.keeps_param_grads:
+            # ZeRO-2: the bucket holds a fired gradient until the reduce-scatter; one
+            # accumulated under no_sync stays until the write-back reads it.
+            for param, slot in zip(bucket.params, bucket.slot_ids, strict=True):
+                if self._fired[slot]:
+                    param.grad = None
+        elif self.gradient_as_bucket_view:
+            for param, view in zip(copied, targets, strict=True):
+                param.grad = view  # from now on autograd accumulates in the bucket
 
     def launch(self, bucket: BucketBuffers, *, is_last: bool) -> None:
         """Start reducing ``bucket.buffer``; returns before the collective completes."""
@@ -171,19 +237,18 @@ class Reducer:
         if bucket.wire is not None:
             bucket.buffer.copy_(bucket.wire)
 
-    # ---- during backward (the hot path: per parameter) --------------------------------
+    # ---- during backward (the hot path: per parameter, so it only counts) ---------------
 
     def mark_accumulated(self, slot: int) -> None:
         """A gradient accumulated under ``no_sync()``: it is a real gradient from now on."""
         self._preset[slot] = False
 
-    def mark_ready(self, slot: int, param: torch.Tensor, grad: torch.Tensor) -> None:
-        """``param``'s gradient ``grad`` is complete for this synced backward.
+    def mark_ready(self, slot: int) -> None:
+        """The trainable parameter ``slot`` has its gradient for this synced backward.
 
         Raises:
             RuntimeError: if the same parameter reports twice in one backward.
         """
-        self._preset[slot] = False
         if self._fired[slot]:
             raise RuntimeError(
                 f"parameter {self._names[slot]!r} received its gradient twice in one "
@@ -193,42 +258,27 @@ class Reducer:
         self._fired[slot] = True
         if self._ready_order is not None:
             self._ready_order.append(slot)
-        place = self._where[slot]
-        bucket = self.buckets[place.bucket]
-        view = bucket.views[place.index]
-        if grad.data_ptr() != view.data_ptr():
-            self.copy_in(view, grad)
-            if self.gradient_as_bucket_view:
-                param.grad = view
-        else:
-            self.scale_in_place(view)
-        if not self.keeps_param_grads:
-            param.grad = None  # ZeRO-2: the bucket holds it until the reduce-scatter
+        bucket = self._bucket_of[slot]
         bucket.pending -= 1
         if bucket.pending == 0:
-            last = len(self.buckets) - 1
-            while self._next_launch <= last and self.buckets[self._next_launch].pending == 0:
-                self.launch(self.buckets[self._next_launch], is_last=self._next_launch == last)
-                self._next_launch += 1
+            self.stage(bucket)
+            self._launch_complete()
+
+    def _launch_complete(self) -> None:
+        """Launch every staged bucket from the first unlaunched one on, in plan order."""
+        buckets, last = self.buckets, len(self.buckets) - 1
+        while self._next_launch <= last and buckets[self._next_launch].pending == 0:
+            self.launch(buckets[self._next_launch], is_last=self._next_launch == last)
+            self._next_launch += 1
 
     # ---- after backward ---------------------------------------------------------------
-
-    def _fill(self, slot: int, param: torch.Tensor, view: torch.Tensor) -> None:
-        """Put a slot's gradient into its bucket: the accumulated one, or zeros if none."""
-        grad = param.grad
-        if grad is None:
-            view.zero_()
-        elif grad.data_ptr() != view.data_ptr():
-            check_grad(self._names[slot], grad)  # legacy mode and no_sync have no hook check
-            self.copy_in(view, grad)
-        else:
-            self.scale_in_place(view)
 
     def _has_grad(self, slot: int, param: torch.Tensor) -> bool:
         return self._fired[slot] or (param.grad is not None and not self._preset[slot])
 
-    def _write_back(self, bucket: BucketBuffers, i: int, global_used: torch.Tensor | None) -> None:
-        """Leave the reduced value of ``bucket``'s ``i``-th parameter in its ``.grad``."""
+    def _write_back(self, bucket: BucketBuffers, i: int, global_used: Sequence[int] | None) -> None:
+        """Leave the reduced value of ``bucket``'s ``i``-th parameter in its ``.grad``
+        (per parameter: for parameters this rank had no gradient for, and for ZeRO-2)."""
         slot, param, view = bucket.slot_ids[i], bucket.params[i], bucket.views[i]
         if self._has_grad(slot, param):
             if param.grad.data_ptr() == view.data_ptr():
@@ -244,64 +294,93 @@ class Reducer:
             param.grad = None  # no rank had a gradient: as in a single process
         self._preset[slot] = False
 
-    def _used_flags(self) -> tuple[list[bool], torch.Tensor]:
-        """Which slots have a gradient here, as a list and as the used-map to all-reduce.
-
-        A rank that had every gradient never needs the reduced map, so it waits for it only
-        at its next sync (``_used_work``).
-        """
-        if self._used_work is not None:
-            self._used_work.wait()
-            self._used_work = None
-        flags = [self._has_grad(s, p) for s, p in enumerate(self._params)]
-        return flags, torch.tensor(flags, dtype=torch.int32).to(self._comm_device)
-
-    def sync_legacy(self) -> None:
-        """Legacy mode: the buckets share one buffer, so each is filled, reduced and written
-        back before the next (fairseq's ``LegacyDistributedDataParallel``)."""
-        flags, used = self._used_flags()
-        used_work = dist.all_reduce(used, group=self.group, async_op=True)
-        global_used = None if all(flags) else _wait_cpu(used_work, used)
-        last = len(self.buckets) - 1
-        for bucket in self.buckets:
-            for i, slot in enumerate(bucket.slot_ids):
-                self._fill(slot, bucket.params[i], bucket.views[i])
-            self.launch(bucket, is_last=bucket.spec.index == last)
-            self.finish(bucket)
-            for i in range(len(bucket.params)):
-                self._write_back(bucket, i, global_used)
-        self._end_sync(used_work if global_used is None else None)
-
-    def sync_overlap(self) -> None:
-        """Overlap mode: launch the buckets backward left behind (gradients that never
-        arrived count as zeros), wait for every bucket and write the averages back."""
-        flags, used = self._used_flags()
-        last = len(self.buckets) - 1
-        for b in range(self._next_launch, last + 1):
-            bucket = self.buckets[b]
-            for i, slot in enumerate(bucket.slot_ids):
-                if not self._fired[slot]:
-                    self._fill(slot, bucket.params[i], bucket.views[i])
-            self.launch(bucket, is_last=b == last)
-        # Issued after every bucket: ranks may have launched different numbers of buckets
-        # during backward, and collectives must be issued in the same order.
-        used_work = dist.all_reduce(used, group=self.group, async_op=True)
-        unused: list[tuple[BucketBuffers, int]] = []
-        for bucket in self.buckets:
-            self.finish(bucket)
+    def _write_back_present(self, bucket: BucketBuffers, flags: list[bool]) -> list[int]:
+        """Write back every parameter of ``bucket`` this rank had a gradient for, in one
+        batch; return the positions of the others (they wait for the used-map)."""
+        if not self.keeps_param_grads:
+            absent = []
             for i, slot in enumerate(bucket.slot_ids):
                 if flags[slot]:
                     self._write_back(bucket, i, None)
                 else:
-                    unused.append((bucket, i))
-        global_used = _wait_cpu(used_work, used) if unused else None
-        for bucket, i in unused:
-            self._write_back(bucket, i, global_used)
-        self._end_sync(used_work if global_used is None else None)
+                    absent.append(i)
+            return absent
+        absent, targets, sources = [], [], []
+        preset = self._preset
+        for i, (param, view, slot) in enumerate(
+            zip(bucket.params, bucket.views, bucket.slot_ids, strict=True)
+        ):
+            if not flags[slot]:
+                absent.append(i)
+                continue
+            preset[slot] = False
+            grad = param.grad
+            if grad.data_ptr() == view.data_ptr():
+                continue  # a bucket view already: the reduced value is in place
+            if self.gradient_as_bucket_view:
+                param.grad = view
+            else:
+                targets.append(grad)
+                sources.append(view)
+        if targets:
+            torch._foreach_copy_(targets, sources)
+        return absent
 
-    def _end_sync(self, unwaited_used_work: Any) -> None:
-        """Every bucket is reduced and written back: reset for the next backward."""
-        self._used_work = unwaited_used_work
+    def _present_flags(self) -> list[bool]:
+        """Per slot, whether this rank has a gradient to contribute in this sync."""
+        if all(self._fired):
+            return self._fired
+        return [self._has_grad(s, p) for s, p in enumerate(self._params)]
+
+    def sync_legacy(self) -> None:
+        """Legacy mode: the buckets share one buffer, so each is filled, reduced and written
+        back before the next (fairseq's ``LegacyDistributedDataParallel``)."""
+        flags = self._present_flags()
+        self._used_map.start(flags)
+        global_used = None if all(flags) else self._used_map.counts().tolist()
+        last = len(self.buckets) - 1
+        for bucket in self.buckets:
+            self.stage(bucket)
+            self.launch(bucket, is_last=bucket.spec.index == last)
+            self.finish(bucket)
+            for i in self._write_back_present(bucket, flags):
+                self._write_back(bucket, i, global_used)
+        self._end_sync(None)
+
+    def sync_overlap(self) -> None:
+        """Overlap mode: launch the buckets backward left behind (gradients that never
+        arrived count as zeros), wait for every bucket and write the averages back."""
+        flags = self._present_flags()
+        last = len(self.buckets) - 1
+        for b in range(self._next_launch, last + 1):
+            bucket = self.buckets[b]
+            self.stage(bucket)
+            self.launch(bucket, is_last=b == last)
+        if self.hook is None:
+            # Issued after every bucket: ranks may have launched different numbers of
+            # buckets during backward, and collectives on one group must be issued in the
+            # same order everywhere.
+            self._used_map.start(flags)
+        absent: list[tuple[BucketBuffers, int]] = []
+        for bucket in self.buckets:
+            self.finish(bucket)
+            absent.extend((bucket, i) for i in self._write_back_present(bucket, flags))
+        if self.hook is not None:
+            # A hook may issue further collectives from its futures' callbacks (PowerSGD),
+            # which gloo runs on its own thread: only once every future is done is the order
+            # of collectives on the group the same on every rank.
+            self._used_map.start(flags)
+        global_used = self._used_map.counts().tolist() if absent else None
+        for bucket, i in absent:
+            self._write_back(bucket, i, global_used)
+        self._end_sync(None)
+
+    def _end_sync(self, unwaited_used_work: object = None) -> None:
+        """Every bucket is reduced and written back: reset for the next backward.
+
+        ``unwaited_used_work`` is kept for subclasses' signatures; the used-map now settles
+        its own collective at the next sync.
+        """
         self._reset_backward()
 
     def _reset_backward(self) -> None:
@@ -312,6 +391,9 @@ class Reducer:
 
     def abandon(self) -> None:
         """Forget a backward that raised before it finished; observe the ready order anew."""
+        for slot, fired in enumerate(self._fired):
+            if fired:  # a real gradient arrived (perhaps into a bound view)
+                self._preset[slot] = False
         self._reset_backward()
         if self._ready_order is not None:
             self._ready_order = []
@@ -324,12 +406,8 @@ class Reducer:
         if self._ready_order is None:
             return
         order, self._ready_order = self._ready_order, None
-        ranks_order = torch.full((len(self._params),), -1, dtype=torch.int64)
-        if order:
-            ranks_order[: len(order)] = torch.tensor(order, dtype=torch.int64)
-        ranks_order = ranks_order.to(self._comm_device)
-        dist.broadcast(ranks_order, src=global_rank(self.group, 0), group=self.group)
-        names = [self._names[i] for i in ranks_order.tolist() if i >= 0]
+        slots = self._used_map.broadcast_order(order, len(self._params), self._group_src)
+        names = [self._names[i] for i in slots]
         plan = gradsync_core.rebuild_buckets(self.plan, self._specs, names)
         if [b.slots for b in plan.buckets] == [b.slots for b in self.plan.buckets]:
             self.plan = plan
@@ -343,11 +421,20 @@ class Reducer:
                         param.grad = view
 
     def bind_views(self) -> None:
-        """gradient_as_bucket_view: let autograd accumulate straight into the buckets."""
-        for slot, p in enumerate(self._params):
-            if p.grad is None:
-                place = self._where[slot]
-                view = self.buckets[place.bucket].views[place.index]
-                view.zero_()
-                p.grad = view
-                self._preset[slot] = True
+        """gradient_as_bucket_view: let autograd accumulate straight into the buckets.
+
+        Every parameter without a gradient gets its zeroed bucket view, one zeroing per
+        bucket (the whole buffer when no parameter of it has a gradient, the usual case after
+        ``zero_grad(set_to_none=True)``).
+        """
+        for bucket in self.buckets:
+            unbound = [i for i, p in enumerate(bucket.params) if p.grad is None]
+            if not unbound:
+                continue
+            if len(unbound) == len(bucket.params):
+                bucket.buffer.zero_()
+            else:
+                torch._foreach_zero_([bucket.views[i] for i in unbound])
+            for i in unbound:
+                bucket.params[i].grad = bucket.views[i]
+                self._preset[bucket.slot_ids[i]] = True

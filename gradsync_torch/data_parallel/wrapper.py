@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 import gradsync_core
-from gradsync_torch._agreement import check_arguments, check_grad, check_group, comm_device
+from gradsync_torch._agreement import check_arguments, check_group, comm_device
 from gradsync_torch._collectives import broadcast_tensors
 from gradsync_torch._specs import named_parameters
 from gradsync_torch.data_parallel.comm_hooks import CommHook
@@ -35,6 +35,7 @@ from gradsync_torch.data_parallel.setup import (
     resolve_groups,
     verify_and_broadcast,
 )
+from gradsync_torch.data_parallel.used_map import bookkeeping_group
 from gradsync_torch.model_parallel.groups import (
     ProcessGroups,
     check_reduction_plan,
@@ -43,9 +44,24 @@ from gradsync_torch.model_parallel.groups import (
 
 
 def _grad_ready(owner: weakref.ref, slot: int, param: torch.Tensor) -> None:
+    """A parameter's gradient is accumulated (``register_post_accumulate_grad_hook``).
+
+    The one Python frame per gradient: the wrapper decides whether this backward syncs, the
+    Reducer counts, and all real work (checks, copies, divisions, collectives) happens per
+    bucket (docs/torch-data-parallel.md, "The hot path").
+    """
     wrapper = owner()
-    if wrapper is not None:
-        wrapper._on_grad_ready(slot, param)
+    if wrapper is None or param.grad is None:
+        return
+    if not wrapper._sync_backward:
+        wrapper._reducer.mark_accumulated(slot)
+        wrapper._dirty = True
+        return
+    if not wrapper._callback_queued:
+        # Runs when the whole backward is done, before backward() returns.
+        torch.autograd.Variable._execution_engine.queue_callback(wrapper._finish_backward)
+        wrapper._callback_queued = True
+    wrapper._reducer.mark_ready(slot)
 
 
 class DataParallel(nn.Module):
@@ -164,7 +180,7 @@ class DataParallel(nn.Module):
         options = {"overlap": overlap, "reduce": reduce, "reduce_dtype": reduce_dtype}
         options["shard_gradients"] = shard_gradients
         verify_and_broadcast(module, layout.plan, options, group, device)
-        self._reducer = self._make_reducer(layout, device)
+        self._reducer = self._make_reducer(layout, device, bookkeeping_group(group))
 
         self._callback_queued = False  # a backward's end-of-sync callback is pending
         self._sync_backward = True  # decided by the latest grad-enabled forward (as DDP)
@@ -175,7 +191,9 @@ class DataParallel(nn.Module):
         if overlap:
             self._install_hooks(layout.trainable)
 
-    def _make_reducer(self, layout: Layout, device: torch.device) -> Reducer:
+    def _make_reducer(
+        self, layout: Layout, device: torch.device, bookkeeping: dist.ProcessGroup
+    ) -> Reducer:
         if self.shard_gradients:
             return GradientSharder(
                 self.process_group,
@@ -192,7 +210,7 @@ class DataParallel(nn.Module):
             layout.trainable,
             layout.specs,
             layout.plan,
-            comm_device=device,
+            bookkeeping_group=bookkeeping,
             reduce=self.reduce,
             reduce_dtype=self.reduce_dtype,
             overlap=self.overlap,
@@ -312,21 +330,6 @@ class DataParallel(nn.Module):
                 )
 
     # ---- during and after backward ----------------------------------------------------
-
-    def _on_grad_ready(self, slot: int, param: torch.Tensor) -> None:
-        grad = param.grad
-        if grad is None:
-            return
-        check_grad(self._names[slot], grad)
-        if not self._sync_backward:
-            self._reducer.mark_accumulated(slot)
-            self._dirty = True
-            return
-        if not self._callback_queued:
-            # Runs when the whole backward is done, before backward() returns.
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-            self._callback_queued = True
-        self._reducer.mark_ready(slot, param, grad)
 
     def _finish_backward(self) -> None:
         try:
