@@ -18,6 +18,7 @@ from gradsync_core._buckets import (
 )
 from gradsync_core._canonical import PLAN_VERSION, canonical_json, fingerprint
 from gradsync_core._checkpoint import (
+    FORMAT_VERSION,
     MANIFEST,
     OPTAX_TO_TORCH_STATE,
     RANK_FILE_RE,
@@ -44,17 +45,27 @@ from gradsync_core._reductions import (
 )
 from gradsync_core._shards import Shard, ShardPlan, plan_flat_shards, plan_greedy_shards
 from gradsync_core._specs import DTYPE_ITEMSIZE, ParamSpec, itemsize
+from gradsync_core._state_keys import (
+    COUNTERPARTS,
+    canonical_state_key,
+    check_optimizer,
+    check_state_keys,
+    counterpart_keys,
+    framework_state_key,
+)
 from gradsync_core._topology import AXES, DEFAULT_ORDER, STANDARD_GROUPS, Topology, split_shapes
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AXES",
+    "COUNTERPARTS",
     "DEFAULT_CAP_BYTES",
     "DEFAULT_FIRST_CAP_BYTES",
     "DEFAULT_LEGACY_MAX_NUMEL",
     "DEFAULT_ORDER",
     "DTYPE_ITEMSIZE",
+    "FORMAT_VERSION",
     "MANIFEST",
     "MODELS",
     "MODEL_AXES",
@@ -75,9 +86,14 @@ __all__ = [
     "Topology",
     "builtin_model",
     "canonical_json",
+    "canonical_state_key",
     "check_compatible",
+    "check_optimizer",
+    "check_state_keys",
+    "counterpart_keys",
     "describe_difference",
     "fingerprint",
+    "framework_state_key",
     "itemsize",
     "plan_buckets",
     "plan_flat_shards",

@@ -24,22 +24,22 @@ from typing import Any, NoReturn
 from gradsync_core._canonical import fingerprint
 from gradsync_core._shards import ShardPlan
 from gradsync_core._specs import ParamSpec, check_unique_names
+from gradsync_core._state_keys import (  # noqa: F401  (re-exported: the key map's old home)
+    OPTAX_TO_TORCH_STATE,
+    TORCH_TO_OPTAX_STATE,
+    check_compatible,
+)
 
 FORMAT = "gradsync-optimizer-checkpoint"
-FORMAT_VERSION = 1
+# 2: framework-neutral (torch names, layouts and state keys; 0-d state as JSON numbers in
+# extra["scalars"]), read by both executors. 1: each framework's own names; read by the
+# executor that wrote it.
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
 FRAMEWORKS = ("torch", "jax")
 _REQUIRED = ("framework", "optimizer", "world_size", "step", "params", "plan", "state_keys")
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
-
-# The one place torch and Optax state names meet: torch.optim key -> optax field.
-TORCH_TO_OPTAX_STATE = {
-    "exp_avg": "mu",
-    "exp_avg_sq": "nu",
-    "step": "count",
-    "momentum_buffer": "trace",
-}
-OPTAX_TO_TORCH_STATE = {v: k for k, v in TORCH_TO_OPTAX_STATE.items()}
 
 
 # Matches every name ``rank_file`` produces (and nothing else a save writes).
@@ -69,11 +69,12 @@ class Manifest:
     state_keys: Mapping[str, tuple[str, ...]]  # param name -> its state keys
     files: Mapping[str, str]  # rank file -> sha256
     extra: Mapping[str, Any] = field(default_factory=dict)  # hyper-parameters, param groups
+    version: int = FORMAT_VERSION
 
     def to_json(self) -> dict[str, Any]:
         return {
             "format": FORMAT,
-            "version": FORMAT_VERSION,
+            "version": self.version,
             "framework": self.framework,
             "optimizer": self.optimizer,
             "world_size": self.world_size,
@@ -98,10 +99,11 @@ class Manifest:
         """
         if not isinstance(obj, Mapping) or obj.get("format") != FORMAT:
             raise ValueError("not a gradsync optimizer checkpoint manifest")
-        if obj.get("version") != FORMAT_VERSION:
+        if obj.get("version") not in READABLE_VERSIONS:
             raise ValueError(
-                f"checkpoint format version {obj.get('version')!r} is not {FORMAT_VERSION}, "
-                "the version this gradsync reads"
+                f"checkpoint format version {obj.get('version')!r} is not one of "
+                f"{list(READABLE_VERSIONS)}, the versions this gradsync reads; load it with the "
+                "gradsync that wrote it and save it again"
             )
         for key in (*_REQUIRED, "files"):
             if key not in obj:
@@ -126,6 +128,7 @@ class Manifest:
             state_keys=_state_keys(obj["state_keys"], params),
             files=_files(obj["files"], world_size),
             extra=_extra(obj.get("extra", {}), obj["state_keys"]),
+            version=obj["version"],
         )
 
 
@@ -255,38 +258,6 @@ def _extra(value: Any, state_keys: Mapping[str, Sequence[str]]) -> dict[str, Any
     if not isinstance(global_keys, list) or not all(isinstance(k, str) for k in global_keys):
         _refuse("extra.global_keys", global_keys, "a list of state paths")
     return dict(value)
-
-
-def check_compatible(manifest: Manifest, params: Sequence[ParamSpec], *, optimizer: str) -> None:
-    """Refuse a checkpoint of another model or optimizer, naming the first difference.
-
-    The world size may differ (that is resharding); names, shapes, dtypes and which
-    parameters are trainable must not.
-
-    Raises:
-        ValueError: one sentence saying what differs and how to fix it.
-    """
-    if manifest.optimizer != optimizer:
-        raise ValueError(
-            f"checkpoint was written by optimizer {manifest.optimizer!r}, this one is "
-            f"{optimizer!r}; load it with the same optimizer class"
-        )
-    saved = {p.name: p for p in manifest.params if p.requires_grad}
-    mine = {p.name: p for p in params if p.requires_grad}
-    for name, spec in mine.items():
-        if name not in saved:
-            raise ValueError(f"checkpoint has no state for parameter {name!r}: another model?")
-        if (spec.shape, spec.dtype) != (saved[name].shape, saved[name].dtype):
-            raise ValueError(
-                f"parameter {name!r} is {spec.shape} {spec.dtype} here but "
-                f"{saved[name].shape} {saved[name].dtype} in the checkpoint: another model?"
-            )
-    extra = sorted(set(saved) - set(mine))
-    if extra:
-        raise ValueError(
-            f"checkpoint holds state for {len(extra)} parameter(s) this model lacks, "
-            f"starting with {extra[0]!r}: another model?"
-        )
 
 
 def sha256_file(path: str | os.PathLike[str]) -> str:

@@ -31,12 +31,13 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import jax
 import numpy as np
 
-from gradsync_core import ParamSpec
+from gradsync_core import ParamSpec, ShardPlan
 from gradsync_jax._specs import path_name
 
 _LEAF_TO_TORCH = {"kernel": "weight", "scale": "weight", "embedding": "weight"}
@@ -228,3 +229,39 @@ def from_torch_state(
             )
         out.append(np.asarray(array, dtype=leaf.dtype))
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def registration_order(
+    specs: Sequence[ParamSpec], *, order: Sequence[str] | None = None
+) -> list[ParamSpec]:
+    """Flax-named ``specs`` in the order torch registers the matching module's parameters.
+
+    Torch's ZeRO greedy planner breaks ties between equal-sized parameters by registration
+    order; planning Flax specs in this order gives every parameter the same owner as
+    ``gradsync_torch.ZeroRedundancyOptimizer`` gives its twin (docs/checkpoints.md).
+
+    Args:
+        specs: specs named by Flax paths (``params/Dense_10/kernel``).
+        order: torch names in registration order; default: natural order (module docstring).
+    """
+    names = [torch_name(spec.name) for spec in specs]
+    if order is None:
+        keys: list[Any] = [_natural_key(name) for name in names]
+    else:
+        position = {name: i for i, name in enumerate(order)}
+        keys = [(position.get(name, len(position)), name) for name in names]
+    return [spec for _, spec in sorted(zip(keys, specs, strict=True), key=lambda kv: kv[0])]
+
+
+def torch_plan(plan: ShardPlan, *, modules: Mapping[str, str] | None = None) -> ShardPlan:
+    """``plan`` (shards named by Flax paths) with torch names: the plan torch would make.
+
+    For a greedy plan of ``shard_optimizer`` its fingerprint equals the one of
+    ``ZeroRedundancyOptimizer.plan()`` for the twin torch module.
+    """
+    return replace(
+        plan,
+        shards=tuple(
+            replace(shard, name=torch_name(shard.name, modules=modules)) for shard in plan.shards
+        ),
+    )

@@ -1,22 +1,25 @@
-"""Save and load ``shard_optimizer`` state in gradsync's per-parameter format (docs/design.md §9).
+"""Save and load ``shard_optimizer`` state in the framework-neutral format (docs/checkpoints.md).
 
-The files are the ones ``gradsync_torch``'s ZeRO optimizer writes: a manifest plus one
-safetensors file per rank, tensors named ``"<param name>/<state key>"`` in model space (the
-full tensor), so a checkpoint saved on 8 devices loads on 4, or with the other partition.
-Rank ``d``'s file holds the parameters device ``d`` owns (greedy) or whose first element it
-owns (flat). Leaves tied to no parameter (``count``, injected hyper-parameters) go to rank 0's
-file under ``"__optax__/<state path>"`` and are listed in ``manifest.extra["global_keys"]``.
+The files are the ones ``gradsync_torch``'s ZeRO optimizer writes (format version 2): a
+manifest plus one safetensors file per rank, tensors named ``"<param name>/<state key>"`` in
+model space with torch's names, layouts and state keys (``layers.0.weight/exp_avg``, Dense
+kernels transposed to ``(out, in)``), so a checkpoint saved on 8 devices loads on 4, with the
+other partition, or into ``torch``. Rank ``d``'s file holds what the manifest's plan gives
+device ``d``: whole tensors (greedy) or the element range ``[start, stop)`` of the flattened
+tensor (flat). Optax's ``count`` is stored as every parameter's ``step`` (a JSON number in
+``extra["scalars"]``, as torch stores its ``step``); other leaves tied to no parameter (injected
+hyper-parameters) go to rank 0's file under ``"__optax__/<state path>"``, listed in
+``extra["global_keys"]``: only JAX reads those.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import struct
+from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 from safetensors.numpy import save as save_bytes
 
@@ -24,7 +27,11 @@ from gradsync_core import (
     MANIFEST,
     RANK_FILE_RE,
     Manifest,
+    ParamSpec,
+    canonical_state_key,
     check_compatible,
+    check_state_keys,
+    counterpart_keys,
     rank_file,
     read_manifest,
     sha256_file,
@@ -32,50 +39,35 @@ from gradsync_core import (
     write_atomic,
     write_manifest,
 )
+from gradsync_jax._naming import from_torch_layout, to_torch_layout, torch_name, torch_plan
 from gradsync_jax.zero.layout import ZeroState
+from gradsync_jax.zero.model_space import ModelSpace
+from gradsync_jax.zero.safetensors_io import read_safetensors
 from gradsync_jax.zero.transform import ShardedOptimizer
 
 GLOBAL_PARAM = "__optax__"  # the pseudo-parameter that carries global leaves
+STEP = "step"  # the canonical key Optax's count is stored under
 
 
-# safetensors dtype names -> NumPy; safetensors.numpy.load has no bfloat16 (it raises
-# KeyError 'BF16'), while its save writes BF16 correctly and torch reads it.
-_DTYPES = {
-    "F64": np.float64,
-    "F32": np.float32,
-    "F16": np.float16,
-    "BF16": ml_dtypes.bfloat16,
-    "F8_E4M3": ml_dtypes.float8_e4m3fn,
-    "F8_E5M2": ml_dtypes.float8_e5m2,
-    "I64": np.int64,
-    "I32": np.int32,
-    "I16": np.int16,
-    "I8": np.int8,
-    "U8": np.uint8,
-    "BOOL": np.bool_,
-}
+def _is_count(space: ModelSpace, index: int) -> bool:
+    leaf = space.leaves[index]
+    return leaf.param is None and leaf.shape == () and leaf.key.rpartition(".")[2] == "count"
 
 
-def _read_safetensors(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
-    """Every tensor of a safetensors file (format: u64 header size, JSON header, data)."""
-    with open(path, "rb") as f:
-        data = f.read()
-    (size,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8 : 8 + size])
-    header.pop("__metadata__", None)
-    body = memoryview(data)[8 + size :]
-    out = {}
-    for key, entry in header.items():
-        start, stop = entry["data_offsets"]
-        array = np.frombuffer(body[start:stop], dtype=_DTYPES[entry["dtype"]])
-        out[key] = array.reshape(entry["shape"]).copy()
+def _canonical(space: ModelSpace, modules: Mapping[str, str] | None) -> list[ParamSpec]:
+    """The parameters as torch names and shapes them (in the tree's order)."""
+    out = []
+    for spec in space.specs:
+        shape = to_torch_layout(spec.name, np.empty(spec.shape, np.bool_)).shape
+        out.append(replace(spec, name=torch_name(spec.name, modules=modules), shape=shape))
     return out
 
 
-def _file_rank(tx: ShardedOptimizer, params: Any) -> dict[str, int]:
-    """Which rank writes each parameter: its owner, or the owner of its first element."""
-    # Every parameter has exactly one shard starting at element 0.
-    return {shard.name: shard.rank for shard in tx.plan(params).shards if shard.start == 0}
+def _counts_as_steps(space: ModelSpace) -> bool:
+    """Whether ``count`` maps to torch's per-parameter ``step``: every parameter has state."""
+    with_state = {leaf.param for leaf in space.leaves if leaf.param is not None}
+    has_count = any(_is_count(space, i) for i in range(len(space.leaves)))
+    return has_count and with_state == set(range(len(space.specs)))
 
 
 def save_optimizer_state(
@@ -86,6 +78,7 @@ def save_optimizer_state(
     *,
     step: int,
     optimizer: str | None = None,
+    modules: Mapping[str, str] | None = None,
 ) -> Manifest:
     """Write ``state`` to ``directory`` (created if missing); the manifest is written last.
 
@@ -97,6 +90,8 @@ def save_optimizer_state(
         step: the training step, stored in the manifest.
         optimizer: a name checked on load; default derived from the state's types
             (``"optax:ScaleByAdamState,EmptyState"``).
+        modules: renames of Flax module paths to torch module names (see ``torch_name``),
+            e.g. ``{"Dense_0": "layers.0"}``, so the names match the torch model's.
 
     Returns:
         The manifest written.
@@ -117,20 +112,39 @@ def save_optimizer_state(
     layout = tx.layout(params)
     space = layout.space
     values = layout.gather(ZeroState(inner=state.inner, shards=dict(state.shards)))
-    writer = _file_rank(tx, params)
+    specs = _canonical(space, modules)
+    plan = torch_plan(tx.plan(params), modules=modules)
+    steps = _counts_as_steps(space)
+    counts = {int(np.asarray(v)) for i, v in enumerate(values) if _is_count(space, i)}
+    if len(counts) > 1:  # two counts that disagree cannot be one torch step
+        steps = False
     n = tx.world_size
+    full: dict[str, np.ndarray] = {}
+    state_keys: dict[str, list[str]] = {spec.name: [] for spec in specs}
+    scalars: dict[str, Any] = {}
     files: list[dict[str, np.ndarray]] = [{} for _ in range(n)]
-    state_keys: dict[str, list[str]] = {spec.name: [] for spec in space.specs}
     global_keys = []
-    for leaf, value in zip(space.leaves, values, strict=True):
-        value = np.array(value, order="C")  # ascontiguousarray would make 0-d arrays 1-d
+    for i, (leaf, value) in enumerate(zip(space.leaves, values, strict=True)):
         if leaf.param is None:
-            files[0][tensor_key(GLOBAL_PARAM, leaf.key)] = value
-            global_keys.append(leaf.key)
-        else:
-            name = space.specs[leaf.param].name
-            files[writer[name]][tensor_key(name, leaf.key)] = value
-            state_keys[name].append(leaf.key)
+            if not (steps and _is_count(space, i)):
+                files[0][tensor_key(GLOBAL_PARAM, leaf.key)] = np.array(value, order="C")
+                global_keys.append(leaf.key)
+            continue
+        name, key = specs[leaf.param].name, canonical_state_key("jax", leaf.key)
+        full[tensor_key(name, key)] = to_torch_layout(space.specs[leaf.param].name, value)
+        state_keys[name].append(key)
+    if steps:  # every parameter has state and there is exactly one count value
+        for name, keys in state_keys.items():
+            keys.append(STEP)
+            scalars[tensor_key(name, STEP)] = next(iter(counts))
+    for shard in plan.shards:
+        for key in state_keys[shard.name]:
+            whole = full.get(tensor_key(shard.name, key))
+            if whole is None:
+                continue
+            if plan.kind != "greedy":
+                whole = whole.reshape(-1)[shard.start : shard.stop]
+            files[shard.rank][tensor_key(shard.name, key)] = np.array(whole, order="C")
     os.makedirs(directory, exist_ok=True)
     # Remove the old manifest first: a save cut short then reads as "not finished", never as
     # the old checkpoint with some new rank files (which the hashes would also catch).
@@ -146,11 +160,11 @@ def save_optimizer_state(
         optimizer=optimizer or space.optimizer,
         world_size=n,
         step=int(step),
-        params=space.specs,
-        plan=tx.plan(params),
+        params=tuple(specs),
+        plan=plan,
         state_keys={k: tuple(v) for k, v in state_keys.items()},
         files=hashes,
-        extra={"partition": tx.partition, "global_keys": global_keys},
+        extra={"partition": tx.partition, "global_keys": global_keys, "scalars": scalars},
     )
     write_manifest(directory, manifest)
     for name in os.listdir(directory):  # rank files of an earlier save on another device count
@@ -159,24 +173,89 @@ def save_optimizer_state(
     return manifest
 
 
+def _read_tensors(directory: str | os.PathLike[str], manifest: Manifest) -> dict[str, Any]:
+    """Every rank file's tensors by ``(rank, key)``."""
+    tensors: dict[str, Any] = {}
+    for rank in range(manifest.world_size):
+        name = rank_file(rank, manifest.world_size)
+        try:
+            loaded = read_safetensors(os.path.join(directory, name))
+        except Exception as err:  # a malformed header or a dtype this reader does not know
+            raise ValueError(f"checkpoint file {name} cannot be read ({err})") from None
+        tensors.update({(rank, key): value for key, value in loaded.items()})
+    return tensors
+
+
+def _assemble(manifest: Manifest, tensors: dict[Any, np.ndarray]) -> dict[str, np.ndarray]:
+    """Model-space tensors by ``"<name>/<key>"``: whole ones as stored, flat slices joined in
+    element order and reshaped to the parameter."""
+    shapes = {spec.name: spec.shape for spec in manifest.params}
+    out: dict[str, np.ndarray] = {}
+    for rank, key in [k for k in tensors if k[1].partition("/")[0] != GLOBAL_PARAM]:
+        if key in out:
+            continue
+        name = key.rpartition("/")[0]
+        shards = sorted((s for s in manifest.plan.shards if s.name == name), key=lambda s: s.start)
+        if manifest.plan.kind == "greedy" or manifest.version == 1:
+            out[key] = tensors[(rank, key)]
+            continue
+        parts = [tensors.get((s.rank, key)) for s in shards if s.stop > s.start]
+        if any(p is None for p in parts):
+            raise ValueError(f"checkpoint tensor {key!r} is missing a slice in some rank file")
+        out[key] = np.concatenate([p.reshape(-1) for p in parts]).reshape(shapes[name])
+    for (_, key), value in tensors.items():
+        if key.partition("/")[0] == GLOBAL_PARAM:
+            out[key] = value
+    return out
+
+
+def _common_step(manifest: Manifest) -> int | None:
+    """The one ``step`` every parameter was saved with (Optax keeps one ``count``)."""
+    saved = {k: v for k, v in manifest.extra.get("scalars", {}).items() if k.endswith("/step")}
+    if not saved:
+        return None
+    if len(set(saved.values())) > 1:
+        first, *_, last = sorted(saved.items(), key=lambda kv: kv[1])
+        raise ValueError(
+            f"parameters were stepped a different number of times ({first[0]} = {first[1]}, "
+            f"{last[0]} = {last[1]}) but Optax keeps one count; save after a step that "
+            "updates every parameter"
+        )
+    return int(next(iter(saved.values())))
+
+
+def _needed_keys(manifest: Manifest, optimizer: str, space: ModelSpace) -> tuple[str, ...]:
+    """The canonical per-parameter keys this Optax state keeps."""
+    if manifest.framework == "torch":
+        return counterpart_keys(manifest.optimizer, optimizer) or ()
+    keys = {canonical_state_key("jax", leaf.key) for leaf in space.leaves if leaf.param is not None}
+    return tuple(sorted(keys | ({STEP} if _counts_as_steps(space) else set())))
+
+
 def load_optimizer_state(
     directory: str | os.PathLike[str],
     tx: ShardedOptimizer,
     params: Any,
     *,
     optimizer: str | None = None,
+    modules: Mapping[str, str] | None = None,
 ) -> tuple[ZeroState, Manifest]:
-    """Read a checkpoint into a new state for ``tx`` (any device count, either partition).
+    """Read a checkpoint into a new state for ``tx`` (any device count, either partition),
+    whether ``gradsync_jax`` or ``gradsync_torch`` wrote it.
 
     Every file is checked against its manifest hash and every tensor against the expected
     shape and dtype before anything is placed on a device; on any error nothing changes
-    (the state is a new value: keep using the old one).
+    (the state is a new value: keep using the old one). A torch checkpoint loads when its
+    optimizer is the counterpart of ``tx``'s inner one (``gradsync_core.COUNTERPARTS``:
+    ``torch.optim.AdamW`` and ``optax.adamw``, ...).
 
     Args:
-        directory: a checkpoint written by ``save_optimizer_state``.
+        directory: a checkpoint written by ``save_optimizer_state`` or by
+            ``gradsync_torch.ZeroRedundancyOptimizer.save``.
         tx: the ``shard_optimizer`` to load into (its mesh may differ from the saver's).
         params: the parameter tree (arrays or ``ShapeDtypeStruct``).
         optimizer: the name given at save time, if one was.
+        modules: the Flax-to-torch module renames given at save time (see ``torch_name``).
 
     Returns:
         ``(state, manifest)``; ``state`` is placed with ``tx.state_shardings(params)``.
@@ -190,27 +269,37 @@ def load_optimizer_state(
     manifest = read_manifest(directory)
     layout = tx.layout(params)
     space = layout.space
-    if manifest.framework != "jax":
-        raise ValueError(
-            f"{directory!s} was written by {manifest.framework!r}; this loader reads "
-            "checkpoints written by gradsync_jax (optax state names)"
-        )
-    check_compatible(manifest, space.specs, optimizer=optimizer or space.optimizer)
-    tensors: dict[str, np.ndarray] = {}
-    for name in manifest.files:
-        try:
-            loaded = _read_safetensors(os.path.join(directory, name))
-        except Exception as err:  # a malformed header or a dtype this reader does not know
-            raise ValueError(f"checkpoint file {name} cannot be read ({err})") from None
-        for key, value in loaded.items():
-            if key in tensors:
-                raise ValueError(f"checkpoint tensor {key!r} appears in two rank files")
-            tensors[key] = value
-    values = []
-    expected = set()
-    for leaf in space.leaves:
-        param = GLOBAL_PARAM if leaf.param is None else space.specs[leaf.param].name
-        key = tensor_key(param, leaf.key)
+    optimizer = optimizer or space.optimizer
+    if manifest.version == 1:
+        if manifest.framework != "jax":
+            raise ValueError(
+                f"{directory!s} was written by gradsync_torch in format version 1, which only "
+                "gradsync_torch reads; load it there (ZeroRedundancyOptimizer.load) and save "
+                "it again to get version 2, which JAX reads"
+            )
+        names = [spec.name for spec in space.specs]  # version 1: Flax names, layouts, keys
+        check_compatible(manifest, space.specs, optimizer=optimizer)
+    else:
+        specs = _canonical(space, modules)
+        names = [spec.name for spec in specs]
+        check_compatible(manifest, specs, optimizer=optimizer, framework="jax")
+        needed = _needed_keys(manifest, optimizer, space)
+        for name in names:
+            saved = manifest.state_keys.get(name, ())
+            check_state_keys(manifest.optimizer, optimizer, name, saved, needed)
+    tensors = _assemble(manifest, _read_tensors(directory, manifest))
+    step = _common_step(manifest) if manifest.version >= 2 else None
+    values, expected = [], set()
+    for i, leaf in enumerate(space.leaves):
+        if leaf.param is None and step is not None and _is_count(space, i):
+            values.append(np.asarray(step, dtype=leaf.dtype))
+            continue
+        if leaf.param is None:
+            key = tensor_key(GLOBAL_PARAM, leaf.key)
+        elif manifest.version == 1:
+            key = tensor_key(names[leaf.param], leaf.key)
+        else:
+            key = tensor_key(names[leaf.param], canonical_state_key("jax", leaf.key))
         expected.add(key)
         if key not in tensors:
             raise ValueError(
@@ -218,6 +307,8 @@ def load_optimizer_state(
                 "configuration"
             )
         value = tensors[key]
+        if leaf.param is not None and manifest.version >= 2:
+            value = from_torch_layout(space.specs[leaf.param].name, value)
         if tuple(value.shape) != leaf.shape or value.dtype != np.dtype(leaf.dtype):
             raise ValueError(
                 f"checkpoint tensor {key!r} is {tuple(value.shape)} {value.dtype}, expected "

@@ -26,9 +26,10 @@ from jax import lax
 
 from gradsync_core import ShardPlan, plan_greedy_shards
 from gradsync_jax._axes import cast_varying, psum_scatter_mean, tracks_variance, varying
+from gradsync_jax._naming import registration_order
 from gradsync_jax.zero.clip import shard_context
 from gradsync_jax.zero.layout import Collective, UpdateInputs, UpdateResult, ZeroState
-from gradsync_jax.zero.model_space import ModelSpace
+from gradsync_jax.zero.model_space import ModelSpace, itemsize
 from gradsync_jax.zero.rows import DeviceState, Rows, map_device_state, plan_rows
 
 # The branches of ``lax.switch`` must return equal types, and a device that owns nothing
@@ -48,6 +49,12 @@ class _Operands(NamedTuple):
 def _global_norm(chunks: list[list[jax.Array]], axes: tuple[str, ...]) -> jax.Array:
     squares = [jnp.sum(jnp.square(c)) for cs in chunks for c in cs]
     return jnp.sqrt(lax.psum(sum(squares, jnp.zeros((), jnp.float32)), axes))
+
+
+def _as_dtype(value: Any, dtype: str) -> jax.Array:
+    """``value`` as the unsharded state's dtype (a PRNG key stays as it is)."""
+    value = jnp.asarray(value)
+    return value if dtype.startswith("key<") else value.astype(dtype)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -84,7 +91,7 @@ class GreedyLayout:
     def nbytes_per_device(self) -> int:
         leaves = self.space.leaves
         return self.state.nbytes + sum(
-            leaves[i].numel * np.dtype(leaves[i].dtype).itemsize for i in self.globals
+            leaves[i].numel * itemsize(leaves[i].dtype) for i in self.globals
         )
 
     def _inner(self, global_values: list[Any]) -> Any:
@@ -108,7 +115,7 @@ class GreedyLayout:
             device.sources, device.treedef.flatten_up_to(state), strict=True
         ):
             if kind == "global":
-                globals_[index] = jnp.asarray(leaf).astype(self.space.leaves[index].dtype)
+                globals_[index] = _as_dtype(leaf, self.space.leaves[index].dtype)
             else:
                 per_param[index] = leaf
         return per_param, [globals_[i] for i in self.globals]
@@ -353,7 +360,9 @@ def build_greedy(
     inner: optax.GradientTransformation, space: ModelSpace, params: Any, n: int, cap_bytes: int
 ) -> GreedyLayout:
     """Plan owners and row layouts for ``params`` (abstract) over ``n`` devices."""
-    plan = plan_greedy_shards(list(space.specs), world_size=n)
+    # In torch registration order, not the tree's sorted order, so ties between equal sizes
+    # go as in torch's ZeroRedundancyOptimizer: the same owners (docs/checkpoints.md).
+    plan = plan_greedy_shards(registration_order(space.specs), world_size=n)
     rank_of = {shard.name: shard.rank for shard in plan.shards}
     owner = tuple(rank_of[spec.name] for spec in space.specs)
     owned = tuple(tuple(i for i, o in enumerate(owner) if o == d) for d in range(n))

@@ -36,6 +36,8 @@ from gradsync_core import (
     Shard,
     ShardPlan,
     check_compatible,
+    check_state_keys,
+    counterpart_keys,
     rank_file,
     read_manifest,
     tensor_key,
@@ -127,24 +129,29 @@ def _message(e: BaseException) -> str:
 
 
 def _rank_state(
-    pieces: Sequence[StatePiece], names: Sequence[str]
+    pieces: Sequence[StatePiece], names: Sequence[str], plan: ShardPlan, rank: int
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, list[str]]]:
-    """This rank's tensors, non-tensor numbers and state keys, by checkpoint name."""
+    """This rank's tensors, non-tensor numbers and state keys, by checkpoint name.
+
+    Every trainable parameter this rank owns gets a ``state_keys`` entry, empty when it has
+    no state yet (it received no gradient): the manifest lists every trainable parameter.
+    0-d state (Adam's ``step``) is a JSON number in ``extra["scalars"]``, as the JAX executor
+    stores Optax's ``count``, so both read it the same way (format version 2).
+    """
     tensors: dict[str, torch.Tensor] = {}
     scalars: dict[str, Any] = {}
-    state_keys: dict[str, list[str]] = {}
+    state_keys: dict[str, list[str]] = {s.name: [] for s in plan.shards if s.rank == rank}
     for piece in pieces:
         name, keys = names[piece.index], []
         for key, value in piece.state.items():
             if value is None:
                 continue
-            if torch.is_tensor(value):
+            if torch.is_tensor(value) and value.dim() >= 1:
                 tensors[tensor_key(name, key)] = value.detach().cpu().contiguous()
             else:
                 scalars[tensor_key(name, key)] = _to_json(value, f"state {key!r} of {name!r}")
             keys.append(key)
-        if keys:
-            state_keys[name] = keys
+        state_keys[name] = keys
     return tensors, scalars, state_keys
 
 
@@ -198,7 +205,11 @@ def _manifest(snapshot: Snapshot, files: Sequence[_RankFile], groups_json: Any) 
     all_keys: dict[str, tuple[str, ...]] = {}
     all_scalars: dict[str, Any] = {}
     for written in files:
-        all_keys.update({name: tuple(keys) for name, keys in written.state_keys.items()})
+        for name, keys in written.state_keys.items():
+            # Under ZeRO-2 a parameter spans ranks; one that has no state yet on one rank
+            # must not hide the keys another rank saved.
+            if keys or name not in all_keys:
+                all_keys[name] = tuple(keys)
         all_scalars.update(written.scalars)
     return Manifest(
         framework="torch",
@@ -232,7 +243,9 @@ def save(path: str | os.PathLike[str], snapshot: Snapshot, ranks: RankGroup) -> 
     error = None
     try:
         groups_json = _groups_json(snapshot.param_groups, snapshot.names)
-        tensors, scalars, state_keys = _rank_state(snapshot.pieces, snapshot.names)
+        tensors, scalars, state_keys = _rank_state(
+            snapshot.pieces, snapshot.names, snapshot.plan, ranks.rank
+        )
     except Exception as e:
         error = _message(e)
     agree(ranks, error, what)  # nothing on disk has changed yet
@@ -266,12 +279,38 @@ def save(path: str | os.PathLike[str], snapshot: Snapshot, ranks: RankGroup) -> 
     agree(ranks, error, what)  # nobody returns before the checkpoint is complete
 
 
+def _check_other_framework(path: str, manifest: Manifest, target: LoadTarget) -> None:
+    """Refuse a JAX-written checkpoint this optimizer cannot continue from exactly."""
+    if manifest.version < 2:
+        raise ValueError(
+            f"{path} was written by gradsync_jax in format version 1 (Flax names and layouts), "
+            "which only gradsync_jax reads; load it there with load_optimizer_state and save "
+            "it again to get version 2, which torch reads"
+        )
+    global_keys = manifest.extra.get("global_keys", [])
+    if global_keys:
+        raise ValueError(
+            f"{path} holds Optax state with no torch counterpart ({global_keys[0]!r}, e.g. an "
+            "injected hyper-parameter); save it from an Optax optimizer without it"
+        )
+    needed = counterpart_keys(target.optimizer, manifest.optimizer) or ()
+    for name, keys in manifest.state_keys.items():
+        if keys:
+            check_state_keys(manifest.optimizer, target.optimizer, name, keys, needed)
+
+
 def _check_manifest(path: str, target: LoadTarget) -> Manifest:
-    """Read the manifest and refuse another framework, model, optimizer or param groups."""
+    """Read the manifest and refuse another model, optimizer or param groups."""
     manifest = read_manifest(path, verify_files=False)
+    check_compatible(manifest, target.specs, optimizer=target.optimizer, framework="torch")
+    expected = {rank_file(r, manifest.world_size) for r in range(manifest.world_size)}
+    if set(manifest.files) != expected:
+        raise ValueError(f"{path}/{MANIFEST} does not list one file per saved rank")
     if manifest.framework != "torch":
-        raise ValueError(f"{path} was written by the {manifest.framework} executor; load it there")
-    check_compatible(manifest, target.specs, optimizer=target.optimizer)
+        # Optax keeps hyper-parameters in the transformation, not the state: the optimizer's
+        # own param groups stay as built.
+        _check_other_framework(path, manifest, target)
+        return manifest
     bounds = [0]
     for group in target.param_groups:
         bounds.append(bounds[-1] + len(group["params"]))
@@ -283,9 +322,6 @@ def _check_manifest(path: str, target: LoadTarget) -> Manifest:
             f"parameters in the checkpoint, {len(mine)} of {[len(g) for g in mine]} here; "
             "build the optimizer with the same param groups before loading"
         )
-    expected = {rank_file(r, manifest.world_size) for r in range(manifest.world_size)}
-    if set(manifest.files) != expected:
-        raise ValueError(f"{path}/{MANIFEST} does not list one file per saved rank")
     return manifest
 
 
@@ -342,6 +378,8 @@ def _read(path: str, target: LoadTarget, ranks: RankGroup) -> Loaded:
     verify_file_hashes(path, manifest, sorted(to_read | spread))
     full = assemble(_read_pieces(path, manifest, shards, target.names), target.shapes)
     _check_shapes(full, target, whole=manifest.plan.kind == "greedy")
+    if manifest.framework != "torch":
+        return Loaded(manifest.step, full, [dict(g) for g in target.param_groups])
     groups = []
     saved_groups = manifest.extra.get("param_groups", [])
     for saved, current in zip(saved_groups, target.param_groups, strict=True):

@@ -68,7 +68,7 @@ def test_round_trip_with_checksum(tmp_path):
     with open(tmp_path / MANIFEST, encoding="utf-8") as f:
         stored = json.load(f)
     assert stored["checksum"] == manifest_checksum(stored)
-    assert len(stored["checksum"]) == 64 and stored["version"] == 1
+    assert len(stored["checksum"]) == 64 and stored["version"] == 2
     assert read_manifest(tmp_path) == manifest
 
 
@@ -209,7 +209,7 @@ def test_a_stateless_optimizer_may_have_no_state_keys(tmp_path):
         (b"{", "is corrupt"),
         (b"[" * 100_000 + b"]" * 100_000, "is corrupt"),
         (b'"just a string"', "not a gradsync optimizer checkpoint manifest"),
-        (b'{"format": "gradsync-optimizer-checkpoint", "version": 2}', "format version 2"),
+        (b'{"format": "gradsync-optimizer-checkpoint", "version": 3}', "format version 3"),
         (b"\xff\xfe", "is corrupt"),
     ],
     ids=["truncated", "deeply-nested", "not-an-object", "other-version", "not-utf8"],

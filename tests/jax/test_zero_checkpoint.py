@@ -122,18 +122,30 @@ def test_saved_on_8_resumes_on_4(saved, partition: str) -> None:
 
 
 def test_files_are_per_parameter(saved) -> None:
+    """Version 2: torch names, layouts and state keys; Optax's count as every step."""
     directory = saved[0]
     with open(os.path.join(directory, "manifest.json")) as f:
         manifest = json.load(f)
+    assert manifest["version"] == 2
     assert sorted(manifest["files"]) == [f"rank-{r:05d}-of-00008.safetensors" for r in range(8)]
-    assert manifest["state_keys"]["head/kernel"] == ["mu", "nu"]
-    owner = {s[0]: s[1] for s in manifest["plan"]["shards"]}
-    kernel = load_file(
-        os.path.join(directory, f"rank-{owner['dense_0/kernel']:05d}-of-00008.safetensors")
+    assert manifest["state_keys"]["head.weight"] == ["exp_avg", "exp_avg_sq", "step"]
+    assert manifest["extra"]["scalars"]["head.weight/step"] == 3
+    # Rank r's file holds what the plan gives rank r (whole tensors or element ranges of the
+    # flattened one); put together they are the full moment in torch's (out, in) layout.
+    shards = sorted(
+        (s for s in manifest["plan"]["shards"] if s[0] == "dense_0.weight"), key=lambda s: s[2]
     )
-    assert kernel["dense_0/kernel/mu"].shape == (6, 10)  # the full tensor, in model space
+    pieces = [
+        load_file(os.path.join(directory, f"rank-{rank:05d}-of-00008.safetensors"))[
+            "dense_0.weight/exp_avg"
+        ].reshape(-1)
+        for _, rank, *_ in shards
+    ]
+    mu = saved[2].inner_state[0].mu["dense_0"]["kernel"]
+    np.testing.assert_array_equal(np.concatenate(pieces).reshape(10, 6), np.asarray(mu).T)
     rank0 = load_file(os.path.join(directory, "rank-00000-of-00008.safetensors"))
     assert "__optax__/hyperparams.learning_rate" in rank0
+    assert manifest["extra"]["global_keys"][0] == "hyperparams.b1"
 
 
 def test_bad_checkpoints_are_refused(saved, tmp_path) -> None:

@@ -3,7 +3,8 @@
 They run inside the world-size workers of ``test_zero.py`` (one spawn per world size): 4
 ranks save after 10 steps and resume bitwise; 2 and 3 ranks load that checkpoint (into
 ZeRO-1 and ZeRO-2) and continue exactly as a plain Adam loaded with the consolidated state;
-2 ranks also feed it damaged and mismatched checkpoints.
+2 ranks also feed it damaged and mismatched checkpoints, and save and load a model with a
+parameter that has no optimizer state yet.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gradsync_core import MANIFEST, rank_file
+from gradsync_core import MANIFEST, rank_file, read_manifest
 from gradsync_torch import ZeroRedundancyOptimizer
-from tests.torch.zero_helpers import Pair, make_model, plain, zero
+from tests.torch.zero_helpers import Pair, batch, make_model, plain, zero
 
 ADAM = {"lr": 1e-2}
 
@@ -219,3 +220,35 @@ def check_bad_checkpoints(world_size: int, directory: str) -> None:
     unnamed.load(source, model=model)
     assert unnamed.steps == 10
     unnamed.save(os.path.join(directory, "unnamed"), model=model)
+    check_unused_parameter(world_size, directory)
+
+
+def check_unused_parameter(world_size: int, directory: str) -> None:
+    """A trainable parameter that never received a gradient has no Adam state; the manifest
+    still lists it (with no state keys), so the checkpoint loads, at ZeRO-1 and ZeRO-2."""
+    for shard in (False, True):
+        path = os.path.join(directory, f"unused-{world_size}-{int(shard)}")
+        model = make_model()
+        model.register_parameter("unused", nn.Parameter(torch.ones(5)))  # not in forward
+        opt = ZeroRedundancyOptimizer(
+            model.named_parameters(), torch.optim.Adam, **ADAM, shard_gradients=shard
+        )
+        for step in range(2):
+            x, y = batch(step, 1, 0)  # the same batch on every rank: no averaging needed
+            opt.zero_grad()
+            ((model(x) - y) ** 2).mean().backward()
+            opt.step()
+        opt.save(path)
+        manifest = read_manifest(path)
+        assert manifest.state_keys["unused"] == ()
+        assert set(manifest.state_keys["0.weight"]) == {"exp_avg", "exp_avg_sq", "step"}
+        assert manifest.extra["scalars"]["0.weight/step"] == 2  # a JSON number (version 2)
+        fresh = ZeroRedundancyOptimizer(
+            model.named_parameters(), torch.optim.Adam, lr=5.0, shard_gradients=shard
+        )
+        fresh.load(path)
+        assert fresh.steps == 2 and fresh.param_groups[0]["lr"] == ADAM["lr"]
+        for mine, theirs in zip(fresh.layout.pieces, opt.layout.pieces, strict=True):
+            loaded, saved = fresh.optim.state[mine.tensor], opt.optim.state[theirs.tensor]
+            assert sorted(loaded) == sorted(saved)
+            assert all(torch.equal(torch.as_tensor(loaded[k]), saved[k]) for k in saved)
