@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -106,40 +105,3 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
         return jax.tree.map(clip_fn, updates), state
 
     return optax.GradientTransformation(optax.init_empty_state, update_fn)
-
-
-# Optax transformations that combine several parameters' gradients (a norm or a finiteness
-# test over the whole tree). Run on one device's share they silently compute another result.
-CROSS_PARAMETER = {
-    "clip_by_global_norm": "use gradsync_jax.clip_by_global_norm, which takes the norm across "
-    "devices",
-    "apply_if_finite": "check finiteness of the gradient before the update instead",
-}
-
-
-def find_cross_parameter(transformation: Any) -> str | None:
-    """The name of an Optax cross-parameter transformation reachable from ``transformation``.
-
-    Walks tuples and the closures of its functions (where ``optax.chain`` and
-    ``inject_hyperparams`` keep their parts); a best-effort check of the common mistake.
-    """
-    seen: set[int] = set()
-    stack = [transformation]
-    while stack:
-        obj = stack.pop()
-        if id(obj) in seen or len(seen) > 10_000:
-            continue
-        seen.add(id(obj))
-        if isinstance(obj, tuple | list):
-            stack.extend(obj)
-        elif callable(obj) and hasattr(obj, "__code__"):
-            module = getattr(obj, "__module__", "") or ""
-            outer = obj.__qualname__.split(".<locals>.")[0]
-            if module.startswith("optax") and outer in CROSS_PARAMETER:
-                return outer
-            for cell in obj.__closure__ or ():
-                with contextlib.suppress(ValueError):  # an empty cell
-                    stack.append(cell.cell_contents)
-        elif isinstance(obj, functools.partial):
-            stack.extend([obj.func, *obj.args, *obj.keywords.values()])
-    return None

@@ -5,13 +5,12 @@ The parameters are laid out in ``gradsync_core.plan_buckets`` buckets padded to 
 what ``lax.psum_scatter(tiled=True)`` leaves on it. One step per bucket: one reduce-scatter,
 the inner update on the flat chunk, one all-gather. The inner transformation sees 1-D chunks
 that cut through parameters, so the result equals the unsharded one only for elementwise
-optimizers; ``check_elementwise`` refuses the others before any state is built.
+optimizers; ``soundness.Soundness.flat_problem`` refuses the others from the jaxpr of the
+update before any state is built.
 """
 
 from __future__ import annotations
 
-import contextlib
-import weakref
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -26,87 +25,20 @@ from gradsync_core import BucketPlan, ShardPlan, plan_buckets, plan_flat_shards
 from gradsync_jax._axes import psum_scatter_mean, tracks_variance, varying
 from gradsync_jax.zero.clip import shard_context
 from gradsync_jax.zero.layout import Collective, UpdateInputs, UpdateResult, ZeroState
-from gradsync_jax.zero.model_space import ModelSpace, key_part, path_parts
-
-# Transformations already probed, by their update function (the probe compiles once).
-_CHECKED: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+from gradsync_jax.zero.model_space import ModelSpace, dtype_name, itemsize, key_part, path_parts
 
 
 class NotElementwiseError(ValueError):
     """The inner transformation cannot be sharded by element ranges exactly."""
 
 
-def _not_elementwise(reason: str) -> NotElementwiseError:
+def not_elementwise(reason: str) -> NotElementwiseError:
     return NotElementwiseError(
         f"partition='flat' cuts parameters into element ranges, which is exact only for "
         f"elementwise optimizers (SGD, Adam, AdamW, Lion, RMSProp, ...), but the inner "
         f"transformation {reason}; use partition='greedy', which gives each device whole "
         "parameters and works with every optimizer"
     )
-
-
-def check_elementwise(inner: optax.GradientTransformation) -> None:
-    """Refuse ``inner`` unless it acts on every element independently.
-
-    The probe runs two steps of ``inner`` on a small tree ``{"w": (5, 4), "b": (7,)}`` and,
-    separately, on the same 27 values flattened and cut into two 1-D pieces, each with its
-    own state, as two devices of a flat partition would; the updates and parameters must
-    agree. Per-tensor statistics (LAMB's trust ratio, Adafactor's factored moments and
-    parameter scale), norms across tensors (``optax.clip_by_global_norm`` once it clips: the
-    probe's gradients are large) and shape- or name-based masks all change the result.
-
-    Raises:
-        NotElementwiseError: naming what differed.
-    """
-    try:
-        if _CHECKED.get(inner.update):
-            return
-    except TypeError:  # not weak-referenceable: just run the probe
-        pass
-    rng = np.random.default_rng(1910_02054)
-    shapes = {"w": (5, 4), "b": (7,)}
-    params = {k: rng.normal(size=v).astype(np.float32) for k, v in shapes.items()}
-    grads = [
-        {k: (100.0 * rng.normal(size=v)).astype(np.float32) for k, v in shapes.items()}
-        for _ in range(2)
-    ]
-
-    def run(params: Any, grads: list[Any], norms: list[Any]) -> list[Any]:
-        state = inner.init(params)
-        outs = []
-        for g, norm in zip(grads, norms, strict=True):
-            # What a device of a flat partition sees: its piece, and the whole gradient's norm
-            # for gradsync_jax.clip_by_global_norm.
-            with shard_context(g, norm):
-                updates, state = inner.update(g, state, params)
-            params = optax.apply_updates(params, updates)
-            outs.append(updates)
-        return outs
-
-    def cut(tree: Any) -> list[Any]:
-        flat = jnp.concatenate([jnp.ravel(tree["w"]), jnp.ravel(tree["b"])])
-        return [flat[:13], flat[13:]]
-
-    @jax.jit  # one small compile instead of dozens of eager dispatches
-    def probe(params: Any, grads: list[Any]) -> tuple[Any, Any]:
-        norms = [optax.tree.norm(g) for g in grads]
-        whole = [jnp.concatenate(cut(u)) for u in run(params, grads, norms)]
-        pieces = [run(p, [cut(g)[k] for g in grads], norms) for k, p in enumerate(cut(params))]
-        return whole, [jnp.concatenate([p[step] for p in pieces]) for step in range(2)]
-
-    try:
-        whole, pieces = probe(params, grads)
-    except Exception as err:  # a mask or label tree that needs the parameter structure
-        raise _not_elementwise(f"fails on flat 1-D chunks ({type(err).__name__}: {err})") from err
-    for got, expected in zip(whole, pieces, strict=True):
-        got, expected = np.asarray(got), np.asarray(expected)
-        if not np.allclose(got, expected, rtol=1e-5, atol=1e-6 * float(np.abs(got).max() or 1)):
-            raise _not_elementwise(
-                "gives different updates when its input is cut into pieces (it combines "
-                "elements: a per-tensor or global norm, a factorization or a mask)"
-            )
-    with contextlib.suppress(TypeError):
-        _CHECKED[inner.update] = True
 
 
 class FlatSlot(NamedTuple):
@@ -145,11 +77,17 @@ class FlatLayout:
         leaves = [P(spec_entry) if s.kind == "element" else P() for s in self.sources]
         return ZeroState(inner=self.state_treedef.unflatten(leaves), shards={})
 
+    def local_shapes(self) -> list[tuple[int, ...]]:
+        """The shape of every inner state leaf on one device (inside ``shard_map``)."""
+        return [
+            (self.chunk(bucket),) if kind == "element" else self.space.leaves[index].shape
+            for kind, index, bucket in self.sources
+        ]
+
     def nbytes_per_device(self) -> int:
         total = 0
         for (kind, index, bucket), dtype in zip(self.sources, self.state_dtypes, strict=True):
-            itemsize = np.dtype(dtype).itemsize
-            total += itemsize * (
+            total += itemsize(dtype) * (
                 self.chunk(bucket) if kind == "element" else self.space.leaves[index].numel
             )
         return total
@@ -205,7 +143,7 @@ class FlatLayout:
             leaves = self.state_treedef.flatten_up_to(inner_state)
             for (kind, index, _), leaf in zip(self.sources, leaves, strict=True):
                 if kind == "global" and set(axes) & varying(leaf):
-                    raise _not_elementwise(
+                    raise not_elementwise(
                         f"computes its state leaf {self.space.leaves[index].name!r} from the "
                         "gradient as a whole"
                     )
@@ -277,7 +215,7 @@ def build_flat(
     grown = jax.tree.leaves(jax.eval_shape(inner.init, chunks(1)))
     flat, treedef = jax.tree_util.tree_flatten_with_path(state)
     if len(grown) != len(flat):
-        raise _not_elementwise("has a state whose structure depends on the parameters' sizes")
+        raise not_elementwise("has a state whose structure depends on the parameters' sizes")
     prefixes = {}  # space prefix text -> id
     for leaf in space.leaves:
         if leaf.param is not None:
@@ -293,23 +231,23 @@ def build_flat(
         joined = "/".join(parts)
         if tuple(leaf.shape) == tuple(bigger.shape):
             if joined not in space.global_by_path:
-                raise _not_elementwise(f"keeps a state leaf {joined!r} not tied to elements")
+                raise not_elementwise(f"keeps a state leaf {joined!r} not tied to elements")
             sources.append(FlatSource("global", space.global_by_path[joined], -1))
             continue
         bucket = int(key_part(path[-1])) if path else -1
         prefix = ".".join(parts[:-1])
         if prefix not in prefixes or tuple(leaf.shape) != (buckets.buckets[bucket].numel // n,):
-            raise _not_elementwise(f"keeps a state leaf {joined!r} not shaped like its input")
+            raise not_elementwise(f"keeps a state leaf {joined!r} not shaped like its input")
         for i, _ in slots[bucket]:
             k = by_prefix_param.get((prefixes[prefix], i))
             if k is None or space.leaves[k].shape != space.specs[i].shape:
-                raise _not_elementwise(
+                raise not_elementwise(
                     f"keeps state {prefix!r} of a shape other than its parameter's"
                 )
         sources.append(FlatSource("element", prefixes[prefix], bucket))
     covered = sum(len(slots[b]) for kind, _, b in sources if kind == "element")
     if covered != len(by_prefix_param):
-        raise _not_elementwise("keeps per-parameter state that the flat layout cannot hold")
+        raise not_elementwise("keeps per-parameter state that the flat layout cannot hold")
     return FlatLayout(
         space=space,
         n=n,
@@ -319,5 +257,5 @@ def build_flat(
         state_treedef=treedef,
         sources=tuple(sources),
         element_leaves=by_prefix_param,
-        state_dtypes=tuple(np.dtype(leaf.dtype).name for _, leaf in flat),
+        state_dtypes=tuple(dtype_name(leaf.dtype) for _, leaf in flat),
     )

@@ -50,6 +50,18 @@ def pure(tree: Any) -> Any:
     return jax.tree.map(lambda x: x.get_value() if is_var(x) else x, tree, is_leaf=is_var)
 
 
+def dtype_name(dtype: Any) -> str:
+    """``"float32"``; JAX's extended dtypes (PRNG keys: ``"key<fry>"``) by their own name."""
+    return str(dtype) if jax.dtypes.issubdtype(dtype, jax.dtypes.extended) else np.dtype(dtype).name
+
+
+def itemsize(dtype: Any) -> int:
+    """Bytes per element, PRNG keys included (their key data)."""
+    if isinstance(dtype, str) and dtype.startswith("key<"):
+        return 8 if dtype == "key<fry>" else 16  # threefry: 2 x uint32; rbg: 4 x uint32
+    return np.dtype(dtype).itemsize
+
+
 def abstract(tree: Any) -> Any:
     """Shapes and dtypes only (works on arrays, tracers and ``ShapeDtypeStruct``)."""
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
@@ -58,7 +70,7 @@ def abstract(tree: Any) -> Any:
 def signature(tree: Any) -> tuple[Any, ...]:
     """A hashable key of a tree's structure, shapes and dtypes (layout cache key)."""
     leaves, treedef = jax.tree.flatten(tree)
-    return (treedef, tuple((tuple(np.shape(x)), np.dtype(x.dtype).name) for x in leaves))
+    return (treedef, tuple((tuple(np.shape(x)), dtype_name(x.dtype)) for x in leaves))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -143,7 +155,7 @@ def model_space(inner: optax.GradientTransformation, params: Any) -> ModelSpace:
             StateLeaf(
                 name=name,
                 shape=tuple(int(d) for d in leaf.shape),
-                dtype=np.dtype(leaf.dtype).name,
+                dtype=dtype_name(leaf.dtype),
                 param=param,
                 prefix=pre,
                 key=key,

@@ -24,14 +24,20 @@ from jax.sharding import PartitionSpec as P
 from gradsync_core import ShardPlan
 from gradsync_jax._axes import AxisName, axis_tuple, display_axis
 from gradsync_jax.zero.checks import check_grads, check_inside, check_state
-from gradsync_jax.zero.clip import CROSS_PARAMETER, find_cross_parameter
-from gradsync_jax.zero.flat import build_flat, check_elementwise
+from gradsync_jax.zero.flat import FlatLayout, NotElementwiseError, build_flat, not_elementwise
 from gradsync_jax.zero.greedy import build_greedy
 from gradsync_jax.zero.layout import Collective, Layout, UpdateInputs, UpdateResult, ZeroState
-from gradsync_jax.zero.model_space import abstract, model_space, pure, signature
+from gradsync_jax.zero.model_space import ModelSpace, abstract, model_space, pure, signature
+from gradsync_jax.zero.soundness import Soundness, split_extra_args
 
-PARTITIONS = ("greedy", "flat")
+PARTITIONS = ("auto", "greedy", "flat")
 _MIB = 1024 * 1024
+# A small tree to refuse a coupling (or, for "flat", non-elementwise) optimizer already when
+# shard_optimizer is called; init repeats the analysis on the real tree.
+_SAMPLE = {
+    "w": jax.ShapeDtypeStruct((5, 4), np.float32),
+    "b": jax.ShapeDtypeStruct((7,), np.float32),
+}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -74,21 +80,69 @@ class _LayoutCache:
         self._layouts: dict[Any, Layout] = {}
         self._inits: dict[int, Any] = {}
         self._updates: dict[int, Any] = {}
+        self._verified: set[Any] = set()  # (layout id, params given, extra-argument keys)
 
     def layout(self, params: Any) -> Layout:
         params = abstract(pure(params))
         key = signature(params)
         if key not in self._layouts:
-            s = self.settings
-            space = model_space(s.inner, params)
-            if s.partition == "greedy":
-                layout: Layout = build_greedy(
-                    s.inner, space, params, s.world_size, s.bucket_cap_bytes
-                )
-            else:
-                layout = build_flat(s.inner, space, s.world_size, s.bucket_cap_bytes)
-            self._layouts[key] = layout
+            self._layouts[key] = self._plan(params)
         return self._layouts[key]
+
+    def _plan(self, params: Any) -> Layout:
+        """The partition asked for (``"auto"``: flat when proven elementwise, else greedy),
+        refused unless the analysis proves it exact or needs the update's extra arguments."""
+        s = self.settings
+        space = model_space(s.inner, params)
+        try:
+            soundness: Soundness | None = Soundness(s.inner, space, params, {})
+        except Exception:  # e.g. it needs value=...: analysed at the first update instead
+            soundness = None
+        if soundness is not None and (problem := soundness.coupling()):
+            raise ValueError(problem)
+        if s.partition in ("flat", "auto"):
+            try:
+                flat = build_flat(s.inner, space, s.world_size, s.bucket_cap_bytes)
+            except NotElementwiseError:
+                if s.partition == "flat":
+                    raise
+            else:
+                reason = "unknown" if soundness is None else soundness.flat_problem(flat)
+                if reason is None:
+                    self._verified.add(self._check_key(flat, True, {}))
+                if reason is None or (s.partition == "flat" and soundness is None):
+                    return flat
+                if s.partition == "flat":
+                    raise not_elementwise(reason)
+        greedy = build_greedy(s.inner, space, params, s.world_size, s.bucket_cap_bytes)
+        if soundness is not None:
+            if problem := soundness.greedy_problem(greedy):
+                raise ValueError(problem)
+            self._verified.add(self._check_key(greedy, True, {}))
+        return greedy
+
+    def _check_key(self, layout: Layout, with_params: bool, extra_args: dict[str, Any]) -> Any:
+        arrays, others = split_extra_args(extra_args)
+        return (id(layout), with_params, signature(arrays), tuple(sorted(others)))
+
+    def verify(self, layout: Layout, with_params: bool, extra_args: dict[str, Any]) -> None:
+        """Refuse, at the first trace, an update the analysis cannot prove exact for this
+        layout with these extra arguments (``value=``, a ``value_fn``)."""
+        key = self._check_key(layout, with_params, extra_args)
+        if key in self._verified:
+            return
+        space = layout.space
+        soundness = Soundness(
+            self.settings.inner, space, _params_of(space), extra_args, with_params=with_params
+        )
+        if problem := soundness.coupling():
+            raise ValueError(problem)
+        if isinstance(layout, FlatLayout):
+            if reason := soundness.flat_problem(layout):
+                raise not_elementwise(reason)
+        elif problem := soundness.greedy_problem(layout):  # type: ignore[arg-type]
+            raise ValueError(problem)
+        self._verified.add(key)
 
     def update_body(self, layout: Layout, *, jitted: bool) -> Any:
         """Local gradients in, full updates and new state out (inside ``shard_map``).
@@ -111,6 +165,29 @@ class _LayoutCache:
         if id(layout) not in self._inits:
             self._inits[id(layout)] = _build_init(self.settings, layout)
         return self._inits[id(layout)]
+
+
+def _params_of(space: ModelSpace) -> Any:
+    return space.param_treedef.unflatten(
+        [jax.ShapeDtypeStruct(spec.shape, spec.dtype) for spec in space.specs]
+    )
+
+
+def _check_on_sample(inner: optax.GradientTransformationExtraArgs, partition: str) -> None:
+    """Refuse ``inner`` early if it couples tensors (or, for ``"flat"``, is not elementwise)
+    on a small sample tree; one it cannot run on is left to ``init`` on the real tree."""
+    try:
+        space = model_space(inner, _SAMPLE)
+        soundness = Soundness(inner, space, _SAMPLE, {})
+    except Exception:  # needs the real tree (a label tree) or extra arguments
+        return
+    soundness.where = " (on a sample tree of two tensors 'w' and 'b')"
+    if problem := soundness.coupling():
+        raise ValueError(problem)
+    if partition == "flat":
+        reason = soundness.flat_problem(build_flat(inner, space, 2, _MIB))
+        if reason:
+            raise not_elementwise(reason)
 
 
 def _explicit(mesh: Mesh) -> bool:
@@ -163,6 +240,7 @@ class _ZeroTransform:
         grads = treedef.flatten_up_to(updates)
         check_grads(settings.axis_name, layout, grads, tracked)
         check_state(settings.spec_entry, layout, state)
+        self.cache.verify(layout, params is not None, extra_args)
         inputs = UpdateInputs(
             grads=grads,
             state=ZeroState(inner=state.inner, shards=dict(state.shards)),
@@ -272,7 +350,7 @@ def shard_optimizer(
     mesh: Mesh,
     *,
     axis_name: AxisName = "dp",
-    partition: str = "greedy",
+    partition: str = "auto",
     reduce: str = "mean",
     bucket_cap_mb: float = 25.0,
 ) -> ShardedOptimizer:
@@ -329,17 +407,10 @@ def shard_optimizer(
     missing = [a for a in axes if a not in mesh.axis_names]
     if missing:
         raise ValueError(f"axis {missing[0]!r} is not an axis of the mesh {mesh.axis_names}")
-    found = find_cross_parameter(inner)
-    if found:
-        raise ValueError(
-            f"inner contains optax.{found}, which combines all parameters' gradients; "
-            f"shard_optimizer runs it on each device's share only, which silently changes "
-            f"its result: {CROSS_PARAMETER[found]}"
-        )
-    if partition == "flat":
-        check_elementwise(inner)
+    inner = optax.with_extra_args_support(inner)
+    _check_on_sample(inner, partition)
     settings = ZeroSettings(
-        inner=optax.with_extra_args_support(inner),
+        inner=inner,
         mesh=mesh,
         axis_name=axis_name,
         partition=partition,

@@ -1,0 +1,249 @@
+"""Whether a partition runs the inner transformation exactly, decided from its jaxpr.
+
+``Soundness`` traces ``inner.update`` once on the whole (abstract) parameter tree, then once
+per program a partition really runs: greedy runs it on each device's owned subtree, flat on a
+tuple of 1-D bucket chunks. A partition is sound when every output it keeps reads only its own
+tensor (plus values shared by every device) and is computed exactly as in the whole-tree
+update (equal signatures, ``analysis``); flat also needs every such output to be elementwise.
+The methods return ``None`` or one sentence naming what couples tensors and what to do.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+
+from gradsync_jax.zero.analysis import ELEMENT, UNIFORM, Analyser, Node, Role
+from gradsync_jax.zero.clip import shard_context
+from gradsync_jax.zero.flat import FlatLayout
+from gradsync_jax.zero.greedy import GreedyLayout
+from gradsync_jax.zero.model_space import ModelSpace, path_parts
+
+_NORM = jax.ShapeDtypeStruct((), np.float32)  # gradsync_jax.clip_by_global_norm's norm
+_FIX = (
+    "use gradsync_jax.clip_by_global_norm instead of optax.clip_by_global_norm (it takes the "
+    "norm across devices), or run this optimizer without shard_optimizer"
+)
+
+
+def split_extra_args(extra_args: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(array arguments as ``ShapeDtypeStruct``, other arguments such as a ``value_fn``)."""
+    arrays, others = {}, {}
+    for key, value in extra_args.items():
+        leaves = jax.tree.leaves(value)
+        if leaves and all(hasattr(x, "dtype") and hasattr(x, "shape") for x in leaves):
+            arrays[key] = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), value)
+        elif all(isinstance(x, int | float) for x in leaves):
+            arrays[key] = jax.tree.map(lambda x: jax.ShapeDtypeStruct((), np.float32), value)
+        else:
+            others[key] = value
+    return arrays, others
+
+
+class Soundness:
+    """The whole-tree analysis of ``inner.update`` for one parameter tree."""
+
+    def __init__(
+        self,
+        inner: optax.GradientTransformationExtraArgs,
+        space: ModelSpace,
+        params: Any,
+        extra_args: dict[str, Any],
+        *,
+        with_params: bool = True,
+    ) -> None:
+        self.inner, self.space = inner, space
+        self.arrays, self.others = split_extra_args(extra_args)
+        self.with_params = with_params
+        self.where = ""  # " (on a sample tree)" when not the user's parameters
+        self.analyser = Analyser()
+        self.specs = [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in space.specs]
+        state = jax.eval_shape(inner.init, params)
+        roles = [Role(leaf.param, self._label_of(k)) for k, leaf in enumerate(space.leaves)]
+        updates, new_state = self._trace(self.specs, state, roles)
+        self.updates: list[Node] = updates
+        self.state: list[Node] = new_state
+
+    def _trace(
+        self, grads: list[Any], state: Any, state_roles: list[Role]
+    ) -> tuple[list[Node], list[Node]]:
+        """Trace one update of ``grads`` (``None`` where absent) and ``state``; Nodes of the
+        present tensors' updates and of every state leaf, in the state's flattening order."""
+        treedef = self.space.param_treedef
+        present = [i for i, g in enumerate(grads) if g is not None]
+        roles = [Role(i, "grad") for i in present]
+        roles += state_roles
+        if self.with_params:
+            roles += [Role(i, "param") for i in present]
+        roles += [Role(None, ("extra", k)) for k in jax.tree.leaves(_keys(self.arrays))]
+        roles.append(Role(None, "norm"))
+        state_def = jax.tree.structure(state)
+
+        def update(g: list[Any], s: Any, p: list[Any] | None, extra: Any, norm: Any) -> Any:
+            full = [None] * len(grads)
+            for i, x in zip(present, g, strict=True):
+                full[i] = x
+            g_tree = treedef.unflatten(full)
+            p_tree = None
+            if p is not None:
+                p_full = [None] * len(grads)
+                for i, x in zip(present, p, strict=True):
+                    p_full[i] = x
+                p_tree = treedef.unflatten(p_full)
+            with shard_context(g_tree, norm):
+                u, s = self.inner.update(g_tree, s, p_tree, **extra, **self.others)
+            u_leaves = treedef.flatten_up_to(u)
+            return [u_leaves[i] for i in present], s
+
+        g = [grads[i] for i in present]
+        p = g if self.with_params else None
+        nodes, out_def = self.analyser.trace(update, (g, state, p, self.arrays, _NORM), roles)
+        if out_def.num_leaves != len(present) + state_def.num_leaves:
+            raise ValueError(
+                "the inner transformation's update returns a state of another structure than "
+                "its init; shard_optimizer needs them to match, as Optax requires"
+            )
+        return nodes[: len(present)], nodes[len(present) :]
+
+    # -- problems: None when the partition is exact, else one sentence ---------------------
+
+    def _name(self, i: int) -> str:
+        return self.space.specs[i].name
+
+    def _leaf(self, k: int) -> str:
+        return self.space.leaves[k].name
+
+    def coupling(self) -> str | None:
+        """Outputs that read another tensor than their own (any partition)."""
+        for i, node in enumerate(self.updates):
+            if node.deps - {i}:
+                return self._coupled(f"update of {self._name(i)!r}", node, {i})
+        for k, node in enumerate(self.state):
+            own = self.space.leaves[k].param
+            allowed = set() if own is None else {own}
+            if node.deps - allowed:
+                what = f"new state leaf {self._leaf(k)!r}"
+                if own is None:
+                    what += " (shared by all parameters)"
+                return self._coupled(what, node, allowed)
+        return None
+
+    def _coupled(self, what: str, node: Node, allowed: set[int]) -> str:
+        other = self._name(min(node.deps - allowed))
+        return (
+            f"shard_optimizer cannot shard this optimizer exactly: its {what}{self.where} reads parameter "
+            f"{other!r}, i.e. it combines all parameters (a global norm, an all-finite test or "
+            f"a shared step-size estimate) while each device holds only its share; {_FIX}"
+        )
+
+    def greedy_problem(self, layout: GreedyLayout) -> str | None:
+        """Why running ``inner`` on each device's owned subtree is not exact, or None."""
+        problem = self.coupling()
+        if problem:
+            return problem
+        specs = self.specs
+        for d, device in enumerate(layout.devices):
+            owned = set(layout.owned[d])
+            grads = [s if i in owned else None for i, s in enumerate(specs)]
+            state = jax.eval_shape(self.inner.init, self.space.param_treedef.unflatten(grads))
+            roles = [
+                Role(self.space.leaves[index].param, self._label_of(index))
+                for _, index in device.sources
+            ]
+            updates, new_state = self._trace(grads, state, roles)
+            for i, node in zip(sorted(owned), updates, strict=True):
+                if node.deps - {i} or node.sig != self.updates[i].sig:
+                    return self._differs(f"update of {self._name(i)!r}")
+            for (_, index), node in zip(device.sources, new_state, strict=True):
+                own = self.space.leaves[index].param
+                allowed = set() if own is None else {own}
+                if node.deps - allowed or node.sig != self.state[index].sig:
+                    return self._differs(f"new state leaf {self._leaf(index)!r}")
+        return None
+
+    def _differs(self, what: str) -> str:
+        return (
+            f"shard_optimizer cannot use partition='greedy' for this optimizer: given only the "
+            f"parameters one device owns, it computes the {what} differently than on the whole "
+            "tree (it depends on the other parameters' number, shapes or order, e.g. one PRNG "
+            "key split per leaf); run this optimizer without shard_optimizer"
+        )
+
+    def flat_problem(self, layout: FlatLayout) -> str | None:
+        """Why running ``inner`` on 1-D bucket chunks is not exact (a ``_not_elementwise``
+        reason), or None. Call ``coupling`` first."""
+        chunks = [
+            jax.ShapeDtypeStruct((layout.chunk(b),), bucket.dtype)
+            for b, bucket in enumerate(layout.buckets.buckets)
+        ]
+        state = jax.eval_shape(self.inner.init, tuple(chunks))
+        flat_paths = jax.tree_util.tree_flatten_with_path(state)[0]
+        roles, targets = [], []  # targets: per state leaf, the space leaves it must equal
+        for (path, _), (kind, index, bucket) in zip(flat_paths, layout.sources, strict=True):
+            if kind == "global":
+                roles.append(Role(None, self._label_of(index)))
+                targets.append([index])
+                continue
+            prefix = ".".join(path_parts(path)[:-1])
+            roles.append(Role(bucket, ("state", prefix)))
+            targets.append([layout.element_leaves[(index, i)] for i, _ in layout.slots[bucket]])
+        updates, new_state = self._chunk_trace(chunks, state, roles)
+        for b, node in enumerate(updates):
+            for i, _ in layout.slots[b]:
+                reason = self._flat_reason(node, b, self.updates[i], f"update of {self._name(i)!r}")
+                if reason:
+                    return reason
+        for (kind, _, bucket), node, leaves in zip(layout.sources, new_state, targets, strict=True):
+            for k in leaves:
+                own = None if kind == "global" else bucket
+                reason = self._flat_reason(
+                    node, own, self.state[k], f"state leaf {self._leaf(k)!r}"
+                )
+                if reason:
+                    return reason
+        return None
+
+    def _chunk_trace(
+        self, chunks: list[Any], state: Any, state_roles: list[Role]
+    ) -> tuple[list[Node], list[Node]]:
+        roles = [Role(b, "grad") for b in range(len(chunks))] + state_roles
+        if self.with_params:
+            roles += [Role(b, "param") for b in range(len(chunks))]
+        roles += [Role(None, ("extra", k)) for k in jax.tree.leaves(_keys(self.arrays))]
+        roles.append(Role(None, "norm"))
+
+        def update(g: Any, s: Any, p: Any, extra: Any, norm: Any) -> Any:
+            with shard_context(g, norm):
+                return self.inner.update(g, s, p, **extra, **self.others)
+
+        g = tuple(chunks)
+        p = g if self.with_params else None
+        nodes, _ = self.analyser.trace(update, (g, state, p, self.arrays, _NORM), roles)
+        return nodes[: len(chunks)], nodes[len(chunks) :]
+
+    def _flat_reason(self, node: Node, own: int | None, whole: Node, what: str) -> str | None:
+        if node.deps - ({own} if own is not None else set()) or node.kind not in (ELEMENT, UNIFORM):
+            culprit = node.culprit or "an operation across elements"
+            return f"computes the {what}{self.where} with {culprit}, which is not elementwise"
+        if node.sig != whole.sig:
+            return (
+                f"computes the {what}{self.where} differently on a flat chunk than on the tensor itself (a "
+                "mask, label, hyper-parameter or rule chosen per tensor)"
+            )
+        return None
+
+    def _label_of(self, index: int) -> Any:
+        leaf = self.space.leaves[index]
+        return _label(leaf.param, leaf.prefix, leaf.name)
+
+
+def _label(param: int | None, prefix: str, name: str) -> Any:
+    return ("global", name) if param is None else ("state", prefix)
+
+
+def _keys(tree: dict[str, Any]) -> Any:
+    """The key of every array leaf of the extra arguments, in flattening order."""
+    return {k: jax.tree.map(lambda _, k=k: k, v) for k, v in tree.items()}
