@@ -2,7 +2,14 @@
 
 from gradsync_jax._accumulate import accumulate_local_grads, split_microbatches
 from gradsync_jax._mesh import mesh_from_topology
-from gradsync_jax._naming import from_torch_state, to_torch_state, torch_names, torch_specs
+from gradsync_jax._naming import (
+    from_torch_state,
+    registration_order,
+    to_torch_state,
+    torch_names,
+    torch_plan,
+    torch_specs,
+)
 from gradsync_jax._specs import param_specs, path_name
 from gradsync_jax._step import data_parallel_step
 from gradsync_jax._sync import local_grad, make_local, sync_gradients, value_and_local_grad
@@ -56,6 +63,7 @@ __all__: list[str] = [
     "reduce_from",
     "reduce_scatter_to",
     "reduce_shared_gradients",
+    "registration_order",
     "save_optimizer_state",
     "scatter_to",
     "shard_optimizer",
@@ -64,6 +72,7 @@ __all__: list[str] = [
     "sync_gradients",
     "to_torch_state",
     "torch_names",
+    "torch_plan",
     "torch_specs",
     "value_and_local_grad",
 ]

@@ -1,13 +1,11 @@
 """Resharding checkpoints for ``ZeroRedundancyOptimizer`` (docs/design.md §9).
 
-The format is gradsync_core's: a directory with one safetensors file per rank holding
-``"<param name>/<state key>"`` tensors in model space and a ``manifest.json`` written last by
-rank 0 (plan, world size, step, state keys, sha256 per file). A ZeRO-1 (greedy) rank file
-holds whole, parameter-shaped state tensors; a ZeRO-2 (flat) rank file holds, under the same
-key, the 1-D slice ``[start, stop)`` of the flattened state named by that rank's shard in the
-manifest's plan (0-d state such as Adam's ``step`` is stored whole with every slice). Numbers
-that are not tensors go to the manifest's ``extra["scalars"]``; param-group hyper-parameters
-to ``extra["param_groups"]``.
+The format is gradsync_core's (version 2, read by gradsync_jax too): one safetensors file per
+rank holding ``"<param name>/<state key>"`` tensors in model space and a ``manifest.json``
+written last by rank 0. A ZeRO-1 (greedy) rank file holds whole state tensors; a ZeRO-2 (flat)
+one the 1-D slice ``[start, stop)`` of the flattened state that rank's shard names. 0-d state
+(Adam's ``step``) goes to ``extra["scalars"]`` as JSON numbers; hyper-parameters to
+``extra["param_groups"]``.
 
 Loading at any world size re-plans: each rank assembles only the parameters it now owns
 from the files holding them. Every rank validates before any rank changes state, and the
@@ -131,13 +129,9 @@ def _message(e: BaseException) -> str:
 def _rank_state(
     pieces: Sequence[StatePiece], names: Sequence[str], plan: ShardPlan, rank: int
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, list[str]]]:
-    """This rank's tensors, non-tensor numbers and state keys, by checkpoint name.
-
-    Every trainable parameter this rank owns gets a ``state_keys`` entry, empty when it has
-    no state yet (it received no gradient): the manifest lists every trainable parameter.
-    0-d state (Adam's ``step``) is a JSON number in ``extra["scalars"]``, as the JAX executor
-    stores Optax's ``count``, so both read it the same way (format version 2).
-    """
+    """This rank's tensors, 0-d state as JSON numbers (as gradsync_jax stores Optax's count)
+    and state keys, by checkpoint name. Every trainable parameter this rank owns gets a
+    ``state_keys`` entry, empty when it has no state yet (it never received a gradient)."""
     tensors: dict[str, torch.Tensor] = {}
     scalars: dict[str, Any] = {}
     state_keys: dict[str, list[str]] = {s.name: [] for s in plan.shards if s.rank == rank}

@@ -1,0 +1,185 @@
+"""One training state for both frameworks: a checkpoint saved by one continues in the other.
+
+A 12-layer MLP (``Dense_10`` sorts before ``Dense_2`` in Flax, so ordering bugs show) trains 5
+steps in one framework, is saved, and trains 5 more in the other; the result must match the
+uninterrupted 10-step run of the first framework within ``RTOL`` relative per tensor
+(``max|a - b| / max|b|``). Parameters, 1e-5: both runs do the same float32 arithmetic in
+another order (torch's and XLA's kernels, gradient sums over 2 vs 4 or 8 shards); each step
+rounds at float32's 6e-8 and Adam's division by ``sqrt(nu)`` amplifies it; the 10-step
+torch/JAX parity test measures about 1.5e-6, while a wrong key, layout or step count errs by
+1e-2 or more. Moments, 5e-5: they are means of gradients, sums of residuals that cancel, so
+their rounding is large relative to their own maximum (1.0e-5 measured on a first moment after
+10 AdamW steps at lr 1e-2). Betas (0.5, 0.75) as in the parity test: float32 holds their powers
+exactly, so optax's float32 bias correction agrees with torch's float64 one.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import flax.linen as fnn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from gradsync_core import Topology, plan_greedy_shards
+from gradsync_jax import (
+    data_parallel_step,
+    from_torch_state,
+    load_optimizer_state,
+    mesh_from_topology,
+    save_optimizer_state,
+    shard_optimizer,
+    to_torch_state,
+    torch_plan,
+)
+from gradsync_torch import param_specs as torch_param_specs
+from tests.parity import cross_worker
+from tests.parity.torch_worker import TorchMLP
+from tests.torch.harness import run_workers
+
+WIDTHS = [10] + [16] * 11 + [4]
+RENAMES = {f"Dense_{i}": f"layers.{i}" for i in range(len(WIDTHS) - 1)}
+BATCH = 24  # divisible by 2, 3, 4 and 8 shards
+RTOL = {"params": 1e-5, "state": 5e-5}
+TORCH_HYPER = {
+    "adamw": {"lr": 1e-2, "betas": (0.5, 0.75), "eps": 1e-8, "weight_decay": 0.1},
+    "sgd": {"lr": 0.05, "momentum": 0.9},
+}
+MOMENTS = {"adamw": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
+
+
+def optax_twin(name: str) -> optax.GradientTransformation:
+    if name == "adamw":
+        return optax.adamw(1e-2, b1=0.5, b2=0.75, eps=1e-8, weight_decay=0.1)
+    return optax.sgd(0.05, momentum=0.9)
+
+
+class LinenMLP(fnn.Module):
+    @fnn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        for i, width in enumerate(WIDTHS[1:]):
+            x = fnn.Dense(width)(x)
+            if i < len(WIDTHS) - 2:
+                x = jnp.tanh(x)
+        return x
+
+
+class NnxMLP(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.layers = nnx.List([nnx.Linear(a, b, rngs=rngs) for a, b in itertools.pairwise(WIDTHS)])
+
+
+def mesh_of(n: int):
+    return mesh_from_topology(Topology.create(n), sorted(jax.devices(), key=lambda d: d.id)[:n])
+
+
+def data() -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(BATCH, WIDTHS[0])).astype(np.float32)
+    return x, rng.normal(size=(BATCH, WIDTHS[-1])).astype(np.float32)
+
+
+def train_jax(tx, params, opt_state, steps: int):
+    model = LinenMLP()
+
+    def loss_fn(p, batch):
+        return jnp.mean((model.apply(p, batch[0]) - batch[1]) ** 2)
+
+    step = data_parallel_step(loss_fn, tx, tx.mesh)
+    batch = tuple(jnp.asarray(a) for a in data())
+    for _ in range(steps):
+        params, opt_state, _ = step(params, opt_state, batch)
+    return params, opt_state
+
+
+def jax_moments(tx, opt_state, params, name: str) -> dict[str, np.ndarray]:
+    """The moments of a ``shard_optimizer`` state by ``"<torch name>/<torch key>"``."""
+    inner = tx.gather_state(opt_state, params)[0]
+    fields = {"exp_avg": "mu", "exp_avg_sq": "nu", "momentum_buffer": "trace"}
+    out = {}
+    for key in MOMENTS[name]:
+        for param, value in to_torch_state(getattr(inner, fields[key]), modules=RENAMES).items():
+            out[f"{param}/{key}"] = value
+    return out
+
+
+def assert_close(got: dict, want: dict, what: str) -> float:
+    assert sorted(got) == sorted(want), what
+    worst = 0.0
+    for key in want:
+        error = float(np.abs(got[key] - want[key]).max() / np.abs(want[key]).max())
+        assert error <= RTOL[what], f"{what} {key}: relative error {error:.2e}"
+        worst = max(worst, error)
+    return worst
+
+
+def linen_init():
+    return LinenMLP().init(jax.random.key(0), jnp.zeros((1, WIDTHS[0])))
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+def test_torch_checkpoint_continues_in_jax(name: str, tmp_path) -> None:
+    """(a)/(c): torch 2 ranks 5 steps -> JAX 4 devices 5 steps == torch 10 steps."""
+    like = linen_init()
+    init = to_torch_state(like, modules=RENAMES)
+    x, y = data()
+    path = str(tmp_path / "ckpt")
+    torch_run = run_workers(
+        cross_worker.run, 2, WIDTHS, init, x, y, name, TORCH_HYPER[name], 10, 5, path
+    )[0]
+    params = from_torch_state(torch_run["saved_params"], like, modules=RENAMES)
+    tx = shard_optimizer(optax_twin(name), mesh_of(4), partition="greedy")
+    opt_state, manifest = load_optimizer_state(path, tx, params, modules=RENAMES)
+    assert (manifest.framework, manifest.step, manifest.world_size) == ("torch", 5, 2)
+    params, opt_state = train_jax(tx, params, opt_state, 5)
+    worst = assert_close(to_torch_state(params, modules=RENAMES), torch_run["params"], "params")
+    moments = jax_moments(tx, opt_state, params, name)
+    worst = max(worst, assert_close(moments, torch_run["state"], "state"))
+    if name == "adamw":
+        assert int(tx.gather_state(opt_state, params)[0].count) == 10
+    moved = max(float(np.abs(torch_run["params"][k] - init[k]).max()) for k in init)
+    assert moved > 1e-2  # it trained: a test that moves nothing would pass trivially
+    print(f"torch -> JAX {name}: worst relative error {worst:.2e}")
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+def test_jax_checkpoint_continues_in_torch(name: str, tmp_path) -> None:
+    """(b)/(c): JAX 8 devices 5 steps -> torch 3 ranks 5 steps == JAX 10 steps."""
+    params0 = linen_init()
+    tx = shard_optimizer(optax_twin(name), mesh_of(8), partition="greedy")
+    params5, state5 = train_jax(tx, params0, tx.init(params0), 5)
+    path = str(tmp_path / "ckpt")
+    save_optimizer_state(path, tx, state5, params5, step=5, modules=RENAMES)
+    params10, state10 = train_jax(tx, params5, state5, 5)
+    x, y = data()
+    saved = to_torch_state(params5, modules=RENAMES)
+    torch_run = run_workers(
+        cross_worker.run, 3, WIDTHS, saved, x, y, name, TORCH_HYPER[name], 5, None, None, path
+    )[0]
+    worst = assert_close(torch_run["params"], to_torch_state(params10, modules=RENAMES), "params")
+    want = jax_moments(tx, state10, params10, name)
+    worst = max(worst, assert_close(torch_run["state"], want, "state"))
+    if name == "adamw":
+        assert set(torch_run["steps"].values()) == {10.0}
+    print(f"JAX -> torch {name}: worst relative error {worst:.2e}")
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4, 8])
+def test_same_owners_as_torch(world_size: int) -> None:
+    """shard_optimizer's greedy owners (linen and NNX) are torch ZeRO's, fingerprint too.
+
+    ``plan_greedy_shards`` over ``gradsync_torch.param_specs`` is torch's own
+    ``ZeroRedundancyOptimizer`` assignment (checked against it in tests/torch/test_zero.py).
+    """
+    want = plan_greedy_shards(torch_param_specs(TorchMLP(WIDTHS)), world_size=world_size)
+    linen = linen_init()
+    nnx_params = nnx.state(NnxMLP(nnx.Rngs(0)), nnx.Param)
+    for tree, modules in ((linen, RENAMES), (nnx_params, None)):
+        tx = shard_optimizer(optax.adam(1e-3), mesh_of(world_size), partition="greedy")
+        got = torch_plan(tx.plan(tree), modules=modules)
+        assert {s.name: s.rank for s in got.shards} == {s.name: s.rank for s in want.shards}
+        assert got.fingerprint == want.fingerprint
