@@ -27,17 +27,16 @@ import copy
 import os
 import statistics
 import sys
-import tempfile
 import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from _report import add_repeat_arg, finish, run_repeats
+from _spawn import spawn_ranks
 from _torch_models import (
     add_common_args,
     build_model,
@@ -142,22 +141,7 @@ def worker(rank: int, world_size: int, store_path: str, args: argparse.Namespace
 
 def run_once(args: argparse.Namespace) -> tuple[Any, ...]:
     """Spawn the ranks, run every variant, return rank 0's measurements."""
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        store = os.path.join(tmp, "store")
-        procs = [
-            ctx.Process(target=worker, args=(r, args.world_size, store, args, out))
-            for r in range(args.world_size)
-        ]
-        for p in procs:
-            p.start()
-        measured = out.get(timeout=1800)
-        for p in procs:
-            p.join()
-            if p.exitcode != 0:
-                raise SystemExit(f"a benchmark rank exited with code {p.exitcode}")
-    return measured
+    return spawn_ranks(worker, args)
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
