@@ -3,7 +3,8 @@
 A checkpoint is a directory::
 
     manifest.json                        written last, atomically; names every file below
-    rank-00000-of-00004.safetensors      one per rank: "<param name>/<state key>" -> tensor
+    rank-00000-of-00004.safetensors      one per rank: "<param name>/<state key>" -> tensor,
+                                         and "__model__/<param name>" -> weight when saved
 
 State is stored per parameter in model space, so loading at another world size is only a new
 partition: each rank reads the tensors it now owns. Tensor I/O (safetensors) lives in the
@@ -54,6 +55,31 @@ def rank_file(rank: int, world_size: int) -> str:
 def tensor_key(param: str, state_key: str) -> str:
     """``"layers.0.weight/exp_avg"``: how a state tensor is named inside a rank file."""
     return f"{param}/{state_key}"
+
+
+# Model weights saved beside the optimizer state are named "__model__/<param name>" (no
+# parameter is called "__model__", and the key sorts apart from every state tensor).
+MODEL_PARAM = "__model__"
+
+
+def model_key(param: str) -> str:
+    """``"__model__/layers.0.weight"``: how a model weight is named inside a rank file."""
+    return f"{MODEL_PARAM}/{param}"
+
+
+def model_owners(plan: ShardPlan, names: Sequence[str]) -> dict[str, int]:
+    """The rank whose file holds each model weight (whole, in torch's layout).
+
+    Weights are replicated on every data-parallel rank, so any rank could write any of
+    them; each goes with its optimizer state (the rank of the parameter's first non-empty
+    shard) so the bytes spread like the state does, and a frozen parameter, which the plan
+    does not list, goes to rank 0.
+    """
+    owners: dict[str, int] = {}
+    for shard in plan.shards:
+        if shard.stop > shard.start:
+            owners.setdefault(shard.name, shard.rank)
+    return {name: owners.get(name, 0) for name in names}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -127,7 +153,7 @@ class Manifest:
             plan=_plan(obj["plan"], params, world_size),
             state_keys=_state_keys(obj["state_keys"], params),
             files=_files(obj["files"], world_size),
-            extra=_extra(obj.get("extra", {}), obj["state_keys"]),
+            extra=_extra(obj.get("extra", {}), obj["state_keys"], world_size),
             version=obj["version"],
         )
 
@@ -226,9 +252,12 @@ def _files(value: Any, world_size: int) -> dict[str, str]:
     return dict(value)
 
 
-def _extra(value: Any, state_keys: Mapping[str, Sequence[str]]) -> dict[str, Any]:
+def _extra(
+    value: Any, state_keys: Mapping[str, Sequence[str]], world_size: int
+) -> dict[str, Any]:
     """Check the entries the executors read back: torch's param groups and scalars, JAX's
-    partition and global keys. Other entries are kept as they are."""
+    partition and global keys, the model weights' owners. Other entries are kept as they
+    are."""
     if not isinstance(value, Mapping):
         _refuse("extra", value, "a JSON object")
     groups = value.get("param_groups", [])
@@ -257,6 +286,12 @@ def _extra(value: Any, state_keys: Mapping[str, Sequence[str]]) -> dict[str, Any
     global_keys = value.get("global_keys", [])
     if not isinstance(global_keys, list) or not all(isinstance(k, str) for k in global_keys):
         _refuse("extra.global_keys", global_keys, "a list of state paths")
+    model = value.get("model", {})
+    if not isinstance(model, Mapping):
+        _refuse("extra.model", model, "an object mapping parameter names to ranks")
+    for name, rank in model.items():
+        if not (isinstance(name, str) and name and _is_int(rank) and 0 <= rank < world_size):
+            _refuse(f"extra.model[{name!r}]", rank, f"the rank 0 <= rank < {world_size} of its file")
     return dict(value)
 
 

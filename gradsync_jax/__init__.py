@@ -28,6 +28,7 @@ from gradsync_jax.model_parallel import (
     scatter_to,
     shared_param_specs,
 )
+from gradsync_jax.model_state import load_params
 from gradsync_jax.zero import (
     NotElementwiseError,
     ShardedOptimizer,
@@ -53,6 +54,7 @@ __all__: list[str] = [
     "gather_from",
     "group_axes",
     "load_optimizer_state",
+    "load_params",
     "local_grad",
     "make_local",
     "make_shared_local",

@@ -53,6 +53,12 @@ def _keys(path: tuple[Any, ...]) -> list[str]:
     return keys
 
 
+def flax_name(path: tuple[Any, ...]) -> str:
+    """The slash name of a tree leaf without linen's ``params`` collection or nnx's
+    ``.value`` (``layers/0/kernel``): what ``torch_name`` and the layout rules read."""
+    return "/".join(_keys(path))
+
+
 def torch_name(flax_name: str, *, modules: Mapping[str, str] | None = None) -> str:
     """The torch name of a Flax parameter given by its slash name (``params/Dense_0/kernel``).
 

@@ -29,6 +29,7 @@ from gradsync_torch.model_parallel.mappings import (
     reduce_scatter_to,
     scatter_to,
 )
+from gradsync_torch.model_state import load_model_weights
 from gradsync_torch.zero import ZeroRedundancyOptimizer
 
 __all__: list[str] = [
@@ -47,6 +48,7 @@ __all__: list[str] = [
     "dtype_name",
     "fp16_compress_hook",
     "gather_from",
+    "load_model_weights",
     "local_state",
     "param_specs",
     "reduce_from",

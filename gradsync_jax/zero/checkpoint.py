@@ -25,6 +25,7 @@ from safetensors.numpy import save as save_bytes
 
 from gradsync_core import (
     MANIFEST,
+    MODEL_PARAM,
     RANK_FILE_RE,
     Manifest,
     ParamSpec,
@@ -40,6 +41,7 @@ from gradsync_core import (
     write_manifest,
 )
 from gradsync_jax._naming import from_torch_layout, to_torch_layout, torch_name, torch_plan
+from gradsync_jax.model_state import weights_by_rank
 from gradsync_jax.zero.layout import ZeroState
 from gradsync_jax.zero.model_space import ModelSpace
 from gradsync_jax.zero.safetensors_io import read_safetensors
@@ -79,6 +81,7 @@ def save_optimizer_state(
     step: int,
     optimizer: str | None = None,
     modules: Mapping[str, str] | None = None,
+    model: Any = None,
 ) -> Manifest:
     """Write ``state`` to ``directory`` (created if missing); the manifest is written last.
 
@@ -92,6 +95,9 @@ def save_optimizer_state(
             (``"optax:ScaleByAdamState,EmptyState"``).
         modules: renames of Flax module paths to torch module names (see ``torch_name``),
             e.g. ``{"Dense_0": "layers.0"}``, so the names match the torch model's.
+        model: the model weights to store too (usually ``params`` itself; for NNX
+            ``nnx.state(model, nnx.Param)``; may hold frozen parameters ``params`` lacks),
+            read back with ``load_params`` or ``ZeroRedundancyOptimizer.load(model=)``.
 
     Returns:
         The manifest written.
@@ -145,6 +151,11 @@ def save_optimizer_state(
             if plan.kind != "greedy":
                 whole = whole.reshape(-1)[shard.start : shard.stop]
             files[shard.rank][tensor_key(shard.name, key)] = np.array(whole, order="C")
+    owners = None
+    if model is not None:
+        weights, owners = weights_by_rank(model, plan, modules=modules)
+        for rank, tensors in weights.items():
+            files[rank].update(tensors)
     os.makedirs(directory, exist_ok=True)
     # Remove the old manifest first: a save cut short then reads as "not finished", never as
     # the old checkpoint with some new rank files (which the hashes would also catch).
@@ -164,7 +175,12 @@ def save_optimizer_state(
         plan=plan,
         state_keys={k: tuple(v) for k, v in state_keys.items()},
         files=hashes,
-        extra={"partition": tx.partition, "global_keys": global_keys, "scalars": scalars},
+        extra={
+            "partition": tx.partition,
+            "global_keys": global_keys,
+            "scalars": scalars,
+            **({"model": owners} if owners is not None else {}),
+        },
     )
     write_manifest(directory, manifest)
     for name in os.listdir(directory):  # rank files of an earlier save on another device count
@@ -191,7 +207,8 @@ def _assemble(manifest: Manifest, tensors: dict[Any, np.ndarray]) -> dict[str, n
     element order and reshaped to the parameter."""
     shapes = {spec.name: spec.shape for spec in manifest.params}
     out: dict[str, np.ndarray] = {}
-    for rank, key in [k for k in tensors if k[1].partition("/")[0] != GLOBAL_PARAM]:
+    pseudo = (GLOBAL_PARAM, MODEL_PARAM)  # not optimizer state of a parameter
+    for rank, key in [k for k in tensors if k[1].partition("/")[0] not in pseudo]:
         if key in out:
             continue
         name = key.rpartition("/")[0]

@@ -25,6 +25,7 @@ import safetensors.torch
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
+from torch import nn
 
 from gradsync_core import (
     MANIFEST,
@@ -36,6 +37,7 @@ from gradsync_core import (
     check_compatible,
     check_state_keys,
     counterpart_keys,
+    model_owners,
     rank_file,
     read_manifest,
     tensor_key,
@@ -44,7 +46,21 @@ from gradsync_core import (
     write_manifest,
 )
 from gradsync_torch._collectives import global_rank
-from gradsync_torch.zero.state import NOT_HYPER, RankGroup, StatePiece, assemble
+from gradsync_torch.model_state import (
+    check_weights,
+    model_weights,
+    rank_weights,
+    read_weights,
+    weight_files,
+)
+from gradsync_torch.zero.state import (
+    RankGroup,
+    StatePiece,
+    assemble,
+    from_json,
+    groups_json,
+    to_json,
+)
 
 
 class Snapshot(NamedTuple):
@@ -58,6 +74,7 @@ class Snapshot(NamedTuple):
     plan: ShardPlan
     param_groups: list[dict[str, Any]]
     pieces: list[StatePiece]  # this rank's state
+    model: nn.Module | None = None  # its weights are stored too (every rank has a copy)
 
 
 class LoadTarget(NamedTuple):
@@ -69,6 +86,7 @@ class LoadTarget(NamedTuple):
     param_groups: list[dict[str, Any]]
     shapes: list[tuple[int, ...]]
     needed: set[int]  # global indices of the parameters this rank's layout steps
+    model: nn.Module | None = None  # receives the stored weights, if the checkpoint has any
 
 
 class Loaded(NamedTuple):
@@ -77,6 +95,7 @@ class Loaded(NamedTuple):
     step: int
     state: dict[int, dict[str, Any]]  # model-space state by global index
     param_groups: list[dict[str, Any]]  # saved hyper-parameters with the current params
+    model: dict[str, torch.Tensor] | None = None  # checked weights for ``LoadTarget.model``
 
 
 class _RankFile(NamedTuple):
@@ -87,25 +106,6 @@ class _RankFile(NamedTuple):
     state_keys: dict[str, list[str]]
     scalars: dict[str, Any]
     error: str | None
-
-
-def _to_json(value: Any, what: str) -> Any:
-    if value is None or isinstance(value, bool | int | float | str):
-        return value
-    if isinstance(value, tuple | list):
-        return [_to_json(v, what) for v in value]
-    if torch.is_tensor(value) and value.numel() == 1:
-        return value.item()
-    raise ValueError(f"cannot save {what} = {value!r}: not a number, string or tuple of them")
-
-
-def _from_json(value: Any, current: Any) -> Any:
-    """A saved hyper-parameter in the type the optimizer holds now (tuples, 0-d tensors)."""
-    if isinstance(current, tuple) and isinstance(value, list):
-        return tuple(_from_json(v, c) for v, c in zip(value, current, strict=False))
-    if torch.is_tensor(current) and not torch.is_tensor(value):
-        return torch.tensor(value, dtype=current.dtype, device=current.device)
-    return value
 
 
 def agree(ranks: RankGroup, error: str | None, what: str) -> None:
@@ -143,26 +143,10 @@ def _rank_state(
             if torch.is_tensor(value) and value.dim() >= 1:
                 tensors[tensor_key(name, key)] = value.detach().cpu().contiguous()
             else:
-                scalars[tensor_key(name, key)] = _to_json(value, f"state {key!r} of {name!r}")
+                scalars[tensor_key(name, key)] = to_json(value, f"state {key!r} of {name!r}")
             keys.append(key)
         state_keys[name] = keys
     return tensors, scalars, state_keys
-
-
-def _groups_json(
-    param_groups: Sequence[dict[str, Any]], names: Sequence[str]
-) -> list[dict[str, Any]]:
-    out, first = [], 0
-    for g, group in enumerate(param_groups):
-        entry = {
-            k: _to_json(v, f"hyper-parameter {k!r} of param group {g}")
-            for k, v in group.items()
-            if k not in NOT_HYPER
-        }
-        entry["params"] = list(names[first : first + len(group["params"])])
-        first += len(group["params"])
-        out.append(entry)
-    return out
 
 
 def _remove_stale(path: str, world_size: int) -> None:
@@ -195,7 +179,12 @@ def _write_rank_file(
     return _RankFile(name, hashlib.sha256(data).hexdigest(), state_keys, scalars, None)
 
 
-def _manifest(snapshot: Snapshot, files: Sequence[_RankFile], groups_json: Any) -> Manifest:
+def _owners(snapshot: Snapshot) -> dict[str, int]:
+    names = [] if snapshot.model is None else [n for n, _ in snapshot.model.named_parameters()]
+    return model_owners(snapshot.plan, names)
+
+
+def _manifest(snapshot: Snapshot, files: Sequence[_RankFile], groups: Any) -> Manifest:
     all_keys: dict[str, tuple[str, ...]] = {}
     all_scalars: dict[str, Any] = {}
     for written in files:
@@ -215,9 +204,10 @@ def _manifest(snapshot: Snapshot, files: Sequence[_RankFile], groups_json: Any) 
         state_keys=dict(sorted(all_keys.items())),
         files={written.name: written.sha256 for written in files},
         extra={
-            "param_groups": groups_json,
+            "param_groups": groups,
             "scalars": all_scalars,
             "shard_gradients": snapshot.shard_gradients,
+            **({"model": _owners(snapshot)} if snapshot.model is not None else {}),
         },
     )
 
@@ -236,10 +226,13 @@ def save(path: str | os.PathLike[str], snapshot: Snapshot, ranks: RankGroup) -> 
     what = f"cannot save optimizer checkpoint {path}"
     error = None
     try:
-        groups_json = _groups_json(snapshot.param_groups, snapshot.names)
+        groups = groups_json(snapshot.param_groups, snapshot.names)
         tensors, scalars, state_keys = _rank_state(
             snapshot.pieces, snapshot.names, snapshot.plan, ranks.rank
         )
+        if snapshot.model is not None:
+            weights = model_weights(snapshot.model)
+            tensors.update(rank_weights(weights, _owners(snapshot), ranks.rank))
     except Exception as e:
         error = _message(e)
     agree(ranks, error, what)  # nothing on disk has changed yet
@@ -267,7 +260,7 @@ def save(path: str | os.PathLike[str], snapshot: Snapshot, ranks: RankGroup) -> 
             error = f"rank {failed[0][0]} could not write its file: {failed[0][1]}"
         else:
             try:
-                write_manifest(path, _manifest(snapshot, files, groups_json))
+                write_manifest(path, _manifest(snapshot, files, groups))
             except Exception as e:
                 error = _message(e)
     agree(ranks, error, what)  # nobody returns before the checkpoint is complete
@@ -368,18 +361,25 @@ def _read(path: str, target: LoadTarget, ranks: RankGroup) -> Loaded:
     # Every file is hashed by some rank (and every file a rank reads, by that rank), so a
     # corrupt file fails the load everywhere even when nobody needs its tensors.
     to_read = {rank_file(s.rank, manifest.world_size) for s in shards}
+    with_weights = target.model is not None and bool(manifest.extra.get("model"))
+    if with_weights:
+        to_read |= weight_files(manifest)
     spread = {f for i, f in enumerate(sorted(manifest.files)) if i % ranks.world_size == ranks.rank}
     verify_file_hashes(path, manifest, sorted(to_read | spread))
     full = assemble(_read_pieces(path, manifest, shards, target.names), target.shapes)
     _check_shapes(full, target, whole=manifest.plan.kind == "greedy")
+    weights = None
+    if with_weights:
+        weights = read_weights(path, manifest)
+        check_weights(weights, target.model)
     if manifest.framework != "torch":
-        return Loaded(manifest.step, full, [dict(g) for g in target.param_groups])
+        return Loaded(manifest.step, full, [dict(g) for g in target.param_groups], weights)
     groups = []
     saved_groups = manifest.extra.get("param_groups", [])
     for saved, current in zip(saved_groups, target.param_groups, strict=True):
-        hyper = {k: _from_json(v, current.get(k)) for k, v in saved.items() if k != "params"}
+        hyper = {k: from_json(v, current.get(k)) for k, v in saved.items() if k != "params"}
         groups.append({**hyper, "params": current["params"]})
-    return Loaded(manifest.step, full, groups)
+    return Loaded(manifest.step, full, groups, weights)
 
 
 def load(path: str | os.PathLike[str], target: LoadTarget, ranks: RankGroup) -> Loaded:

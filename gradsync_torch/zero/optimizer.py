@@ -19,10 +19,12 @@ from torch.optim import Optimizer
 
 from gradsync_core import ParamSpec, ShardPlan
 from gradsync_torch.data_parallel import DataParallel
+from gradsync_torch.model_state import copy_weights
 from gradsync_torch.zero import checkpoint
 from gradsync_torch.zero.broadcast import Broadcaster, Piece
 from gradsync_torch.zero.flat import FlatLayout, check_options, claim_sharder
 from gradsync_torch.zero.layout import Layout, make_layout
+from gradsync_torch.zero.local_step import JobStepper, steps_per_tensor
 from gradsync_torch.zero.plans import (
     check_same_plan,
     param_specs_of,
@@ -205,6 +207,11 @@ class ZeroRedundancyOptimizer(Optimizer):
             local_groups[piece.group]["params"].append(piece.tensor)
         self.optim = self.optimizer_class(local_groups, **self._local_defaults)
         copy_hyper(self.optim.param_groups, self.param_groups)
+        self._stepper = (
+            JobStepper(self.optim, self.layout.jobs)
+            if self.world_size > 1 and steps_per_tensor(self.optimizer_class)
+            else None
+        )
         if old_layout is not None:
             carried = carry_state(
                 old_layout.plan, old_state, plan, self.layout.pieces, self._shapes(), self._ranks
@@ -278,6 +285,14 @@ class ZeroRedundancyOptimizer(Optimizer):
         copy_hyper(self.param_groups, self.optim.param_groups)
         with torch.no_grad():
             self.layout.before_step()
+        if closure is None and self._stepper is not None:
+            # The local step runs job by job inside the sync (zero/local_step.py).
+            self._stepper.kwargs = kwargs
+            with torch.no_grad():
+                self.layout.sync_params(self._stepper)
+            copy_hyper(self.optim.param_groups, self.param_groups)
+            self._steps += 1
+            return loss
         if closure is not None:
             loss = self.optim.step(closure=closure, **kwargs)
         else:
@@ -343,7 +358,7 @@ class ZeroRedundancyOptimizer(Optimizer):
 
     def save(self, path: str | os.PathLike[str], *, model: nn.Module | None = None) -> None:
         """Write a resharding checkpoint to directory ``path`` (a collective; every rank
-        must see the same filesystem); the format is in docs/design.md §9.
+        must see the same filesystem); with ``model``, its weights are stored too.
 
         Raises:
             ValueError: if parameter names are unknown (see ``param_names``), or on any
@@ -359,12 +374,13 @@ class ZeroRedundancyOptimizer(Optimizer):
             plan=self.plan(names),
             param_groups=self.param_groups,
             pieces=local_pieces(self.layout.pieces, self.optim.state),
+            model=model,
         )
         checkpoint.save(path, snapshot, self._ranks)
 
     def load(self, path: str | os.PathLike[str], *, model: nn.Module | None = None) -> None:
-        """Load a checkpoint written at any world size (a collective); on any error every
-        rank raises ``ValueError`` and the optimizer is untouched."""
+        """Load a checkpoint written at any world size by torch or JAX, with its weights into
+        ``model`` if stored (a collective); on any error every rank raises and nothing changes."""
         names = self.param_names(model)
         target = checkpoint.LoadTarget(
             optimizer=optimizer_name(self.optimizer_class),
@@ -373,8 +389,10 @@ class ZeroRedundancyOptimizer(Optimizer):
             param_groups=self.param_groups,
             shapes=self._shapes(),
             needed={piece.index for piece in self.layout.pieces},
+            model=model,
         )
         loaded = checkpoint.load(path, target, self._ranks)
+        copy_weights(model, loaded.model)
         self._load_full_state(loaded.state, loaded.param_groups)
         self._steps = loaded.step
 

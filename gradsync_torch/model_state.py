@@ -1,0 +1,128 @@
+"""Model weights in a gradsync checkpoint, the torch side (docs/checkpoints.md).
+
+``ZeroRedundancyOptimizer.save(path, model=net)`` stores ``net``'s parameters beside the
+optimizer state: whole tensors in torch's names and layouts, each in the file of the rank that
+owns the parameter's state (``gradsync_core.model_owners``), as ``"__model__/<name>"``. A tied
+parameter is stored once, under the name ``named_parameters()`` gives it, so a tied embedding
+reads back into a torch module and into a Flax model that has one table (``Embed.attend``).
+
+Loading follows ``load_state_dict(strict=True)``: every name, shape and dtype must match, and
+all of them are checked before the first weight is copied, so a refused load leaves the
+module as it was.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from gradsync_core import Manifest, model_key, rank_file, read_manifest
+from gradsync_torch._specs import dtype_name
+
+
+def model_weights(module: nn.Module) -> dict[str, torch.Tensor]:
+    """``module``'s parameters by name, each shared tensor once, detached on the CPU."""
+    return {name: p.detach().cpu().contiguous() for name, p in module.named_parameters()}
+
+
+def rank_weights(
+    weights: Mapping[str, torch.Tensor], owners: Mapping[str, int], rank: int
+) -> dict[str, torch.Tensor]:
+    """The weights rank ``rank`` writes, by their key in its file."""
+    return {model_key(name): t for name, t in weights.items() if owners[name] == rank}
+
+
+def weight_files(manifest: Manifest) -> set[str]:
+    """The rank files that hold model weights."""
+    owners = manifest.extra.get("model", {})
+    return {rank_file(rank, manifest.world_size) for rank in set(owners.values())}
+
+
+def read_weights(path: str | os.PathLike[str], manifest: Manifest) -> dict[str, torch.Tensor]:
+    """Every model weight of a checkpoint, by parameter name (files are not hashed here).
+
+    Raises:
+        ValueError: if the checkpoint holds no weights or a listed weight is missing.
+    """
+    owners: Mapping[str, int] = manifest.extra.get("model", {})
+    if not owners:
+        raise ValueError(
+            f"{os.fspath(path)} holds no model weights; save it with "
+            "ZeroRedundancyOptimizer.save(path, model=net) or save_optimizer_state(..., model=)"
+        )
+    weights = {}
+    for rank in sorted(set(owners.values())):
+        file = os.path.join(path, rank_file(rank, manifest.world_size))
+        with safe_open(file, framework="pt") as handle:
+            stored = set(handle.keys())
+            for name in sorted(n for n, r in owners.items() if r == rank):
+                if model_key(name) not in stored:
+                    raise ValueError(f"checkpoint file {file} lacks the weight of {name!r}")
+                weights[name] = handle.get_tensor(model_key(name))
+    return weights
+
+
+def check_weights(weights: Mapping[str, torch.Tensor], module: nn.Module) -> None:
+    """Refuse weights that ``module.load_state_dict(strict=True)`` would refuse.
+
+    Raises:
+        ValueError: naming the first missing, unexpected or mismatched parameter.
+    """
+    mine = dict(module.named_parameters())
+    missing, unexpected = sorted(set(mine) - set(weights)), sorted(set(weights) - set(mine))
+    if missing or unexpected:
+        which = f"lacks {missing[0]!r}" if missing else f"has {unexpected[0]!r}, unknown here"
+        raise ValueError(
+            f"the checkpoint's model weights do not match the module: it {which} "
+            f"({len(missing)} missing, {len(unexpected)} unexpected); load into the model "
+            "that was saved (tied parameters count once)"
+        )
+    for name, param in mine.items():
+        saved = weights[name]
+        if (tuple(saved.shape), saved.dtype) != (tuple(param.shape), param.dtype):
+            raise ValueError(
+                f"weight {name!r} is {tuple(saved.shape)} {dtype_name(saved.dtype)} in the "
+                f"checkpoint but {tuple(param.shape)} {dtype_name(param.dtype)} here: "
+                "another model?"
+            )
+
+
+def copy_weights(module: nn.Module | None, weights: Mapping[str, torch.Tensor] | None) -> None:
+    """Copy checked ``weights`` into ``module``'s parameters, in place (tied ones once);
+    nothing when either is None (a load without a model, or of a checkpoint without weights)."""
+    if module is None or weights is None:
+        return
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            param.copy_(weights[name])
+
+
+def load_model_weights(path: str | os.PathLike[str], module: nn.Module) -> Manifest:
+    """Load the model weights of a gradsync checkpoint into ``module`` (no process group).
+
+    For evaluating or fine-tuning from a checkpoint written by either framework without its
+    optimizer state; ``ZeroRedundancyOptimizer.load(path, model=net)`` restores both.
+
+    Args:
+        path: a checkpoint directory saved with model weights.
+        module: the model; names, shapes and dtypes must match (``load_state_dict`` strict).
+
+    Returns:
+        The checkpoint's manifest.
+
+    Raises:
+        ValueError: if a file is missing or corrupt, the checkpoint holds no weights, or
+            they do not match ``module``; the module is then unchanged.
+
+    Example:
+        >>> load_model_weights("ckpt", net)  # doctest: +SKIP
+    """
+    manifest = read_manifest(path)  # hashes every file
+    weights = read_weights(path, manifest)
+    check_weights(weights, module)
+    copy_weights(module, weights)
+    return manifest
