@@ -211,8 +211,14 @@ def build_flat(
 
     # A leaf whose shape follows the chunk length is per element; one that does not (count,
     # hyper-parameters) is global. Two lengths tell them apart even when n == 1.
-    state = jax.eval_shape(inner.init, chunks(0))
-    grown = jax.tree.leaves(jax.eval_shape(inner.init, chunks(1)))
+    try:
+        state = jax.eval_shape(inner.init, chunks(0))
+        grown = jax.tree.leaves(jax.eval_shape(inner.init, chunks(1)))
+    except Exception as err:  # a label or mask tree shaped like the parameters
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise not_elementwise(
+            f"cannot be initialized on flat 1-D chunks ({type(err).__name__}: {first_line})"
+        ) from err
     flat, treedef = jax.tree_util.tree_flatten_with_path(state)
     if len(grown) != len(flat):
         raise not_elementwise("has a state whose structure depends on the parameters' sizes")

@@ -137,7 +137,15 @@ def map_device_state(
     inner: optax.GradientTransformation, space: ModelSpace, tree: Any, d: int, owner: Any
 ) -> tuple[DeviceState, list[tuple[int, str, int]]]:
     """Map ``inner.init(tree)`` (device ``d``'s share) onto the unsharded state's leaves."""
-    flat, treedef = jax.tree_util.tree_flatten_with_path(jax.eval_shape(inner.init, tree))
+    try:
+        state = jax.eval_shape(inner.init, tree)
+    except Exception as err:  # e.g. galore reads .dtype of every leaf, None included
+        raise ValueError(
+            f"the inner transformation's init fails on the parameters device {d} owns, with the "
+            f"others set to None ({type(err).__name__}: {err}); partition='greedy' needs an "
+            "init that skips None leaves, as optax's tree maps do, so run it unsharded"
+        ) from err
+    flat, treedef = jax.tree_util.tree_flatten_with_path(state)
     sources, items = [], []
     for path, leaf in flat:
         joined = "/".join(path_parts(path))

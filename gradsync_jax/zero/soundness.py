@@ -134,8 +134,9 @@ class Soundness:
     def _coupled(self, what: str, node: Node, allowed: set[int]) -> str:
         other = self._name(min(node.deps - allowed))
         return (
-            f"shard_optimizer cannot shard this optimizer exactly: its {what}{self.where} reads parameter "
-            f"{other!r}, i.e. it combines all parameters (a global norm, an all-finite test or "
+            "shard_optimizer cannot shard this optimizer exactly: its "
+            f"{what}{self.where} reads parameter {other!r}, i.e. it combines all parameters "
+            "(a global norm, an all-finite test or "
             f"a shared step-size estimate) while each device holds only its share; {_FIX}"
         )
 
@@ -230,8 +231,8 @@ class Soundness:
             return f"computes the {what}{self.where} with {culprit}, which is not elementwise"
         if node.sig != whole.sig:
             return (
-                f"computes the {what}{self.where} differently on a flat chunk than on the tensor itself (a "
-                "mask, label, hyper-parameter or rule chosen per tensor)"
+                f"computes the {what}{self.where} differently on a flat chunk than on the "
+                "tensor itself (a mask, label, hyper-parameter or rule chosen per tensor)"
             )
         return None
 
