@@ -4,6 +4,14 @@ Standard library only. The same parameter list gives the same plan, byte for byt
 framework asks for it; the executors in ``gradsync_torch`` and ``gradsync_jax`` run the plans.
 """
 
+from gradsync_core._atomic import (
+    begin_save,
+    commit_save,
+    discard_save,
+    fsync_directory,
+    new_save_token,
+    staging_directory,
+)
 from gradsync_core._buckets import (
     DEFAULT_CAP_BYTES,
     DEFAULT_FIRST_CAP_BYTES,
@@ -88,19 +96,24 @@ __all__ = [
     "SharedReduction",
     "Slot",
     "Topology",
+    "begin_save",
     "builtin_model",
     "canonical_json",
     "canonical_state_key",
     "check_compatible",
     "check_optimizer",
     "check_state_keys",
+    "commit_save",
     "counterpart_keys",
     "describe_difference",
+    "discard_save",
     "fingerprint",
     "framework_state_key",
+    "fsync_directory",
     "itemsize",
     "model_key",
     "model_owners",
+    "new_save_token",
     "plan_buckets",
     "plan_flat_shards",
     "plan_greedy_shards",
@@ -113,6 +126,7 @@ __all__ = [
     "replicated_axes",
     "sha256_file",
     "split_shapes",
+    "staging_directory",
     "tensor_key",
     "verify_file_hashes",
     "with_replicated_over",

@@ -1,0 +1,201 @@
+"""Saves that never destroy the previous checkpoint (docs/design.md §9, "Switching saves").
+
+A checkpoint path ``PATH`` is a symbolic link to a sibling directory ``PATH.v-<token>`` that
+holds one complete checkpoint. A save goes through three steps:
+
+1. ``begin_save`` (one process) removes the staging directories of crashed saves and creates
+   an empty ``PATH.tmp-<token>``; ``token`` is random and agreed by every rank.
+2. Every rank writes its files there (``write_atomic`` fsyncs each one); one process writes the
+   manifest last.
+3. ``commit_save`` (that process) fsyncs the directory, renames it to ``PATH.v-<token>`` and
+   replaces the link ``PATH`` with one ``rename(2)`` of a new link: the only step a reader can
+   see, and an atomic one. Superseded ``PATH.v-*`` directories are removed afterwards.
+
+So at every instant ``PATH`` names either the previous complete checkpoint or the new complete
+one. A directory named ``.v-`` is always complete; one named ``.tmp-`` never is, is never read,
+and is removed by the next save. A real directory at ``PATH`` (written before saves switched,
+or created empty by the user) is adopted: the new link replaces it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import shutil
+
+from gradsync_core._checkpoint import MANIFEST, RANK_FILE_RE
+
+STAGING = "tmp"  # PATH.tmp-<token>: being written, never read
+COMPLETE = "v"  # PATH.v-<token>: a complete checkpoint; PATH links to one of them
+_TOKEN_HEX = 16
+
+# What a checkpoint directory written before saves switched may hold: the manifest, rank files
+# and the temporary files of an interrupted ``write_atomic``. Anything else is the user's, and a
+# directory holding it is never adopted (adopting removes it once superseded).
+_CHECKPOINT_FILE_RE = re.compile(rf"{re.escape(MANIFEST)}|{RANK_FILE_RE.pattern}|\.tmp-.*")
+
+
+def new_save_token() -> str:
+    """A random token naming one save's directories (16 hex digits)."""
+    return secrets.token_hex(_TOKEN_HEX // 2)
+
+
+def _sibling(path: str, kind: str, token: str) -> str:
+    return f"{path}.{kind}-{token}"
+
+
+def _siblings(path: str) -> list[tuple[str, str]]:
+    """``(kind, full path)`` of every ``PATH.tmp-*`` / ``PATH.v-*`` beside ``path``."""
+    parent, base = os.path.split(path)
+    pattern = re.compile(rf"{re.escape(base)}\.({STAGING}|{COMPLETE})-[0-9a-f]{{{_TOKEN_HEX}}}")
+    found = []
+    for name in os.listdir(parent):
+        match = pattern.fullmatch(name)
+        if match:
+            found.append((match.group(1), os.path.join(parent, name)))
+    return found
+
+
+def _normalized(path: str | os.PathLike[str]) -> str:
+    path = os.path.abspath(os.fspath(path))
+    if not os.path.basename(path):
+        raise ValueError(f"cannot save a checkpoint at {path!r}: pass a directory name to create")
+    return path
+
+
+def staging_directory(path: str | os.PathLike[str], token: str) -> str:
+    """``PATH.tmp-<token>``: where every rank writes its files for save ``token``."""
+    return _sibling(_normalized(path), STAGING, token)
+
+
+def _check_replaceable(path: str) -> None:
+    """Refuse a ``path`` that the final switch could not replace without losing user data."""
+    if os.path.islink(path):
+        target = os.readlink(path)
+        if not re.fullmatch(
+            rf"{re.escape(os.path.basename(path))}\.{COMPLETE}-[0-9a-f]{{{_TOKEN_HEX}}}", target
+        ):
+            raise ValueError(
+                f"cannot save a checkpoint at {path}: it is a link to {target!r}, which gradsync "
+                "did not create; pass the directory it points to, or remove the link"
+            )
+    elif os.path.isdir(path):
+        foreign = sorted(n for n in os.listdir(path) if not _CHECKPOINT_FILE_RE.fullmatch(n))
+        if foreign:
+            raise ValueError(
+                f"cannot save a checkpoint at {path}: the directory holds {len(foreign)} file(s) "
+                f"that are not part of a checkpoint (e.g. {foreign[0]!r}); save to a path of "
+                "its own"
+            )
+    elif os.path.lexists(path):
+        raise ValueError(f"cannot save a checkpoint at {path}: it is a file, not a directory")
+
+
+def begin_save(path: str | os.PathLike[str], token: str) -> str:
+    """Prepare save ``token`` of checkpoint ``path``; call on one process before any writes.
+
+    Removes the staging directories of saves that crashed (never read, so never needed) and
+    creates an empty ``PATH.tmp-<token>``.
+
+    Returns:
+        The staging directory.
+
+    Raises:
+        ValueError: if ``path`` is a file, a link gradsync did not create, or a directory
+            holding files that are not part of a checkpoint.
+    """
+    path = _normalized(path)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    _check_replaceable(path)
+    for kind, stale in _siblings(path):
+        if kind == STAGING:
+            _remove(stale)
+    staging = _sibling(path, STAGING, token)
+    os.mkdir(staging)
+    return staging
+
+
+def fsync_directory(path: str | os.PathLike[str]) -> None:
+    """Make the entries of directory ``path`` (new names, renames) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _publish(staging: str) -> str:
+    """Rename the finished staging directory to its complete name; durable on return."""
+    path, _, token = staging.rpartition(f".{STAGING}-")
+    complete = _sibling(path, COMPLETE, token)
+    fsync_directory(staging)
+    os.rename(staging, complete)
+    fsync_directory(os.path.dirname(complete))
+    return complete
+
+
+def _switch(path: str, complete: str) -> None:
+    """Point ``path`` at ``complete`` with one atomic rename of a new link over it."""
+    aside = None
+    if os.path.isdir(path) and not os.path.islink(path):
+        # A real directory cannot be replaced by a rename: move it aside as a superseded
+        # version (an empty one is simply removed). This happens once per path, and only
+        # here is there an instant at which ``path`` does not exist.
+        if os.listdir(path):
+            aside = _sibling(path, COMPLETE, new_save_token())
+            os.rename(path, aside)
+        else:
+            os.rmdir(path)
+    token = complete.rpartition(f".{COMPLETE}-")[2]
+    link = _sibling(path, STAGING, token)  # free again: the staging directory was renamed
+    try:
+        os.symlink(os.path.basename(complete), link)
+        os.replace(link, path)
+    except BaseException:
+        if os.path.lexists(link):
+            os.unlink(link)
+        if aside is not None and not os.path.lexists(path):
+            os.rename(aside, path)  # put the previous checkpoint back
+        raise
+    fsync_directory(os.path.dirname(path))
+
+
+def _remove_superseded(path: str, keep: str) -> None:
+    """Remove every ``PATH.v-*`` / ``PATH.tmp-*`` but ``keep`` (the one ``path`` links to)."""
+    for _, other in _siblings(path):
+        if other != keep:
+            _remove(other)
+
+
+def _remove(path: str) -> None:
+    if os.path.islink(path) or os.path.isfile(path):
+        os.unlink(path)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def commit_save(path: str | os.PathLike[str], staging: str) -> None:
+    """Make the finished ``staging`` directory the checkpoint at ``path``, atomically.
+
+    Call on one process, after every rank's files and the manifest are in ``staging``. Until
+    the final rename, ``path`` still names the previous checkpoint; a failure before it leaves
+    that one in place and removes what this save made.
+
+    Raises:
+        OSError: if a rename, link or fsync fails (the previous checkpoint is then intact).
+    """
+    path = _normalized(path)
+    complete = _publish(staging)
+    try:
+        _switch(path, complete)
+    except BaseException:
+        if os.path.realpath(path) != os.path.realpath(complete):
+            _remove(complete)
+        raise
+    _remove_superseded(path, keep=complete)
+
+
+def discard_save(staging: str) -> None:
+    """Remove what a failed save staged (best effort: a leftover is removed by the next save)."""
+    _remove(staging)
