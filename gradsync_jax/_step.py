@@ -47,6 +47,7 @@ def data_parallel_step(
     param_specs: Any = None,
     batch_spec: P | None = None,
     shared: ReductionPlan | None = None,
+    loss_as: str | None = None,
 ) -> StepFn:
     """Build ``step(params, opt_state, batch) -> (params, opt_state, loss)``, jitted.
 
@@ -78,6 +79,9 @@ def data_parallel_step(
             gradients stay partial through accumulation and are summed over their groups
             once, bucketed, after the dp mean (without it JAX's implicit ``psum`` at every
             use gives the same values, one collective per use and micro-step).
+        loss_as: pass the global mean loss to ``tx.update`` as this keyword argument of an
+            ``optax.GradientTransformationExtraArgs``: ``"value"`` for ``optax.polyak_sgd``
+            and ``optax.contrib.reduce_on_plateau``. Default: no extra argument.
 
     Returns:
         ``step``; ``batch`` is a pytree whose leaves share a leading dimension divisible by
@@ -98,6 +102,11 @@ def data_parallel_step(
     missing = [a for a in axes if a not in mesh.axis_names]
     if missing:
         raise ValueError(f"axis {missing[0]!r} is not an axis of the mesh {mesh.axis_names}")
+    if loss_as is not None and not (isinstance(loss_as, str) and loss_as.isidentifier()):
+        raise ValueError(
+            f"loss_as must be the name of tx.update's keyword argument for the loss, such as "
+            f"'value', got {loss_as!r}"
+        )
     if not isinstance(accumulate_steps, int) or accumulate_steps < 1:
         raise ValueError(f"accumulate_steps must be a positive int, got {accumulate_steps!r}")
     placement = _placement(mesh, axes, axis_name, batch_spec, param_specs)
@@ -116,6 +125,9 @@ def data_parallel_step(
             or param_specs is not None,
         )
 
+    # A plain GradientTransformation ignores the loss; an ExtraArgs one takes it by name.
+    update = tx.update if loss_as is None else optax.with_extra_args_support(tx).update
+
     def local_step(params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, jax.Array]:
         # Planned parameters vary over their groups, so their gradients stay partial through
         # the micro-steps and sync_gradients sums them once.
@@ -132,10 +144,12 @@ def data_parallel_step(
                 plan=plan,
                 shared=shared,
             )
-        updates, opt_state = tx.update(grads, opt_state, params)
         if placement.token_axes:  # each device holds its share of its replica's loss
             loss = lax.psum(loss, placement.token_axes)
-        return optax.apply_updates(params, updates), opt_state, lax.pmean(loss, axis_name)
+        loss = lax.pmean(loss, axis_name)  # the global mean: the same on every device
+        extra_args = {} if loss_as is None else {loss_as: loss}
+        updates, opt_state = update(grads, opt_state, params, **extra_args)
+        return optax.apply_updates(params, updates), opt_state, loss
 
     mapped = _mapped_step(
         local_step, tx, mesh, placement, derive_state_specs=param_specs is not None

@@ -170,3 +170,40 @@ def test_bad_input_gets_one_clear_sentence() -> None:
     x, y = BATCH
     with pytest.raises(ValueError, match=r"multiple of dp size 8 x accumulate_steps 2 = 16"):
         step(PARAMS, tx.init(PARAMS), (x[:24], y[:24]))
+
+
+@pytest.mark.parametrize(
+    "make_tx",
+    [
+        lambda: optax.polyak_sgd(max_learning_rate=0.5),
+        lambda: optax.chain(
+            optax.sgd(0.1), optax.contrib.reduce_on_plateau(patience=1, cooldown=0, factor=0.5)
+        ),
+    ],
+    ids=["polyak_sgd", "reduce_on_plateau"],
+)
+def test_loss_is_passed_as_extra_argument(make_tx) -> None:
+    """loss_as="value": tx.update gets the global mean loss, as on one device with the batch."""
+    tx = make_tx()
+    params, state, losses = run_training(data_parallel_step(LOSS, tx, MESH, loss_as="value"), tx, 4)
+
+    @jax.jit
+    def reference_step(params, state):
+        loss, grads = jax.value_and_grad(LOSS)(params, BATCH)
+        updates, state = tx.update(grads, state, params, value=loss)
+        return optax.apply_updates(params, updates), state, loss
+
+    ref_params, ref_state, ref_losses = PARAMS, tx.init(PARAMS), []
+    for _ in range(4):
+        ref_params, ref_state, loss = reference_step(ref_params, ref_state)
+        ref_losses.append(loss)
+    assert_tree_close(params, ref_params)
+    assert_tree_close(state, ref_state)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
+    # polyak's step size is value / |g|^2 and reduce_on_plateau's state keeps the best
+    # value: a wrong or missing loss changes the parameters or the state.
+
+
+def test_loss_as_must_be_a_name() -> None:
+    with pytest.raises(ValueError, match="loss_as must be the name"):
+        data_parallel_step(LOSS, optax.sgd(0.1), MESH, loss_as="the loss")
