@@ -64,7 +64,16 @@ from gradsync_core._state_keys import (
     counterpart_keys,
     framework_state_key,
 )
-from gradsync_core._topology import AXES, DEFAULT_ORDER, STANDARD_GROUPS, Topology, split_shapes
+from gradsync_core._rank_generator import RankGenerator
+from gradsync_core._topology import (
+    AXES,
+    DEFAULT_ORDER,
+    EXPERT_AXES,
+    EXPERT_GROUPS,
+    STANDARD_GROUPS,
+    Topology,
+    split_shapes,
+)
 
 __version__ = "0.1.0"
 
@@ -76,6 +85,8 @@ __all__ = [
     "DEFAULT_LEGACY_MAX_NUMEL",
     "DEFAULT_ORDER",
     "DTYPE_ITEMSIZE",
+    "EXPERT_AXES",
+    "EXPERT_GROUPS",
     "FORMAT_VERSION",
     "MANIFEST",
     "MODELS",
@@ -90,6 +101,7 @@ __all__ = [
     "BucketPlan",
     "Manifest",
     "ParamSpec",
+    "RankGenerator",
     "ReductionPlan",
     "Shard",
     "ShardPlan",

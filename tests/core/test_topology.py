@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gradsync_core import STANDARD_GROUPS, Topology, split_shapes
+from gradsync_core._rank_generator import RankGenerator
 
 
 def megatron_groups(world_size, parallel_size, mask):
@@ -111,7 +112,10 @@ axis_sizes = st.sampled_from([1, 1, 2, 2, 3])
     members=st.sets(st.sampled_from(["tp", "cp", "ep", "dp", "pp"]), min_size=1),
 )
 def test_groups_match_megatron_and_partition_the_world(sizes, order, members):
-    tp, cp, ep, dp, pp = sizes
+    # ep is carved out of dp (issue 15): with ep = 1 the dense generator is the whole story and
+    # every five-axis name still resolves; expert layouts are covered by the tests below.
+    tp, cp, _, dp, pp = sizes
+    ep = 1
     topo = Topology(tp=tp, cp=cp, ep=ep, dp=dp, pp=pp, order="-".join(order))
     name = "-".join(sorted(members))
     groups = topo.groups(name)
@@ -199,8 +203,8 @@ def test_split_shapes_properties(size, parts):
     members=st.sets(st.sampled_from(["tp", "cp", "ep", "dp", "pp"]), min_size=1),
 )
 def test_groups_by_arithmetic_match_the_enumeration(sizes, order, members):
-    tp, cp, ep, dp, pp = sizes
-    topo = Topology(tp=tp, cp=cp, ep=ep, dp=dp, pp=pp, order="-".join(order))
+    tp, cp, _, dp, pp = sizes  # ep = 1: see test_groups_match_megatron_and_partition_the_world
+    topo = Topology(tp=tp, cp=cp, dp=dp, pp=pp, order="-".join(order))
     name = "-".join(sorted(members))
     groups = topo.groups(name)
     assert topo.group_count(name) == len(groups)
@@ -227,3 +231,189 @@ def test_rank_at_outside_the_groups(index, place):
     topo = Topology.create(world_size=8, tp=2)
     with pytest.raises(ValueError, match="outside the 4 'tp' groups of 2 ranks each"):
         topo.rank_at("tp", index, place)
+
+
+# --- expert layouts (issue 15): Megatron-core's second rank generator -------------------------
+
+# (create kwargs, dense groups, expert groups): checked by hand from the rule "first token of the
+# order varies fastest"; the dense generator drops ep, the expert one drops cp and uses etp, edp.
+MOE_CASES = {
+    "w16-tp2-ep4": (
+        {"world_size": 16, "tp": 2, "ep": 4},
+        {"dp": ((0, 2, 4, 6, 8, 10, 12, 14), (1, 3, 5, 7, 9, 11, 13, 15))},
+        {
+            "ep": ((0, 2, 4, 6), (1, 3, 5, 7), (8, 10, 12, 14), (9, 11, 13, 15)),
+            "edp": tuple((r, r + 8) for r in range(8)),
+            "etp-ep": ((0, 1, 2, 3, 4, 5, 6, 7), (8, 9, 10, 11, 12, 13, 14, 15)),
+        },
+    ),
+    "w8-tp2-ep4-etp1": (
+        {"world_size": 8, "tp": 2, "ep": 4, "etp": 1},
+        {"tp": ((0, 1), (2, 3), (4, 5), (6, 7)), "dp": ((0, 2, 4, 6), (1, 3, 5, 7))},
+        {
+            "ep": ((0, 1, 2, 3), (4, 5, 6, 7)),
+            "etp": tuple((r,) for r in range(8)),
+            "edp": ((0, 4), (1, 5), (2, 6), (3, 7)),
+        },
+    ),
+    "w8-cp2-ep2-pp2": (
+        {"world_size": 8, "cp": 2, "ep": 2, "pp": 2},
+        {"cp": ((0, 1), (2, 3), (4, 5), (6, 7)), "dp-cp": ((0, 1, 2, 3), (4, 5, 6, 7))},
+        {
+            "ep": ((0, 1), (2, 3), (4, 5), (6, 7)),
+            "edp": ((0, 2), (1, 3), (4, 6), (5, 7)),
+            "etp-ep-pp": ((0, 1, 4, 5), (2, 3, 6, 7)),
+        },
+    ),
+    "w8-ep2-dp-first": (
+        {"world_size": 8, "ep": 2, "order": "dp-ep-tp-cp-pp"},
+        {"dp": (tuple(range(8)),)},
+        {"ep": ((0, 4), (1, 5), (2, 6), (3, 7)), "edp": ((0, 1, 2, 3), (4, 5, 6, 7))},
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(MOE_CASES.values()), ids=list(MOE_CASES))
+def test_expert_layouts_by_hand(case):
+    kwargs, dense, expert = case
+    topo = Topology.create(**kwargs)
+    assert topo.dp == kwargs["world_size"] // (topo.tp * topo.cp * topo.pp)
+    assert topo.edp == kwargs["world_size"] // (topo.etp * topo.ep * topo.pp)
+    for name, groups in dense.items():
+        assert topo.groups(name) == groups and not topo.is_expert_group(name)
+    for name, groups in expert.items():
+        assert topo.groups(name) == groups and topo.is_expert_group(name)
+    assert topo.groups("pp") == topo.expert.groups("pp")
+    assert Topology.from_json(topo.to_json()) == topo
+
+
+# The existing cases above, without experts: groups, JSON and fingerprints pinned (the values the
+# topology had before expert layouts existed), so earlier plans and checkpoints stay valid.
+EP_FREE = {
+    "w8-tp2-cp2": (
+        {"world_size": 8, "tp": 2, "cp": 2},
+        "ca0acfd7e6c4a979964ea9e5496cb55cc726a83e6cf27390ba9a0cec9d03c525",
+    ),
+    "w8-tp2-cp2-dp-first": (
+        {"world_size": 8, "tp": 2, "cp": 2, "order": "dp-tp-cp-ep-pp"},
+        "736baac7a1b8ffe2abe9804506953937e464c8909848b924cafe055d8c656b72",
+    ),
+    "w16-tp2-cp2-pp2": (
+        {"world_size": 16, "tp": 2, "cp": 2, "pp": 2},
+        "b423b073c764c1b5f7d3962cc1fba5f268db57328c03c471ef710e48c73680bc",
+    ),
+    "w4-tp2-tp-dp": (
+        {"world_size": 4, "tp": 2, "order": "tp-dp"},
+        "7e9eb524e831bc226f59f4f3a41282f89e10269dde907860ff3b8f1e88f2f775",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(EP_FREE.values()), ids=list(EP_FREE))
+def test_topologies_without_experts_are_unchanged(case):
+    kwargs, expected_fingerprint = case
+    topo = Topology.create(**kwargs)
+    assert not topo.has_experts and topo.etp == topo.tp and topo.edp == topo.dp * topo.cp
+    assert "etp" not in topo.to_json()
+    assert topo.fingerprint == expected_fingerprint
+    parallel_size = [getattr(topo, t) for t in topo.tokens]
+    for members in itertools.chain.from_iterable(
+        itertools.combinations(topo.tokens, k) for k in range(1, 6)
+    ):
+        mask = [t in members for t in topo.tokens]
+        assert topo.groups("-".join(members)) == megatron_groups(
+            topo.world_size, parallel_size, mask
+        )
+    # Without experts the expert tp groups are the dense ones where tp varies fastest (the
+    # expert generator folds cp into edp, which moves etp's stride when dp or cp comes first).
+    if topo.tokens[0] == "tp":
+        for expert, dense in {"etp": "tp", "etp-ep": "tp", "etp-ep-pp": "tp-pp"}.items():
+            assert topo.groups(expert) == topo.groups(dense)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    sizes=st.tuples(*[st.sampled_from([1, 1, 2, 2, 3])] * 5),
+    pp_last=st.booleans(),
+    order=st.permutations(["tp", "cp", "ep", "dp"]),
+)
+def test_expert_groups_match_megatron_and_partition_the_world(sizes, pp_last, order):
+    tp, cp, etp, ep, pp = sizes
+    world = tp * cp * pp * etp * ep  # divisible by both model sizes
+    tokens = [*order, "pp"] if pp_last else ["pp", *order]
+    try:
+        topo = Topology.create(world, tp=tp, cp=cp, ep=ep, etp=etp, pp=pp, order="-".join(tokens))
+        topo.groups("edp")  # without experts the expert rules are checked here
+    except ValueError as err:  # Megatron-core's pp-last rule
+        assert not pp_last and "put pp last" in str(err)
+        return
+    gen_sizes = {"tp": etp, "cp": 1, "ep": ep, "dp": topo.edp, "pp": pp}
+    parallel_size = [gen_sizes[t] for t in topo.tokens]
+    for name, members in {
+        "ep": ("ep",),
+        "etp": ("tp",),
+        "edp": ("dp",),
+        "etp-ep": ("tp", "ep"),
+        "etp-ep-pp": ("tp", "ep", "pp"),
+    }.items():
+        mask = [t in members for t in topo.tokens]
+        groups = topo.groups(name)
+        assert groups == megatron_groups(world, parallel_size, mask)
+        assert topo.group_count(name) == len(groups)
+        for index, group in enumerate(groups):
+            assert topo.group_at(name, index) == group
+            for place, rank in enumerate(group):
+                assert topo.group_of(name, rank) == group
+                assert topo.group_rank(name, rank) == place
+    for rank in range(world):
+        assert topo.rank_of(**topo.coordinates(rank)) == rank
+    assert Topology.from_json(topo.to_json()) == topo
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            {"world_size": 8, "ep": 3},
+            "etp\\*ep\\*pp = 1\\*3\\*1 = 3 does not divide world_size = 8",
+        ),
+        ({"world_size": 8, "tp": 2, "ep": 8}, "= 16 does not divide world_size = 8"),
+        (
+            {"world_size": 8, "tp": 2, "ep": 2, "pp": 2, "etp": 1, "order": "tp-pp-cp-ep-dp"},
+            "put pp last",
+        ),
+        ({"world_size": 8, "ep": 2, "etp": 0}, "etp must be a positive int, got 0"),
+    ],
+    ids=["ep-not-dividing", "etp-ep-too-large", "pp-not-last", "etp-zero"],
+)
+def test_bad_expert_topologies(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Topology.create(**kwargs)
+
+
+def test_dense_and_expert_axes_do_not_mix():
+    topo = Topology.create(world_size=8, tp=2, ep=2)
+    with pytest.raises(ValueError, match="mixes dense axes \\['tp'\\] with expert axes"):
+        topo.groups("tp-ep")
+    with pytest.raises(ValueError, match="mixes dense axes \\['dp'\\] with expert axes"):
+        topo.groups("dp-etp")
+    # without experts ep is a size-1 dense axis and the old five-axis names keep working
+    assert Topology.create(world_size=8, tp=2).groups("tp-ep") == ((0, 1), (2, 3), (4, 5), (6, 7))
+
+
+def test_a_rank_generator_refuses_ep_and_cp_together():
+    with pytest.raises(ValueError, match="ep = 2 and cp = 2 are both > 1 in one rank generator"):
+        RankGenerator(ep=2, cp=2)
+    shifted = RankGenerator(tp=2, dp=2, rank_offset=4)
+    assert shifted.groups("tp") == ((4, 5), (6, 7)) and shifted.group_of("dp", 5) == (5, 7)
+    assert shifted.rank_at("dp", 1, 1) == 7 and shifted.group_rank("dp", 6) == 1
+
+
+def test_expert_mesh_fibres_are_the_expert_groups():
+    topo = Topology.create(world_size=16, tp=2, ep=4, etp=1)
+    assert topo.expert_mesh_axis_names == ("pp", "edp", "ep", "etp")
+    assert topo.expert_mesh_shape == (1, 4, 4, 1)
+    assert topo.mesh_axes("edp") == ("edp",) and topo.mesh_axes("dp-cp") == ("dp", "cp")
+    mesh = [list(range(16))[i * 4 : i * 4 + 4] for i in range(4)]  # (edp, ep), etp = pp = 1
+    assert tuple(tuple(row) for row in mesh) == topo.groups("ep")
+    assert tuple(zip(*mesh, strict=True)) == topo.groups("edp")
