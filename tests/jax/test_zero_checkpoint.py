@@ -205,3 +205,22 @@ def test_bfloat16_state_round_trip(tmp_path) -> None:
     got = tx4.gather_state(loaded, params)
     assert got[0].mu["head"]["kernel"].dtype == jnp.bfloat16
     assert_tree_equal(got, tx2.gather_state(state, params), same_structure=True)
+
+
+def test_version_1_of_the_other_framework_is_refused_with_how_to_convert(saved, tmp_path) -> None:
+    """A version-1 checkpoint (framework-specific names) crosses over only after a load and
+    save in the framework that wrote it; the refusal says so, whatever the rest holds."""
+    directory, params, _ = saved
+    old = tmp_path / "torch-v1"
+    shutil.copytree(directory, old)
+    manifest = json.loads((old / "manifest.json").read_text())
+    manifest.update(version=1, framework="torch", optimizer="torch.optim.AdamW")
+    del manifest["checksum"]  # version-1 manifests may have none
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    tx = shard_optimizer(inner(), mesh_of(2))
+    with pytest.raises(
+        ValueError,
+        match=r"written by gradsync_torch in format version 1, which only gradsync_torch reads; "
+        r"load it there \(ZeroRedundancyOptimizer.load\) and save it again",
+    ):
+        load_optimizer_state(old, tx, params)
