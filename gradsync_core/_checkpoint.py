@@ -252,9 +252,7 @@ def _files(value: Any, world_size: int) -> dict[str, str]:
     return dict(value)
 
 
-def _extra(
-    value: Any, state_keys: Mapping[str, Sequence[str]], world_size: int
-) -> dict[str, Any]:
+def _extra(value: Any, state_keys: Mapping[str, Sequence[str]], world_size: int) -> dict[str, Any]:
     """Check the entries the executors read back: torch's param groups and scalars, JAX's
     partition and global keys, the model weights' owners. Other entries are kept as they
     are."""
@@ -291,7 +289,7 @@ def _extra(
         _refuse("extra.model", model, "an object mapping parameter names to ranks")
     for name, rank in model.items():
         if not (isinstance(name, str) and name and _is_int(rank) and 0 <= rank < world_size):
-            _refuse(f"extra.model[{name!r}]", rank, f"the rank 0 <= rank < {world_size} of its file")
+            _refuse(f"extra.model[{name!r}]", rank, f"a rank file's rank, 0 to {world_size - 1}")
     return dict(value)
 
 

@@ -12,6 +12,8 @@ Every input is bounded, so a typo cannot make the planner allocate for minutes:
 - ``--params``: a JSON file of at most 64 MiB, nested at most a few hundred levels, each entry
   a parameter of the right types (see ``ParamSpec.from_json``).
 
+``gradsync checkpoint inspect PATH`` checks and summarizes a checkpoint (``_cli_checkpoint``).
+
 Bad input prints one line on stderr and exits with code 2 (the CLI is in docs/design.md §2).
 """
 
@@ -31,6 +33,7 @@ from gradsync_core._buckets import (
     BucketPlan,
     plan_buckets,
 )
+from gradsync_core._cli_checkpoint import add_checkpoint_parser
 from gradsync_core._models import MODELS, builtin_model
 from gradsync_core._shards import ShardPlan, plan_flat_shards, plan_greedy_shards
 from gradsync_core._specs import DTYPE_ITEMSIZE, ParamSpec, check_unique_names, itemsize
@@ -345,6 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("--json", action="store_true", help="emit the plans as JSON")
     plan.set_defaults(run=_plan)
+    add_checkpoint_parser(sub)
     return parser
 
 

@@ -260,3 +260,127 @@ def test_console_script_is_installed():
     )
     assert out.returncode == 0, out.stderr
     assert "Model mlp-25m" in out.stdout
+
+
+# -- gradsync checkpoint inspect -----------------------------------------------------------
+
+
+def _safetensors(tensors: dict[str, list[float]]) -> bytes:
+    """A float32 safetensors file, written with the standard library as the format says:
+    8-byte little-endian header length, JSON header, then the bytes."""
+    import struct
+
+    header, body = {}, b""
+    for key, values in tensors.items():
+        data = struct.pack(f"<{len(values)}f", *values)
+        header[key] = {
+            "dtype": "F32",
+            "shape": [len(values)],
+            "data_offsets": [len(body), len(body) + len(data)],
+        }
+        body += data
+    text = json.dumps(header).encode()
+    return struct.pack("<Q", len(text)) + text + body
+
+
+def _write_checkpoint(directory):
+    """A 2-rank greedy Adam checkpoint of a 3-parameter model, with one model weight."""
+    import hashlib
+
+    from gradsync_core import Manifest, ParamSpec, plan_greedy_shards, rank_file, write_manifest
+
+    specs = [
+        ParamSpec(name="fc.weight", shape=(4,)),
+        ParamSpec(name="fc.bias", shape=(2,)),
+        ParamSpec(name="emb.weight", shape=(3,), requires_grad=False),
+    ]
+    plan = plan_greedy_shards(specs, world_size=2)
+    owner = {s.name: s.rank for s in plan.shards}
+    files, scalars = {}, {}
+    for rank in range(2):
+        tensors = {}
+        for spec in specs[:2]:
+            if owner[spec.name] == rank:
+                tensors[f"{spec.name}/exp_avg"] = [0.5] * spec.numel
+                scalars[f"{spec.name}/step"] = 7
+        if rank == 0:
+            tensors["__model__/emb.weight"] = [1.0, 2.0, 3.0]
+        data = _safetensors(tensors)
+        (directory / rank_file(rank, 2)).write_bytes(data)
+        files[rank_file(rank, 2)] = hashlib.sha256(data).hexdigest()
+    manifest = Manifest(
+        framework="torch",
+        optimizer="torch.optim.Adam",
+        world_size=2,
+        step=7,
+        params=tuple(specs),
+        plan=plan,
+        state_keys={s.name: ("exp_avg", "step") for s in specs[:2]},
+        files=files,
+        extra={"scalars": scalars, "model": {"emb.weight": 0}},
+    )
+    write_manifest(directory, manifest)
+    return plan, owner
+
+
+def test_checkpoint_inspect_verifies_and_describes(tmp_path):
+    plan, owner = _write_checkpoint(tmp_path)
+    out = gradsync("checkpoint", "inspect", str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    assert "every file matches its sha256" in out.stdout
+    assert "written by torch (torch.optim.Adam), format version 2, step 7, world size 2" in (
+        out.stdout
+    )
+    assert f"fingerprint {plan.fingerprint}" in out.stdout
+    assert "parameters: 3 (2 trainable); model weights: 1 stored" in out.stdout
+
+    out = gradsync("checkpoint", "inspect", "--json", str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    info = json.loads(out.stdout)
+    assert (info["framework"], info["step"], info["world_size"]) == ("torch", 7, 2)
+    assert info["plan_fingerprint"] == plan.fingerprint and info["partition"] == "greedy"
+    for entry in info["ranks"]:
+        rank = entry["rank"]
+        assert entry["owners"] == [n for n, r in owner.items() if r == rank]
+        assert entry["bytes"] == (tmp_path / entry["file"]).stat().st_size
+        assert entry["state_bytes"] == 4 * sum(
+            {"fc.weight": 4, "fc.bias": 2}[n] for n in entry["owners"]
+        )
+        assert entry["model_bytes"] == (12 if rank == 0 else 0)
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        ("flip", "does not match its manifest hash: corrupt or from another save"),
+        ("delete", "rank-00001-of-00002.safetensors is missing"),
+        ("manifest", "does not match its own checksum"),
+        ("no-dir", "is not a directory; pass a gradsync checkpoint directory"),
+        ("empty-dir", "has no manifest.json: not a gradsync checkpoint"),
+    ],
+    ids=["flipped-byte", "missing-file", "edited-manifest", "no-such-path", "not-a-checkpoint"],
+)
+def test_checkpoint_inspect_refuses_bad_checkpoints(tmp_path, damage, message):
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    _write_checkpoint(directory)
+    rank1 = directory / "rank-00001-of-00002.safetensors"
+    if damage == "flip":
+        data = bytearray(rank1.read_bytes())
+        data[-1] ^= 0x01
+        rank1.write_bytes(bytes(data))
+    elif damage == "delete":
+        rank1.unlink()
+    elif damage == "manifest":
+        manifest = directory / "manifest.json"
+        manifest.write_text(manifest.read_text().replace('"step": 7', '"step": 8'))
+    elif damage == "no-dir":
+        directory = tmp_path / "nothing"
+    else:
+        directory = tmp_path / "empty"
+        directory.mkdir()
+    out = gradsync("checkpoint", "inspect", str(directory))
+    assert out.returncode == 2
+    assert message in out.stderr
+    assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr
+    assert out.stdout == ""

@@ -1,0 +1,149 @@
+"""``gradsync checkpoint inspect PATH``: what a checkpoint holds, after checking every hash.
+
+Standard library only: a safetensors file is an 8-byte little-endian header length, a JSON
+header (``{"<key>": {"dtype", "shape", "data_offsets": [start, stop]}}``) and the bytes, so
+the per-rank sizes come from the headers without reading any tensor. Works on checkpoints
+written by either executor (docs/checkpoints.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import struct
+from collections.abc import Mapping
+from typing import Any
+
+from gradsync_core._checkpoint import MODEL_PARAM, Manifest, rank_file, read_manifest
+
+# A header larger than this is not one gradsync wrote (it lists a few keys per parameter).
+MAX_HEADER_BYTES = 100 << 20
+_SHOWN_OWNERS = 4  # owners listed per rank in the text output (all of them in --json)
+
+
+def _header(path: str) -> dict[str, Any]:
+    """The JSON header of a safetensors file, checked against the file's size."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"checkpoint file {path} is truncated: {size} bytes, no header")
+        (length,) = struct.unpack("<Q", head)
+        if length > min(size - 8, MAX_HEADER_BYTES):
+            raise ValueError(
+                f"checkpoint file {path} has a header of {length} bytes in a file of {size}"
+            )
+        try:
+            header = json.loads(f.read(length).decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+            raise ValueError(f"checkpoint file {path} has a corrupt header ({e})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"checkpoint file {path} has a header that is not a JSON object")
+    header.pop("__metadata__", None)
+    return header
+
+
+def _nbytes(entries: Mapping[str, Any]) -> int:
+    try:
+        return sum(int(e["data_offsets"][1]) - int(e["data_offsets"][0]) for e in entries.values())
+    except (KeyError, TypeError, ValueError, IndexError):
+        raise ValueError("a tensor entry has no valid data_offsets") from None
+
+
+def summary(path: str, manifest: Manifest) -> dict[str, Any]:
+    """The facts ``inspect`` prints, as JSON-ready data."""
+    owners: dict[int, list[str]] = {r: [] for r in range(manifest.world_size)}
+    for shard in manifest.plan.shards:
+        if shard.stop > shard.start or manifest.plan.kind == "greedy":
+            if shard.name not in owners[shard.rank]:
+                owners[shard.rank].append(shard.name)
+    ranks = []
+    for rank in range(manifest.world_size):
+        name = rank_file(rank, manifest.world_size)
+        file = os.path.join(path, name)
+        header = _header(file)
+        model = {k: v for k, v in header.items() if k.startswith(MODEL_PARAM + "/")}
+        state = {k: v for k, v in header.items() if k not in model}
+        ranks.append(
+            {
+                "rank": rank,
+                "file": name,
+                "sha256": manifest.files[name],
+                "bytes": os.path.getsize(file),
+                "state_bytes": _nbytes(state),
+                "model_bytes": _nbytes(model),
+                "owners": owners[rank],
+            }
+        )
+    return {
+        "path": path,
+        "format_version": manifest.version,
+        "framework": manifest.framework,
+        "optimizer": manifest.optimizer,
+        "step": manifest.step,
+        "world_size": manifest.world_size,
+        "partition": manifest.plan.kind,
+        "plan_fingerprint": manifest.plan.fingerprint,
+        "params": len(manifest.params),
+        "trainable": sum(p.requires_grad for p in manifest.params),
+        "model_weights": len(manifest.extra.get("model", {})),
+        "ranks": ranks,
+    }
+
+
+def _text(info: Mapping[str, Any]) -> str:
+    lines = [
+        f"Checkpoint {info['path']}: every file matches its sha256",
+        f"  written by {info['framework']} ({info['optimizer']}), format version "
+        f"{info['format_version']}, step {info['step']}, world size {info['world_size']}",
+        f"  plan: {info['partition']}, fingerprint {info['plan_fingerprint']}",
+        f"  parameters: {info['params']} ({info['trainable']} trainable); model weights: "
+        + (f"{info['model_weights']} stored" if info["model_weights"] else "not stored"),
+        "",
+        f"  {'rank':>4}  {'bytes':>12}  {'state':>12}  {'model':>12}  owners",
+    ]
+    for r in info["ranks"]:
+        shown = ", ".join(r["owners"][:_SHOWN_OWNERS])
+        more = len(r["owners"]) - _SHOWN_OWNERS
+        shown += f", ... ({more} more)" if more > 0 else ""
+        lines.append(
+            f"  {r['rank']:>4}  {r['bytes']:>12,}  {r['state_bytes']:>12,}  "
+            f"{r['model_bytes']:>12,}  {len(r['owners'])}: {shown}"
+        )
+    return "\n".join(lines)
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    path = os.fspath(args.path)
+    if not os.path.isdir(path):
+        raise ValueError(f"{path!r} is not a directory; pass a gradsync checkpoint directory")
+    manifest = read_manifest(path)  # checks the manifest's checksum and every file's sha256
+    try:
+        info = summary(path, manifest)
+    except OSError as e:
+        raise ValueError(f"cannot read checkpoint {path!r}: {e.strerror}") from None
+    print(json.dumps(info, indent=1) if args.json else _text(info))
+    return 0
+
+
+def add_checkpoint_parser(sub: Any) -> None:
+    """The ``checkpoint`` subcommand and its ``inspect`` action."""
+    checkpoint = sub.add_parser(
+        "checkpoint",
+        help="inspect an optimizer checkpoint written by gradsync_torch or gradsync_jax",
+        description="Work with gradsync checkpoints (docs/checkpoints.md).",
+    )
+    actions = checkpoint.add_subparsers(
+        dest="action", required=True, parser_class=type(checkpoint)
+    )
+    inspect = actions.add_parser(
+        "inspect",
+        help="verify every hash; print the writer, step, world size, plan and owners",
+        description="Verify the manifest checksum and every rank file's sha256, then print "
+        "the framework that wrote the checkpoint, its step, world size, plan fingerprint, "
+        "and per rank the bytes and the parameters it owns. Exit 2 on a bad path or file.",
+    )
+    inspect.add_argument("path", metavar="PATH", help="the checkpoint directory")
+    inspect.add_argument("--json", action="store_true", help="print JSON for machines")
+    inspect.set_defaults(run=_inspect)
