@@ -9,7 +9,7 @@ only elementwise optimizers give the unsharded result.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -174,6 +174,7 @@ class FlatLayout:
             if sharder is None:
                 self.grad_shards.append(torch.zeros(chunk, dtype=dtype, device=device))
             self.buckets.append(bucket)
+            first_piece = len(self.pieces)
             for slot in bucket.slots:
                 a, b = max(slot.offset, lo), min(slot.offset + slot.numel, hi)
                 if a >= b or slot.name not in slot_index:
@@ -195,7 +196,10 @@ class FlatLayout:
                     )
                 )
                 self.grad_ranges.append((bucket.index, a - lo, b - lo))
-            self.jobs += self._sync_jobs(bucket, flat, chunk, dtype, device)
+            jobs = self._sync_jobs(bucket, flat, chunk, dtype, device)
+            # Stepped before the bucket's first broadcast, which precedes this rank's own.
+            jobs[0].owned = [piece.tensor for piece in self.pieces[first_piece:]]
+            self.jobs += jobs
         self.reduced = False
         self.consumed = sharder.syncs if sharder is not None else 0
 
@@ -321,8 +325,10 @@ class FlatLayout:
         elif not self.reduced:
             self.reduce_scatter_gradients()
 
-    def sync_params(self) -> None:
-        self.broadcaster.run(self.jobs)
+    def sync_params(self, step: Callable[[Job], None] | None = None) -> None:
+        """Broadcast every rank's range of every bucket; with ``step``, step this rank's
+        pieces of each bucket (``job.owned``) right before the bucket's broadcasts."""
+        self.broadcaster.run(self.jobs, step)
         self.reduced = False
 
     def drop_gradients(self) -> None:

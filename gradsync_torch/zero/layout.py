@@ -12,7 +12,7 @@ Two layouts, both driven by gradsync_core plans (ZeRO, arXiv:1910.02054):
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
@@ -27,16 +27,21 @@ class Layout(Protocol):
     """What the optimizer needs from a layout (docs/design.md §9).
 
     ``pieces`` are what the local optimizer steps, in model space (parameter index and
-    element range); ``before_step`` gives them this step's gradients; ``sync_params`` makes
-    every replica's parameters equal again after the local step.
+    element range); ``before_step`` gives them this step's gradients; ``sync_params`` runs
+    the broadcast ``jobs`` that make every replica's parameters equal again (stepping each
+    job's ``owned`` pieces first when given a ``step``).
     """
 
     plan: ShardPlan
     pieces: list[Piece]
+    jobs: list[Job]
+
+    @property
+    def grad_nbytes(self) -> int: ...
 
     def before_step(self) -> None: ...
 
-    def sync_params(self) -> None: ...
+    def sync_params(self, step: Callable[[Job], None] | None = None) -> None: ...
 
 
 class GreedyLayout:
@@ -63,6 +68,7 @@ class GreedyLayout:
     ) -> None:
         self.plan = plan
         self.broadcaster = broadcaster
+        self.params = list(params)
         index_of = {spec.name: i for i, spec in enumerate(specs)}
         owned = [[index_of[s.name] for s in plan.shards_of(r)] for r in range(plan.world_size)]
         me = broadcaster.rank
@@ -94,6 +100,12 @@ class GreedyLayout:
         self.jobs = [job for jobs in rounds for job in jobs if job is not None]
 
     def _job(self, src: int, members: list[torch.Tensor], bucket_view: bool) -> Job:
+        job = self._transfer_job(src, members, bucket_view)
+        if src == self.broadcaster.rank:
+            job.owned = members  # stepped here right before they are sent (sync_params)
+        return job
+
+    def _transfer_job(self, src: int, members: list[torch.Tensor], bucket_view: bool) -> Job:
         numel = sum(p.numel() for p in members)
         dtype, device = members[0].dtype, members[0].device
         if bucket_view:
@@ -125,9 +137,23 @@ class GreedyLayout:
     def before_step(self) -> None:
         """Nothing to do: the local optimizer steps the parameters themselves."""
 
-    def sync_params(self) -> None:
-        """Broadcast every parameter from its owner."""
-        self.broadcaster.run(self.jobs)
+    @property
+    def grad_nbytes(self) -> int:
+        """Bytes of ``param.grad`` memory held now (every parameter, owned or not; grads
+        that are views of one bucket count it once)."""
+        storages = {}
+        for p in self.params:
+            if p.grad is not None:
+                storage = p.grad.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+        return sum(storages.values())
+
+    def sync_params(self, step: Callable[[Job], None] | None = None) -> None:
+        """Broadcast every parameter from its owner. With ``step``, the local step happens
+        here, one job at a time: ``step(job)`` must step exactly ``job.owned``, and runs
+        right before their broadcast, so the parameters already sent (and those being
+        received) travel while later ones are stepped."""
+        self.broadcaster.run(self.jobs, step)
 
 
 def make_layout(

@@ -50,9 +50,9 @@ class ZeroRedundancyOptimizer(Optimizer):
     parameters (ZeRO-1), and optionally only that share of the gradients (ZeRO-2).
 
     Ownership is torch's sorted-greedy partition (``gradsync_core.plan_greedy_shards``):
-    per param group, largest parameters first, each to the least-loaded rank. After the
-    local step each owner broadcasts its parameters: those of 1 MiB or more alone and in
-    place, smaller ones packed into buckets of ``bucket_cap_mb``.
+    per param group, largest parameters first, each to the least-loaded rank. Each owner
+    broadcasts its parameters (1 MiB or more alone and in place, smaller ones packed into
+    buckets of ``bucket_cap_mb``), each job right after the local step of its parameters.
     Frozen parameters (``requires_grad=False`` when the optimizer is built) get no owner;
     if one becomes trainable later, the next ``step`` re-plans and moves state to new owners.
 
@@ -79,9 +79,8 @@ class ZeroRedundancyOptimizer(Optimizer):
         **defaults: hyper-parameters for ``optimizer_class`` (``lr=1e-3``, ...).
 
     Raises:
-        ValueError: if ``shard_gradients`` is set for a non-elementwise optimizer, the
-            ranks were given different parameters, or ``data_parallel`` is given without
-            ``shard_gradients=True`` or was built without it.
+        ValueError: ``shard_gradients`` with a non-elementwise optimizer, different
+            parameters on the ranks, or ``data_parallel`` without ZeRO-2 on both sides.
 
     Example:
         >>> model = DataParallel(net, shard_gradients=True)  # or DataParallel(net), DDP: ZeRO-1
@@ -178,9 +177,8 @@ class ZeroRedundancyOptimizer(Optimizer):
     # -- the local optimizer --------------------------------------------------------------
 
     def _local_pieces(self) -> list[Piece]:
-        """This rank's pieces in the local optimizer's order: group by group, largest first
-        (torch's partition order). On CPU, torch's per-tensor Adam measured ~40% slower
-        with 4 MB weights and 4 KB biases interleaved than with the weights first."""
+        """This rank's pieces, group by group, largest first (torch's order: its per-tensor
+        Adam measured ~40% slower on CPU with 4 MB weights and 4 KB biases interleaved)."""
         return sorted(self.layout.pieces, key=lambda piece: (piece.group, -piece.numel))
 
     def _rebuild(self) -> None:
@@ -207,11 +205,8 @@ class ZeroRedundancyOptimizer(Optimizer):
             local_groups[piece.group]["params"].append(piece.tensor)
         self.optim = self.optimizer_class(local_groups, **self._local_defaults)
         copy_hyper(self.optim.param_groups, self.param_groups)
-        self._stepper = (
-            JobStepper(self.optim, self.layout.jobs)
-            if self.world_size > 1 and steps_per_tensor(self.optimizer_class)
-            else None
-        )
+        by_jobs = self.world_size > 1 and steps_per_tensor(self.optimizer_class)
+        self._stepper = JobStepper(self.optim, self.layout.jobs) if by_jobs else None
         if old_layout is not None:
             carried = carry_state(
                 old_layout.plan, old_state, plan, self.layout.pieces, self._shapes(), self._ranks
@@ -277,29 +272,24 @@ class ZeroRedundancyOptimizer(Optimizer):
             The loss returned by ``closure``, if any.
         """
         self._maybe_replan()
-        loss = None
+        loss = None  # ZeRO-2: the closure's gradients must be reduce-scattered before the step
         if closure is not None and self.shard_gradients:
             with torch.enable_grad():
-                loss = closure()  # its gradients must be reduce-scattered before the step
+                loss = closure()
             closure = None
         copy_hyper(self.param_groups, self.optim.param_groups)
         with torch.no_grad():
             self.layout.before_step()
-        if closure is None and self._stepper is not None:
-            # The local step runs job by job inside the sync (zero/local_step.py).
-            self._stepper.kwargs = kwargs
-            with torch.no_grad():
-                self.layout.sync_params(self._stepper)
-            copy_hyper(self.optim.param_groups, self.param_groups)
-            self._steps += 1
-            return loss
-        if closure is not None:
+        stepper = self._stepper if closure is None else None
+        if stepper is not None:
+            stepper.kwargs = kwargs  # the local step runs job by job inside the sync
+        elif closure is not None:
             loss = self.optim.step(closure=closure, **kwargs)
         else:
             self.optim.step(**kwargs)
-        copy_hyper(self.optim.param_groups, self.param_groups)
         with torch.no_grad():
-            self.layout.sync_params()
+            self.layout.sync_params(stepper)
+        copy_hyper(self.optim.param_groups, self.param_groups)
         self._steps += 1
         return loss
 
@@ -407,8 +397,4 @@ class ZeroRedundancyOptimizer(Optimizer):
 
     def grad_nbytes(self) -> int:
         """Bytes of gradients this rank holds now (its shards under ZeRO-2)."""
-        if isinstance(self.layout, FlatLayout):
-            return self.layout.grad_nbytes
-        return sum(
-            p.grad.numel() * p.grad.element_size() for p in self._params() if p.grad is not None
-        )
+        return self.layout.grad_nbytes
