@@ -4,12 +4,9 @@
 called ``sync_gradients()``); the Reducer decides *what* and *how*, the way DDP's Python wrapper
 drives its C++ ``Reducer``. The wrapper talks to it through a few verbs:
 
-- ``mark_ready(slot)``: a gradient arrived during a synced backward. Per gradient this only
-  counts (the hot path: on a GPU the thread running the hooks also launches the backward
-  kernels, so every microsecond per parameter is paid in full); when a bucket's last gradient
-  is in, the bucket is staged in one batch (``torch._foreach_copy_`` and one division over the
-  flat buffer) and every complete bucket is launched, in plan order (the DDP paper,
-  arXiv:2006.15704: launch order must be the same on every rank).
+- ``mark_ready(slot)``: a gradient arrived in a synced backward. It only counts (on a GPU
+  the hook thread also launches the backward kernels); a complete bucket is staged in one
+  batch and launched in plan order (arXiv:2006.15704: the same order on every rank).
 - ``mark_accumulated(slot)``: a gradient arrived under ``no_sync()``; nothing to reduce yet.
 - ``sync_overlap()`` / ``sync_legacy()``: after backward, reduce what is left, write the
   averages back into ``param.grad`` and reset for the next step (docs/design.md §7).
@@ -32,19 +29,16 @@ import torch.distributed as dist
 from torch import nn
 
 import gradsync_core
-from gradsync_torch._agreement import check_grad
 from gradsync_torch._collectives import global_rank
-from gradsync_torch.data_parallel.buckets import BucketBuffers, build_buckets
+from gradsync_torch.data_parallel.buckets import (
+    PER_TENSOR_DIVISION_MIN_NUMEL,
+    BucketBuffers,
+    build_buckets,
+    gather_gradients,
+)
 from gradsync_torch.data_parallel.comm_hooks import CommHook, GradBucket
 from gradsync_torch.data_parallel.used_map import UsedMap
 from gradsync_torch.data_parallel.used_map import bookkeeping_group as make_bookkeeping_group
-
-# On the CPU, a bucket whose tensors average at least this many elements is divided tensor by
-# tensor while copying (one pass over memory, as DDP does); smaller tensors are copied in one
-# ``torch._foreach_copy_`` and the bucket is divided once, where the per-tensor call would cost
-# more than the second pass. On an accelerator the host launching kernels is the critical path,
-# so buckets are always staged in a batch there.
-PER_TENSOR_DIVISION_MIN_NUMEL = 1 << 16
 
 
 class Reducer:
@@ -156,41 +150,9 @@ class Reducer:
         Raises:
             RuntimeError: for a sparse gradient or one that requires grad.
         """
-        zeros: list[torch.Tensor] = []
-        targets: list[torch.Tensor] = []
-        sources: list[torch.Tensor] = []
-        copied: list[torch.Tensor] = []  # the parameters of targets / sources
-        in_place: list[torch.Tensor] = []
-        for param, view, slot in zip(bucket.params, bucket.views, bucket.slot_ids, strict=True):
-            grad = param.grad
-            if grad is None:
-                zeros.append(view)
-                continue
-            if grad.layout != torch.strided or grad.requires_grad:
-                check_grad(self._names[slot], grad)
-            if grad.data_ptr() == view.data_ptr():
-                in_place.append(view)
-            else:
-                targets.append(view)
-                sources.append(grad)
-                copied.append(param)
-        if zeros:
-            torch._foreach_zero_(zeros)
-        if not self.divides_on_copy:
-            if targets:
-                torch._foreach_copy_(targets, sources)
-        elif self._per_tensor_division[bucket.spec.index]:
-            # Large tensors: divide while copying, one pass over each (DDP's fused copy).
-            for view, grad in zip(targets, sources, strict=True):
-                torch.div(grad, self.world_size, out=view)
-            if in_place:
-                torch._foreach_div_(in_place, self.world_size)
-        else:
-            if targets:
-                torch._foreach_copy_(targets, sources)
-            # Zeros and padding stay zero; the quotient is the same bits as dividing each
-            # gradient on its own (an elementwise, correctly rounded division).
-            bucket.buffer.div_(self.world_size)
+        divisor = self.world_size if self.divides_on_copy else None
+        per_tensor = self._per_tensor_division[bucket.spec.index]
+        copied = gather_gradients(bucket, self._names, divisor=divisor, per_tensor=per_tensor)
         if not self.keeps_param_grads:
             # ZeRO-2: the bucket holds a fired gradient until the reduce-scatter; one
             # accumulated under no_sync stays until the write-back reads it.
@@ -198,7 +160,7 @@ class Reducer:
                 if self._fired[slot]:
                     param.grad = None
         elif self.gradient_as_bucket_view:
-            for param, view in zip(copied, targets, strict=True):
+            for param, view in copied:
                 param.grad = view  # from now on autograd accumulates in the bucket
 
     def launch(self, bucket: BucketBuffers, *, is_last: bool) -> None:
@@ -376,11 +338,8 @@ class Reducer:
         self._end_sync(None)
 
     def _end_sync(self, unwaited_used_work: object = None) -> None:
-        """Every bucket is reduced and written back: reset for the next backward.
-
-        ``unwaited_used_work`` is kept for subclasses' signatures; the used-map now settles
-        its own collective at the next sync.
-        """
+        """All buckets are reduced and written back: reset (the used-map settles its own
+        collective, so ``unwaited_used_work`` is only kept for subclasses' signatures)."""
         self._reset_backward()
 
     def _reset_backward(self) -> None:
