@@ -49,9 +49,11 @@ from gradsync_core._reductions import (
     MODEL_AXES,
     ReductionPlan,
     SharedReduction,
+    expert_reduction_group,
     plan_shared_reductions,
     reduction_group,
     replicated_axes,
+    split_expert_specs,
     with_replicated_over,
 )
 from gradsync_core._shards import Shard, ShardPlan, plan_flat_shards, plan_greedy_shards
@@ -118,6 +120,7 @@ __all__ = [
     "commit_save",
     "counterpart_keys",
     "describe_difference",
+    "expert_reduction_group",
     "discard_save",
     "fingerprint",
     "framework_state_key",
@@ -137,6 +140,7 @@ __all__ = [
     "reduction_group",
     "replicated_axes",
     "sha256_file",
+    "split_expert_specs",
     "split_shapes",
     "staging_directory",
     "tensor_key",

@@ -13,6 +13,15 @@ sum would count it ``tp`` times. So the rule is derived, never hand-marked:
 right: along a model-parallel axis that splits the tokens, each rank's loss is its share of
 its replica's loss (divide by the replica's token count, not the local one), so the shares
 add up to the loss.
+
+Experts (Megatron-core's expert generator, docs/design.md §5): ``ep`` is carved out of ``dp``,
+so a dense parameter replicated over ``ep`` is covered by the data-parallel mean and ``ep``
+never adds a sum. An expert parameter (``ParamSpec.expert``) is held by the ``edp`` ranks of
+its expert; its gradient already holds the tokens the all-to-all routed to it from ``ep``
+data-parallel ranks, so it is *summed* over ``edp`` and divided by the dense ``dp`` — the
+global mean over every token, Megatron-core's ``expert_gradient_scaling_factor``. Within the
+expert region tensor parallelism is ``etp``: a ``"tp"`` in an expert's ``replicated_over``
+becomes a sum over ``etp``; ``cp`` is folded into ``edp`` (the expert generator has cp = 1).
 """
 
 from __future__ import annotations
@@ -99,16 +108,31 @@ def reduction_group(replicated_over: Iterable[str], topology: Topology) -> str |
             f"replicated_over lists {bad}: only model-parallel axes {MODEL_AXES} belong there "
             "(the data-parallel mean already reduces over dp; pp stages hold different layers)"
         )
-    live = [a for a in MODEL_AXES if a in axes and getattr(topology, a) > 1]
+    # ep is part of the dense data-parallel group: the data-parallel mean covers it.
+    live = [a for a in MODEL_AXES if a in axes and a != "ep" and getattr(topology, a) > 1]
     return "-".join(live) or None
+
+
+def expert_reduction_group(replicated_over: Iterable[str], topology: Topology) -> str | None:
+    """The extra-sum group of an *expert* parameter: ``"etp"`` if it is replicated over
+    ``"tp"`` and ``topology.etp > 1``, else ``None`` (cp and ep are covered by ``edp``).
+
+    Example:
+        >>> expert_reduction_group(("tp", "cp"), Topology.create(8, tp=2, ep=2))
+        'etp'
+    """
+    reduction_group(replicated_over, topology)  # validates the names
+    return "etp" if "tp" in replicated_over and topology.etp > 1 else None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SharedReduction:
     """The buckets of parameters whose gradients are summed over one group."""
 
-    group: str  # a Topology group name, "cp" or "tp-cp"
+    group: str  # a Topology group name, "cp" or "tp-cp"; "edp" for expert gradients
     buckets: BucketPlan
+    # Divide the sum by this: the dense dp for the expert data-parallel reduction, else 1.
+    divisor: int = 1
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -149,8 +173,12 @@ class ReductionPlan:
             "kind": "reduction_plan",
             "version": PLAN_VERSION,
             "topology": self.topology.to_json(),
+            # divisor is written only where it is not 1, so plans without experts keep the
+            # JSON and fingerprint they had before experts existed.
             "reductions": [
-                {"group": r.group, "buckets": r.buckets.to_json()} for r in self.reductions
+                {"group": r.group, "buckets": r.buckets.to_json()}
+                | ({"divisor": r.divisor} if r.divisor != 1 else {})
+                for r in self.reductions
             ],
         }
 
@@ -160,7 +188,11 @@ class ReductionPlan:
         return cls(
             topology=Topology.from_json(obj["topology"]),
             reductions=tuple(
-                SharedReduction(group=r["group"], buckets=BucketPlan.from_json(r["buckets"]))
+                SharedReduction(
+                    group=r["group"],
+                    buckets=BucketPlan.from_json(r["buckets"]),
+                    divisor=r.get("divisor", 1),
+                )
                 for r in obj["reductions"]
             ),
         )
@@ -170,9 +202,14 @@ class ReductionPlan:
         return fingerprint(self.to_json())
 
 
-def _group_key(group: str) -> tuple[int, tuple[int, ...]]:
+_EXPERT_GROUP_ORDER = ("etp", "edp")  # after every dense group
+
+
+def _group_key(group: str) -> tuple[int, int, tuple[int, ...]]:
+    if group in _EXPERT_GROUP_ORDER:
+        return 1, _EXPERT_GROUP_ORDER.index(group), ()
     axes = group.split("-")
-    return len(axes), tuple(MODEL_AXES.index(a) for a in axes)
+    return 0, len(axes), tuple(MODEL_AXES.index(a) for a in axes)
 
 
 def plan_shared_reductions(
@@ -184,7 +221,9 @@ def plan_shared_reductions(
 ) -> ReductionPlan:
     """Bucket the extra sums of every trainable parameter with a non-empty reduction group.
 
-    Parameters are grouped by ``reduction_group(spec.replicated_over, topology)``; each group's
+    Parameters are grouped by ``reduction_group(spec.replicated_over, topology)`` (expert
+    ones by ``expert_reduction_group``, and every expert one also into ``"edp"``, summed and
+    divided by ``topology.dp``: see the module docstring); each group's
     parameters get ``plan_buckets`` buckets (DDP's rule, registration order, bucket 0 = last
     registered = first ready). Groups are listed single axes first, each in ``AXES`` order
     (``tp``, ``cp``, ``ep``, ``tp-cp``, ...), the same on every rank.
@@ -206,11 +245,19 @@ def plan_shared_reductions(
     by_group: dict[str, list[ParamSpec]] = {}
     for spec in specs:
         try:
-            group = reduction_group(spec.replicated_over, topology)
+            if spec.expert:
+                group = expert_reduction_group(spec.replicated_over, topology)
+            else:
+                group = reduction_group(spec.replicated_over, topology)
         except ValueError as err:
             raise ValueError(f"parameter {spec.name!r}: {err}") from None
-        if group is not None and spec.requires_grad:
+        if not spec.requires_grad:
+            continue
+        if group is not None:
             by_group.setdefault(group, []).append(spec)
+        if spec.expert:
+            # Planned even where edp = 1: the division by dp is still owed.
+            by_group.setdefault("edp", []).append(spec)
     return ReductionPlan(
         topology=topology,
         reductions=tuple(
@@ -219,10 +266,25 @@ def plan_shared_reductions(
                 buckets=plan_buckets(
                     by_group[group], cap_bytes=cap_bytes, first_cap_bytes=first_cap_bytes
                 ),
+                divisor=topology.dp if group == "edp" else 1,
             )
             for group in sorted(by_group, key=_group_key)
         ),
     )
+
+
+def split_expert_specs(specs: Sequence[ParamSpec]) -> tuple[list[ParamSpec], list[ParamSpec]]:
+    """``(dense, expert)``: the dense parameters, whose data-parallel mean and ZeRO owners
+    are planned over ``dp``, and the expert ones, reduced by the plan's ``"edp"`` reduction
+    and owned over ``edp`` (``plan_greedy_shards(expert, world_size=topology.edp)``).
+
+    Example:
+        >>> router, w = ParamSpec(name="router", shape=(4,)), ParamSpec(name="w", shape=(4,))
+        >>> dense, expert = split_expert_specs([router, replace(w, expert=True)])
+        >>> [s.name for s in dense], [s.name for s in expert]
+        (['router'], ['w'])
+    """
+    return [s for s in specs if not s.expert], [s for s in specs if s.expert]
 
 
 def with_replicated_over(

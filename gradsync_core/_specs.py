@@ -27,7 +27,9 @@ DTYPE_ITEMSIZE: Mapping[str, int] = {
 }
 
 
-_JSON_KEYS = frozenset({"name", "shape", "dtype", "requires_grad", "device", "replicated_over"})
+_JSON_KEYS = frozenset(
+    {"name", "shape", "dtype", "requires_grad", "device", "replicated_over", "expert"}
+)
 
 
 def itemsize(dtype: str) -> int:
@@ -56,6 +58,9 @@ class ParamSpec:
         device: a placement tag (``"cpu"``, ``"cuda"``); buckets never mix devices.
         replicated_over: model-parallel axes (``"tp"``, ``"cp"``, ...) over which this parameter
             is replicated, so its gradient needs an extra sum over them (docs/design.md §6).
+        expert: a mixture-of-experts expert weight, declared by its layer: its gradient is
+            reduced over the expert data-parallel group ``edp``, not over ``dp``
+            (Megatron-core's expert generator, docs/design.md §5).
 
     Example:
         >>> ParamSpec(name="fc.weight", shape=(4, 3)).numel
@@ -68,6 +73,7 @@ class ParamSpec:
     requires_grad: bool = True
     device: str = "cpu"
     replicated_over: tuple[str, ...] = ()
+    expert: bool = False
     # Derived once: planners read it several times per parameter, for 10^5 parameters.
     numel: int = field(init=False, repr=False, compare=False)
 
@@ -97,7 +103,7 @@ class ParamSpec:
             "requires_grad": self.requires_grad,
             "device": self.device,
             "replicated_over": list(self.replicated_over),
-        }
+        } | ({"expert": True} if self.expert else {})  # absent: dense, as before experts
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> ParamSpec:
@@ -106,7 +112,7 @@ class ParamSpec:
         Types are checked as JSON has them, so ``"requires_grad": "no"`` is refused rather
         than read as true: ``name`` a non-empty string, ``shape`` a list of non-negative
         ints, ``dtype`` a name from ``DTYPE_ITEMSIZE``, ``requires_grad`` true or false,
-        ``device`` a string and ``replicated_over`` a list of strings.
+        ``device`` a string, ``replicated_over`` a list of strings and ``expert`` true or false.
 
         Raises:
             ValueError: naming the field, the value seen and what it should be.
@@ -149,6 +155,11 @@ class ParamSpec:
                 f"parameter {name!r}: 'replicated_over' must be a list of axis names such as "
                 f'["tp"], got {_short(replicated_over)}'
             )
+        expert = obj.get("expert", False)
+        if not isinstance(expert, bool):
+            raise ValueError(
+                f"parameter {name!r}: 'expert' must be true or false, got {_short(expert)}"
+            )
         return cls(
             name=name,
             shape=tuple(shape),
@@ -156,6 +167,7 @@ class ParamSpec:
             requires_grad=requires_grad,
             device=device,
             replicated_over=tuple(replicated_over),
+            expert=expert,
         )
 
 

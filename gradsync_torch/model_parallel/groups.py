@@ -18,7 +18,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from gradsync_core import AXES, STANDARD_GROUPS, ReductionPlan, Topology, describe_difference
+from gradsync_core import (
+    AXES,
+    EXPERT_GROUPS,
+    STANDARD_GROUPS,
+    ReductionPlan,
+    Topology,
+    describe_difference,
+)
 from gradsync_torch._specs import named_parameters
 
 
@@ -105,7 +112,9 @@ class ProcessGroups:
         self.rank = dist.get_rank()
         self._groups: dict[frozenset[str], Group] = {}
         created: dict[tuple[int, ...], ProcessGroup] = {}
-        ordered = list(AXES) + [n for n in names if n not in AXES]
+        # With experts, Megatron-core's expert groups too (edp reduces expert gradients).
+        extra = [n for n in EXPERT_GROUPS if n not in AXES] if topology.has_experts else []
+        ordered = list(AXES) + [n for n in [*names, *extra] if n not in AXES]
         for name in ordered:
             key = _key(name)
             if key in self._groups:
@@ -228,6 +237,9 @@ def reduce_shared_gradients(
 ) -> None:
     """Sum the gradients of replicated parameters over their groups, bucketed (docs/design.md §6).
 
+    Expert parameters (the plan's ``"edp"`` reduction) are summed over ``edp`` and divided by
+    the dense ``dp``; leave them out of the dense data-parallel mean.
+
     Call after backward, before or after the data-parallel mean (the two commute): each
     bucket is flattened, all-reduced over its group (all buckets in flight at once) and
     copied back. A parameter without a gradient contributes zeros and receives the sum.
@@ -256,6 +268,11 @@ def reduce_shared_gradients(
     for reduction in plan.reductions:
         group = groups.group(reduction.group)
         if group.size == 1:
+            if reduction.divisor != 1:  # an expert held by one rank still owes the 1/dp
+                for slot in reduction.buckets.slots:
+                    grad = params[slot.name].grad
+                    if grad is not None:
+                        grad.div_(reduction.divisor)
             continue
         for bucket in reduction.buckets.buckets:
             members = []
@@ -279,9 +296,11 @@ def reduce_shared_gradients(
                     )
                 flat[slot.offset : slot.offset + slot.numel].copy_(grad.reshape(-1))
             work = dist.all_reduce(flat, group=group.process_group, async_op=True)
-            pending.append((work, flat, members))
-    for work, flat, members in pending:
+            pending.append((work, flat, members, reduction.divisor))
+    for work, flat, members, divisor in pending:
         work.wait()
+        if divisor != 1:  # expert gradients: summed over edp, divided by the dense dp
+            flat.div_(divisor)
         for slot, param in members:
             value = flat[slot.offset : slot.offset + slot.numel].view(param.shape)
             if param.grad is None:

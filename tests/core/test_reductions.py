@@ -19,6 +19,7 @@ from gradsync_core import (
     replicated_axes,
     with_replicated_over,
 )
+from gradsync_core._reductions import split_expert_specs
 
 # (sharded_over, data_sharded_over, expected): the reference block's parameters.
 RULES = {
@@ -206,10 +207,60 @@ def test_every_replicated_parameter_is_reduced_exactly_once(layout, sizes):
     seen = [name for r in plan.reductions for name in r.names]
     assert len(seen) == len(set(seen))
     for spec in specs:
-        live = [a for a in spec.replicated_over if getattr(topo, a) > 1]
+        # ep is carved out of the dense dp (issue 15): the data-parallel mean covers it.
+        live = [a for a in spec.replicated_over if a != "ep" and getattr(topo, a) > 1]
         group = plan.group_of(spec.name)
         assert (group is None) == (not live)
         if group is not None:
             assert set(group.split("-")) == set(live)
             assert topo.group_size(group) > 1
     assert ReductionPlan.from_json(plan.to_json()) == plan
+
+
+# --- expert parameters (issue 15) ---------------------------------------------------------------
+
+
+def _moe_specs() -> list[ParamSpec]:
+    return [
+        ParamSpec(name="router.weight", shape=(4, 8)),
+        ParamSpec(name="norm.weight", shape=(8,), replicated_over=("cp",)),
+        ParamSpec(name="experts.0.fc1.weight", shape=(16, 8), expert=True),
+        ParamSpec(name="experts.0.fc2.bias", shape=(8,), expert=True, replicated_over=("tp",)),
+        ParamSpec(name="frozen.expert", shape=(3,), expert=True, requires_grad=False),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "groups", "bias_group"),
+    [
+        ({"world_size": 4, "ep": 2}, ("edp",), "edp"),
+        ({"world_size": 8, "cp": 2, "ep": 2}, ("cp", "edp"), "edp"),
+        ({"world_size": 8, "tp": 2, "ep": 2}, ("etp", "edp"), "etp"),
+        ({"world_size": 8, "tp": 2, "ep": 4, "etp": 1}, ("edp",), "edp"),
+    ],
+    ids=["ep2", "cp2-ep2", "tp2-ep2-etp2", "tp2-ep4-etp1"],
+)
+def test_expert_gradients_are_summed_over_edp_and_divided_by_dp(kwargs, groups, bias_group):
+    topo = Topology.create(**kwargs)
+    plan = plan_shared_reductions(_moe_specs(), topo)
+    assert plan.group_names == groups
+    edp = plan.reduction("edp")
+    assert edp.divisor == topo.dp
+    assert set(edp.names) == {"experts.0.fc1.weight", "experts.0.fc2.bias"}
+    assert plan.group_of("router.weight") is None and plan.group_of("frozen.expert") is None
+    assert plan.group_of("experts.0.fc2.bias") == bias_group
+    assert all(r.divisor == 1 for r in plan.reductions if r.group != "edp")
+    assert ReductionPlan.from_json(plan.to_json()) == plan
+    dense, expert = split_expert_specs(_moe_specs())
+    assert [s.name for s in dense] == ["router.weight", "norm.weight"]
+    assert len(expert) == 3
+
+
+def test_plans_without_experts_keep_their_json():
+    plan = plan_shared_reductions([ParamSpec(name="n", shape=(4,), replicated_over=("cp",))], TOPO)
+    assert all("divisor" not in r for r in plan.to_json()["reductions"])
+    assert "expert" not in ParamSpec(name="n", shape=(4,)).to_json()
+    spec = ParamSpec.from_json({"name": "w", "shape": [2], "expert": True})
+    assert spec.expert and ParamSpec.from_json(spec.to_json()) == spec
+    with pytest.raises(ValueError, match="'expert' must be true or false, got 'yes'"):
+        ParamSpec.from_json({"name": "w", "shape": [2], "expert": "yes"})
