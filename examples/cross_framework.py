@@ -1,0 +1,191 @@
+"""Train in torch, continue in JAX from the same checkpoint: one training state, two frameworks.
+
+    python examples/cross_framework.py                 # CPU only: 2 gloo ranks, 8 JAX devices
+    python examples/cross_framework.py --steps 10 --plot curves.png
+
+1. torch: 2 ranks (spawned here with gloo, no torchrun needed) train an MLP with
+   ``DataParallel`` + ``ZeroRedundancyOptimizer(AdamW)`` for ``2 * --steps`` steps and save the
+   weights and optimizer state after ``--steps`` (``opt.save(path, model=net)``).
+2. JAX: 8 CPU devices load that checkpoint (``load_params`` + ``load_optimizer_state`` into
+   ``shard_optimizer(optax.adamw)``) and train the second half with ``data_parallel_step``.
+3. Both loss curves are printed side by side: the JAX half continues the torch run, so its
+   losses are torch's own up to float32 rounding. With matplotlib installed, ``--plot`` also
+   writes a figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import tempfile
+from typing import Any
+
+import numpy as np
+
+# 8 fake CPU devices; must be set before JAX is imported (it is imported in continue_in_jax).
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+WIDTHS = [16] + [32] * 11 + [4]  # 12 Linear layers
+HYPER = {"lr": 3e-3, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.01}
+RANKS, DEVICES, BATCH = 2, 8, 64
+
+
+def batches(steps: int) -> tuple[np.ndarray, np.ndarray]:
+    """``steps`` batches of a fixed teacher's regression task, the same in both frameworks."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(steps, BATCH, WIDTHS[0])).astype(np.float32)
+    teacher = rng.normal(size=(WIDTHS[0], WIDTHS[-1])).astype(np.float32) / 4
+    return x, np.tanh(x @ teacher).astype(np.float32)
+
+
+def torch_worker(rank: int, store: str, steps: int, path: str, out: Any) -> None:
+    """One gloo rank: train ``2 * steps`` steps, save after ``steps``, report losses."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from gradsync_torch import DataParallel, ZeroRedundancyOptimizer
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=RANKS)
+    torch.manual_seed(0)  # every rank builds the same initial model
+
+    class MLP(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in itertools.pairwise(WIDTHS))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers[:-1]:
+                x = torch.tanh(layer(x))
+            return self.layers[-1](x)
+
+    net = MLP()
+    model = DataParallel(net)
+    opt = ZeroRedundancyOptimizer(net.named_parameters(), torch.optim.AdamW, **HYPER)
+    xs, ys = batches(2 * steps)
+    losses = []
+    for step in range(2 * steps):
+        x = torch.from_numpy(xs[step]).chunk(RANKS)[rank]
+        y = torch.from_numpy(ys[step]).chunk(RANKS)[rank]
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / RANKS)
+        if step + 1 == steps:
+            opt.save(path, model=net)  # weights + sharded optimizer state, torch or JAX
+    if rank == 0:
+        out.put(losses)
+    dist.destroy_process_group()
+
+
+def train_in_torch(steps: int, path: str) -> list[float]:
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        procs = [
+            ctx.Process(target=torch_worker, args=(rank, store, steps, path, out))
+            for rank in range(RANKS)
+        ]
+        for p in procs:
+            p.start()
+        losses = out.get(timeout=600)
+        for p in procs:
+            p.join()
+    if any(p.exitcode != 0 for p in procs):
+        raise SystemExit(f"a torch rank failed: exit codes {[p.exitcode for p in procs]}")
+    return losses
+
+
+def continue_in_jax(steps: int, path: str) -> list[float]:
+    import flax.linen as fnn
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from gradsync_core import Topology
+    from gradsync_jax import (
+        data_parallel_step,
+        load_optimizer_state,
+        load_params,
+        mesh_from_topology,
+        shard_optimizer,
+    )
+
+    class MLP(fnn.Module):
+        @fnn.compact
+        def __call__(self, x: jax.Array) -> jax.Array:
+            for width in WIDTHS[1:-1]:
+                x = jnp.tanh(fnn.Dense(width)(x))
+            return fnn.Dense(WIDTHS[-1])(x)
+
+    model = MLP()
+    # Flax names the layers Dense_0..Dense_11, torch layers.0..layers.11.
+    modules = {f"Dense_{i}": f"layers.{i}" for i in range(len(WIDTHS) - 1)}
+    like = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, WIDTHS[0])))
+    params = load_params(path, like, modules=modules)
+    mesh = mesh_from_topology(Topology.create(DEVICES), jax.devices()[:DEVICES])
+    b1, b2 = HYPER["betas"]
+    tx = shard_optimizer(
+        optax.adamw(HYPER["lr"], b1=b1, b2=b2, eps=HYPER["eps"], weight_decay=0.01), mesh
+    )
+    opt_state, manifest = load_optimizer_state(path, tx, params, modules=modules)
+
+    def loss_fn(p: Any, batch: tuple[jax.Array, jax.Array]) -> jax.Array:
+        return jnp.mean((model.apply(p, batch[0]) - batch[1]) ** 2)
+
+    train_step = data_parallel_step(loss_fn, tx, mesh)
+    xs, ys = batches(2 * steps)
+    losses = []
+    for step in range(manifest.step, manifest.step + steps):
+        params, opt_state, loss = train_step(params, opt_state, (xs[step], ys[step]))
+        losses.append(float(loss))
+    return losses
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=20, help="steps in each framework")
+    parser.add_argument("--checkpoint", default=None, help="directory (default: a temp dir)")
+    parser.add_argument("--plot", default=None, help="write a figure here (needs matplotlib)")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = args.checkpoint or os.path.join(tmp, "ckpt")
+        torch_losses = train_in_torch(args.steps, path)
+        jax_losses = continue_in_jax(args.steps, path)
+    print(f"{'step':>4}  {'torch, 2 ranks':>15}  {'torch -> JAX, 8 devices':>24}")
+    for step, loss in enumerate(torch_losses, start=1):
+        resumed = jax_losses[step - args.steps - 1] if step > args.steps else None
+        cell = "" if resumed is None else f"{resumed:.6f}"
+        print(f"{step:>4}  {loss:>15.6f}  {cell:>24}")
+    worst = max(
+        abs(j - t) / abs(t) for j, t in zip(jax_losses, torch_losses[args.steps :], strict=True)
+    )
+    print(f"largest relative loss difference after the switch: {worst:.1e}")
+    if args.plot:
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            print("matplotlib is not installed: no plot written")
+            return
+        steps = range(1, len(torch_losses) + 1)
+        plt.plot(steps, torch_losses, label="torch, 2 ranks")
+        plt.plot(steps[args.steps :], jax_losses, "--", label="torch -> JAX, 8 devices")
+        plt.xlabel("step")
+        plt.ylabel("loss")
+        plt.legend()
+        plt.savefig(args.plot)
+        print(f"plot written to {args.plot}")
+
+
+if __name__ == "__main__":
+    main()
