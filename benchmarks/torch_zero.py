@@ -45,6 +45,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from _grad_memory import GradMemory
 from _report import add_repeat_arg, finish, run_repeats
 from _spawn import spawn_ranks
 from _torch_models import (
@@ -102,7 +103,15 @@ def profile(
             for name in VARIANTS:
                 backward(name)
                 dist.barrier()
-                splits[name].step()
+                split = splits[name]
+                n_local, n_sync = len(split.local_s), len(split.sync_s)
+                split.step()
+                # gradsync steps job by job inside its sync: one sum per step, and the sync
+                # column keeps only the time not spent in local steps (exposed communication).
+                split.local_s[n_local:] = [sum(split.local_s[n_local:])]
+                split.sync_s[n_sync:] = [sum(split.sync_s[n_sync:])]
+                if isinstance(setups[name][1], ZeroRedundancyOptimizer):
+                    split.sync_s[-1] -= split.local_s[-1]
     finally:
         for split in splits.values():
             split.restore()
@@ -118,6 +127,7 @@ def worker(rank: int, world_size: int, store_path: str, args: argparse.Namespace
     try:
         base = build_model(args)
         setups: dict[str, tuple[nn.Module, torch.optim.Optimizer]] = {}
+        recorders: dict[str, GradMemory] = {}
         for name in VARIANTS:
             module = copy.deepcopy(base)
             if name.startswith("DDP"):
@@ -138,25 +148,26 @@ def worker(rank: int, world_size: int, store_path: str, args: argparse.Namespace
                     data_parallel=model if name == ZERO2 else None,
                 )
             setups[name] = (model, opt)
+            # After the wrapper's hooks: samples see each gradient once it was handed over.
+            recorders[name] = GradMemory(model, module.parameters())
         del base
         inputs, targets = make_batch(args, rank, torch.device("cpu"))
-        grad_bytes: dict[str, int] = {}
 
-        def backward(name: str, measure: bool = False) -> None:
+        def backward(name: str) -> None:
             model, opt = setups[name]
             opt.zero_grad(set_to_none=True)
             loss_of(model, inputs, targets).backward()
-            if measure:  # gradients this rank holds (param.grad, or its ZeRO-2 shards)
-                if isinstance(opt, ZeroRedundancyOptimizer) and opt.shard_gradients:
-                    grad_bytes[name] = opt.grad_nbytes()
-                else:
-                    grad_bytes[name] = sum(
-                        p.grad.numel() * p.grad.element_size() for p in model.parameters()
-                    )
 
         def step(name: str, measure: bool) -> None:
-            backward(name, measure)
+            recorder = recorders[name]
+            recorder.active = measure
+            backward(name)
+            if measure:
+                recorder.sample()
             setups[name][1].step()
+            if measure:
+                recorder.sample()
+                recorder.active = False
 
         times: dict[str, list[float]] = {name: [] for name in VARIANTS}
         rounds = args.warmup + args.steps
@@ -184,7 +195,8 @@ def worker(rank: int, world_size: int, store_path: str, args: argparse.Namespace
             for name in VARIANTS[1:]
         }
         memory = torch.tensor(
-            [[_state_nbytes(setups[n][1]), grad_bytes[n]] for n in VARIANTS], dtype=torch.int64
+            [[_state_nbytes(setups[n][1]), recorders[n].peak] for n in VARIANTS],
+            dtype=torch.int64,
         )
         dist.all_reduce(memory, op=dist.ReduceOp.MAX)  # the fullest rank
         if rank == 0:
@@ -224,8 +236,9 @@ def print_profile(split: list[list[float]]) -> dict[str, dict[str, float | None]
             for key, v in zip(("step_s", "local_step_s", "sync_s", "rest_s"), row, strict=True)
         }
     print(
-        "local: the local optimizer's step (opt.optim.step); sync: the parameter sync after it "
-        "(torch: _sync_params, gradsync: layout.sync_params; n/a: not found on this object); "
+        "local: the local optimizer's step (opt.optim.step, summed over its calls); sync: the "
+        "parameter sync (torch: _sync_params after the local step; gradsync: layout.sync_params, "
+        "which runs the local step job by job, less that local time; n/a: not found); "
         "rest: step - local - sync (bookkeeping); DDP + Adam has no wrapper, so all of it is rest"
     )
     return table
@@ -262,13 +275,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         )
     print(
         "vs torch ZeRO: ratio of medians; paired: median of the per-round ratios; state: "
-        "optimizer state on the fullest rank; grad: gradients it holds at the step "
-        "(param.grad, or its ZeRO-2 shards)"
-    )
-    print(
-        "TODO grad memory: DDP's and DataParallel's bucket buffers (about one more gradient "
-        "copy per rank unless gradient_as_bucket_view) are not counted: neither exposes them "
-        "publicly"
+        "optimizer state on the fullest rank; grad: peak bytes of gradient storage on the "
+        "fullest rank during one backward and step, measured from live tensors (param.grad, "
+        "gradsync's bucket buffers and ZeRO-2 shards; DDP's C++ bucket buffers, about one "
+        "more gradient copy, are not visible: benchmarks/_grad_memory.py)"
     )
     print(f"ZeRO-1 plan imbalance (max / mean load - 1): {imbalance:.4f}")
     print(
@@ -296,6 +306,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "plan_imbalance": round(imbalance, 4),
         "zero2_grad_bytes_per_rank": grads[zero2],
         "ddp_grad_bytes_per_rank": grads[zero1],
+        "grad_peak_bytes_per_rank": grads,  # every variant, measured (see the table's note)
         "params_equal": equal,
         "world_size": args.world_size,
         "params": params,
