@@ -37,7 +37,7 @@ from gradsync_core._cli_checkpoint import add_checkpoint_parser
 from gradsync_core._models import MODELS, builtin_model
 from gradsync_core._shards import ShardPlan, plan_flat_shards, plan_greedy_shards
 from gradsync_core._specs import DTYPE_ITEMSIZE, ParamSpec, check_unique_names, itemsize
-from gradsync_core._topology import DEFAULT_ORDER, STANDARD_GROUPS, Topology
+from gradsync_core._topology import DEFAULT_ORDER, EXPERT_GROUPS, STANDARD_GROUPS, Topology
 
 DEFAULT_MODEL = "gpt2-small"
 MAX_WORLD_SIZE = 1 << 20  # 1,048,576 ranks: beyond today's largest jobs, and plans in < 2 s
@@ -101,6 +101,8 @@ def _load_params(path: str) -> list[ParamSpec]:
 def _check_bounds(args: argparse.Namespace) -> None:
     """Refuse sizes beyond the documented maxima before anything is planned."""
     maxima = {name: MAX_WORLD_SIZE for name in ("world_size", "tp", "cp", "ep", "pp")}
+    if args.etp is not None:
+        maxima["etp"] = MAX_WORLD_SIZE
     for name, maximum in (maxima | {"pad_to": MAX_PAD_TO}).items():
         value = getattr(args, name)
         if not 1 <= value <= maximum:
@@ -221,7 +223,9 @@ def _group_preview(topo: Topology, name: str, index: int, limit: int = 8) -> str
 
 def _group_section(topo: Topology) -> str:
     rows = []
-    for name in STANDARD_GROUPS:
+    # With experts, Megatron-core's expert groups follow the dense ones ("ep" is one of them).
+    names = [n for n in STANDARD_GROUPS if n != "ep" or not topo.has_experts]
+    for name in names + (list(EXPERT_GROUPS) if topo.has_experts else []):
         count = topo.group_count(name)
         shown = " ".join(_group_preview(topo, name, i) for i in range(min(count, 3)))
         rows.append([name, topo.group_size(name), count, shown + (" ..." if count > 3 else "")])
@@ -229,6 +233,8 @@ def _group_section(topo: Topology) -> str:
         f"Rank groups: order {topo.order!r} (first varies fastest); mesh shape "
         f"{topo.mesh_shape} axes {topo.mesh_axis_names}"
     )
+    if topo.has_experts:
+        head += f"; expert mesh shape {topo.expert_mesh_shape} axes {topo.expert_mesh_axis_names}"
     return head + "\n" + _table(["group", "size", "count", "ranks"], rows, max_rows=20)
 
 
@@ -236,7 +242,13 @@ def _plan(args: argparse.Namespace) -> int:
     _check_bounds(args)
     specs = _load_params(args.params) if args.params else builtin_model(args.model, args.dtype)
     topo = Topology.create(
-        args.world_size, tp=args.tp, cp=args.cp, ep=args.ep, pp=args.pp, order=args.order
+        args.world_size,
+        tp=args.tp,
+        cp=args.cp,
+        ep=args.ep,
+        pp=args.pp,
+        order=args.order,
+        etp=args.etp,
     )
     # DDP's convention: with no cap given, 25 MiB buckets and a 1 MiB first bucket.
     if args.bucket_cap_mb is None:
@@ -277,7 +289,12 @@ def _plan(args: argparse.Namespace) -> int:
         f"Model {source}: {len(specs)} parameters ({len(trainable)} trainable), "
         f"{sum(s.numel for s in trainable):,} trainable elements, "
         f"{_mib(sum(s.nbytes for s in trainable))} MiB; world size {topo.world_size} = "
-        f"tp {topo.tp} x cp {topo.cp} x ep {topo.ep} x dp {topo.dp} x pp {topo.pp}"
+        + (
+            f"tp {topo.tp} x cp {topo.cp} x dp {topo.dp} x pp {topo.pp}; experts: etp "
+            f"{topo.etp} x ep {topo.ep} x edp {topo.edp} x pp {topo.pp}"
+            if topo.has_experts
+            else f"tp {topo.tp} x cp {topo.cp} x ep {topo.ep} x dp {topo.dp} x pp {topo.pp}"
+        )
     )
     print()
     print(_bucket_section(buckets))
@@ -325,6 +342,12 @@ def build_parser() -> argparse.ArgumentParser:
         plan.add_argument(
             f"--{axis}", type=int, default=1, help=f"{axis} size, 1 to {most} (default 1)"
         )
+    plan.add_argument(
+        "--etp",
+        type=int,
+        default=None,
+        help=f"expert tensor-parallel size, 1 to {most} (default: --tp, as Megatron-core)",
+    )
     plan.add_argument("--order", default=DEFAULT_ORDER, help="rank order, first varies fastest")
     plan.add_argument(
         "--bucket-cap-mb",

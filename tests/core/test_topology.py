@@ -417,3 +417,16 @@ def test_expert_mesh_fibres_are_the_expert_groups():
     mesh = [list(range(16))[i * 4 : i * 4 + 4] for i in range(4)]  # (edp, ep), etp = pp = 1
     assert tuple(tuple(row) for row in mesh) == topo.groups("ep")
     assert tuple(zip(*mesh, strict=True)) == topo.groups("edp")
+
+
+def test_cli_plan_prints_dense_and_expert_groups(capsys):
+    from gradsync_core._cli import main
+
+    assert main(["plan", "--world-size", "16", "--tp", "2", "--ep", "4", "--etp", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "tp 2 x cp 1 x dp 8 x pp 1; experts: etp 1 x ep 4 x edp 4 x pp 1" in out
+    assert "expert mesh shape (1, 4, 4, 1) axes ('pp', 'edp', 'ep', 'etp')" in out
+    rows = {line.split()[0]: line.split()[1:3] for line in out.splitlines() if line[:1] == " "}
+    assert rows["dp"] == ["8", "2"] and rows["edp"] == ["4", "4"] and rows["ep"] == ["4", "4"]
+    assert main(["plan", "--world-size", "8", "--ep", "3"]) == 2
+    assert "etp*ep*pp = 1*3*1 = 3 does not divide world_size = 8" in capsys.readouterr().err
