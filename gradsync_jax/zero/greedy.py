@@ -29,7 +29,7 @@ from gradsync_jax._axes import cast_varying, psum_scatter_mean, tracks_variance,
 from gradsync_jax._naming import registration_order
 from gradsync_jax.zero.clip import shard_context
 from gradsync_jax.zero.layout import Collective, UpdateInputs, UpdateResult, ZeroState
-from gradsync_jax.zero.model_space import ModelSpace, itemsize
+from gradsync_jax.zero.model_space import ModelSpace, as_dtype, itemsize
 from gradsync_jax.zero.rows import DeviceState, Rows, map_device_state, plan_rows
 
 # The branches of ``lax.switch`` must return equal types, and a device that owns nothing
@@ -49,12 +49,6 @@ class _Operands(NamedTuple):
 def _global_norm(chunks: list[list[jax.Array]], axes: tuple[str, ...]) -> jax.Array:
     squares = [jnp.sum(jnp.square(c)) for cs in chunks for c in cs]
     return jnp.sqrt(lax.psum(sum(squares, jnp.zeros((), jnp.float32)), axes))
-
-
-def _as_dtype(value: Any, dtype: str) -> jax.Array:
-    """``value`` as the unsharded state's dtype (a PRNG key stays as it is)."""
-    value = jnp.asarray(value)
-    return value if dtype.startswith("key<") else value.astype(dtype)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -115,7 +109,7 @@ class GreedyLayout:
             device.sources, device.treedef.flatten_up_to(state), strict=True
         ):
             if kind == "global":
-                globals_[index] = _as_dtype(leaf, self.space.leaves[index].dtype)
+                globals_[index] = as_dtype(leaf, self.space.leaves[index].dtype)
             else:
                 per_param[index] = leaf
         return per_param, [globals_[i] for i in self.globals]

@@ -62,6 +62,12 @@ def itemsize(dtype: Any) -> int:
     return np.dtype(dtype).itemsize
 
 
+def as_dtype(value: Any, dtype: str) -> Any:
+    """``value`` as a state leaf's dtype (a PRNG key stays as it is)."""
+    value = jax.numpy.asarray(value)
+    return value if dtype.startswith("key<") else value.astype(dtype)
+
+
 def abstract(tree: Any) -> Any:
     """Shapes and dtypes only (works on arrays, tracers and ``ShapeDtypeStruct``)."""
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)

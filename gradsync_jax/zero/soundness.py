@@ -18,9 +18,9 @@ import optax
 
 from gradsync_jax.zero.analysis import ELEMENT, UNIFORM, Analyser, Node, Role
 from gradsync_jax.zero.clip import shard_context
-from gradsync_jax.zero.flat import FlatLayout
+from gradsync_jax.zero.flat import FlatLayout, build_flat, not_elementwise
 from gradsync_jax.zero.greedy import GreedyLayout
-from gradsync_jax.zero.model_space import ModelSpace, path_parts
+from gradsync_jax.zero.model_space import ModelSpace, model_space, path_parts
 
 _NORM = jax.ShapeDtypeStruct((), np.float32)  # gradsync_jax.clip_by_global_norm's norm
 _FIX = (
@@ -248,3 +248,28 @@ def _label(param: int | None, prefix: str, name: str) -> Any:
 def _keys(tree: dict[str, Any]) -> Any:
     """The key of every array leaf of the extra arguments, in flattening order."""
     return {k: jax.tree.map(lambda _, k=k: k, v) for k, v in tree.items()}
+
+
+# A small tree to refuse a coupling (or, for "flat", non-elementwise) optimizer already when
+# shard_optimizer is called; init repeats the analysis on the real tree.
+_SAMPLE = {
+    "w": jax.ShapeDtypeStruct((5, 4), np.float32),
+    "b": jax.ShapeDtypeStruct((7,), np.float32),
+}
+
+
+def check_on_sample(inner: optax.GradientTransformationExtraArgs, partition: str) -> None:
+    """Refuse ``inner`` early if it couples tensors (or, for ``"flat"``, is not elementwise)
+    on a small sample tree; one it cannot run on is left to ``init`` on the real tree."""
+    try:
+        space = model_space(inner, _SAMPLE)
+        soundness = Soundness(inner, space, _SAMPLE, {})
+    except Exception:  # needs the real tree (a label tree) or extra arguments
+        return
+    soundness.where = " (on a sample tree of two tensors 'w' and 'b')"
+    if problem := soundness.coupling():
+        raise ValueError(problem)
+    if partition == "flat":
+        reason = soundness.flat_problem(build_flat(inner, space, 2, 1 << 20))
+        if reason:
+            raise not_elementwise(reason)

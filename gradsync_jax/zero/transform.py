@@ -27,17 +27,11 @@ from gradsync_jax.zero.checks import check_grads, check_inside, check_state
 from gradsync_jax.zero.flat import FlatLayout, NotElementwiseError, build_flat, not_elementwise
 from gradsync_jax.zero.greedy import build_greedy
 from gradsync_jax.zero.layout import Collective, Layout, UpdateInputs, UpdateResult, ZeroState
-from gradsync_jax.zero.model_space import ModelSpace, abstract, model_space, pure, signature
-from gradsync_jax.zero.soundness import Soundness, split_extra_args
+from gradsync_jax.zero.model_space import abstract, model_space, pure, signature
+from gradsync_jax.zero.soundness import Soundness, check_on_sample, split_extra_args
 
 PARTITIONS = ("auto", "greedy", "flat")
 _MIB = 1024 * 1024
-# A small tree to refuse a coupling (or, for "flat", non-elementwise) optimizer already when
-# shard_optimizer is called; init repeats the analysis on the real tree.
-_SAMPLE = {
-    "w": jax.ShapeDtypeStruct((5, 4), np.float32),
-    "b": jax.ShapeDtypeStruct((7,), np.float32),
-}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -132,8 +126,11 @@ class _LayoutCache:
         if key in self._verified:
             return
         space = layout.space
+        params = space.param_treedef.unflatten(
+            [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in space.specs]
+        )
         soundness = Soundness(
-            self.settings.inner, space, _params_of(space), extra_args, with_params=with_params
+            self.settings.inner, space, params, extra_args, with_params=with_params
         )
         if problem := soundness.coupling():
             raise ValueError(problem)
@@ -165,29 +162,6 @@ class _LayoutCache:
         if id(layout) not in self._inits:
             self._inits[id(layout)] = _build_init(self.settings, layout)
         return self._inits[id(layout)]
-
-
-def _params_of(space: ModelSpace) -> Any:
-    return space.param_treedef.unflatten(
-        [jax.ShapeDtypeStruct(spec.shape, spec.dtype) for spec in space.specs]
-    )
-
-
-def _check_on_sample(inner: optax.GradientTransformationExtraArgs, partition: str) -> None:
-    """Refuse ``inner`` early if it couples tensors (or, for ``"flat"``, is not elementwise)
-    on a small sample tree; one it cannot run on is left to ``init`` on the real tree."""
-    try:
-        space = model_space(inner, _SAMPLE)
-        soundness = Soundness(inner, space, _SAMPLE, {})
-    except Exception:  # needs the real tree (a label tree) or extra arguments
-        return
-    soundness.where = " (on a sample tree of two tensors 'w' and 'b')"
-    if problem := soundness.coupling():
-        raise ValueError(problem)
-    if partition == "flat":
-        reason = soundness.flat_problem(build_flat(inner, space, 2, _MIB))
-        if reason:
-            raise not_elementwise(reason)
 
 
 def _explicit(mesh: Mesh) -> bool:
@@ -368,10 +342,13 @@ def shard_optimizer(
             in it.
         mesh: the mesh the training step's ``shard_map`` runs on.
         axis_name: the data-parallel axis (or tuple of axes) the batch is split over.
-        partition: ``"greedy"``: whole parameters per device (``plan_greedy_shards``, the
-            owners torch's ZeRO optimizer picks), any optimizer. ``"flat"``: element ranges of
-            gradient buckets, one reduce-scatter and one all-gather per bucket, elementwise
-            optimizers only (checked when built).
+        partition: ``"auto"`` (default): ``"flat"`` when the inner update is proven
+            elementwise, else ``"greedy"``. ``"greedy"``: whole parameters per device
+            (``plan_greedy_shards``, the owners torch's ZeRO optimizer picks), for optimizers
+            whose update of a tensor reads only that tensor (Adafactor, LAMB). ``"flat"``:
+            element ranges of gradient buckets, one reduce-scatter and one all-gather per
+            bucket, elementwise optimizers only. Decided from the jaxpr of the inner update
+            (docs/jax-zero.md, "Soundness"); what cannot be proven exact is refused.
         reduce: ``"mean"`` divides the local gradients by N before the sum; ``"sum"`` does not.
         bucket_cap_mb: in MiB, as torch's DDP and ``gradsync_torch`` take it. ``"flat"``: the
             gradient bucket size; ``"greedy"``: the size of the column chunks its packed
@@ -382,9 +359,10 @@ def shard_optimizer(
 
     Raises:
         ValueError: on an unknown partition/reduce, a non-positive ``bucket_cap_mb``, an
-            axis the mesh lacks, a cross-parameter
-            transformation inside ``inner`` (``optax.clip_by_global_norm``), or (``"flat"``)
-            a non-elementwise ``inner``.
+            axis the mesh lacks, or an inner update that reads other tensors than the one it
+            updates (``optax.clip_by_global_norm``, ``polyak_sgd``), here, at ``init`` or at
+            the first trace. ``NotElementwiseError`` (a ``ValueError``) for ``"flat"`` and a
+            non-elementwise inner update.
 
     Example:
         >>> tx = shard_optimizer(optax.adam(1e-3), mesh)
@@ -408,7 +386,7 @@ def shard_optimizer(
     if missing:
         raise ValueError(f"axis {missing[0]!r} is not an axis of the mesh {mesh.axis_names}")
     inner = optax.with_extra_args_support(inner)
-    _check_on_sample(inner, partition)
+    check_on_sample(inner, partition)
     settings = ZeroSettings(
         inner=inner,
         mesh=mesh,
