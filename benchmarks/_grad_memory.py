@@ -24,6 +24,9 @@ def _buffers_of(model: nn.Module) -> Callable[[], Iterable[torch.Tensor]]:
     if reducer is None:
         return lambda: ()
 
+    if hasattr(reducer, "buffer_tensors"):  # ZeRO-2's sharder: its pool and shards
+        return reducer.buffer_tensors
+
     def tensors() -> Iterable[torch.Tensor]:
         for bucket in reducer.buckets:
             yield bucket.buffer

@@ -47,6 +47,114 @@ def pad_for_sharding(plan: BucketPlan, world_size: int) -> BucketPlan:
     return dataclasses.replace(plan, buckets=buckets, pad_to=multiple)
 
 
+# Bucket buffers a ZeRO-2 rank keeps alive at once in overlap mode (per dtype and device): one
+# being filled while the previous one is reduce-scattered (ZeRO-2's "1/N plus a constant").
+POOL_BUFFERS = 2
+
+
+class BucketPool:
+    """A few reusable bucket-sized buffers, lent to one bucket at a time.
+
+    A bucket borrows a buffer when it is staged and returns it once its reduce-scatter is
+    finished (its sum then lives in its shard). If every buffer is lent to a bucket that has
+    not been launched yet (gradients arriving out of plan order), the bucket gets a buffer of
+    its own for that step rather than wait for a collective nobody started.
+    """
+
+    def __init__(self, size: int = POOL_BUFFERS) -> None:
+        self.size = size
+        self.buffers: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        self.lent: dict[tuple[torch.dtype, torch.device], list[BucketBuffers | None]] = {}
+        self.extra: dict[int, torch.Tensor] = {}  # bucket index -> its own buffer, this step
+        self.views: dict[tuple[int, int], tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = {}
+        self.peak_nbytes = 0
+
+    def nbytes(self) -> int:
+        tensors = [*self.extra.values(), *(b for bs in self.buffers.values() for b in bs)]
+        return sum(t.untyped_storage().nbytes() for t in tensors)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [*self.extra.values(), *(b for bs in self.buffers.values() for b in bs)]
+
+    def lend(
+        self, bucket: BucketBuffers, numel: int, finish: Callable[[BucketBuffers], None]
+    ) -> None:
+        """Point ``bucket.buffer`` and ``bucket.views`` at a free buffer of ``numel`` elements or
+        more, first finishing the earliest launched borrower if none is free."""
+        dtype, device = bucket.params[0].dtype, bucket.params[0].device
+        key = (dtype, device)
+        lent = self.lent.setdefault(key, [None] * self.size)
+        while None not in lent:
+            launched = [b for b in lent if b is not None and b.handle is not None]
+            if not launched:
+                break
+            finish(min(launched, key=lambda b: b.spec.index))  # returns its buffer
+        index = bucket.spec.index
+        if None in lent:
+            slot = lent.index(None)
+            pool = self.buffers.setdefault(key, [])
+            while len(pool) <= slot:
+                pool.append(torch.empty(0, dtype=dtype, device=device))
+            if pool[slot].numel() < numel:
+                pool[slot] = torch.empty(numel, dtype=dtype, device=device)
+                self.views = {k: v for k, v in self.views.items() if k[1] != slot}
+            lent[slot] = bucket
+            cached = self.views.get((index, slot))
+            if cached is None or cached[0].untyped_storage().data_ptr() != (
+                pool[slot].untyped_storage().data_ptr()
+            ):
+                cached = _views_of(bucket, pool[slot][:numel])
+                self.views[(index, slot)] = cached
+        else:
+            self.extra[index] = torch.empty(numel, dtype=dtype, device=device)
+            cached = _views_of(bucket, self.extra[index])
+        bucket.buffer, bucket.views = cached
+        _zero_gaps(bucket)
+        self.peak_nbytes = max(self.peak_nbytes, self.nbytes())
+
+    def give_back(self, bucket: BucketBuffers) -> None:
+        """``bucket``'s collective is finished: its buffer is free again."""
+        if self.extra.pop(bucket.spec.index, None) is not None:
+            bucket.buffer, bucket.views = _NO_BUFFER, ()
+        for lent in self.lent.values():
+            for slot, borrower in enumerate(lent):
+                if borrower is bucket:
+                    lent[slot] = None
+
+    def holds(self, bucket: BucketBuffers) -> bool:
+        return bucket.spec.index in self.extra or any(
+            borrower is bucket for lent in self.lent.values() for borrower in lent
+        )
+
+    def forget(self) -> None:
+        """A backward was abandoned: every buffer is free."""
+        self.extra.clear()
+        for lent in self.lent.values():
+            lent[:] = [None] * self.size
+
+
+_NO_BUFFER = torch.empty(0)
+
+
+def _views_of(
+    bucket: BucketBuffers, buffer: torch.Tensor
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    views = tuple(buffer[s.offset : s.offset + s.numel].view(s.shape) for s in bucket.spec.slots)
+    return buffer[: bucket.spec.numel], views
+
+
+def _zero_gaps(bucket: BucketBuffers) -> None:
+    """Zero what no gradient is copied into (alignment gaps, the padding): a reused buffer
+    holds another bucket's values there, which would be summed into the shard."""
+    end = 0
+    for slot in bucket.spec.slots:
+        if slot.offset > end:
+            bucket.buffer[end : slot.offset].zero_()
+        end = slot.offset + slot.numel
+    if end < bucket.spec.numel:
+        bucket.buffer[end:].zero_()
+
+
 class GradientSharder(Reducer):
     """``DataParallel``'s reducer under ``shard_gradients=True``: each bucket is
     reduce-scattered into a persistent shard on this rank instead of all-reduced, and
@@ -129,6 +237,31 @@ class GradientSharder(Reducer):
         """Every parameter of the wrapped module by name (the names in the bucket plan)."""
         return dict(self._module_params)
 
+    def _install(self, plan: BucketPlan) -> None:
+        super()._install(plan)
+        # Overlap mode: buffers come from a small pool when a bucket is staged (ZeRO-2 keeps
+        # 1/N of the gradients plus POOL_BUFFERS buckets); legacy mode shares one already.
+        self.pool = BucketPool() if self.overlap else None
+        if self.pool is not None:
+            for bucket in self.buckets:
+                bucket.buffer, bucket.views = _NO_BUFFER, ()
+
+    def buffer_tensors(self) -> list[torch.Tensor]:
+        """Every gradient buffer this sharder holds now: the pool (or the buckets' shared
+        buffer) and the shards."""
+        held = self.pool.tensors() if self.pool is not None else [b.buffer for b in self.buckets]
+        return [*held, *self.shards.values()]
+
+    def stage(self, bucket: BucketBuffers) -> None:
+        if self.pool is not None:
+            self.pool.lend(bucket, bucket.spec.numel, self.finish)
+        super().stage(bucket)
+
+    def _reset_backward(self) -> None:
+        super()._reset_backward()
+        if getattr(self, "pool", None) is not None:
+            self.pool.forget()
+
     def launch(self, bucket: BucketBuffers, *, is_last: bool) -> None:
         if self.hook is not None:
             raise RuntimeError(
@@ -147,9 +280,13 @@ class GradientSharder(Reducer):
         bucket.handle = reduce_scatter(bucket.buffer, shard, self.group, self.world_size)
 
     def finish(self, bucket: BucketBuffers) -> None:
+        if bucket.handle is None and self.pool is not None and not self.pool.holds(bucket):
+            return  # finished early, to lend its buffer to a later bucket
         handles, bucket.handle = bucket.handle, None
         shard = self.shards[bucket.spec.index]
         finish_reduce_scatter(bucket.buffer, shard, handles, self.group, self.rank, self.world_size)
+        if self.pool is not None:
+            self.pool.give_back(bucket)
 
     def _write_back(self, bucket: BucketBuffers, i: int, global_used: torch.Tensor | None) -> None:
         # ZeRO-2: this rank's shard of the sum is in ``shards``; only the used-map is kept.

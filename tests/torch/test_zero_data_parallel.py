@@ -16,10 +16,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 
 from gradsync_core import ParamSpec, plan_buckets
 from gradsync_torch import DataParallel, ZeroRedundancyOptimizer
-from gradsync_torch.data_parallel.grad_sharding import pad_for_sharding
+from gradsync_torch.data_parallel.grad_sharding import POOL_BUFFERS, pad_for_sharding
 from tests.torch.harness import run_workers
 from tests.torch.zero_helpers import Pair, batch, make_model, same
 
@@ -30,6 +31,7 @@ def check_data_parallel(world_size: int, directory: str) -> None:
     plain Adam, accumulation under no_sync() included. Its checkpoint loads into ZeRO-1."""
     rank = dist.get_rank()
     check_explicit_link(world_size, rank)
+    check_unused_on_some_ranks(world_size, rank)
     model = make_model()
     ref_model = copy.deepcopy(model)
     sharded = DataParallel(model, shard_gradients=True, bucket_cap_mb=0.002)
@@ -69,6 +71,7 @@ def check_data_parallel(world_size: int, directory: str) -> None:
                     F.mse_loss(wrapper(x), y).backward()
         assert all(p.grad is None for p in model.parameters()), "ZeRO-2 keeps only shards"
         assert 0 < opt.grad_nbytes() <= 4 * sum(p.numel() for p in model.parameters())
+        check_pool_memory(sharded)
         opt.step()
         ref.step()
         for (name, p), q in zip(model.named_parameters(), ref_model.parameters(), strict=True):
@@ -92,6 +95,59 @@ def check_data_parallel(world_size: int, directory: str) -> None:
             for index, state in mine["state"].items():
                 for key, value in state.items():
                     assert torch.equal(value, theirs["state"][index][key]), (index, key)
+
+
+def check_pool_memory(wrapper: DataParallel) -> None:
+    """Overlap-mode ZeRO-2 holds at most POOL_BUFFERS bucket buffers at once, measured by its
+    pool, not one buffer per bucket (ZeRO-2's 1/N of the gradients plus a constant)."""
+    sharder = wrapper.gradient_sharder
+    assert sharder is not None and sharder.pool is not None
+    bucket_nbytes = [4 * b.numel for b in wrapper.bucket_plan.buckets]
+    assert len(bucket_nbytes) > POOL_BUFFERS, "the check needs more buckets than buffers"
+    bound = POOL_BUFFERS * max(bucket_nbytes)
+    peak = sharder.pool.peak_nbytes
+    assert 0 < peak <= bound and peak < sum(bucket_nbytes), (peak, bound, sum(bucket_nbytes))
+    assert not any(sharder.pool.holds(b) for b in sharder.buckets), "all returned after sync"
+
+
+class SometimesBranch(nn.Module):
+    """``make_model()``, plus a layer that only odd ranks use: on even ranks its bucket never
+    completes during backward, so the buckets after it are staged out of order (the pool
+    lends them buffers of their own) and it is filled with zeros at the sync."""
+
+    def __init__(self, use_extra: bool) -> None:
+        super().__init__()
+        self.extra = nn.Linear(16, 8)  # registered first: its bucket is the last in plan order
+        self.main = make_model()
+        self.use_extra = use_extra
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.main(x) + self.extra(x) if self.use_extra else self.main(x)
+
+
+def check_unused_on_some_ranks(world_size: int, rank: int) -> None:
+    """ZeRO-2 with a layer some ranks leave unused equals DataParallel + plain Adam."""
+    torch.manual_seed(1)
+    model = SometimesBranch(use_extra=rank % 2 == 1)
+    ref_model = copy.deepcopy(model)
+    sharded = DataParallel(model, shard_gradients=True, bucket_cap_mb=0.001)
+    plain_dp = DataParallel(ref_model, bucket_cap_mb=0.001)
+    opt = ZeroRedundancyOptimizer(
+        model.named_parameters(),
+        torch.optim.Adam,
+        lr=1e-2,
+        shard_gradients=True,
+        data_parallel=sharded,
+    )
+    ref = torch.optim.Adam(ref_model.parameters(), lr=1e-2)
+    for step in range(3):
+        x, y = batch(step, world_size, rank)
+        for wrapper, optimizer in ((sharded, opt), (plain_dp, ref)):
+            optimizer.zero_grad()
+            F.mse_loss(wrapper(x), y).backward()
+            optimizer.step()
+        for (name, p), q in zip(model.named_parameters(), ref_model.parameters(), strict=True):
+            same(p.detach(), q.detach(), world_size <= 2, f"unused on even ranks, {name}")
 
 
 def check_explicit_link(world_size: int, rank: int) -> None:
