@@ -14,7 +14,6 @@ hyper-parameters) go to rank 0's file under ``"__optax__/<state path>"``, listed
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Mapping
 from dataclasses import replace
@@ -24,15 +23,17 @@ import numpy as np
 from safetensors.numpy import save as save_bytes
 
 from gradsync_core import (
-    MANIFEST,
     MODEL_PARAM,
-    RANK_FILE_RE,
     Manifest,
     ParamSpec,
+    begin_save,
     canonical_state_key,
     check_compatible,
     check_state_keys,
+    commit_save,
     counterpart_keys,
+    discard_save,
+    new_save_token,
     rank_file,
     read_manifest,
     sha256_file,
@@ -83,7 +84,7 @@ def save_optimizer_state(
     modules: Mapping[str, str] | None = None,
     model: Any = None,
 ) -> Manifest:
-    """Write ``state`` to ``directory`` (created if missing); the manifest is written last.
+    """Write ``state`` to ``directory``, replacing the checkpoint there only once complete.
 
     Args:
         directory: the checkpoint directory.
@@ -156,36 +157,36 @@ def save_optimizer_state(
         weights, owners = weights_by_rank(model, plan, modules=modules)
         for rank, tensors in weights.items():
             files[rank].update(tensors)
-    os.makedirs(directory, exist_ok=True)
-    # Remove the old manifest first: a save cut short then reads as "not finished", never as
-    # the old checkpoint with some new rank files (which the hashes would also catch).
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(os.path.join(directory, MANIFEST))
-    hashes = {}
-    for rank, tensors in enumerate(files):
-        path = os.path.join(directory, rank_file(rank, n))
-        write_atomic(path, save_bytes(tensors, metadata={"framework": "jax"}))
-        hashes[rank_file(rank, n)] = sha256_file(path)
-    manifest = Manifest(
-        framework="jax",
-        optimizer=optimizer or space.optimizer,
-        world_size=n,
-        step=int(step),
-        params=tuple(specs),
-        plan=plan,
-        state_keys={k: tuple(v) for k, v in state_keys.items()},
-        files=hashes,
-        extra={
-            "partition": tx.partition,
-            "global_keys": global_keys,
-            "scalars": scalars,
-            **({"model": owners} if owners is not None else {}),
-        },
-    )
-    write_manifest(directory, manifest)
-    for name in os.listdir(directory):  # rank files of an earlier save on another device count
-        if RANK_FILE_RE.fullmatch(name) and name not in hashes:
-            os.unlink(os.path.join(directory, name))
+    # Everything goes to a staging directory; the switch at the end is the only change a
+    # reader of ``directory`` can see, so a save cut short leaves the previous one (§9).
+    staging = begin_save(directory, new_save_token())
+    try:
+        hashes = {}
+        for rank, tensors in enumerate(files):
+            path = os.path.join(staging, rank_file(rank, n))
+            write_atomic(path, save_bytes(tensors, metadata={"framework": "jax"}))
+            hashes[rank_file(rank, n)] = sha256_file(path)
+        manifest = Manifest(
+            framework="jax",
+            optimizer=optimizer or space.optimizer,
+            world_size=n,
+            step=int(step),
+            params=tuple(specs),
+            plan=plan,
+            state_keys={k: tuple(v) for k, v in state_keys.items()},
+            files=hashes,
+            extra={
+                "partition": tx.partition,
+                "global_keys": global_keys,
+                "scalars": scalars,
+                **({"model": owners} if owners is not None else {}),
+            },
+        )
+        write_manifest(staging, manifest)
+        commit_save(directory, staging)
+    except BaseException:
+        discard_save(staging)
+        raise
     return manifest
 
 

@@ -29,17 +29,21 @@ from torch import nn
 
 from gradsync_core import (
     MANIFEST,
-    RANK_FILE_RE,
     Manifest,
     ParamSpec,
     Shard,
     ShardPlan,
+    begin_save,
     check_compatible,
     check_state_keys,
+    commit_save,
     counterpart_keys,
+    discard_save,
     model_owners,
+    new_save_token,
     rank_file,
     read_manifest,
+    staging_directory,
     tensor_key,
     verify_file_hashes,
     write_atomic,
@@ -149,18 +153,6 @@ def _rank_state(
     return tensors, scalars, state_keys
 
 
-def _remove_stale(path: str, world_size: int) -> None:
-    """Remove the old manifest and the rank files of an earlier save at another world size,
-    so an interrupted save is never mistaken for a complete one."""
-    os.makedirs(path, exist_ok=True)
-    if os.path.exists(os.path.join(path, MANIFEST)):
-        os.unlink(os.path.join(path, MANIFEST))
-    current = {rank_file(r, world_size) for r in range(world_size)}
-    for name in os.listdir(path):
-        if RANK_FILE_RE.fullmatch(name) and name not in current:
-            os.unlink(os.path.join(path, name))
-
-
 def _write_rank_file(
     path: str,
     tensors: dict[str, torch.Tensor],
@@ -215,9 +207,9 @@ def _manifest(snapshot: Snapshot, files: Sequence[_RankFile], groups: Any) -> Ma
 def save(path: str | os.PathLike[str], snapshot: Snapshot, ranks: RankGroup) -> None:
     """Write ``snapshot`` to directory ``path`` (a collective over ``ranks``).
 
-    Each rank writes its own file atomically; rank 0 writes the manifest after every file
-    exists (stale files are removed first). A failure on any rank (a state value that is not
-    a number, a full disk) raises on every rank and writes no manifest.
+    Every rank writes its file into a staging directory beside ``path``; rank 0 writes the
+    manifest last, then switches ``path`` to it atomically (docs/design.md §9). A failure on
+    any rank (a full disk, a bad state value) raises on every rank; ``path`` keeps its data.
 
     Raises:
         ValueError: on any rank's failure, naming the rank.
@@ -236,13 +228,19 @@ def save(path: str | os.PathLike[str], snapshot: Snapshot, ranks: RankGroup) -> 
     except Exception as e:
         error = _message(e)
     agree(ranks, error, what)  # nothing on disk has changed yet
+    token = [new_save_token()]  # rank 0's is every rank's: it names the staging directory
+    if ranks.world_size > 1:
+        dist.broadcast_object_list(
+            token, src=global_rank(ranks.process_group, 0), group=ranks.process_group
+        )
     if ranks.rank == 0:
         try:
-            _remove_stale(path, ranks.world_size)
+            begin_save(path, token[0])
         except Exception as e:
             error = _message(e)
-    agree(ranks, error, what)  # also orders rank 0's clean-up before every write
-    mine = _write_rank_file(path, tensors, state_keys, scalars, ranks)
+    agree(ranks, error, what)  # also orders the staging directory's creation before any write
+    staging = staging_directory(path, token[0])
+    mine = _write_rank_file(staging, tensors, state_keys, scalars, ranks)
     gathered: list[Any] = [mine]
     if ranks.world_size > 1:
         gathered = [None] * ranks.world_size
@@ -260,9 +258,12 @@ def save(path: str | os.PathLike[str], snapshot: Snapshot, ranks: RankGroup) -> 
             error = f"rank {failed[0][0]} could not write its file: {failed[0][1]}"
         else:
             try:
-                write_manifest(path, _manifest(snapshot, files, groups))
+                write_manifest(staging, _manifest(snapshot, files, groups))
+                commit_save(path, staging)
             except Exception as e:
                 error = _message(e)
+        if error is not None:
+            discard_save(staging)
     agree(ranks, error, what)  # nobody returns before the checkpoint is complete
 
 

@@ -5,16 +5,22 @@ process group over a FileStore, calls ``fn(rank, world_size, *args)`` and return
 in rank order. A worker's exception is re-raised in the parent with the worker's traceback;
 a worker that hangs is killed after ``timeout`` seconds. Spawns cost seconds, so run many
 checks inside one worker rather than one spawn per assertion.
+
+Fault tests pass ``pg_timeout_s`` (the process group's collective timeout, so a rank waiting
+for a dead peer fails in seconds instead of torch's default 30 minutes) and call
+``run_workers_outcomes``, which expects ranks to die and reports how each one ended.
 """
 
 from __future__ import annotations
 
+import datetime
 import os
 import queue
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -28,11 +34,15 @@ def _entry(
     store_path: str,
     results: Any,
     args: tuple[Any, ...],
+    pg_timeout_s: float | None = None,
 ) -> None:
     try:
         torch.set_num_threads(1)
         store = dist.FileStore(store_path, world_size)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+        timeout = (
+            {} if pg_timeout_s is None else {"timeout": datetime.timedelta(seconds=pg_timeout_s)}
+        )
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, **timeout)
         try:
             results.put((rank, None, fn(rank, world_size, *args)))
         finally:
@@ -42,7 +52,11 @@ def _entry(
 
 
 def run_workers(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 180.0,
+    pg_timeout_s: float | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; results by rank."""
     ctx = mp.get_context("spawn")
@@ -50,7 +64,11 @@ def run_workers(
     with tempfile.TemporaryDirectory() as tmp:
         store_path = os.path.join(tmp, "store")
         procs = [
-            ctx.Process(target=_entry, args=(fn, rank, world_size, store_path, results, args))
+            ctx.Process(
+                target=_entry,
+                args=(fn, rank, world_size, store_path, results, args),
+                kwargs={"pg_timeout_s": pg_timeout_s},
+            )
             for rank in range(world_size)
         ]
         for p in procs:
@@ -80,3 +98,62 @@ def run_workers(
         rank, error = min(failed.items())
         raise AssertionError(f"rank {rank} of {world_size} failed:\n{error}")
     return [outcomes[r][1] for r in range(world_size)]
+
+
+class Outcome(NamedTuple):
+    """How one spawned rank ended."""
+
+    exitcode: int | None  # 0 after fn returned or raised; what os._exit gave; None if killed
+    error: str | None  # the traceback of what fn raised
+    value: Any  # what fn returned
+
+
+def run_workers_outcomes(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 60.0,
+    pg_timeout_s: float | None = None,
+) -> list[Outcome]:
+    """Run ``fn`` like ``run_workers``, for tests in which ranks die on purpose.
+
+    Waits until every process has ended (killing those alive after ``timeout`` seconds) and
+    returns each rank's ``Outcome`` instead of raising: a rank that called ``os._exit`` has
+    its exit code and no value.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    reported: dict[int, tuple[str | None, Any]] = {}
+
+    def drain(wait_s: float) -> bool:
+        try:
+            rank, error, value = results.get(timeout=wait_s)
+        except queue.Empty:
+            return False
+        reported[rank] = (error, value)
+        return True
+
+    with tempfile.TemporaryDirectory() as tmp:
+        store_path = os.path.join(tmp, "store")
+        procs = [
+            ctx.Process(
+                target=_entry,
+                args=(fn, rank, world_size, store_path, results, args),
+                kwargs={"pg_timeout_s": pg_timeout_s},
+            )
+            for rank in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        try:
+            while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+                drain(0.1)
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                p.join()
+        while drain(0.5):  # what a rank sent just before it ended
+            pass
+    return [Outcome(p.exitcode, *reported.get(rank, (None, None))) for rank, p in enumerate(procs)]
