@@ -27,6 +27,8 @@ from gradsync_torch import ZeroRedundancyOptimizer
 from gradsync_torch._specs import param_specs
 from gradsync_torch.zero import flat as zero_flat
 from gradsync_torch.zero import layout as zero_layout
+from gradsync_torch.zero.broadcast import Job
+from gradsync_torch.zero.local_step import JobStepper, steps_per_tensor
 from tests.torch import zero_checkpoint_checks as ckpt
 from tests.torch.harness import run_workers
 from tests.torch.zero_helpers import (
@@ -322,3 +324,30 @@ def test_zero2_rejects_non_elementwise_optimizers() -> None:
 def test_needs_an_initialized_process_group() -> None:
     with pytest.raises(RuntimeError, match="init_process_group"):
         ZeroRedundancyOptimizer(make_model().parameters(), torch.optim.Adam)
+
+
+def test_job_stepper_steps_exactly_each_jobs_parameters() -> None:
+    """Stepping job by job (ZeRO-1/2's overlap of the local step with the sync) equals one
+    step of every parameter, bitwise, and a job's step leaves the other jobs' untouched."""
+    model, reference = make_model(), make_model()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        p.grad = torch.full_like(p, 0.5) + p.detach()
+        q.grad = p.grad.clone()
+    params = list(model.parameters())
+    optim = torch.optim.Adam([{"params": params[:3]}, {"params": params[3:], "lr": 0.1}])
+    ref_params = list(reference.parameters())
+    plain = torch.optim.Adam([{"params": ref_params[:3]}, {"params": ref_params[3:], "lr": 0.1}])
+    jobs = [Job([], 0, torch.float32, torch.device("cpu"), owned=params[i::2]) for i in (0, 1)]
+    stepper = JobStepper(optim, [*jobs, Job([], 0, torch.float32, torch.device("cpu"))])
+    before = [p.detach().clone() for p in params]
+    stepper(jobs[0])
+    for i, (p, b) in enumerate(zip(params, before, strict=True)):
+        assert torch.equal(p, b) == (i % 2 == 1), f"parameter {i} after the first job"
+    stepper(jobs[1])
+    plain.step()
+    for p, q in zip(params, reference.parameters(), strict=True):
+        assert torch.equal(p, q)
+    assert [len(g["params"]) for g in optim.param_groups] == [3, len(params) - 3]
+    with pytest.raises(RuntimeError, match=r"1 local parameter\(s\).*in no sync job"):
+        JobStepper(optim, [Job([], 0, torch.float32, torch.device("cpu"), owned=params[1:])])
+    assert steps_per_tensor(torch.optim.AdamW) and not steps_per_tensor(torch.optim.LBFGS)
