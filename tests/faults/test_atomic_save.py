@@ -135,8 +135,8 @@ def test_a_failed_switch_puts_an_adopted_directory_back(
     [
         (
             lambda p: (p.mkdir(), (p / "notes.txt").write_text("mine")),
-            r"the directory holds 1 file\(s\) that are not part of a checkpoint \(e\.g\. 'notes\.txt'\); "
-            r"save to a path of its own",
+            r"the directory holds 1 file\(s\) that are not part of a checkpoint "
+            r"\(e\.g\. 'notes\.txt'\); save to a path of its own",
         ),
         (lambda p: p.write_text("a file"), r"it is a file, not a directory"),
         (
