@@ -134,9 +134,7 @@ def add_checkpoint_parser(sub: Any) -> None:
         help="inspect an optimizer checkpoint written by gradsync_torch or gradsync_jax",
         description="Work with gradsync checkpoints (docs/checkpoints.md).",
     )
-    actions = checkpoint.add_subparsers(
-        dest="action", required=True, parser_class=type(checkpoint)
-    )
+    actions = checkpoint.add_subparsers(dest="action", required=True, parser_class=type(checkpoint))
     inspect = actions.add_parser(
         "inspect",
         help="verify every hash; print the writer, step, world size, plan and owners",
