@@ -45,6 +45,7 @@ from gradsync_core._checkpoint import (
     write_manifest,
 )
 from gradsync_core._models import MODELS, builtin_model
+from gradsync_core._rank_generator import RankGenerator
 from gradsync_core._reductions import (
     MODEL_AXES,
     ReductionPlan,
@@ -66,7 +67,6 @@ from gradsync_core._state_keys import (
     counterpart_keys,
     framework_state_key,
 )
-from gradsync_core._rank_generator import RankGenerator
 from gradsync_core._topology import (
     AXES,
     DEFAULT_ORDER,
@@ -120,8 +120,8 @@ __all__ = [
     "commit_save",
     "counterpart_keys",
     "describe_difference",
-    "expert_reduction_group",
     "discard_save",
+    "expert_reduction_group",
     "fingerprint",
     "framework_state_key",
     "fsync_directory",

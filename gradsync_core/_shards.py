@@ -1,4 +1,5 @@
-"""Shard partitions: which rank owns which optimizer state (docs/design.md §4, ZeRO arXiv:1910.02054)."""
+"""Shard partitions: which rank owns which optimizer state (docs/design.md §4; ZeRO:
+arXiv:1910.02054)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""gradsync_core must import and plan where neither torch nor JAX can be imported (docs/design.md §1)."""
+"""gradsync_core imports and plans where neither torch nor JAX can be imported
+(docs/design.md §1)."""
 
 import subprocess
 import sys
