@@ -47,13 +47,16 @@ def pad_for_sharding(plan: BucketPlan, world_size: int) -> BucketPlan:
     return dataclasses.replace(plan, buckets=buckets, pad_to=multiple)
 
 
-# Bucket buffers a ZeRO-2 rank keeps alive at once in overlap mode (per dtype and device): one
-# being filled while the previous one is reduce-scattered (ZeRO-2's "1/N plus a constant").
-POOL_BUFFERS = 2
+# Bucket buffers a ZeRO-2 rank keeps alive at once in overlap mode (per dtype and device). The
+# Reducer copies a bucket's gradients in only once all of them arrived, so while one bucket is
+# reduce-scattered out of the buffer the next one fills up in param.grad: one buffer keeps the
+# rank at 1/N of the gradients plus two buckets (ZeRO-2's "1/N plus a constant"). A second
+# buffer would only help if the backward of a bucket were faster than its collective.
+POOL_BUFFERS = 1
 
 
 class BucketPool:
-    """A few reusable bucket-sized buffers, lent to one bucket at a time.
+    """``size`` reusable bucket-sized buffers, each lent to one bucket at a time.
 
     A bucket borrows a buffer when it is staged and returns it once its reduce-scatter is
     finished (its sum then lives in its shard). If every buffer is lent to a bucket that has
