@@ -126,7 +126,7 @@ def check_grad(name: str, grad: torch.Tensor) -> None:
 
 def state_entries(module: nn.Module, options: dict[str, Any]) -> list[list[Any]]:
     """What must agree besides the bucket plan: every parameter (frozen ones too), every
-    buffer, and the options that change the arithmetic; JSON-ready."""
+    buffer, and the options that change the collectives or their arithmetic; JSON-ready."""
     entries: list[list[Any]] = [["option", key, repr(value)] for key, value in options.items()]
     for name, p in module.named_parameters():
         kind = "parameter" if p.requires_grad else "frozen parameter"
@@ -144,7 +144,7 @@ def _describe_entries(mine: Sequence[Sequence[Any]], theirs: Sequence[Sequence[A
         longer = mine if len(mine) > len(theirs) else theirs
         extra = longer[min(len(mine), len(theirs))]
         return f"one side has more entries, starting with {' '.join(map(str, extra))}"
-    return "the descriptions are equal but their digests differ"
+    return ""
 
 
 def verify_same_everywhere(
@@ -179,8 +179,13 @@ def verify_same_everywhere(
         gradsync_core.BucketPlan.from_json(base["plan"]),
         gradsync_core.BucketPlan.from_json(other["plan"]),
     )
+    if base["entries"] != other["entries"]:
+        # Named too when the plan differs: a differing option (bucket_cap_mb, overlap) is
+        # what the user has to fix, the plan difference only how it shows.
+        entries = _describe_entries(base["entries"], other["entries"])
+        detail = f"{detail}; {entries}" if detail else entries
     if not detail:
-        detail = _describe_entries(base["entries"], other["entries"])
+        detail = "the descriptions are equal but their digests differ"
     raise ValueError(
         f"DataParallel: ranks {agree} and ranks {differ} hold different models or options; "
         f"rank {global_ranks[0]} vs rank {global_ranks[first]}: {detail}. Build the same "

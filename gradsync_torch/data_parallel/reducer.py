@@ -10,13 +10,11 @@ drives its C++ ``Reducer``. The wrapper talks to it through a few verbs:
 - ``mark_accumulated(slot)``: a gradient arrived under ``no_sync()``; nothing to reduce yet.
 - ``sync_overlap()`` / ``sync_legacy()``: after backward, reduce what is left, write the
   averages back into ``param.grad`` and reset for the next step (docs/design.md §7).
-- ``rebuild()``: once, adopt rank 0's observed gradient-ready order as the layout.
-- ``bind_views()``, ``abandon()``, ``set_comm_hook()``.
+- ``rebuild()`` (once: rank 0's gradient-ready order), ``bind_views()``, ``abandon()``.
 
-Besides the bucket collectives the Reducer issues the used-map all-reduce and the rebuild
-broadcast, both on CPU tensors over gloo (``used_map.py``): nothing in a step reads a device
-value on the host. ``GradientSharder`` (``grad_sharding.py``) subclasses it for ZeRO-2 and
-swaps the collective (``launch`` / ``finish``) and the per-parameter write-back.
+Besides the buckets it issues the used-map all-reduce (carrying the runtime agreement check)
+and the rebuild broadcast, on CPU tensors over gloo (``used_map.py``). ``GradientSharder``
+(``grad_sharding.py``) swaps the collective (``launch`` / ``finish``) and the write-back.
 """
 
 from __future__ import annotations
@@ -37,6 +35,7 @@ from gradsync_torch.data_parallel.buckets import (
     gather_gradients,
 )
 from gradsync_torch.data_parallel.comm_hooks import CommHook, GradBucket
+from gradsync_torch.data_parallel.sync_agreement import SyncRecord, layout_fingerprint
 from gradsync_torch.data_parallel.used_map import UsedMap
 from gradsync_torch.data_parallel.used_map import bookkeeping_group as make_bookkeeping_group
 
@@ -59,8 +58,7 @@ class Reducer:
         plan: the initial bucket layout.
         bookkeeping_group: a gloo group over the same ranks, for the used-map and the
             rebuild broadcast on CPU tensors; ``None``: ``used_map.bookkeeping_group(group)``.
-        comm_device: ignored; accepted so that subclasses written against the signature
-            before the bookkeeping moved to gloo keep working (to be removed).
+        comm_device: ignored (kept for subclasses written before the map moved to gloo).
         reduce: ``"mean"`` or ``"sum"``.
         reduce_dtype: the dtype on the wire, ``None`` for the gradients' own.
         overlap: one buffer per bucket (``True``) or fairseq's one reused buffer.
@@ -110,6 +108,7 @@ class Reducer:
 
     def _install(self, plan: gradsync_core.BucketPlan) -> None:
         self.plan = plan
+        self.layout = layout_fingerprint(plan)  # for the runtime agreement check
         slot_of = {name: i for i, name in enumerate(self._names)}
         self.buckets = build_buckets(
             plan,
@@ -294,11 +293,13 @@ class Reducer:
             return self._fired
         return [self._has_grad(s, p) for s, p in enumerate(self._params)]
 
-    def sync_legacy(self) -> None:
+    def sync_legacy(self, record: SyncRecord | None = None) -> None:
         """Legacy mode: the buckets share one buffer, so each is filled, reduced and written
-        back before the next (fairseq's ``LegacyDistributedDataParallel``)."""
+        back before the next (fairseq's ``LegacyDistributedDataParallel``). ``record``: how
+        this rank reached the sync, checked against every rank's (``sync_agreement.py``)."""
         flags = self._present_flags()
-        self._used_map.start(flags)
+        self._used_map.start(flags, record)
+        self._used_map.check_agreement()  # before any bucket: a mismatch moves no gradient
         global_used = None if all(flags) else self._used_map.counts().tolist()
         last = len(self.buckets) - 1
         for bucket in self.buckets:
@@ -309,9 +310,9 @@ class Reducer:
                 self._write_back(bucket, i, global_used)
         self._end_sync(None)
 
-    def sync_overlap(self) -> None:
-        """Overlap mode: launch the buckets backward left behind (gradients that never
-        arrived count as zeros), wait for every bucket and write the averages back."""
+    def sync_overlap(self, record: SyncRecord | None = None) -> None:
+        """Overlap mode: launch the buckets backward left behind (missing gradients count as
+        zeros), wait for every bucket, check ``record`` (as in ``sync_legacy``), write back."""
         flags = self._present_flags()
         last = len(self.buckets) - 1
         for b in range(self._next_launch, last + 1):
@@ -322,7 +323,7 @@ class Reducer:
             # Issued after every bucket: ranks may have launched different numbers of
             # buckets during backward, and collectives on one group must be issued in the
             # same order everywhere.
-            self._used_map.start(flags)
+            self._used_map.start(flags, record)
         absent: list[tuple[BucketBuffers, int]] = []
         for bucket in self.buckets:
             self.finish(bucket)
@@ -331,15 +332,15 @@ class Reducer:
             # A hook may issue further collectives from its futures' callbacks (PowerSGD),
             # which gloo runs on its own thread: only once every future is done is the order
             # of collectives on the group the same on every rank.
-            self._used_map.start(flags)
+            self._used_map.start(flags, record)
+        self._used_map.check_agreement()
         global_used = self._used_map.counts().tolist() if absent else None
         for bucket, i in absent:
             self._write_back(bucket, i, global_used)
         self._end_sync(None)
 
     def _end_sync(self, unwaited_used_work: object = None) -> None:
-        """All buckets are reduced and written back: reset (the used-map settles its own
-        collective, so ``unwaited_used_work`` is only kept for subclasses' signatures)."""
+        """All buckets are reduced and written back: reset (the argument is unused)."""
         self._reset_backward()
 
     def _reset_backward(self) -> None:
@@ -369,7 +370,7 @@ class Reducer:
         names = [self._names[i] for i in slots]
         plan = gradsync_core.rebuild_buckets(self.plan, self._specs, names)
         if [b.slots for b in plan.buckets] == [b.slots for b in self.plan.buckets]:
-            self.plan = plan
+            self.plan, self.layout = plan, layout_fingerprint(plan)
             return
         self._install(plan)
         if self.gradient_as_bucket_view:

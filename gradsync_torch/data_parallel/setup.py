@@ -139,3 +139,19 @@ def verify_and_broadcast(
     verify_same_everywhere(plan, state_entries(module, options), group, device)
     tensors = [p for _, p in named_parameters(module)] + [b for _, b in module.named_buffers()]
     broadcast_tensors(tensors, group)
+
+
+def check_still_frozen(frozen: list[nn.Parameter], module: nn.Module) -> None:
+    """Before a training forward: no parameter frozen at construction requires grad now.
+
+    Raises:
+        RuntimeError: naming the parameter (its gradient would never be synced).
+    """
+    for p in frozen:
+        if p.requires_grad:
+            name = next(n for n, q in named_parameters(module) if q is p)
+            raise RuntimeError(
+                f"parameter {name!r} was frozen when DataParallel was built and now "
+                "requires grad, so its gradient would never be synced; wrap the model "
+                "again after changing requires_grad"
+            )

@@ -11,11 +11,10 @@ a training step never waits for the GPU (docs/torch-data-parallel.md, "No host-d
 synchronization"). With a gloo data-parallel group the map reuses it; otherwise
 (``bookkeeping_group``) a gloo group over the same ranks is created once, at construction.
 
-Only a rank that lacked a gradient reads the reduced map in the same sync; the others settle
-the collective at their next sync, so in the common case nobody waits for it at all.
-
-The map is the one bookkeeping collective of a step; further per-step ints (an agreement
-check on the sync counter or the layout, say) belong after the flags in the same tensor.
+The map is the one bookkeeping collective of a step, and the runtime agreement check rides at
+its end (``sync_agreement.py``: a few ints per sync saying how each rank reached it), so every
+rank reads the reduced tail in every sync. That read waits for a small CPU collective the
+other ranks issue at the same point of their step; it never touches the accelerator.
 """
 
 from __future__ import annotations
@@ -24,6 +23,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from gradsync_torch.data_parallel.sync_agreement import (
+    NUM_INTS,
+    SyncRecord,
+    disagree,
+    disagreement_error,
+    encode,
+)
 
 
 def bookkeeping_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
@@ -50,20 +57,39 @@ class UsedMap:
         self.world_size = group.size()
         self._counts: torch.Tensor | None = None
         self._work: Any = None  # the collective of the latest start(), until settled
+        self._record: SyncRecord | None = None  # this rank's record in the latest start()
 
-    def start(self, flags: list[bool]) -> None:
-        """Begin summing ``flags`` (this rank's "had a gradient" per slot) over the ranks."""
+    def start(self, flags: list[bool], record: SyncRecord | None = None) -> None:
+        """Begin summing ``flags`` (this rank's "had a gradient" per slot) over the ranks,
+        followed by ``record`` (how this rank reached the sync) for ``check_agreement``."""
         self.settle()
-        self._counts = torch.tensor(flags, dtype=torch.int32)
+        self._record = record if self.world_size > 1 else None
+        extra = encode(record) if self._record is not None else ()
+        # int64: the agreement ints carry squares up to 2**40 (sync_agreement.py).
+        self._counts = torch.tensor([*flags, *extra], dtype=torch.int64)
         if self.world_size > 1:
             self._work = dist.all_reduce(self._counts, group=self.group, async_op=True)
 
     def counts(self) -> torch.Tensor:
-        """Per slot, how many ranks had a gradient (waits for the collective; CPU only)."""
+        """Per slot, how many ranks had a gradient, then the summed ``extra`` (waits for the
+        collective; CPU only)."""
         self.settle()
         if self._counts is None:
             raise RuntimeError("UsedMap.counts() called before start(): no sync is in progress")
         return self._counts
+
+    def check_agreement(self) -> None:
+        """Raise on every rank if the ranks sent different records to this sync (waits for the
+        collective; CPU only). Every rank must call it after every ``start`` with a record.
+
+        Raises:
+            RuntimeError: naming the ranks and what each did since the previous sync.
+        """
+        if self._record is None:
+            return
+        sums = self.counts()[-NUM_INTS:].tolist()
+        if disagree(sums, self.world_size):
+            raise disagreement_error(self._record, self.group)
 
     def settle(self) -> None:
         """Wait for the latest collective if nobody did (a rank that needed no counts)."""

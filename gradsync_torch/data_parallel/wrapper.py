@@ -26,15 +26,18 @@ import gradsync_core
 from gradsync_torch._agreement import check_arguments, check_group, comm_device
 from gradsync_torch._collectives import broadcast_tensors
 from gradsync_torch._specs import named_parameters
+from gradsync_torch.data_parallel.backward_sink import attach_if_detached
 from gradsync_torch.data_parallel.comm_hooks import CommHook
 from gradsync_torch.data_parallel.grad_sharding import GradientSharder
 from gradsync_torch.data_parallel.reducer import Reducer
 from gradsync_torch.data_parallel.setup import (
     Layout,
+    check_still_frozen,
     plan_layout,
     resolve_groups,
     verify_and_broadcast,
 )
+from gradsync_torch.data_parallel.sync_agreement import SyncHistory
 from gradsync_torch.data_parallel.used_map import bookkeeping_group
 from gradsync_torch.model_parallel.groups import (
     ProcessGroups,
@@ -56,12 +59,19 @@ def _grad_ready(owner: weakref.ref, slot: int, param: torch.Tensor) -> None:
     if not wrapper._sync_backward:
         wrapper._reducer.mark_accumulated(slot)
         wrapper._dirty = True
+        if not wrapper._local_callback_queued:
+            wrapper._backward_reached()
         return
     if not wrapper._callback_queued:
-        # Runs when the whole backward is done, before backward() returns.
-        torch.autograd.Variable._execution_engine.queue_callback(wrapper._finish_backward)
-        wrapper._callback_queued = True
+        wrapper._backward_reached()
     wrapper._reducer.mark_ready(slot)
+
+
+def _notify_backward(owner: weakref.ref) -> None:
+    """A backward ran through a ``BackwardSink`` (a forward that used no trainable parameter)."""
+    wrapper = owner()
+    if wrapper is not None:
+        wrapper._backward_reached()
 
 
 class DataParallel(nn.Module):
@@ -90,16 +100,17 @@ class DataParallel(nn.Module):
             only its shard, which a ZeRO optimizer given this wrapper steps:
             ``ZeroRedundancyOptimizer(model.parameters(), ..., shard_gradients=True,
             data_parallel=model)``; a sync with no such optimizer raises.
-        groups: model parallelism (docs/design.md §6): the ``ProcessGroups`` of the topology. The
-            data-parallel group is then ``groups["dp"]`` (leave ``process_group`` unset),
-            and after every synced mean the gradients of parameters replicated over a
-            model-parallel axis (a norm under context parallelism, a bias after a
-            sequence-parallel reduce-scatter) get their sum over that axis, bucketed. Which
-            ones is derived from the model (``shared_param_specs``: the layers'
-            ``gradsync_sharded_over``, the model's ``gradsync_data_axes``), never marked.
-            Construct on every rank of the world (it checks the plan across groups).
+        groups: model parallelism (docs/design.md §6): the topology's ``ProcessGroups``. The
+            data-parallel group is then ``groups["dp"]``, and after every synced mean the
+            gradients of parameters replicated over a model-parallel axis (a norm under
+            context parallelism) get their sum over that axis, derived from the model
+            (``shared_param_specs``). Construct on every rank of the world.
         shared_plan: the ``ReductionPlan`` to use instead of the derived one
             (``plan_shared_reductions(shared_param_specs(model, data_axes=...), topo)``).
+
+    Every rank must reach each sync the same way (forwards, backwards, ``no_sync``, clearing
+    gradients), checked at every sync at no extra collective; a rank whose forward used no
+    trainable parameter still runs its backward and takes part with zeros.
 
     Raises:
         RuntimeError: if torch.distributed is not initialized.
@@ -177,19 +188,37 @@ class DataParallel(nn.Module):
         self._names = [name for name, _ in layout.trainable]
         self._frozen = layout.frozen
         device = comm_device([p for _, p in layout.trainable], group)
-        options = {"overlap": overlap, "reduce": reduce, "reduce_dtype": reduce_dtype}
-        options["shard_gradients"] = shard_gradients
+        # Every option that changes the sequence of collectives or their arithmetic must agree
+        # across ranks, or the ranks pair different collectives and hang (a buffer broadcast
+        # meeting a bucket all-reduce); tests/faults walks the signature to keep this complete.
+        options = {
+            "bucket_cap_mb": bucket_cap_mb,
+            "overlap": overlap,
+            "reduce": reduce,
+            "reduce_dtype": reduce_dtype,
+            "gradient_as_bucket_view": gradient_as_bucket_view,
+            "broadcast_buffers": broadcast_buffers,
+            "param_broadcast_period": param_broadcast_period,
+            "shard_gradients": shard_gradients,
+        }
         verify_and_broadcast(module, layout.plan, options, group, device)
         self._reducer = self._make_reducer(layout, device, bookkeeping_group(group))
 
         self._callback_queued = False  # a backward's end-of-sync callback is pending
+        self._local_callback_queued = False  # a no_sync backward's end callback is pending
+        self._history = SyncHistory(layout.trainable[0][1] if layout.trainable else None)
+        self._sink_anchor = torch.zeros((), requires_grad=True)  # see backward_sink.py
         self._sync_backward = True  # decided by the latest grad-enabled forward (as DDP)
         self._sync_buffers_next = True
         self._dirty = False  # gradients accumulated under no_sync and not reduced yet
         self._syncs = 0
         self._params_broadcast_at = 0
-        if overlap:
-            self._install_hooks(layout.trainable)
+        # The hooks hold the wrapper weakly: once a user drops it (say, to wrap the module
+        # again after unfreezing a layer), its hooks go quiet instead of syncing twice.
+        me = weakref.ref(self)
+        self._notify_backward = functools.partial(_notify_backward, me)
+        for slot, (_, p) in enumerate(layout.trainable if overlap else ()):
+            p.register_post_accumulate_grad_hook(functools.partial(_grad_ready, me, slot))
 
     def _make_reducer(
         self, layout: Layout, device: torch.device, bookkeeping: dist.ProcessGroup
@@ -218,13 +247,6 @@ class DataParallel(nn.Module):
             # Sharded gradients: the layout is the optimizer's ownership, so it stays fixed.
             record_ready_order=self.overlap,
         )
-
-    def _install_hooks(self, trainable: list[tuple[str, nn.Parameter]]) -> None:
-        # The hooks hold the wrapper weakly: once a user drops it (say, to wrap the module
-        # again after unfreezing a layer), its hooks go quiet instead of syncing twice.
-        me = weakref.ref(self)
-        for slot, (_, p) in enumerate(trainable):
-            p.register_post_accumulate_grad_hook(functools.partial(_grad_ready, me, slot))
 
     # ---- public API -------------------------------------------------------------------
 
@@ -297,8 +319,11 @@ class DataParallel(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._callback_queued:
             self._abandon_backward()  # the last backward raised before it finished
-        if torch.is_grad_enabled():
-            self._check_frozen()
+        self._local_callback_queued = False  # set here only if a no_sync backward raised
+        training = torch.is_grad_enabled()
+        if training:
+            check_still_frozen(self._frozen, self.module)
+            self._history.note_forward()
             self._sync_backward = self.require_backward_grad_sync
             if self._sync_backward and self.param_broadcast_period:
                 self._maybe_broadcast_params()
@@ -308,8 +333,11 @@ class DataParallel(nn.Module):
             buffers = [b for _, b in self.module.named_buffers()]
             if buffers:
                 broadcast_tensors(buffers, self.process_group)
-        self._sync_buffers_next = torch.is_grad_enabled() and self.require_backward_grad_sync
-        return self.module(*args, **kwargs)
+        self._sync_buffers_next = training and self.require_backward_grad_sync
+        output = self.module(*args, **kwargs)
+        if training and self.world_size > 1 and self._names:
+            output = attach_if_detached(output, self._sink_anchor, self._notify_backward)
+        return output
 
     # ---- before a forward -------------------------------------------------------------
 
@@ -319,17 +347,24 @@ class DataParallel(nn.Module):
             broadcast_tensors([p for _, p in named_parameters(self.module)], self.process_group)
             self._params_broadcast_at = self._syncs
 
-    def _check_frozen(self) -> None:
-        for p in self._frozen:
-            if p.requires_grad:
-                name = next(n for n, q in named_parameters(self.module) if q is p)
-                raise RuntimeError(
-                    f"parameter {name!r} was frozen when DataParallel was built and now "
-                    "requires grad, so its gradient would never be synced; wrap the model "
-                    "again after changing requires_grad"
-                )
-
     # ---- during and after backward ----------------------------------------------------
+
+    def _backward_reached(self) -> None:
+        """A backward reached the model: queue its end (runs before ``backward()`` returns)."""
+        if not self.overlap:
+            return  # legacy mode syncs in sync_gradients(); its backwards are not counted
+        engine = torch.autograd.Variable._execution_engine
+        if self._sync_backward:
+            if not self._callback_queued:
+                engine.queue_callback(self._finish_backward)
+                self._callback_queued = True
+        elif not self._local_callback_queued:
+            engine.queue_callback(self._finish_local_backward)
+            self._local_callback_queued = True
+
+    def _finish_local_backward(self) -> None:
+        self._history.local_backwards += 1
+        self._local_callback_queued = False
 
     def _finish_backward(self) -> None:
         try:
@@ -341,16 +376,22 @@ class DataParallel(nn.Module):
             self._callback_queued = False
 
     def _sync_after_backward(self, *, from_backward: bool) -> None:
+        # Legacy mode has no gradient hooks, so its backwards are not counted (-1).
+        backwards = self._history.local_backwards + from_backward if self.overlap else -1
+        record = self._history.record(
+            sync=self._syncs, layout=self._reducer.layout, backwards=backwards
+        )
         if self.overlap:
-            self._reducer.sync_overlap()
+            self._reducer.sync_overlap(record)
         else:
-            self._reducer.sync_legacy()
+            self._reducer.sync_legacy(record)
         if self.shared_plan is not None:
             # The model-parallel sums (docs/design.md §6) commute with the dp mean and with
             # accumulation, so one pass after the mean covers every no_sync step too.
             reduce_shared_gradients(self.module, self.process_groups, self.shared_plan)
         self._dirty = False
         self._syncs += 1
+        self._history.synced()
         if from_backward:
             self._reducer.rebuild()  # once: DDP's rebuild from the observed ready order
 

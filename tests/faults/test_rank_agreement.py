@@ -1,0 +1,65 @@
+"""Ranks that build or run DataParallel differently fail with one clear error on every rank
+instead of hanging or averaging gradients of different steps (issue 14, items 1-3;
+docs/design.md §15).
+
+One 2-rank gloo spawn runs every check of ``rank_agreement_checks`` under a process-group
+timeout of a few seconds, so a regression that hangs fails the test instead of CI.
+"""
+
+from __future__ import annotations
+
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.faults import rank_agreement_checks as checks
+from tests.torch.harness import run_workers
+
+PG_TIMEOUT_S = 10.0  # a collective that never completes fails after this
+WORLD = 2
+
+
+def test_every_option_is_covered() -> None:
+    """A new DataParallel argument must be agreed (DIFFERING_VALUES) or checked elsewhere."""
+    options = set(checks.constructor_options())
+    missing = options - set(checks.DIFFERING_VALUES) - set(checks.CHECKED_ELSEWHERE)
+    assert not missing, (
+        f"DataParallel arguments {sorted(missing)} are in no cross-rank check: add them to the "
+        "options DataParallel compares at construction and a differing value to "
+        "DIFFERING_VALUES in tests/faults/rank_agreement_checks.py"
+    )
+    stale = (set(checks.DIFFERING_VALUES) | set(checks.CHECKED_ELSEWHERE)) - options
+    assert not stale, f"not DataParallel arguments any more: {sorted(stale)}"
+
+
+def _run_all(rank: int, ws: int) -> dict[str, str | None]:
+    results: dict[str, str | None] = {}
+    failed = False
+    for name, check in checks.CHECKS.items():
+        if failed:
+            results[name] = "not run: an earlier check failed"
+            continue
+        try:
+            check(rank, ws)
+            results[name] = None
+        except Exception:
+            results[name] = traceback.format_exc()
+        flag = torch.tensor([results[name] is not None], dtype=torch.int32)
+        dist.all_reduce(flag)
+        failed = bool(flag.item())
+        if failed and results[name] is None:
+            results[name] = "passed here, failed on another rank"
+    return results
+
+
+_results: list[dict[str, str | None]] = []
+
+
+@pytest.mark.parametrize("check", list(checks.CHECKS))
+def test_rank_agreement(check: str) -> None:
+    if not _results:
+        _results.extend(run_workers(_run_all, WORLD, timeout=240, pg_timeout_s=PG_TIMEOUT_S))
+    for rank, outcome in enumerate(_results):
+        assert outcome[check] is None, f"rank {rank}: {outcome[check]}"
