@@ -24,7 +24,13 @@ from jax.sharding import PartitionSpec as P
 from gradsync_core import BucketPlan, ShardPlan, plan_buckets, plan_flat_shards
 from gradsync_jax._axes import psum_scatter_mean, tracks_variance, varying
 from gradsync_jax.zero.clip import shard_context
-from gradsync_jax.zero.layout import Collective, UpdateInputs, UpdateResult, ZeroState
+from gradsync_jax.zero.layout import (
+    Collective,
+    UpdateInputs,
+    UpdateResult,
+    ZeroState,
+    materialize,
+)
 from gradsync_jax.zero.model_space import ModelSpace, dtype_name, itemsize, key_part, path_parts
 
 
@@ -98,11 +104,18 @@ class FlatLayout:
     def init_inputs(self, leaves: list[Any]) -> list[jax.Array]:
         return self._flat(leaves)
 
-    def _flat(self, leaves: list[Any]) -> list[jax.Array]:
-        """Per bucket, the parameters' values in slot order, zero-padded (a full copy)."""
+    def _flat(self, leaves: list[Any], *, computed: bool = False) -> list[jax.Array]:
+        """Per bucket, the parameters' values in slot order, zero-padded (a full copy).
+
+        ``computed``: the leaves are made by the step (gradients), so each bucket's leaves
+        are ``materialize``d first and the concatenate only copies them.
+        """
         out = []
         for b, bucket in enumerate(self.buckets.buckets):
-            parts = [leaves[i].ravel().astype(bucket.dtype) for i, _ in self.slots[b]]
+            members = [leaves[i] for i, _ in self.slots[b]]
+            if computed:
+                members = materialize(members)
+            parts = [leaf.ravel().astype(bucket.dtype) for leaf in members]
             pad = bucket.numel - sum(int(p.size) for p in parts)
             if pad:
                 parts.append(jnp.zeros(pad, bucket.dtype))
@@ -125,7 +138,7 @@ class FlatLayout:
         axes, params = group.axes, inputs.params
         g_chunks = tuple(
             psum_scatter_mean(flat, axes, self.n, mean=group.mean)
-            for flat in self._flat(inputs.grads)
+            for flat in self._flat(inputs.grads, computed=True)
         )
         p_chunks = None
         if params is not None:

@@ -118,6 +118,12 @@ def plan_rows(per_device: Sequence[Sequence[Item]], *, slack: float = 0.05) -> R
     )
 
 
+def column_cuts(length: int, chunks: int) -> tuple[int, ...]:
+    """Boundaries of ``chunks`` (at least 1) near-equal column ranges of ``[0, length)``."""
+    chunks = max(1, min(chunks, length))
+    return tuple(length * c // chunks for c in range(chunks + 1))
+
+
 class StateSource(NamedTuple):
     """Where one leaf of a device's inner state is stored."""
 
