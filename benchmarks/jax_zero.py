@@ -18,12 +18,15 @@ the same parameters and Adam moments (to rounding). Last line: one JSON object.
     python benchmarks/jax_zero.py --quick          # fewer rounds, < 2 minutes on 2 cores
     python benchmarks/jax_zero.py --shape 96x512   # layers x width (issue 12: 16x792,
                                                    # 10x1000, 96x512, 24x2048)
+    python benchmarks/jax_zero.py --shape all --quick  # the four issue-12 shapes, one table
+    JAX_PLATFORMS=cuda python benchmarks/jax_zero.py --shape all --batch 4096  # one GPU
     python benchmarks/jax_zero.py --repeat 5       # the whole run 5 times: median and range
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import time
@@ -35,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from _report import add_repeat_arg, finish, run_repeats
+from _report import add_repeat_arg, finish, run_repeats, summarize
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -82,15 +85,26 @@ LABELS = {
 }
 
 
-def parse_shape(text: str) -> tuple[int, int]:
-    """``"16x792"`` -> (16, 792): layers x width of the square Dense layers."""
+# Issue 12's shapes: balanced (16 x 792^2), 10 equal tensors on 8 devices (greedy's
+# imbalance 0.6), many small tensors (96 x 512^2), few large ones (24 x 2048^2).
+ISSUE_SHAPES = ((16, 792), (10, 1000), (96, 512), (24, 2048))
+
+
+def parse_shape(text: str) -> tuple[tuple[int, int], ...]:
+    """``"16x792"`` -> ((16, 792),): layers x width of the square Dense layers; several
+    separated by commas; ``"all"``: the four shapes of issue 12."""
+    if text.lower() == "all":
+        return ISSUE_SHAPES
     try:
-        layers, width = (int(part) for part in text.lower().split("x"))
+        return tuple(
+            (int(layers), int(width))
+            for layers, width in (part.lower().split("x") for part in text.split(","))
+        )
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"--shape wants LAYERSxWIDTH such as 16x792, got {text!r}"
+            f"--shape wants LAYERSxWIDTH such as 16x792 (several: 16x792,10x1000) or 'all', "
+            f"got {text!r}"
         ) from None
-    return layers, width
 
 
 def sharded_optimizers(adam, mesh) -> dict:
@@ -101,6 +115,11 @@ def sharded_optimizers(adam, mesh) -> dict:
     except ValueError:  # an unknown partition: this version has no "auto" yet
         pass
     return txs
+
+
+def chosen_partition(tx, params) -> str:
+    """``"flat"`` or ``"greedy"``: the layout ``tx`` (``auto`` included) uses for ``params``."""
+    return type(tx.layout(params)).__name__.removesuffix("Layout").lower()
 
 
 def describe_plan(name: str, plan) -> str:
@@ -158,9 +177,9 @@ def measure(args, mesh, params, batch, adam, txs, steps) -> dict:
     ideal = unsharded / n
     numel = sum(leaf.size for leaf in jax.tree.leaves(params))
     print(
-        f"jax_zero: MLP {args.layers} x {args.width}^2 ({numel / 1e6:.1f}M params), {n} CPU "
-        f"devices, global batch {args.batch}, Adam, {args.rounds} rounds after {args.warmup} "
-        "warm-up, alternating"
+        f"jax_zero: MLP {args.layers} x {args.width}^2 ({numel / 1e6:.1f}M params), {n} "
+        f"{jax.devices()[0].platform.upper()} devices, global batch {args.batch}, Adam, "
+        f"{args.rounds} rounds after {args.warmup} warm-up, alternating"
     )
     print(
         f"{'variant':<28} {'median step (s)':>15} {'vs anchor':>10} "
@@ -172,8 +191,9 @@ def measure(args, mesh, params, batch, adam, txs, steps) -> dict:
             f"{state_bytes[name] / 2**20:>16.2f} {state_bytes[name] / ideal:>8.3f}"
         )
     plans = {name: tx.plan(params) for name, tx in txs.items()}
+    chosen = {name: chosen_partition(tx, params) for name, tx in txs.items()}
     for name, plan in plans.items():
-        print(describe_plan(name, plan))
+        print(describe_plan(f"{name} ({chosen[name]})", plan))
     figures = {"bench": "jax_zero", "params": numel, "devices": n}
     figures["shape"] = f"{args.layers}x{args.width}"
     figures["partitions"] = list(txs)
@@ -184,6 +204,7 @@ def measure(args, mesh, params, batch, adam, txs, steps) -> dict:
         figures[f"{name}_ratio_vs_anchor"] = round(ratios[name], 4)
         figures[f"{name}_state_bytes_per_device"] = state_bytes[name]
         figures[f"{name}_state_vs_ideal"] = round(state_bytes[name] / ideal, 4)
+    figures["auto_partition"] = chosen.get("auto")
     figures["greedy_imbalance"] = round(plans["greedy"].imbalance, 5)
     figures["flat_padding_numel"] = plans["flat"].padding_numel
     figures["step_s"] = figures["greedy_step_s"]
@@ -191,30 +212,16 @@ def measure(args, mesh, params, batch, adam, txs, steps) -> dict:
     return figures
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer rounds (< 2 minutes)")
-    parser.add_argument(
-        "--shape", type=parse_shape, help="LAYERSxWIDTH, e.g. 16x792 (overrides the two below)"
-    )
-    parser.add_argument("--layers", type=int, default=16)
-    parser.add_argument("--width", type=int, default=792)
-    parser.add_argument("--batch", type=int, default=64, help="global batch (8 devices)")
-    parser.add_argument("--rounds", type=int, default=None)
-    parser.add_argument("--warmup", type=int, default=3)
-    add_repeat_arg(parser)
-    args = parser.parse_args()
-    if args.shape is not None:
-        args.layers, args.width = args.shape
-    args.rounds = args.rounds or (6 if args.quick else 25)
-
+def run_shape(args, layers: int, width: int) -> list[dict]:
+    """Every repeat of the measurement on one ``layers x width^2`` MLP."""
+    args.layers, args.width = layers, width
     mesh = mesh_from_topology(Topology.create(len(jax.devices())))
     replicated = NamedSharding(mesh, P())
-    params = jax.device_put(make_mlp(args.layers, args.width), replicated)
+    params = jax.device_put(make_mlp(layers, width), replicated)
     rng = np.random.default_rng(1)
     batch = tuple(
         jax.device_put(
-            jnp.asarray(rng.normal(size=(args.batch, args.width)), jnp.float32),
+            jnp.asarray(rng.normal(size=(args.batch, width)), jnp.float32),
             NamedSharding(mesh, P("dp")),
         )
         for _ in range(2)
@@ -225,8 +232,54 @@ def main() -> None:
     steps = {"anchor": data_parallel_step(loss_fn, adam, mesh)}
     for partition, tx in txs.items():
         steps[partition] = sharded_step(tx, params, mesh)
-    runs = run_repeats(lambda _: measure(args, mesh, params, batch, adam, txs, steps), args.repeat)
-    finish(runs, ["ratio_vs_anchor"] + [f"{name}_ratio_vs_anchor" for name in txs])
+    return run_repeats(lambda _: measure(args, mesh, params, batch, adam, txs, steps), args.repeat)
+
+
+def print_summary(results: dict[str, dict]) -> None:
+    """One line per shape: each variant's step time vs the anchor and its state vs 1/N."""
+    names = [
+        n for n in ("greedy", "flat", "auto") if any(f"{n}_step_s" in r for r in results.values())
+    ]
+    print("\nsummary: step time vs unsharded Adam (median of paired ratios), state vs 1/N")
+    head = f"{'shape':<10} {'anchor (s)':>10}" + "".join(
+        f" {n + ' step':>12} {n + ' state':>12}" for n in names
+    )
+    print(head + f" {'auto uses':>10}")
+    for shape, r in results.items():
+        cells = "".join(
+            f" {r[f'{n}_ratio_median']:>11.3f}x {r[f'{n}_state_vs_ideal']:>11.3f}x" for n in names
+        )
+        print(f"{shape:<10} {r['anchor_step_s']:>10.4f}{cells} {r.get('auto_partition')!s:>10}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer rounds (< 2 minutes)")
+    parser.add_argument(
+        "--shape",
+        type=parse_shape,
+        help="LAYERSxWIDTH, e.g. 16x792, or 'all': issue 12's four shapes (overrides the next two)",
+    )
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--width", type=int, default=792)
+    parser.add_argument("--batch", type=int, default=64, help="global batch (8 devices)")
+    parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--warmup", type=int, default=3)
+    add_repeat_arg(parser)
+    args = parser.parse_args()
+    shapes = args.shape or ((args.layers, args.width),)
+    args.rounds = args.rounds or (6 if args.quick else 25)
+    ratio_keys = ["ratio_vs_anchor"] + [f"{n}_ratio_vs_anchor" for n in ("greedy", "flat", "auto")]
+    if len(shapes) == 1:
+        runs = run_shape(args, *shapes[0])
+        finish(runs, [k for k in ratio_keys if k in runs[0]])
+        return
+    results = {}
+    for layers, width in shapes:
+        runs = run_shape(args, layers, width)
+        results[f"{layers}x{width}"] = summarize(runs, [k for k in ratio_keys if k in runs[0]])
+    print_summary(results)
+    print(json.dumps({"bench": "jax_zero", "shapes": results}), flush=True)
 
 
 if __name__ == "__main__":
