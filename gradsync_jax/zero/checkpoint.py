@@ -19,11 +19,11 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
+import jax
 import numpy as np
 from safetensors.numpy import save as save_bytes
 
 from gradsync_core import (
-    MODEL_PARAM,
     Manifest,
     ParamSpec,
     begin_save,
@@ -37,18 +37,20 @@ from gradsync_core import (
     rank_file,
     read_manifest,
     sha256_file,
+    staging_directory,
     tensor_key,
     write_atomic,
     write_manifest,
 )
 from gradsync_jax._naming import from_torch_layout, to_torch_layout, torch_name, torch_plan
 from gradsync_jax.model_state import weights_by_rank
-from gradsync_jax.zero.layout import ZeroState
+from gradsync_jax.zero.flat import FlatLayout
+from gradsync_jax.zero.layout import Layout, ZeroState
 from gradsync_jax.zero.model_space import ModelSpace
-from gradsync_jax.zero.safetensors_io import read_safetensors
+from gradsync_jax.zero.processes import SaveAgreement, local_ranks, local_view, place
+from gradsync_jax.zero.stored import GLOBAL_PARAM, assemble, read_rank_files
 from gradsync_jax.zero.transform import ShardedOptimizer
 
-GLOBAL_PARAM = "__optax__"  # the pseudo-parameter that carries global leaves
 STEP = "step"  # the canonical key Optax's count is stored under
 
 
@@ -89,7 +91,9 @@ def save_optimizer_state(
     Args:
         directory: the checkpoint directory.
         tx: the ``shard_optimizer`` that made ``state``.
-        state: its state (arrays addressable from this process).
+        state: its state. With several JAX processes every process makes this call; each
+            writes the rank files of its own devices (the path must be on a file system all
+            of them see) and process 0 writes the manifest once every file is written.
         params: the parameter tree (arrays or ``ShapeDtypeStruct``) the state belongs to.
         step: the training step, stored in the manifest.
         optimizer: a name checked on load; default derived from the state's types
@@ -104,21 +108,91 @@ def save_optimizer_state(
         The manifest written.
 
     Raises:
-        ValueError: if the state is not fully addressable (multi-process JAX is not
-            supported by this writer yet) or does not match ``params``.
+        ValueError: if the state does not match ``params`` or the path cannot hold a
+            checkpoint.
+        RuntimeError: on every other process, when one process failed its part (the
+            previous checkpoint is then kept).
 
     Example:
         >>> save_optimizer_state("ckpt/opt", tx, opt_state, params, step=100)
     """
-    for leaf in [*state.shards.values()]:
-        if hasattr(leaf, "is_fully_addressable") and not leaf.is_fully_addressable:
-            raise ValueError(
-                "the optimizer state is spread over several processes; this writer needs "
-                "every shard addressable from one process (single-process JAX)"
-            )
     layout = tx.layout(params)
+    # Each process sees its own devices' shards only; the rank files it writes are exactly
+    # those ranks, where this local view is complete (gradsync_jax.zero.processes).
+    mine = local_ranks(tx.mesh, tx.settings.axes)
+    agreement = SaveAgreement()
+    complete = isinstance(layout, FlatLayout)  # see gradsync_jax.zero.processes
+    local = ZeroState(  # first, so every process takes part in its collective
+        inner=local_view(state.inner, complete=complete),
+        shards=local_view(dict(state.shards), complete=complete),
+    )
+    error: Exception | None = None
+    try:
+        files, manifest = _prepare(tx, layout, local, params, step, optimizer, modules, model)
+    except Exception as err:  # held until every process knows
+        error = err
+    agreement.all_ok(error is None, "preparing its checkpoint files")
+    if error is not None:
+        raise error
+    n = tx.world_size
+    token = None
+    if agreement.leader:
+        try:
+            token = new_save_token()
+            begin_save(directory, token)
+        except Exception as err:
+            error = err
+    agreement.all_ok(error is None, "opening the checkpoint's staging directory")
+    if error is not None:
+        raise error
+    # Everything goes to a staging directory; the switch at the end is the only change a
+    # reader of ``directory`` can see, so a save cut short leaves the previous one (§9).
+    staging = staging_directory(directory, agreement.share_token(token))
+    digests: dict[int, str] = {}
+    try:
+        for rank in sorted(mine):
+            path = os.path.join(staging, rank_file(rank, n))
+            write_atomic(path, save_bytes(files[rank], metadata={"framework": "jax"}))
+            digests[rank] = sha256_file(path)
+    except Exception as err:
+        error = err
+    try:
+        agreement.all_ok(error is None, "writing its rank files")
+        if error is not None:
+            raise error
+        hashes = agreement.gather_digests(digests, n)
+    except BaseException:
+        if agreement.leader:
+            discard_save(staging)
+        raise
+    manifest = replace(manifest, files={rank_file(r, n): hashes[r] for r in range(n)})
+    if agreement.leader:
+        try:
+            write_manifest(staging, manifest)
+            commit_save(directory, staging)
+        except Exception as err:
+            error = err
+            discard_save(staging)
+    agreement.all_ok(error is None, "writing the manifest and switching the checkpoint")
+    if error is not None:
+        raise error
+    return manifest
+
+
+def _prepare(
+    tx: ShardedOptimizer,
+    layout: Layout,
+    state: ZeroState,
+    params: Any,
+    step: int,
+    optimizer: str | None,
+    modules: Mapping[str, str] | None,
+    model: Any,
+) -> tuple[dict[int, dict[str, np.ndarray]], Manifest]:
+    """The tensors of every rank file (exact for the ranks this process writes) and the
+    manifest without the files' hashes, from the host ``state`` of ``local_view``."""
     space = layout.space
-    values = layout.gather(ZeroState(inner=state.inner, shards=dict(state.shards)))
+    values = layout.gather(state)
     specs = _canonical(space, modules)
     plan = torch_plan(tx.plan(params), modules=modules)
     steps = _counts_as_steps(space)
@@ -129,7 +203,7 @@ def save_optimizer_state(
     full: dict[str, np.ndarray] = {}
     state_keys: dict[str, list[str]] = {spec.name: [] for spec in specs}
     scalars: dict[str, Any] = {}
-    files: list[dict[str, np.ndarray]] = [{} for _ in range(n)]
+    files: dict[int, dict[str, np.ndarray]] = {rank: {} for rank in range(n)}
     global_keys = []
     for i, (leaf, value) in enumerate(zip(space.leaves, values, strict=True)):
         if leaf.param is None:
@@ -157,74 +231,23 @@ def save_optimizer_state(
         weights, owners = weights_by_rank(model, plan, modules=modules)
         for rank, tensors in weights.items():
             files[rank].update(tensors)
-    # Everything goes to a staging directory; the switch at the end is the only change a
-    # reader of ``directory`` can see, so a save cut short leaves the previous one (§9).
-    staging = begin_save(directory, new_save_token())
-    try:
-        hashes = {}
-        for rank, tensors in enumerate(files):
-            path = os.path.join(staging, rank_file(rank, n))
-            write_atomic(path, save_bytes(tensors, metadata={"framework": "jax"}))
-            hashes[rank_file(rank, n)] = sha256_file(path)
-        manifest = Manifest(
-            framework="jax",
-            optimizer=optimizer or space.optimizer,
-            world_size=n,
-            step=int(step),
-            params=tuple(specs),
-            plan=plan,
-            state_keys={k: tuple(v) for k, v in state_keys.items()},
-            files=hashes,
-            extra={
-                "partition": tx.partition,
-                "global_keys": global_keys,
-                "scalars": scalars,
-                **({"model": owners} if owners is not None else {}),
-            },
-        )
-        write_manifest(staging, manifest)
-        commit_save(directory, staging)
-    except BaseException:
-        discard_save(staging)
-        raise
-    return manifest
-
-
-def _read_tensors(directory: str | os.PathLike[str], manifest: Manifest) -> dict[str, Any]:
-    """Every rank file's tensors by ``(rank, key)``."""
-    tensors: dict[str, Any] = {}
-    for rank in range(manifest.world_size):
-        name = rank_file(rank, manifest.world_size)
-        try:
-            loaded = read_safetensors(os.path.join(directory, name))
-        except Exception as err:  # a malformed header or a dtype this reader does not know
-            raise ValueError(f"checkpoint file {name} cannot be read ({err})") from None
-        tensors.update({(rank, key): value for key, value in loaded.items()})
-    return tensors
-
-
-def _assemble(manifest: Manifest, tensors: dict[Any, np.ndarray]) -> dict[str, np.ndarray]:
-    """Model-space tensors by ``"<name>/<key>"``: whole ones as stored, flat slices joined in
-    element order and reshaped to the parameter."""
-    shapes = {spec.name: spec.shape for spec in manifest.params}
-    out: dict[str, np.ndarray] = {}
-    pseudo = (GLOBAL_PARAM, MODEL_PARAM)  # not optimizer state of a parameter
-    for rank, key in [k for k in tensors if k[1].partition("/")[0] not in pseudo]:
-        if key in out:
-            continue
-        name = key.rpartition("/")[0]
-        shards = sorted((s for s in manifest.plan.shards if s.name == name), key=lambda s: s.start)
-        if manifest.plan.kind == "greedy" or manifest.version == 1:
-            out[key] = tensors[(rank, key)]
-            continue
-        parts = [tensors.get((s.rank, key)) for s in shards if s.stop > s.start]
-        if any(p is None for p in parts):
-            raise ValueError(f"checkpoint tensor {key!r} is missing a slice in some rank file")
-        out[key] = np.concatenate([p.reshape(-1) for p in parts]).reshape(shapes[name])
-    for (_, key), value in tensors.items():
-        if key.partition("/")[0] == GLOBAL_PARAM:
-            out[key] = value
-    return out
+    manifest = Manifest(
+        framework="jax",
+        optimizer=optimizer or space.optimizer,
+        world_size=n,
+        step=int(step),
+        params=tuple(specs),
+        plan=plan,
+        state_keys={k: tuple(v) for k, v in state_keys.items()},
+        files={},
+        extra={
+            "partition": tx.partition,
+            "global_keys": global_keys,
+            "scalars": scalars,
+            **({"model": owners} if owners is not None else {}),
+        },
+    )
+    return files, manifest
 
 
 def _common_step(manifest: Manifest) -> int | None:
@@ -305,7 +328,7 @@ def load_optimizer_state(
         for name in names:
             saved = manifest.state_keys.get(name, ())
             check_state_keys(manifest.optimizer, optimizer, name, saved, needed)
-    tensors = _assemble(manifest, _read_tensors(directory, manifest))
+    tensors = assemble(manifest, read_rank_files(directory, manifest))
     step = _common_step(manifest) if manifest.version >= 2 else None
     values, expected = [], set()
     for i, leaf in enumerate(space.leaves):
@@ -339,5 +362,8 @@ def load_optimizer_state(
             f"checkpoint holds {len(unexpected)} tensor(s) this optimizer does not have, "
             f"starting with {unexpected[0]!r}"
         )
-    state = tx.scatter_state(space.state_treedef.unflatten(values), params)
+    if jax.process_count() == 1:
+        state = tx.scatter_state(space.state_treedef.unflatten(values), params)
+    else:  # every process read every file; each fills its own devices' shards
+        state = place(layout.scatter(values), tx.state_shardings(params))
     return state, manifest

@@ -1,0 +1,50 @@
+"""The tensors of a checkpoint's rank files, joined into model space (docs/checkpoints.md)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from gradsync_core import MODEL_PARAM, Manifest, rank_file
+from gradsync_jax.zero.safetensors_io import read_safetensors
+
+GLOBAL_PARAM = "__optax__"  # the pseudo-parameter that carries global leaves
+
+
+def read_rank_files(directory: str | os.PathLike[str], manifest: Manifest) -> dict[str, Any]:
+    """Every rank file's tensors by ``(rank, key)``."""
+    tensors: dict[str, Any] = {}
+    for rank in range(manifest.world_size):
+        name = rank_file(rank, manifest.world_size)
+        try:
+            loaded = read_safetensors(os.path.join(directory, name))
+        except Exception as err:  # a malformed header or a dtype this reader does not know
+            raise ValueError(f"checkpoint file {name} cannot be read ({err})") from None
+        tensors.update({(rank, key): value for key, value in loaded.items()})
+    return tensors
+
+
+def assemble(manifest: Manifest, tensors: dict[Any, np.ndarray]) -> dict[str, np.ndarray]:
+    """Model-space tensors by ``"<name>/<key>"``: whole ones as stored, flat slices joined in
+    element order and reshaped to the parameter."""
+    shapes = {spec.name: spec.shape for spec in manifest.params}
+    out: dict[str, np.ndarray] = {}
+    pseudo = (GLOBAL_PARAM, MODEL_PARAM)  # not optimizer state of a parameter
+    for rank, key in [k for k in tensors if k[1].partition("/")[0] not in pseudo]:
+        if key in out:
+            continue
+        name = key.rpartition("/")[0]
+        shards = sorted((s for s in manifest.plan.shards if s.name == name), key=lambda s: s.start)
+        if manifest.plan.kind == "greedy" or manifest.version == 1:
+            out[key] = tensors[(rank, key)]
+            continue
+        parts = [tensors.get((s.rank, key)) for s in shards if s.stop > s.start]
+        if any(p is None for p in parts):
+            raise ValueError(f"checkpoint tensor {key!r} is missing a slice in some rank file")
+        out[key] = np.concatenate([p.reshape(-1) for p in parts]).reshape(shapes[name])
+    for (_, key), value in tensors.items():
+        if key.partition("/")[0] == GLOBAL_PARAM:
+            out[key] = value
+    return out

@@ -1,0 +1,130 @@
+"""Worker of the 2-process checkpoint test: ``python checkpoint_multiprocess_worker.py
+PROCESS_ID NUM_PROCESSES PORT OUT_DIR``.
+
+Each process owns 2 CPU devices of a 4-device ``jax.distributed`` mesh on 127.0.0.1. The
+processes train the test_zero_checkpoint problem for 3 steps (greedy ``shard_optimizer``),
+then together:
+
+- save it with its weights to ``OUT_DIR/greedy`` and load it back with the flat partition
+  (another owner layout, same 2 x 2 devices), which must be bitwise the state in memory;
+- save that flat state to ``OUT_DIR/flat``;
+- save again to ``OUT_DIR/greedy`` with process 1's file writes failing: both processes
+  must raise, and ``OUT_DIR/greedy`` must still be the first save.
+
+Process 0 writes the gathered in-memory state, parameters and what each step saw to
+``OUT_DIR/result.npz``; the test loads both checkpoints on 1 x 4 and 1 x 8 devices.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import numpy as np
+
+STEPS = 3
+
+
+def main(process_id: int, num_processes: int, port: int, out_dir: str) -> None:
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", 2)
+    jax.distributed.initialize(
+        coordinator_address=f"127.0.0.1:{port}",
+        num_processes=num_processes,
+        process_id=process_id,
+        initialization_timeout=60,
+    )
+    import optax
+    from jax.experimental import multihost_utils
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import gradsync_jax.zero.checkpoint as checkpoint
+    from gradsync_core import Topology, read_manifest
+    from gradsync_jax import (
+        load_optimizer_state,
+        make_local,
+        mesh_from_topology,
+        save_optimizer_state,
+        shard_optimizer,
+    )
+    from gradsync_jax.zero.processes import place
+    from tests.jax.test_zero_checkpoint import batch, inner, loss_fn, params0
+
+    mesh = mesh_from_topology(Topology.create(jax.device_count()))
+    replicated, sharded = NamedSharding(mesh, P()), NamedSharding(mesh, P("dp"))
+    tx = shard_optimizer(inner(), mesh, partition="greedy")
+    params = place(params0(), jax.tree.map(lambda _: replicated, params0()))
+    state = jax.jit(tx.init, out_shardings=tx.state_shardings(params))(params)
+    specs = tx.state_specs(params)
+
+    def body(p: Any, s: Any, x: Any, y: Any) -> Any:
+        grads = jax.grad(loss_fn)(make_local(p), x, y)
+        updates, s = tx.update(grads, s, p)
+        return optax.apply_updates(p, updates), s
+
+    step = jax.jit(
+        jax.shard_map(
+            body, mesh=mesh, in_specs=(P(), specs, P("dp"), P("dp")), out_specs=(P(), specs)
+        )
+    )
+    for i in range(STEPS):
+        x, y = (place(v, sharded) for v in batch(i))
+        params, state = step(params, state, x, y)
+
+    def gathered(opt: Any, s: Any) -> list[np.ndarray]:
+        full = multihost_utils.process_allgather(s, tiled=True)
+        return [np.asarray(v) for v in jax.tree.leaves(opt.gather_state(full, params))]
+
+    expected = gathered(tx, state)
+    greedy_dir, flat_dir = os.path.join(out_dir, "greedy"), os.path.join(out_dir, "flat")
+    save_optimizer_state(greedy_dir, tx, state, params, step=STEPS, model=params)
+
+    tx_flat = shard_optimizer(inner(), mesh, partition="flat")
+    loaded, manifest = load_optimizer_state(greedy_dir, tx_flat, params)
+    reloaded = gathered(tx_flat, loaded)
+    same = all(np.array_equal(a, b) for a, b in zip(expected, reloaded, strict=True))
+    save_optimizer_state(flat_dir, tx_flat, loaded, params, step=STEPS)
+
+    first_manifest = read_manifest(greedy_dir)
+    if process_id == 1:  # this process's rank files cannot be written
+
+        def refuse(path: Any, data: bytes) -> None:
+            raise OSError(f"no space left on device writing {path}")
+
+        checkpoint.write_atomic = refuse  # type: ignore[assignment]
+    try:
+        save_optimizer_state(greedy_dir, tx, state, params, step=STEPS + 1)
+        failure = "none"
+    except OSError:
+        failure = "OSError"
+    except RuntimeError as err:
+        failure = f"RuntimeError: {err}"
+    multihost_utils.sync_global_devices("failed save done")
+    kept = read_manifest(greedy_dir) == first_manifest
+    leftovers = sorted(n for n in os.listdir(out_dir) if ".tmp-" in n)
+
+    with open(os.path.join(out_dir, f"failure_{process_id}.txt"), "w") as f:
+        f.write(failure)
+    flags = multihost_utils.process_allgather(
+        np.asarray([same, kept, not leftovers, failure != "none"], np.bool_)
+    )
+    if process_id == 0:
+        arrays = {f"state_{i}": v for i, v in enumerate(expected)}
+        host_params = jax.tree.leaves(
+            jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), params)
+        )
+        arrays |= {f"params_{i}": v for i, v in enumerate(host_params)}
+        arrays["flags"] = np.asarray(flags)
+        arrays["loaded_world_size"] = np.asarray(manifest.world_size)
+        np.savez(os.path.join(out_dir, "result.npz"), **arrays)
+    multihost_utils.sync_global_devices("results written")
+    jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])

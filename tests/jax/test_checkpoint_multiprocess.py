@@ -1,0 +1,94 @@
+"""Checkpoints of 2 JAX processes x 2 CPU devices (jax.distributed on 127.0.0.1): each process
+writes its own devices' rank files, process 0 the manifest; the result loads bitwise on 2 x 2
+with the other partition, and here on 1 x 4 and 1 x 8; a write failing on one process fails
+the save on both and keeps the previous checkpoint (tests/jax/checkpoint_multiprocess_worker.py).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from gradsync_jax import load_optimizer_state, load_params, shard_optimizer
+from tests.jax import checkpoint_multiprocess_worker as worker
+from tests.jax.test_step_multiprocess import ROOT, TIMEOUT_S, _free_port
+from tests.jax.test_zero_checkpoint import inner, mesh_of, params0, reference
+
+
+def _launch(out: Path, num_processes: int = 2) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    port = _free_port()
+    command = [sys.executable, worker.__file__]
+    procs = [
+        subprocess.Popen(
+            [*command, str(i), str(num_processes), str(port), str(out)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(num_processes)
+    ]
+    try:
+        outputs = [p.communicate(timeout=TIMEOUT_S)[0] for p in procs]
+    finally:
+        for p in procs:  # a failed peer leaves the other waiting in a collective
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    for i, (p, text) in enumerate(zip(procs, outputs, strict=True)):
+        assert p.returncode == 0, f"process {i} exited with {p.returncode}:\n{text[-4000:]}"
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> tuple[Path, dict[str, np.ndarray]]:
+    out = tmp_path_factory.mktemp("multiprocess")
+    _launch(out)
+    return out, dict(np.load(out / "result.npz"))
+
+
+def test_every_process_agreed(saved) -> None:
+    out, result = saved
+    same, kept, clean, failed = result["flags"].T  # one row per process
+    assert same.all(), "the 2 x 2 greedy save did not load bitwise into the flat partition"
+    assert failed.all() and kept.all() and clean.all()
+    assert (out / "failure_1.txt").read_text().startswith("OSError")
+    assert (
+        (out / "failure_0.txt")
+        .read_text()
+        .startswith("RuntimeError: process 1 failed while writing its rank files")
+    )
+    assert int(result["loaded_world_size"]) == 4
+
+
+@pytest.mark.parametrize(
+    ("name", "devices", "partition"),
+    [("greedy", 4, "flat"), ("greedy", 8, "greedy"), ("flat", 8, "greedy")],
+)
+def test_loads_on_one_process(saved, name: str, devices: int, partition: str) -> None:
+    out, result = saved
+    params = jax.tree.map(np.asarray, params0())  # only shapes and dtypes are used
+    tx = shard_optimizer(inner(), mesh_of(devices), partition=partition)
+    state, manifest = load_optimizer_state(out / name, tx, params)
+    assert (manifest.world_size, manifest.step) == (4, worker.STEPS)
+    leaves = jax.tree.leaves(tx.gather_state(state, params))
+    assert len(leaves) == sum(k.startswith("state_") for k in result)
+    for i, leaf in enumerate(leaves):
+        np.testing.assert_array_equal(leaf, result[f"state_{i}"], err_msg=f"state leaf {i}")
+    # And the state is the training's: the unsharded optimizer's within float32 rounding.
+    for leaf, ref in zip(leaves, jax.tree.leaves(reference(worker.STEPS)[1]), strict=True):
+        np.testing.assert_allclose(leaf, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_weights_load_on_one_process(saved) -> None:
+    out, result = saved
+    weights = jax.tree.leaves(load_params(out / "greedy", params0()))
+    for i, weight in enumerate(weights):
+        np.testing.assert_array_equal(weight, result[f"params_{i}"])
