@@ -11,8 +11,9 @@ alternating in one process (docs/design.md §11), one step each per round:
 
 Reported: median step time after warm-up, the median of the per-round ratios to the anchor
 (target <= 1.15), and the optimizer-state bytes each device holds, measured from the arrays'
-shards, against 1/N of the unsharded state (target <= 1/N + 5%). The three runs must end with
-the same parameters and Adam moments (to rounding). Last line: one JSON object.
+shards, against 1/N of the unsharded state (target <= 1/N + 5%). One step from the same state
+must match the anchor to 1e-5; the runs must end with the anchor's Adam moments (rtol 1e-3)
+and parameters (within 15% of how far they moved). Last line: one JSON object.
 
     python benchmarks/jax_zero.py                  # 16 x 792^2 MLP (10.0M parameters)
     python benchmarks/jax_zero.py --quick          # fewer rounds, < 2 minutes on 2 cores
@@ -134,6 +135,22 @@ def describe_plan(name: str, plan) -> str:
     return f"{name} plan: " + (", ".join(parts) or type(plan).__name__)
 
 
+def largest_difference(xs, ys) -> float:
+    return max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(xs, ys, strict=True))
+
+
+def first_step_error(state: dict, steps: dict, batch, names) -> float:
+    """The largest parameter difference to the anchor after one step from the same state."""
+    ref = jax.tree.leaves(steps["anchor"](*state["anchor"], batch)[0])
+    err = max(
+        largest_difference(jax.tree.leaves(steps[name](*state[name], batch)[0]), ref)
+        for name in names
+    )
+    if err > 1e-5:
+        raise SystemExit(f"one step from the same state differs from the anchor by {err:.3g}")
+    return err
+
+
 def measure(args, mesh, params, batch, adam, txs, steps) -> dict:
     """One whole run (warm-up, alternating rounds, checks) from the initial state."""
     replicated = NamedSharding(mesh, P())
@@ -142,6 +159,7 @@ def measure(args, mesh, params, batch, adam, txs, steps) -> dict:
     for partition, tx in txs.items():
         state[partition] = (params, tx.init(params))
     state_bytes = {name: bytes_per_device(s) for name, (_, s) in state.items()}
+    step_error = first_step_error(state, steps, batch, list(txs))
 
     times: dict[str, list[float]] = {name: [] for name in steps}
     for r in range(args.warmup + args.rounds):
@@ -153,12 +171,18 @@ def measure(args, mesh, params, batch, adam, txs, steps) -> dict:
             if r >= args.warmup:
                 times[name].append(time.perf_counter() - t0)
             state[name] = (p, s)
+    # After many steps of a deep tanh MLP (96 x 512^2) the sharded runs and the anchor differ
+    # by up to ~7% of how far the parameters moved: the all-reduce and the reduce-scatter sum
+    # in different orders and Adam rescales the rounding of near-zero gradients to a step.
+    # Greedy and flat drift alike, so the check is relative; first_step_error is the exact one.
     anchor_params = jax.tree.leaves(state["anchor"][0])
+    moved = largest_difference(anchor_params, jax.tree.leaves(params))
     for name in txs:
-        pairs = zip(jax.tree.leaves(state[name][0]), anchor_params, strict=True)
-        err = max(float(jnp.max(jnp.abs(a - b))) for a, b in pairs)
-        if err > 1e-4:
-            raise SystemExit(f"{name} diverged from the anchor by {err:.3g}")
+        err = largest_difference(jax.tree.leaves(state[name][0]), anchor_params)
+        if err > max(1e-4, 0.15 * moved):
+            raise SystemExit(
+                f"{name} diverged from the anchor by {err:.3g} (parameters moved {moved:.3g})"
+            )
     # The sharded moments are the anchor's too, not only the parameters (docs/design.md §7).
     for name, tx in txs.items():
         gathered = jax.tree.leaves(tx.gather_state(state[name][1], params))
@@ -205,6 +229,7 @@ def measure(args, mesh, params, batch, adam, txs, steps) -> dict:
         figures[f"{name}_state_bytes_per_device"] = state_bytes[name]
         figures[f"{name}_state_vs_ideal"] = round(state_bytes[name] / ideal, 4)
     figures["auto_partition"] = chosen.get("auto")
+    figures["first_step_max_abs_error"] = step_error
     figures["greedy_imbalance"] = round(plans["greedy"].imbalance, 5)
     figures["flat_padding_numel"] = plans["flat"].padding_numel
     figures["step_s"] = figures["greedy_step_s"]
