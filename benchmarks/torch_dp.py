@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     elif args.world_size is None:
         args.world_size = 2
     if args.threads is None:
-        args.threads = max(1, (os.cpu_count() or 2) // args.world_size)
+        args.threads = max(1, len(os.sched_getaffinity(0)) // args.world_size)
     if args.steps is None:
         args.steps = 10 if args.quick else 20
     runs = run_repeats(lambda _: measure(args), args.repeat)

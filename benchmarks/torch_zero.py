@@ -332,7 +332,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     fill_model_defaults(args)
     args.world_size = args.world_size or 2
     if args.threads is None:
-        args.threads = max(1, (os.cpu_count() or 2) // args.world_size)
+        args.threads = max(1, len(os.sched_getaffinity(0)) // args.world_size)
     if args.steps is None:
         args.steps = 6 if args.quick else 20
     if args.quick:
