@@ -31,6 +31,7 @@ from gradsync_torch.model_parallel.mappings import (
 )
 from gradsync_torch.model_state import load_model_weights
 from gradsync_torch.zero import ZeroRedundancyOptimizer
+from gradsync_torch.zero.plain import load_optimizer_state_dict
 
 __all__: list[str] = [
     "ColumnParallelLinear",
@@ -49,6 +50,7 @@ __all__: list[str] = [
     "fp16_compress_hook",
     "gather_from",
     "load_model_weights",
+    "load_optimizer_state_dict",
     "local_state",
     "param_specs",
     "reduce_from",

@@ -21,6 +21,7 @@ from typing import Any
 
 import jax
 import numpy as np
+import optax
 from safetensors.numpy import save as save_bytes
 
 from gradsync_core import (
@@ -46,7 +47,7 @@ from gradsync_jax._naming import from_torch_layout, to_torch_layout, torch_name,
 from gradsync_jax.model_state import weights_by_rank
 from gradsync_jax.zero.flat import FlatLayout
 from gradsync_jax.zero.layout import Layout, ZeroState
-from gradsync_jax.zero.model_space import ModelSpace
+from gradsync_jax.zero.model_space import ModelSpace, abstract, model_space, pure
 from gradsync_jax.zero.processes import SaveAgreement, local_ranks, local_view, place
 from gradsync_jax.zero.stored import GLOBAL_PARAM, assemble, read_rank_files
 from gradsync_jax.zero.transform import ShardedOptimizer
@@ -275,14 +276,15 @@ def _needed_keys(manifest: Manifest, optimizer: str, space: ModelSpace) -> tuple
 
 def load_optimizer_state(
     directory: str | os.PathLike[str],
-    tx: ShardedOptimizer,
+    tx: optax.GradientTransformation,
     params: Any,
     *,
     optimizer: str | None = None,
     modules: Mapping[str, str] | None = None,
-) -> tuple[ZeroState, Manifest]:
-    """Read a checkpoint into a new state for ``tx`` (any device count, either partition),
-    whether ``gradsync_jax`` or ``gradsync_torch`` wrote it.
+) -> tuple[Any, Manifest]:
+    """Read a checkpoint into a new state for ``tx``, whether ``gradsync_jax`` or
+    ``gradsync_torch`` wrote it: a ``shard_optimizer`` (any device count, either partition)
+    or a plain Optax transformation (``optax.adamw(...)``: the state ``tx.init`` would make).
 
     Every file is checked against its manifest hash and every tensor against the expected
     shape and dtype before anything is placed on a device; on any error nothing changes
@@ -293,13 +295,16 @@ def load_optimizer_state(
     Args:
         directory: a checkpoint written by ``save_optimizer_state`` or by
             ``gradsync_torch.ZeroRedundancyOptimizer.save``.
-        tx: the ``shard_optimizer`` to load into (its mesh may differ from the saver's).
+        tx: the ``shard_optimizer`` to load into (its mesh may differ from the saver's), or
+            a plain Optax transformation.
         params: the parameter tree (arrays or ``ShapeDtypeStruct``).
         optimizer: the name given at save time, if one was.
         modules: the Flax-to-torch module renames given at save time (see ``torch_name``).
 
     Returns:
-        ``(state, manifest)``; ``state`` is placed with ``tx.state_shardings(params)``.
+        ``(state, manifest)``; for a ``shard_optimizer`` the state is placed with
+        ``tx.state_shardings(params)``, for a plain transformation its leaves are host
+        (NumPy) arrays in the tree ``tx.init(params)`` returns.
 
     Raises:
         ValueError: one sentence naming what is missing, corrupt or different.
@@ -308,8 +313,11 @@ def load_optimizer_state(
         >>> opt_state, manifest = load_optimizer_state("ckpt/opt", tx, params)
     """
     manifest = read_manifest(directory)
-    layout = tx.layout(params)
-    space = layout.space
+    if isinstance(tx, ShardedOptimizer):
+        layout: Layout | None = tx.layout(params)
+        space = layout.space
+    else:  # a plain Optax transformation: its whole state, unsharded
+        layout, space = None, model_space(tx, abstract(pure(params)))
     optimizer = optimizer or space.optimizer
     if manifest.version == 1:
         if manifest.framework != "jax":
@@ -362,6 +370,9 @@ def load_optimizer_state(
             f"checkpoint holds {len(unexpected)} tensor(s) this optimizer does not have, "
             f"starting with {unexpected[0]!r}"
         )
+    if layout is None:
+        return space.state_treedef.unflatten(values), manifest
+    assert isinstance(tx, ShardedOptimizer)
     if jax.process_count() == 1:
         state = tx.scatter_state(space.state_treedef.unflatten(values), params)
     else:  # every process read every file; each fills its own devices' shards

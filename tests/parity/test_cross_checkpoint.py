@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import torch
 from flax import nnx
 
 from gradsync_core import Topology, plan_greedy_shards
@@ -42,6 +43,7 @@ from gradsync_jax import (
     to_torch_state,
     torch_plan,
 )
+from gradsync_torch import load_optimizer_state_dict
 from gradsync_torch import param_specs as torch_param_specs
 from tests.parity import cross_worker
 from tests.parity.torch_worker import TorchMLP
@@ -104,7 +106,12 @@ def train_jax(tx, params, opt_state, steps: int):
 
 def jax_moments(tx, opt_state, params, name: str, modules=RENAMES) -> dict[str, np.ndarray]:
     """The moments of a ``shard_optimizer`` state by ``"<torch name>/<torch key>"``."""
-    inner = tx.gather_state(opt_state, params)[0]
+    return optax_moments(tx.gather_state(opt_state, params)[0], name, modules)
+
+
+def optax_moments(inner, name: str, modules=RENAMES) -> dict[str, np.ndarray]:
+    """The moments of an unsharded Optax state's first element (``ScaleByAdamState`` or
+    ``TraceState``) by ``"<torch name>/<torch key>"``."""
     fields = {"exp_avg": "mu", "exp_avg_sq": "nu", "momentum_buffer": "trace"}
     out = {}
     for key in MOMENTS[name]:
@@ -122,6 +129,22 @@ def assert_close(got: dict, want: dict, what: str) -> float:
         assert error <= RTOL[what], f"{what} {key}: relative error {error:.2e}"
         worst = max(worst, error)
     return worst
+
+
+def train_plain_optax(tx, params, opt_state, steps: int):
+    """``steps`` steps of a plain Optax optimizer on the whole batch, on one device."""
+    model = LinenMLP()
+    x, y = (jnp.asarray(a) for a in data())
+
+    @jax.jit
+    def step(p, s):
+        grads = jax.grad(lambda q: jnp.mean((model.apply(q, x) - y) ** 2))(p)
+        updates, s = tx.update(grads, s, p)
+        return optax.apply_updates(p, updates), s
+
+    for _ in range(steps):
+        params, opt_state = step(params, opt_state)
+    return params, opt_state
 
 
 def linen_init():
@@ -151,6 +174,16 @@ def test_torch_checkpoint_continues_in_jax(name: str, tmp_path) -> None:
     moved = max(float(np.abs(torch_run["params"][k] - init[k]).max()) for k in init)
     assert moved > 1e-2  # it trained: a test that moves nothing would pass trivially
     print(f"torch -> JAX {name}: worst relative error {worst:.2e}")
+    # The same checkpoint into a plain Optax optimizer (one device, the whole batch).
+    plain = optax_twin(name)
+    params = from_torch_state(torch_run["saved_params"], like, modules=RENAMES)
+    plain_state, _ = load_optimizer_state(path, plain, params, modules=RENAMES)
+    assert jax.tree.structure(plain_state) == jax.tree.structure(plain.init(params))
+    params, plain_state = train_plain_optax(plain, params, plain_state, 5)
+    worst = assert_close(to_torch_state(params, modules=RENAMES), torch_run["params"], "params")
+    moments = optax_moments(plain_state[0], name)
+    worst = max(worst, assert_close(moments, torch_run["state"], "state"))
+    print(f"torch -> plain Optax {name}: worst relative error {worst:.2e}")
 
 
 @pytest.mark.parametrize("name", ["adamw", "sgd"])
@@ -173,6 +206,32 @@ def test_jax_checkpoint_continues_in_torch(name: str, tmp_path) -> None:
     if name == "adamw":
         assert set(torch_run["steps"].values()) == {10.0}
     print(f"JAX -> torch {name}: worst relative error {worst:.2e}")
+    # The same checkpoint into a plain torch optimizer in this process (the whole batch).
+    net = TorchMLP(WIDTHS)
+    net.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in saved.items()})
+    plain = cross_worker.OPTIMIZERS[name](net.parameters(), **TORCH_HYPER[name])
+    other = torch.optim.Adagrad(net.parameters(), lr=0.5)
+    with pytest.raises(ValueError, match=r"torch\.optim\.Adagrad"):  # no Optax twin
+        load_optimizer_state_dict(path, other, net)
+    assert not other.state and other.param_groups[0]["lr"] == 0.5  # nothing half-loaded
+    load_optimizer_state_dict(path, plain, net)
+    for _ in range(5):
+        plain.zero_grad()
+        torch.nn.functional.mse_loss(net(torch.from_numpy(x)), torch.from_numpy(y)).backward()
+        plain.step()
+    names = [n for n, _ in net.named_parameters()]
+    got = {n: p.detach().numpy() for n, p in net.named_parameters()}
+    worst = assert_close(got, to_torch_state(params10, modules=RENAMES), "params")
+    moments = {
+        f"{names[i]}/{key}": value.numpy()
+        for i, entries in plain.state_dict()["state"].items()
+        for key, value in entries.items()
+        if key != "step"
+    }
+    worst = max(worst, assert_close(moments, want, "state"))
+    if name == "adamw":
+        assert {float(entries["step"]) for entries in plain.state.values()} == {10.0}
+    print(f"JAX -> plain torch {name}: worst relative error {worst:.2e}")
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4, 8])
