@@ -35,9 +35,7 @@ from gradsync_core import (
     ShardPlan,
     begin_save,
     check_compatible,
-    check_state_keys,
     commit_save,
-    counterpart_keys,
     discard_save,
     model_owners,
     new_save_token,
@@ -57,6 +55,7 @@ from gradsync_torch.model_state import (
     read_weights,
     weight_files,
 )
+from gradsync_torch.zero.saved_keys import check_other_framework_keys, check_torch_keys
 from gradsync_torch.zero.state import (
     RankGroup,
     StatePiece,
@@ -91,6 +90,7 @@ class LoadTarget(NamedTuple):
     shapes: list[tuple[int, ...]]
     needed: set[int]  # global indices of the parameters this rank's layout steps
     model: nn.Module | None = None  # receives the stored weights, if the checkpoint has any
+    optimizer_class: type[torch.optim.Optimizer] | None = None  # to learn the keys it keeps
 
 
 class Loaded(NamedTuple):
@@ -267,26 +267,6 @@ def save(path: str | os.PathLike[str], snapshot: Snapshot, ranks: RankGroup) -> 
     agree(ranks, error, what)  # nobody returns before the checkpoint is complete
 
 
-def _check_other_framework(path: str, manifest: Manifest, target: LoadTarget) -> None:
-    """Refuse a JAX-written checkpoint this optimizer cannot continue from exactly."""
-    if manifest.version < 2:
-        raise ValueError(
-            f"{path} was written by gradsync_jax in format version 1 (Flax names and layouts), "
-            "which only gradsync_jax reads; load it there with load_optimizer_state and save "
-            "it again to get version 2, which torch reads"
-        )
-    global_keys = manifest.extra.get("global_keys", [])
-    if global_keys:
-        raise ValueError(
-            f"{path} holds Optax state with no torch counterpart ({global_keys[0]!r}, e.g. an "
-            "injected hyper-parameter); save it from an Optax optimizer without it"
-        )
-    needed = counterpart_keys(target.optimizer, manifest.optimizer) or ()
-    for name, keys in manifest.state_keys.items():
-        if keys:
-            check_state_keys(manifest.optimizer, target.optimizer, name, keys, needed)
-
-
 def _check_manifest(path: str, target: LoadTarget) -> Manifest:
     """Read the manifest and refuse another model, optimizer or param groups."""
     manifest = read_manifest(path, verify_files=False)
@@ -297,7 +277,7 @@ def _check_manifest(path: str, target: LoadTarget) -> Manifest:
     if manifest.framework != "torch":
         # Optax keeps hyper-parameters in the transformation, not the state: the optimizer's
         # own param groups stay as built.
-        _check_other_framework(path, manifest, target)
+        check_other_framework_keys(path, manifest, target.optimizer)
         return manifest
     bounds = [0]
     for group in target.param_groups:
@@ -310,6 +290,8 @@ def _check_manifest(path: str, target: LoadTarget) -> Manifest:
             f"parameters in the checkpoint, {len(mine)} of {[len(g) for g in mine]} here; "
             "build the optimizer with the same param groups before loading"
         )
+    if target.optimizer_class is not None:
+        check_torch_keys(manifest, target.optimizer, target.optimizer_class, target.param_groups)
     return manifest
 
 

@@ -380,6 +380,7 @@ class ZeroRedundancyOptimizer(Optimizer):
             shapes=self._shapes(),
             needed={piece.index for piece in self.layout.pieces},
             model=model,
+            optimizer_class=self.optimizer_class,
         )
         loaded = checkpoint.load(path, target, self._ranks)
         copy_weights(model, loaded.model)

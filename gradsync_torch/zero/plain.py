@@ -65,6 +65,7 @@ def load_optimizer_state_dict(
         param_groups=groups,
         shapes=[tuple(p.shape) for p in params],
         needed=set(range(len(params))),
+        optimizer_class=type(optimizer),
     )
     loaded = checkpoint.load(path, target, RankGroup(process_group=None, rank=0, world_size=1))
     state_dict: dict[str, Any] = {"state": dict(sorted(loaded.state.items())), "param_groups": []}

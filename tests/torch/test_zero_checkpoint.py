@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from gradsync_torch.zero.broadcast import Piece
+from gradsync_torch.zero.saved_keys import probe_state_keys
 from gradsync_torch.zero.state import StatePiece, assemble, slice_state
 
 
@@ -39,3 +40,15 @@ def test_slice_state_cuts_elementwise_state_only() -> None:
     assert out["step"].item() == 1.0
     with pytest.raises(ValueError, match="cannot be sharded by element ranges"):
         slice_state({"row": torch.zeros(2)}, piece, (2, 3))
+
+
+def test_probe_learns_the_keys_an_optimizer_keeps() -> None:
+    """What the load-time key check compares a torch manifest's state keys with."""
+    adam = ("exp_avg", "exp_avg_sq", "step")
+    assert probe_state_keys(torch.optim.Adam, {"lr": 1e-3}) == adam
+    assert probe_state_keys(torch.optim.Adam, {"amsgrad": True}) == tuple(
+        sorted((*adam, "max_exp_avg_sq"))
+    )
+    assert probe_state_keys(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}) == ("momentum_buffer",)
+    assert probe_state_keys(torch.optim.SGD, {"lr": 0.1}) == ()
+    assert probe_state_keys(torch.optim.LBFGS, {}) is None  # needs a closure: not probed

@@ -10,6 +10,7 @@ parameter that has no optimizer state yet.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import shutil
 from typing import Any
@@ -19,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gradsync_core import MANIFEST, rank_file, read_manifest
+from gradsync_core import MANIFEST, rank_file, read_manifest, write_manifest
 from gradsync_torch import ZeroRedundancyOptimizer
 from tests.torch.zero_helpers import Pair, batch, make_model, plain, zero
 
@@ -133,6 +134,11 @@ def _damage(source: str, target: str, how: str) -> None:
     elif how == "bad manifest":
         with open(os.path.join(target, MANIFEST), "r+b") as f:
             f.truncate(100)
+    elif how == "dropped key":  # a consistent manifest, valid checksum, one key short
+        manifest = read_manifest(target, verify_files=False)
+        keys = dict(manifest.state_keys)
+        keys["3.weight"] = tuple(k for k in keys["3.weight"] if k != "exp_avg_sq")
+        write_manifest(target, dataclasses.replace(manifest, state_keys=keys))
 
 
 DAMAGE = {
@@ -140,6 +146,9 @@ DAMAGE = {
     "corrupt file": r"rank-00001-of-00004\.safetensors does not match its manifest hash",
     "missing file": r"rank-00002-of-00004\.safetensors is missing",
     "bad manifest": r"manifest\.json is corrupt",
+    "dropped key": r"the state of '3\.weight' saved by 'torch\.optim\.Adam' holds "
+    r"\['exp_avg', 'step'\], but 'torch\.optim\.Adam' keeps \['exp_avg', 'exp_avg_sq', "
+    r"'step'\]: it lacks 'exp_avg_sq'",
 }
 
 
