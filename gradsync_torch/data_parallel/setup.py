@@ -20,7 +20,7 @@ from gradsync_torch._specs import named_parameters, param_specs
 from gradsync_torch.data_parallel.buckets import make_plan
 from gradsync_torch.data_parallel.grad_sharding import pad_for_sharding
 from gradsync_torch.model_parallel.groups import ProcessGroups
-from gradsync_torch.model_parallel.layers import shared_param_specs
+from gradsync_torch.model_parallel.layers import expert_parameter_names, shared_param_specs
 
 
 class GroupChoice(NamedTuple):
@@ -61,6 +61,13 @@ def resolve_groups(
             ``shard_gradients`` with model-parallel sums.
     """
     if groups is None:
+        experts = sorted(expert_parameter_names(module))
+        if experts:
+            raise ValueError(
+                f"the model has expert parameters ({experts[0]!r} and {len(experts) - 1} more), "
+                "whose gradients are averaged over the expert data-parallel group, not over "
+                "process_group; pass groups=ProcessGroups(Topology.create(world_size, ep=...))"
+            )
         if shared_plan is not None:
             raise ValueError(
                 "shared_plan needs groups=: pass the ProcessGroups the plan's reduction "
@@ -98,11 +105,27 @@ def resolve_groups(
             "buckets; use shard_gradients=False with model parallelism "
             "(ZeroRedundancyOptimizer still shards the optimizer state, ZeRO-1)"
         )
+    broadcast_expert_parameters(module, groups)
     dp = groups.group("dp")
     if dp.size > 1:
         return GroupChoice(dp.process_group, shared_plan)
     alone = dist.new_group([dp.ranks[0]], use_local_synchronization=True)
     return GroupChoice(alone, shared_plan)
+
+
+def broadcast_expert_parameters(module: nn.Module, groups: ProcessGroups) -> None:
+    """Copy the expert weights of ``edp`` rank 0 to the rest of its ``edp`` group.
+
+    The dense weights are broadcast over ``dp`` later (``verify_and_broadcast``), but the
+    dense ``dp`` group spans ranks holding different experts, so expert weights are copied
+    only between the ranks that hold the same experts.
+    """
+    names = expert_parameter_names(module)
+    if not names or groups.size("edp") == 1:
+        return
+    edp = groups.group("edp")
+    tensors = [p for name, p in named_parameters(module) if name in names]
+    broadcast_tensors(tensors, edp.process_group)
 
 
 def plan_layout(
@@ -113,8 +136,13 @@ def plan_layout(
     shard_gradients: bool,
     world_size: int,
 ) -> Layout:
-    """The module's parameters and the initial bucket plan (padded for sharding)."""
-    named = named_parameters(module)
+    """The module's parameters and the initial bucket plan (padded for sharding).
+
+    Expert parameters (``gradsync_expert_params``) are left out of the dense buckets: their
+    gradients are reduced over ``edp`` by the shared plan (docs/design.md §6).
+    """
+    experts = expert_parameter_names(module)
+    named = [(name, p) for name, p in named_parameters(module) if name not in experts]
     specs = param_specs(named)
     plan = make_plan(specs, overlap=overlap, bucket_cap_mb=bucket_cap_mb)
     if shard_gradients:
@@ -137,7 +165,9 @@ def verify_and_broadcast(
     """Check every rank holds the same plan, parameters, buffers and options, then copy
     rank 0's weights and buffers everywhere (DDP's ``_sync_module_states``)."""
     verify_same_everywhere(plan, state_entries(module, options), group, device)
-    tensors = [p for _, p in named_parameters(module)] + [b for _, b in module.named_buffers()]
+    experts = expert_parameter_names(module)  # broadcast over edp by resolve_groups
+    tensors = [p for name, p in named_parameters(module) if name not in experts]
+    tensors += [b for _, b in module.named_buffers()]
     broadcast_tensors(tensors, group)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -20,6 +21,7 @@ from torch import nn
 
 from gradsync_core import ParamSpec, replicated_axes, split_shapes
 from gradsync_torch._specs import named_parameters, param_specs
+from gradsync_torch.model_parallel.experts import ExpertMLPs
 from gradsync_torch.model_parallel.groups import Group
 from gradsync_torch.model_parallel.mappings import (
     all_gather_from,
@@ -158,11 +160,12 @@ class RowParallelLinear(_ShardedLinear):
 def local_state(model: nn.Module, full: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """This rank's shard of every tensor in ``full`` (serial names: a state dict or grads).
 
-    Parallel layers cut their own tensors (``local_shard``); all others are kept whole.
+    Parallel layers and expert blocks cut their own tensors (``local_shard``); all others
+    are kept whole.
     """
     owners = {}
     for prefix, module in model.named_modules():
-        if isinstance(module, _ShardedLinear):
+        if isinstance(module, _ShardedLinear | ExpertMLPs):
             for name, _ in module.named_parameters(recurse=False):
                 owners[f"{prefix}.{name}" if prefix else name] = (module, name)
     out = {}
@@ -212,10 +215,23 @@ def replicated_over(
     }
 
 
+def expert_parameter_names(module: nn.Module) -> set[str]:
+    """Names (as ``named_parameters`` spells them) of the parameters that layers declare as
+    expert weights in ``gradsync_expert_params`` (``ExpertMLPs``: ``("w_in", "w_out")``)."""
+    declared = {
+        id(getattr(sub, name))
+        for sub in module.modules()
+        for name in getattr(sub, "gradsync_expert_params", ())
+        if getattr(sub, name, None) is not None
+    }
+    return {name for name, p in named_parameters(module) if id(p) in declared}
+
+
 def shared_param_specs(
     module: nn.Module, *, data_axes: Sequence[str] | None = None
 ) -> list[ParamSpec]:
-    """``param_specs(module)`` with ``replicated_over`` derived by ``replicated_over``.
+    """``param_specs(module)`` with ``replicated_over`` derived by ``replicated_over`` and
+    ``expert`` set from the layers' ``gradsync_expert_params`` declarations.
 
     Feed it to ``gradsync_core.plan_shared_reductions`` (and to the data-parallel plan).
 
@@ -224,4 +240,6 @@ def shared_param_specs(
         >>> [s.replicated_over for s in specs if s.name == "norm.weight"]
         [('cp',)]
     """
-    return param_specs(module, replicated_over=replicated_over(module, data_axes=data_axes))
+    specs = param_specs(module, replicated_over=replicated_over(module, data_axes=data_axes))
+    experts = expert_parameter_names(module)
+    return [replace(spec, expert=spec.name in experts) for spec in specs]
