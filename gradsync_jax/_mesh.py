@@ -6,6 +6,13 @@ sorted by id, which is the global list in a multi-process job). The mesh array i
 group of ``Topology.groups(name)`` and, for a multi-axis group, the ``lax.axis_index`` of the
 axis-name tuple ``topology.mesh_axes(name)`` equals the group-local rank. Never
 ``jax.devices()`` order: that order is a backend detail and two frameworks must agree.
+
+Mixture of experts: Megatron-core's two rank generators give two views of the same devices,
+so there are two meshes (``expert=False``/``True``), never one mesh mixing them: the expert
+mesh has axes ``topology.expert_mesh_axis_names`` (``("pp", "edp", "ep", "etp")``). With
+``cp = 1`` and ``etp = tp`` the dense data-parallel group is the axis pair ``edp``, ``ep`` of
+the expert mesh (in mesh order: ``("edp", "ep")`` for the default order), so a whole MoE model trains in one ``shard_map`` over the expert mesh:
+the batch on ``("edp", "ep")``, the experts on ``"ep"`` (``data_parallel_step`` there).
 """
 
 from __future__ import annotations
@@ -29,11 +36,15 @@ def mesh_from_topology(
     devices: Sequence[Any] | None = None,
     *,
     axis_types: AxisType | Sequence[AxisType] = AxisType.Explicit,
+    expert: bool = False,
 ) -> Mesh:
     """Build the mesh of ``topology``: device ``i`` of ``devices`` gets rank ``i``.
 
     Axis names are ``topology.mesh_axis_names`` (all five axes, size-1 ones included, so
     every group name resolves: ``("pp", "dp", "ep", "cp", "tp")`` for the default order).
+    With ``expert=True`` the mesh of Megatron-core's expert generator instead: axes
+    ``topology.expert_mesh_axis_names`` (``("pp", "edp", "ep", "etp")``), whose fibres are
+    the expert groups (see the module docstring).
 
     Args:
         topology: sizes and order of the parallel axes; its ``world_size`` must equal the
@@ -56,6 +67,9 @@ def mesh_from_topology(
         >>> mesh = mesh_from_topology(topo)
         >>> mesh.shape["dp"], topo.mesh_axes("dp-cp")
         (2, ('dp', 'cp'))
+        >>> moe = Topology.create(world_size=8, ep=2)
+        >>> dict(mesh_from_topology(moe, expert=True).shape)
+        {'pp': 1, 'edp': 4, 'ep': 2, 'etp': 1}
     """
     if not isinstance(topology, Topology):
         raise TypeError(f"topology must be a gradsync_core.Topology, got {type(topology)!r}")
@@ -70,7 +84,8 @@ def mesh_from_topology(
         )
     if len({id(d) for d in devices}) != len(devices):
         raise ValueError("devices lists a device twice; every rank needs its own device")
-    names = topology.mesh_axis_names
+    names = topology.expert_mesh_axis_names if expert else topology.mesh_axis_names
+    shape = topology.expert_mesh_shape if expert else topology.mesh_shape
     if isinstance(axis_types, AxisType):
         types = (axis_types,) * len(names)
     else:
@@ -81,5 +96,5 @@ def mesh_from_topology(
             )
     array = np.empty(len(devices), dtype=object)
     array[:] = devices  # element-wise: np.array(devices) could try to unpack device objects
-    ranks = np.arange(topology.world_size).reshape(topology.mesh_shape)
+    ranks = np.arange(topology.world_size).reshape(shape)
     return Mesh(array[ranks], names, axis_types=types)

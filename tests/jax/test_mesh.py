@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from gradsync_core import EXPERT_GROUPS, STANDARD_GROUPS, Topology
@@ -56,13 +56,19 @@ def test_every_group_is_a_mesh_fibre(topo: Topology, kind: str) -> None:
         assert got == set(topo.groups(name)), name
     if topo.has_experts:
         # The expert view: the expert generator's sizes, devices placed by rank the same way.
-        expert_mesh = Mesh(
-            np.array(devices, dtype=object).reshape(topo.expert_mesh_shape),
-            topo.expert_mesh_axis_names,
-        )
+        expert_mesh = mesh_from_topology(topo, devices, expert=True)
+        assert expert_mesh.axis_names == topo.expert_mesh_axis_names
+        assert tuple(expert_mesh.devices.shape) == topo.expert_mesh_shape
+        assert [d.id for d in expert_mesh.devices.flat] == [d.id for d in devices]
         for name in EXPERT_GROUPS:
             got = _groups_from_mesh(expert_mesh, devices, topo.mesh_axes(name))
             assert got == set(topo.groups(name)), name
+        if topo.cp == 1 and topo.etp == topo.tp:
+            # One shard_map over the expert mesh trains the dense part on edp and ep (in
+            # mesh order: ("edp", "ep") for the default order).
+            pair = tuple(a for a in expert_mesh.axis_names if a in ("edp", "ep"))
+            dense_dp = _groups_from_mesh(expert_mesh, devices, pair)
+            assert dense_dp == set(topo.groups("dp"))
 
 
 @pytest.mark.parametrize("kind", ["sorted", "scrambled"])
