@@ -10,10 +10,11 @@ alternating in one process (docs/design.md §11), one step each per round:
 - auto: ``shard_optimizer(optax.adam, partition="auto")``, only when this gradsync accepts it.
 
 Reported: median step time after warm-up, the median of the per-round ratios to the anchor
-(target <= 1.15), and the optimizer-state bytes each device holds, measured from the arrays'
-shards, against 1/N of the unsharded state (target <= 1/N + 5%). One step from the same state
-must match the anchor to 1e-5; the runs must end with the anchor's Adam moments (rtol 1e-3)
-and parameters (within 15% of how far they moved). Last line: one JSON object.
+(target <= 1.10), and the optimizer-state bytes each device holds, measured from the arrays'
+shards, against 1/N of the unsharded state (target <= 1/N + 5%). The gate: one step from the
+same state matches the anchor (parameters to 1e-5, Adam moments to rtol 1e-4); how far the
+runs drift apart after many steps is reported as a fraction of how far the parameters moved.
+Last line: one JSON object.
 
     python benchmarks/jax_zero.py                  # 16 x 792^2 MLP (10.0M parameters)
     python benchmarks/jax_zero.py --quick          # fewer rounds, < 2 minutes on 2 cores
@@ -139,13 +140,21 @@ def largest_difference(xs, ys) -> float:
     return max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(xs, ys, strict=True))
 
 
-def first_step_error(state: dict, steps: dict, batch, names) -> float:
-    """The largest parameter difference to the anchor after one step from the same state."""
-    ref = jax.tree.leaves(steps["anchor"](*state["anchor"], batch)[0])
-    err = max(
-        largest_difference(jax.tree.leaves(steps[name](*state[name], batch)[0]), ref)
-        for name in names
-    )
+def first_step_error(state: dict, steps: dict, batch, txs: dict) -> float:
+    """The largest parameter difference to the anchor after one step from the same state.
+
+    The gate of the run: parameters within 1e-5, and the sharded Adam moments gathered back
+    equal to the anchor's (rtol 1e-4), not only the parameters (docs/design.md §7)."""
+    ref_params, ref_state, _ = steps["anchor"](*state["anchor"], batch)
+    ref = jax.tree.leaves(ref_params)
+    err = 0.0
+    for name, tx in txs.items():
+        new_params, new_state, _ = steps[name](*state[name], batch)
+        err = max(err, largest_difference(jax.tree.leaves(new_params), ref))
+        gathered = jax.tree.leaves(tx.gather_state(new_state, state[name][0]))
+        for a, b in zip(gathered, jax.tree.leaves(ref_state), strict=True):
+            if not np.allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-12):
+                raise SystemExit(f"{name}: one step's optimizer state differs from the anchor's")
     if err > 1e-5:
         raise SystemExit(f"one step from the same state differs from the anchor by {err:.3g}")
     return err
@@ -159,7 +168,7 @@ def measure(args, mesh, params, batch, adam, txs, steps) -> dict:
     for partition, tx in txs.items():
         state[partition] = (params, tx.init(params))
     state_bytes = {name: bytes_per_device(s) for name, (_, s) in state.items()}
-    step_error = first_step_error(state, steps, batch, list(txs))
+    step_error = first_step_error(state, steps, batch, txs)
 
     times: dict[str, list[float]] = {name: [] for name in steps}
     for r in range(args.warmup + args.rounds):
@@ -171,25 +180,17 @@ def measure(args, mesh, params, batch, adam, txs, steps) -> dict:
             if r >= args.warmup:
                 times[name].append(time.perf_counter() - t0)
             state[name] = (p, s)
-    # After many steps of a deep tanh MLP (96 x 512^2) the sharded runs and the anchor differ
-    # by up to ~7% of how far the parameters moved: the all-reduce and the reduce-scatter sum
-    # in different orders and Adam rescales the rounding of near-zero gradients to a step.
-    # Greedy and flat drift alike, so the check is relative; first_step_error is the exact one.
+    # The gate is first_step_error (one step from the same state, exact to 1e-5). After many
+    # steps the runs drift apart: the all-reduce and the reduce-scatter sum in different
+    # orders, and on a deep tanh MLP (96 x 512^2) Adam turns the rounding of near-zero
+    # gradients into whole steps (measured: as much as the parameters moved, even on one GPU,
+    # where only XLA's fusion differs). The drift is reported, not gated.
     anchor_params = jax.tree.leaves(state["anchor"][0])
     moved = largest_difference(anchor_params, jax.tree.leaves(params))
-    for name in txs:
-        err = largest_difference(jax.tree.leaves(state[name][0]), anchor_params)
-        if err > max(1e-4, 0.15 * moved):
-            raise SystemExit(
-                f"{name} diverged from the anchor by {err:.3g} (parameters moved {moved:.3g})"
-            )
-    # The sharded moments are the anchor's too, not only the parameters (docs/design.md §7).
-    for name, tx in txs.items():
-        gathered = jax.tree.leaves(tx.gather_state(state[name][1], params))
-        for a, b in zip(gathered, jax.tree.leaves(state["anchor"][1]), strict=True):
-            if not np.allclose(a, np.asarray(b), rtol=1e-3, atol=1e-6):
-                raise SystemExit(f"{name}: optimizer state diverged from the anchor")
-
+    drift = {
+        name: largest_difference(jax.tree.leaves(state[name][0]), anchor_params) / max(moved, 1e-30)
+        for name in txs
+    }
     medians = {name: statistics.median(ts) for name, ts in times.items()}
     # Paired ratios: each round's step against the anchor's step of the same round, so a
     # load change on the (shared) machine moves both; the figure is their median.
@@ -226,6 +227,7 @@ def measure(args, mesh, params, batch, adam, txs, steps) -> dict:
     for name in txs:
         figures[f"{name}_step_s"] = round(medians[name], 5)
         figures[f"{name}_ratio_vs_anchor"] = round(ratios[name], 4)
+        figures[f"{name}_drift_vs_moved"] = round(drift[name], 4)
         figures[f"{name}_state_bytes_per_device"] = state_bytes[name]
         figures[f"{name}_state_vs_ideal"] = round(state_bytes[name] / ideal, 4)
     figures["auto_partition"] = chosen.get("auto")
