@@ -9,7 +9,8 @@ device ``d``: whole tensors (greedy) or the element range ``[start, stop)`` of t
 tensor (flat). Optax's ``count`` is stored as every parameter's ``step`` (a JSON number in
 ``extra["scalars"]``, as torch stores its ``step``); other leaves tied to no parameter (injected
 hyper-parameters) go to rank 0's file under ``"__optax__/<state path>"``, listed in
-``extra["global_keys"]``: only JAX reads those.
+``extra["global_keys"]``: only JAX reads those. With several JAX processes each writes its
+own devices' rank files and process 0 the manifest (``gradsync_jax.zero.processes``).
 """
 
 from __future__ import annotations
