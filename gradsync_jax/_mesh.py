@@ -11,8 +11,9 @@ Mixture of experts: Megatron-core's two rank generators give two views of the sa
 so there are two meshes (``expert=False``/``True``), never one mesh mixing them: the expert
 mesh has axes ``topology.expert_mesh_axis_names`` (``("pp", "edp", "ep", "etp")``). With
 ``cp = 1`` and ``etp = tp`` the dense data-parallel group is the axis pair ``edp``, ``ep`` of
-the expert mesh (in mesh order: ``("edp", "ep")`` for the default order), so a whole MoE model trains in one ``shard_map`` over the expert mesh:
-the batch on ``("edp", "ep")``, the experts on ``"ep"`` (``data_parallel_step`` there).
+the expert mesh (in mesh order: ``("edp", "ep")`` for the default order), so a whole MoE
+model trains in one ``shard_map`` over the expert mesh: the batch on ``("edp", "ep")``, the
+experts on ``"ep"`` (``data_parallel_step`` there).
 """
 
 from __future__ import annotations

@@ -16,8 +16,9 @@ from jax.sharding import PartitionSpec as P
 from gradsync_core import BucketPlan, ReductionPlan
 from gradsync_jax._accumulate import accumulate_local_grads
 from gradsync_jax._axes import AxisName, axis_tuple, display_axis, spec_entry_axes
+from gradsync_jax._specs import leaf_names
 from gradsync_jax._sync import sync_gradients
-from gradsync_jax.model_parallel.mappings import make_shared_local
+from gradsync_jax.model_parallel.mappings import make_shared_local, reduce_shared_gradients
 from gradsync_jax.zero.transform import ShardedOptimizer
 
 StepFn = Callable[[Any, Any, Any], tuple[Any, Any, jax.Array]]
@@ -78,7 +79,11 @@ def data_parallel_step(
             params, param_specs, data_spec=batch_spec, mesh=mesh), topology)``: planned
             gradients stay partial through accumulation and are summed over their groups
             once, bucketed, after the dp mean (without it JAX's implicit ``psum`` at every
-            use gives the same values, one collective per use and micro-step).
+            use gives the same values, one collective per use and micro-step). Expert
+            parameters (the plan's ``"edp"`` reduction, e.g. ``MoE``'s experts) are left out
+            of the dp mean and summed over ``edp`` divided by the dense dp instead; they need
+            the expert mesh (``mesh_from_topology(topology, expert=True)``) with the batch on
+            its ``edp`` and ``ep`` axes (``axis_name=("edp", "ep")``), and ``reduce="mean"``.
         loss_as: pass the global mean loss to ``tx.update`` as this keyword argument of an
             ``optax.GradientTransformationExtraArgs``: ``"value"`` for ``optax.polyak_sgd``
             and ``optax.contrib.reduce_on_plateau``. Default: no extra argument.
@@ -112,6 +117,9 @@ def data_parallel_step(
     placement = _placement(mesh, axes, axis_name, batch_spec, param_specs)
     if shared is not None:
         _check_topology(shared, mesh)
+    experts = _expert_names(shared)
+    if experts:
+        _check_expert_step(shared, placement, reduce)  # type: ignore[arg-type]
     zero = isinstance(tx, ShardedOptimizer)
     if zero:
         _check_sharded_optimizer(
@@ -135,7 +143,11 @@ def data_parallel_step(
         loss, grads = accumulate_local_grads(
             loss_fn, local, batch, accumulate_steps, axis_name=axis_name
         )
-        if not zero:  # a ShardedOptimizer reduce-scatters the local gradients itself
+        if experts:
+            grads = _sync_dense_then_shared(
+                grads, axis_name, reduce, reduce_dtype, plan, shared, experts
+            )
+        elif not zero:  # a ShardedOptimizer reduce-scatters the local gradients itself
             grads = sync_gradients(
                 grads,
                 axis_name,
@@ -244,13 +256,73 @@ def _mapped_step(
 
 def _check_topology(shared: ReductionPlan, mesh: Mesh) -> None:
     topology = shared.topology
-    sizes = {a: getattr(topology, a) for a in topology.mesh_axis_names}
+    expert_mesh = "edp" in mesh.axis_names
+    names = topology.expert_mesh_axis_names if expert_mesh else topology.mesh_axis_names
+    sizes = {a: getattr(topology, a) for a in names}
     if any(mesh.shape.get(a, 1) != n for a, n in sizes.items()):
         raise ValueError(
             f"the shared reduction plan was made for axes {sizes} but the mesh has "
             f"{dict(mesh.shape)}; plan it with the mesh's topology "
             "(mesh_from_topology(topology) and plan_shared_reductions(..., topology))"
         )
+    for group in shared.group_names:
+        if topology.is_expert_group(group) != expert_mesh:
+            need = "the expert mesh" if topology.is_expert_group(group) else "the dense mesh"
+            raise ValueError(
+                f"the shared reduction plan sums over group {group!r}, which lives on {need}, "
+                f"but the mesh has axes {mesh.axis_names}; build the mesh with "
+                f"mesh_from_topology(topology, expert={not expert_mesh}) (one shard_map runs "
+                "over one of Megatron-core's two layouts: an MoE model with cp = 1 and etp = tp "
+                "trains on the expert mesh)"
+            )
+
+
+def _expert_names(shared: ReductionPlan | None) -> frozenset[str]:
+    if shared is None or "edp" not in shared.group_names:
+        return frozenset()
+    return frozenset(shared.reduction("edp").names)
+
+
+def _check_expert_step(shared: ReductionPlan, placement: _Placement, reduce: str) -> None:
+    divisor = shared.reduction("edp").divisor
+    if reduce != "mean" or placement.dp_size != divisor:
+        raise ValueError(
+            f"expert gradients are summed over edp and divided by the dense dp "
+            f"({divisor}), which equals the global mean only beside a dense mean over dp; "
+            f"got reduce={reduce!r} over axes {placement.axes} of size {placement.dp_size}: "
+            "pass reduce='mean' and the expert mesh's edp and ep axes as axis_name"
+        )
+
+
+def _sync_dense_then_shared(
+    grads: Any,
+    axis_name: AxisName,
+    reduce: str,
+    reduce_dtype: Any,
+    plan: BucketPlan | None,
+    shared: ReductionPlan,
+    experts: frozenset[str],
+) -> Any:
+    """The dense leaves' data-parallel mean, then every planned sum (experts over edp).
+
+    Experts are held by different devices along ``ep``, so a mean over the dense dp (which
+    spans ``ep``) would mix different experts; ``plan``, if given, covers the dense leaves.
+    """
+    leaves, treedef = jax.tree_util.tree_flatten(grads)
+    names = leaf_names(grads)
+    dense = [i for i, name in enumerate(names) if name not in experts]
+    synced = sync_gradients(
+        [leaves[i] for i in dense],
+        axis_name,
+        reduce=reduce,
+        reduce_dtype=reduce_dtype,
+        plan=plan,
+        names=[names[i] for i in dense],
+    )
+    out = list(leaves)
+    for i, value in zip(dense, synced, strict=True):
+        out[i] = value
+    return reduce_shared_gradients(jax.tree_util.tree_unflatten(treedef, out), shared, names=names)
 
 
 def _state_specs(tx: optax.GradientTransformation, opt_state: Any, param_specs: Any) -> Any:

@@ -174,14 +174,16 @@ def shared_param_specs(
 
     Returns:
         Specs named like ``gradsync_jax.param_specs`` (``blocks/0/fc1/kernel``), ready for
-        ``gradsync_core.plan_shared_reductions``.
+        ``gradsync_core.plan_shared_reductions``; a leaf sharded over ``"ep"`` (the experts
+        of ``gradsync_jax.model_parallel.experts.MoE``) gets ``expert=True``.
 
     Example:
         >>> specs = shared_param_specs(params, pspecs, data_spec=P("dp", "cp"), mesh=mesh)
         >>> [s.replicated_over for s in specs if s.name == "norm/scale"]
         [('cp',)]
     """
-    data_axes = [a for entry in data_spec for a in spec_entry_axes(entry)]
+    # edp is the expert mesh's share of data parallelism: like dp, the data-parallel mean's.
+    data_axes = [a for entry in data_spec for a in spec_entry_axes(entry) if a != "edp"]
     leaves, treedef = jax.tree_util.tree_flatten(params)
     spec_leaves = treedef.flatten_up_to(specs)
     local = treedef.unflatten(
@@ -190,13 +192,11 @@ def shared_param_specs(
             for x, s in zip(leaves, spec_leaves, strict=True)
         ]
     )
-    return [
-        replace(
-            spec,
-            replicated_over=replicated_axes(
-                sharded_over=[a for entry in s for a in spec_entry_axes(entry)],
-                data_sharded_over=data_axes,
-            ),
-        )
-        for spec, s in zip(param_specs(local), spec_leaves, strict=True)
-    ]
+    out = []
+    for spec, s in zip(param_specs(local), spec_leaves, strict=True):
+        sharded = [a for entry in s for a in spec_entry_axes(entry)]
+        replicated = replicated_axes(sharded_over=sharded, data_sharded_over=data_axes)
+        # Only expert weights are split over ep (gradsync_jax.model_parallel.experts): their
+        # PartitionSpec is the layer's declaration that they are expert parameters.
+        out.append(replace(spec, replicated_over=replicated, expert="ep" in sharded))
+    return out

@@ -255,7 +255,9 @@ def reduce_shared_gradients(
 
     Call inside ``shard_map`` after differentiating w.r.t. ``make_shared_local(params, plan)``,
     before or after the data-parallel mean (they commute). Each bucket of the plan is one
-    variadic ``psum`` (no flattening copies); unplanned leaves pass through.
+    variadic ``psum`` (no flattening copies); unplanned leaves pass through. The expert
+    reduction (group ``"edp"``) is divided by its ``divisor``, the dense dp: expert gradients
+    must be left out of the data-parallel mean (``data_parallel_step`` does that).
 
     Args:
         grads: gradient pytree with leaves named as in the plan (``path_name``).
@@ -284,5 +286,6 @@ def reduce_shared_gradients(
                     )
             summed = lax.psum(tuple(leaves[i] for i in members), axes)
             for i, value in zip(members, summed, strict=True):
-                out[i] = value
+                # Expert gradients: summed over edp, divided by the dense dp (docs/design.md §6).
+                out[i] = value if reduction.divisor == 1 else value / reduction.divisor
     return jax.tree_util.tree_unflatten(treedef, out)
