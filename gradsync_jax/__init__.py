@@ -15,6 +15,7 @@ from gradsync_jax._step import data_parallel_step
 from gradsync_jax._sync import local_grad, make_local, sync_gradients, value_and_local_grad
 from gradsync_jax.model_parallel import (
     ColumnParallelLinear,
+    MoE,
     RowParallelLinear,
     all_gather_from,
     copy_to,
@@ -41,6 +42,7 @@ from gradsync_jax.zero import (
 
 __all__: list[str] = [
     "ColumnParallelLinear",
+    "MoE",
     "NotElementwiseError",
     "RowParallelLinear",
     "ShardedOptimizer",

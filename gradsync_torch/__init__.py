@@ -8,6 +8,7 @@ from gradsync_torch.data_parallel.comm_hooks import (
     bf16_compress_hook,
     fp16_compress_hook,
 )
+from gradsync_torch.model_parallel.experts import ExpertMLPs, MoE
 from gradsync_torch.model_parallel.groups import (
     Group,
     ProcessGroups,
@@ -36,8 +37,10 @@ from gradsync_torch.zero.plain import load_optimizer_state_dict
 __all__: list[str] = [
     "ColumnParallelLinear",
     "DataParallel",
+    "ExpertMLPs",
     "GradBucket",
     "Group",
+    "MoE",
     "ProcessGroups",
     "RowParallelLinear",
     "ZeroRedundancyOptimizer",

@@ -1,5 +1,9 @@
-"""Model parallelism in ``jax.shard_map``: the six mappings and NNX layers (docs/design.md §6)."""
+"""Model parallelism in ``jax.shard_map``: the six mappings, NNX layers, the MoE block (design §6).
 
+See docs/design.md §5 and §6.
+"""
+
+from gradsync_jax.model_parallel.experts import MoE
 from gradsync_jax.model_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -20,6 +24,7 @@ from gradsync_jax.model_parallel.mappings import (
 
 __all__: list[str] = [
     "ColumnParallelLinear",
+    "MoE",
     "RowParallelLinear",
     "all_gather_from",
     "copy_to",
