@@ -76,6 +76,10 @@ class ExpertMLPs(nn.Module):
         self.w_out = nn.Parameter(torch.empty(self.local_experts, hidden, dim, **kw))
         # The experts are split over ep; no other axis shards them.
         self.gradsync_sharded_over = {name: ("ep",) for name in self.gradsync_expert_params}
+        for name in self.gradsync_expert_params:
+            # The same declaration on the tensor, for code that sees parameters without
+            # their module: ZeroRedundancyOptimizer refuses to mix them with dense ones.
+            getattr(self, name).gradsync_expert = True
         self.reset_parameters()
 
     def reset_parameters(self) -> None:

@@ -58,8 +58,14 @@ def parameter_names(
 def param_specs_of(
     names: Sequence[str], params: Sequence[torch.Tensor], planned: set[int]
 ) -> list[ParamSpec]:
-    """The specs the plans are made of; ``planned`` are the indices planned before."""
-    return [
+    """The specs the plans are made of; ``planned`` are the indices planned before.
+
+    Raises:
+        ValueError: if expert parameters (tagged ``gradsync_expert`` by their layer, e.g.
+            ``ExpertMLPs``) and dense ones share this optimizer: their owners must be
+            planned over different groups (``edp`` and ``dp``, docs/design.md §6).
+    """
+    specs = [
         ParamSpec(
             name=name,
             shape=tuple(p.shape),
@@ -67,9 +73,20 @@ def param_specs_of(
             # Once planned, a parameter keeps its owner (and state) when frozen again.
             requires_grad=p.requires_grad or i in planned,
             device=p.device.type,
+            expert=getattr(p, "gradsync_expert", False),
         )
         for i, (name, p) in enumerate(zip(names, params, strict=True))
     ]
+    experts = [s.name for s in specs if s.expert]
+    if experts and len(experts) < len(specs):
+        dense = next(s.name for s in specs if not s.expert)
+        raise ValueError(
+            f"this optimizer holds expert parameters ({experts[0]!r}, ...) and dense ones "
+            f"({dense!r}, ...): a ZeroRedundancyOptimizer plans owners over one group, but "
+            "expert weights are replicated over edp and dense ones over dp; build two, "
+            "dense over groups['dp'].process_group and experts over groups['edp'].process_group"
+        )
+    return specs
 
 
 def plan_shards(

@@ -5,7 +5,8 @@ model is a dense input projection, then ``MoE`` (a router and 4 experts, 2 per r
 rank feeds its quarter of the batch; its loss is the mean over its own tokens, so the dense
 mean over dp is the full-batch mean. The output, EVERY gradient and one Adam step (parameters
 and both moments) must equal the serial model's (all experts on one process, full batch) in
-float64. Rank-0-of-edp weights must reach the other edp ranks (ranks with other experts are
+float64; the step runs in two ZeRO-1 optimizers, dense owners over dp and expert owners over
+edp. Rank-0-of-edp weights must reach the other edp ranks (ranks with other experts are
 left alone), and a control with the expert gradients left local shows the checks can fail.
 """
 
@@ -19,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gradsync_core import Topology
-from gradsync_torch import DataParallel, ProcessGroups
+from gradsync_torch import DataParallel, ProcessGroups, ZeroRedundancyOptimizer
 from gradsync_torch.model_parallel.experts import MoE
 from gradsync_torch.model_parallel.groups import Group
 from gradsync_torch.model_parallel.layers import local_state, shared_param_specs
@@ -92,20 +93,44 @@ def _worker(rank: int, world_size: int) -> dict[str, Any]:
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, expected[name], **TOL, msg=lambda m, n=name: f"{n}: {m}")
 
+    # ZeRO-1 owners: dense parameters over dp, experts over edp (one optimizer each); one
+    # optimizer holding both is refused. A plain Adam on a copy checks the moments.
+    with pytest.raises(ValueError, match=r"expert parameters \(.*\) and dense ones"):
+        ZeroRedundancyOptimizer(model.named_parameters(), torch.optim.Adam, lr=1e-2)
+    named = list(model.named_parameters())
+    zero_dense = ZeroRedundancyOptimizer(
+        [(n, p) for n, p in named if "experts" not in n],
+        torch.optim.Adam,
+        process_group=groups["dp"].process_group,
+        lr=1e-2,
+    )
+    zero_experts = ZeroRedundancyOptimizer(
+        [(n, p) for n, p in named if "experts" in n],
+        torch.optim.Adam,
+        process_group=groups["edp"].process_group,
+        lr=1e-2,
+    )
+    plain = {n: p.detach().clone().requires_grad_() for n, p in named}
+    for n, p in named:
+        plain[n].grad = p.grad.clone()
+    zero_dense.step()
+    zero_experts.step()
+
     # One Adam step from the same gradients: parameters and both moments.
     serial_opt = torch.optim.Adam(serial.parameters(), lr=1e-2)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    opt = torch.optim.Adam(plain.values(), lr=1e-2)
     serial_opt.step()
     opt.step()
     serial_state = {n: serial_opt.state[p] for n, p in serial.named_parameters()}
     for key in ("exp_avg", "exp_avg_sq"):
         full = {n: s[key] for n, s in serial_state.items()}
         want = local_state(model, full)
-        for name, p in model.named_parameters():
+        for name, p in plain.items():
             torch.testing.assert_close(opt.state[p][key], want[name], **TOL)
     want = local_state(model, dict(serial.named_parameters()))
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(p, want[name], **TOL)
+    for name, p in model.named_parameters():  # after the ZeRO steps and their broadcasts
+        torch.testing.assert_close(p, want[name], **TOL, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(plain[name], want[name], **TOL)
 
     groups_plan = wrapped.shared_plan
     return {
