@@ -166,20 +166,31 @@ class ProcessGroups:
         """The global ranks of this rank's ``name`` group, ascending."""
         return self.group(name).ranks
 
-    def device_mesh(self, device_type: str = "cpu") -> dist.device_mesh.DeviceMesh:
+    def device_mesh(
+        self, device_type: str = "cpu", *, expert: bool = False
+    ) -> dist.device_mesh.DeviceMesh:
         """A ``DeviceMesh`` over the axes of size > 1, reusing these process groups.
 
         Dimensions follow ``topology.mesh_axis_names`` (reversed order string, so the last
         dimension varies fastest) with singleton axes dropped, as torchtitan's
         ``ParallelDims.build_mesh`` does; ``mesh[name].get_group()`` is ``group(name)``'s
-        process group. A world of one rank gives a 1-D mesh named ``"dp"``.
+        process group. A world of one rank gives a 1-D mesh named ``"dp"``. With
+        ``expert=True``, the mesh of Megatron-core's expert generator instead: dimensions
+        from ``topology.expert_mesh_axis_names`` (``pp``, ``edp``, ``ep``, ``etp``), the same
+        ranks seen through the expert groups (two meshes, as ``gradsync_jax``'s
+        ``mesh_from_topology(..., expert=True)``; docs/model-parallel.md).
         """
         from torch.distributed.device_mesh import DeviceMesh
 
-        names = [a for a in self.topology.mesh_axis_names if getattr(self.topology, a) > 1]
-        mesh = torch.arange(self.topology.world_size).reshape(
-            [getattr(self.topology, a) for a in names] or [1]
-        )
+        topo = self.topology
+        if expert:
+            axes = topo.expert_mesh_axis_names
+            sizes = dict(zip(axes, topo.expert_mesh_shape, strict=True))
+        else:
+            axes = topo.mesh_axis_names
+            sizes = dict(zip(axes, topo.mesh_shape, strict=True))
+        names = [a for a in axes if sizes[a] > 1]
+        mesh = torch.arange(topo.world_size).reshape([sizes[a] for a in names] or [1])
         if not names:
             return DeviceMesh.from_group(dist.group.WORLD, device_type, mesh_dim_names=("dp",))
         pgs = [self.group(a).process_group for a in names]

@@ -132,6 +132,13 @@ def _worker(rank: int, world_size: int) -> dict[str, Any]:
         torch.testing.assert_close(p, want[name], **TOL, msg=lambda m, n=name: f"{n}: {m}")
         torch.testing.assert_close(plain[name], want[name], **TOL)
 
+    # The two DeviceMesh views: the dense mesh (dp = 4) and the expert one (edp x ep).
+    dense_mesh, expert_mesh = groups.device_mesh(), groups.device_mesh(expert=True)
+    assert dense_mesh.mesh_dim_names == ("dp",)
+    assert expert_mesh.mesh_dim_names == ("edp", "ep")
+    assert expert_mesh.mesh.tolist() == [[0, 1], [2, 3]]
+    for axis in ("edp", "ep"):
+        assert dist.get_process_group_ranks(expert_mesh.get_group(axis)) == list(groups.ranks(axis))
     groups_plan = wrapped.shared_plan
     return {
         "local_wrong": local_wrong,
