@@ -35,6 +35,7 @@ from gradsync_core._buckets import (
 )
 from gradsync_core._cli_checkpoint import add_checkpoint_parser
 from gradsync_core._models import MODELS, builtin_model
+from gradsync_core._reductions import split_expert_specs
 from gradsync_core._shards import ShardPlan, plan_flat_shards, plan_greedy_shards
 from gradsync_core._specs import DTYPE_ITEMSIZE, ParamSpec, check_unique_names, itemsize
 from gradsync_core._topology import DEFAULT_ORDER, EXPERT_GROUPS, STANDARD_GROUPS, Topology
@@ -174,7 +175,7 @@ def _shown(count: int, limit: int) -> list[int]:
     return [*range(limit // 2), *range(count - limit // 2, count)]
 
 
-def _shard_section(plan: ShardPlan, specs: Sequence[ParamSpec]) -> str:
+def _shard_section(plan: ShardPlan, specs: Sequence[ParamSpec], axis: str = "dp") -> str:
     size = {s.name: itemsize(s.dtype) for s in specs}
     counts = [0] * plan.world_size
     nbytes = [0] * plan.world_size
@@ -194,8 +195,9 @@ def _shard_section(plan: ShardPlan, specs: Sequence[ParamSpec]) -> str:
     ]
     if plan.world_size > _SHOWN_RANKS:
         rows.insert(_SHOWN_RANKS // 2, ["..."] * 5)
+    what = "data-parallel" if axis == "dp" else "expert data-parallel (edp)"
     head = (
-        f"Shard partition: {plan.kind} over {plan.world_size} data-parallel ranks, "
+        f"Shard partition: {plan.kind} over {plan.world_size} {what} ranks, "
         f"imbalance {100 * plan.imbalance:.2f}% (max/mean - 1)"
     )
     if plan.kind == "flat":
@@ -204,7 +206,7 @@ def _shard_section(plan: ShardPlan, specs: Sequence[ParamSpec]) -> str:
         head
         + "\n"
         + _table(
-            ["dp rank", "pieces", "elements", "param MiB", "Adam state MiB"],
+            [f"{axis} rank", "pieces", "elements", "param MiB", "Adam state MiB"],
             rows,
             max_rows=_SHOWN_RANKS + 1,
         )
@@ -238,6 +240,30 @@ def _group_section(topo: Topology) -> str:
     return head + "\n" + _table(["group", "size", "count", "ranks"], rows, max_rows=20)
 
 
+def _owners(
+    specs: list[ParamSpec], args: argparse.Namespace, ranks: int
+) -> tuple[BucketPlan, ShardPlan]:
+    """``specs``' buckets and their ZeRO owners over ``ranks`` ranks (dp, or edp for experts)."""
+    # DDP's convention: with no cap given, 25 MiB buckets and a 1 MiB first bucket.
+    if args.bucket_cap_mb is None:
+        cap, first = DEFAULT_CAP_BYTES, DEFAULT_FIRST_CAP_BYTES
+    else:
+        cap = first = int(args.bucket_cap_mb * MIB)
+    pad_to = math.lcm(args.pad_to, ranks) if args.partition == "flat" else args.pad_to
+    buckets = plan_buckets(specs, cap_bytes=cap, first_cap_bytes=first, pad_to=pad_to)
+    if args.partition != "flat":
+        return buckets, plan_greedy_shards(specs, world_size=ranks)
+    # A piece per rank and bucket, plus one per parameter straddling a cut: bound them first.
+    pieces = sum(len(b.slots) for b in buckets.buckets) + len(buckets.buckets) * ranks
+    if pieces > MAX_FLAT_PIECES:
+        raise UsageError(
+            f"a flat partition of {len(buckets.buckets)} buckets over {ranks:,} "
+            f"ranks has up to {pieces:,} pieces, more than {MAX_FLAT_PIECES:,}; raise "
+            "--bucket-cap-mb or use --partition greedy"
+        )
+    return buckets, plan_flat_shards(buckets, world_size=ranks)
+
+
 def _plan(args: argparse.Namespace) -> int:
     _check_bounds(args)
     specs = _load_params(args.params) if args.params else builtin_model(args.model, args.dtype)
@@ -250,26 +276,10 @@ def _plan(args: argparse.Namespace) -> int:
         order=args.order,
         etp=args.etp,
     )
-    # DDP's convention: with no cap given, 25 MiB buckets and a 1 MiB first bucket.
-    if args.bucket_cap_mb is None:
-        cap, first = DEFAULT_CAP_BYTES, DEFAULT_FIRST_CAP_BYTES
-    else:
-        cap = first = int(args.bucket_cap_mb * MIB)
-    pad_to = math.lcm(args.pad_to, topo.dp) if args.partition == "flat" else args.pad_to
-    buckets = plan_buckets(specs, cap_bytes=cap, first_cap_bytes=first, pad_to=pad_to)
-    if args.partition == "flat":
-        # Each bucket is cut into dp pieces, plus one more wherever a parameter straddles a
-        # cut: bound it before building them.
-        pieces = sum(len(b.slots) for b in buckets.buckets) + len(buckets.buckets) * topo.dp
-        if pieces > MAX_FLAT_PIECES:
-            raise UsageError(
-                f"a flat partition of {len(buckets.buckets)} buckets over dp = {topo.dp:,} "
-                f"ranks has up to {pieces:,} pieces, more than {MAX_FLAT_PIECES:,}; raise "
-                "--bucket-cap-mb or use --partition greedy"
-            )
-        shards = plan_flat_shards(buckets, world_size=topo.dp)
-    else:
-        shards = plan_greedy_shards(specs, world_size=topo.dp)
+    # Expert parameters (ParamSpec.expert) are owned over edp, the rest over dp (design §6).
+    dense, experts = split_expert_specs(specs)
+    buckets, shards = _owners(dense, args, topo.dp)
+    expert_shards = _owners(experts, args, topo.edp)[1] if experts else None
     if args.json:
         out = {
             "buckets": buckets.to_json(),
@@ -281,6 +291,9 @@ def _plan(args: argparse.Namespace) -> int:
                 "topology": topo.fingerprint,
             },
         }
+        if expert_shards is not None:  # absent without experts: the JSON stays as it was
+            out["expert_shards"] = expert_shards.to_json()
+            out["fingerprints"]["expert_shards"] = expert_shards.fingerprint
         print(json.dumps(out, indent=1, sort_keys=True))
         return 0
     trainable = [s for s in specs if s.requires_grad]
@@ -297,12 +310,11 @@ def _plan(args: argparse.Namespace) -> int:
         )
     )
     print()
-    print(_bucket_section(buckets))
-    print()
-    print(_shard_section(shards, specs))
-    print()
-    print(_group_section(topo))
-    print()
+    print(_bucket_section(buckets), end="\n\n")
+    print(_shard_section(shards, specs), end="\n\n")
+    if expert_shards is not None:
+        print(_shard_section(expert_shards, specs, axis="edp"), end="\n\n")
+    print(_group_section(topo), end="\n\n")
     print(
         f"fingerprints: buckets {buckets.fingerprint[:16]}  shards {shards.fingerprint[:16]}"
         f"  topology {topo.fingerprint[:16]}"

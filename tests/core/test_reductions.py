@@ -264,3 +264,35 @@ def test_plans_without_experts_keep_their_json():
     assert spec.expert and ParamSpec.from_json(spec.to_json()) == spec
     with pytest.raises(ValueError, match="'expert' must be true or false, got 'yes'"):
         ParamSpec.from_json({"name": "w", "shape": [2], "expert": "yes"})
+
+
+def test_cli_plans_expert_owners_over_edp(tmp_path, capsys) -> None:
+    """``gradsync plan`` with expert parameters: dense buckets and owners over dp, expert
+    owners over edp (a second shard table); without experts the JSON has no expert key."""
+    from gradsync_core import BucketPlan, ShardPlan
+    from gradsync_core._cli import main
+
+    entries = [
+        {"name": "router", "shape": [8, 4]},
+        {"name": "experts.w_in", "shape": [2, 8, 16], "expert": True},
+        {"name": "experts.w_out", "shape": [2, 16, 8], "expert": True},
+        {"name": "head", "shape": [8, 8]},
+    ]
+    path = tmp_path / "params.json"
+    path.write_text(json.dumps(entries))
+    argv = ["plan", "--params", str(path), "--world-size", "16", "--tp", "2", "--ep", "4"]
+    assert main([*argv, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert {s.name for s in BucketPlan.from_json(out["buckets"]).slots} == {"router", "head"}
+    assert ShardPlan.from_json(out["shards"]).world_size == 8  # dense dp = 16 / tp
+    expert = ShardPlan.from_json(out["expert_shards"])
+    assert expert.world_size == 2  # edp = 16 / (etp 2 * ep 4)
+    assert {s.name for s in expert.shards} == {"experts.w_in", "experts.w_out"}
+    assert "expert_shards" in out["fingerprints"]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "over 2 expert data-parallel (edp) ranks" in text
+    assert "edp rank" in text
+    path.write_text(json.dumps([{k: v for k, v in e.items() if k != "expert"} for e in entries]))
+    assert main([*argv, "--json"]) == 0
+    assert "expert_shards" not in json.loads(capsys.readouterr().out)
