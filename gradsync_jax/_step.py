@@ -257,8 +257,10 @@ def _mapped_step(
 def _check_topology(shared: ReductionPlan, mesh: Mesh) -> None:
     topology = shared.topology
     expert_mesh = "edp" in mesh.axis_names
-    names = topology.expert_mesh_axis_names if expert_mesh else topology.mesh_axis_names
-    sizes = {a: getattr(topology, a) for a in names}
+    if expert_mesh:
+        sizes = dict(zip(topology.expert_mesh_axis_names, topology.expert_mesh_shape, strict=True))
+    else:  # the dense generator's sizes: ep is 1 there once experts are carved out of dp
+        sizes = dict(zip(topology.mesh_axis_names, topology.mesh_shape, strict=True))
     if any(mesh.shape.get(a, 1) != n for a, n in sizes.items()):
         raise ValueError(
             f"the shared reduction plan was made for axes {sizes} but the mesh has "

@@ -16,6 +16,7 @@ from dataclasses import replace
 import jax
 import numpy as np
 import optax
+import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -139,3 +140,20 @@ def _leaf(tree, path):
     for key in path:
         tree = tree[key.key]
     return tree
+
+
+def test_expert_plan_refusals():
+    _, plan = _plan()
+    build = lambda mesh, axes: data_parallel_step(  # noqa: E731
+        lambda p, b: _loss(APPLY, p, b),
+        optax.sgd(0.1),
+        mesh,
+        axis_name=axes,
+        param_specs=SPECS,
+        batch_spec=P(axes),
+        shared=plan,
+    )
+    with pytest.raises(ValueError, match=r"group 'edp', which lives on the expert mesh"):
+        build(mesh_from_topology(TOPO), "dp")
+    with pytest.raises(ValueError, match=r"divided by the dense dp \(8\).* of size 4"):
+        build(MESH, "edp")
