@@ -62,6 +62,7 @@ from gradsync_torch.zero.state import (
     assemble,
     from_json,
     groups_json,
+    optimizer_name,
     to_json,
 )
 
@@ -83,14 +84,17 @@ class Snapshot(NamedTuple):
 class LoadTarget(NamedTuple):
     """The optimizer a checkpoint is loaded into, as ``load`` needs to check and slice."""
 
-    optimizer: str
+    optimizer_class: type[torch.optim.Optimizer]  # its name and the state keys it keeps
     names: list[str]
     specs: list[ParamSpec]
     param_groups: list[dict[str, Any]]
     shapes: list[tuple[int, ...]]
     needed: set[int]  # global indices of the parameters this rank's layout steps
     model: nn.Module | None = None  # receives the stored weights, if the checkpoint has any
-    optimizer_class: type[torch.optim.Optimizer] | None = None  # to learn the keys it keeps
+
+    @property
+    def optimizer(self) -> str:
+        return optimizer_name(self.optimizer_class)
 
 
 class Loaded(NamedTuple):
@@ -290,8 +294,7 @@ def _check_manifest(path: str, target: LoadTarget) -> Manifest:
             f"parameters in the checkpoint, {len(mine)} of {[len(g) for g in mine]} here; "
             "build the optimizer with the same param groups before loading"
         )
-    if target.optimizer_class is not None:
-        check_torch_keys(manifest, target.optimizer, target.optimizer_class, target.param_groups)
+    check_torch_keys(manifest, target.optimizer, target.optimizer_class, target.param_groups)
     return manifest
 
 

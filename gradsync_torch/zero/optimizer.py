@@ -373,14 +373,13 @@ class ZeroRedundancyOptimizer(Optimizer):
         ``model`` if stored (a collective); on any error every rank raises and nothing changes."""
         names = self.param_names(model)
         target = checkpoint.LoadTarget(
-            optimizer=optimizer_name(self.optimizer_class),
+            optimizer_class=self.optimizer_class,
             names=names,
             specs=self._specs(names),
             param_groups=self.param_groups,
             shapes=self._shapes(),
             needed={piece.index for piece in self.layout.pieces},
             model=model,
-            optimizer_class=self.optimizer_class,
         )
         loaded = checkpoint.load(path, target, self._ranks)
         copy_weights(model, loaded.model)

@@ -16,7 +16,7 @@ from torch import nn
 
 from gradsync_torch.zero import checkpoint
 from gradsync_torch.zero.plans import param_specs_of, parameter_names
-from gradsync_torch.zero.state import RankGroup, hyper_parameters, optimizer_name
+from gradsync_torch.zero.state import RankGroup, hyper_parameters
 
 
 def load_optimizer_state_dict(
@@ -59,13 +59,12 @@ def load_optimizer_state_dict(
     params = [p for group in groups for p in group["params"]]
     names = parameter_names(groups, model)
     target = checkpoint.LoadTarget(
-        optimizer=optimizer_name(type(optimizer)),
+        optimizer_class=type(optimizer),
         names=names,
         specs=param_specs_of(names, params, set()),
         param_groups=groups,
         shapes=[tuple(p.shape) for p in params],
         needed=set(range(len(params))),
-        optimizer_class=type(optimizer),
     )
     loaded = checkpoint.load(path, target, RankGroup(process_group=None, rank=0, world_size=1))
     state_dict: dict[str, Any] = {"state": dict(sorted(loaded.state.items())), "param_groups": []}
