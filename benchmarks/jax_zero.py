@@ -18,9 +18,9 @@ Last line: one JSON object.
 
     python benchmarks/jax_zero.py                  # 16 x 792^2 MLP (10.0M parameters)
     python benchmarks/jax_zero.py --quick          # fewer rounds, < 2 minutes on 2 cores
-    python benchmarks/jax_zero.py --shape 96x512   # layers x width (issue 12: 16x792,
+    python benchmarks/jax_zero.py --shape 96x512   # layers x width (the reference shapes: 16x792,
                                                    # 10x1000, 96x512, 24x2048)
-    python benchmarks/jax_zero.py --shape all --quick  # the four issue-12 shapes, one table
+    python benchmarks/jax_zero.py --shape all --quick  # the four reference shapes, one table
     JAX_PLATFORMS=cuda python benchmarks/jax_zero.py --shape all --batch 4096  # one GPU
     python benchmarks/jax_zero.py --repeat 5       # the whole run 5 times: median and range
 """
@@ -94,7 +94,7 @@ ISSUE_SHAPES = ((16, 792), (10, 1000), (96, 512), (24, 2048))
 
 def parse_shape(text: str) -> tuple[tuple[int, int], ...]:
     """``"16x792"`` -> ((16, 792),): layers x width of the square Dense layers; several
-    separated by commas; ``"all"``: the four shapes of issue 12."""
+    separated by commas; ``"all"``: the four reference shapes (docs/jax-zero.md)."""
     if text.lower() == "all":
         return ISSUE_SHAPES
     try:
@@ -285,7 +285,7 @@ def main() -> None:
     parser.add_argument(
         "--shape",
         type=parse_shape,
-        help="LAYERSxWIDTH, e.g. 16x792, or 'all': issue 12's four shapes (overrides the next two)",
+        help="LAYERSxWIDTH, e.g. 16x792, or 'all': the four reference shapes (overrides the next two)",
     )
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--width", type=int, default=792)

@@ -1,5 +1,5 @@
 """Planner speed: bucket plan + greedy partition for 100,000 tensors, and every standard group
-of a 65,536-rank topology (issue 2; target: each under 1 s).
+of a 65,536-rank topology (target: each under 1 s).
 
 Anchors, run in the same process: torch's C++ DDP bucket assignment
 (``dist._compute_bucket_assignment_by_size``) on the same shapes as meta tensors, when torch

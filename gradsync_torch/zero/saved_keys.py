@@ -1,4 +1,4 @@
-"""Which state keys a checkpoint must hold for the torch optimizer loading it (issue 14).
+"""Which state keys a checkpoint must hold for the torch optimizer loading it (docs/checkpoints.md).
 
 A manifest whose parameter lacks a key its optimizer keeps (``exp_avg_sq`` dropped by hand or
 by a bad converter) would load and then fail inside ``optimizer.step``: a ``KeyError`` on

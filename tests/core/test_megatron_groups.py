@@ -1,4 +1,4 @@
-"""Every dense and expert group against megatron-core's own RankGenerator (issue 15).
+"""Every dense and expert group against megatron-core's own RankGenerator (docs/model-parallel.md).
 
 Skipped, with the reason, where megatron-core is not installed (it needs only torch; the
 ``test`` extra pins it). The hand-checked table in test_topology.py always runs.

@@ -207,7 +207,7 @@ def test_every_replicated_parameter_is_reduced_exactly_once(layout, sizes):
     seen = [name for r in plan.reductions for name in r.names]
     assert len(seen) == len(set(seen))
     for spec in specs:
-        # ep is carved out of the dense dp (issue 15): the data-parallel mean covers it.
+        # ep is carved out of the dense dp: the data-parallel mean covers it.
         live = [a for a in spec.replicated_over if a != "ep" and getattr(topo, a) > 1]
         group = plan.group_of(spec.name)
         assert (group is None) == (not live)
@@ -217,7 +217,7 @@ def test_every_replicated_parameter_is_reduced_exactly_once(layout, sizes):
     assert ReductionPlan.from_json(plan.to_json()) == plan
 
 
-# --- expert parameters (issue 15) ---------------------------------------------------------------
+# --- expert parameters ---------------------------------------------------------------
 
 
 def _moe_specs() -> list[ParamSpec]:

@@ -112,7 +112,7 @@ axis_sizes = st.sampled_from([1, 1, 2, 2, 3])
     members=st.sets(st.sampled_from(["tp", "cp", "ep", "dp", "pp"]), min_size=1),
 )
 def test_groups_match_megatron_and_partition_the_world(sizes, order, members):
-    # ep is carved out of dp (issue 15): with ep = 1 the dense generator is the whole story and
+    # ep is carved out of dp: with ep = 1 the dense generator is the whole story and
     # every five-axis name still resolves; expert layouts are covered by the tests below.
     tp, cp, _, dp, pp = sizes
     ep = 1
@@ -233,7 +233,7 @@ def test_rank_at_outside_the_groups(index, place):
         topo.rank_at("tp", index, place)
 
 
-# --- expert layouts (issue 15): Megatron-core's second rank generator -------------------------
+# --- expert layouts: Megatron-core's second rank generator -------------------------
 
 # (create kwargs, dense groups, expert groups): checked by hand from the rule "first token of the
 # order varies fastest"; the dense generator drops ep, the expert one drops cp and uses etp, edp.

@@ -1,5 +1,5 @@
 """Checks run inside 2 spawned gloo ranks by ``test_rank_agreement.py``: ranks that build or
-run ``DataParallel`` differently get one clear error on every rank (issue 14, items 1-3).
+run ``DataParallel`` differently get one clear error on every rank (docs/torch-data-parallel.md).
 
 Every fault here used to hang or, worse, silently average gradients of different steps.
 After each expected error the ranks have issued the same collectives, so one process group

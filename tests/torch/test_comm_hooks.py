@@ -81,7 +81,7 @@ def _wrapped_allreduce_case(wrapper: Callable) -> Case:
 
 
 def cases() -> dict[str, Case]:
-    """Every hook type torch enumerates, then the wrappers of issue 16, by name."""
+    """Every hook type torch enumerates, then the compress wrappers around other hooks, by name."""
     out = {kind.name: _enum_case(kind) for kind in DDPCommHookType}
     out["POWER_SGD_from_step2"] = _power_sgd_case(powerSGD.powerSGD_hook)
     wrappers = {

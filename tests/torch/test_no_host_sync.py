@@ -1,4 +1,4 @@
-"""No host-device synchronization in a DataParallel training step (issue 13, item 1).
+"""No host-device synchronization in a DataParallel training step (docs/torch-data-parallel.md).
 
 On a GPU the Python thread that runs the autograd hooks also launches the backward kernels;
 one read of a device value on the host stalls it until the GPU catches up, and the step loses
