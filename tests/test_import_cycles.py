@@ -1,0 +1,112 @@
+"""No module of gradsync_core, gradsync_torch or gradsync_jax imports itself back
+(docs/design.md §1).
+
+A cycle hidden behind a function-level import still couples the modules, so every ``import``
+statement counts, wherever it stands. The graph is built from the source text alone: nothing
+is imported, so the test needs neither torch nor JAX.
+"""
+
+from __future__ import annotations
+
+import ast
+import itertools
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGES = ("gradsync_core", "gradsync_torch", "gradsync_jax")
+
+
+def module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(source: str, name: str, is_package: bool, known: set[str]) -> set[str]:
+    """The modules of ``known`` that module ``name`` imports, at any depth of its source."""
+    package = name if is_package else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+            # ``from pkg import mod`` imports the module; ``from pkg import name``, the package.
+            targets = [
+                f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base
+                for alias in node.names
+            ]
+        else:
+            continue
+        found.update(t for t in targets if t in known and t != name)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    paths = [p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))]
+    known = {module_name(p) for p in paths}
+    return {
+        module_name(p): imported_modules(
+            p.read_text(), module_name(p), p.name == "__init__.py", known
+        )
+        for p in paths
+    }
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle as a list of modules (first == last), or None. Iterative depth-first search."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    for start in sorted(graph):
+        if state.get(start):
+            continue
+        path, stack = [start], [iter(sorted(graph[start]))]
+        state[start] = 1
+        while stack:
+            nxt = next(stack[-1], None)
+            if nxt is None:
+                state[path.pop()] = 2
+                stack.pop()
+            elif state.get(nxt) == 1:
+                return [*path[path.index(nxt) :], nxt]
+            elif not state.get(nxt):
+                state[nxt] = 1
+                path.append(nxt)
+                stack.append(iter(sorted(graph[nxt])))
+    return None
+
+
+def test_the_packages_have_no_import_cycle() -> None:
+    graph = import_graph()
+    assert len(graph) > 40  # the walk found the packages
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+@pytest.mark.parametrize(
+    ("graph", "has_cycle"),
+    [
+        ({"a": {"b"}, "b": {"c"}, "c": set()}, False),
+        ({"a": {"b"}, "b": {"a"}}, True),
+        ({"a": {"b", "c"}, "b": {"c"}, "c": {"d"}, "d": {"b"}}, True),
+        ({"a": set()}, False),
+    ],
+    ids=["chain", "two", "three-deep", "alone"],
+)
+def test_find_cycle(graph: dict[str, set[str]], has_cycle: bool) -> None:
+    cycle = find_cycle(graph)
+    assert (cycle is not None) == has_cycle
+    if cycle:
+        assert cycle[0] == cycle[-1]
+        assert all(b in graph[a] for a, b in itertools.pairwise(cycle))
+
+
+def test_function_level_and_relative_imports_count() -> None:
+    known = {"pkg", "pkg.a", "pkg.b", "pkg.sub", "pkg.sub.c"}
+    source = "def f():\n    from pkg import b\n\nfrom ..a import x\nfrom . import c, y\n"
+    found = imported_modules(source, "pkg.sub.d", False, known)
+    assert found == {"pkg.b", "pkg.a", "pkg.sub.c", "pkg.sub"}
