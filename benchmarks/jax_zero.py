@@ -285,7 +285,8 @@ def main() -> None:
     parser.add_argument(
         "--shape",
         type=parse_shape,
-        help="LAYERSxWIDTH, e.g. 16x792, or 'all': the four reference shapes (overrides the next two)",
+        help="LAYERSxWIDTH, e.g. 16x792, or 'all': the four reference shapes "
+        "(overrides the next two)",
     )
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--width", type=int, default=792)

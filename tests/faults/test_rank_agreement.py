@@ -1,6 +1,6 @@
 """Ranks that build or run DataParallel differently fail with one clear error on every rank
-instead of hanging or averaging gradients of different steps (docs/torch-data-parallel.md, "Runtime agreement";
-docs/design.md §15).
+instead of hanging or averaging gradients of different steps
+(docs/torch-data-parallel.md, "Runtime agreement"; docs/design.md §15).
 
 One 2-rank gloo spawn runs every check of ``rank_agreement_checks`` under a process-group
 timeout of a few seconds, so a regression that hangs fails the test instead of CI.

@@ -1,4 +1,5 @@
-"""``torch.compile`` with DataParallel, both ways round, at 2 gloo ranks (docs/torch-data-parallel.md).
+"""``torch.compile`` with DataParallel, both ways round, at 2 gloo ranks
+(docs/torch-data-parallel.md).
 
 ``torch.compile(DataParallel(model))`` and ``DataParallel(torch.compile(model))`` must give
 the gradients of eager DataParallel on the same model and data, over a few SGD steps, and keep
