@@ -169,7 +169,7 @@ class GradientSharder(Reducer):
     some rank had a gradient for it), ``syncs`` (completed syncs) and ``params_by_name()``.
 
     Args:
-        group, trainable, specs, plan, comm_device, reduce, overlap: as for ``Reducer``;
+        group, trainable, specs, plan, bookkeeping_group, reduce, overlap: as for ``Reducer``;
             ``plan`` is padded already (``pad_for_sharding``).
         module_params: every parameter of the wrapped module by name (frozen ones too),
             which the optimizer maps to its own names.
@@ -184,7 +184,7 @@ class GradientSharder(Reducer):
         specs: Sequence[gradsync_core.ParamSpec],
         plan: BucketPlan,
         *,
-        comm_device: torch.device,
+        bookkeeping_group: dist.ProcessGroup | None = None,
         reduce: str,
         overlap: bool,
         module_params: dict[str, nn.Parameter],
@@ -194,7 +194,7 @@ class GradientSharder(Reducer):
             trainable,
             specs,
             plan,
-            comm_device=comm_device,
+            bookkeeping_group=bookkeeping_group,
             reduce=reduce,
             reduce_dtype=None,
             overlap=overlap,

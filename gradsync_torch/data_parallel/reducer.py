@@ -58,7 +58,6 @@ class Reducer:
         plan: the initial bucket layout.
         bookkeeping_group: a gloo group over the same ranks, for the used-map and the
             rebuild broadcast on CPU tensors; ``None``: ``used_map.bookkeeping_group(group)``.
-        comm_device: ignored (kept for subclasses written before the map moved to gloo).
         reduce: ``"mean"`` or ``"sum"``.
         reduce_dtype: the dtype on the wire, ``None`` for the gradients' own.
         overlap: one buffer per bucket (``True``) or fairseq's one reused buffer.
@@ -76,7 +75,6 @@ class Reducer:
         plan: gradsync_core.BucketPlan,
         *,
         bookkeeping_group: dist.ProcessGroup | None = None,
-        comm_device: torch.device | None = None,
         reduce: str,
         reduce_dtype: torch.dtype | None,
         overlap: bool,
@@ -94,7 +92,6 @@ class Reducer:
         self._names = [name for name, _ in trainable]
         self._params = [p for _, p in trainable]
         self._specs = list(specs)
-        del comm_device
         if bookkeeping_group is None:
             bookkeeping_group = make_bookkeeping_group(group)
         self._used_map = UsedMap(bookkeeping_group)

@@ -202,7 +202,7 @@ class DataParallel(nn.Module):
             "shard_gradients": shard_gradients,
         }
         verify_and_broadcast(module, layout.plan, options, group, device)
-        self._reducer = self._make_reducer(layout, device, bookkeeping_group(group))
+        self._reducer = self._make_reducer(layout, bookkeeping_group(group))
 
         self._callback_queued = False  # a backward's end-of-sync callback is pending
         self._local_callback_queued = False  # a no_sync backward's end callback is pending
@@ -220,16 +220,14 @@ class DataParallel(nn.Module):
         for slot, (_, p) in enumerate(layout.trainable if overlap else ()):
             p.register_post_accumulate_grad_hook(functools.partial(_grad_ready, me, slot))
 
-    def _make_reducer(
-        self, layout: Layout, device: torch.device, bookkeeping: dist.ProcessGroup
-    ) -> Reducer:
+    def _make_reducer(self, layout: Layout, bookkeeping: dist.ProcessGroup) -> Reducer:
         if self.shard_gradients:
             return GradientSharder(
                 self.process_group,
                 layout.trainable,
                 layout.specs,
                 layout.plan,
-                comm_device=device,
+                bookkeeping_group=bookkeeping,
                 reduce=self.reduce,
                 overlap=self.overlap,
                 module_params=dict(named_parameters(self.module)),
