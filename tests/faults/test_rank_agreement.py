@@ -8,14 +8,12 @@ timeout of a few seconds, so a regression that hangs fails the test instead of C
 
 from __future__ import annotations
 
-import traceback
+import functools
 
 import pytest
-import torch
-import torch.distributed as dist
 
 from tests.faults import rank_agreement_checks as checks
-from tests.torch.harness import run_workers
+from tests.torch.harness import run_checks, run_workers
 
 PG_TIMEOUT_S = 10.0  # a collective that never completes fails after this
 WORLD = 2
@@ -35,23 +33,9 @@ def test_every_option_is_covered() -> None:
 
 
 def _run_all(rank: int, ws: int) -> dict[str, str | None]:
-    results: dict[str, str | None] = {}
-    failed = False
-    for name, check in checks.CHECKS.items():
-        if failed:
-            results[name] = "not run: an earlier check failed"
-            continue
-        try:
-            check(rank, ws)
-            results[name] = None
-        except Exception:
-            results[name] = traceback.format_exc()
-        flag = torch.tensor([results[name] is not None], dtype=torch.int32)
-        dist.all_reduce(flag)
-        failed = bool(flag.item())
-        if failed and results[name] is None:
-            results[name] = "passed here, failed on another rank"
-    return results
+    return run_checks(
+        (name, functools.partial(check, rank, ws)) for name, check in checks.CHECKS.items()
+    )
 
 
 _results: list[dict[str, str | None]] = []

@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from tests.jax.distributed_start import start_process
+
 STEPS = 3
 LR = 1e-2
 
@@ -50,17 +52,8 @@ def make_loss(model: Any) -> Any:
 
 
 def main(process_id: int, num_processes: int, port: int, out_dir: str) -> None:
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
-    os.environ["JAX_PLATFORMS"] = "cpu"
+    start_process(process_id, num_processes, port)
     import jax
-
-    jax.config.update("jax_num_cpu_devices", 2)
-    jax.distributed.initialize(
-        coordinator_address=f"127.0.0.1:{port}",
-        num_processes=num_processes,
-        process_id=process_id,
-        initialization_timeout=60,
-    )
     import optax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P

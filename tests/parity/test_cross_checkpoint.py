@@ -47,11 +47,9 @@ from gradsync_jax import (
 from gradsync_torch import load_optimizer_state_dict
 from gradsync_torch import param_specs as torch_param_specs
 from tests.parity import cross_worker
-from tests.parity.torch_worker import TorchMLP
+from tests.parity.torch_worker import RENAMES, WIDTHS, TorchMLP
 from tests.torch.harness import run_workers
 
-WIDTHS = [10] + [16] * 11 + [4]
-RENAMES = {f"Dense_{i}": f"layers.{i}" for i in range(len(WIDTHS) - 1)}
 BATCH = 24  # divisible by 2, 3, 4 and 8 shards
 RTOL = {"params": 1e-5, "state": 5e-5}
 TORCH_HYPER = {

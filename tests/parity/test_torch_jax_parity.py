@@ -36,12 +36,9 @@ from gradsync_jax import (
 )
 from gradsync_jax import param_specs as flax_param_specs
 from gradsync_torch import param_specs as torch_param_specs
-from tests.parity.torch_worker import TorchMLP, train
+from tests.parity.torch_worker import RENAMES, WIDTHS, TorchMLP, train
 from tests.torch.harness import run_workers
 
-# 12 Linear layers: Flax names them Dense_0..Dense_11, and Dense_10 sorts before Dense_2.
-WIDTHS = [10] + [16] * 11 + [4]
-RENAMES = {f"Dense_{i}": f"layers.{i}" for i in range(len(WIDTHS) - 1)}
 STEPS = 10
 # Betas whose powers float32 holds exactly: optax computes Adam's bias corrections
 # 1 - b**t and its 1 - b in float32, torch in float64. With the usual (0.9, 0.999), float32's

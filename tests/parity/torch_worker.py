@@ -14,6 +14,11 @@ from torch import nn
 
 from gradsync_core import TORCH_TO_OPTAX_STATE
 
+# 12 Linear layers: Flax names them Dense_0..Dense_11, and Dense_10 sorts before Dense_2, so
+# every parity test catches an ordering bug between the frameworks.
+WIDTHS = [10] + [16] * 11 + [4]
+RENAMES = {f"Dense_{i}": f"layers.{i}" for i in range(len(WIDTHS) - 1)}
+
 
 class TorchMLP(nn.Module):
     """``layers.i`` Linear layers with tanh between: the twin of the Flax MLPs in the test."""

@@ -19,7 +19,7 @@ import queue
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 import torch
@@ -51,6 +51,58 @@ def _entry(
         results.put((rank, traceback.format_exc(), None))
 
 
+def _start(
+    ctx: Any,
+    fn: Callable[..., Any],
+    world_size: int,
+    tmp: str,
+    results: Any,
+    args: tuple[Any, ...],
+    pg_timeout_s: float | None,
+) -> list[Any]:
+    """Start one process per rank, all rendezvousing through a FileStore in ``tmp``."""
+    store_path = os.path.join(tmp, "store")
+    procs = [
+        ctx.Process(
+            target=_entry,
+            args=(fn, rank, world_size, store_path, results, args),
+            kwargs={"pg_timeout_s": pg_timeout_s},
+        )
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    return procs
+
+
+def run_checks(
+    checks: Iterable[tuple[str, Callable[[], Any]]],
+) -> dict[str, str | None]:
+    """Run named checks in order on this rank; ``{name: None or the failure}``.
+
+    After each check the ranks agree (one all-reduce) whether it failed anywhere: the first
+    failure is reported on every rank, and the checks after it are marked not run, because
+    the ranks may be out of step. A test asserts the dict holds no failure, listing them all.
+    """
+    results: dict[str, str | None] = {}
+    failed = False
+    for name, check in checks:
+        if failed:
+            results[name] = "not run: an earlier check failed"
+            continue
+        try:
+            check()
+            results[name] = None
+        except Exception:
+            results[name] = traceback.format_exc()
+        flag = torch.tensor([results[name] is not None], dtype=torch.int32)
+        dist.all_reduce(flag)
+        failed = bool(flag.item())
+        if failed and results[name] is None:
+            results[name] = "passed here, failed on another rank"
+    return results
+
+
 def run_workers(
     fn: Callable[..., Any],
     world_size: int,
@@ -62,17 +114,7 @@ def run_workers(
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
-        store_path = os.path.join(tmp, "store")
-        procs = [
-            ctx.Process(
-                target=_entry,
-                args=(fn, rank, world_size, store_path, results, args),
-                kwargs={"pg_timeout_s": pg_timeout_s},
-            )
-            for rank in range(world_size)
-        ]
-        for p in procs:
-            p.start()
+        procs = _start(ctx, fn, world_size, tmp, results, args, pg_timeout_s)
         outcomes: dict[int, tuple[str | None, Any]] = {}
         try:
             while len(outcomes) < world_size:
@@ -134,17 +176,7 @@ def run_workers_outcomes(
         return True
 
     with tempfile.TemporaryDirectory() as tmp:
-        store_path = os.path.join(tmp, "store")
-        procs = [
-            ctx.Process(
-                target=_entry,
-                args=(fn, rank, world_size, store_path, results, args),
-                kwargs={"pg_timeout_s": pg_timeout_s},
-            )
-            for rank in range(world_size)
-        ]
-        for p in procs:
-            p.start()
+        procs = _start(ctx, fn, world_size, tmp, results, args, pg_timeout_s)
         deadline = time.monotonic() + timeout
         try:
             while any(p.is_alive() for p in procs) and time.monotonic() < deadline:

@@ -8,18 +8,17 @@ tolerances are stated in ``dp_grad_checks``.
 
 from __future__ import annotations
 
-import traceback
+import functools
 from collections.abc import Callable
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import gradsync_torch as gt
 from tests.torch import dp_grad_checks as grad_checks
 from tests.torch import dp_setup_checks as setup_checks
-from tests.torch.harness import run_workers
+from tests.torch.harness import run_checks, run_workers
 
 WORLD_SIZES = (1, 2, 4)
 # name: (check, smallest world size where it means something)
@@ -40,32 +39,15 @@ CHECKS: dict[str, tuple[Callable[[int, int], None], int]] = {
 }
 
 
-def run_checks(rank: int, ws: int) -> dict[str, str | None]:
-    """Run every check that applies to ``ws``; name -> None (passed) or a traceback.
-
-    After each check the ranks agree on the outcome; once one failed, the rest are reported
-    as not run (the group may be out of step), never as passed.
-    """
+def run_all(rank: int, ws: int) -> dict[str, str | None]:
+    """Run every check that applies to ``ws``; name -> None (passed) or a traceback
+    (``harness.run_checks``: agreed across ranks, later checks not run after a failure)."""
     torch.manual_seed(0)
-    results: dict[str, str | None] = {}
-    failed = False
-    for name, (check, min_ws) in CHECKS.items():
-        if ws < min_ws:
-            continue
-        if failed:
-            results[name] = "not run: an earlier check failed"
-            continue
-        try:
-            check(rank, ws)
-            results[name] = None
-        except Exception:
-            results[name] = traceback.format_exc()
-        flag = torch.tensor([results[name] is not None], dtype=torch.int32)
-        dist.all_reduce(flag)
-        failed = bool(flag.item())
-        if failed and results[name] is None:
-            results[name] = "passed here, failed on another rank"
-    return results
+    return run_checks(
+        (name, functools.partial(check, rank, ws))
+        for name, (check, min_ws) in CHECKS.items()
+        if ws >= min_ws
+    )
 
 
 _results: dict[int, list[dict[str, str | None]]] = {}
@@ -73,7 +55,7 @@ _results: dict[int, list[dict[str, str | None]]] = {}
 
 def _outcomes(world_size: int) -> list[dict[str, str | None]]:
     if world_size not in _results:
-        _results[world_size] = run_workers(run_checks, world_size, timeout=240)
+        _results[world_size] = run_workers(run_all, world_size, timeout=240)
     return _results[world_size]
 
 
