@@ -19,6 +19,15 @@ DEFAULT_FIRST_CAP_BYTES = 1 * MIB
 DEFAULT_LEGACY_MAX_NUMEL = 2**28
 
 
+def bucket_caps(bucket_cap_mb: float | None) -> tuple[int, int]:
+    """DDP's cap convention as ``(cap_bytes, first_cap_bytes)``: no cap given -> 25 MiB
+    buckets with a 1 MiB first bucket; a cap given -> that cap for every bucket."""
+    if bucket_cap_mb is None:
+        return DEFAULT_CAP_BYTES, DEFAULT_FIRST_CAP_BYTES
+    cap = max(1, int(bucket_cap_mb * MIB))
+    return cap, cap
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Slot:
     """Where one parameter's gradient lives inside its bucket's flat buffer."""

@@ -26,13 +26,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from gradsync_core._buckets import (
-    DEFAULT_CAP_BYTES,
-    DEFAULT_FIRST_CAP_BYTES,
-    MIB,
-    BucketPlan,
-    plan_buckets,
-)
+from gradsync_core._buckets import MIB, BucketPlan, bucket_caps, plan_buckets
 from gradsync_core._cli_checkpoint import add_checkpoint_parser
 from gradsync_core._models import MODELS, builtin_model
 from gradsync_core._reductions import split_expert_specs
@@ -244,11 +238,7 @@ def _owners(
     specs: list[ParamSpec], args: argparse.Namespace, ranks: int
 ) -> tuple[BucketPlan, ShardPlan]:
     """``specs``' buckets and their ZeRO owners over ``ranks`` ranks (dp, or edp for experts)."""
-    # DDP's convention: with no cap given, 25 MiB buckets and a 1 MiB first bucket.
-    if args.bucket_cap_mb is None:
-        cap, first = DEFAULT_CAP_BYTES, DEFAULT_FIRST_CAP_BYTES
-    else:
-        cap = first = int(args.bucket_cap_mb * MIB)
+    cap, first = bucket_caps(args.bucket_cap_mb)
     pad_to = math.lcm(args.pad_to, ranks) if args.partition == "flat" else args.pad_to
     buckets = plan_buckets(specs, cap_bytes=cap, first_cap_bytes=first, pad_to=pad_to)
     if args.partition != "flat":

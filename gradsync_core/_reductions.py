@@ -109,7 +109,7 @@ def reduction_group(replicated_over: Iterable[str], topology: Topology) -> str |
             "(the data-parallel mean already reduces over dp; pp stages hold different layers)"
         )
     # ep is part of the dense data-parallel group: the data-parallel mean covers it.
-    live = [a for a in MODEL_AXES if a in axes and a != "ep" and getattr(topology, a) > 1]
+    live = [a for a in MODEL_AXES if a in axes and a != "ep" and topology.enabled(a)]
     return "-".join(live) or None
 
 

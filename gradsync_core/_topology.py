@@ -302,6 +302,25 @@ class Topology:
         """``("pp", "edp", "ep", "etp")`` for the default order (cp, always 1 there, left out)."""
         return tuple(_FROM_GENERATOR[t] for t in reversed(self.tokens) if t != "cp")
 
+    def mesh_sizes(self, *, expert: bool = False) -> dict[str, int]:
+        """Axis name -> size of the dense mesh (or the expert mesh), slowest axis first:
+        ``{"pp": 1, "dp": 4, "cp": 1, "tp": 2}`` for the default order."""
+        if expert:
+            return dict(zip(self.expert_mesh_axis_names, self.expert_mesh_shape, strict=True))
+        return dict(zip(self.mesh_axis_names, self.mesh_shape, strict=True))
+
+    def size(self, axis: str) -> int:
+        """The size of one axis (``"tp"``, ``"dp"``, ``"ep"``, ``"edp"``, ``"etp"`` ...)."""
+        if axis == "edp":
+            return self.edp
+        if axis in AXES or axis == "etp":
+            return getattr(self, axis)
+        raise ValueError(f"unknown axis {axis!r}; axes are {(*AXES, *EXPERT_ONLY_AXES)}")
+
+    def enabled(self, axis: str) -> bool:
+        """Whether ``axis`` has more than one rank (torchtitan's ``*_enabled``)."""
+        return self.size(axis) > 1
+
     def mesh_axes(self, name: str) -> tuple[str, ...]:
         """The mesh axis names of group ``name``, in mesh order (``"dp-cp"`` -> ("dp", "cp")).
 

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-MIB = 1024 * 1024
+from gradsync_core import MIB
 
 # torch renamed the single-tensor collectives; take the new name where it exists.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

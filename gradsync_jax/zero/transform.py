@@ -21,7 +21,7 @@ import optax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from gradsync_core import ShardPlan
+from gradsync_core import MIB, ShardPlan
 from gradsync_jax._axes import AxisName, axis_tuple, display_axis
 from gradsync_jax.zero.checks import check_grads, check_inside, check_state
 from gradsync_jax.zero.flat import FlatLayout, NotElementwiseError, build_flat, not_elementwise
@@ -31,7 +31,6 @@ from gradsync_jax.zero.model_space import abstract, model_space, pure, signature
 from gradsync_jax.zero.soundness import Soundness, check_on_sample, split_extra_args
 
 PARTITIONS = ("auto", "greedy", "flat")
-_MIB = 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -393,7 +392,7 @@ def shard_optimizer(
         axis_name=axis_name,
         partition=partition,
         reduce=reduce,
-        bucket_cap_bytes=max(1, int(bucket_cap_mb * _MIB)),
+        bucket_cap_bytes=max(1, int(bucket_cap_mb * MIB)),
     )
     transform = _ZeroTransform(settings)
     return ShardedOptimizer(transform.init, transform.update)

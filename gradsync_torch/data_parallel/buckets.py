@@ -15,7 +15,6 @@ from torch import nn
 
 import gradsync_core
 from gradsync_torch._agreement import check_grad
-from gradsync_torch._collectives import MIB
 
 # On the CPU, a bucket whose tensors average at least this many elements is divided tensor by
 # tensor while copying (one pass over memory, as DDP does); smaller tensors are copied in one
@@ -35,18 +34,13 @@ def make_plan(
     buffer (default 2**28 elements).
     """
     if overlap:
-        if bucket_cap_mb is None:
-            return gradsync_core.plan_buckets(
-                specs,
-                cap_bytes=gradsync_core.DEFAULT_CAP_BYTES,
-                first_cap_bytes=gradsync_core.DEFAULT_FIRST_CAP_BYTES,
-            )
-        return gradsync_core.plan_buckets(specs, cap_bytes=max(1, int(bucket_cap_mb * MIB)))
+        cap, first = gradsync_core.bucket_caps(bucket_cap_mb)
+        return gradsync_core.plan_buckets(specs, cap_bytes=cap, first_cap_bytes=first)
     max_numel = gradsync_core.DEFAULT_LEGACY_MAX_NUMEL
     if bucket_cap_mb is not None:
         trainable = [s for s in specs if s.requires_grad]
         widest = max((gradsync_core.itemsize(s.dtype) for s in trainable), default=4)
-        max_numel = max(1, int(bucket_cap_mb * MIB) // widest)
+        max_numel = max(1, int(bucket_cap_mb * gradsync_core.MIB) // widest)
     return gradsync_core.plan_legacy_buckets(specs, max_numel=max_numel)
 
 

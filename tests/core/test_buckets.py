@@ -222,3 +222,10 @@ def test_rebuild_properties(specs, data):
     completion = [position[b.slots[-1].name] for b in rebuilt.buckets]
     assert completion == sorted(completion)
     assert rebuilt.numel == plan.numel
+
+
+def test_bucket_caps_follow_ddp_convention():
+    from gradsync_core import DEFAULT_CAP_BYTES, DEFAULT_FIRST_CAP_BYTES, MIB, bucket_caps
+
+    assert bucket_caps(None) == (DEFAULT_CAP_BYTES, DEFAULT_FIRST_CAP_BYTES) == (25 * MIB, MIB)
+    assert bucket_caps(4.0) == (4 * MIB, 4 * MIB)

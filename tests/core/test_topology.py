@@ -430,3 +430,23 @@ def test_cli_plan_prints_dense_and_expert_groups(capsys):
     assert rows["dp"] == ["8", "2"] and rows["edp"] == ["4", "4"] and rows["ep"] == ["4", "4"]
     assert main(["plan", "--world-size", "8", "--ep", "3"]) == 2
     assert "etp*ep*pp = 1*3*1 = 3 does not divide world_size = 8" in capsys.readouterr().err
+
+
+def test_axis_sizes_and_mesh_sizes_read_one_place():
+    topo = Topology.create(16, tp=2, ep=2, pp=2)
+    assert topo.mesh_sizes() == dict(zip(topo.mesh_axis_names, topo.mesh_shape, strict=True))
+    assert topo.mesh_sizes(expert=True) == dict(
+        zip(topo.expert_mesh_axis_names, topo.expert_mesh_shape, strict=True)
+    )
+    assert [topo.size(a) for a in ("tp", "cp", "ep", "dp", "pp", "etp", "edp")] == [
+        2,
+        1,
+        2,
+        4,
+        2,
+        2,
+        2,
+    ]
+    assert topo.enabled("tp") and not topo.enabled("cp")
+    with pytest.raises(ValueError, match="unknown axis 'xp'"):
+        topo.size("xp")
