@@ -59,6 +59,7 @@ from gradsync_core._reductions import (
     split_expert_specs,
     with_replicated_over,
 )
+from gradsync_core._sampler import LAST_BATCH, DataCursor, SamplerPlan
 from gradsync_core._shards import Shard, ShardPlan, plan_flat_shards, plan_greedy_shards
 from gradsync_core._specs import DTYPE_ITEMSIZE, ParamSpec, itemsize
 from gradsync_core._state_keys import (
@@ -92,6 +93,7 @@ __all__ = [
     "EXPERT_AXES",
     "EXPERT_GROUPS",
     "FORMAT_VERSION",
+    "LAST_BATCH",
     "MANIFEST",
     "MIB",
     "MODELS",
@@ -104,10 +106,12 @@ __all__ = [
     "TORCH_TO_OPTAX_STATE",
     "Bucket",
     "BucketPlan",
+    "DataCursor",
     "Manifest",
     "ParamSpec",
     "RankGenerator",
     "ReductionPlan",
+    "SamplerPlan",
     "Shard",
     "ShardPlan",
     "SharedReduction",
