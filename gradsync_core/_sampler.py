@@ -186,6 +186,10 @@ class SamplerPlan:
         """Steps of an epoch started at position 0."""
         return self._steps_left(0)
 
+    def steps_left(self, cursor: DataCursor) -> int:
+        """Steps left in ``cursor``'s epoch from ``cursor`` on."""
+        return self._steps_left(cursor.consumed)
+
     def _steps_left(self, consumed: int) -> int:
         left = self.dataset_size - consumed
         if left <= 0:

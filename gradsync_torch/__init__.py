@@ -31,6 +31,7 @@ from gradsync_torch.model_parallel.mappings import (
     scatter_to,
 )
 from gradsync_torch.model_state import load_model_weights
+from gradsync_torch.sampler import ResumableSampler
 from gradsync_torch.zero import ZeroRedundancyOptimizer
 from gradsync_torch.zero.plain import load_optimizer_state_dict
 
@@ -42,6 +43,7 @@ __all__: list[str] = [
     "Group",
     "MoE",
     "ProcessGroups",
+    "ResumableSampler",
     "RowParallelLinear",
     "ZeroRedundancyOptimizer",
     "all_gather_from",
