@@ -30,6 +30,7 @@ from gradsync_jax.model_parallel import (
     shared_param_specs,
 )
 from gradsync_jax.model_state import load_params
+from gradsync_jax.sampler import ResumableSampler
 from gradsync_jax.zero import (
     NotElementwiseError,
     ShardedOptimizer,
@@ -44,6 +45,7 @@ __all__: list[str] = [
     "ColumnParallelLinear",
     "MoE",
     "NotElementwiseError",
+    "ResumableSampler",
     "RowParallelLinear",
     "ShardedOptimizer",
     "ZeroState",
