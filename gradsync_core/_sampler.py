@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import math
 import struct
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,7 +42,7 @@ def _check_int(name: str, value: Any, *, low: int, high: int | None = None) -> N
         raise ValueError(f"{name} must be {bound}, got {value}")
 
 
-class _Permutation:
+class _Permutation(Sequence[int]):
     """Epoch ``epoch``'s order of ``range(dataset_size)``: ``order[position] -> sample``.
 
     A 4-round balanced Feistel network on ``2 * half_bits`` bits (the smallest even width
@@ -69,7 +69,12 @@ class _Permutation:
             left, right = right, left ^ (int.from_bytes(h.digest(), "little") & self._mask)
         return (left << self._half_bits) | right
 
-    def __getitem__(self, position: int) -> int:
+    def __len__(self) -> int:
+        return self._size
+
+    def __getitem__(self, position: int) -> int:  # type: ignore[override]  # no slices
+        if not 0 <= position < self._size:
+            raise IndexError(f"position {position} is outside the order of {self._size}")
         value = self._encrypt(position)
         while value >= self._size:
             value = self._encrypt(value)
@@ -269,7 +274,7 @@ class SamplerPlan:
             shuffle=cursor.shuffle,
         )
 
-    def order(self, epoch: int) -> Any:
+    def order(self, epoch: int) -> Sequence[int]:
         """Epoch ``epoch``'s order: ``order[position]`` is a sample index (a permutation of
         ``range(dataset_size)``; ``range`` itself when ``shuffle`` is off)."""
         _check_int("epoch", epoch, low=0)

@@ -11,8 +11,7 @@ from gradsync_core import DataCursor, SamplerPlan
 
 
 def epoch_order(plan: SamplerPlan, epoch: int) -> list[int]:
-    order = plan.order(epoch)
-    return [order[i] for i in range(plan.dataset_size)]
+    return list(plan.order(epoch))
 
 
 def global_batches(plan: SamplerPlan, cursor: DataCursor, steps: int, world_size: int = 1):
@@ -23,6 +22,9 @@ def global_batches(plan: SamplerPlan, cursor: DataCursor, steps: int, world_size
         out.append(tuple(i for part in ranks for i in part))
         cursor = plan.advance(cursor)
     return out, cursor
+
+
+PINNED_LARGE = [9357600, 310493299, 146882541, 196466375]
 
 
 # The order is a specification, not an accident of an implementation: these values are
@@ -41,6 +43,15 @@ def test_order_is_pinned(size, seed, epoch, expected):
     assert epoch_order(SamplerPlan(dataset_size=size, global_batch_size=1, seed=seed), epoch) == (
         expected
     )
+
+
+def test_a_large_order_is_pinned_and_lazy():
+    """10**9 samples: each position is computed alone, in no time and no memory."""
+    order = SamplerPlan(dataset_size=10**9, global_batch_size=8, seed=2**63).order(7)
+    assert len(order) == 10**9
+    assert [order[i] for i in (0, 1, 2, 10**9 - 1)] == PINNED_LARGE
+    with pytest.raises(IndexError, match="outside the order"):
+        order[10**9]
 
 
 @pytest.mark.parametrize(
