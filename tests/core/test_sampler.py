@@ -234,3 +234,18 @@ def test_a_new_global_batch_continues_at_the_same_sample(plan, steps, new_batch)
         assert other.batch(resumed) == tuple(first)
     else:
         assert resumed == other.start(cursor.epoch + 1)
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    epoch=st.integers(0, 2**40),
+    consumed=st.integers(0, 2**40),
+    seed=st.integers(0, 2**64 - 1),
+    size=st.integers(1, 2**40),
+    shuffle=st.booleans(),
+)
+def test_cursor_json_round_trip_is_identity(epoch, consumed, seed, size, shuffle):
+    cursor = DataCursor(
+        epoch=epoch, consumed=consumed, seed=seed, dataset_size=size, shuffle=shuffle
+    )
+    assert DataCursor.from_json(json.loads(json.dumps(cursor.to_json()))) == cursor
