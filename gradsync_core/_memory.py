@@ -1,0 +1,280 @@
+"""Per-rank memory of model states under DDP and ZeRO-1/2/3, predicted from the plans
+(DeepSpeed's estimator style; formulas in docs/design.md §16).
+
+Model states only: parameters, gradients, optimizer state and the communication buffers or
+gathered units that live next to them. Activations depend on the batch and are not counted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from gradsync_core._buckets import BucketPlan
+from gradsync_core._canonical import PLAN_VERSION
+from gradsync_core._param_shards import ROOT, ParamShardPlan
+from gradsync_core._shards import ShardPlan
+from gradsync_core._specs import ParamSpec, itemsize
+
+# Optimizer state per trainable element, in bytes, with fp32 state (torch keeps state in the
+# parameter's dtype, so fp32 parameters or fp32 master copies). Adam/AdamW: exp_avg and
+# exp_avg_sq; the per-parameter ``step`` scalar is a few bytes per tensor and left out.
+OPTIMIZER_STATE_BYTES: Mapping[str, int] = {
+    "adam": 8,
+    "adamw": 8,
+    "lion": 4,
+    "adagrad": 4,
+    "rmsprop": 4,
+    "sgd-momentum": 4,
+    "sgd": 0,
+}
+
+
+def optimizer_state_bytes(optimizer: str | int) -> int:
+    """Bytes of state per trainable element for a named optimizer, or the int given.
+
+    Raises:
+        ValueError: an unknown name or a negative count.
+
+    Example:
+        >>> optimizer_state_bytes("adamw"), optimizer_state_bytes(12)
+        (8, 12)
+    """
+    if isinstance(optimizer, int) and not isinstance(optimizer, bool):
+        if optimizer < 0:
+            raise ValueError(f"optimizer state bytes per element must be >= 0, got {optimizer}")
+        return optimizer
+    if optimizer not in OPTIMIZER_STATE_BYTES:
+        known = ", ".join(OPTIMIZER_STATE_BYTES)
+        raise ValueError(
+            f"unknown optimizer {optimizer!r}; use one of {known} or give the state bytes "
+            "per element as an int"
+        )
+    return OPTIMIZER_STATE_BYTES[optimizer]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankMemory:
+    """Predicted bytes on one rank (a data-parallel rank; a shard rank under HSDP)."""
+
+    rank: int
+    parameter_bytes: int  # resident parameters: whole (ZeRO-0/1/2) or this rank's padded chunks
+    gradient_bytes: int  # resident gradients after backward, padding included
+    optimizer_state_bytes: int
+    transient_bytes: int  # buckets in flight, or gathered units (ZeRO-3), at the worst moment
+
+    @property
+    def peak_bytes(self) -> int:
+        """The model-state peak: every term at once, an upper bound of the sum over time."""
+        return (
+            self.parameter_bytes
+            + self.gradient_bytes
+            + self.optimizer_state_bytes
+            + self.transient_bytes
+        )
+
+    def to_json(self) -> dict[str, int]:
+        return {
+            "rank": self.rank,
+            "parameter_bytes": self.parameter_bytes,
+            "gradient_bytes": self.gradient_bytes,
+            "optimizer_state_bytes": self.optimizer_state_bytes,
+            "transient_bytes": self.transient_bytes,
+            "peak_bytes": self.peak_bytes,
+        }
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MemoryEstimate:
+    """Per-rank model-state memory of one ZeRO stage (0 is DDP: everything replicated)."""
+
+    zero: int
+    world_size: int
+    replicate_size: int  # ZeRO-3 with HSDP: ranks repeat their shard rank's figures
+    state_bytes_per_element: int
+    ranks: tuple[RankMemory, ...]  # one per data-parallel rank (per shard rank under HSDP)
+
+    @property
+    def max(self) -> RankMemory:
+        """The fullest rank, by peak (the lowest rank on ties)."""
+        return max(self.ranks, key=lambda r: (r.peak_bytes, -r.rank))
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": "memory_estimate",
+            "version": PLAN_VERSION,
+            "zero": self.zero,
+            "world_size": self.world_size,
+            "replicate_size": self.replicate_size,
+            "optimizer_state_bytes_per_element": self.state_bytes_per_element,
+            "ranks": [r.to_json() for r in self.ranks],
+            "max_rank": self.max.to_json(),
+        }
+
+
+def _replicated(specs: Sequence[ParamSpec]) -> tuple[int, int]:
+    """(parameter bytes, gradient bytes) of a whole replica."""
+    return sum(s.nbytes for s in specs), sum(s.nbytes for s in specs if s.requires_grad)
+
+
+def estimate_ddp(
+    specs: Sequence[ParamSpec],
+    buckets: BucketPlan,
+    *,
+    world_size: int,
+    optimizer: str | int = "adam",
+) -> MemoryEstimate:
+    """ZeRO-0 (DDP): parameters P, gradients G, state S on every rank, plus DDP's bucket
+    buffers B (one per bucket, alive for the whole run): ``P + G + S + B``."""
+    per_element = optimizer_state_bytes(optimizer)
+    params, grads = _replicated(specs)
+    state = sum(s.numel for s in specs if s.requires_grad) * per_element
+    rank = RankMemory(
+        rank=0,
+        parameter_bytes=params,
+        gradient_bytes=grads,
+        optimizer_state_bytes=state,
+        transient_bytes=buckets.nbytes,
+    )
+    return MemoryEstimate(
+        zero=0,
+        world_size=world_size,
+        replicate_size=1,
+        state_bytes_per_element=per_element,
+        ranks=tuple(_at(rank, r) for r in range(world_size)),
+    )
+
+
+def estimate_zero1(
+    specs: Sequence[ParamSpec],
+    buckets: BucketPlan,
+    shards: ShardPlan,
+    *,
+    optimizer: str | int = "adam",
+) -> MemoryEstimate:
+    """ZeRO-1: as DDP but the state of the elements the shard plan gives each rank only:
+    ``P + G + B + owned_r * s`` (greedy plans are uneven, so ranks differ)."""
+    per_element = optimizer_state_bytes(optimizer)
+    params, grads = _replicated(specs)
+    ranks = tuple(
+        RankMemory(
+            rank=r,
+            parameter_bytes=params,
+            gradient_bytes=grads,
+            optimizer_state_bytes=owned * per_element,
+            transient_bytes=buckets.nbytes,
+        )
+        for r, owned in enumerate(shards.rank_numel)
+    )
+    return MemoryEstimate(
+        zero=1,
+        world_size=shards.world_size,
+        replicate_size=1,
+        state_bytes_per_element=per_element,
+        ranks=ranks,
+    )
+
+
+def estimate_zero2(
+    specs: Sequence[ParamSpec], shards: ShardPlan, *, optimizer: str | int = "adam"
+) -> MemoryEstimate:
+    """ZeRO-2: each rank keeps its 1/N chunk of every (padded) bucket of gradients, the state
+    of those elements, and while reducing one pooled bucket buffer plus the next bucket's
+    gradients: ``P + sum_b numel_b/N * itemsize_b + owned_r * s + 2 * max_b bytes_b``.
+
+    Raises:
+        ValueError: if ``shards`` is not a flat plan (gradients are cut by element ranges).
+    """
+    if shards.kind != "flat" or shards.buckets is None:
+        raise ValueError("ZeRO-2 shards gradients as flat element ranges; pass a flat ShardPlan")
+    per_element = optimizer_state_bytes(optimizer)
+    params, _ = _replicated(specs)
+    n = shards.world_size
+    grads = sum(b.numel // n * itemsize(b.dtype) for b in shards.buckets.buckets)
+    largest = max((b.nbytes for b in shards.buckets.buckets), default=0)
+    ranks = tuple(
+        RankMemory(
+            rank=r,
+            parameter_bytes=params,
+            gradient_bytes=grads,
+            optimizer_state_bytes=owned * per_element,
+            transient_bytes=2 * largest,
+        )
+        for r, owned in enumerate(shards.rank_numel)
+    )
+    return MemoryEstimate(
+        zero=2, world_size=n, replicate_size=1, state_bytes_per_element=per_element, ranks=ranks
+    )
+
+
+def estimate_zero3(
+    plan: ParamShardPlan,
+    *,
+    optimizer: str | int = "adam",
+    prefetch: int = 1,
+    reshard_after_forward: bool = True,
+    param_dtype: str | None = None,
+    reduce_dtype: str | None = None,
+) -> MemoryEstimate:
+    """ZeRO-3 (FSDP2): each rank stores its padded chunk of every parameter and of every
+    trainable gradient, and the state of its unpadded rows; on top, the gathered root (FSDP2
+    keeps the root unsharded from forward to backward), the ``1 + prefetch`` largest gathered
+    blocks, and the largest unit's full gradient twice (autograd's and the reduce-scatter
+    input). With ``reshard_after_forward=False`` every unit stays gathered from its forward to
+    its backward, so all of them count. ``param_dtype``/``reduce_dtype`` are the
+    mixed-precision policy's (default: the stored dtype); they change the gathered sizes,
+    never the plan.
+    """
+    per_element = optimizer_state_bytes(optimizer)
+    if not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(f"prefetch must be a non-negative int, got {prefetch!r}")
+    n = plan.shard_size
+    params = sum(plan.unit_padded_nbytes(u.index) for u in plan.units)
+    grads = sum(plan.unit_padded_nbytes(u.index, trainable_only=True) for u in plan.units)
+
+    def gathered(unit: int, *, trainable_only: bool = False, dtype: str | None = None) -> int:
+        members = [plan.param(name) for name in plan.units[unit].params]
+        return n * sum(
+            plan.chunk(p.name, 0).padded_numel * itemsize(dtype or p.dtype)
+            for p in members
+            if p.requires_grad or not trainable_only
+        )
+
+    blocks = sorted(gathered(u.index, dtype=param_dtype) for u in plan.units if u.prefix != ROOT)
+    root = gathered(0, dtype=param_dtype)
+    full_grad = max(
+        gathered(u.index, trainable_only=True, dtype=param_dtype)
+        + gathered(u.index, trainable_only=True, dtype=reduce_dtype or param_dtype)
+        for u in plan.units
+    )
+    window = blocks if not reshard_after_forward else blocks[max(0, len(blocks) - 1 - prefetch) :]
+    transient = root + sum(window) + full_grad
+    ranks = tuple(
+        RankMemory(
+            rank=r,
+            parameter_bytes=params,
+            gradient_bytes=grads,
+            optimizer_state_bytes=per_element
+            * sum(c.numel for c in plan.chunks_of(r) if plan.param(c.name).requires_grad),
+            transient_bytes=transient,
+        )
+        for r in range(n)
+    )
+    return MemoryEstimate(
+        zero=3,
+        world_size=plan.world_size,
+        replicate_size=plan.replicate_size,
+        state_bytes_per_element=per_element,
+        ranks=ranks,
+    )
+
+
+def _at(rank: RankMemory, r: int) -> RankMemory:
+    return RankMemory(
+        rank=r,
+        parameter_bytes=rank.parameter_bytes,
+        gradient_bytes=rank.gradient_bytes,
+        optimizer_state_bytes=rank.optimizer_state_bytes,
+        transient_bytes=rank.transient_bytes,
+    )
