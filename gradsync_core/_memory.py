@@ -255,11 +255,10 @@ def estimate_zero3(
             rank=r,
             parameter_bytes=params,
             gradient_bytes=grads,
-            optimizer_state_bytes=per_element
-            * sum(c.numel for c in plan.chunks_of(r) if plan.param(c.name).requires_grad),
+            optimizer_state_bytes=per_element * numel,
             transient_bytes=transient,
         )
-        for r in range(n)
+        for r, numel in enumerate(_trainable_rows_numel(plan))
     )
     return MemoryEstimate(
         zero=3,
@@ -268,6 +267,32 @@ def estimate_zero3(
         state_bytes_per_element=per_element,
         ranks=ranks,
     )
+
+
+def _trainable_rows_numel(plan: ParamShardPlan) -> list[int]:
+    """Unpadded trainable elements per shard rank, in O(parameters + ranks).
+
+    Under ``torch.chunk`` a parameter of ``d`` rows and chunk ``c`` gives ``c`` rows to ranks
+    ``[0, d // c)``, ``d % c`` rows to rank ``d // c`` and none to the rest: two steps of a
+    difference array instead of a loop over every rank.
+    """
+    n = plan.shard_size
+    diff = [0] * (n + 1)
+    for p in plan.params:
+        if not p.requires_grad or p.shape[0] == 0:
+            continue
+        chunk = plan.chunk(p.name, 0)
+        full, rest = divmod(p.shape[0], chunk.padded_rows)
+        diff[0] += chunk.padded_numel
+        diff[full] -= chunk.padded_numel
+        if rest:
+            diff[full] += rest * chunk.row_numel
+            diff[full + 1] -= rest * chunk.row_numel
+    out, running = [], 0
+    for r in range(n):
+        running += diff[r]
+        out.append(running)
+    return out
 
 
 def _at(rank: RankMemory, r: int) -> RankMemory:
