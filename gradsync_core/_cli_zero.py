@@ -28,9 +28,12 @@ from gradsync_core._specs import ParamSpec
 # --zero lists every data-parallel rank in --json: bounded so the output stays a few MiB.
 MAX_ZERO_RANKS = 1 << 16
 _SHOWN_RANKS = 16
-_STAGE = {0: "ZeRO-0 (DDP: all replicated)", 1: "ZeRO-1 (optimizer state sharded)",
-          2: "ZeRO-2 (gradients and state sharded)", 3: "ZeRO-3 (parameters, gradients and "
-          "state sharded, FSDP2's cut)"}  # fmt: skip
+_STAGE = {
+    0: "ZeRO-0 (DDP: all replicated)",
+    1: "ZeRO-1 (optimizer state sharded)",
+    2: "ZeRO-2 (gradients and state sharded)",
+    3: "ZeRO-3 (parameters, gradients and state sharded, FSDP2's cut)",
+}
 
 
 def add_zero_arguments(plan: argparse.ArgumentParser) -> None:

@@ -161,9 +161,13 @@ class ParamShardPlan:
         p = self.param(name)
         start, stop, padded = chunk_rows(p.shape[0], self.shard_size, shard_rank)
         return ParamChunk(
-            name=name, shard_rank=shard_rank, start=start, stop=stop, padded_rows=padded,
+            name=name,
+            shard_rank=shard_rank,
+            start=start,
+            stop=stop,
+            padded_rows=padded,
             shape=p.shape,
-        )  # fmt: skip
+        )
 
     def chunks_of(self, shard_rank: int) -> tuple[ParamChunk, ...]:
         """Every parameter's chunk on ``shard_rank``, in ``params`` order."""
@@ -421,11 +425,14 @@ def plan_param_shards(
     index = {prefix: i for i, prefix in enumerate(prefixes)}
     params = tuple(
         ShardedParam(
-            name=s.name, shape=s.shape, dtype=s.dtype, requires_grad=s.requires_grad,
+            name=s.name,
+            shape=s.shape,
+            dtype=s.dtype,
+            requires_grad=s.requires_grad,
             unit=index[owner[s.name]],
         )
         for s in specs
-    )  # fmt: skip
+    )
     post = _post_order(specs)
     members: dict[str, list[str]] = {prefix: [] for prefix in prefixes}
     walk = sorted(enumerate(specs), key=lambda item: (post[_module_of(item[1].name)], item[0]))
