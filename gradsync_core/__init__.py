@@ -62,10 +62,10 @@ from gradsync_core._param_shards import (
     ParamShardPlan,
     ShardedParam,
     Unit,
-    block_prefixes,
     chunk_rows,
     plan_param_shards,
 )
+from gradsync_core._param_units import block_prefixes
 from gradsync_core._rank_generator import RankGenerator
 from gradsync_core._reductions import (
     MODEL_AXES,

@@ -337,14 +337,8 @@ def _zero(args: argparse.Namespace, specs: list[ParamSpec], topo: Topology) -> i
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="gradsync", description="Show gradsync plans for a model.")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    plan = sub.add_parser(
-        "plan",
-        help="bucket layout, shard partition and rank groups for a model",
-        description="Print the bucket layout, optimizer-state partition and rank groups.",
-    )
+def _add_source_arguments(plan: argparse.ArgumentParser) -> None:
+    """Where the parameters come from: a built-in model or a JSON file."""
     source = plan.add_mutually_exclusive_group()
     source.add_argument(
         "--model", default=DEFAULT_MODEL, help=f"built-in model: {', '.join(MODELS)}"
@@ -361,6 +355,19 @@ def build_parser() -> argparse.ArgumentParser:
         choices=sorted(DTYPE_ITEMSIZE),
         help="dtype of a built-in model's parameters",
     )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="gradsync", description="Show gradsync plans for a model.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    plan = sub.add_parser(
+        "plan",
+        help="bucket layout, shard partition and rank groups for a model, or per-rank memory "
+        "under ZeRO-0/1/2/3 (--zero)",
+        description="Print the bucket layout, optimizer-state partition and rank groups; with "
+        "--zero, per-rank bytes of parameters, gradients, optimizer state and the peak.",
+    )
+    _add_source_arguments(plan)
     most = f"{MAX_WORLD_SIZE:,}"
     plan.add_argument(
         "--world-size", type=int, default=8, help=f"number of ranks, 1 to {most} (default 8)"

@@ -21,7 +21,8 @@ from gradsync_core._memory import (
     estimate_zero2,
     estimate_zero3,
 )
-from gradsync_core._param_shards import ParamShardPlan, block_prefixes, plan_param_shards
+from gradsync_core._param_shards import ParamShardPlan, plan_param_shards
+from gradsync_core._param_units import block_prefixes
 from gradsync_core._shards import ShardPlan
 from gradsync_core._specs import ParamSpec
 

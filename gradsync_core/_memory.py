@@ -13,7 +13,8 @@ from typing import Any
 
 from gradsync_core._buckets import BucketPlan
 from gradsync_core._canonical import PLAN_VERSION
-from gradsync_core._param_shards import ROOT, ParamShardPlan
+from gradsync_core._param_shards import ParamShardPlan
+from gradsync_core._param_units import ROOT
 from gradsync_core._shards import ShardPlan
 from gradsync_core._specs import ParamSpec, itemsize
 
