@@ -8,6 +8,7 @@ units, the same dim-0 chunks and the same padding, so their fingerprints can be 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -129,9 +130,18 @@ class ParamShardPlan:
                 raise ValueError(f"parameter {p.name!r} is 0-d; a parameter-shard plan cuts dim 0")
         if len(by_name) != len(self.params):
             check_unique_names(ParamSpec(name=p.name, shape=(1,)) for p in self.params)
-        members = [name for unit in self.units for name in unit.params]
-        if sorted(members) != sorted(by_name):
-            raise ValueError("every parameter must be a member of exactly one unit")
+        members = Counter(name for unit in self.units for name in unit.params)
+        for name in {**by_name, **members}:
+            if name not in by_name:
+                raise ValueError(
+                    f"a unit lists {name!r}, which is not a parameter of the plan; "
+                    "every unit member must be one of the plan's parameters"
+                )
+            if members[name] != 1:
+                raise ValueError(
+                    f"parameter {name!r} is a member of {members[name]} units; "
+                    "every parameter must be a member of exactly one unit"
+                )
         for index, unit in enumerate(self.units):
             if unit.index != index or any(by_name[n].unit != index for n in unit.params):
                 raise ValueError(f"unit {unit.prefix!r} does not match its parameters' units")
