@@ -7,13 +7,13 @@ gathered units that live next to them. Activations depend on the batch and are n
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from gradsync_core._buckets import BucketPlan
 from gradsync_core._canonical import PLAN_VERSION
-from gradsync_core._param_shards import ParamShardPlan
+from gradsync_core._param_shards import ParamShardPlan, Unit
 from gradsync_core._param_units import ROOT
 from gradsync_core._shards import ShardPlan
 from gradsync_core._specs import ParamSpec, itemsize
@@ -217,40 +217,49 @@ def estimate_zero3(
     reshard_after_forward: bool = True,
     param_dtype: str | None = None,
     reduce_dtype: str | None = None,
+    tied: Iterable[str] = (),
 ) -> MemoryEstimate:
     """ZeRO-3 (FSDP2): each rank stores its padded chunk of every parameter and of every
-    trainable gradient, and the state of its unpadded rows; on top, the gathered root (FSDP2
-    keeps the root unsharded from forward to backward), the ``1 + prefetch`` largest gathered
-    blocks, and the largest unit's full gradient twice (autograd's and the reduce-scatter
-    input). With ``reshard_after_forward=False`` every unit stays gathered from its forward to
-    its backward, so all of them count. ``param_dtype``/``reduce_dtype`` are the
-    mixed-precision policy's (default: the stored dtype); they change the gathered sizes,
-    never the plan.
+    trainable gradient, and the state of its unpadded rows. On top (``transient``): the
+    gathered root (FSDP2 keeps the root unsharded from forward to backward), the
+    ``1 + prefetch`` largest gathered blocks (all of them with ``reshard_after_forward=False``),
+    and the worst unit's backward: its unsharded gradients plus the larger of the
+    reduce-scatter input and, for ``tied`` parameters (used twice, so autograd accumulates
+    them), two more copies of their gradients, less the unit's own sharded gradients, which
+    do not exist yet. ``param_dtype``/``reduce_dtype`` are the mixed-precision policy's
+    (default: the stored dtype); they change the gathered sizes, never the plan.
+
+    Raises:
+        ValueError: a bad ``prefetch`` or a ``tied`` name that is not in the plan.
     """
     per_element = optimizer_state_bytes(optimizer)
     if not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"prefetch must be a non-negative int, got {prefetch!r}")
-    n = plan.shard_size
-    params = sum(plan.unit_padded_nbytes(u.index) for u in plan.units)
-    grads = sum(plan.unit_padded_nbytes(u.index, trainable_only=True) for u in plan.units)
+    tied = set(tied)
+    unknown = sorted(tied - {p.name for p in plan.params})
+    if unknown:
+        raise ValueError(f"tied parameter {unknown[0]!r} is not in the plan; name it as listed")
 
-    def gathered(unit: int, *, trainable_only: bool = False, dtype: str | None = None) -> int:
-        members = [plan.param(name) for name in plan.units[unit].params]
-        return n * sum(
-            plan.chunk(p.name, 0).padded_numel * itemsize(dtype or p.dtype)
-            for p in members
-            if p.requires_grad or not trainable_only
+    def gathered(names: Iterable[str], dtype: str | None) -> int:
+        return plan.shard_size * sum(
+            plan.chunk(name, 0).padded_numel * itemsize(dtype or plan.param(name).dtype)
+            for name in names
         )
 
-    blocks = sorted(gathered(u.index, dtype=param_dtype) for u in plan.units if u.prefix != ROOT)
-    root = gathered(0, dtype=param_dtype)
-    full_grad = max(
-        gathered(u.index, trainable_only=True, dtype=param_dtype)
-        + gathered(u.index, trainable_only=True, dtype=reduce_dtype or param_dtype)
-        for u in plan.units
-    )
+    def backward(unit: Unit) -> int:
+        names = [name for name in unit.params if plan.param(name).requires_grad]
+        autograd = gathered(names, param_dtype)
+        reduce_input = gathered(names, reduce_dtype or param_dtype)
+        accumulate = 2 * gathered([name for name in names if name in tied], param_dtype)
+        own = plan.unit_padded_nbytes(unit.index, trainable_only=True)
+        return max(0, autograd + max(reduce_input, accumulate) - own)
+
+    root = sum(gathered(u.params, param_dtype) for u in plan.units if u.prefix == ROOT)
+    blocks = sorted(gathered(u.params, param_dtype) for u in plan.units if u.prefix != ROOT)
     window = blocks if not reshard_after_forward else blocks[max(0, len(blocks) - 1 - prefetch) :]
-    transient = root + sum(window) + full_grad
+    transient = root + sum(window) + max(backward(u) for u in plan.units)
+    params = sum(plan.unit_padded_nbytes(u.index) for u in plan.units)
+    grads = sum(plan.unit_padded_nbytes(u.index, trainable_only=True) for u in plan.units)
     ranks = tuple(
         RankMemory(
             rank=r,

@@ -295,18 +295,25 @@ def test_zero3_formula_by_hand():
     # rank 3 holds rows 9..10 of each block (1 row) and no row of the 3-row head
     assert r.optimizer_state_bytes == 8 * (4 * 1 * 6)
     assert z3.ranks[0].optimizer_state_bytes == 8 * (4 * 3 * 6 + 6)
-    # root gathered + two blocks (prefetch) + the largest unit's gradient twice
+    # root gathered + two blocks (prefetch) + the worst unit's backward: its unsharded
+    # gradients and the reduce-scatter input, less its own sharded gradients
     block_gathered, root_gathered = 4 * block_local, 4 * root_local
-    assert r.transient_bytes == root_gathered + 2 * block_gathered + 2 * block_gathered
+    backward = 2 * block_gathered - block_local
+    assert r.transient_bytes == root_gathered + 2 * block_gathered + backward
     assert estimate_zero3(plan, prefetch=0).ranks[0].transient_bytes == (
-        root_gathered + 3 * block_gathered
+        root_gathered + block_gathered + backward
     )
     kept = estimate_zero3(plan, reshard_after_forward=False).ranks[0].transient_bytes
-    assert kept == root_gathered + 6 * block_gathered
+    assert kept == root_gathered + 4 * block_gathered + backward
     bf16 = estimate_zero3(plan, param_dtype="bfloat16").ranks[0].transient_bytes
-    assert bf16 == (root_gathered + 2 * block_gathered) // 2 + block_gathered  # reduce in bf16
+    assert bf16 == (root_gathered + 2 * block_gathered) // 2 + block_gathered - block_local
     fp32_reduce = estimate_zero3(plan, param_dtype="bfloat16", reduce_dtype="float32")
     assert fp32_reduce.ranks[0].transient_bytes == bf16 + block_gathered // 2
+    # a tied weight's gradient is accumulated: two more copies instead of the reduce input
+    tied = estimate_zero3(plan, tied=["layers.0.weight"]).ranks[0].transient_bytes
+    assert tied == r.transient_bytes + block_gathered
+    with pytest.raises(ValueError, match="tied parameter 'wte' is not in the plan"):
+        estimate_zero3(plan, tied=["wte"])
     assert z3.max.rank == 0
     assert json.loads(json.dumps(z3.to_json()))["max_rank"]["peak_bytes"] == z3.max.peak_bytes
 
