@@ -29,6 +29,9 @@ from gradsync_core._specs import ParamSpec
 # --zero lists every data-parallel rank in --json: bounded so the output stays a few MiB.
 MAX_ZERO_RANKS = 1 << 16
 _SHOWN_RANKS = 16
+# Built-in models' tied weights (gpt2_small lists lm_head's weight once, as wte's): autograd
+# accumulates their gradients, which the ZeRO-3 estimate counts (estimate_zero3's ``tied``).
+BUILTIN_TIED = {"gpt2-small": ("transformer.wte.weight",)}
 _STAGE = {
     0: "ZeRO-0 (DDP: all replicated)",
     1: "ZeRO-1 (optimizer state sharded)",
@@ -63,11 +66,22 @@ def add_zero_arguments(plan: argparse.ArgumentParser) -> None:
         "(HSDP); default: all dp ranks",
     )
     plan.add_argument(
+        "--tied",
+        default=None,
+        metavar="NAMES",
+        help="--zero 3: comma-separated parameters used twice (tied weights), listed by the "
+        "name they have in the model; default: gpt2-small's embedding, none otherwise",
+    )
+    plan.add_argument(
         "--optimizer",
         default="adam",
         help=f"optimizer state per element: {', '.join(OPTIMIZER_STATE_BYTES)}, or a number "
         "of bytes per element (default adam: two fp32 moments, 8 bytes)",
     )
+
+
+def _names(value: str) -> list[str]:
+    return [name.strip() for name in value.split(",") if name.strip()]
 
 
 def _optimizer(value: str) -> str | int:
@@ -77,12 +91,12 @@ def _optimizer(value: str) -> str | int:
 def check_zero_arguments(args: argparse.Namespace, dp: int) -> None:
     """Refuse options that do not apply to the chosen stage, before anything is planned."""
     if args.zero is None:
-        for flag in ("units", "shard_size"):
+        for flag in ("units", "shard_size", "tied"):
             if getattr(args, flag) is not None:
                 raise ValueError(f"--{flag.replace('_', '-')} applies to --zero 3 only")
         return
-    if args.zero != 3 and (args.units is not None or args.shard_size is not None):
-        raise ValueError("--units and --shard-size apply to --zero 3 only")
+    if args.zero != 3 and (args.units, args.shard_size, args.tied) != (None, None, None):
+        raise ValueError("--units, --shard-size and --tied apply to --zero 3 only")
     if args.zero == 2 and args.partition == "greedy":
         raise ValueError("ZeRO-2 cuts gradients into flat element ranges; drop --partition greedy")
     if dp > MAX_ZERO_RANKS:
@@ -107,14 +121,12 @@ def zero_estimate(
     shards, ``None`` for ZeRO-3, which plans its own units."""
     optimizer = _optimizer(args.optimizer)
     if args.zero == 3:
-        units = (
-            block_prefixes(specs)
-            if args.units is None
-            else [u.strip() for u in args.units.split(",") if u.strip()]
-        )
+        units = block_prefixes(specs) if args.units is None else _names(args.units)
+        builtin = () if args.params else BUILTIN_TIED.get(args.model, ())
+        tied = builtin if args.tied is None else _names(args.tied)
         replicate = dp // (args.shard_size or dp)
         plan = plan_param_shards(specs, world_size=dp, units=units, replicate_size=replicate)
-        return estimate_zero3(plan, optimizer=optimizer), plan
+        return estimate_zero3(plan, optimizer=optimizer, tied=tied), plan
     assert plans is not None  # the caller plans buckets and shards for stages 0-2
     buckets, shards = plans
     if args.zero == 0:

@@ -44,7 +44,8 @@ def test_zero3_json_is_the_plan_and_its_estimate(capsys):
     specs = builtin_model("gpt2-small")
     assert plan == plan_param_shards(specs, world_size=4, units=block_prefixes(specs))
     assert obj["fingerprints"]["param_shards"] == plan.fingerprint
-    assert obj["memory"] == estimate_zero3(plan).to_json()
+    tied = ["transformer.wte.weight"]  # gpt2-small's, by default
+    assert obj["memory"] == estimate_zero3(plan, tied=tied).to_json()
     memory = obj["memory"]
     assert (memory["zero"], memory["version"], memory["world_size"]) == (3, 1, 4)
     assert set(memory["ranks"][0]) == {
@@ -106,6 +107,8 @@ def test_hsdp_units_optimizer_and_a_parameter_file(capsys, tmp_path):
     [
         (["--units", "h.0"], "--units applies to --zero 3 only"),
         (["--zero", "1", "--shard-size", "2"], "apply to --zero 3 only"),
+        (["--zero", "1", "--tied", "transformer.wte.weight"], "apply to --zero 3 only"),
+        (["--zero", "3", "--tied", "lm_head.weight"], "tied parameter 'lm_head.weight' is not"),
         (["--zero", "2", "--partition", "greedy"], "drop --partition greedy"),
         (["--zero", "3", "--shard-size", "3"], "--shard-size must divide the data-parallel size 8"),
         (["--zero", "3", "--units", "transformer.h.99"], "'transformer.h.99' matches no parameter"),
@@ -116,6 +119,8 @@ def test_hsdp_units_optimizer_and_a_parameter_file(capsys, tmp_path):
     ids=[
         "units-without-3",
         "shard-size-without-3",
+        "tied-without-3",
+        "tied-unknown",
         "zero2-greedy",
         "shard-size",
         "unit",
@@ -128,6 +133,20 @@ def test_bad_zero_input_is_one_line(capsys, args, message):
     code, out, err = run(capsys, *args)
     assert code == 2 and out == ""
     assert message in err and err.count("\n") == 1
+
+
+def test_tied_weights_add_their_gradient_copies(capsys):
+    def transient(*extra):
+        code, out, _ = run(capsys, "--zero", "3", "--world-size", "4", "--json", *extra)
+        assert code == 0
+        return json.loads(out)["memory"]["ranks"][0]["transient_bytes"]
+
+    untied = transient("--tied", "")
+    # The root's backward: two more copies of wte's gradient replace the reduce-scatter input
+    # of the root's gradients (wte padded to 4 x 12,565 rows, wpe, ln_f's weight and bias).
+    wte, rest = 50260 * 768 * 4, (1024 + 2) * 768 * 4
+    assert transient() == untied + 2 * wte - (wte + rest)
+    assert transient("--tied", "transformer.wte.weight") == transient()
 
 
 def test_plan_without_zero_is_unchanged(capsys):
