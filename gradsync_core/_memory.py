@@ -67,7 +67,7 @@ class RankMemory:
 
     @property
     def peak_bytes(self) -> int:
-        """The model-state peak: every term at once, an upper bound of the sum over time."""
+        """The model-state peak: the resident terms plus the worst moment's transient bytes."""
         return (
             self.parameter_bytes
             + self.gradient_bytes
