@@ -229,7 +229,8 @@ def _group_section(topo: Topology) -> str:
 def _owners(
     specs: list[ParamSpec], args: argparse.Namespace, ranks: int, partition: str
 ) -> tuple[BucketPlan, ShardPlan]:
-    """``specs``' buckets and their ZeRO owners over ``ranks`` ranks (dp, or edp for experts)."""
+    """``specs``' buckets and their ZeRO owners over ``ranks`` ranks (dp, or edp for experts);
+    ``partition`` is ``--partition``'s, or ``"flat"`` for ``--zero 2``, which needs it."""
     cap, first = bucket_caps(args.bucket_cap_mb)
     pad_to = math.lcm(args.pad_to, ranks) if partition == "flat" else args.pad_to
     buckets = plan_buckets(specs, cap_bytes=cap, first_cap_bytes=first, pad_to=pad_to)
@@ -241,7 +242,12 @@ def _owners(
         raise UsageError(
             f"a flat partition of {len(buckets.buckets)} buckets over {ranks:,} "
             f"ranks has up to {pieces:,} pieces, more than {MAX_FLAT_PIECES:,}; raise "
-            "--bucket-cap-mb or use --partition greedy"
+            "--bucket-cap-mb"
+            + (
+                " (ZeRO-2 needs the flat partition)"
+                if args.zero == 2
+                else " or use --partition greedy"
+            )
         )
     return buckets, plan_flat_shards(buckets, world_size=ranks)
 

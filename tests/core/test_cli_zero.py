@@ -115,6 +115,7 @@ def test_hsdp_units_optimizer_and_a_parameter_file(capsys, tmp_path):
         (["--zero", "3", "--optimizer", "shampoo"], "unknown optimizer 'shampoo'"),
         (["--zero", "4"], "invalid choice: 4"),
         (["--zero", "0", "--world-size", "131072"], "more than 65,536"),
+        (["--zero", "2", "--world-size", "65536"], "--bucket-cap-mb (ZeRO-2 needs the flat"),
     ],
     ids=[
         "units-without-3",
@@ -127,6 +128,7 @@ def test_hsdp_units_optimizer_and_a_parameter_file(capsys, tmp_path):
         "optimizer",
         "stage",
         "too-many-ranks",
+        "zero2-too-many-pieces",
     ],
 )
 def test_bad_zero_input_is_one_line(capsys, args, message):
