@@ -119,6 +119,37 @@ def _replicated(specs: Sequence[ParamSpec]) -> tuple[int, int]:
     return sum(s.nbytes for s in specs), sum(s.nbytes for s in specs if s.requires_grad)
 
 
+def _estimate(
+    zero: int,
+    *,
+    params: int,
+    grads: int,
+    state_numel: Sequence[int],
+    transient: int,
+    per_element: int,
+    world_size: int,
+    replicate_size: int = 1,
+) -> MemoryEstimate:
+    """One ``RankMemory`` per entry of ``state_numel`` (the state elements each rank owns)."""
+    ranks = tuple(
+        RankMemory(
+            rank=r,
+            parameter_bytes=params,
+            gradient_bytes=grads,
+            optimizer_state_bytes=numel * per_element,
+            transient_bytes=transient,
+        )
+        for r, numel in enumerate(state_numel)
+    )
+    return MemoryEstimate(
+        zero=zero,
+        world_size=world_size,
+        replicate_size=replicate_size,
+        state_bytes_per_element=per_element,
+        ranks=ranks,
+    )
+
+
 def estimate_ddp(
     specs: Sequence[ParamSpec],
     buckets: BucketPlan,
@@ -128,22 +159,15 @@ def estimate_ddp(
 ) -> MemoryEstimate:
     """ZeRO-0 (DDP): parameters P, gradients G, state S on every rank, plus DDP's bucket
     buffers B (one per bucket, alive for the whole run): ``P + G + S + B``."""
-    per_element = optimizer_state_bytes(optimizer)
     params, grads = _replicated(specs)
-    state = sum(s.numel for s in specs if s.requires_grad) * per_element
-    rank = RankMemory(
-        rank=0,
-        parameter_bytes=params,
-        gradient_bytes=grads,
-        optimizer_state_bytes=state,
-        transient_bytes=buckets.nbytes,
-    )
-    return MemoryEstimate(
-        zero=0,
+    return _estimate(
+        0,
+        params=params,
+        grads=grads,
+        state_numel=[sum(s.numel for s in specs if s.requires_grad)] * world_size,
+        transient=buckets.nbytes,
+        per_element=optimizer_state_bytes(optimizer),
         world_size=world_size,
-        replicate_size=1,
-        state_bytes_per_element=per_element,
-        ranks=tuple(_at(rank, r) for r in range(world_size)),
     )
 
 
@@ -156,24 +180,15 @@ def estimate_zero1(
 ) -> MemoryEstimate:
     """ZeRO-1: as DDP but the state of the elements the shard plan gives each rank only:
     ``P + G + B + owned_r * s`` (greedy plans are uneven, so ranks differ)."""
-    per_element = optimizer_state_bytes(optimizer)
     params, grads = _replicated(specs)
-    ranks = tuple(
-        RankMemory(
-            rank=r,
-            parameter_bytes=params,
-            gradient_bytes=grads,
-            optimizer_state_bytes=owned * per_element,
-            transient_bytes=buckets.nbytes,
-        )
-        for r, owned in enumerate(shards.rank_numel)
-    )
-    return MemoryEstimate(
-        zero=1,
+    return _estimate(
+        1,
+        params=params,
+        grads=grads,
+        state_numel=shards.rank_numel,
+        transient=buckets.nbytes,
+        per_element=optimizer_state_bytes(optimizer),
         world_size=shards.world_size,
-        replicate_size=1,
-        state_bytes_per_element=per_element,
-        ranks=ranks,
     )
 
 
@@ -189,23 +204,16 @@ def estimate_zero2(
     """
     if shards.kind != "flat" or shards.buckets is None:
         raise ValueError("ZeRO-2 shards gradients as flat element ranges; pass a flat ShardPlan")
-    per_element = optimizer_state_bytes(optimizer)
-    params, _ = _replicated(specs)
     n = shards.world_size
-    grads = sum(b.numel // n * itemsize(b.dtype) for b in shards.buckets.buckets)
-    largest = max((b.nbytes for b in shards.buckets.buckets), default=0)
-    ranks = tuple(
-        RankMemory(
-            rank=r,
-            parameter_bytes=params,
-            gradient_bytes=grads,
-            optimizer_state_bytes=owned * per_element,
-            transient_bytes=2 * largest,
-        )
-        for r, owned in enumerate(shards.rank_numel)
-    )
-    return MemoryEstimate(
-        zero=2, world_size=n, replicate_size=1, state_bytes_per_element=per_element, ranks=ranks
+    buckets = shards.buckets.buckets
+    return _estimate(
+        2,
+        params=_replicated(specs)[0],
+        grads=sum(b.numel // n * itemsize(b.dtype) for b in buckets),
+        state_numel=shards.rank_numel,
+        transient=2 * max((b.nbytes for b in buckets), default=0),
+        per_element=optimizer_state_bytes(optimizer),
+        world_size=n,
     )
 
 
@@ -258,24 +266,15 @@ def estimate_zero3(
     blocks = sorted(gathered(u.params, param_dtype) for u in plan.units if u.prefix != ROOT)
     window = blocks if not reshard_after_forward else blocks[max(0, len(blocks) - 1 - prefetch) :]
     transient = root + sum(window) + max(backward(u) for u in plan.units)
-    params = sum(plan.unit_padded_nbytes(u.index) for u in plan.units)
-    grads = sum(plan.unit_padded_nbytes(u.index, trainable_only=True) for u in plan.units)
-    ranks = tuple(
-        RankMemory(
-            rank=r,
-            parameter_bytes=params,
-            gradient_bytes=grads,
-            optimizer_state_bytes=per_element * numel,
-            transient_bytes=transient,
-        )
-        for r, numel in enumerate(_trainable_rows_numel(plan))
-    )
-    return MemoryEstimate(
-        zero=3,
+    return _estimate(
+        3,
+        params=sum(plan.unit_padded_nbytes(u.index) for u in plan.units),
+        grads=sum(plan.unit_padded_nbytes(u.index, trainable_only=True) for u in plan.units),
+        state_numel=_trainable_rows_numel(plan),
+        transient=transient,
+        per_element=per_element,
         world_size=plan.world_size,
         replicate_size=plan.replicate_size,
-        state_bytes_per_element=per_element,
-        ranks=ranks,
     )
 
 
@@ -303,13 +302,3 @@ def _trainable_rows_numel(plan: ParamShardPlan) -> list[int]:
         running += diff[r]
         out.append(running)
     return out
-
-
-def _at(rank: RankMemory, r: int) -> RankMemory:
-    return RankMemory(
-        rank=r,
-        parameter_bytes=rank.parameter_bytes,
-        gradient_bytes=rank.gradient_bytes,
-        optimizer_state_bytes=rank.optimizer_state_bytes,
-        transient_bytes=rank.transient_bytes,
-    )
