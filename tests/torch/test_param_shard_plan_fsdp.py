@@ -57,15 +57,21 @@ def fsdp_params(model: nn.Module, plan) -> dict:
     }
 
 
-def _check(rank: int, world_size: int) -> dict:
+def _check(rank: int, world_size: int, replicate: int = 1) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
     model = Net()
     full = {name: p.detach().clone() for name, p in model.named_parameters()}
-    plan = plan_param_shards(param_specs(model), world_size=world_size, units=UNITS)
-    mesh = init_device_mesh("cpu", (world_size,))
+    specs = param_specs(model)
+    plan = plan_param_shards(specs, world_size=world_size, units=UNITS, replicate_size=replicate)
+    # HSDP: FSDP2's 2-D mesh ("replicate", "shard"), so a shard group is consecutive ranks.
+    if replicate == 1:
+        mesh = init_device_mesh("cpu", (world_size,))
+    else:
+        mesh = init_device_mesh("cpu", (replicate, plan.shard_size), mesh_dim_names=("r", "s"))
+    shard_rank = rank % plan.shard_size
     modules = dict(model.named_modules())
     for prefix in UNITS:  # bottom-up, as FSDP2 requires: the inner block first
         fully_shard(modules[prefix], mesh=mesh)
@@ -85,7 +91,7 @@ def _check(rank: int, world_size: int) -> dict:
     def chunks_match() -> None:
         by_name = fsdp_params(model, plan)
         for name, param in model.named_parameters():
-            chunk = plan.chunk(name, rank)
+            chunk = plan.chunk(name, shard_rank)
             local = param.to_local()
             assert tuple(local.shape) == chunk.local_shape, (name, local.shape, chunk)
             assert tuple(param._local_tensor.shape) == chunk.local_shape, name
@@ -101,7 +107,7 @@ def _check(rank: int, world_size: int) -> dict:
         opt = torch.optim.AdamW(model.parameters(), lr=0.1)
         model(torch.arange(6).reshape(2, 3) % 11).square().mean().backward()
         opt.step()
-        predicted = estimate_zero3(plan, optimizer="adamw").ranks[rank]
+        predicted = estimate_zero3(plan, optimizer="adamw").ranks[shard_rank]
         padded = sum(fp._sharded_param_data.nbytes for fp in fsdp_params(model, plan).values())
         grads = {
             p.grad.to_local().untyped_storage().data_ptr(): p.grad.to_local().untyped_storage()
@@ -128,5 +134,13 @@ def _check(rank: int, world_size: int) -> dict:
 @pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_plan_equals_fully_shard(world_size):
     for results in run_workers(_check, world_size):
+        failures = {name: error for name, error in results.items() if error is not None}
+        assert not failures, "\n".join(f"{name}: {error}" for name, error in failures.items())
+
+
+@pytest.mark.slow
+def test_hsdp_plan_equals_fully_shard_on_a_2d_mesh():
+    # 4 ranks as 2 replicas x 2 shards: each rank holds its shard rank's chunk.
+    for results in run_workers(_check, 4, 2):
         failures = {name: error for name, error in results.items() if error is not None}
         assert not failures, "\n".join(f"{name}: {error}" for name, error in failures.items())
