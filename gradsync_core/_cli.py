@@ -12,6 +12,9 @@ Every input is bounded, so a typo cannot make the planner allocate for minutes:
 - ``--params``: a JSON file of at most 64 MiB, nested at most a few hundred levels, each entry
   a parameter of the right types (see ``ParamSpec.from_json``).
 
+- ``--zero``: at most 65,536 (2**16) data-parallel ranks, each listed in ``--json``;
+  ``--shard-size`` divides the data-parallel size (``_cli_zero``).
+
 ``gradsync checkpoint inspect PATH`` checks and summarizes a checkpoint (``_cli_checkpoint``).
 
 Bad input prints one line on stderr and exits with code 2 (the CLI is in docs/design.md §2).
@@ -26,8 +29,18 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from gradsync_core._buckets import MIB, BucketPlan, bucket_caps, plan_buckets
+from gradsync_core._buckets import BucketPlan, bucket_caps, plan_buckets
 from gradsync_core._cli_checkpoint import add_checkpoint_parser
+from gradsync_core._cli_table import mib as _mib
+from gradsync_core._cli_table import shown as _shown
+from gradsync_core._cli_table import table as _table
+from gradsync_core._cli_zero import (
+    add_zero_arguments,
+    check_zero_arguments,
+    zero_estimate,
+    zero_json,
+    zero_text,
+)
 from gradsync_core._models import MODELS, builtin_model
 from gradsync_core._reductions import split_expert_specs
 from gradsync_core._shards import ShardPlan, plan_flat_shards, plan_greedy_shards
@@ -98,6 +111,8 @@ def _check_bounds(args: argparse.Namespace) -> None:
     maxima = {name: MAX_WORLD_SIZE for name in ("world_size", "tp", "cp", "ep", "pp")}
     if args.etp is not None:
         maxima["etp"] = MAX_WORLD_SIZE
+    if args.shard_size is not None:
+        maxima["shard_size"] = MAX_WORLD_SIZE
     for name, maximum in (maxima | {"pad_to": MAX_PAD_TO}).items():
         value = getattr(args, name)
         if not 1 <= value <= maximum:
@@ -112,22 +127,6 @@ def _check_bounds(args: argparse.Namespace) -> None:
             raise UsageError(
                 f"--bucket-cap-mb must be at most {MAX_BUCKET_CAP_MB:,.0f} (64 GiB), got {cap}"
             )
-
-
-def _mib(nbytes: float) -> str:
-    return f"{nbytes / MIB:,.2f}"
-
-
-def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]], max_rows: int = 40) -> str:
-    shown: list[Sequence[Any]] = list(rows)
-    if len(rows) > max_rows:
-        half = max_rows // 2
-        shown = [*rows[:half], ["..."] * len(headers), *rows[-half:]]
-    cells = [[str(c) for c in row] for row in [headers, *shown]]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
 
 
 def _ranks(ranks: Sequence[int], limit: int = 8) -> str:
@@ -160,13 +159,6 @@ def _bucket_section(plan: BucketPlan) -> str:
         + "\n"
         + _table(["bucket", "dtype", "params", "elements", "MiB", "cap MiB", "fill"], rows)
     )
-
-
-def _shown(count: int, limit: int) -> list[int]:
-    """Indices a table shows: all of them, or the first and last ``limit // 2``."""
-    if count <= limit:
-        return list(range(count))
-    return [*range(limit // 2), *range(count - limit // 2, count)]
 
 
 def _shard_section(plan: ShardPlan, specs: Sequence[ParamSpec], axis: str = "dp") -> str:
@@ -235,13 +227,14 @@ def _group_section(topo: Topology) -> str:
 
 
 def _owners(
-    specs: list[ParamSpec], args: argparse.Namespace, ranks: int
+    specs: list[ParamSpec], args: argparse.Namespace, ranks: int, partition: str
 ) -> tuple[BucketPlan, ShardPlan]:
-    """``specs``' buckets and their ZeRO owners over ``ranks`` ranks (dp, or edp for experts)."""
+    """``specs``' buckets and their ZeRO owners over ``ranks`` ranks (dp, or edp for experts);
+    ``partition`` is ``--partition``'s, or ``"flat"`` for ``--zero 2``, which needs it."""
     cap, first = bucket_caps(args.bucket_cap_mb)
-    pad_to = math.lcm(args.pad_to, ranks) if args.partition == "flat" else args.pad_to
+    pad_to = math.lcm(args.pad_to, ranks) if partition == "flat" else args.pad_to
     buckets = plan_buckets(specs, cap_bytes=cap, first_cap_bytes=first, pad_to=pad_to)
-    if args.partition != "flat":
+    if partition != "flat":
         return buckets, plan_greedy_shards(specs, world_size=ranks)
     # A piece per rank and bucket, plus one per parameter straddling a cut: bound them first.
     pieces = sum(len(b.slots) for b in buckets.buckets) + len(buckets.buckets) * ranks
@@ -249,7 +242,12 @@ def _owners(
         raise UsageError(
             f"a flat partition of {len(buckets.buckets)} buckets over {ranks:,} "
             f"ranks has up to {pieces:,} pieces, more than {MAX_FLAT_PIECES:,}; raise "
-            "--bucket-cap-mb or use --partition greedy"
+            "--bucket-cap-mb"
+            + (
+                " (ZeRO-2 needs the flat partition)"
+                if args.zero == 2
+                else " or use --partition greedy"
+            )
         )
     return buckets, plan_flat_shards(buckets, world_size=ranks)
 
@@ -266,10 +264,14 @@ def _plan(args: argparse.Namespace) -> int:
         order=args.order,
         etp=args.etp,
     )
+    check_zero_arguments(args, topo.dp)
+    if args.zero is not None:
+        return _zero(args, specs, topo)
     # Expert parameters (ParamSpec.expert) are owned over edp, the rest over dp (design §6).
     dense, experts = split_expert_specs(specs)
-    buckets, shards = _owners(dense, args, topo.dp)
-    expert_shards = _owners(experts, args, topo.edp)[1] if experts else None
+    partition = args.partition or "greedy"
+    buckets, shards = _owners(dense, args, topo.dp, partition)
+    expert_shards = _owners(experts, args, topo.edp, partition)[1] if experts else None
     if args.json:
         out = {
             "buckets": buckets.to_json(),
@@ -312,14 +314,37 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="gradsync", description="Show gradsync plans for a model.")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    plan = sub.add_parser(
-        "plan",
-        help="bucket layout, shard partition and rank groups for a model",
-        description="Print the bucket layout, optimizer-state partition and rank groups.",
+def _zero(args: argparse.Namespace, specs: list[ParamSpec], topo: Topology) -> int:
+    """``--zero``: per-rank memory of model states over the data-parallel ranks."""
+    if any(s.expert for s in specs):
+        raise UsageError(
+            "--zero does not estimate expert parameters (ParamSpec.expert) yet; "
+            "plan a model with experts without --zero"
+        )
+    plans = None
+    if args.zero != 3:  # ZeRO-2 cuts gradients by element ranges: flat whatever the default
+        partition = "flat" if args.zero == 2 else args.partition or "greedy"
+        plans = _owners(specs, args, topo.dp, partition)
+    estimate, plan = zero_estimate(specs, args, topo.dp, plans)
+    if args.json:
+        out = zero_json(estimate, plan) | {"topology": topo.to_json()}
+        out.setdefault("fingerprints", {})["topology"] = topo.fingerprint
+        print(json.dumps(out, indent=1, sort_keys=True))
+        return 0
+    trainable = [s for s in specs if s.requires_grad]
+    print(
+        f"Model {args.params or args.model}: {len(specs)} parameters ({len(trainable)} "
+        f"trainable), {sum(s.numel for s in specs):,} elements, "
+        f"{_mib(sum(s.nbytes for s in specs))} MiB; dp {topo.dp} of world size "
+        f"{topo.world_size}"
     )
+    print()
+    print(zero_text(estimate, plan))
+    return 0
+
+
+def _add_source_arguments(plan: argparse.ArgumentParser) -> None:
+    """Where the parameters come from: a built-in model or a JSON file."""
     source = plan.add_mutually_exclusive_group()
     source.add_argument(
         "--model", default=DEFAULT_MODEL, help=f"built-in model: {', '.join(MODELS)}"
@@ -336,6 +361,19 @@ def build_parser() -> argparse.ArgumentParser:
         choices=sorted(DTYPE_ITEMSIZE),
         help="dtype of a built-in model's parameters",
     )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="gradsync", description="Show gradsync plans for a model.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    plan = sub.add_parser(
+        "plan",
+        help="bucket layout, shard partition and rank groups for a model, or per-rank memory "
+        "under ZeRO-0/1/2/3 (--zero)",
+        description="Print the bucket layout, optimizer-state partition and rank groups; with "
+        "--zero, per-rank bytes of parameters, gradients, optimizer state and the peak.",
+    )
+    _add_source_arguments(plan)
     most = f"{MAX_WORLD_SIZE:,}"
     plan.add_argument(
         "--world-size", type=int, default=8, help=f"number of ranks, 1 to {most} (default 8)"
@@ -361,8 +399,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--partition",
         choices=("greedy", "flat"),
-        default="greedy",
-        help="optimizer-state partition: whole parameters or flat element ranges "
+        default=None,
+        help="optimizer-state partition: whole parameters (the default) or flat element ranges "
         f"(flat: at most {MAX_FLAT_PIECES:,} pieces, about buckets x dp)",
     )
     plan.add_argument(
@@ -371,6 +409,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help=f"round bucket lengths up to a multiple of this, 1 to {MAX_PAD_TO:,}",
     )
+    add_zero_arguments(plan)
     plan.add_argument("--json", action="store_true", help="emit the plans as JSON")
     plan.set_defaults(run=_plan)
     add_checkpoint_parser(sub)
