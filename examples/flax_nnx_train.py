@@ -24,7 +24,6 @@ stdout line is one JSON object.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -39,6 +38,15 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
+from training_run import (  # beside this script
+    FEATURES,
+    add_run_arguments,
+    batch,
+    report,
+    resolve,
+    state_sizes,
+    write_run,
+)
 
 from gradsync_core import Topology
 from gradsync_jax import (
@@ -51,8 +59,7 @@ from gradsync_jax import (
     value_and_local_grad,
 )
 
-RUN_FILE = "run.json"  # the settings a resume must reuse, beside the checkpoint
-FEATURES, HIDDEN = 16, 128
+HIDDEN = 128
 
 
 class MLP(nnx.Module):
@@ -68,51 +75,10 @@ class MLP(nnx.Module):
         return self.layers[-1](x)
 
 
-def batch(step: int, size: int) -> tuple[np.ndarray, np.ndarray]:
-    """The batch of global step ``step``: a function of the step, so a resumed run draws the
-    batches the uninterrupted run would have drawn next, never the first ones again."""
-    w_true = np.random.default_rng(0).normal(size=(FEATURES, 1)).astype(np.float32) / 4
-    x = np.random.default_rng((1, step)).normal(size=(size, FEATURES)).astype(np.float32)
-    return x, np.sin(x @ w_true)  # a smooth target the MLP can fit
-
-
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--devices", type=int, default=8, help="fake CPU devices")
-    parser.add_argument("--partition", choices=("auto", "greedy", "flat"), default="auto")
-    parser.add_argument("--steps", type=int, default=None, help="total steps (default 200)")
-    parser.add_argument("--stop", type=int, default=None, help="stop after this many steps")
-    parser.add_argument("--batch", type=int, default=256, help="global batch size")
-    parser.add_argument("--lr", type=float, default=3e-3, help="peak of the cosine schedule")
-    parser.add_argument("--clip", type=float, default=None, help="global-norm clip")
-    parser.add_argument("--save", default=None, help="save the training state here")
-    parser.add_argument("--resume", default=None, help="continue the run saved here")
-    parser.add_argument("--tolerance", type=float, default=1e-5, help="largest relative diff")
-    args = parser.parse_args()
-    settings = ("steps", "batch", "lr", "clip")
-    if args.resume:  # the run's settings come from the checkpoint: the same run continues
-        with open(os.path.join(args.resume, RUN_FILE)) as f:
-            saved = json.load(f)
-        for name in settings:
-            given = getattr(args, name)
-            if given is None or given == parser.get_default(name):
-                setattr(args, name, saved[name])
-            elif given != saved[name]:
-                parser.error(f"--{name} {given} differs from the saved run's {saved[name]}; "
-                             f"leave it out to continue the saved run")  # fmt: skip
-        args.start = saved["stopped_at"]
-    else:
-        args.start = 0
-    args.steps = 200 if args.steps is None else args.steps
-    default_stop = args.steps // 2 if args.save and not args.resume else args.steps
-    args.stop = default_stop if args.stop is None else args.stop
-    if not args.start < args.stop <= args.steps:
-        parser.error(f"--stop {args.stop} must lie in ({args.start}, {args.steps}]")
-    return args
-
-
 def main() -> None:
-    args = parse_args()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_run_arguments(parser)
+    args = resolve(parser, parser.parse_args())
     jax.config.update("jax_num_cpu_devices", args.devices)
     mesh = mesh_from_topology(Topology.create(jax.device_count()))
     schedule = optax.cosine_decay_schedule(args.lr, args.steps)  # over the TOTAL steps
@@ -153,31 +119,17 @@ def main() -> None:
         baseline = "the unsharded optimizer (plain Optax, one device)"
         theirs, reference = _unsharded_run(inner, args)
         ours = _params(step.graphdef, state)
-    loss_diff = max(abs(a - b) / abs(b) for a, b in zip(losses, reference, strict=True))
-    param_diff = max(
-        float(np.abs(a - b).max() / np.abs(b).max())
-        for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs), strict=True)
-    )
-    print(f"baseline: {baseline}")
-    print(f"largest relative loss difference from the baseline: {loss_diff:.2e}")
-    print(f"largest relative parameter difference from the baseline: {param_diff:.2e}")
-    print(json.dumps({"example": "flax_nnx_train", "partition": args.partition,
-                      "start": args.start, "stop": args.stop, "steps": args.steps,
-                      "first_loss": losses[0], "last_loss": losses[-1],
-                      "loss_diff": loss_diff, "param_diff": param_diff}))  # fmt: skip
-    if max(loss_diff, param_diff) > args.tolerance:
-        sys.exit(f"differs from {baseline} by {max(loss_diff, param_diff):.2e}")
+    ours, theirs = jax.tree.leaves(ours), jax.tree.leaves(theirs)
+    report("flax_nnx_train", args, losses, reference, ours, theirs, baseline)
 
 
 def _print_state_sizes(tx, inner, params) -> None:
     unsharded = sum(
         x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(inner.init, params))
     )
+    count = sum(p.size for p in jax.tree.leaves(params))
     per_device = tx.state_nbytes_per_device(params)
-    print(f"{sum(p.size for p in jax.tree.leaves(params)):,} parameters; optimizer state per "
-          f"device {per_device:,} bytes of {unsharded:,} unsharded "
-          f"({per_device / unsharded:.1%}, 1/{jax.device_count()} = "
-          f"{1 / jax.device_count():.1%})")  # fmt: skip
+    print(state_sizes(per_device, unsharded, jax.device_count(), count))
 
 
 class _Step:
@@ -264,10 +216,7 @@ def _save(args, tx, state, graphdef) -> None:
     params = nnx.as_pure(nnx.state(model, nnx.Param))
     opt_state = nnx.as_pure(optimizer.opt_state)
     save_optimizer_state(args.save, tx, opt_state, params, step=args.stop, model=params)
-    run = {"steps": args.steps, "batch": args.batch, "lr": args.lr, "clip": args.clip,
-           "stopped_at": args.stop}  # fmt: skip
-    with open(os.path.join(args.save, RUN_FILE), "w") as f:
-        json.dump(run, f)
+    write_run(args)
     print(f"saved the weights and optimizer state of step {args.stop} to {args.save}")
 
 
