@@ -79,6 +79,9 @@ def torch_worker(rank: int, store: str, steps: int, path: str, out: Any) -> None
             opt.save(path, model=net)  # weights + sharded optimizer state, torch or JAX
     if rank == 0:
         out.put(losses)
+    # Every rank waits for the others (rank 0 may still be saving) before tearing gloo down;
+    # without it a rank can abort with "terminate called without an active exception".
+    dist.barrier()
     dist.destroy_process_group()
 
 
@@ -155,6 +158,13 @@ def main() -> None:
     parser.add_argument("--checkpoint", default=None, help="directory (default: a temp dir)")
     parser.add_argument("--plot", default=None, help="write a figure here (needs matplotlib)")
     args = parser.parse_args()
+    print(
+        f"config: torch, {RANKS} gloo ranks (DataParallel + ZeroRedundancyOptimizer(AdamW)), "
+        f"trains {2 * args.steps} steps and saves after {args.steps}; JAX, {DEVICES} CPU "
+        f"devices (shard_optimizer(optax.adamw), partition 'auto'), continues from that save; "
+        f"MLP {WIDTHS[0]}-{WIDTHS[1]}x{len(WIDTHS) - 2}-{WIDTHS[-1]}, batch {BATCH}; baseline: "
+        "the torch run's own second half"
+    )
     with tempfile.TemporaryDirectory() as tmp:
         path = args.checkpoint or os.path.join(tmp, "ckpt")
         torch_losses = train_in_torch(args.steps, path)

@@ -82,7 +82,10 @@ def main() -> None:
     loss_group = groups.group("-".join(model.gradsync_data_axes))
 
     if rank == 0:
-        print(f"topology {topo.order}: tp={topo.tp} cp={topo.cp} dp={topo.dp}, sp={sp}")
+        print(f"config: {world} ranks, topology {topo.order}: tp={topo.tp} cp={topo.cp} "
+              f"dp={topo.dp}, sp={sp}; {args.steps} steps, batch {args.batch} x {args.seq} "
+              f"tokens, dim {args.dim} hidden {args.hidden} depth {args.depth}, AdamW lr "
+              f"{args.lr:g}; baseline: the serial model on the full batch")  # fmt: skip
         for r in plan.reductions:
             print(f"  extra sum over {r.group!r}: {len(r.names)} parameters, e.g. {r.names[:3]}")
         print(f"{'step':>4} {'loss':>10} {'serial loss':>12}")
@@ -134,6 +137,10 @@ def main() -> None:
             "max_param_drift": drift.item(),
         }
         print(json.dumps(summary))
+    # Every rank waits for the others before tearing gloo down: a rank that destroys its
+    # process group while a peer still works can abort ("terminate called without an active
+    # exception").
+    dist.barrier()
     dist.destroy_process_group()
     if drift.item() > 1e-4:
         raise SystemExit(f"parallel training drifted from the serial model by {drift.item()}")

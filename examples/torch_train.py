@@ -7,8 +7,18 @@
 
 A student MLP learns a fixed random teacher network; every rank draws its own batches. Each
 optimizer step accumulates ``--accum`` micro-batches, all but the last under ``no_sync()``.
-Rank 0 shows a progress bar, logs the loss averaged over ranks, and at the end writes the
-weights (safetensors, written atomically) and a small JSON summary to ``--out``.
+Rank 0 prints the configuration, shows a progress bar (stderr), logs the loss averaged over
+ranks, and at the end writes the weights (safetensors, written atomically) and a small JSON
+summary to ``--out``.
+
+The baseline: torch's own ``DistributedDataParallel`` trains a copy of the same model on the
+same batches beside it; the largest relative parameter difference between the two is printed
+and, with float32 reductions, must stay under ``--tolerance``.
+
+The end: ``dist.barrier()`` then ``dist.destroy_process_group()`` (``teardown`` below). A rank
+that tears down gloo while another is still working (rank 0 writing the checkpoint) can abort
+with "terminate called without an active exception"; the barrier makes every rank finish
+its work first.
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import nn
 from torch.nn import functional as F
+from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from gradsync_torch import DataParallel
@@ -49,6 +60,7 @@ def main() -> None:
     parser.add_argument("--reduce-dtype", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--log-every", type=int, default=50)
     parser.add_argument("--out", default="checkpoints/torch_train")
+    parser.add_argument("--tolerance", type=float, default=1e-5, help="largest relative diff")
     args = parser.parse_args()
 
     use_cuda = torch.cuda.is_available()
@@ -69,7 +81,19 @@ def main() -> None:
     )
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.steps)
+    # The baseline: torch's DDP on a copy of the same model, same optimizer, same batches.
+    ddp = DistributedDataParallel(mlp(args.width, args.depth, seed=0).to(device))
+    ddp_opt = torch.optim.AdamW(ddp.parameters(), lr=args.lr, weight_decay=0.01)
+    ddp_sched = torch.optim.lr_scheduler.CosineAnnealingLR(ddp_opt, T_max=args.steps)
     gen = torch.Generator(device=device).manual_seed(10_000 + rank)  # own data per rank
+    if rank == 0:
+        print(
+            f"config: {world_size} ranks ({dist.get_backend()}), {args.steps} steps of "
+            f"{args.accum} x {args.batch} samples per rank, MLP width {args.width} depth "
+            f"{args.depth}, AdamW lr {args.lr:g} cosine, "
+            f"{'legacy sync' if args.legacy else 'overlapped'} reduction in "
+            f"{args.reduce_dtype or 'the gradient dtype'}; baseline: torch DDP"
+        )
 
     start = time.perf_counter()
     logged = torch.zeros(1, device=device)
@@ -82,11 +106,14 @@ def main() -> None:
             with contextlib.nullcontext() if last else model.no_sync():
                 loss = F.mse_loss(model(x), y) / args.accum
                 loss.backward()  # the last micro-batch's backward syncs the accumulated sum
+            with contextlib.nullcontext() if last else ddp.no_sync():
+                (F.mse_loss(ddp(x), y) / args.accum).backward()
             logged += loss.detach()
         model.sync_gradients()  # needed in legacy mode; a no-op in overlap mode
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+        for opt, sched in ((optimizer, scheduler), (ddp_opt, ddp_sched)):
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
         if step % args.log_every == 0 or step == args.steps:
             dist.all_reduce(logged)  # sum over ranks of the per-rank loss sums
             steps_logged = args.log_every if step % args.log_every == 0 else step % args.log_every
@@ -103,6 +130,10 @@ def main() -> None:
     sums = [torch.zeros_like(checksum) for _ in range(world_size)]
     dist.all_gather(sums, checksum)
     in_step = all(torch.equal(s, sums[0]) for s in sums)
+    diff = max(
+        ((a - b).abs().max() / b.abs().max()).item()
+        for a, b in zip(model.module.parameters(), ddp.module.parameters(), strict=True)
+    )
     if rank == 0:
         os.makedirs(args.out, exist_ok=True)
         weights = os.path.join(args.out, "model.safetensors")
@@ -114,6 +145,7 @@ def main() -> None:
             "world_size": world_size,
             "final_loss": mean_loss,
             "replicas_identical": in_step,
+            "param_diff_vs_ddp": diff,
             "bucket_plan_fingerprint": model.bucket_plan.fingerprint,
             "seconds": round(time.perf_counter() - start, 2),
         }
@@ -123,9 +155,22 @@ def main() -> None:
             os.path.join(args.out, "summary.json.tmp"), os.path.join(args.out, "summary.json")
         )
         print(f"replicas identical: {in_step}; checkpoint written to {weights}")
-    dist.destroy_process_group()
+        print(f"largest relative parameter difference from torch DDP: {diff:.2e}")
+    teardown()
     if not in_step:
         raise SystemExit("replicas diverged")
+    low_precision = args.reduce_dtype not in (None, "float32")
+    if diff > args.tolerance and not low_precision:
+        raise SystemExit(f"differs from torch DDP by {diff:.2e} (tolerance {args.tolerance})")
+
+
+def teardown() -> None:
+    """End the process group cleanly: wait for every rank (rank 0 may still be writing the
+    checkpoint), then destroy it. Without the barrier a rank that finishes first tears gloo
+    down under a peer still using it, and the process can abort with "terminate called
+    without an active exception" after a successful run."""
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
