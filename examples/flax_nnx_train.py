@@ -185,7 +185,7 @@ def train(step, state, args, *, start: int | None = None, desc: str):
         state, loss = step(state, jax.device_put(x, data), jax.device_put(y, data))
         losses.append(float(loss))
         bar.set_postfix(loss=f"{losses[-1]:.5f}", refresh=False)
-        if desc != "uninterrupted" and (i % 50 == 0 or i == args.stop - 1):
+        if desc != "uninterrupted" and (i % 50 == 0 or i in (start, args.stop - 1)):
             tqdm.write(f"step {i:4d}  loss {losses[-1]:.6f}  lr {float(schedule(i)):.3e}",
                        file=sys.stdout)  # fmt: skip
     return state, losses
