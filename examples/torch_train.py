@@ -15,16 +15,18 @@ The baseline: torch's own ``DistributedDataParallel`` trains a copy of the same 
 same batches beside it; the largest relative parameter difference between the two is printed
 and, with float32 reductions, must stay under ``--tolerance``.
 
-The end: ``dist.barrier()`` then ``dist.destroy_process_group()`` (``teardown`` below). A rank
-that tears down gloo while another is still working (rank 0 writing the checkpoint) can abort
-with "terminate called without an active exception"; the barrier makes every rank finish
-its work first.
+The end (``teardown`` below): training lives in a function, so the objects that hold the
+process group (wrappers, optimizers) are gone when it returns; then ``dist.barrier()``,
+``dist.destroy_process_group()`` and ``gc.collect()``. A gloo group still referenced at
+interpreter shutdown keeps its worker threads alive into it, and the process can abort with
+"terminate called without an active exception" after a successful run.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import time
@@ -63,8 +65,21 @@ def main() -> None:
     parser.add_argument("--tolerance", type=float, default=1e-5, help="largest relative diff")
     args = parser.parse_args()
 
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    # Everything that holds a process group (the wrappers, the optimizers) lives in train()
+    # and is gone when it returns, so teardown() can really end the process group.
+    in_step, diff = train(args)
+    teardown()
+    if not in_step:
+        raise SystemExit("replicas diverged")
+    low_precision = args.reduce_dtype not in (None, "float32")
+    if diff > args.tolerance and not low_precision:
+        raise SystemExit(f"differs from torch DDP by {diff:.2e} (tolerance {args.tolerance})")
+
+
+def train(args: argparse.Namespace) -> tuple[bool, float]:
+    """Train; return whether the replicas agree and the largest difference from DDP."""
     use_cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if use_cuda else "gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if use_cuda:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
@@ -156,21 +171,23 @@ def main() -> None:
         )
         print(f"replicas identical: {in_step}; checkpoint written to {weights}")
         print(f"largest relative parameter difference from torch DDP: {diff:.2e}")
-    teardown()
-    if not in_step:
-        raise SystemExit("replicas diverged")
-    low_precision = args.reduce_dtype not in (None, "float32")
-    if diff > args.tolerance and not low_precision:
-        raise SystemExit(f"differs from torch DDP by {diff:.2e} (tolerance {args.tolerance})")
+    return in_step, diff
 
 
 def teardown() -> None:
-    """End the process group cleanly: wait for every rank (rank 0 may still be writing the
-    checkpoint), then destroy it. Without the barrier a rank that finishes first tears gloo
-    down under a peer still using it, and the process can abort with "terminate called
-    without an active exception" after a successful run."""
+    """End the process group cleanly, after every object holding it is gone (``train``
+    returned): wait for every rank (rank 0 may still be writing the checkpoint), destroy the
+    groups, then collect the garbage cycles (modules with hooks) that still reference them.
+
+    Only when its last reference goes does a gloo process group join its worker threads. If
+    that waits for interpreter shutdown, a worker thread that touches Python then (releasing
+    a finished work's tensors) is killed mid-C++ and the process aborts with "terminate
+    called without an active exception", after a successful run. Destroying the group while
+    the wrapper or optimizer still holds it leaves those threads alive just the same.
+    """
     dist.barrier()
     dist.destroy_process_group()
+    gc.collect()
 
 
 if __name__ == "__main__":
