@@ -40,14 +40,33 @@ def batches(steps: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def torch_worker(rank: int, store: str, steps: int, path: str, out: Any) -> None:
-    """One gloo rank: train ``2 * steps`` steps, save after ``steps``, report losses."""
+    """One gloo rank: train ``2 * steps`` steps, save after ``steps``, report losses.
+
+    The objects that hold the process group live in ``torch_train`` and are gone when it
+    returns; then a barrier, ``destroy_process_group`` and ``gc.collect()`` end it while the
+    interpreter is alive (see examples/torch_train.py ``teardown``).
+    """
+    import gc
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=RANKS)
+    losses = torch_train(rank, steps, path)
+    if rank == 0:
+        out.put(losses)
+    dist.barrier()  # every rank is done (rank 0 may still have been saving)
+    dist.destroy_process_group()
+    gc.collect()
+
+
+def torch_train(rank: int, steps: int, path: str) -> list[float]:
+    """Train ``2 * steps`` steps on this rank's half of each batch; save after ``steps``."""
     import torch
     import torch.distributed as dist
     from torch import nn
 
     from gradsync_torch import DataParallel, ZeroRedundancyOptimizer
 
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=RANKS)
     torch.manual_seed(0)  # every rank builds the same initial model
 
     class MLP(nn.Module):
@@ -77,9 +96,7 @@ def torch_worker(rank: int, store: str, steps: int, path: str, out: Any) -> None
         losses.append(mean.item() / RANKS)
         if step + 1 == steps:
             opt.save(path, model=net)  # weights + sharded optimizer state, torch or JAX
-    if rank == 0:
-        out.put(losses)
-    dist.destroy_process_group()
+    return losses
 
 
 def train_in_torch(steps: int, path: str) -> list[float]:
@@ -155,6 +172,13 @@ def main() -> None:
     parser.add_argument("--checkpoint", default=None, help="directory (default: a temp dir)")
     parser.add_argument("--plot", default=None, help="write a figure here (needs matplotlib)")
     args = parser.parse_args()
+    print(
+        f"config: torch, {RANKS} gloo ranks (DataParallel + ZeroRedundancyOptimizer(AdamW)), "
+        f"trains {2 * args.steps} steps and saves after {args.steps}; JAX, {DEVICES} CPU "
+        f"devices (shard_optimizer(optax.adamw), partition 'auto'), continues from that save; "
+        f"MLP {WIDTHS[0]}-{WIDTHS[1]}x{len(WIDTHS) - 2}-{WIDTHS[-1]}, batch {BATCH}; baseline: "
+        "the torch run's own second half"
+    )
     with tempfile.TemporaryDirectory() as tmp:
         path = args.checkpoint or os.path.join(tmp, "ckpt")
         torch_losses = train_in_torch(args.steps, path)

@@ -9,6 +9,10 @@ Runs on 8 CPU devices by default (fake host devices), so it works on a laptop:
 gradsync builds the mesh from a Topology (devices placed by rank), keeps gradients local
 inside ``shard_map`` and reduces them once over ``dp`` (docs/design.md §7); the step is one jitted
 function and the script never calls ``pcast``/``pmean`` itself.
+
+The baseline: the same model and optimizer in plain JAX on one device with the full batch;
+the largest relative parameter difference is printed and, with float32 reductions, must stay
+under ``--tolerance``.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=128, help="global batch size")
     parser.add_argument("--accumulate", type=int, default=1, help="micro-steps per sync")
     parser.add_argument("--reduce-dtype", choices=("float32", "bfloat16"), default=None)
+    parser.add_argument("--tolerance", type=float, default=1e-5, help="largest relative diff")
     args = parser.parse_args()
     # Must happen before JAX initializes its backend.
     os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={args.devices}")
@@ -42,6 +47,10 @@ def main() -> None:
     jax.config.update("jax_num_cpu_devices", args.devices)
     mesh = mesh_from_topology(Topology.create(jax.device_count()))  # 1-D here: dp = all
     print(f"mesh {dict(mesh.shape)} on {jax.device_count()} {jax.default_backend()} devices")
+    print(f"config: {args.api}, {args.steps} steps, global batch {args.batch}, "
+          f"{args.accumulate} micro-steps per sync, reductions in "
+          f"{args.reduce_dtype or 'the gradient dtype'}, Adam lr 3e-3; baseline: plain JAX on "
+          "one device, full batch")  # fmt: skip
 
     if args.api == "nnx":
         from flax import nnx
@@ -90,6 +99,13 @@ def main() -> None:
     )
     opt_state = tx.init(params)
 
+    @jax.jit
+    def serial_step(params, opt_state, batch):  # the baseline: no gradsync, one device
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    serial = (jax.device_put(params, jax.devices()[0]), tx.init(params))
     rng = np.random.default_rng(0)
     w_true = rng.normal(size=(16, 1)).astype(np.float32) / 4
     first = None
@@ -97,11 +113,19 @@ def main() -> None:
         x = rng.normal(size=(args.batch, 16)).astype(np.float32)
         y = np.sin(x @ w_true)  # a smooth target the MLP can fit
         params, opt_state, loss = step(params, opt_state, (x, y))
+        *serial, serial_loss = serial_step(*serial, (x, y))
         first = float(loss) if first is None else first
         if i % 10 == 0 or i == args.steps - 1:
-            print(f"step {i:4d}  loss {float(loss):.5f}")
+            print(f"step {i:4d}  loss {float(loss):.5f}  baseline {float(serial_loss):.5f}")
+    diff = max(
+        float(np.abs(np.asarray(a) - np.asarray(b)).max() / np.abs(np.asarray(b)).max())
+        for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(serial[0]), strict=True)
+    )
+    print(f"largest relative parameter difference from the baseline: {diff:.2e}")
     if not float(loss) < first / 4:
         sys.exit(f"training did not converge (loss {first:.4f} -> {float(loss):.4f})")
+    if diff > args.tolerance and args.reduce_dtype != "bfloat16":
+        sys.exit(f"differs from the baseline by {diff:.2e} (tolerance {args.tolerance})")
 
 
 if __name__ == "__main__":

@@ -1,99 +1,150 @@
 """Data-parallel Flax NNX training with a sharded optimizer (ZeRO) on 8 CPU devices.
 
-    python examples/flax_nnx_train.py                        # Adam, greedy partition
+    python examples/flax_nnx_train.py                      # Adam, partition="auto", 200 steps
     python examples/flax_nnx_train.py --partition flat --clip 1.0
-    python examples/flax_nnx_train.py --save /tmp/opt && \\
-        python examples/flax_nnx_train.py --devices 4 --resume /tmp/opt
+    python examples/flax_nnx_train.py --save /tmp/nnx      # steps 0-99 of 200, then saved
+    python examples/flax_nnx_train.py --resume /tmp/nnx    # steps 100-199, checked
+    python examples/flax_nnx_train.py --devices 4 --resume /tmp/nnx   # on another mesh
 
 ``nnx.Optimizer(model, shard_optimizer(optax.adam(...), mesh), wrt=nnx.Param)``: the Flax
-code is the usual one. Each device keeps 1/8 of the Adam moments; inside ``jax.shard_map``
-the gradients stay local (``value_and_local_grad``) and the sharded optimizer reduces them,
-updates its share and returns the full update. The optimizer state can be saved and resumed
-on another number of devices. The last line is one JSON object.
+code is the usual one. Each device keeps its share of the Adam moments; inside
+``jax.shard_map`` the gradients stay local (``value_and_local_grad``) and the sharded optimizer
+reduces them, updates its share and returns the full update.
+
+What it proves: a fresh run is compared with the same model trained by the unsharded
+optimizer (plain Optax on one device, the full batch). ``--save`` stops at ``--stop``
+(default: half of ``--steps``) and writes the weights, the sharded optimizer state and the
+run's settings; ``--resume`` continues the same run: the learning-rate schedule over the total
+steps, the step count and the data stream carry on where they stopped, and the result is
+compared with an uninterrupted run of the same settings. Each comparison prints its largest
+difference and fails the script above ``--tolerance``. Progress bars go to stderr; the last
+stdout line is one JSON object.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from tqdm import tqdm
+from training_run import (  # beside this script
+    FEATURES,
+    add_run_arguments,
+    batch,
+    report,
+    resolve,
+    state_sizes,
+    write_run,
+)
+
+from gradsync_core import Topology
+from gradsync_jax import (
+    clip_by_global_norm,
+    load_optimizer_state,
+    load_params,
+    mesh_from_topology,
+    save_optimizer_state,
+    shard_optimizer,
+    value_and_local_grad,
+)
+
+HIDDEN = 128
+
+
+class MLP(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.layers = nnx.List(
+            [nnx.Linear(FEATURES, HIDDEN, rngs=rngs), nnx.Linear(HIDDEN, HIDDEN, rngs=rngs),
+             nnx.Linear(HIDDEN, HIDDEN, rngs=rngs), nnx.Linear(HIDDEN, 1, rngs=rngs)]
+        )  # fmt: skip
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        for layer in self.layers[:-1]:
+            x = jax.nn.gelu(layer(x))
+        return self.layers[-1](x)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--devices", type=int, default=8, help="fake CPU devices")
-    parser.add_argument("--partition", choices=("greedy", "flat"), default="greedy")
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--batch", type=int, default=256, help="global batch size")
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--clip", type=float, default=None, help="global-norm clip")
-    parser.add_argument("--save", default=None, help="save the optimizer state here")
-    parser.add_argument("--resume", default=None, help="load the optimizer state from here")
-    args = parser.parse_args()
-    # Must happen before JAX initializes its backend.
-    os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={args.devices}")
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    import optax
-    from flax import nnx
-    from jax import lax
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-    from tqdm import tqdm
-
-    from gradsync_core import Topology
-    from gradsync_jax import (
-        clip_by_global_norm,
-        load_optimizer_state,
-        mesh_from_topology,
-        save_optimizer_state,
-        shard_optimizer,
-        value_and_local_grad,
-    )
-
+    add_run_arguments(parser)
+    args = resolve(parser, parser.parse_args())
     jax.config.update("jax_num_cpu_devices", args.devices)
     mesh = mesh_from_topology(Topology.create(jax.device_count()))
-
-    class MLP(nnx.Module):
-        def __init__(self, rngs: nnx.Rngs) -> None:
-            self.layers = nnx.List(
-                [nnx.Linear(16, 128, rngs=rngs), nnx.Linear(128, 128, rngs=rngs),
-                 nnx.Linear(128, 128, rngs=rngs), nnx.Linear(128, 1, rngs=rngs)]
-            )  # fmt: skip
-
-        def __call__(self, x: jax.Array) -> jax.Array:
-            for layer in self.layers[:-1]:
-                x = jax.nn.gelu(layer(x))
-            return self.layers[-1](x)
-
-    def names(tree):  # "layers/0/kernel" for every leaf
-        return jax.tree_util.tree_map_with_path(
-            lambda path, _: "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path),
-            tree,
-        )
-
-    model = MLP(nnx.Rngs(0))
-    inner = optax.adam(optax.cosine_decay_schedule(args.lr, args.steps))
+    schedule = optax.cosine_decay_schedule(args.lr, args.steps)  # over the TOTAL steps
+    inner = optax.adam(schedule)
     if args.clip is not None:  # first in the chain: it clips by the norm across devices
         inner = optax.chain(clip_by_global_norm(args.clip), inner)
     tx = shard_optimizer(inner, mesh, partition=args.partition)
+    print(f"config: {jax.device_count()} devices, partition={args.partition!r}, "
+          f"steps {args.start}..{args.stop} of {args.steps}, batch {args.batch}, "
+          f"cosine lr {args.lr:g}, clip {args.clip}")  # fmt: skip
+
+    model = MLP(nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)  # unchanged Flax API
     params = nnx.as_pure(nnx.state(model, nnx.Param))
+    _print_state_sizes(tx, inner, params)
     if args.resume:
-        # The parameters travel as a plain .npz beside the optimizer checkpoint.
-        with np.load(os.path.join(args.resume, "params.npz")) as saved:
-            params = jax.tree.map(lambda _, k: jnp.asarray(saved[k]), params, names(params))
-        nnx.update(model, params)
+        nnx.update(model, load_params(args.resume, params))
+        params = nnx.as_pure(nnx.state(model, nnx.Param))
         opt_state, manifest = load_optimizer_state(args.resume, tx, params)
         nnx.update(optimizer.opt_state, nnx.state(opt_state))
-        print(f"resumed optimizer state of step {manifest.step} saved on "
-              f"{manifest.world_size} devices")  # fmt: skip
+        optimizer.step.value = jnp.asarray(manifest.step, optimizer.step.value.dtype)
+        print(f"resumed at step {manifest.step} (saved on {manifest.world_size} devices): "
+              f"learning rate {float(schedule(manifest.step)):.3e}")  # fmt: skip
 
-    # Replicate everything on the mesh but the optimizer shards, which init placed already.
+    step, state = _sharded_step(mesh, model, optimizer)
+    state, losses = train(step, state, args, desc=f"nnx {args.partition}")
+    if args.save:
+        _save(args, tx, state, step.graphdef)
+
+    if args.resume:  # the baseline: the same run, never interrupted
+        fresh_model = MLP(nnx.Rngs(0))
+        _, fresh = _sharded_step(mesh, fresh_model, nnx.Optimizer(fresh_model, tx, wrt=nnx.Param))
+        fresh, reference = train(step, fresh, args, start=0, desc="uninterrupted")
+        baseline = "an uninterrupted run of the same settings"
+        ours, theirs = _params(step.graphdef, state), _params(step.graphdef, fresh)
+        reference = reference[args.start :]
+    else:  # the baseline: the unsharded optimizer on one device, the full batch
+        baseline = "the unsharded optimizer (plain Optax, one device)"
+        theirs, reference = _unsharded_run(inner, args)
+        ours = _params(step.graphdef, state)
+    ours, theirs = jax.tree.leaves(ours), jax.tree.leaves(theirs)
+    report("flax_nnx_train", args, losses, reference, ours, theirs, baseline)
+
+
+def _print_state_sizes(tx, inner, params) -> None:
+    unsharded = sum(
+        x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(inner.init, params))
+    )
+    count = sum(p.size for p in jax.tree.leaves(params))
+    per_device = tx.state_nbytes_per_device(params)
+    print(state_sizes(per_device, unsharded, jax.device_count(), count))
+
+
+class _Step:
+    """The jitted shard_map step and the graph definition its state belongs to."""
+
+    def __init__(self, graphdef, fn, mesh) -> None:
+        self.graphdef, self.fn, self.mesh = graphdef, fn, mesh
+
+    def __call__(self, state, x, y):
+        return self.fn(state, x, y)
+
+
+def _sharded_step(mesh, model, optimizer):
+    """Replicate everything on the mesh but the optimizer shards, which init placed already;
+    return the step and the placed state."""
     graphdef, state = nnx.split((model, optimizer))
 
     def sharding(x: jax.Array) -> NamedSharding:
@@ -114,51 +165,59 @@ def main() -> None:
         optimizer.update(model, grads)
         return nnx.state((model, optimizer)), lax.pmean(loss, "dp")
 
-    step = jax.jit(
+    fn = jax.jit(
         jax.shard_map(
             local_step, mesh=mesh, in_specs=(specs, P("dp"), P("dp")), out_specs=(specs, P())
         )
     )
-    unsharded = jax.tree.leaves(jax.eval_shape(inner.init, params))
-    unsharded = sum(x.size * x.dtype.itemsize for x in unsharded)
-    print(
-        f"{sum(p.size for p in jax.tree.leaves(params)):,} parameters on "
-        f"{jax.device_count()} devices; optimizer state per device "
-        f"{tx.state_nbytes_per_device(params):,} bytes "
-        f"(unsharded {unsharded:,})"
-    )
+    return _Step(graphdef, fn, mesh), state
 
-    rng = np.random.default_rng(0)
-    w_true = rng.normal(size=(16, 1)).astype(np.float32) / 4
-    data = NamedSharding(mesh, P("dp"))
+
+def train(step, state, args, *, start: int | None = None, desc: str):
+    """Steps ``start..args.stop`` (default ``args.start``); returns the state and losses."""
+    start = args.start if start is None else start
+    data = NamedSharding(step.mesh, P("dp"))
+    schedule = optax.cosine_decay_schedule(args.lr, args.steps)
     losses = []
-    bar = tqdm(range(args.steps), desc=f"nnx {args.partition}", file=sys.stdout, mininterval=1)
+    bar = tqdm(range(start, args.stop), desc=desc, file=sys.stderr, mininterval=1)
     for i in bar:
-        x = rng.normal(size=(args.batch, 16)).astype(np.float32)
-        y = np.sin(x @ w_true)  # a smooth target the MLP can fit
+        x, y = batch(i, args.batch)
         state, loss = step(state, jax.device_put(x, data), jax.device_put(y, data))
         losses.append(float(loss))
         bar.set_postfix(loss=f"{losses[-1]:.5f}", refresh=False)
-        if i % 50 == 0 or i == args.steps - 1:
-            tqdm.write(f"step {i:4d}  loss {losses[-1]:.5f}")
+        if desc != "uninterrupted" and (i % 50 == 0 or i in (start, args.stop - 1)):
+            tqdm.write(f"step {i:4d}  loss {losses[-1]:.6f}  lr {float(schedule(i)):.3e}",
+                       file=sys.stdout)  # fmt: skip
+    return state, losses
 
-    if args.save:
-        model, optimizer = nnx.merge(graphdef, state)
-        params = nnx.as_pure(nnx.state(model, nnx.Param))
-        save_optimizer_state(
-            args.save, tx, nnx.as_pure(optimizer.opt_state), params, step=args.steps
-        )
-        flat = jax.tree.leaves(jax.tree.map(lambda p, k: (k, np.asarray(p)), params, names(params)))
-        np.savez(
-            os.path.join(args.save, "params.npz"), **dict(zip(flat[::2], flat[1::2], strict=True))
-        )
-        print(f"saved the optimizer state to {args.save}")
-    # A fresh run must learn; a resumed one (already trained) must not get worse.
-    converged = losses[-1] < (2 * losses[0] if args.resume else losses[0] / 4)
-    print(json.dumps({"example": "flax_nnx_train", "partition": args.partition,
-                      "first_loss": losses[0], "last_loss": losses[-1]}))  # fmt: skip
-    if not converged:
-        sys.exit(f"training did not converge (loss {losses[0]:.4f} -> {losses[-1]:.4f})")
+
+def _params(graphdef, state):
+    model, _ = nnx.merge(graphdef, state)
+    return jax.tree.map(np.asarray, nnx.as_pure(nnx.state(model, nnx.Param)))
+
+
+def _unsharded_run(inner, args):
+    """The same model and optimizer without gradsync: plain Optax, one device, full batch."""
+    model = MLP(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, inner, wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, optimizer, x, y):
+        loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+        optimizer.update(model, grads)
+        return loss
+
+    losses = [float(step(model, optimizer, *batch(i, args.batch))) for i in range(args.stop)]
+    return jax.tree.map(np.asarray, nnx.as_pure(nnx.state(model, nnx.Param))), losses
+
+
+def _save(args, tx, state, graphdef) -> None:
+    model, optimizer = nnx.merge(graphdef, state)
+    params = nnx.as_pure(nnx.state(model, nnx.Param))
+    opt_state = nnx.as_pure(optimizer.opt_state)
+    save_optimizer_state(args.save, tx, opt_state, params, step=args.stop, model=params)
+    write_run(args)
+    print(f"saved the weights and optimizer state of step {args.stop} to {args.save}")
 
 
 if __name__ == "__main__":

@@ -131,7 +131,10 @@ def main() -> None:
     par_params = params  # the step shards them as param_specs says
     par_state = opt.init(par_params)
     ser_params, ser_state = params, opt.init(params)
-    print(f"topology {topo.order}: tp={topo.tp} cp={topo.cp} dp={topo.dp}, sp={sp}")
+    print(f"config: {topo.world_size} devices, topology {topo.order}: tp={topo.tp} "
+          f"cp={topo.cp} dp={topo.dp}, sp={sp}; {args.steps} steps, batch {args.batch} x "
+          f"{args.seq} tokens, dim {args.dim} hidden {args.hidden} depth {args.depth}, AdamW "
+          f"lr {args.lr:g}; baseline: the serial model on the full batch")  # fmt: skip
     for r in plan.reductions:
         print(f"  extra sum over {r.group!r}: {len(r.names)} parameters, e.g. {r.names[:3]}")
     print(f"{'step':>4} {'loss':>10} {'serial loss':>12}")

@@ -49,14 +49,36 @@ def parse_generator_name(name: str) -> tuple[str, ...]:
     return axes
 
 
+def complete_order(order: str) -> str:
+    """``order`` with the axes it leaves out added, keeping whether it ends in ``pp``.
+
+    The added axes have size 1, so where they go changes no group; they go before a final
+    ``pp`` because Megatron-core's ``initialize_model_parallel`` applies its pp-last rule to
+    the order string as typed (``order.endswith("pp")``): "tp-cp-dp-pp" must stay pp-last once
+    completed, or a completed order read back from JSON would be refused where the typed one
+    was accepted.
+
+    Example:
+        >>> complete_order("tp-cp-dp-pp"), complete_order("tp-dp")
+        ('tp-cp-dp-ep-pp', 'tp-dp-cp-ep-pp')
+    """
+    tokens = order.split("-")
+    missing = [a for a in GENERATOR_AXES if a not in tokens]
+    if tokens[-1] == "pp":
+        return "-".join(tokens[:-1] + missing + ["pp"])
+    return "-".join(tokens + missing)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RankGenerator:
     """Groups of one Megatron-core rank generator: sizes, an order string and a rank offset.
 
     Megatron-core refuses ``ep > 1`` together with ``cp > 1`` in one generator (context
     parallelism lives in the dense generator, expert parallelism in the expert one), and so does
-    this class. Axes of size 1 may be left out of ``order``; they are appended in
-    ``GENERATOR_AXES`` order.
+    this class. Axes of size 1 may be left out of ``order``; they are added in
+    ``GENERATOR_AXES`` order, before a final ``pp`` when the order ends in one (so the order
+    still ends in ``pp``: Megatron-core's pp-last rule reads the order as the user typed it,
+    see ``complete_order``), else at the end.
 
     Example:
         >>> gen = RankGenerator(tp=2, ep=2, dp=2, order="tp-cp-ep-dp-pp")
@@ -91,11 +113,13 @@ class RankGenerator:
             raise ValueError(
                 f"order {self.order!r} must join distinct axes from {GENERATOR_AXES} with '-'"
             )
-        missing = [a for a in GENERATOR_AXES if a not in tokens]
-        bad = [a for a in missing if getattr(self, a) > 1]
+        bad = [a for a in GENERATOR_AXES if a not in tokens and getattr(self, a) > 1]
         if bad:
-            raise ValueError(f"order {self.order!r} leaves out {bad}, whose size is > 1")
-        object.__setattr__(self, "order", "-".join(tokens + missing))
+            raise ValueError(
+                f"order {self.order!r} leaves out {bad}, whose size is > 1; name every axis "
+                "of size > 1 in the order (Megatron-core refuses it too)"
+            )
+        object.__setattr__(self, "order", complete_order(self.order))
 
     @property
     def tokens(self) -> tuple[str, ...]:

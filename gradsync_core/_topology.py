@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from gradsync_core._canonical import PLAN_VERSION, check_header, fingerprint
@@ -64,11 +64,16 @@ class Topology:
     pp: int = 1
     order: str = DEFAULT_ORDER
     etp: int | None = None  # None: the same as tp, Megatron-core's default
+    # The order as typed, before the size-1 axes were added: Megatron-core's expert generator
+    # refuses an order that leaves out one of its axes of size > 1 (ep, or edp where the dense
+    # dp is 1), and its errors quote what the user typed.
+    _typed_order: str = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.etp is None:
             object.__setattr__(self, "etp", self.tp)
         _positive("etp", self.etp)
+        object.__setattr__(self, "_typed_order", self.order)
         dense = self.dense  # validates sizes and order, as Megatron's RankGenerator
         object.__setattr__(self, "order", dense.order)
         world, expert_model = dense.world_size, self.etp * self.ep * self.pp
@@ -133,14 +138,34 @@ class Topology:
 
     @property
     def expert(self) -> RankGenerator:
-        """The expert generator: ``etp x ep x edp x pp`` with cp = 1, the same order."""
-        return RankGenerator(
-            tp=self.etp,
-            ep=self.ep,
-            dp=self.edp,
-            pp=self.pp,
-            order=self.order,  # type: ignore[arg-type]
-        )
+        """The expert generator: ``etp x ep x edp x pp`` with cp = 1, the same order.
+
+        Raises:
+            ValueError: where Megatron-core's ``initialize_model_parallel`` refuses the
+                expert layout (see ``_check_expert_layout``); checked at construction with
+                experts, here without them.
+        """
+        if not self.has_experts:
+            self._check_expert_layout()
+        return self._expert_generator()
+
+    def _expert_generator(self) -> RankGenerator:
+        """The expert generator built from the order as typed, as Megatron-core builds it,
+        so an axis of size > 1 left out of the order is refused, not silently appended."""
+        try:
+            return RankGenerator(
+                tp=self.etp,  # type: ignore[arg-type]
+                ep=self.ep,
+                dp=self.edp,
+                pp=self.pp,
+                order=self._typed_order,
+            )
+        except ValueError as err:
+            sizes = f"etp={self.etp}, ep={self.ep}, edp={self.edp}, pp={self.pp}"
+            raise ValueError(
+                f"Megatron-core's expert rank generator ({sizes}; its tp is etp, its dp is "
+                f"edp) refuses order {self._typed_order!r}: {err}"
+            ) from None
 
     @property
     def edp(self) -> int:
@@ -153,20 +178,23 @@ class Topology:
         return self.ep > 1 or self.etp != self.tp
 
     def _check_expert_layout(self) -> None:
-        """Megatron-core's rules tying the two generators: with pp not last the data-parallel
-        sizes must agree, and both must give the same pipeline groups. Checked at construction
-        with experts; without them only when an expert group is asked for, so topologies
-        without experts stay valid exactly as before."""
-        pp_last = self.tokens[-1] == "pp" or self.pp == 1
-        if not pp_last and self.edp != self.dp:
+        """Megatron-core's rules for the expert generator, in the order its
+        ``initialize_model_parallel`` applies them: every expert axis of size > 1 is named in
+        the order as typed; with pp > 1 and an order (as typed: ``order.endswith("pp")``)
+        that does not end in pp, the data-parallel sizes must agree; both generators give
+        the same pipeline groups. Checked at construction with experts; without them only
+        when an expert group is asked for, so topologies without experts stay valid exactly
+        as before."""
+        expert, typed = self._expert_generator(), self._typed_order
+        if not typed.endswith("pp") and self.pp > 1 and self.edp != self.dp:
             raise ValueError(
-                f"order {self.order!r} does not end in 'pp', so Megatron-core needs the "
+                f"order {typed!r} does not end in 'pp', so Megatron-core needs the "
                 f"expert data-parallel size ({self.edp}) to equal dp ({self.dp}); put pp last"
             )
-        if self.pp > 1 and self.expert.groups("pp") != self.dense.groups("pp"):
+        if self.pp > 1 and expert.groups("pp") != self.dense.groups("pp"):
             raise ValueError(
                 f"pipeline groups of the dense and expert layouts differ under order "
-                f"{self.order!r}; put pp last in the order, as Megatron-core requires"
+                f"{typed!r}; put pp last in the order, as Megatron-core requires"
             )
 
     @property
@@ -203,8 +231,6 @@ class Topology:
                 f"('tp', 'cp', 'dp', 'pp') or expert axes {EXPERT_AXES}, not both"
             )
         if expert_only:
-            if not self.has_experts:
-                self._check_expert_layout()
             return self.expert, "-".join(_TO_GENERATOR[a] for a in axes), True
         return self.dense, name, False
 
