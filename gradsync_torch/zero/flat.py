@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from gradsync_core import Bucket, ShardPlan
 from gradsync_torch._collectives import finish_reduce_scatter, reduce_scatter
-from gradsync_torch.data_parallel import GradientSharder
+from gradsync_torch.data_parallel import ReduceScatter
 from gradsync_torch.zero.broadcast import ALONE_BYTES, Broadcaster, Job, Piece, Transfer
 
 
@@ -27,7 +27,7 @@ class FlatLayout:
     On its own, ``reduce_scatter_gradients()`` packs the local gradients of a bucket (times
     ``1/world_size``, as DDP, docs/design.md §7) into a staging buffer, reduce-scatters it into this
     rank's persistent shard and drops ``param.grad``. Under ``DataParallel(shard_gradients=
-    True)`` its ``GradientSharder`` did that during backward and the pieces read its shards.
+    True)`` its ``ReduceScatter`` did that during backward and the pieces read its shards.
     ``sync_params()`` broadcasts every rank's updated range. With ``bucket_view`` the
     parameters are views of persistent flat buckets and the pieces views of this rank's range.
 
@@ -46,7 +46,7 @@ class FlatLayout:
         broadcaster: Broadcaster,
         *,
         bucket_view: bool,
-        sharder: GradientSharder | None = None,
+        sharder: ReduceScatter | None = None,
     ) -> None:
         self.plan = plan
         self.broadcaster = broadcaster
@@ -103,7 +103,7 @@ class FlatLayout:
             jobs[0].owned = [piece.tensor for piece in self.pieces[first_piece:]]
             self.jobs += jobs
         self.reduced = False
-        self.consumed = sharder.syncs if sharder is not None else 0
+        self.consumed = sharder.sync_count if sharder is not None else 0
 
     def _sync_jobs(
         self,
@@ -211,10 +211,10 @@ class FlatLayout:
         optimizer runs on its own)."""
         sharder = self.sharder
         if sharder is not None:
-            if sharder.syncs == self.consumed:  # no synced backward since the last step
+            if sharder.sync_count == self.consumed:  # no synced backward since the last step
                 self._attach_grads(lambda index: False, None)
             else:
-                if sharder.synced != tuple(self.buckets):
+                if sharder.last_sync_buckets != tuple(self.buckets):
                     raise RuntimeError(
                         "DataParallel reduced gradients with another bucket layout than the "
                         "optimizer was built for; build the optimizer after wrapping the model"
@@ -223,7 +223,7 @@ class FlatLayout:
                 self._attach_grads(
                     lambda index: used.get(id(self.params[index]), False), sharder.shards
                 )
-                self.consumed = sharder.syncs
+                self.consumed = sharder.sync_count
         elif not self.reduced:
             self.reduce_scatter_gradients()
 

@@ -17,7 +17,7 @@ from typing import Protocol
 import torch
 
 from gradsync_core import ParamSpec, ShardPlan
-from gradsync_torch.data_parallel import GradientSharder
+from gradsync_torch.data_parallel import ReduceScatter
 from gradsync_torch.zero.broadcast import Broadcaster, Job, Piece
 from gradsync_torch.zero.flat import FlatLayout
 from gradsync_torch.zero.greedy import GreedyLayout
@@ -52,7 +52,7 @@ def make_layout(
     broadcaster: Broadcaster,
     *,
     flat: bool,
-    sharder: GradientSharder | None,
+    sharder: ReduceScatter | None,
     cap_bytes: int,
     bucket_view: bool,
 ) -> Layout:

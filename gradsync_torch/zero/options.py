@@ -12,7 +12,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from gradsync_torch.data_parallel import DataParallel, GradientSharder
+from gradsync_torch.data_parallel import DataParallel, ReduceScatter
 
 # Optimizers whose update of one element reads only that element's gradient and state
 # (plus per-tensor scalars such as the step count), so stepping a slice equals stepping the
@@ -91,7 +91,7 @@ def check_options(
 
 def claim_sharder(
     data_parallel: DataParallel | None, consumer: object, world_size: int
-) -> GradientSharder | None:
+) -> ReduceScatter | None:
     """The gradient sharder of ``data_parallel``, checked and claimed by ``consumer`` (the
     optimizer that steps its shards), if ``data_parallel`` is given."""
     if data_parallel is None:
