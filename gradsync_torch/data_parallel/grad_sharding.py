@@ -265,8 +265,9 @@ class ReduceScatter:
     ) -> None:
         # The bucket holds a fired gradient until the reduce-scatter; one accumulated under
         # no_sync stays until the write-back reads it.
+        fired = self.slots.fired
         for param, slot in zip(bucket.params, bucket.slot_ids, strict=True):
-            if self.slots.fired[slot]:
+            if fired[slot]:
                 param.grad = None
 
     def launch(self, bucket: BucketBuffers, *, is_last: bool) -> None:

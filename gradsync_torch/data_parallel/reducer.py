@@ -242,13 +242,14 @@ class Reducer:
         Raises:
             RuntimeError: if the same parameter reports twice in one backward.
         """
-        if self.slots.fired[slot]:
+        fired = self.slots.fired
+        if fired[slot]:
             raise RuntimeError(
                 f"parameter {self._names[slot]!r} received its gradient twice in one "
                 "backward (reentrant checkpointing?); use "
                 "torch.utils.checkpoint(..., use_reentrant=False)"
             )
-        self.slots.fired[slot] = True
+        fired[slot] = True
         if self._ready_order is not None:
             self._ready_order.append(slot)
         bucket = self._bucket_of[slot]
