@@ -17,24 +17,15 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
+from gradsync_torch import DataParallel
+
 
 def _buffers_of(model: nn.Module) -> Callable[[], Iterable[torch.Tensor]]:
     """The gradient buffers gradsync's ``DataParallel`` holds now (none for DDP)."""
-    reducer = getattr(model, "_reducer", None)
-    if reducer is None:
+    if not isinstance(model, DataParallel):
         return lambda: ()
-
-    if hasattr(reducer, "buffer_tensors"):  # ZeRO-2's sharder: its pool and shards
-        return reducer.buffer_tensors
-
-    def tensors() -> Iterable[torch.Tensor]:
-        for bucket in reducer.buckets:
-            yield bucket.buffer
-            if bucket.wire is not None:
-                yield bucket.wire
-        yield from getattr(reducer, "shards", {}).values()
-
-    return tensors
+    # Bucket and wire buffers, or ZeRO-2's pool and shards.
+    return model.reducer.buffer_tensors
 
 
 class GradMemory:

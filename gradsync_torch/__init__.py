@@ -1,6 +1,6 @@
 """gradsync_torch: executes gradsync_core plans with torch."""
 
-from gradsync_torch._specs import dtype_name, param_specs
+from gradsync_torch._specs import dtype_name, param_specs, replicated_over, shared_param_specs
 from gradsync_torch.data_parallel import DataParallel
 from gradsync_torch.data_parallel.comm_hooks import (
     GradBucket,
@@ -8,19 +8,12 @@ from gradsync_torch.data_parallel.comm_hooks import (
     bf16_compress_hook,
     fp16_compress_hook,
 )
+from gradsync_torch.groups import Group, ProcessGroups
 from gradsync_torch.model_parallel.experts import ExpertMLPs, MoE
-from gradsync_torch.model_parallel.groups import (
-    Group,
-    ProcessGroups,
-    check_reduction_plan,
-    reduce_shared_gradients,
-)
 from gradsync_torch.model_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     local_state,
-    replicated_over,
-    shared_param_specs,
 )
 from gradsync_torch.model_parallel.mappings import (
     all_gather_from,
@@ -32,6 +25,11 @@ from gradsync_torch.model_parallel.mappings import (
 )
 from gradsync_torch.model_state import load_model_weights
 from gradsync_torch.sampler import ResumableSampler
+from gradsync_torch.shared_reductions import (
+    SharedReducer,
+    check_reduction_plan,
+    reduce_shared_gradients,
+)
 from gradsync_torch.zero import ZeroRedundancyOptimizer
 from gradsync_torch.zero.plain import load_optimizer_state_dict
 
@@ -45,6 +43,7 @@ __all__: list[str] = [
     "ProcessGroups",
     "ResumableSampler",
     "RowParallelLinear",
+    "SharedReducer",
     "ZeroRedundancyOptimizer",
     "all_gather_from",
     "allreduce_hook",

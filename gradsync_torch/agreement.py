@@ -27,7 +27,7 @@ from gradsync_torch._collectives import all_gather_single, global_rank
 
 class Disagreement(NamedTuple):
     """What ``describe`` gets when the payloads differ: group rank 0's payload, the first
-    differing rank's payload, and the global ranks on each side."""
+    differing rank's payload (or their ``detail``), and the global ranks on each side."""
 
     base: Any
     other: Any
@@ -54,6 +54,7 @@ def agree_on(
     *,
     describe: Callable[[Disagreement], str],
     device: torch.device | None = None,
+    detail: Any = None,
 ) -> None:
     """Raise the same ``ValueError`` on every rank of ``group`` unless all payloads are equal.
 
@@ -62,6 +63,8 @@ def agree_on(
         group: the process group (``None``: the world).
         describe: builds the error sentence from the first disagreement.
         device: where the digest travels (default: CUDA for NCCL, else CPU).
+        detail: what is gathered for ``describe`` on a mismatch instead of the payload (say,
+            the parameter table behind a plan's fingerprint); ``None``: the payload.
 
     Raises:
         ValueError: ``describe``'s sentence, on every rank, when any payload differs.
@@ -79,7 +82,7 @@ def agree_on(
     if all(row == rows[0] for row in rows):
         return
     payloads: list[Any] = [None] * world_size
-    dist.all_gather_object(payloads, payload, group=group)
+    dist.all_gather_object(payloads, payload if detail is None else detail, group=group)
     ranks = [global_rank(group, r) for r in range(world_size)]
     first = next(r for r in range(world_size) if rows[r] != rows[0])
     raise ValueError(

@@ -1,8 +1,10 @@
 """The runtime of a bucket plan: one flat buffer per bucket, reused every step.
 
 ``make_plan`` picks the initial layout (DDP's capped assignment, or fairseq's legacy one);
-``build_buckets`` allocates it. The ``Reducer`` (``reducer.py``) owns the resulting
-``BucketBuffers`` and everything that changes in them during a step.
+``build_buckets`` allocates it; ``GradSlots`` holds the per-parameter flags of a backward.
+The ``Reducer`` (``reducer.py``) owns the resulting ``BucketBuffers`` and ``GradSlots`` and
+everything that changes in them during a step; its ``BucketCollective``
+(``bucket_collectives.py``) reads and writes them through the verbs it is given.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ import torch
 from torch import nn
 
 import gradsync_core
-from gradsync_torch._agreement import check_grad
 
 # On the CPU, a bucket whose tensors average at least this many elements is divided tensor by
 # tensor while copying (one pass over memory, as DDP does); smaller tensors are copied in one
@@ -60,6 +61,20 @@ class BucketBuffers:
     def reset(self) -> None:
         self.pending = len(self.params)
         self.handle = None
+
+
+class GradSlots:
+    """Per trainable parameter (by slot): ``fired``, its gradient arrived in this synced
+    backward; ``preset``, its ``.grad`` is a zeroed bucket view the Reducer bound, not a
+    gradient yet (``gradient_as_bucket_view``)."""
+
+    def __init__(self, n: int) -> None:
+        self.fired = [False] * n
+        self.preset = [False] * n
+
+    def has_grad(self, slot: int, param: torch.Tensor) -> bool:
+        """Whether this rank holds a gradient of ``param`` to contribute."""
+        return self.fired[slot] or (param.grad is not None and not self.preset[slot])
 
 
 def build_buckets(
@@ -119,60 +134,3 @@ def build_buckets(
         state.reset()
         out.append(state)
     return out
-
-
-def gather_gradients(
-    bucket: BucketBuffers, names: list[str], *, divisor: int | None, per_tensor: bool
-) -> list[tuple[nn.Parameter, torch.Tensor]]:
-    """Put every ``param.grad`` of ``bucket`` into its view, divided by ``divisor`` if given.
-
-    A parameter without a gradient contributes zeros; a gradient that is its bucket view
-    already is only divided. ``per_tensor``: divide each gradient while copying it (one pass
-    over memory); otherwise one ``torch._foreach_copy_`` and one division of the flat buffer,
-    the same bits (an elementwise, correctly rounded division; zeros and padding stay zero).
-
-    Args:
-        bucket: the bucket to fill.
-        names: parameter names by slot, for the error messages.
-        divisor: the group size for a mean fused into the copy, else ``None``.
-        per_tensor: see above (``PER_TENSOR_DIVISION_MIN_NUMEL``).
-
-    Returns:
-        ``(param, view)`` of every gradient that was copied (not already a view).
-
-    Raises:
-        RuntimeError: for a sparse gradient or one that requires grad (``check_grad``).
-    """
-    zeros: list[torch.Tensor] = []
-    targets: list[torch.Tensor] = []
-    sources: list[torch.Tensor] = []
-    copied: list[tuple[nn.Parameter, torch.Tensor]] = []
-    in_place: list[torch.Tensor] = []
-    for param, view, slot in zip(bucket.params, bucket.views, bucket.slot_ids, strict=True):
-        grad = param.grad
-        if grad is None:
-            zeros.append(view)
-            continue
-        if grad.layout != torch.strided or grad.requires_grad:
-            check_grad(names[slot], grad)
-        if grad.data_ptr() == view.data_ptr():
-            in_place.append(view)
-        else:
-            targets.append(view)
-            sources.append(grad)
-            copied.append((param, view))
-    if zeros:
-        torch._foreach_zero_(zeros)
-    if divisor is None:
-        if targets:
-            torch._foreach_copy_(targets, sources)
-    elif per_tensor:
-        for view, grad in zip(targets, sources, strict=True):
-            torch.div(grad, divisor, out=view)  # DDP's fused copy: one pass
-        if in_place:
-            torch._foreach_div_(in_place, divisor)
-    else:
-        if targets:
-            torch._foreach_copy_(targets, sources)
-        bucket.buffer.div_(divisor)
-    return copied

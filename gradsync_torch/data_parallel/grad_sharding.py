@@ -1,8 +1,9 @@
 """Gradient sharding (ZeRO-2, arXiv:1910.02054 §5.2): reduce-scatter a padded bucket.
 
 One collective pattern, two callers: ``FlatLayout.reduce_scatter_gradients`` (the optimizer
-on its own, after backward) and ``GradientSharder``, the reducer ``DataParallel`` uses with
-``shard_gradients=True`` (during backward, overlapped, through the same per-bucket verbs).
+on its own, after backward) and ``ReduceScatter``, the bucket collective ``DataParallel``'s
+``Reducer`` is given with ``shard_gradients=True`` (during backward, overlapped, through the
+same per-bucket verbs as the all-reduce: ``bucket_collectives.BucketCollective``).
 
 Rank ``r`` receives elements ``[r * chunk, (r + 1) * chunk)`` of every bucket, exactly
 ``gradsync_core.plan_flat_shards``'s ownership, so the optimizer's pieces of that range find
@@ -23,11 +24,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import gradsync_core
 from gradsync_core import Bucket, BucketPlan
 from gradsync_torch._collectives import finish_reduce_scatter, reduce_scatter
-from gradsync_torch.data_parallel.buckets import BucketBuffers
-from gradsync_torch.data_parallel.reducer import Reducer
+from gradsync_torch.data_parallel.buckets import BucketBuffers, GradSlots
 
 UNCLAIMED_MESSAGE = (
     "DataParallel(shard_gradients=True) keeps only each rank's gradient shard, and no "
@@ -158,56 +157,53 @@ def _zero_gaps(bucket: BucketBuffers) -> None:
         bucket.buffer[end:].zero_()
 
 
-class GradientSharder(Reducer):
-    """``DataParallel``'s reducer under ``shard_gradients=True``: each bucket is
-    reduce-scattered into a persistent shard on this rank instead of all-reduced, and
-    ``param.grad`` is dropped; the ``ZeroRedundancyOptimizer`` that ``claim``ed it steps the
-    shards. The layout stays fixed (no rebuild): it is the optimizer's ownership.
+class ReduceScatter:
+    """``DataParallel``'s bucket collective under ``shard_gradients=True`` (a
+    ``BucketCollective``): each bucket is reduce-scattered into a persistent shard on this
+    rank instead of all-reduced, and ``param.grad`` is dropped; the
+    ``ZeroRedundancyOptimizer`` that ``claim``ed it steps the shards. The layout stays fixed
+    (no rebuild): it is the optimizer's ownership.
 
     What the optimizer reads: ``world_size``, ``shards`` (bucket index -> this rank's summed
-    chunk), ``synced`` (the buckets of the last completed sync), ``used`` (``id(param)`` ->
-    some rank had a gradient for it), ``syncs`` (completed syncs) and ``params_by_name()``.
+    chunk), ``last_sync_buckets`` (the buckets of the last completed sync), ``used``
+    (``id(param)`` -> some rank had a gradient for it), ``sync_count`` (completed syncs) and
+    ``params_by_name()``.
 
     Args:
-        group, trainable, specs, plan, bookkeeping_group, reduce, overlap: as for ``Reducer``;
-            ``plan`` is padded already (``pad_for_sharding``).
+        group: the data-parallel process group.
+        slots: the Reducer's per-parameter flags.
+        mean: divide by the group size (while gathering the gradients into the bucket).
+        overlap: overlap mode: bucket buffers come from a small pool (``BucketPool``), so
+            the rank keeps 1/N of the gradients plus ``POOL_BUFFERS`` buckets; legacy mode
+            shares one buffer already.
         module_params: every parameter of the wrapped module by name (frozen ones too),
             which the optimizer maps to its own names.
     """
 
-    keeps_param_grads = False
+    chains_collectives = False
 
     def __init__(
         self,
         group: dist.ProcessGroup,
-        trainable: Sequence[tuple[str, nn.Parameter]],
-        specs: Sequence[gradsync_core.ParamSpec],
-        plan: BucketPlan,
+        slots: GradSlots,
         *,
-        bookkeeping_group: dist.ProcessGroup | None = None,
-        reduce: str,
+        mean: bool,
         overlap: bool,
         module_params: dict[str, nn.Parameter],
     ) -> None:
-        super().__init__(
-            group,
-            trainable,
-            specs,
-            plan,
-            bookkeeping_group=bookkeeping_group,
-            reduce=reduce,
-            reduce_dtype=None,
-            overlap=overlap,
-            gradient_as_bucket_view=False,
-            record_ready_order=False,
-        )
+        self.group = group
+        self.world_size = group.size()
         self.rank = dist.get_rank(group)
+        self.slots = slots
+        self.mean = mean
+        self.pool = BucketPool() if overlap else None
         self._module_params = dict(module_params)
         self.shards: dict[int, torch.Tensor] = {}
-        self.synced: tuple[Bucket, ...] = ()
+        self.last_sync_buckets: tuple[Bucket, ...] = ()
         self._launched: list[Bucket] = []
+        self._buckets: Sequence[BucketBuffers] = ()
         self.used: dict[int, bool] = {}
-        self.syncs = 0
+        self.sync_count = 0
         self._consumer: Callable[[], object | None] | None = None
 
     def claim(self, consumer: object) -> None:
@@ -240,37 +236,41 @@ class GradientSharder(Reducer):
         """Every parameter of the wrapped module by name (the names in the bucket plan)."""
         return dict(self._module_params)
 
-    def _install(self, plan: BucketPlan) -> None:
-        super()._install(plan)
-        # Overlap mode: buffers come from a small pool when a bucket is staged (ZeRO-2 keeps
-        # 1/N of the gradients plus POOL_BUFFERS buckets); legacy mode shares one already.
-        self.pool = BucketPool() if self.overlap else None
-        if self.pool is not None:
-            for bucket in self.buckets:
-                bucket.buffer, bucket.views = _NO_BUFFER, ()
-
     def buffer_tensors(self) -> list[torch.Tensor]:
         """Every gradient buffer this sharder holds now: the pool (or the buckets' shared
         buffer) and the shards."""
-        held = self.pool.tensors() if self.pool is not None else [b.buffer for b in self.buckets]
+        if self.pool is not None:
+            held = self.pool.tensors()
+        else:
+            held = [b.buffer for b in self._buckets]
         return [*held, *self.shards.values()]
 
-    def stage(self, bucket: BucketBuffers) -> None:
+    # ---- the BucketCollective verbs -----------------------------------------------------
+
+    def install(self, buckets: Sequence[BucketBuffers]) -> None:
+        self._buckets = buckets
+        if self.pool is not None:
+            for bucket in buckets:  # a buffer is lent when the bucket is staged
+                bucket.buffer, bucket.views = _NO_BUFFER, ()
+
+    def divisor(self, bucket: BucketBuffers) -> int | None:
+        return self.world_size if self.mean else None
+
+    def prepare(self, bucket: BucketBuffers) -> None:
         if self.pool is not None:
             self.pool.lend(bucket, bucket.spec.numel, self.finish)
-        super().stage(bucket)
 
-    def _reset_backward(self) -> None:
-        super()._reset_backward()
-        if getattr(self, "pool", None) is not None:
-            self.pool.forget()
+    def staged(
+        self, bucket: BucketBuffers, copied: list[tuple[nn.Parameter, torch.Tensor]]
+    ) -> None:
+        # The bucket holds a fired gradient until the reduce-scatter; one accumulated under
+        # no_sync stays until the write-back reads it.
+        fired = self.slots.fired
+        for param, slot in zip(bucket.params, bucket.slot_ids, strict=True):
+            if fired[slot]:
+                param.grad = None
 
     def launch(self, bucket: BucketBuffers, *, is_last: bool) -> None:
-        if self.hook is not None:
-            raise RuntimeError(
-                "a comm hook owns the whole reduction, which shard_gradients=True replaces "
-                "by a reduce-scatter; use one or the other"
-            )
         spec = bucket.spec
         chunk = spec.numel // self.world_size
         shard = self.shards.get(spec.index)
@@ -291,18 +291,35 @@ class GradientSharder(Reducer):
         if self.pool is not None:
             self.pool.give_back(bucket)
 
-    def _write_back(self, bucket: BucketBuffers, i: int, global_used: torch.Tensor | None) -> None:
+    def write_back(self, bucket: BucketBuffers, present: Sequence[bool]) -> list[int]:
+        absent = []
+        for i, slot in enumerate(bucket.slot_ids):
+            if present[slot]:
+                self._keep_used(bucket, i, None)
+            else:
+                absent.append(i)
+        return absent
+
+    def write_back_absent(
+        self, bucket: BucketBuffers, i: int, global_used: Sequence[int] | None
+    ) -> None:
+        self._keep_used(bucket, i, global_used)
+
+    def _keep_used(self, bucket: BucketBuffers, i: int, global_used: Sequence[int] | None) -> None:
         # ZeRO-2: this rank's shard of the sum is in ``shards``; only the used-map is kept.
         slot, param = bucket.slot_ids[i], bucket.params[i]
-        used = self._has_grad(slot, param)
-        self.used[id(param)] = used or (global_used is not None and bool(global_used[slot] > 0))
+        used = self.slots.has_grad(slot, param)
+        self.used[id(param)] = used or (global_used is not None and global_used[slot] > 0)
         param.grad = None
-        self._preset[slot] = False
+        self.slots.preset[slot] = False
 
-    def _end_sync(self, unwaited_used_work: object) -> None:
-        super()._end_sync(unwaited_used_work)
-        self.synced = tuple(self._launched)
-        self.syncs += 1
+    def reset(self) -> None:
+        if self.pool is not None:
+            self.pool.forget()
+
+    def end_sync(self) -> None:
+        self.last_sync_buckets = tuple(self._launched)
+        self.sync_count += 1
         # Every rank reaches this point after the same collectives, so each raises here
         # without leaving another rank waiting in one.
         if not self.claimed:

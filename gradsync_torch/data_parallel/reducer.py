@@ -1,24 +1,28 @@
-"""The ``Reducer``: owns every piece of bucket state and every gradient collective of a step.
+"""The ``Reducer``: owns the buckets and the backward of every synced step (DDP's ``Reducer``).
 
-``DataParallel`` decides *when* (a gradient became ready, the backward finished, the user
-called ``sync_gradients()``); the Reducer decides *what* and *how*, the way DDP's Python wrapper
-drives its C++ ``Reducer``. The wrapper talks to it through a few verbs:
+As in DDP, the wrapper calls a few verbs and never sees a gradient: ``prepare_for_forward``
+(is the coming backward a synced one), ``sync_gradients`` (legacy mode, or what ``no_sync``
+left) and ``backward_reached`` (a backward with no trainable parameter in it). The Reducer
+registers one hook per trainable parameter itself, queues its own end-of-backward callback
+(``finalize``) and there, after the last bucket, runs the runtime agreement check, writes the
+results back and runs the shared-parameter sums (``SharedReducer``, docs/design.md §6).
 
-- ``mark_ready(slot)``: a gradient arrived in a synced backward. It only counts (on a GPU
-  the hook thread also launches the backward kernels); a complete bucket is staged in one
-  batch and launched in plan order (arXiv:2006.15704: the same order on every rank).
-- ``mark_accumulated(slot)``: a gradient arrived under ``no_sync()``; nothing to reduce yet.
-- ``sync_overlap()`` / ``sync_legacy()``: after backward, reduce what is left, write the
-  averages back into ``param.grad`` and reset for the next step (docs/design.md §7).
-- ``rebuild()`` (once: rank 0's gradient-ready order), ``bind_views()``, ``abandon()``.
+Per gradient the hook only counts (on a GPU the hook thread also launches the backward
+kernels); a complete bucket is gathered in one batch (``gather_gradients``) and launched in
+plan order (arXiv:2006.15704: the same order on every rank). How a bucket is reduced is the
+``BucketCollective`` the Reducer is given (``bucket_collectives.py``: all-reduce, a comm hook,
+or ZeRO-2's reduce-scatter). Besides the buckets it issues the used-map all-reduce (carrying
+the runtime agreement check) and the rebuild broadcast, on CPU tensors over gloo
+(``used_map.py``).
 
-Besides the buckets it issues the used-map all-reduce (carrying the runtime agreement check)
-and the rebuild broadcast, on CPU tensors over gloo (``used_map.py``). ``GradientSharder``
-(``grad_sharding.py``) swaps the collective (``launch`` / ``finish``) and the write-back.
+The per-parameter hook is the one place that knows gradients arrive one by one; replacing it
+by per-bucket readiness changes ``_register_hooks`` and ``_grad_ready`` only.
 """
 
 from __future__ import annotations
 
+import functools
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,27 +32,49 @@ from torch import nn
 
 import gradsync_core
 from gradsync_torch._collectives import global_rank
+from gradsync_torch._grads import check_grad
+from gradsync_torch.data_parallel.bucket_collectives import BucketCollective
 from gradsync_torch.data_parallel.buckets import (
     PER_TENSOR_DIVISION_MIN_NUMEL,
     BucketBuffers,
+    GradSlots,
     build_buckets,
-    gather_gradients,
 )
-from gradsync_torch.data_parallel.comm_hooks import CommHook, GradBucket
-from gradsync_torch.data_parallel.sync_agreement import SyncRecord, layout_fingerprint
+from gradsync_torch.data_parallel.sync_agreement import SyncHistory, layout_fingerprint
 from gradsync_torch.data_parallel.used_map import UsedMap
 from gradsync_torch.data_parallel.used_map import bookkeeping_group as make_bookkeeping_group
 
 
-class Reducer:
-    """Bucket state and the per-bucket collective over the data-parallel group.
+def _grad_ready(owner: weakref.ref, slot: int, param: torch.Tensor) -> None:
+    """A parameter's gradient is accumulated (``register_post_accumulate_grad_hook``).
 
-    Without a comm hook: divide by the group size first (``reduce="mean"``, in the reduce
-    dtype, as DDP and fairseq do, so low-precision sums do not overflow; fused into the copy
-    into the bucket when the wire dtype is the gradients'), then an asynchronous
-    ``all_reduce``; with ``reduce_dtype`` the bucket travels in a persistent wire buffer of
-    that dtype and is cast back. With a comm hook, the hook owns the reduction (DDP's
-    contract) and its future's value is copied back into the bucket.
+    The one Python frame per gradient: whether this backward syncs, then a counter; all real
+    work (checks, copies, divisions, collectives) happens per bucket
+    (docs/torch-data-parallel.md, "The hot path").
+    """
+    reducer = owner()
+    if reducer is None or param.grad is None:
+        return
+    if not reducer._sync_backward:
+        reducer.slots.preset[slot] = False  # a real gradient from now on
+        reducer._dirty = True
+        if not reducer._local_callback_queued:
+            reducer.backward_reached()
+        return
+    if not reducer._callback_queued:
+        reducer.backward_reached()
+    reducer.mark_ready(slot)
+
+
+def _reached(owner: weakref.ref) -> None:
+    reducer = owner()
+    if reducer is not None:
+        reducer.backward_reached()
+
+
+class Reducer:
+    """Bucket state, the backward of every step, and the collectives over the data-parallel
+    group (all of them but the forward's broadcasts, which the wrapper issues).
 
     Args:
         group: the data-parallel process group.
@@ -56,16 +82,18 @@ class Reducer:
             position is its *slot*.
         specs: the specs of every parameter (frozen ones too), for rebuilding the plan.
         plan: the initial bucket layout.
+        slots: the per-parameter flags, shared with ``collective``.
+        collective: how a bucket is reduced (``AllReduce``, ``CommHook``, ``ReduceScatter``).
         bookkeeping_group: a gloo group over the same ranks, for the used-map and the
             rebuild broadcast on CPU tensors; ``None``: ``used_map.bookkeeping_group(group)``.
-        reduce: ``"mean"`` or ``"sum"``.
-        reduce_dtype: the dtype on the wire, ``None`` for the gradients' own.
-        overlap: one buffer per bucket (``True``) or fairseq's one reused buffer.
+        reduce_dtype: the dtype on the wire (wire buffers are allocated for the buckets of
+            another dtype), ``None`` for the gradients' own.
+        overlap: reduce during backward, one buffer per bucket (``True``); or fairseq's
+            legacy mode: one reused buffer, reduced by ``sync_gradients()`` after backward.
         gradient_as_bucket_view: leave ``param.grad`` as a view into its bucket.
         record_ready_order: observe the first synced backward's ready order for ``rebuild``.
+        shared: the model-parallel sums to run after every sync, if any.
     """
-
-    keeps_param_grads = True  # ZeRO-2's sharder keeps only its shard instead
 
     def __init__(
         self,
@@ -74,21 +102,22 @@ class Reducer:
         specs: Sequence[gradsync_core.ParamSpec],
         plan: gradsync_core.BucketPlan,
         *,
+        slots: GradSlots,
+        collective: BucketCollective,
         bookkeeping_group: dist.ProcessGroup | None = None,
-        reduce: str,
-        reduce_dtype: torch.dtype | None,
+        reduce_dtype: torch.dtype | None = None,
         overlap: bool,
-        gradient_as_bucket_view: bool,
+        gradient_as_bucket_view: bool = False,
         record_ready_order: bool,
+        shared: Any = None,
     ) -> None:
         self.group = group
-        self.world_size = group.size()
-        self.mean = reduce == "mean"
         self.reduce_dtype = reduce_dtype
         self.overlap = overlap
         self.gradient_as_bucket_view = gradient_as_bucket_view
-        self.hook: CommHook | None = None
-        self.hook_state: Any = None
+        self.collective = collective
+        self.shared = shared
+        self.slots = slots
         self._names = [name for name, _ in trainable]
         self._params = [p for _, p in trainable]
         self._specs = list(specs)
@@ -96,12 +125,26 @@ class Reducer:
             bookkeeping_group = make_bookkeeping_group(group)
         self._used_map = UsedMap(bookkeeping_group)
         self._group_src = global_rank(bookkeeping_group, 0)
-        n = len(self._params)
-        self._fired = [False] * n  # gradient arrived in this synced backward
-        self._preset = [False] * n  # grad is a zeroed bucket view we bound, not a gradient
         self._next_launch = 0  # the first bucket not launched yet in this backward
         self._ready_order: list[int] | None = [] if record_ready_order else None
         self._install(plan)
+        # The backward's state machine (DDP's Reducer keeps the same flags).
+        self._history = SyncHistory(self._params[0] if self._params else None)
+        self.sync_count = 0  # completed syncs
+        self._sync_backward = True  # decided by the latest grad-enabled forward (as DDP)
+        self._callback_queued = False  # a synced backward's finalize is queued
+        self._local_callback_queued = False  # a no_sync backward's end callback is queued
+        self._dirty = False  # gradients accumulated under no_sync and not reduced yet
+        if overlap:
+            self._register_hooks()
+
+    def _register_hooks(self) -> None:
+        # The hooks hold the Reducer weakly: once a user drops the wrapper (say, to wrap the
+        # module again after unfreezing a layer), its hooks go quiet instead of syncing twice.
+        me = weakref.ref(self)
+        self._reached = functools.partial(_reached, me)
+        for slot, p in enumerate(self._params):
+            p.register_post_accumulate_grad_hook(functools.partial(_grad_ready, me, slot))
 
     def _install(self, plan: gradsync_core.BucketPlan) -> None:
         self.plan = plan
@@ -123,83 +166,75 @@ class Reducer:
             and b.spec.numel >= PER_TENSOR_DIVISION_MIN_NUMEL * len(b.params)
             for b in self.buckets
         ]
+        self.collective.install(self.buckets)
 
-    # ---- how one bucket is reduced ----------------------------------------------------
-
-    def set_comm_hook(self, hook: CommHook, state: Any) -> None:
-        """Reduce each bucket with ``hook(state, bucket)`` from now on (DDP's contract)."""
-        self.hook, self.hook_state = hook, state
+    # ---- the wrapper's verbs ----------------------------------------------------------
 
     @property
-    def divides_on_copy(self) -> bool:
-        # Without a hook or a wire dtype the mean's division rides on the copy into the
-        # bucket (DDP does the same), saving one pass over every gradient.
-        return self.mean and self.hook is None and self.reduce_dtype is None
+    def has_params(self) -> bool:
+        return bool(self._params)
 
-    def stage(self, bucket: BucketBuffers) -> None:
-        """Put every gradient of ``bucket`` into its slot, divided where that is due.
+    @property
+    def in_backward(self) -> bool:
+        """A synced backward reached the model and has not finished."""
+        return self._callback_queued
 
-        A parameter without a gradient contributes zeros; one whose gradient is its bucket
-        view already is only divided. The gradients are checked here, once per bucket, so
-        the per-gradient hook stays a counter.
+    def set_collective(self, collective: BucketCollective) -> None:
+        """Reduce each bucket with ``collective`` from now on (a comm hook)."""
+        self.collective = collective
+        collective.install(self.buckets)
+
+    def prepare_for_forward(self, *, training: bool, sync: bool) -> None:
+        """A forward starts; ``sync``: its backward syncs (``require_backward_grad_sync``)."""
+        if self._callback_queued:
+            self.abandon()  # the last backward raised before it finished
+        self._local_callback_queued = False  # set here only if a no_sync backward raised
+        if training:
+            self._history.note_forward()
+            self._sync_backward = sync
+            if self.gradient_as_bucket_view:
+                self.bind_views()
+
+    def backward_reached(self) -> None:
+        """A backward reached the model: queue its end (runs before ``backward()`` returns)."""
+        if not self.overlap:
+            return  # legacy mode syncs in sync_gradients(); its backwards are not counted
+        engine = torch.autograd.Variable._execution_engine
+        if self._sync_backward:
+            if not self._callback_queued:
+                engine.queue_callback(self._finalize)
+                self._callback_queued = True
+        elif not self._local_callback_queued:
+            engine.queue_callback(self._finish_local_backward)
+            self._local_callback_queued = True
+
+    @property
+    def notify_backward(self) -> Any:
+        """``backward_reached`` holding the Reducer weakly, for a ``BackwardSink``."""
+        return self._reached if self.overlap else (lambda: None)
+
+    def sync_gradients(self) -> None:
+        """Reduce now: legacy mode's sync, or what ``no_sync()`` accumulated (overlap mode).
 
         Raises:
-            RuntimeError: for a sparse gradient or one that requires grad.
+            RuntimeError: inside a backward.
         """
-        divisor = self.world_size if self.divides_on_copy else None
-        per_tensor = self._per_tensor_division[bucket.spec.index]
-        copied = gather_gradients(bucket, self._names, divisor=divisor, per_tensor=per_tensor)
-        if not self.keeps_param_grads:
-            # ZeRO-2: the bucket holds a fired gradient until the reduce-scatter; one
-            # accumulated under no_sync stays until the write-back reads it.
-            for param, slot in zip(bucket.params, bucket.slot_ids, strict=True):
-                if self._fired[slot]:
-                    param.grad = None
-        elif self.gradient_as_bucket_view:
-            for param, view in copied:
-                param.grad = view  # from now on autograd accumulates in the bucket
-
-    def launch(self, bucket: BucketBuffers, *, is_last: bool) -> None:
-        """Start reducing ``bucket.buffer``; returns before the collective completes."""
-        if self.hook is not None:
-            view = GradBucket(
-                bucket.spec.index, bucket.buffer, bucket.views, bucket.params, is_last
-            )
-            bucket.handle = self.hook(self.hook_state, view)
+        if self._callback_queued:
+            raise RuntimeError("sync_gradients() cannot run inside backward")
+        if self.overlap and not self._dirty:
             return
-        tensor = bucket.buffer
-        if bucket.wire is not None:
-            # Cast, then divide in the wire dtype: the arithmetic of DDP's compress hooks.
-            tensor = bucket.wire.copy_(bucket.buffer)
-            if self.mean:
-                tensor.div_(self.world_size)
-        bucket.handle = dist.all_reduce(tensor, group=self.group, async_op=True)
+        self._sync(from_backward=False)
 
-    def finish(self, bucket: BucketBuffers) -> None:
-        """Wait for ``bucket``'s collective; the reduced values are then in ``bucket.buffer``."""
-        handle, bucket.handle = bucket.handle, None
-        if self.hook is not None:
-            value = handle.wait()
-            if isinstance(value, list | tuple):
-                value = value[0]
-            if not isinstance(value, torch.Tensor) or value.shape != bucket.buffer.shape:
-                raise RuntimeError(
-                    f"the comm hook's future for bucket {bucket.spec.index} returned "
-                    f"{type(value).__name__} {getattr(value, 'shape', '')}; it must return "
-                    f"a tensor of shape {tuple(bucket.buffer.shape)} (the reduced bucket)"
-                )
-            if value.data_ptr() != bucket.buffer.data_ptr():
-                bucket.buffer.copy_(value)
-            return
-        handle.wait()
-        if bucket.wire is not None:
-            bucket.buffer.copy_(bucket.wire)
+    def buffer_tensors(self) -> list[torch.Tensor]:
+        """Every gradient buffer held now (bucket and wire buffers, or ZeRO-2's pool and
+        shards): what the gradient-memory benchmark counts."""
+        held = getattr(self.collective, "buffer_tensors", None)
+        if held is not None:
+            return held()
+        tensors = [b.buffer for b in self.buckets]
+        return tensors + [b.wire for b in self.buckets if b.wire is not None]
 
     # ---- during backward (the hot path: per parameter, so it only counts) ---------------
-
-    def mark_accumulated(self, slot: int) -> None:
-        """A gradient accumulated under ``no_sync()``: it is a real gradient from now on."""
-        self._preset[slot] = False
 
     def mark_ready(self, slot: int) -> None:
         """The trainable parameter ``slot`` has its gradient for this synced backward.
@@ -207,90 +242,82 @@ class Reducer:
         Raises:
             RuntimeError: if the same parameter reports twice in one backward.
         """
-        if self._fired[slot]:
+        fired = self.slots.fired
+        if fired[slot]:
             raise RuntimeError(
                 f"parameter {self._names[slot]!r} received its gradient twice in one "
                 "backward (reentrant checkpointing?); use "
                 "torch.utils.checkpoint(..., use_reentrant=False)"
             )
-        self._fired[slot] = True
+        fired[slot] = True
         if self._ready_order is not None:
             self._ready_order.append(slot)
         bucket = self._bucket_of[slot]
         bucket.pending -= 1
         if bucket.pending == 0:
-            self.stage(bucket)
+            self._stage(bucket)
             self._launch_complete()
+
+    def _stage(self, bucket: BucketBuffers) -> None:
+        """Put every gradient of ``bucket`` into its slot, divided where that is due; the
+        gradients are checked here, once per bucket, so the per-gradient hook stays a counter.
+        """
+        collective = self.collective
+        collective.prepare(bucket)
+        per_tensor = self._per_tensor_division[bucket.spec.index]
+        divisor = collective.divisor(bucket)
+        copied = gather_gradients(bucket, self._names, divisor=divisor, per_tensor=per_tensor)
+        collective.staged(bucket, copied)
 
     def _launch_complete(self) -> None:
         """Launch every staged bucket from the first unlaunched one on, in plan order."""
         buckets, last = self.buckets, len(self.buckets) - 1
         while self._next_launch <= last and buckets[self._next_launch].pending == 0:
-            self.launch(buckets[self._next_launch], is_last=self._next_launch == last)
+            self.collective.launch(buckets[self._next_launch], is_last=self._next_launch == last)
             self._next_launch += 1
 
     # ---- after backward ---------------------------------------------------------------
 
-    def _has_grad(self, slot: int, param: torch.Tensor) -> bool:
-        return self._fired[slot] or (param.grad is not None and not self._preset[slot])
+    def _finish_local_backward(self) -> None:
+        self._history.local_backwards += 1
+        self._local_callback_queued = False
 
-    def _write_back(self, bucket: BucketBuffers, i: int, global_used: Sequence[int] | None) -> None:
-        """Leave the reduced value of ``bucket``'s ``i``-th parameter in its ``.grad``
-        (per parameter: for parameters this rank had no gradient for, and for ZeRO-2)."""
-        slot, param, view = bucket.slot_ids[i], bucket.params[i], bucket.views[i]
-        if self._has_grad(slot, param):
-            if param.grad.data_ptr() == view.data_ptr():
-                pass  # a bucket view already: the reduced value is in place
-            elif self.gradient_as_bucket_view:
-                param.grad = view
-            else:
-                param.grad.copy_(view)
-        elif global_used is not None and global_used[slot] > 0:
-            # No gradient here but some rank had one: every rank must step the same way.
-            param.grad = view if self.gradient_as_bucket_view else view.clone()
+    def _finalize(self) -> None:
+        """The end of a synced backward (queued on the autograd engine)."""
+        try:
+            self._sync(from_backward=True)
+        except BaseException:
+            self.abandon()
+            raise
+        finally:
+            self._callback_queued = False
+
+    def _sync(self, *, from_backward: bool) -> None:
+        # Legacy mode has no gradient hooks, so its backwards are not counted (-1).
+        backwards = self._history.local_backwards + from_backward if self.overlap else -1
+        record = self._history.record(sync=self.sync_count, layout=self.layout, backwards=backwards)
+        if self.overlap:
+            self._sync_overlap(record)
         else:
-            param.grad = None  # no rank had a gradient: as in a single process
-        self._preset[slot] = False
-
-    def _write_back_present(self, bucket: BucketBuffers, flags: list[bool]) -> list[int]:
-        """Write back every parameter of ``bucket`` this rank had a gradient for, in one
-        batch; return the positions of the others (they wait for the used-map)."""
-        if not self.keeps_param_grads:
-            absent = []
-            for i, slot in enumerate(bucket.slot_ids):
-                if flags[slot]:
-                    self._write_back(bucket, i, None)
-                else:
-                    absent.append(i)
-            return absent
-        absent, targets, sources = [], [], []
-        preset = self._preset
-        for i, (param, view, slot) in enumerate(
-            zip(bucket.params, bucket.views, bucket.slot_ids, strict=True)
-        ):
-            if not flags[slot]:
-                absent.append(i)
-                continue
-            preset[slot] = False
-            grad = param.grad
-            if grad.data_ptr() == view.data_ptr():
-                continue  # a bucket view already: the reduced value is in place
-            if self.gradient_as_bucket_view:
-                param.grad = view
-            else:
-                targets.append(grad)
-                sources.append(view)
-        if targets:
-            torch._foreach_copy_(targets, sources)
-        return absent
+            self._sync_legacy(record)
+        if self.shared is not None:
+            # The model-parallel sums (docs/design.md §6) commute with the dp mean and with
+            # accumulation, so one pass after the mean covers every no_sync step too.
+            self.shared.reduce()
+        self._dirty = False
+        self.sync_count += 1
+        self._history.synced()
+        if from_backward:
+            self.rebuild()  # once: DDP's rebuild from the observed ready order
 
     def _present_flags(self) -> list[bool]:
         """Per slot, whether this rank has a gradient to contribute in this sync."""
-        if all(self._fired):
-            return self._fired
-        return [self._has_grad(s, p) for s, p in enumerate(self._params)]
+        fired = self.slots.fired
+        if all(fired):
+            return fired
+        return [self.slots.has_grad(s, p) for s, p in enumerate(self._params)]
 
-    def sync_legacy(self, record: SyncRecord | None = None) -> None:
+    def _sync_legacy(self, record: Any) -> None:
         """Legacy mode: the buckets share one buffer, so each is filled, reduced and written
         back before the next (fairseq's ``LegacyDistributedDataParallel``). ``record``: how
         this rank reached the sync, checked against every rank's (``sync_agreement.py``)."""
@@ -298,62 +325,62 @@ class Reducer:
         self._used_map.start(flags, record)
         self._used_map.check_agreement()  # before any bucket: a mismatch moves no gradient
         global_used = None if all(flags) else self._used_map.counts().tolist()
-        last = len(self.buckets) - 1
+        collective, last = self.collective, len(self.buckets) - 1
         for bucket in self.buckets:
-            self.stage(bucket)
-            self.launch(bucket, is_last=bucket.spec.index == last)
-            self.finish(bucket)
-            for i in self._write_back_present(bucket, flags):
-                self._write_back(bucket, i, global_used)
-        self._end_sync(None)
+            self._stage(bucket)
+            collective.launch(bucket, is_last=bucket.spec.index == last)
+            collective.finish(bucket)
+            for i in collective.write_back(bucket, flags):
+                collective.write_back_absent(bucket, i, global_used)
+        self._end_sync()
 
-    def sync_overlap(self, record: SyncRecord | None = None) -> None:
+    def _sync_overlap(self, record: Any) -> None:
         """Overlap mode: launch the buckets backward left behind (missing gradients count as
-        zeros), wait for every bucket, check ``record`` (as in ``sync_legacy``), write back."""
+        zeros), wait for every bucket, check ``record`` (as in legacy mode), write back."""
         flags = self._present_flags()
-        last = len(self.buckets) - 1
+        collective, last = self.collective, len(self.buckets) - 1
         for b in range(self._next_launch, last + 1):
-            bucket = self.buckets[b]
-            self.stage(bucket)
-            self.launch(bucket, is_last=b == last)
-        if self.hook is None:
+            self._stage(self.buckets[b])
+            collective.launch(self.buckets[b], is_last=b == last)
+        if not collective.chains_collectives:
             # Issued after every bucket: ranks may have launched different numbers of
             # buckets during backward, and collectives on one group must be issued in the
             # same order everywhere.
             self._used_map.start(flags, record)
         absent: list[tuple[BucketBuffers, int]] = []
         for bucket in self.buckets:
-            self.finish(bucket)
-            absent.extend((bucket, i) for i in self._write_back_present(bucket, flags))
-        if self.hook is not None:
-            # A hook may issue further collectives from its futures' callbacks (PowerSGD),
-            # which gloo runs on its own thread: only once every future is done is the order
-            # of collectives on the group the same on every rank.
+            collective.finish(bucket)
+            absent.extend((bucket, i) for i in collective.write_back(bucket, flags))
+        if collective.chains_collectives:
+            # Only once every future is done is the order of collectives on the group the
+            # same on every rank.
             self._used_map.start(flags, record)
         self._used_map.check_agreement()
         global_used = self._used_map.counts().tolist() if absent else None
         for bucket, i in absent:
-            self._write_back(bucket, i, global_used)
-        self._end_sync(None)
+            collective.write_back_absent(bucket, i, global_used)
+        self._end_sync()
 
-    def _end_sync(self, unwaited_used_work: object = None) -> None:
-        """All buckets are reduced and written back: reset (the argument is unused)."""
+    def _end_sync(self) -> None:
         self._reset_backward()
+        self.collective.end_sync()
 
     def _reset_backward(self) -> None:
         for bucket in self.buckets:
             bucket.reset()
-        self._fired = [False] * len(self._params)
+        self.slots.fired = [False] * len(self._params)
         self._next_launch = 0
+        self.collective.reset()
 
     def abandon(self) -> None:
         """Forget a backward that raised before it finished; observe the ready order anew."""
-        for slot, fired in enumerate(self._fired):
+        for slot, fired in enumerate(self.slots.fired):
             if fired:  # a real gradient arrived (perhaps into a bound view)
-                self._preset[slot] = False
+                self.slots.preset[slot] = False
         self._reset_backward()
         if self._ready_order is not None:
             self._ready_order = []
+        self._callback_queued = False
 
     # ---- layout changes ---------------------------------------------------------------
 
@@ -394,4 +421,61 @@ class Reducer:
                 torch._foreach_zero_([bucket.views[i] for i in unbound])
             for i in unbound:
                 bucket.params[i].grad = bucket.views[i]
-                self._preset[bucket.slot_ids[i]] = True
+                self.slots.preset[bucket.slot_ids[i]] = True
+
+
+def gather_gradients(
+    bucket: BucketBuffers, names: list[str], *, divisor: int | None, per_tensor: bool
+) -> list[tuple[nn.Parameter, torch.Tensor]]:
+    """Put every ``param.grad`` of ``bucket`` into its view, divided by ``divisor`` if given.
+
+    A parameter without a gradient contributes zeros; a gradient that is its bucket view
+    already is only divided. ``per_tensor``: divide each gradient while copying it (one pass
+    over memory); otherwise one ``torch._foreach_copy_`` and one division of the flat buffer,
+    the same bits (an elementwise, correctly rounded division; zeros and padding stay zero).
+
+    Args:
+        bucket: the bucket to fill.
+        names: parameter names by slot, for the error messages.
+        divisor: the group size for a mean fused into the copy, else ``None``.
+        per_tensor: see above (``PER_TENSOR_DIVISION_MIN_NUMEL``).
+
+    Returns:
+        ``(param, view)`` of every gradient that was copied (not already a view).
+
+    Raises:
+        RuntimeError: for a sparse gradient or one that requires grad (``check_grad``).
+    """
+    zeros: list[torch.Tensor] = []
+    targets: list[torch.Tensor] = []
+    sources: list[torch.Tensor] = []
+    copied: list[tuple[nn.Parameter, torch.Tensor]] = []
+    in_place: list[torch.Tensor] = []
+    for param, view, slot in zip(bucket.params, bucket.views, bucket.slot_ids, strict=True):
+        grad = param.grad
+        if grad is None:
+            zeros.append(view)
+            continue
+        if grad.layout != torch.strided or grad.requires_grad:
+            check_grad(names[slot], grad)
+        if grad.data_ptr() == view.data_ptr():
+            in_place.append(view)
+        else:
+            targets.append(view)
+            sources.append(grad)
+            copied.append((param, view))
+    if zeros:
+        torch._foreach_zero_(zeros)
+    if divisor is None:
+        if targets:
+            torch._foreach_copy_(targets, sources)
+    elif per_tensor:
+        for view, grad in zip(targets, sources, strict=True):
+            torch.div(grad, divisor, out=view)  # DDP's fused copy: one pass
+        if in_place:
+            torch._foreach_div_(in_place, divisor)
+    else:
+        if targets:
+            torch._foreach_copy_(targets, sources)
+        bucket.buffer.div_(divisor)
+    return copied

@@ -1,9 +1,9 @@
 """Runtime agreement: every sync checks that all ranks reached it the same way (docs/design.md §7).
 
-Construction checks (``_agreement.py``) catch ranks that build different models or options.
-They cannot catch ranks that *run* differently: one rank doing an extra backward, entering
-``no_sync()`` alone, or accumulating a different number of micro-steps. Syncs are then paired
-off by position, so the ranks average gradients of different steps without any error, until
+Construction checks (``setup.verify_same_everywhere``) catch ranks that build different models
+or options. They cannot catch ranks that *run* differently: one rank doing an extra backward,
+entering ``no_sync()`` alone, or accumulating a different number of micro-steps. Syncs are then
+paired off by position, so the ranks average gradients of different steps without any error, until
 a later mismatch hangs (DDP behaves the same unless ``TORCH_DISTRIBUTED_DEBUG=DETAIL``).
 
 Each rank therefore describes how it reached this sync (``SyncRecord``) in a few ints that ride

@@ -1,10 +1,10 @@
 """A mixture-of-experts block whose experts are split over the ``ep`` group (docs/design.md §5, §6).
 
-``ExpertMLPs`` declares its weights as expert parameters in ``gradsync_expert_params``, the
-way the parallel linears declare sharding in ``gradsync_sharded_over``: ``shared_param_specs``
+``ExpertMLPs`` declares its weights split over ``"ep"`` (each parameter's
+``gradsync_sharded_over``, what JAX derives from a ``PartitionSpec``): ``shared_param_specs``
 turns the declaration into ``ParamSpec.expert``, so DataParallel averages these gradients over
-the expert data-parallel group ``edp`` instead of the dense ``dp`` without anyone marking a
-weight by hand.
+the expert data-parallel group ``edp`` instead of the dense ``dp``, and ZeroRedundancyOptimizer
+refuses to plan them with dense ones, without anyone marking a weight by hand.
 
 Token dispatch follows Megatron-core's all-gather dispatcher: every rank of the ``ep`` group
 gathers the group's tokens and router probabilities, applies the experts it holds to the
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gradsync_torch.model_parallel.groups import Group
+from gradsync_torch.groups import Group
 from gradsync_torch.model_parallel.mappings import all_gather_from, reduce_scatter_to
 
 
@@ -34,8 +34,8 @@ class ExpertMLPs(nn.Module):
     ``w_out`` (``local x hidden x dim``).
 
     Args:
-        num_experts: experts of the SERIAL layer.
         dim, hidden: model and expert hidden widths.
+        num_experts: experts of the SERIAL layer.
         group: the ``ep`` group (``ProcessGroups(...)["ep"]``); ``None``: all experts here.
         device, dtype: as for ``nn.Linear``.
 
@@ -43,14 +43,13 @@ class ExpertMLPs(nn.Module):
         ValueError: if ``num_experts`` is not a multiple of the group size.
     """
 
-    # The declaration shared_param_specs reads: these parameters are expert weights.
-    gradsync_expert_params = ("w_in", "w_out")
+    expert_params = ("w_in", "w_out")  # the parameters split over ep
 
     def __init__(
         self,
-        num_experts: int,
         dim: int,
         hidden: int,
+        num_experts: int,
         group: Group | None = None,
         *,
         device: torch.device | str | None = None,
@@ -74,13 +73,19 @@ class ExpertMLPs(nn.Module):
         kw = {"device": device, "dtype": dtype}
         self.w_in = nn.Parameter(torch.empty(self.local_experts, dim, hidden, **kw))
         self.w_out = nn.Parameter(torch.empty(self.local_experts, hidden, dim, **kw))
-        # The experts are split over ep; no other axis shards them.
-        self.gradsync_sharded_over = {name: ("ep",) for name in self.gradsync_expert_params}
-        for name in self.gradsync_expert_params:
-            # The same declaration on the tensor, for code that sees parameters without
-            # their module: ZeroRedundancyOptimizer refuses to mix them with dense ones.
-            getattr(self, name).gradsync_expert = True
+        self._declare()
         self.reset_parameters()
+
+    def _declare(self) -> None:
+        # On the parameters, not the module: ZeroRedundancyOptimizer sees them without it.
+        # The experts are split over ep; no other axis shards them.
+        for name in self.expert_params:
+            getattr(self, name).gradsync_sharded_over = ("ep",)
+
+    def __setstate__(self, state: dict) -> None:
+        # copy.deepcopy and pickling rebuild the parameters without their attributes.
+        super().__setstate__(state)
+        self._declare()
 
     def reset_parameters(self) -> None:
         # nn.Linear's U(-1/sqrt(fan_in), 1/sqrt(fan_in)) for each expert's two layers.
@@ -151,7 +156,7 @@ class MoE(nn.Module):
         kw = {"device": device, "dtype": dtype}
         self.group = group if group is not None and group.size > 1 else None
         self.router = nn.Linear(dim, num_experts, bias=False, **kw)
-        self.experts = ExpertMLPs(num_experts, dim, hidden, group, **kw)
+        self.experts = ExpertMLPs(dim, hidden, num_experts, group, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, x.shape[-1])

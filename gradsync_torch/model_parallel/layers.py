@@ -1,28 +1,27 @@
-"""Tensor/context-parallel linear layers and replicated_over derived from them (docs/design.md §6).
+"""Tensor/context-parallel linear layers (docs/design.md §5, §6).
 
 Each parallel layer declares which of its parameters are sharded, and over which axes, in
 ``gradsync_sharded_over``; the model declares which axes split its tokens in
 ``gradsync_data_axes`` (``("cp",)``, plus ``"tp"`` under sequence parallelism). Every other
 parameter — a plain ``nn.LayerNorm``, an embedding — is unsharded. ``shared_param_specs``
-applies ``gradsync_core.replicated_axes`` to every parameter, so a final norm under context
-parallelism gets its sum over ``cp`` without anyone remembering to mark it.
+(``gradsync_torch._specs``) reads the declarations and applies ``gradsync_core.replicated_axes``
+to every parameter, so a final norm under context parallelism gets its sum over ``cp`` without
+anyone remembering to mark it.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gradsync_core import ParamSpec, replicated_axes, split_shapes
-from gradsync_torch._specs import named_parameters, param_specs
+from gradsync_core import split_shapes
+from gradsync_torch.groups import Group
 from gradsync_torch.model_parallel.experts import ExpertMLPs
-from gradsync_torch.model_parallel.groups import Group
 from gradsync_torch.model_parallel.mappings import (
     all_gather_from,
     copy_to,
@@ -176,70 +175,3 @@ def local_state(model: nn.Module, full: Mapping[str, torch.Tensor]) -> dict[str,
         else:
             out[key] = value
     return out
-
-
-def replicated_over(
-    module: nn.Module, *, data_axes: Sequence[str] | None = None
-) -> dict[str, tuple[str, ...]]:
-    """Each parameter's replicated model-parallel axes, derived, never hand-marked.
-
-    Args:
-        module: the model; sharded parameters are declared by their layers'
-            ``gradsync_sharded_over`` (``{"weight": ("tp",)}``), all others are unsharded.
-        data_axes: the axes that split the model's tokens; default
-            ``module.gradsync_data_axes``.
-
-    Returns:
-        ``{name: axes}`` for every parameter (``named_parameters`` order, tied ones once).
-
-    Raises:
-        ValueError: if ``data_axes`` is not given and the module does not declare it.
-    """
-    if data_axes is None:
-        data_axes = getattr(module, "gradsync_data_axes", None)
-        if data_axes is None:
-            raise ValueError(
-                f"{type(module).__name__} does not declare gradsync_data_axes; pass "
-                "data_axes=, the axes its tokens are split over: ('cp',) under context "
-                "parallelism, ('cp', 'tp') with sequence parallelism, () otherwise"
-            )
-    sharded: dict[int, tuple[str, ...]] = {}
-    for sub in module.modules():
-        for name, axes in getattr(sub, "gradsync_sharded_over", {}).items():
-            param = getattr(sub, name)
-            if param is not None:
-                sharded[id(param)] = tuple(axes)
-    return {
-        name: replicated_axes(sharded_over=sharded.get(id(p), ()), data_sharded_over=data_axes)
-        for name, p in named_parameters(module)
-    }
-
-
-def expert_parameter_names(module: nn.Module) -> set[str]:
-    """Names (as ``named_parameters`` spells them) of the parameters that layers declare as
-    expert weights in ``gradsync_expert_params`` (``ExpertMLPs``: ``("w_in", "w_out")``)."""
-    declared = {
-        id(getattr(sub, name))
-        for sub in module.modules()
-        for name in getattr(sub, "gradsync_expert_params", ())
-        if getattr(sub, name, None) is not None
-    }
-    return {name for name, p in named_parameters(module) if id(p) in declared}
-
-
-def shared_param_specs(
-    module: nn.Module, *, data_axes: Sequence[str] | None = None
-) -> list[ParamSpec]:
-    """``param_specs(module)`` with ``replicated_over`` derived by ``replicated_over`` and
-    ``expert`` set from the layers' ``gradsync_expert_params`` declarations.
-
-    Feed it to ``gradsync_core.plan_shared_reductions`` (and to the data-parallel plan).
-
-    Example:
-        >>> specs = shared_param_specs(model)  # model.gradsync_data_axes == ("cp",)
-        >>> [s.replicated_over for s in specs if s.name == "norm.weight"]
-        [('cp',)]
-    """
-    specs = param_specs(module, replicated_over=replicated_over(module, data_axes=data_axes))
-    experts = expert_parameter_names(module)
-    return [replace(spec, expert=spec.name in experts) for spec in specs]

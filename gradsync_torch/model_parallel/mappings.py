@@ -32,7 +32,7 @@ from gradsync_core import split_shapes
 # torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
 from gradsync_torch._collectives import all_gather_single as _all_gather_single
 from gradsync_torch._collectives import reduce_scatter_single as _reduce_scatter_single
-from gradsync_torch.model_parallel.groups import Group
+from gradsync_torch.groups import Group
 
 GroupLike = Group | ProcessGroup
 

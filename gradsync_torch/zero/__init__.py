@@ -2,8 +2,9 @@
 ranks, with checkpoints that load at any world size (docs/design.md §9).
 
 ``optimizer`` holds ``ZeroRedundancyOptimizer``; ``plans`` decides which rank owns what;
-``layout`` (ZeRO-1) and ``flat`` (ZeRO-2) say where state lives and how parameters travel,
-through ``broadcast``; ``state`` moves state between layouts; ``checkpoint`` saves and loads.
+``options`` checks its options; ``layout`` (the protocol), ``greedy`` (ZeRO-1) and ``flat``
+(ZeRO-2) say where state lives and how parameters travel, through ``broadcast``; ``state``
+moves state between layouts; ``checkpoint`` saves and loads.
 """
 
 from gradsync_torch.zero.optimizer import ZeroRedundancyOptimizer

@@ -14,109 +14,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.optim import Optimizer
 
 from gradsync_core import Bucket, ShardPlan
 from gradsync_torch._collectives import finish_reduce_scatter, reduce_scatter
-from gradsync_torch.data_parallel import DataParallel, GradientSharder
+from gradsync_torch.data_parallel import ReduceScatter
 from gradsync_torch.zero.broadcast import ALONE_BYTES, Broadcaster, Job, Piece, Transfer
-
-# Optimizers whose update of one element reads only that element's gradient and state
-# (plus per-tensor scalars such as the step count), so stepping a slice equals stepping the
-# whole tensor. Adafactor (factored moments), LBFGS, SparseAdam and Muon are not.
-ELEMENTWISE = frozenset(
-    {
-        "SGD",
-        "Adam",
-        "AdamW",
-        "Adamax",
-        "NAdam",
-        "RAdam",
-        "RMSprop",
-        "Adagrad",
-        "Adadelta",
-        "Rprop",
-        "ASGD",
-    }
-)
-
-
-def check_elementwise(optimizer_class: type) -> None:
-    """Raise ``ValueError`` unless ``optimizer_class`` is one of torch's elementwise ones."""
-    is_torch = optimizer_class.__module__.startswith("torch.optim")
-    if not (is_torch and optimizer_class.__name__ in ELEMENTWISE):
-        raise ValueError(
-            f"gradient sharding (ZeRO-2) cuts parameters into element ranges, which is exact "
-            f"only for elementwise optimizers ({', '.join(sorted(ELEMENTWISE))} from "
-            f"torch.optim); {optimizer_class.__module__}.{optimizer_class.__qualname__} may "
-            "read a whole tensor (a norm, factored moments), so use ZeRO-1 "
-            "(shard_gradients=False), which shards whole parameters"
-        )
-
-
-def check_options(
-    optimizer_class: type,
-    shard_gradients: bool,
-    data_parallel: DataParallel | None,
-    bucket_cap_mb: float,
-    defaults: dict[str, Any],
-) -> None:
-    """Refuse ``ZeroRedundancyOptimizer`` options that cannot work, naming the fix (removes
-    torch's ``overlap_with_ddp`` from ``defaults``, after refusing it when set).
-
-    Raises:
-        TypeError: if ``optimizer_class`` is not a torch optimizer class.
-        ValueError: for a non-elementwise optimizer with ZeRO-2, ``data_parallel`` without
-            ZeRO-2, a non-positive bucket cap or ``overlap_with_ddp``.
-        RuntimeError: if torch.distributed is not initialized.
-    """
-    if defaults.pop("overlap_with_ddp", False):
-        raise ValueError(
-            "overlap_with_ddp is not supported; pass shard_gradients=True to overlap "
-            "gradient communication with the sharded step instead"
-        )
-    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, Optimizer)):
-        raise TypeError(
-            f"optimizer_class must be a torch.optim.Optimizer subclass such as "
-            f"torch.optim.Adam, got {optimizer_class!r}"
-        )
-    if shard_gradients:
-        check_elementwise(optimizer_class)
-    elif data_parallel is not None:
-        raise ValueError(
-            "data_parallel= hands this optimizer DataParallel's gradient shards (ZeRO-2); "
-            "pass shard_gradients=True with it, or leave data_parallel out for ZeRO-1"
-        )
-    if not dist.is_initialized():
-        raise RuntimeError(
-            "ZeroRedundancyOptimizer needs torch.distributed; call "
-            "torch.distributed.init_process_group() first (world_size=1 works too)"
-        )
-    if bucket_cap_mb <= 0:
-        raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb!r}")
-
-
-def claim_sharder(
-    data_parallel: DataParallel | None, consumer: object, world_size: int
-) -> GradientSharder | None:
-    """The gradient sharder of ``data_parallel``, checked and claimed by ``consumer`` (the
-    optimizer that steps its shards), if ``data_parallel`` is given."""
-    if data_parallel is None:
-        return None
-    sharder = data_parallel.gradient_sharder
-    if sharder is None:
-        raise ValueError(
-            "data_parallel= was built without shard_gradients=True, so it all-reduces "
-            "whole gradients; wrap the model as DataParallel(net, shard_gradients=True), "
-            "or leave data_parallel out and this optimizer reduce-scatters in step()"
-        )
-    if sharder.world_size != world_size:
-        raise ValueError(
-            f"DataParallel shards gradients over {sharder.world_size} ranks, this "
-            f"optimizer's process group has {world_size}; pass the same group"
-        )
-    sharder.claim(consumer)
-    return sharder
 
 
 class FlatLayout:
@@ -125,7 +27,7 @@ class FlatLayout:
     On its own, ``reduce_scatter_gradients()`` packs the local gradients of a bucket (times
     ``1/world_size``, as DDP, docs/design.md §7) into a staging buffer, reduce-scatters it into this
     rank's persistent shard and drops ``param.grad``. Under ``DataParallel(shard_gradients=
-    True)`` its ``GradientSharder`` did that during backward and the pieces read its shards.
+    True)`` its ``ReduceScatter`` did that during backward and the pieces read its shards.
     ``sync_params()`` broadcasts every rank's updated range. With ``bucket_view`` the
     parameters are views of persistent flat buckets and the pieces views of this rank's range.
 
@@ -144,7 +46,7 @@ class FlatLayout:
         broadcaster: Broadcaster,
         *,
         bucket_view: bool,
-        sharder: GradientSharder | None = None,
+        sharder: ReduceScatter | None = None,
     ) -> None:
         self.plan = plan
         self.broadcaster = broadcaster
@@ -201,7 +103,7 @@ class FlatLayout:
             jobs[0].owned = [piece.tensor for piece in self.pieces[first_piece:]]
             self.jobs += jobs
         self.reduced = False
-        self.consumed = sharder.syncs if sharder is not None else 0
+        self.consumed = sharder.sync_count if sharder is not None else 0
 
     def _sync_jobs(
         self,
@@ -309,10 +211,10 @@ class FlatLayout:
         optimizer runs on its own)."""
         sharder = self.sharder
         if sharder is not None:
-            if sharder.syncs == self.consumed:  # no synced backward since the last step
+            if sharder.sync_count == self.consumed:  # no synced backward since the last step
                 self._attach_grads(lambda index: False, None)
             else:
-                if sharder.synced != tuple(self.buckets):
+                if sharder.last_sync_buckets != tuple(self.buckets):
                     raise RuntimeError(
                         "DataParallel reduced gradients with another bucket layout than the "
                         "optimizer was built for; build the optimizer after wrapping the model"
@@ -321,7 +223,7 @@ class FlatLayout:
                 self._attach_grads(
                     lambda index: used.get(id(self.params[index]), False), sharder.shards
                 )
-                self.consumed = sharder.syncs
+                self.consumed = sharder.sync_count
         elif not self.reduced:
             self.reduce_scatter_gradients()
 

@@ -17,7 +17,7 @@ import torch
 from torch.optim import Optimizer
 
 from gradsync_torch.zero.broadcast import Job
-from gradsync_torch.zero.flat import ELEMENTWISE
+from gradsync_torch.zero.options import ELEMENTWISE
 
 # torch.optim classes whose step treats every tensor on its own. Adafactor's factored moments
 # are per tensor too; LBFGS (one flat view of all parameters) and SparseAdam are not here.

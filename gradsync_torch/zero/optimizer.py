@@ -17,14 +17,16 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
+import gradsync_core
 from gradsync_core import ParamSpec, ShardPlan
 from gradsync_torch.data_parallel import DataParallel
 from gradsync_torch.model_state import copy_weights
 from gradsync_torch.zero import checkpoint
 from gradsync_torch.zero.broadcast import Broadcaster, Piece
-from gradsync_torch.zero.flat import FlatLayout, check_options, claim_sharder
+from gradsync_torch.zero.flat import FlatLayout
 from gradsync_torch.zero.layout import Layout, make_layout
 from gradsync_torch.zero.local_step import JobStepper, steps_per_tensor
+from gradsync_torch.zero.options import check_options, claim_sharder
 from gradsync_torch.zero.plans import (
     check_same_plan,
     param_specs_of,
@@ -111,7 +113,7 @@ class ZeroRedundancyOptimizer(Optimizer):
         self._ranks = RankGroup(process_group, self.rank, self.world_size)
         self.parameters_as_bucket_view = parameters_as_bucket_view
         self.shard_gradients = shard_gradients
-        self._cap_bytes = max(1, int(bucket_cap_mb * 1024 * 1024))
+        self._cap_bytes = max(1, int(bucket_cap_mb * gradsync_core.MIB))
         self._local_defaults = defaults
         self._comm = Broadcaster(process_group, self.rank, self.world_size)
         super().__init__(params, defaults)

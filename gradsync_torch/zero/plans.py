@@ -1,7 +1,8 @@
 """Which rank owns what: the ZeRO-1 and ZeRO-2 shard plans of an optimizer's parameters.
 
 Pure functions of gradsync_core specs and plans (docs/design.md §4, §9), apart from
-``check_same_plan``, which compares the plans of all ranks before any collective uses them.
+``check_same_plan``, which agrees on the plan across ranks (``agreement.agree_on``) before any
+collective uses it.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from gradsync_core import (
@@ -24,7 +24,8 @@ from gradsync_core import (
     plan_flat_shards,
     plan_greedy_shards,
 )
-from gradsync_torch._specs import dtype_name
+from gradsync_torch._specs import dtype_name, is_expert
+from gradsync_torch.agreement import Disagreement, agree_on
 
 
 def parameter_names(
@@ -61,8 +62,8 @@ def param_specs_of(
     """The specs the plans are made of; ``planned`` are the indices planned before.
 
     Raises:
-        ValueError: if expert parameters (tagged ``gradsync_expert`` by their layer, e.g.
-            ``ExpertMLPs``) and dense ones share this optimizer: their owners must be
+        ValueError: if expert parameters (declared split over ``"ep"`` by their layer, e.g.
+            ``ExpertMLPs``: ``is_expert``) and dense ones share this optimizer: their owners must be
             planned over different groups (``edp`` and ``dp``, docs/design.md §6).
     """
     specs = [
@@ -73,7 +74,7 @@ def param_specs_of(
             # Once planned, a parameter keeps its owner (and state) when frozen again.
             requires_grad=p.requires_grad or i in planned,
             device=p.device.type,
-            expert=getattr(p, "gradsync_expert", False),
+            expert=is_expert(p),
         )
         for i, (name, p) in enumerate(zip(names, params, strict=True))
     ]
@@ -203,30 +204,29 @@ def check_same_plan(
     plan: ShardPlan, specs: Sequence[ParamSpec], group: Any, world_size: int
 ) -> None:
     """Every rank must hold the same plan, or the sync collectives mismatch and hang
-    (docs/design.md §8): one small all-gather of fingerprints, and the specs only on a mismatch.
+    (docs/design.md §8): ``agree_on`` the plan's fingerprint (one digest all-gather), and the
+    parameter tables only on a mismatch, to name the first differing parameter.
 
     Raises:
         ValueError: naming a differing rank and the first differing parameter.
     """
     if world_size == 1:
         return
-    prints: list[Any] = [None] * world_size
-    dist.all_gather_object(prints, plan.fingerprint, group=group)
-    if len(set(prints)) == 1:
-        return
-    tables: list[Any] = [None] * world_size
-    mine = [(s.name, s.shape, s.dtype, s.requires_grad) for s in specs]
-    dist.all_gather_object(tables, mine, group=group)
-    other = next(r for r in range(world_size) if prints[r] != prints[0])
+    table = [(s.name, s.shape, s.dtype, s.requires_grad) for s in specs]
+    agree_on(plan.fingerprint, group, describe=_describe_plans, detail=table)
+
+
+def _describe_plans(d: Disagreement) -> str:
+    mine, theirs = d.base, d.other
     diff = next(
         (
             f"parameter #{i}: {a} vs {b}"
-            for i, (a, b) in enumerate(zip(tables[0], tables[other], strict=False))
+            for i, (a, b) in enumerate(zip(mine, theirs, strict=False))
             if a != b
         ),
-        f"{len(tables[0])} vs {len(tables[other])} parameters",
+        f"{len(mine)} vs {len(theirs)} parameters",
     )
-    raise ValueError(
-        f"ranks 0 and {other} built different ZeRO plans ({diff}); every rank must pass "
-        "the same parameters, in the same order, with the same requires_grad"
+    return (
+        f"ranks {d.base_rank} and {d.other_rank} built different ZeRO plans ({diff}); every "
+        "rank must pass the same parameters, in the same order, with the same requires_grad"
     )

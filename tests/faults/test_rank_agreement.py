@@ -8,10 +8,12 @@ timeout of a few seconds, so a regression that hangs fails the test instead of C
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
 
+from gradsync_torch.data_parallel import DataParallelOptions
 from tests.faults import rank_agreement_checks as checks
 from tests.torch.harness import run_checks, run_workers
 
@@ -20,14 +22,19 @@ WORLD = 2
 
 
 def test_every_option_is_covered() -> None:
-    """A new DataParallel argument must be agreed (DIFFERING_VALUES) or checked elsewhere."""
+    """A new DataParallel argument must be agreed (a DataParallelOptions field, with a value in
+    DIFFERING_VALUES) or checked elsewhere."""
     options = set(checks.constructor_options())
-    missing = options - set(checks.DIFFERING_VALUES) - set(checks.CHECKED_ELSEWHERE)
+    agreed = {field.name for field in dataclasses.fields(DataParallelOptions)}
+    missing = options - agreed - set(checks.CHECKED_ELSEWHERE)
     assert not missing, (
-        f"DataParallel arguments {sorted(missing)} are in no cross-rank check: add them to the "
-        "options DataParallel compares at construction and a differing value to "
-        "DIFFERING_VALUES in tests/faults/rank_agreement_checks.py"
+        f"DataParallel arguments {sorted(missing)} are in no cross-rank check: add them to "
+        "DataParallelOptions (gradsync_torch/data_parallel/options.py), which DataParallel "
+        "compares at construction, and a differing value to DIFFERING_VALUES in "
+        "tests/faults/rank_agreement_checks.py"
     )
+    untested = agreed - set(checks.DIFFERING_VALUES)
+    assert not untested, f"agreed options without a differing value: {sorted(untested)}"
     stale = (set(checks.DIFFERING_VALUES) | set(checks.CHECKED_ELSEWHERE)) - options
     assert not stale, f"not DataParallel arguments any more: {sorted(stale)}"
 

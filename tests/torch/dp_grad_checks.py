@@ -56,7 +56,7 @@ def reference_grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor, ws: int)
 def step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, rank: int) -> None:
     model.zero_grad(set_to_none=True)
     F.mse_loss(model(shard(x, rank)), shard(y, rank)).backward()
-    if isinstance(model, gt.DataParallel) and not model.overlap:
+    if isinstance(model, gt.DataParallel) and not model.options.overlap:
         model.sync_gradients()
 
 
@@ -131,7 +131,7 @@ def check_matches_reference_and_ddp(rank: int, ws: int) -> None:
     assert_equal(list(ours.parameters()), list(ddp.parameters()), "parameters vs DDP")
     assert ours.bucket_plan.order == "observed"
     # Grads of the view mode live in its buckets, so no copy happens.
-    buffers = {b.buffer.untyped_storage().data_ptr() for b in view._reducer.buckets}
+    buffers = {b.buffer.untyped_storage().data_ptr() for b in view.reducer.buckets}
     for p in view.parameters():
         assert p.grad.untyped_storage().data_ptr() in buffers
 
@@ -199,7 +199,7 @@ def check_no_sync_accumulates(rank: int, ws: int) -> None:
             else:
                 with model.no_sync():
                     F.mse_loss(model(shard(x, rank)), shard(y, rank)).backward()
-        if isinstance(model, gt.DataParallel) and not model.overlap:
+        if isinstance(model, gt.DataParallel) and not model.options.overlap:
             model.sync_gradients()
         return grads(model)
 
@@ -363,6 +363,8 @@ def check_compression(rank: int, ws: int) -> None:
         dtype: gt.DataParallel(copy.deepcopy(base), reduce_dtype=dtype)
         for dtype in (torch.bfloat16, torch.float16)
     }
+    # The gradients' own dtype on the wire: still a mean (it once summed, dividing nowhere).
+    own_dtype = gt.DataParallel(copy.deepcopy(base), reduce_dtype=torch.float32)
     hooked = {name: gt.DataParallel(copy.deepcopy(base)) for name in ("bf16", "fp16", "ar")}
     hooked["bf16"].register_comm_hook(None, gt.bf16_compress_hook)
     hooked["fp16"].register_comm_hook(None, gt.fp16_compress_hook)
@@ -371,7 +373,7 @@ def check_compression(rank: int, ws: int) -> None:
     torch_bf16.register_comm_hook(dist.group.WORLD, torch_hooks.bf16_compress_hook)
     ddp_fp16 = DDP(copy.deepcopy(base))  # DDP refuses its bf16 hook without CUDA
     ddp_fp16.register_comm_hook(dist.group.WORLD, torch_hooks.fp16_compress_hook)
-    models = [fp32, *wire.values(), torch_bf16, ddp_fp16, *hooked.values()]
+    models = [fp32, own_dtype, *wire.values(), torch_bf16, ddp_fp16, *hooked.values()]
     for s in range(2):
         x, y = batch(s, ws)
         for m in models:
@@ -379,6 +381,7 @@ def check_compression(rank: int, ws: int) -> None:
             step(m, x, y, rank)
         bf16, fp16 = grads(wire[torch.bfloat16]), grads(wire[torch.float16])
         assert_equal(grads(hooked["ar"]), grads(fp32), "allreduce_hook vs no hook")
+        assert_equal(grads(own_dtype), grads(fp32), "reduce_dtype=float32 vs None")
         assert_equal(grads(hooked["bf16"]), bf16, "bf16 hook vs reduce_dtype=bfloat16")
         assert_equal(grads(hooked["fp16"]), fp16, "fp16 hook vs reduce_dtype=float16")
         assert_equal(grads(torch_bf16), bf16, "torch's bf16 hook vs ours")

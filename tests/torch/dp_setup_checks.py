@@ -15,7 +15,7 @@ from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsync_torch as gt
-from gradsync_torch.data_parallel import GradientSharder
+from gradsync_torch.data_parallel import ReduceScatter
 from tests.torch.dp_grad_checks import (
     assert_equal,
     batch,
@@ -160,7 +160,7 @@ def check_gradient_sharder_link(rank: int, ws: int) -> None:
     for overlap in (True, False):
         model = gt.DataParallel(mlp(), shard_gradients=True, overlap=overlap)
         sharder = model.gradient_sharder
-        assert isinstance(sharder, GradientSharder)
+        assert isinstance(sharder, ReduceScatter)
         expect_error(
             RuntimeError,
             ["DataParallel(shard_gradients=True) keeps only", "data_parallel=model"],
@@ -174,9 +174,9 @@ def check_gradient_sharder_link(rank: int, ws: int) -> None:
             ["already feeds a _Consumer"],
             lambda sharder=sharder: sharder.claim(_Consumer()),
         )
-        syncs = sharder.syncs
+        syncs = sharder.sync_count
         step(model, x, y, rank)  # claimed: the wrapper recovered from the refused sync
-        assert sharder.syncs == syncs + 1, (sharder.syncs, syncs)
+        assert sharder.sync_count == syncs + 1, (sharder.sync_count, syncs)
         assert all(p.grad is None for p in model.parameters()), "ZeRO-2 keeps only shards"
         assert sharder.shards and all(sharder.used.values()), sharder.used
         del first

@@ -47,3 +47,29 @@ def test_agree_on_is_silent_when_equal_and_names_both_sides_when_not():
 def test_agree_ok_raises_the_first_failure_on_every_rank():
     assert run_workers(_agree_ok, 2, set()) == [None, None]
     assert run_workers(_agree_ok, 2, {1}) == ["cannot save (rank 1): disk full on 1"] * 2
+
+
+def _zero_plans(rank: int, world_size: int, odd_rank: int | None) -> str | None:
+    import torch
+
+    from gradsync_torch import ZeroRedundancyOptimizer
+
+    width = 5 if rank == odd_rank else 4
+    params = [("w", torch.nn.Parameter(torch.zeros(width, 3)))]
+    try:
+        ZeroRedundancyOptimizer(params, torch.optim.SGD, lr=0.1)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_zero_plans_agree_through_the_primitive():
+    """ZeroRedundancyOptimizer's plan check (``check_same_plan``) rides on ``agree_on``: the
+    fingerprint's digest first, the parameter tables only to name the difference."""
+    assert run_workers(_zero_plans, 2, None) == [None, None]
+    expected = (
+        "ranks 0 and 1 built different ZeRO plans (parameter #0: ('w', (4, 3), 'float32', "
+        "True) vs ('w', (5, 3), 'float32', True)); every rank must pass the same parameters, "
+        "in the same order, with the same requires_grad"
+    )
+    assert run_workers(_zero_plans, 2, 1) == [expected, expected]

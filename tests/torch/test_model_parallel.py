@@ -15,13 +15,9 @@ import torch
 import torch.distributed as dist
 
 from gradsync_core import STANDARD_GROUPS, Topology, plan_shared_reductions, split_shapes
-from gradsync_torch.model_parallel.groups import (
-    Group,
-    ProcessGroups,
-    check_reduction_plan,
-    reduce_shared_gradients,
-)
-from gradsync_torch.model_parallel.layers import local_state, shared_param_specs
+from gradsync_torch._specs import shared_param_specs
+from gradsync_torch.groups import Group, ProcessGroups
+from gradsync_torch.model_parallel.layers import local_state
 from gradsync_torch.model_parallel.mappings import (
     all_gather_from,
     copy_to,
@@ -30,6 +26,7 @@ from gradsync_torch.model_parallel.mappings import (
     reduce_scatter_to,
     scatter_to,
 )
+from gradsync_torch.shared_reductions import check_reduction_plan, reduce_shared_gradients
 from tests.torch.harness import run_workers
 from tests.torch.models import MLPTransformer, ParallelMLPTransformer
 

@@ -21,9 +21,10 @@ from torch import nn
 
 from gradsync_core import Topology
 from gradsync_torch import DataParallel, ProcessGroups, ZeroRedundancyOptimizer
+from gradsync_torch._specs import shared_param_specs
+from gradsync_torch.groups import Group
 from gradsync_torch.model_parallel.experts import MoE
-from gradsync_torch.model_parallel.groups import Group
-from gradsync_torch.model_parallel.layers import local_state, shared_param_specs
+from gradsync_torch.model_parallel.layers import local_state
 from tests.torch.harness import run_workers
 
 TOL = {"rtol": 1e-10, "atol": 1e-12}

@@ -104,7 +104,7 @@ def train_steps(models: dict[str, gt.DataParallel], steps: int, rank: int, devic
                     F.mse_loss(model(x), y).backward()
             use = rank == 0 if name == "unused" else True
             F.mse_loss(model(x, use), y).backward()
-            if not model.overlap:
+            if not model.options.overlap:
                 model.sync_gradients()
             with torch.no_grad():
                 for p in model.parameters():
@@ -169,7 +169,7 @@ def _gpu_worker(store_path: str) -> None:
                         with model.no_sync():
                             F.mse_loss(model(x), y).backward()
                     F.mse_loss(model(x, name != "unused"), y).backward()
-                    if not model.overlap:
+                    if not model.options.overlap:
                         model.sync_gradients()
         finally:
             torch.cuda.set_sync_debug_mode("default")

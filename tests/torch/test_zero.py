@@ -26,7 +26,7 @@ import gradsync_core
 from gradsync_torch import ZeroRedundancyOptimizer
 from gradsync_torch._specs import param_specs
 from gradsync_torch.zero import flat as zero_flat
-from gradsync_torch.zero import layout as zero_layout
+from gradsync_torch.zero import greedy as zero_greedy
 from gradsync_torch.zero.broadcast import Job
 from gradsync_torch.zero.local_step import JobStepper, steps_per_tensor
 from tests.torch import zero_checkpoint_checks as ckpt
@@ -44,12 +44,12 @@ from tests.torch.zero_helpers import (
 @contextlib.contextmanager
 def alone_bytes(value: int) -> Iterator[None]:
     """Lower the size from which a parameter is broadcast alone, so small models test it."""
-    saved = zero_layout.ALONE_BYTES
-    zero_layout.ALONE_BYTES = zero_flat.ALONE_BYTES = value
+    saved = zero_greedy.ALONE_BYTES
+    zero_greedy.ALONE_BYTES = zero_flat.ALONE_BYTES = value
     try:
         yield
     finally:
-        zero_layout.ALONE_BYTES = zero_flat.ALONE_BYTES = saved
+        zero_greedy.ALONE_BYTES = zero_flat.ALONE_BYTES = saved
 
 
 OPTIMIZERS = [
@@ -71,7 +71,7 @@ def check_trajectories(world_size: int) -> dict[str, Any]:
                 "bucket_cap_mb": 0.002 if i == 0 else 25.0,
             }
             # AdamW: parameters of >= 256 bytes travel alone, in place (as 1 MiB ones do).
-            with alone_bytes(256 if i == 2 else zero_layout.ALONE_BYTES):
+            with alone_bytes(256 if i == 2 else zero_greedy.ALONE_BYTES):
                 pair = Pair(world_size, zero(cls, **kw, **extra), plain(cls, **kw))
             for _ in range(20):
                 pair.step()

@@ -107,7 +107,9 @@ def check_pool_memory(wrapper: DataParallel) -> None:
     bound = POOL_BUFFERS * max(bucket_nbytes)
     peak = sharder.pool.peak_nbytes
     assert 0 < peak <= bound and peak < sum(bucket_nbytes), (peak, bound, sum(bucket_nbytes))
-    assert not any(sharder.pool.holds(b) for b in sharder.buckets), "all returned after sync"
+    assert not any(sharder.pool.holds(b) for b in wrapper.reducer.buckets), (
+        "all returned after sync"
+    )
 
 
 class SometimesBranch(nn.Module):

@@ -1,4 +1,9 @@
-"""Process groups named by a ``Topology``; shared-parameter gradient sums (docs/design.md §5, §6).
+"""Process groups named by a ``Topology``: the top of the torch executor (docs/design.md §5).
+
+Every parallelism uses them: data parallelism takes ``groups["dp"]``, the model-parallel
+layers their ``tp``/``cp``/``ep`` groups, the shared-parameter sums (``shared_reductions``) the
+groups of their plan. So they sit here, below all of them, as torchtitan's ``ParallelDims``
+and picotron's process-group manager do.
 
 ``dist.new_group`` is collective over the whole world: every rank must call it for every
 group, members or not, in the same order, or ranks pair up the wrong groups and hang. So
@@ -15,18 +20,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed import ProcessGroup
 
-from gradsync_core import (
-    AXES,
-    EXPERT_GROUPS,
-    STANDARD_GROUPS,
-    ReductionPlan,
-    Topology,
-    describe_difference,
-)
-from gradsync_torch._specs import named_parameters
+from gradsync_core import AXES, EXPERT_GROUPS, STANDARD_GROUPS, Topology
 
 
 @dataclass(frozen=True, eq=False)
@@ -183,138 +179,10 @@ class ProcessGroups:
         from torch.distributed.device_mesh import DeviceMesh
 
         topo = self.topology
-        if expert:
-            axes = topo.expert_mesh_axis_names
-            sizes = dict(zip(axes, topo.expert_mesh_shape, strict=True))
-        else:
-            axes = topo.mesh_axis_names
-            sizes = dict(zip(axes, topo.mesh_shape, strict=True))
-        names = [a for a in axes if sizes[a] > 1]
+        sizes = topo.mesh_sizes(expert=expert)
+        names = [a for a, size in sizes.items() if size > 1]
         mesh = torch.arange(topo.world_size).reshape([sizes[a] for a in names] or [1])
         if not names:
             return DeviceMesh.from_group(dist.group.WORLD, device_type, mesh_dim_names=("dp",))
         pgs = [self.group(a).process_group for a in names]
         return DeviceMesh.from_group(pgs, device_type, mesh, mesh_dim_names=tuple(names))
-
-
-def check_reduction_plan(plan: ReductionPlan, groups: ProcessGroups) -> None:
-    """Verify that every member of each reduction group holds the same buckets (collective).
-
-    Tiny ``all_gather_object``s (the group list over the world, then each group's buckets),
-    run once at setup: a mismatch raises here, naming the ranks and the first differing
-    parameter, instead of hanging later.
-
-    Raises:
-        ValueError: if the plan's topology is not ``groups.topology`` or members differ.
-    """
-    if plan.topology != groups.topology:
-        raise ValueError(
-            "the reduction plan was made for another topology; build it with "
-            "plan_shared_reductions(specs, groups.topology)"
-        )
-    # First the list of groups, over the world: a rank missing a group would otherwise
-    # leave its peers waiting in that group's all-gather below.
-    every: list[tuple[str, ...] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, plan.group_names)
-    for other_rank, names in enumerate(every):
-        if names != plan.group_names:
-            raise ValueError(
-                f"rank {groups.rank} plans extra sums over {list(plan.group_names)} but rank "
-                f"{other_rank} over {list(names or ())}; build the plan from the same model "
-                "on every rank"
-            )
-    for reduction in plan.reductions:
-        group = groups.group(reduction.group)
-        if group.size == 1:
-            continue
-        mine = reduction.buckets.to_json()
-        seen: list[dict | None] = [None] * group.size
-        dist.all_gather_object(seen, mine, group=group.process_group)
-        for position, theirs in enumerate(seen):
-            if theirs != mine:
-                other = type(reduction.buckets).from_json(theirs)
-                raise ValueError(
-                    f"ranks {groups.rank} and {group.ranks[position]} of group "
-                    f"{reduction.group!r} hold different shared-reduction buckets: "
-                    f"{describe_difference(reduction.buckets, other)}; build the plan from the "
-                    "same model on every rank"
-                )
-
-
-def reduce_shared_gradients(
-    module: nn.Module | Iterable[tuple[str, torch.Tensor]],
-    groups: ProcessGroups,
-    plan: ReductionPlan,
-) -> None:
-    """Sum the gradients of replicated parameters over their groups, bucketed (docs/design.md §6).
-
-    Expert parameters (the plan's ``"edp"`` reduction) are summed over ``edp`` and divided by
-    the dense ``dp``; leave them out of the dense data-parallel mean.
-
-    Call after backward, before or after the data-parallel mean (the two commute): each
-    bucket is flattened, all-reduced over its group (all buckets in flight at once) and
-    copied back. A parameter without a gradient contributes zeros and receives the sum.
-
-    Args:
-        module: the model, or its ``named_parameters()``.
-        groups: this rank's groups; must contain every group of ``plan``.
-        plan: from ``plan_shared_reductions(shared_param_specs(model), groups.topology)``.
-
-    Raises:
-        ValueError: if the plan names an unknown parameter or its topology differs.
-        RuntimeError: on a sparse gradient or one that requires grad (as DataParallel).
-
-    Example:
-        >>> loss.backward()
-        >>> reduce_shared_gradients(model, groups, plan)
-    """
-    if plan.topology != groups.topology:
-        raise ValueError(
-            "the reduction plan was made for another topology; build it with "
-            "plan_shared_reductions(specs, groups.topology)"
-        )
-    pairs = named_parameters(module) if isinstance(module, nn.Module) else list(module)
-    params = dict(pairs)
-    pending = []
-    for reduction in plan.reductions:
-        group = groups.group(reduction.group)
-        if group.size == 1:
-            if reduction.divisor != 1:  # an expert held by one rank still owes the 1/dp
-                for slot in reduction.buckets.slots:
-                    grad = params[slot.name].grad
-                    if grad is not None:
-                        grad.div_(reduction.divisor)
-            continue
-        for bucket in reduction.buckets.buckets:
-            members = []
-            for slot in bucket.slots:
-                if slot.name not in params:
-                    raise ValueError(
-                        f"the reduction plan names {slot.name!r}, which is not a parameter of "
-                        "this model; build the plan from the same model"
-                    )
-                members.append((slot, params[slot.name]))
-            first = members[0][1]
-            flat = torch.zeros(bucket.numel, dtype=first.dtype, device=first.device)
-            for slot, param in members:
-                grad = param.grad
-                if grad is None:
-                    continue
-                if grad.is_sparse or grad.requires_grad:
-                    raise RuntimeError(
-                        f"gradient of {slot.name!r} is sparse or requires grad; gradsync "
-                        "reduces dense, detached gradients only"
-                    )
-                flat[slot.offset : slot.offset + slot.numel].copy_(grad.reshape(-1))
-            work = dist.all_reduce(flat, group=group.process_group, async_op=True)
-            pending.append((work, flat, members, reduction.divisor))
-    for work, flat, members, divisor in pending:
-        work.wait()
-        if divisor != 1:  # expert gradients: summed over edp, divided by the dense dp
-            flat.div_(divisor)
-        for slot, param in members:
-            value = flat[slot.offset : slot.offset + slot.numel].view(param.shape)
-            if param.grad is None:
-                param.grad = value.clone()
-            else:
-                param.grad.copy_(value)
