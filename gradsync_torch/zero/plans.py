@@ -160,24 +160,8 @@ def plan_flat(
 def rename_plan(plan: ShardPlan, names: dict[str, str], groups: dict[str, int]) -> ShardPlan:
     """``plan`` with parameters renamed by ``names`` and shard groups set by ``groups``
     (parameters missing from them keep theirs): DataParallel's names are the module's,
-    a checkpoint's are the optimizer's."""
-    buckets = plan.buckets
-    if buckets is not None:
-        renamed = tuple(
-            dataclasses.replace(
-                b,
-                slots=tuple(
-                    dataclasses.replace(s, name=names.get(s.name, s.name)) for s in b.slots
-                ),
-            )
-            for b in buckets.buckets
-        )
-        buckets = dataclasses.replace(buckets, buckets=renamed)
-    shards = tuple(
-        dataclasses.replace(s, name=names.get(s.name, s.name), group=groups.get(s.name, s.group))
-        for s in plan.shards
-    )
-    return dataclasses.replace(plan, shards=shards, buckets=buckets)
+    a checkpoint's are the optimizer's. One rule for both executors: ``ShardPlan.renamed``."""
+    return plan.renamed(names, groups)
 
 
 def plan_over_buckets(
