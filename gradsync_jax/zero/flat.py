@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 from gradsync_core import BucketPlan, ShardPlan, plan_buckets, plan_flat_shards
 from gradsync_jax._axes import psum_scatter_mean, tracks_variance, varying
 from gradsync_jax._naming import registration_order
-from gradsync_jax.zero.clip import shard_context
+from gradsync_jax.zero.clip import global_norm_args
 from gradsync_jax.zero.layout import (
     Collective,
     UpdateInputs,
@@ -149,10 +149,13 @@ class FlatLayout:
                 for b, flat in enumerate(self._flat(params))
             )
         norm = jnp.sqrt(lax.psum(sum(jnp.sum(jnp.square(g)) for g in g_chunks), axes))
-        with shard_context(g_chunks, norm):
-            u_chunks, inner_state = inner.update(
-                g_chunks, inputs.state.inner, p_chunks, **inputs.extra_args
-            )
+        u_chunks, inner_state = inner.update(
+            g_chunks,
+            inputs.state.inner,
+            p_chunks,
+            **inputs.extra_args,
+            **global_norm_args(g_chunks, norm),
+        )
         if tracks_variance(axes):  # a global leaf computed from this device's chunk only
             leaves = self.state_treedef.flatten_up_to(inner_state)
             for (kind, index, _), leaf in zip(self.sources, leaves, strict=True):
