@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -98,6 +98,15 @@ class BucketPlan:
     @property
     def nbytes(self) -> int:
         return sum(bucket.nbytes for bucket in self.buckets)
+
+    def check_names(self, names: Iterable[str], *, where: str) -> None:
+        """Refuse a plan that names a parameter ``names`` lacks (``where`` says what
+        ``names`` are: ``"a leaf of grads"``, ``"a parameter of this model"``).
+
+        Raises:
+            ValueError: naming the first planned parameter that is missing.
+        """
+        check_planned_names("bucket plan", (slot.name for slot in self.slots), names, where)
 
     def renamed(
         self,
@@ -219,6 +228,20 @@ class BucketPlan:
     @property
     def fingerprint(self) -> str:
         return fingerprint(self.to_json())
+
+
+def check_planned_names(
+    kind: str, planned: Iterable[str], names: Iterable[str], where: str
+) -> None:
+    """The one "plan names a parameter the model lacks" rule of every plan kind: a planned
+    parameter without a gradient would leave a collective's members disagreeing."""
+    known = set(names)
+    for name in planned:
+        if name not in known:
+            raise ValueError(
+                f"the {kind} names {name!r}, which is not {where}; build the plan from the same "
+                "model (every planned parameter must get a gradient, zeros if unused)"
+            )
 
 
 def check_distinct_renames(names: Sequence[str]) -> None:

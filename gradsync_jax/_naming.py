@@ -37,7 +37,7 @@ import jax
 import numpy as np
 
 from gradsync_core import ParamSpec, ShardPlan
-from gradsync_jax._specs import path_name
+from gradsync_jax._specs import device_tag, path_name
 
 _LEAF_TO_TORCH = {"kernel": "weight", "scale": "weight", "embedding": "weight"}
 _LEAF_ORDER = {"weight": 0, "bias": 1}  # torch's registration order inside a module
@@ -181,7 +181,7 @@ def torch_specs(
             name=name,
             shape=_torch_shape(flax, tuple(int(d) for d in leaf.shape)),
             dtype=np.dtype(leaf.dtype).name,
-            device="cpu" if jax.default_backend() == "cpu" else "cuda",
+            device=device_tag(),
         )
     if order is None:
         return [specs[name] for name in sorted(specs, key=_natural_key)]

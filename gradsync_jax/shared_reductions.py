@@ -26,14 +26,7 @@ def _leaf_groups(
 ) -> tuple[list[Any], Any, list[str]]:
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     names = leaf_names(tree, names)
-    known = set(names)
-    for reduction in plan.reductions:
-        for name in reduction.names:
-            if name not in known:
-                raise ValueError(
-                    f"the reduction plan names {name!r}, which is not a leaf here; build the "
-                    "plan from the same tree (shared_param_specs) or pass names="
-                )
+    plan.check_names(names, where="a leaf here (plan it with shared_param_specs of this tree)")
     return leaves, treedef, names
 
 

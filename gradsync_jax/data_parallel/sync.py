@@ -276,15 +276,11 @@ def _reduce_buckets(
             f"{len(unplanned)} without one); build the plan from the same tree "
             "(plan_buckets(param_specs(params))) or pass names= mapping leaves to plan names"
         )
+    plan.check_names(names, where="a leaf of grads")
     out: list[jax.Array | None] = [None] * len(leaves)
     for bucket in plan.buckets:
         members = []
         for slot in bucket.slots:
-            if slot.name not in position:
-                raise ValueError(
-                    f"the bucket plan has parameter {slot.name!r}, which is not a leaf of "
-                    "grads; every planned parameter must get a gradient (zeros if unused)"
-                )
             i = position[slot.name]
             if leaves[i].size != slot.numel:
                 raise ValueError(

@@ -247,3 +247,10 @@ def test_padded_only_pads_and_concat_reindexes():
     assert joined.cap_bytes == plan.cap_bytes
     with pytest.raises(ValueError, match="at least one bucket plan"):
         BucketPlan.concat([])
+
+
+def test_check_names_names_the_first_planned_parameter_the_model_lacks():
+    plan = plan_buckets([spec("a", 2), spec("b", 3)])
+    plan.check_names(["b", "a", "extra"], where="a parameter of this model")
+    with pytest.raises(ValueError, match="the bucket plan names 'b', which is not a leaf of g"):
+        plan.check_names(["a"], where="a leaf of grads")
