@@ -16,7 +16,6 @@ import torch.distributed as dist
 from torch import nn
 
 from gradsync_core import (
-    Bucket,
     BucketPlan,
     ParamSpec,
     ShardPlan,
@@ -119,21 +118,7 @@ def plan_shards(
 def concat_bucket_plans(plans: Sequence[BucketPlan]) -> BucketPlan:
     """One plan holding the buckets of ``plans`` in order (re-indexed): parameters added
     with ``add_param_group`` get buckets of their own and leave the earlier ones alone."""
-    buckets: list[Bucket] = []
-    for plan in plans:
-        for bucket in plan.buckets:
-            index = len(buckets)
-            slots = tuple(dataclasses.replace(s, bucket=index) for s in bucket.slots)
-            buckets.append(dataclasses.replace(bucket, index=index, slots=slots))
-    first = plans[0]
-    return BucketPlan(
-        buckets=tuple(buckets),
-        cap_bytes=first.cap_bytes,
-        first_cap_bytes=first.first_cap_bytes,
-        align=first.align,
-        pad_to=first.pad_to,
-        order=first.order,
-    )
+    return BucketPlan.concat(plans)
 
 
 def plan_flat(
