@@ -8,6 +8,8 @@ single-device full-batch reference: parameters and the gathered Adam mu/nu/count
 
 from __future__ import annotations
 
+import copy
+
 import jax
 import numpy as np
 import optax
@@ -50,3 +52,14 @@ def test_conflicting_options_are_refused() -> None:
     nested = optax.chain(optax.scale(1.0), tx)
     with pytest.raises(ValueError, match="holds a shard_optimizer"):
         data_parallel_step(LOSS_FN, nested, MESH)(PARAMS, nested.init(PARAMS), BATCH)
+    # global_norm= is how shard_optimizer hands clip_by_global_norm the norm: reserved.
+    with pytest.raises(ValueError, match="global_norm= is the extra argument"):
+        step = data_parallel_step(LOSS_FN, tx, MESH, loss_as="global_norm")
+        step(PARAMS, tx.init(PARAMS), BATCH)
+
+
+def test_sharded_optimizer_keeps_its_transform_through_a_copy() -> None:
+    tx = shard_optimizer(optax.adam(1e-2), MESH)
+    clone = copy.copy(tx)
+    assert isinstance(clone, optax.GradientTransformationExtraArgs)
+    assert clone.settings is tx.settings and clone.plan(PARAMS) == tx.plan(PARAMS)
