@@ -133,16 +133,11 @@ def data_parallel_step(
         derive_state_specs=param_specs is not None,
         default_sync=SyncedState(axis_name=axis_name),
     )
-    # By the optimizer state's structure (a C++ flatten per call, not a Python tree walk):
-    # the sync found in it and the compiled step that runs it.
-    compiled: dict[Any, StepFn] = {}
+    mapped = _mapped_step(parts)
 
     def step(params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, jax.Array]:
         parts.check_batch(batch)
-        structure = jax.tree.structure(opt_state)
-        if structure not in compiled:
-            compiled[structure] = _mapped_step(parts.local_step(parts.sync_of(opt_state)), parts)
-        return compiled[structure](params, opt_state, batch)
+        return mapped(params, opt_state, batch)
 
     return step
 
@@ -159,7 +154,7 @@ class _Step:
     accumulate_steps: int
     loss_as: str | None
     derive_state_specs: bool
-    default_sync: SyncedState  # one object, so the default sync compiles once
+    default_sync: SyncedState
 
     def check_batch(self, batch: Any) -> None:
         multiple = self.placement.dp_size * self.accumulate_steps
@@ -272,14 +267,17 @@ def _check_sharded_optimizer(
         )
 
 
-def _mapped_step(local_step: StepFn, parts: _Step) -> StepFn:
-    """``local_step`` in one ``shard_map`` over the mesh, jitted."""
+def _mapped_step(parts: _Step) -> StepFn:
+    """The local step in one ``shard_map`` over the mesh, jitted. The sync is found in the
+    optimizer state while tracing: jit traces once per state structure, so a call costs
+    nothing beyond jit's own dispatch."""
     tx, mesh, placement = parts.tx, parts.mesh, parts.placement
     explicit = all(t == AxisType.Explicit for t in mesh.axis_types)
     specs = placement.param_specs
 
     @jax.jit
     def mapped(params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, jax.Array]:
+        local_step = parts.local_step(parts.sync_of(opt_state))
         if isinstance(tx, ShardedOptimizer):
             state_specs = tx.state_specs(params)
         elif parts.derive_state_specs:
