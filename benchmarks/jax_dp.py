@@ -39,6 +39,7 @@ from gradsync_jax import (
     data_parallel_step,
     mesh_from_topology,
     param_specs,
+    synced,
     value_and_local_grad,
 )
 
@@ -109,26 +110,28 @@ def main() -> None:
     )
     tx = optax.adam(1e-3)
     plan = plan_buckets(param_specs(params))
-    steps = {
-        "anchor (per-leaf pmean)": anchor_step(tx, mesh),
-        "gradsync (default)": data_parallel_step(loss_fn, tx, mesh),
-        f"gradsync bucketed ({len(plan.buckets)} buckets)": data_parallel_step(
-            loss_fn, tx, mesh, plan=plan
+    bucketed_tx = optax.chain(synced("dp", plan=plan), tx)
+    steps = {  # name -> (step, the transformation whose state it carries)
+        "anchor (per-leaf pmean)": (anchor_step(tx, mesh), tx),
+        "gradsync (default)": (data_parallel_step(loss_fn, tx, mesh), tx),
+        f"gradsync bucketed ({len(plan.buckets)} buckets)": (
+            data_parallel_step(loss_fn, bucketed_tx, mesh),
+            bucketed_tx,
         ),
     }
     # Built once: the repeats reuse the compiled steps, and each starts from the same state.
-    runs = run_repeats(lambda _: measure(args, rounds, params, batch, tx, steps), args.repeat)
+    runs = run_repeats(lambda _: measure(args, rounds, params, batch, steps), args.repeat)
     finish(runs, ("ratio_vs_anchor", "bucketed_ratio_vs_anchor"))
 
 
-def measure(args, rounds: int, params: dict, batch: tuple, tx, steps: dict) -> dict:
+def measure(args, rounds: int, params: dict, batch: tuple, steps: dict) -> dict:
     """One whole run (warm-up, alternating rounds, the agreement check) from the same state."""
     numel = sum(leaf.size for leaf in jax.tree.leaves(params))
-    state = {name: (params, tx.init(params)) for name in steps}
+    state = {name: (params, tx.init(params)) for name, (_, tx) in steps.items()}
     times: dict[str, list[float]] = {name: [] for name in steps}
     results = {}
     for r in range(args.warmup + rounds):
-        for name, step in steps.items():
+        for name, (step, _) in steps.items():
             p, s = state[name]
             t0 = time.perf_counter()
             p, s, loss = step(p, s, batch)

@@ -42,7 +42,7 @@ def main() -> None:
     import optax
 
     from gradsync_core import Topology
-    from gradsync_jax import data_parallel_step, mesh_from_topology
+    from gradsync_jax import data_parallel_step, mesh_from_topology, synced
 
     jax.config.update("jax_num_cpu_devices", args.devices)
     mesh = mesh_from_topology(Topology.create(jax.device_count()))  # 1-D here: dp = all
@@ -89,14 +89,10 @@ def main() -> None:
         x, y = batch
         return jnp.mean((predict(params, x) - y) ** 2)
 
-    tx = optax.adam(3e-3)
-    step = data_parallel_step(
-        loss_fn,
-        tx,
-        mesh,
-        accumulate_steps=args.accumulate,
-        reduce_dtype=jnp.bfloat16 if args.reduce_dtype == "bfloat16" else None,
-    )
+    # The sync is the first transformation: the mean over dp, in bf16 on the wire if asked.
+    wire = jnp.bfloat16 if args.reduce_dtype == "bfloat16" else None
+    tx = optax.chain(synced("dp", reduce_dtype=wire), optax.adam(3e-3))
+    step = data_parallel_step(loss_fn, tx, mesh, accumulate_steps=args.accumulate)
     opt_state = tx.init(params)
 
     @jax.jit

@@ -5,7 +5,8 @@
     python examples/jax_tp_train.py --skip-shared-sums    # drifts from serial, exit 1
 
 The twin of examples/torch_tp_train.py. One call builds the step:
-``data_parallel_step(loss, tx, mesh, param_specs=specs, batch_spec=data, shared=plan)`` runs
+``data_parallel_step(loss, optax.chain(synced("dp", shared=plan), optax.adamw(lr)), mesh,
+param_specs=specs, batch_spec=data)`` runs
 the forward inside ``jax.shard_map``, keeps the gradients local over ``dp`` and PARTIAL over
 the derived reduction groups (``plan``, from the parameters' and the input's specs), then
 takes the dp mean and the model-parallel sums (bucketed, once per step); AdamW runs on the
@@ -44,6 +45,7 @@ from gradsync_jax import (
     nnx_functional,
     shared_param_specs,
     sync_gradients,
+    synced,
     value_and_local_grad,
 )
 
@@ -114,11 +116,11 @@ def main() -> None:
 
     opt = optax.adamw(args.lr)
     if args.skip_shared_sums:
+        tx = opt
         train_step = _forgetful_step(loss_fn, opt, mesh, specs, data, plan, shared)
-    else:
-        train_step = data_parallel_step(
-            loss_fn, opt, mesh, param_specs=specs, batch_spec=data, shared=plan
-        )
+    else:  # the sync first: the dp mean, then the planned sums, once per step
+        tx = optax.chain(synced("dp", shared=plan), opt)
+        train_step = data_parallel_step(loss_fn, tx, mesh, param_specs=specs, batch_spec=data)
 
     @jax.jit
     def serial_step(params, opt_state, x, target):
@@ -129,7 +131,7 @@ def main() -> None:
         return optax.apply_updates(params, updates), opt_state, loss
 
     par_params = params  # the step shards them as param_specs says
-    par_state = opt.init(par_params)
+    par_state = tx.init(par_params)
     ser_params, ser_state = params, opt.init(params)
     print(f"config: {topo.world_size} devices, topology {topo.order}: tp={topo.tp} "
           f"cp={topo.cp} dp={topo.dp}, sp={sp}; {args.steps} steps, batch {args.batch} x "

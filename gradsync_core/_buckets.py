@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from gradsync_core._canonical import PLAN_VERSION, check_header, fingerprint
@@ -99,6 +99,84 @@ class BucketPlan:
     def nbytes(self) -> int:
         return sum(bucket.nbytes for bucket in self.buckets)
 
+    def check_names(self, names: Iterable[str], *, where: str) -> None:
+        """Refuse a plan that names a parameter ``names`` lacks (``where`` says what
+        ``names`` are: ``"a leaf of grads"``, ``"a parameter of this model"``).
+
+        Raises:
+            ValueError: naming the first planned parameter that is missing.
+        """
+        check_planned_names("bucket plan", (slot.name for slot in self.slots), names, where)
+
+    def renamed(
+        self,
+        names: Mapping[str, str],
+        *,
+        shapes: Mapping[str, tuple[int, ...]] | None = None,
+    ) -> BucketPlan:
+        """This layout with its slots renamed by ``names`` (old -> new; a slot missing from it
+        keeps its name) and reshaped by ``shapes`` (old name -> new shape, same numel).
+
+        Offsets and bucket lengths stay: the buffer is the same, only what its slots are
+        called changes (torch's ``fc.weight (out, in)`` for Flax's ``Dense_0/kernel (in, out)``).
+
+        Raises:
+            ValueError: if two slots get one name, or a new shape has another element count.
+
+        Example:
+            >>> plan = plan_buckets([ParamSpec(name="k", shape=(3, 2))])
+            >>> [(s.name, s.shape) for s in plan.renamed({"k": "w"}, shapes={"k": (2, 3)}).slots]
+            [('w', (2, 3))]
+        """
+        shapes = shapes or {}
+        buckets = []
+        for bucket in self.buckets:
+            slots = []
+            for slot in bucket.slots:
+                shape = tuple(shapes.get(slot.name, slot.shape))
+                if math.prod(shape) != slot.numel:
+                    raise ValueError(
+                        f"slot {slot.name!r} has shape {slot.shape} ({slot.numel} elements) but "
+                        f"the new shape {shape} has {math.prod(shape)}; a rename keeps the "
+                        "buffer, so pass a shape with the same element count"
+                    )
+                slots.append(replace(slot, name=names.get(slot.name, slot.name), shape=shape))
+            buckets.append(replace(bucket, slots=tuple(slots)))
+        check_distinct_renames([slot.name for bucket in buckets for slot in bucket.slots])
+        return replace(self, buckets=tuple(buckets))
+
+    def padded(self, multiple: int) -> BucketPlan:
+        """This layout with every bucket's length rounded up to a multiple of
+        ``lcm(pad_to, multiple)`` (a reduce-scatter over ``multiple`` ranks needs it); slots
+        and offsets stay, only padding is added at the end of each bucket.
+
+        Raises:
+            ValueError: if ``multiple`` is not a positive int.
+        """
+        _check_positive(multiple=multiple)
+        pad_to = math.lcm(self.pad_to, multiple)
+        buckets = tuple(replace(b, numel=_round_up(b.numel, pad_to)) for b in self.buckets)
+        return replace(self, buckets=buckets, pad_to=pad_to)
+
+    @staticmethod
+    def concat(plans: Sequence[BucketPlan]) -> BucketPlan:
+        """One layout holding the buckets of ``plans`` in order, re-indexed; the caps,
+        alignment and order are the first plan's (parameters added to an optimizer later get
+        buckets of their own and leave the earlier ones alone).
+
+        Raises:
+            ValueError: if ``plans`` is empty.
+        """
+        if not plans:
+            raise ValueError("concat needs at least one bucket plan")
+        buckets: list[Bucket] = []
+        for plan in plans:
+            for bucket in plan.buckets:
+                index = len(buckets)
+                slots = tuple(replace(s, bucket=index) for s in bucket.slots)
+                buckets.append(replace(bucket, index=index, slots=slots))
+        return replace(plans[0], buckets=tuple(buckets))
+
     def to_json(self) -> dict[str, Any]:
         return {
             "kind": "bucket_plan",
@@ -150,6 +228,32 @@ class BucketPlan:
     @property
     def fingerprint(self) -> str:
         return fingerprint(self.to_json())
+
+
+def check_planned_names(
+    kind: str, planned: Iterable[str], names: Iterable[str], where: str
+) -> None:
+    """The one "plan names a parameter the model lacks" rule of every plan kind: a planned
+    parameter without a gradient would leave a collective's members disagreeing."""
+    known = set(names)
+    for name in planned:
+        if name not in known:
+            raise ValueError(
+                f"the {kind} names {name!r}, which is not {where}; build the plan from the same "
+                "model (every planned parameter must get a gradient, zeros if unused)"
+            )
+
+
+def check_distinct_renames(names: Sequence[str]) -> None:
+    """Raise ``ValueError`` if a rename gave two parameters one name."""
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            raise ValueError(
+                f"the rename gives two parameters the name {name!r}; map every parameter "
+                "to its own name"
+            )
+        seen.add(name)
 
 
 def _check_positive(**values: int) -> None:

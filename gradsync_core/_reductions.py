@@ -30,7 +30,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from gradsync_core._buckets import DEFAULT_CAP_BYTES, BucketPlan, plan_buckets
+from gradsync_core._buckets import (
+    DEFAULT_CAP_BYTES,
+    BucketPlan,
+    check_planned_names,
+    plan_buckets,
+)
 from gradsync_core._canonical import PLAN_VERSION, check_header, fingerprint
 from gradsync_core._specs import ParamSpec, check_unique_names
 from gradsync_core._topology import AXES, Topology
@@ -150,6 +155,15 @@ class ReductionPlan:
 
     topology: Topology
     reductions: tuple[SharedReduction, ...]
+
+    def check_names(self, names: Iterable[str], *, where: str) -> None:
+        """Refuse a plan that names a parameter ``names`` lacks (``BucketPlan.check_names``).
+
+        Raises:
+            ValueError: naming the first planned parameter that is missing.
+        """
+        planned = (name for reduction in self.reductions for name in reduction.names)
+        check_planned_names("reduction plan", planned, names, where)
 
     @property
     def group_names(self) -> tuple[str, ...]:

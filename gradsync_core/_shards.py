@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from gradsync_core._buckets import BucketPlan
+from gradsync_core._buckets import BucketPlan, check_distinct_renames
 from gradsync_core._canonical import PLAN_VERSION, check_header, fingerprint
 from gradsync_core._specs import ParamSpec, check_unique_names
 
@@ -103,6 +103,41 @@ class ShardPlan:
     @property
     def fingerprint(self) -> str:
         return fingerprint(self.to_json())
+
+    def renamed(
+        self,
+        names: Mapping[str, str],
+        groups: Mapping[str, int] | None = None,
+        *,
+        shapes: Mapping[str, tuple[int, ...]] | None = None,
+    ) -> ShardPlan:
+        """This plan with parameters renamed by ``names`` (old -> new), the param-group index
+        of each shard set by ``groups`` (old name -> group) and, in the embedded bucket plan,
+        slots renamed and reshaped by ``shapes`` (``BucketPlan.renamed``); a parameter
+        missing from a mapping keeps its name, group or shape.
+
+        One rename for both the shards and the layout they cut, so the plan stays one
+        statement: a JAX flat plan renamed to torch names and shapes is the plan torch
+        makes for the twin module (same fingerprint).
+
+        Raises:
+            ValueError: if two parameters get one name, or a new shape has another element
+                count.
+
+        Example:
+            >>> plan = plan_greedy_shards([ParamSpec(name="k", shape=(3,))], world_size=1)
+            >>> [s.name for s in plan.renamed({"k": "w"}).shards]
+            ['w']
+        """
+        groups = groups or {}
+        owned = dict.fromkeys(shard.name for shard in self.shards)  # a flat plan splits some
+        check_distinct_renames([names.get(name, name) for name in owned])
+        shards = tuple(
+            replace(s, name=names.get(s.name, s.name), group=groups.get(s.name, s.group))
+            for s in self.shards
+        )
+        buckets = None if self.buckets is None else self.buckets.renamed(names, shapes=shapes)
+        return replace(self, shards=shards, buckets=buckets)
 
 
 def _check_world_size(world_size: int) -> None:

@@ -1,6 +1,5 @@
 """gradsync_jax: executes gradsync_core plans with jax."""
 
-from gradsync_jax._accumulate import accumulate_local_grads, split_microbatches
 from gradsync_jax._mesh import mesh_from_topology
 from gradsync_jax._naming import (
     from_torch_state,
@@ -11,8 +10,17 @@ from gradsync_jax._naming import (
     torch_specs,
 )
 from gradsync_jax._specs import param_specs, path_name
-from gradsync_jax._step import data_parallel_step
-from gradsync_jax._sync import local_grad, make_local, sync_gradients, value_and_local_grad
+from gradsync_jax.data_parallel import (
+    SyncedState,
+    accumulate_local_grads,
+    data_parallel_step,
+    local_grad,
+    make_local,
+    split_microbatches,
+    sync_gradients,
+    synced,
+    value_and_local_grad,
+)
 from gradsync_jax.model_parallel import (
     ColumnParallelLinear,
     MoE,
@@ -21,16 +29,15 @@ from gradsync_jax.model_parallel import (
     copy_to,
     gather_from,
     group_axes,
-    make_shared_local,
     nnx_functional,
     reduce_from,
     reduce_scatter_to,
-    reduce_shared_gradients,
     scatter_to,
     shared_param_specs,
 )
 from gradsync_jax.model_state import load_params
 from gradsync_jax.sampler import ResumableSampler
+from gradsync_jax.shared_reductions import make_shared_local, reduce_shared_gradients
 from gradsync_jax.zero import (
     NotElementwiseError,
     ShardedOptimizer,
@@ -48,6 +55,7 @@ __all__: list[str] = [
     "ResumableSampler",
     "RowParallelLinear",
     "ShardedOptimizer",
+    "SyncedState",
     "ZeroState",
     "accumulate_local_grads",
     "all_gather_from",
@@ -76,6 +84,7 @@ __all__: list[str] = [
     "shared_param_specs",
     "split_microbatches",
     "sync_gradients",
+    "synced",
     "to_torch_state",
     "torch_names",
     "torch_plan",

@@ -85,8 +85,8 @@ def mesh_from_topology(
         )
     if len({id(d) for d in devices}) != len(devices):
         raise ValueError("devices lists a device twice; every rank needs its own device")
-    names = topology.expert_mesh_axis_names if expert else topology.mesh_axis_names
-    shape = topology.expert_mesh_shape if expert else topology.mesh_shape
+    sizes = topology.mesh_sizes(expert=expert)
+    names, shape = tuple(sizes), tuple(sizes.values())
     if isinstance(axis_types, AxisType):
         types = (axis_types,) * len(names)
     else:

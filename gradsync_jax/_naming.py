@@ -31,14 +31,13 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 from typing import Any
 
 import jax
 import numpy as np
 
 from gradsync_core import ParamSpec, ShardPlan
-from gradsync_jax._specs import path_name
+from gradsync_jax._specs import device_tag, path_name
 
 _LEAF_TO_TORCH = {"kernel": "weight", "scale": "weight", "embedding": "weight"}
 _LEAF_ORDER = {"weight": 0, "bias": 1}  # torch's registration order inside a module
@@ -182,7 +181,7 @@ def torch_specs(
             name=name,
             shape=_torch_shape(flax, tuple(int(d) for d in leaf.shape)),
             dtype=np.dtype(leaf.dtype).name,
-            device="cpu" if jax.default_backend() == "cpu" else "cuda",
+            device=device_tag(),
         )
     if order is None:
         return [specs[name] for name in sorted(specs, key=_natural_key)]
@@ -260,14 +259,21 @@ def registration_order(
 
 
 def torch_plan(plan: ShardPlan, *, modules: Mapping[str, str] | None = None) -> ShardPlan:
-    """``plan`` (shards named by Flax paths) with torch names: the plan torch would make.
+    """``plan`` (named by Flax paths) with torch names, and a flat plan's bucket slots with
+    torch names and shapes too: the plan torch would make (``ShardPlan.renamed``).
 
-    For a greedy plan of ``shard_optimizer`` its fingerprint equals the one of
-    ``ZeroRedundancyOptimizer.plan()`` for the twin torch module.
+    Its fingerprint equals the one of ``ZeroRedundancyOptimizer.plan()`` for the twin torch
+    module, greedy (ZeRO-1) or flat (``shard_gradients=True``, same ``bucket_cap_mb``). The
+    element ranges of a flat plan are ranges of the torch layout: checkpoints cut the torch
+    layout of each state tensor by them.
     """
-    return replace(
-        plan,
-        shards=tuple(
-            replace(shard, name=torch_name(shard.name, modules=modules)) for shard in plan.shards
-        ),
+    flax = {shard.name for shard in plan.shards}
+    if plan.buckets is not None:
+        flax.update(slot.name for slot in plan.buckets.slots)
+    names = {name: torch_name(name, modules=modules) for name in flax}
+    shapes = (
+        {}
+        if plan.buckets is None
+        else {slot.name: _torch_shape(slot.name, slot.shape) for slot in plan.buckets.slots}
     )
+    return plan.renamed(names, shapes=shapes)

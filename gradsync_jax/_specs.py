@@ -46,9 +46,12 @@ def leaf_names(
     return list(names)
 
 
-def _device_tag() -> str:
+def device_tag() -> str:
     """The placement tag of the default backend, spelled as torch spells its devices so a
-    plan made from a JAX model on a GPU matches one made from the torch model."""
+    plan made from a JAX model on a GPU matches one made from the torch model: ``"cuda"``
+    for JAX's ``gpu``/``cuda``/``rocm`` (torch calls a ROCm device ``cuda`` too), the
+    backend's own name otherwise (``"cpu"``, ``"tpu"``: torch has no TPU tag to match).
+    The one tag every JAX spec builder uses (``param_specs``, ``torch_specs``)."""
     backend = jax.default_backend()
     return {"gpu": "cuda", "cuda": "cuda", "rocm": "cuda"}.get(backend, backend)
 
@@ -68,7 +71,7 @@ def param_specs(tree: Any) -> list[ParamSpec]:
             name=path_name(path),
             shape=tuple(int(d) for d in leaf.shape),
             dtype=np.dtype(leaf.dtype).name,
-            device=_device_tag(),
+            device=device_tag(),
         )
         for path, leaf in leaves
     ]

@@ -87,6 +87,24 @@ def test_the_packages_have_no_import_cycle() -> None:
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
 
 
+# Executors whose data_parallel package is already the base layer (docs/design.md §14);
+# gradsync_torch joins once its ProcessGroups leave model_parallel/.
+LAYERED = ("gradsync_jax",)
+
+
+@pytest.mark.parametrize("package", LAYERED)
+def test_data_parallel_never_imports_model_parallel(package: str) -> None:
+    """The base layer does not depend on the specialised one: the shared-parameter sums and
+    the meshes sit above both."""
+    graph = import_graph()
+    base, special = f"{package}.data_parallel", f"{package}.model_parallel"
+    modules = [m for m in graph if m == base or m.startswith(base + ".")]
+    assert modules, f"{base} has no modules"
+    for module in modules:
+        wrong = sorted(t for t in graph[module] if t == special or t.startswith(special + "."))
+        assert not wrong, f"{module} imports {wrong}"
+
+
 @pytest.mark.parametrize(
     ("graph", "has_cycle"),
     [

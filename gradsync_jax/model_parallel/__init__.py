@@ -15,12 +15,11 @@ from gradsync_jax.model_parallel.mappings import (
     copy_to,
     gather_from,
     group_axes,
-    make_shared_local,
     reduce_from,
     reduce_scatter_to,
-    reduce_shared_gradients,
     scatter_to,
 )
+from gradsync_jax.shared_reductions import make_shared_local, reduce_shared_gradients
 
 __all__: list[str] = [
     "ColumnParallelLinear",

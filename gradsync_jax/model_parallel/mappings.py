@@ -31,17 +31,14 @@ device every mapping is the identity.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from gradsync_core import ReductionPlan, split_shapes
-from gradsync_jax._axes import AxisName, varying
-from gradsync_jax._specs import leaf_names
+from gradsync_core import split_shapes
+from gradsync_jax._axes import AxisName, tracks_variance, varying
 
 
 def group_axes(axis: AxisName) -> tuple[str, ...]:
@@ -72,7 +69,7 @@ def _group(axis: AxisName, who: str) -> tuple[tuple[str, ...], int]:
     """(mesh axes, group size); checks that JAX tracks variance (the transposes need it)."""
     axes = group_axes(axis)
     n = math.prod(lax.axis_size(a) for a in axes)
-    if n > 1 and not set(axes) <= varying(lax.axis_index(axes)):
+    if n > 1 and not tracks_variance(axes):
         raise ValueError(
             f"{who} needs jax.shard_map(..., check_vma=True) (the default): its backward "
             "is JAX's transpose of a typed collective, which check_vma=False changes"
@@ -203,89 +200,3 @@ def all_gather_from(
     dim %= x.ndim
     sizes = _gather_sizes(x, dim, size, n, "all_gather_from")
     return _trim(lax.all_gather(x, axes, axis=dim, tiled=True), dim, sizes)
-
-
-def _leaf_groups(
-    tree: Any, plan: ReductionPlan, names: Sequence[str] | None
-) -> tuple[list[Any], Any, list[str]]:
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
-    names = leaf_names(tree, names)
-    known = set(names)
-    for reduction in plan.reductions:
-        for name in reduction.names:
-            if name not in known:
-                raise ValueError(
-                    f"the reduction plan names {name!r}, which is not a leaf here; build the "
-                    "plan from the same tree (shared_param_specs) or pass names="
-                )
-    return leaves, treedef, names
-
-
-def make_shared_local(
-    params: Any, plan: ReductionPlan, *, names: Sequence[str] | None = None
-) -> Any:
-    """Mark each planned parameter varying over its reduction group's axes (``lax.pcast``).
-
-    Differentiate w.r.t. the result inside ``shard_map`` and each device gets its PARTIAL
-    gradient of a replicated parameter, which ``reduce_shared_gradients`` then sums once per
-    step (bucketed, and after gradient accumulation rather than in every micro-step).
-    Without it JAX sums at every use (the transpose of its implicit broadcast) and
-    ``reduce_shared_gradients`` refuses the already-summed gradients.
-
-    Example:
-        >>> grads = jax.grad(loss)(make_shared_local(make_local(params, "dp"), plan), x)
-    """
-    leaves, treedef, names = _leaf_groups(params, plan, names)
-    group_of = {name: r.group for r in plan.reductions for name in r.names}
-    out = []
-    for name, leaf in zip(names, leaves, strict=True):
-        group = group_of.get(name)
-        if group is not None:
-            missing = tuple(a for a in plan.topology.mesh_axes(group) if a not in varying(leaf))
-            if missing and set(missing) <= varying(lax.axis_index(missing)):
-                leaf = lax.pcast(leaf, missing, to="varying")
-        out.append(leaf)
-    return jax.tree_util.tree_unflatten(treedef, out)
-
-
-def reduce_shared_gradients(
-    grads: Any, plan: ReductionPlan, *, names: Sequence[str] | None = None
-) -> Any:
-    """Sum partial gradients of replicated parameters over their groups (docs/design.md §6).
-
-    Call inside ``shard_map`` after differentiating w.r.t. ``make_shared_local(params, plan)``,
-    before or after the data-parallel mean (they commute). Each bucket of the plan is one
-    variadic ``psum`` (no flattening copies); unplanned leaves pass through. The expert
-    reduction (group ``"edp"``) is divided by its ``divisor``, the dense dp: expert gradients
-    must be left out of the data-parallel mean (``data_parallel_step`` does that).
-
-    Args:
-        grads: gradient pytree with leaves named as in the plan (``path_name``).
-        plan: ``plan_shared_reductions(shared_param_specs(...), topology)``.
-        names: plan names of the leaves in flattening order, if not ``path_name``.
-
-    Raises:
-        ValueError: if the plan names an unknown leaf, or a planned gradient is already
-            invariant over its group (JAX summed it: params were not made local, and a psum
-            would count it again).
-    """
-    leaves, treedef, names = _leaf_groups(grads, plan, names)
-    position = {name: i for i, name in enumerate(names)}
-    out = list(leaves)
-    for reduction in plan.reductions:
-        axes = plan.topology.mesh_axes(reduction.group)
-        tracked = set(axes) <= varying(lax.axis_index(axes))
-        for bucket in reduction.buckets.buckets:
-            members = [position[slot.name] for slot in bucket.slots]
-            for i in members:
-                if tracked and not set(axes) <= varying(leaves[i]):
-                    raise ValueError(
-                        f"gradient {names[i]!r} is already invariant over {axes}: JAX summed it "
-                        "because its parameter was replicated there, and a psum would count it "
-                        f"again. Differentiate w.r.t. make_shared_local(params, plan)."
-                    )
-            summed = lax.psum(tuple(leaves[i] for i in members), axes)
-            for i, value in zip(members, summed, strict=True):
-                # Expert gradients: summed over edp, divided by the dense dp (docs/design.md §6).
-                out[i] = value if reduction.divisor == 1 else value / reduction.divisor
-    return jax.tree_util.tree_unflatten(treedef, out)

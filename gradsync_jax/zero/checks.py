@@ -60,16 +60,15 @@ def check_state(spec_entry: Any, layout: Layout, state: Any) -> None:
             "the optimizer state does not match this transformation and parameter tree: "
             "pass the state that tx.init(params) returned (and the updates made from it)"
         )
-    local_shapes = getattr(layout, "local_shapes", None)  # flat: 1-D chunks in the inner state
-    if local_shapes is not None:
-        for leaf, want in zip(jax.tree.leaves(state.inner), local_shapes(), strict=True):
-            if tuple(leaf.shape) != tuple(want):
-                raise ValueError(
-                    f"an optimizer state leaf has local shape {tuple(leaf.shape)}, expected "
-                    f"{tuple(want)}; pass the state into shard_map with "
-                    "in_specs=tx.state_specs(params) and the same parameter tree it was "
-                    "initialized with"
-                )
+    # flat: 1-D chunks in the inner state; greedy: the global leaves, whole
+    for leaf, want in zip(jax.tree.leaves(state.inner), layout.local_shapes(), strict=True):
+        if tuple(leaf.shape) != tuple(want):
+            raise ValueError(
+                f"an optimizer state leaf has local shape {tuple(leaf.shape)}, expected "
+                f"{tuple(want)}; pass the state into shard_map with "
+                "in_specs=tx.state_specs(params) and the same parameter tree it was "
+                "initialized with"
+            )
     for dtype, buf in state.shards.items():
         if dtype not in expected.shards or buf.ndim != 2 or buf.shape[0] != 1:
             raise ValueError(

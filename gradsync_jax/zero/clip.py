@@ -3,74 +3,48 @@
 Inside ``shard_optimizer`` each device runs the inner transformation on its share of the
 gradient only, so ``optax.clip_by_global_norm`` would clip each share by that share's norm.
 ``clip_by_global_norm`` here takes the norm across all devices, which ``shard_optimizer``
-computes once (one scalar ``psum``) and hands over through a context while the inner update is
-traced; without ``shard_optimizer`` it is exactly ``optax.clip_by_global_norm``.
+computes once (one scalar ``psum``) and passes to the inner update as the Optax extra argument
+``global_norm`` (a ``GlobalNorm``); without ``shard_optimizer`` it is exactly
+``optax.clip_by_global_norm``.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
-
-@dataclass(frozen=True)
-class ShardContext:
-    """What ``shard_optimizer`` tells the transformations it wraps while tracing them."""
-
-    grads: tuple[Any, ...]  # the gradient leaves handed to the inner update (identity check)
-    norm: jax.Array | None  # the global norm of the reduced gradient, over all devices
-    asked: list[bool]  # appended to when a transformation reads ``norm``
-
-    def global_norm(self) -> jax.Array:
-        self.asked.append(True)
-        if self.norm is None:
-            raise RuntimeError("gradsync internal error: the global norm was not computed")
-        return self.norm
+GLOBAL_NORM = "global_norm"  # the extra argument's name
 
 
-_CONTEXT: contextvars.ContextVar[ShardContext | None] = contextvars.ContextVar(
-    "gradsync_shard_context", default=None
-)
+class GlobalNorm(NamedTuple):
+    """The extra argument ``global_norm`` that ``shard_optimizer`` hands its inner update."""
+
+    value: jax.Array  # the global norm of the reduced gradient, over all devices
+    of: tuple[Any, ...]  # the gradient leaves it is the norm of (identity check)
 
 
-@contextlib.contextmanager
-def shard_context(
-    grads: Any, norm: jax.Array | None, asked: list[bool] | None = None
-) -> Iterator[None]:
-    """Trace the inner update with the cross-device gradient norm at hand.
-
-    ``shard_optimizer`` computes the norm (one scalar psum) only when a trial trace shows that
-    a transformation reads it (``asked``): an unused psum cannot always be removed by XLA.
-    """
-    context = ShardContext(
-        grads=tuple(jax.tree.leaves(grads)), norm=norm, asked=[] if asked is None else asked
-    )
-    token = _CONTEXT.set(context)
-    try:
-        yield
-    finally:
-        _CONTEXT.reset(token)
+def global_norm_args(grads: Any, norm: jax.Array) -> dict[str, GlobalNorm]:
+    """The extra arguments that tell the inner update the global norm of ``grads``."""
+    return {GLOBAL_NORM: GlobalNorm(value=norm, of=tuple(jax.tree.leaves(grads)))}
 
 
-def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArgs:
     """Clip the gradient by its global norm, across devices under ``shard_optimizer``.
 
     Put it first in the chain wrapped by ``shard_optimizer`` (where Optax examples put
     clipping): it must see the gradient itself, and it raises if another transformation
-    runs before it. Outside ``shard_optimizer`` it equals ``optax.clip_by_global_norm``.
+    runs before it. Outside ``shard_optimizer`` (no ``global_norm`` extra argument) it
+    equals ``optax.clip_by_global_norm``.
 
     Args:
         max_norm: the largest global norm an update may have.
 
     Returns:
-        An ``optax.GradientTransformation`` with an empty state.
+        An ``optax.GradientTransformationExtraArgs`` with an empty state; its update reads
+        the extra argument ``global_norm`` (a ``GlobalNorm``) when given.
 
     Raises:
         ValueError: (when traced under ``shard_optimizer``) if it does not receive the
@@ -80,22 +54,28 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
         >>> tx = shard_optimizer(optax.chain(clip_by_global_norm(1.0), optax.adam(1e-3)), mesh)
     """
 
-    def update_fn(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
-        del params
-        context = _CONTEXT.get()
-        if context is None:
+    def update_fn(
+        updates: Any,
+        state: Any,
+        params: Any = None,
+        *,
+        global_norm: GlobalNorm | None = None,
+        **extra_args: Any,
+    ) -> tuple[Any, Any]:
+        del params, extra_args
+        if global_norm is None:
             g_norm = optax.tree.norm(updates)
         else:
             leaves = jax.tree.leaves(updates)
-            if len(leaves) != len(context.grads) or any(
-                a is not b for a, b in zip(leaves, context.grads, strict=True)
+            if len(leaves) != len(global_norm.of) or any(
+                a is not b for a, b in zip(leaves, global_norm.of, strict=True)
             ):
                 raise ValueError(
                     "gradsync_jax.clip_by_global_norm must be the first transformation in the "
                     "chain wrapped by shard_optimizer: it clips the gradient by the norm of the "
                     "whole gradient across devices, which is known only for the gradient itself"
                 )
-            g_norm = context.global_norm()
+            g_norm = global_norm.value
         # The same arithmetic as optax.clip_by_global_norm, so the unsharded run matches.
         trigger = jnp.squeeze(g_norm < max_norm)
 
@@ -104,4 +84,4 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
 
         return jax.tree.map(clip_fn, updates), state
 
-    return optax.GradientTransformation(optax.init_empty_state, update_fn)
+    return optax.GradientTransformationExtraArgs(optax.init_empty_state, update_fn)

@@ -23,7 +23,8 @@ from jax.sharding import PartitionSpec as P
 
 from gradsync_core import BucketPlan, ShardPlan, plan_buckets, plan_flat_shards
 from gradsync_jax._axes import psum_scatter_mean, tracks_variance, varying
-from gradsync_jax.zero.clip import shard_context
+from gradsync_jax._naming import registration_order
+from gradsync_jax.zero.clip import global_norm_args
 from gradsync_jax.zero.layout import (
     Collective,
     UpdateInputs,
@@ -148,10 +149,13 @@ class FlatLayout:
                 for b, flat in enumerate(self._flat(params))
             )
         norm = jnp.sqrt(lax.psum(sum(jnp.sum(jnp.square(g)) for g in g_chunks), axes))
-        with shard_context(g_chunks, norm):
-            u_chunks, inner_state = inner.update(
-                g_chunks, inputs.state.inner, p_chunks, **inputs.extra_args
-            )
+        u_chunks, inner_state = inner.update(
+            g_chunks,
+            inputs.state.inner,
+            p_chunks,
+            **inputs.extra_args,
+            **global_norm_args(g_chunks, norm),
+        )
         if tracks_variance(axes):  # a global leaf computed from this device's chunk only
             leaves = self.state_treedef.flatten_up_to(inner_state)
             for (kind, index, _), leaf in zip(self.sources, leaves, strict=True):
@@ -209,21 +213,104 @@ def build_flat(
     inner: optax.GradientTransformation, space: ModelSpace, n: int, cap_bytes: int
 ) -> FlatLayout:
     """Plan buckets (padded to a multiple of ``n``) and map the inner state onto them."""
-    buckets = plan_buckets(list(space.specs), cap_bytes=cap_bytes, pad_to=n)
-    plan = plan_flat_shards(buckets, world_size=n)
+    # Torch's registration order, so the plan renamed to torch names is the one
+    # ZeroRedundancyOptimizer(shard_gradients=True) makes for the twin module (same owners).
+    buckets = plan_buckets(registration_order(space.specs), cap_bytes=cap_bytes, pad_to=n)
     position = {spec.name: i for i, spec in enumerate(space.specs)}
     slots = tuple(
         tuple(FlatSlot(position[slot.name], slot.offset) for slot in bucket.slots)
         for bucket in buckets.buckets
     )
+    sources = _StateSources.of(inner, space, buckets, slots, n)
+    return FlatLayout(
+        space=space,
+        n=n,
+        plan=plan_flat_shards(buckets, world_size=n),
+        buckets=buckets,
+        slots=slots,
+        state_treedef=sources.treedef,
+        sources=sources.sources,
+        element_leaves=sources.element_leaves,
+        state_dtypes=sources.dtypes,
+    )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _StateSources:
+    """Where each leaf of ``inner.init(chunks)`` comes from in model space: a global leaf
+    (count, hyper-parameters) or one bucket's chunk of a per-parameter state (mu, nu)."""
+
+    treedef: Any
+    sources: tuple[FlatSource, ...]
+    element_leaves: dict[tuple[int, int], int]  # (prefix id, param leaf) -> space index
+    dtypes: tuple[str, ...]
+
+    @classmethod
+    def of(
+        cls,
+        inner: optax.GradientTransformation,
+        space: ModelSpace,
+        buckets: BucketPlan,
+        slots: tuple[tuple[FlatSlot, ...], ...],
+        n: int,
+    ) -> _StateSources:
+        """Raises ``NotElementwiseError`` for a state the flat layout cannot hold."""
+        flat, grown, treedef = _chunk_states(inner, buckets, n)
+        prefixes: dict[str, int] = {}  # space prefix text -> id
+        for leaf in space.leaves:
+            if leaf.param is not None:
+                prefixes.setdefault(leaf.prefix, len(prefixes))
+        by_prefix_param = {
+            (prefixes[leaf.prefix], leaf.param): k
+            for k, leaf in enumerate(space.leaves)
+            if leaf.param is not None
+        }
+        sources = []
+        for (path, leaf), bigger in zip(flat, grown, strict=True):
+            parts = path_parts(path)
+            joined = "/".join(parts)
+            if tuple(leaf.shape) == tuple(bigger.shape):
+                if joined not in space.global_by_path:
+                    raise not_elementwise(f"keeps a state leaf {joined!r} not tied to elements")
+                sources.append(FlatSource("global", space.global_by_path[joined], -1))
+                continue
+            bucket = int(key_part(path[-1])) if path else -1
+            prefix = ".".join(parts[:-1])
+            if prefix not in prefixes or tuple(leaf.shape) != (buckets.buckets[bucket].numel // n,):
+                raise not_elementwise(f"keeps a state leaf {joined!r} not shaped like its input")
+            for i, _ in slots[bucket]:
+                k = by_prefix_param.get((prefixes[prefix], i))
+                if k is None or space.leaves[k].shape != space.specs[i].shape:
+                    raise not_elementwise(
+                        f"keeps state {prefix!r} of a shape other than its parameter's"
+                    )
+            sources.append(FlatSource("element", prefixes[prefix], bucket))
+        covered = sum(len(slots[b]) for kind, _, b in sources if kind == "element")
+        if covered != len(by_prefix_param):
+            raise not_elementwise("keeps per-parameter state that the flat layout cannot hold")
+        return cls(
+            treedef=treedef,
+            sources=tuple(sources),
+            element_leaves=by_prefix_param,
+            dtypes=tuple(dtype_name(leaf.dtype) for _, leaf in flat),
+        )
+
+
+def _chunk_states(
+    inner: optax.GradientTransformation, buckets: BucketPlan, n: int
+) -> tuple[list[tuple[Any, Any]], list[Any], Any]:
+    """``inner.init`` of one device's chunks, abstractly, twice: with the chunk length and
+    one longer. A leaf whose shape follows the chunk length is per element; one that does
+    not (count, hyper-parameters) is global. Two lengths tell them apart even when n == 1.
+
+    Returns the first state's (path, leaf) pairs, the second's leaves and the treedef.
+    """
 
     def chunks(extra: int) -> tuple[jax.ShapeDtypeStruct, ...]:
         return tuple(
             jax.ShapeDtypeStruct((b.numel // n + extra,), b.dtype) for b in buckets.buckets
         )
 
-    # A leaf whose shape follows the chunk length is per element; one that does not (count,
-    # hyper-parameters) is global. Two lengths tell them apart even when n == 1.
     try:
         state = jax.eval_shape(inner.init, chunks(0))
         grown = jax.tree.leaves(jax.eval_shape(inner.init, chunks(1)))
@@ -235,46 +322,4 @@ def build_flat(
     flat, treedef = jax.tree_util.tree_flatten_with_path(state)
     if len(grown) != len(flat):
         raise not_elementwise("has a state whose structure depends on the parameters' sizes")
-    prefixes = {}  # space prefix text -> id
-    for leaf in space.leaves:
-        if leaf.param is not None:
-            prefixes.setdefault(leaf.prefix, len(prefixes))
-    by_prefix_param = {
-        (prefixes[leaf.prefix], leaf.param): k
-        for k, leaf in enumerate(space.leaves)
-        if leaf.param is not None
-    }
-    sources = []
-    for (path, leaf), bigger in zip(flat, grown, strict=True):
-        parts = path_parts(path)
-        joined = "/".join(parts)
-        if tuple(leaf.shape) == tuple(bigger.shape):
-            if joined not in space.global_by_path:
-                raise not_elementwise(f"keeps a state leaf {joined!r} not tied to elements")
-            sources.append(FlatSource("global", space.global_by_path[joined], -1))
-            continue
-        bucket = int(key_part(path[-1])) if path else -1
-        prefix = ".".join(parts[:-1])
-        if prefix not in prefixes or tuple(leaf.shape) != (buckets.buckets[bucket].numel // n,):
-            raise not_elementwise(f"keeps a state leaf {joined!r} not shaped like its input")
-        for i, _ in slots[bucket]:
-            k = by_prefix_param.get((prefixes[prefix], i))
-            if k is None or space.leaves[k].shape != space.specs[i].shape:
-                raise not_elementwise(
-                    f"keeps state {prefix!r} of a shape other than its parameter's"
-                )
-        sources.append(FlatSource("element", prefixes[prefix], bucket))
-    covered = sum(len(slots[b]) for kind, _, b in sources if kind == "element")
-    if covered != len(by_prefix_param):
-        raise not_elementwise("keeps per-parameter state that the flat layout cannot hold")
-    return FlatLayout(
-        space=space,
-        n=n,
-        plan=plan,
-        buckets=buckets,
-        slots=slots,
-        state_treedef=treedef,
-        sources=tuple(sources),
-        element_leaves=by_prefix_param,
-        state_dtypes=tuple(dtype_name(leaf.dtype) for _, leaf in flat),
-    )
+    return flat, grown, treedef

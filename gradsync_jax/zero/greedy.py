@@ -27,7 +27,7 @@ from jax import lax
 from gradsync_core import ShardPlan, plan_greedy_shards
 from gradsync_jax._axes import cast_varying, psum_scatter_mean, tracks_variance, varying
 from gradsync_jax._naming import registration_order
-from gradsync_jax.zero.clip import shard_context
+from gradsync_jax.zero.clip import global_norm_args
 from gradsync_jax.zero.layout import (
     Collective,
     UpdateInputs,
@@ -50,6 +50,14 @@ class _Operands(NamedTuple):
     rows: list[jax.Array]  # this device's state rows, one per state buffer
     globals_: list[jax.Array]  # the global state leaves (replicated)
     params: list[Any] | None
+
+
+def _uses(jaxpr: Any, var: Any) -> bool:
+    """Whether ``jaxpr`` reads ``var`` (an operation's input or an output; a nested jaxpr
+    gets it as an input of the operation that holds it)."""
+    return any(v is var for eqn in jaxpr.eqns for v in eqn.invars) or any(
+        v is var for v in jaxpr.outvars
+    )
 
 
 def _global_norm(chunks: list[list[jax.Array]], axes: tuple[str, ...]) -> jax.Array:
@@ -81,6 +89,10 @@ class GreedyLayout:
         inner = self._inner([jax.sharding.PartitionSpec()] * len(self.globals))
         rows = {name: jax.sharding.PartitionSpec(spec_entry) for name in self.state.names()}
         return ZeroState(inner=inner, shards=rows)
+
+    def local_shapes(self) -> list[tuple[int, ...]]:
+        """The inner state holds the global leaves only, whole on every device."""
+        return [self.space.leaves[i].shape for i in self.globals]
 
     def init_sharded(self) -> bool:
         return False
@@ -252,18 +264,18 @@ class GreedyLayout:
         operands: _Operands,
         norm: jax.Array | None,
         extra_args: dict[str, Any],
-        norm_reads: list[bool] | None = None,
     ) -> tuple[dict[int, jax.Array], Any]:
-        """Device ``d``'s inner update of the tensors it owns: (updates by leaf, new state)."""
+        """Device ``d``'s inner update of the tensors it owns: (updates by leaf, new state).
+        ``norm`` (the global gradient norm) is the extra argument ``global_norm``."""
         leaves: list[Any] = [None] * len(self.space.specs)
         for i in self.owned[d]:
             leaves[i] = self._owned_grad(operands.chunks, i)
         g_tree = self.space.param_treedef.unflatten(leaves)
         state = self._state_of_device(self.devices[d], operands.rows, operands.globals_)
-        with shard_context(g_tree, norm, norm_reads):
-            u_tree, state = inner.update(
-                g_tree, state, self._owned_tree(d, operands.params), **extra_args
-            )
+        norm_args = {} if norm is None else global_norm_args(g_tree, norm)
+        u_tree, state = inner.update(
+            g_tree, state, self._owned_tree(d, operands.params), **extra_args, **norm_args
+        )
         u_leaves = self.space.param_treedef.flatten_up_to(u_tree)
         return {i: u_leaves[i] for i in self.owned[d]}, state
 
@@ -275,18 +287,20 @@ class GreedyLayout:
     ) -> tuple[Rows, bool]:
         """Trace every device's update abstractly: the row layout of the updates (their
         dtypes are the inner transformation's business, e.g. fp32 updates of bf16
-        parameters) and whether it reads the global norm."""
-        stand_in = jnp.zeros((), jnp.float32)
-        norm_reads: list[bool] = []
-        items = []
+        parameters) and whether any device's update reads the global norm (the jaxpr uses
+        its input)."""
+        items, reads_norm = [], False
         for d in range(self.n):
 
-            def updates_of(operands: _Operands, d: int = d) -> Any:
-                return self._owned_update(inner, d, operands, stand_in, extra_args, norm_reads)[0]
+            def updates_of(operands: _Operands, norm: jax.Array, d: int = d) -> Any:
+                return self._owned_update(inner, d, operands, norm, extra_args)[0]
 
-            out = jax.eval_shape(updates_of, operands)
+            jaxpr, out = jax.make_jaxpr(updates_of, return_shape=True)(
+                operands, jnp.zeros((), jnp.float32)
+            )
+            reads_norm = reads_norm or _uses(jaxpr.jaxpr, jaxpr.jaxpr.invars[-1])
             items.append([(i, np.dtype(out[i].dtype).name, self.space.specs[i].numel) for i in out])
-        return plan_rows(items), bool(norm_reads)
+        return plan_rows(items), reads_norm
 
     def _gather_updates(
         self, update_rows: Rows, local_rows: list[jax.Array], axes: tuple[str, ...]
@@ -314,10 +328,13 @@ class GreedyLayout:
         empty = self.space.param_treedef.unflatten([None] * len(self.space.specs))
         try:
             state = self._state_of_device(self.empty, [], globals_)
-            with shard_context(empty, norm):
-                _, state = inner.update(
-                    empty, state, None if params is None else empty, **extra_args
-                )
+            _, state = inner.update(
+                empty,
+                state,
+                None if params is None else empty,
+                **extra_args,
+                **global_norm_args(empty, norm),
+            )
             new = self._split_state(self.empty, state)[1]
         except Exception:  # any failure: fall back to the all-gather, which always works
             return None

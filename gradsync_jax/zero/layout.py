@@ -89,6 +89,11 @@ class Layout(Protocol):
         """The ``PartitionSpec`` of every state leaf, sharded over ``spec_entry``."""
         ...
 
+    def local_shapes(self) -> list[tuple[int, ...]]:
+        """The shape of every leaf of the inner state on one device (inside ``shard_map``),
+        in flattening order: what a state passed with the wrong in_specs gets wrong."""
+        ...
+
     def nbytes_per_device(self) -> int: ...
 
     def init_inputs(self, leaves: list[Any]) -> list[Any]:

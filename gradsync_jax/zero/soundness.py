@@ -17,7 +17,7 @@ import numpy as np
 import optax
 
 from gradsync_jax.zero.analysis import ELEMENT, UNIFORM, Analyser, Node, Role
-from gradsync_jax.zero.clip import shard_context
+from gradsync_jax.zero.clip import global_norm_args
 from gradsync_jax.zero.flat import FlatLayout, build_flat, not_elementwise
 from gradsync_jax.zero.greedy import GreedyLayout
 from gradsync_jax.zero.model_space import ModelSpace, model_space, path_parts
@@ -93,8 +93,8 @@ class Soundness:
                 for i, x in zip(present, p, strict=True):
                     p_full[i] = x
                 p_tree = treedef.unflatten(p_full)
-            with shard_context(g_tree, norm):
-                u, s = self.inner.update(g_tree, s, p_tree, **extra, **self.others)
+            norm_args = global_norm_args(g_tree, norm)
+            u, s = self.inner.update(g_tree, s, p_tree, **extra, **self.others, **norm_args)
             u_leaves = treedef.flatten_up_to(u)
             return [u_leaves[i] for i in present], s
 
@@ -217,8 +217,8 @@ class Soundness:
         roles.append(Role(None, "norm"))
 
         def update(g: Any, s: Any, p: Any, extra: Any, norm: Any) -> Any:
-            with shard_context(g, norm):
-                return self.inner.update(g, s, p, **extra, **self.others)
+            norm_args = global_norm_args(g, norm)
+            return self.inner.update(g, s, p, **extra, **self.others, **norm_args)
 
         g = tuple(chunks)
         p = g if self.with_params else None

@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 from gradsync_core import MIB, ShardPlan
 from gradsync_jax._axes import AxisName, axis_tuple, display_axis
 from gradsync_jax.zero.checks import check_grads, check_inside, check_state
+from gradsync_jax.zero.clip import GLOBAL_NORM
 from gradsync_jax.zero.flat import FlatLayout, NotElementwiseError, build_flat, not_elementwise
 from gradsync_jax.zero.greedy import build_greedy
 from gradsync_jax.zero.layout import Collective, Layout, UpdateInputs, UpdateResult, ZeroState
@@ -206,6 +207,11 @@ class _ZeroTransform:
         self, updates: Any, state: ZeroState, params: Any = None, **extra_args: Any
     ) -> tuple[Any, ZeroState]:
         settings = self.settings
+        if GLOBAL_NORM in extra_args:
+            raise ValueError(
+                f"{GLOBAL_NORM}= is the extra argument shard_optimizer passes its inner "
+                "update (the gradient norm across devices); pass yours under another name"
+            )
         tracked = check_inside(settings.axes, settings.world_size)
         updates, params = pure(updates), pure(params)
         layout = self.cache.layout(updates)
@@ -231,17 +237,22 @@ class ShardedOptimizer(optax.GradientTransformationExtraArgs):
     """What ``shard_optimizer`` returns: an Optax transformation plus layout helpers.
 
     ``init`` and ``update`` are the methods of one private transform object that owns the
-    settings and the layout cache; the helpers below reach both through ``update``, so the
-    tuple itself stays what Optax expects (two functions). The helpers take the parameter
-    tree (arrays or ``ShapeDtypeStruct``) because the layout is planned from it; each plan
-    is computed once per tree signature and cached.
+    settings and the layout cache; the tuple stays what Optax expects (two functions) and
+    keeps that object as an explicit handle beside them (``_transform``, set at
+    construction). The helpers take the parameter tree (arrays or ``ShapeDtypeStruct``)
+    because the layout is planned from it; each plan is computed once per tree signature
+    and cached.
     """
 
-    __slots__ = ()
+    _transform: _ZeroTransform
 
-    @property
-    def _transform(self) -> _ZeroTransform:
-        return self.update.__self__  # type: ignore[attr-defined]
+    def __new__(cls, transform: _ZeroTransform) -> ShardedOptimizer:
+        self = super().__new__(cls, transform.init, transform.update)
+        self._transform = transform
+        return self
+
+    def __getnewargs__(self) -> tuple[_ZeroTransform]:  # copy/pickle rebuild from the handle
+        return (self._transform,)
 
     @property
     def settings(self) -> ZeroSettings:
@@ -394,5 +405,4 @@ def shard_optimizer(
         reduce=reduce,
         bucket_cap_bytes=max(1, int(bucket_cap_mb * MIB)),
     )
-    transform = _ZeroTransform(settings)
-    return ShardedOptimizer(transform.init, transform.update)
+    return ShardedOptimizer(_ZeroTransform(settings))

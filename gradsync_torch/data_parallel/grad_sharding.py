@@ -15,8 +15,6 @@ sync, so gradients are never dropped silently.
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import weakref
 from collections.abc import Callable, Sequence
 
@@ -39,11 +37,7 @@ UNCLAIMED_MESSAGE = (
 def pad_for_sharding(plan: BucketPlan, world_size: int) -> BucketPlan:
     """``plan`` with every bucket's length rounded up to a multiple of ``world_size`` (the
     membership and offsets stay: only padding is added at the end of each bucket)."""
-    multiple = math.lcm(plan.pad_to, world_size)
-    buckets = tuple(
-        dataclasses.replace(b, numel=-(-b.numel // multiple) * multiple) for b in plan.buckets
-    )
-    return dataclasses.replace(plan, buckets=buckets, pad_to=multiple)
+    return plan.padded(world_size)
 
 
 # Bucket buffers a ZeRO-2 rank keeps alive at once in overlap mode (per dtype and device). The

@@ -16,7 +16,6 @@ import torch
 from torch import nn
 
 from gradsync_core import (
-    Bucket,
     BucketPlan,
     ParamSpec,
     ShardPlan,
@@ -120,21 +119,7 @@ def plan_shards(
 def concat_bucket_plans(plans: Sequence[BucketPlan]) -> BucketPlan:
     """One plan holding the buckets of ``plans`` in order (re-indexed): parameters added
     with ``add_param_group`` get buckets of their own and leave the earlier ones alone."""
-    buckets: list[Bucket] = []
-    for plan in plans:
-        for bucket in plan.buckets:
-            index = len(buckets)
-            slots = tuple(dataclasses.replace(s, bucket=index) for s in bucket.slots)
-            buckets.append(dataclasses.replace(bucket, index=index, slots=slots))
-    first = plans[0]
-    return BucketPlan(
-        buckets=tuple(buckets),
-        cap_bytes=first.cap_bytes,
-        first_cap_bytes=first.first_cap_bytes,
-        align=first.align,
-        pad_to=first.pad_to,
-        order=first.order,
-    )
+    return BucketPlan.concat(plans)
 
 
 def plan_flat(
@@ -161,24 +146,8 @@ def plan_flat(
 def rename_plan(plan: ShardPlan, names: dict[str, str], groups: dict[str, int]) -> ShardPlan:
     """``plan`` with parameters renamed by ``names`` and shard groups set by ``groups``
     (parameters missing from them keep theirs): DataParallel's names are the module's,
-    a checkpoint's are the optimizer's."""
-    buckets = plan.buckets
-    if buckets is not None:
-        renamed = tuple(
-            dataclasses.replace(
-                b,
-                slots=tuple(
-                    dataclasses.replace(s, name=names.get(s.name, s.name)) for s in b.slots
-                ),
-            )
-            for b in buckets.buckets
-        )
-        buckets = dataclasses.replace(buckets, buckets=renamed)
-    shards = tuple(
-        dataclasses.replace(s, name=names.get(s.name, s.name), group=groups.get(s.name, s.group))
-        for s in plan.shards
-    )
-    return dataclasses.replace(plan, shards=shards, buckets=buckets)
+    a checkpoint's are the optimizer's. One rule for both executors: ``ShardPlan.renamed``."""
+    return plan.renamed(names, groups)
 
 
 def plan_over_buckets(

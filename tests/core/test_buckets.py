@@ -229,3 +229,28 @@ def test_bucket_caps_follow_ddp_convention():
 
     assert bucket_caps(None) == (DEFAULT_CAP_BYTES, DEFAULT_FIRST_CAP_BYTES) == (25 * MIB, MIB)
     assert bucket_caps(4.0) == (4 * MIB, 4 * MIB)
+
+
+def test_padded_only_pads_and_concat_reindexes():
+    specs = [ParamSpec(name=f"w{i}", shape=(5,)) for i in range(4)]
+    plan = plan_buckets(specs, cap_bytes=40)  # two buckets of 10 elements
+    padded = plan.padded(4)
+    assert padded.pad_to == 4
+    assert [b.numel for b in padded.buckets] == [12, 12]
+    assert padded.slots == plan.slots
+    assert plan.padded(3).padded(2).pad_to == 6  # lcm with the plan's own pad_to
+    with pytest.raises(ValueError, match="multiple must be a positive int"):
+        plan.padded(0)
+    joined = BucketPlan.concat([plan, plan_buckets([ParamSpec(name="x", shape=(3,))])])
+    assert [b.index for b in joined.buckets] == [0, 1, 2]
+    assert [s.bucket for s in joined.slots] == [0, 0, 1, 1, 2]
+    assert joined.cap_bytes == plan.cap_bytes
+    with pytest.raises(ValueError, match="at least one bucket plan"):
+        BucketPlan.concat([])
+
+
+def test_check_names_names_the_first_planned_parameter_the_model_lacks():
+    plan = plan_buckets([spec("a", 2), spec("b", 3)])
+    plan.check_names(["b", "a", "extra"], where="a parameter of this model")
+    with pytest.raises(ValueError, match="the bucket plan names 'b', which is not a leaf of g"):
+        plan.check_names(["a"], where="a leaf of grads")

@@ -117,3 +117,35 @@ def test_flat_properties(numels, world_size, cap):
     assert sum(plan.rank_numel) + plan.padding_numel == buckets.numel
     assert plan.padding_numel <= (world_size - 1) * len(buckets.buckets)
     assert ShardPlan.from_json(plan.to_json()) == plan
+
+
+def test_renamed_renames_shards_and_the_bucket_slots_they_cut():
+    specs = [ParamSpec(name="k", shape=(3, 2)), spec("b", 2)]
+    plan = plan_flat_shards(plan_buckets(specs, pad_to=4), world_size=4)
+    renamed = plan.renamed({"k": "w", "b": "bias"}, {"k": 1}, shapes={"k": (2, 3)})
+    assert [(s.name, s.group) for s in renamed.shards] == [
+        (("w" if s.name == "k" else "bias"), 1 if s.name == "k" else 0) for s in plan.shards
+    ]
+    assert [(s.name, s.shape, s.offset) for s in renamed.buckets.slots] == [
+        ("w", (2, 3), 0),
+        ("bias", (2,), 6),
+    ]
+    assert [(s.start, s.stop, s.rank) for s in renamed.shards] == [
+        (s.start, s.stop, s.rank) for s in plan.shards
+    ]
+    # Renaming back gives the original plan (and fingerprint).
+    back = renamed.renamed({"w": "k", "bias": "b"}, {"w": 0}, shapes={"w": (3, 2)})
+    assert back == plan and back.fingerprint == plan.fingerprint
+    # Names missing from the mapping are kept.
+    assert plan.renamed({}) == plan
+
+
+def test_renamed_refuses_merged_names_and_other_element_counts():
+    plan = plan_flat_shards(plan_buckets([spec("a", 3), spec("b", 5)], pad_to=2), world_size=2)
+    with pytest.raises(ValueError, match="gives two parameters the name 'x'"):
+        plan.renamed({"a": "x", "b": "x"})
+    with pytest.raises(ValueError, match=r"slot 'a' has shape \(3,\) \(3 elements\)"):
+        plan.renamed({}, shapes={"a": (2, 2)})
+    greedy = plan_greedy_shards([spec("a", 3), spec("b", 5)], world_size=2)
+    with pytest.raises(ValueError, match="gives two parameters the name 'x'"):
+        greedy.renamed({"a": "x", "b": "x"})

@@ -22,7 +22,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from gradsync_core import Topology, plan_shared_reductions
-from gradsync_jax import data_parallel_step, mesh_from_topology, nnx_functional, shared_param_specs
+from gradsync_jax import (
+    data_parallel_step,
+    mesh_from_topology,
+    nnx_functional,
+    shared_param_specs,
+    synced,
+)
 from gradsync_jax.model_parallel.experts import MoE
 from tests.helpers import assert_tree_close
 
@@ -72,20 +78,22 @@ def _serial(tx, batches=BATCHES):
 
 
 def _parallel(tx, plan, batches=BATCHES):
+    """Train with ``tx`` after ``synced(("edp", "ep"), shared=plan)``; the state returned is
+    ``tx``'s own."""
+    chained = optax.chain(synced(("edp", "ep"), shared=plan), tx)
     step = data_parallel_step(
         lambda p, b: _loss(APPLY, p, b),
-        tx,
+        chained,
         MESH,
         axis_name=("edp", "ep"),
         param_specs=SPECS,
         batch_spec=DATA,
-        shared=plan,
     )
-    params, state, losses = PARAMS, tx.init(PARAMS), []
+    params, state, losses = PARAMS, chained.init(PARAMS), []
     for batch in batches:
         params, state, loss = step(params, state, batch)
         losses.append(float(loss))
-    return params, state, losses
+    return params, state[1], losses
 
 
 def _plan():
@@ -144,15 +152,19 @@ def _leaf(tree, path):
 
 def test_expert_plan_refusals():
     _, plan = _plan()
-    build = lambda mesh, axes: data_parallel_step(  # noqa: E731
-        lambda p, b: _loss(APPLY, p, b),
-        optax.sgd(0.1),
-        mesh,
-        axis_name=axes,
-        param_specs=SPECS,
-        batch_spec=P(axes),
-        shared=plan,
-    )
+
+    def build(mesh, axes):  # the refusals come at the first call, where tx's sync is found
+        tx = optax.chain(synced(axes, shared=plan), optax.sgd(0.1))
+        step = data_parallel_step(
+            lambda p, b: _loss(APPLY, p, b),
+            tx,
+            mesh,
+            axis_name=axes,
+            param_specs=SPECS,
+            batch_spec=P(axes),
+        )
+        step(PARAMS, tx.init(PARAMS), BATCHES[0])
+
     with pytest.raises(ValueError, match=r"group 'edp', which lives on the expert mesh"):
         build(mesh_from_topology(TOPO), "dp")
     with pytest.raises(ValueError, match=r"divided by the dense dp \(8\).* of size 4"):

@@ -1,9 +1,10 @@
 """The JAX gradient sync with shared-parameter sums, on 8 CPU devices (dp=2 x tp=2 x cp=2).
 
-``data_parallel_step(..., param_specs=, batch_spec=, shared=plan)`` trains the tensor/context
-parallel NNX model exactly like its serial twin on the full batch: parameters AND Adam's
-mu/nu/count after 3 steps, rtol 1e-5 and atol 1e-5 x the leaf's largest magnitude (float32;
-only the summation order differs: measured differences are below 1e-6 relative).
+``data_parallel_step(..., param_specs=, batch_spec=)`` with ``synced("dp", shared=plan)`` in
+its ``tx`` trains the tensor/context parallel NNX model exactly like its serial twin on the
+full batch: parameters AND Adam's mu/nu/count after 3 steps, rtol 1e-5 and atol 1e-5 x the
+leaf's largest magnitude (float32; only the summation order differs: measured differences are
+below 1e-6 relative).
 ``sync_gradients(..., shared=plan)`` is checked directly (gradients vs the serial ones,
 rtol 2e-5, atol 2e-6), with a control that leaves ``shared`` out and so holds partial sums.
 """
@@ -27,6 +28,7 @@ from gradsync_jax import (
     path_name,
     shared_param_specs,
     sync_gradients,
+    synced,
 )
 from tests.helpers import assert_tree_close
 from tests.jax.hlo import collectives_in_loops
@@ -101,21 +103,20 @@ def _run(step, tx):
 def test_step_with_shared_sums_equals_serial_params_and_adam_moments(sp, accumulate_steps):
     loss_fn, specs, data, plan = _parallel(sp)
     assert plan.group_of("norm/scale") == ("tp-cp" if sp else "cp")
-    tx = optax.adam(1e-2)
+    tx = optax.chain(synced("dp", shared=plan), optax.adam(1e-2))
     step = data_parallel_step(
         loss_fn,
         tx,
         MESH,
         param_specs=specs,
         batch_spec=data,
-        shared=plan,
         accumulate_steps=accumulate_steps,
     )
     params, state, losses = _run(step, tx)
-    ref_params, ref_state, ref_losses = _serial(tx)
+    ref_params, ref_state, ref_losses = _serial(optax.adam(1e-2))
     assert_tree_close(params, ref_params, rtol=RTOL)
     assert_tree_close(
-        state, ref_state, rtol=RTOL
+        state[1], ref_state, rtol=RTOL
     )  # mu, nu and count: an N-times gradient shows here
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     # The tensor-parallel kernels come back sharded as declared.
@@ -127,30 +128,30 @@ def test_shared_sums_run_once_after_accumulation():
     """With ``shared`` the cp sums leave the micro-step loop; without it JAX sums at every
     use inside it (the same values, by its implicit psum: checked too)."""
     loss_fn, specs, data, plan = _parallel(False)
-    tx = optax.sgd(0.1)
-    state = tx.init(PARAMS)
+    with_tx = optax.chain(synced("dp", shared=plan), optax.sgd(0.1))
+    without_tx = optax.sgd(0.1)  # the default sync: the dp mean only
 
-    def build(shared):
-        return data_parallel_step(
+    def compiled(tx):
+        step = data_parallel_step(
             loss_fn,
             tx,
             MESH,
             param_specs=specs,
             batch_spec=data,
-            shared=shared,
             accumulate_steps=4,  # a scan of 3 (2 would be unrolled: no loop to inspect)
         )
+        state = tx.init(PARAMS)
+        return jax.jit(step).lower(PARAMS, state, BATCHES[0]).compile(), state
 
-    def compiled(step):
-        return jax.jit(step).lower(PARAMS, state, BATCHES[0]).compile()
-
-    with_plan, without = compiled(build(plan)), compiled(build(None))
+    (with_plan, with_state), (without, without_state) = compiled(with_tx), compiled(without_tx)
     # The remaining in-loop all-reduces are the tp mappings' (XLA combines what it can:
     # measured 4 with the plan vs 5 without).
     in_loops = [collectives_in_loops(c.as_text())[2] for c in (with_plan, without)]
     assert in_loops[0] < in_loops[1], in_loops
     assert_tree_close(
-        with_plan(PARAMS, state, BATCHES[0])[0], without(PARAMS, state, BATCHES[0])[0], rtol=RTOL
+        with_plan(PARAMS, with_state, BATCHES[0])[0],
+        without(PARAMS, without_state, BATCHES[0])[0],
+        rtol=RTOL,
     )
 
 
@@ -201,8 +202,10 @@ def test_bad_input_gets_one_clear_sentence():
     with pytest.raises(ValueError, match=r"batch_spec must be a PartitionSpec whose first"):
         data_parallel_step(loss_fn, tx, MESH, batch_spec=P("cp", "dp"))
     other = ReductionPlan(topology=Topology.create(8, tp=4), reductions=())
+    other_tx = optax.chain(synced("dp", shared=other), tx)
     with pytest.raises(ValueError, match=r"shared reduction plan was made for axes"):
-        data_parallel_step(loss_fn, tx, MESH, batch_spec=data, shared=other)
+        step = data_parallel_step(loss_fn, other_tx, MESH, batch_spec=data)
+        step(PARAMS, other_tx.init(PARAMS), BATCHES[0])
     with pytest.raises(ValueError, match=r"argnums=\(0, 1\) differentiates several"):
         local_grad(loss_fn, argnums=(0, 1), shared=plan)
     step = data_parallel_step(loss_fn, tx, MESH, param_specs={"wrong": P()}, batch_spec=data)

@@ -23,9 +23,10 @@ from gradsync_jax import (
     mesh_from_topology,
     param_specs,
     sync_gradients,
+    synced,
     value_and_local_grad,
 )
-from tests.helpers import assert_tree_close
+from tests.helpers import assert_tree_close, assert_tree_equal
 from tests.jax.hlo import collectives_in_loops
 from tests.jax.step_problem import (
     BATCH,
@@ -67,9 +68,56 @@ def test_auto_axis_mesh() -> None:
 def test_reduce_sum_gives_dp_times_the_mean_gradient() -> None:
     tx = optax.adam(1e-2)
     _, mean_state, _ = run_training(data_parallel_step(LOSS, tx, MESH), tx, 1)
-    _, sum_state, _ = run_training(data_parallel_step(LOSS, tx, MESH, reduce="sum"), tx, 1)
+    sum_tx = optax.chain(synced("dp", reduce="sum"), optax.adam(1e-2))
+    _, sum_state, _ = run_training(data_parallel_step(LOSS, sum_tx, MESH), sum_tx, 1)
+    sum_state = sum_state[1]  # after synced's (array-free) state
     assert_tree_close(sum_state[0].mu, jax.tree.map(lambda m: m * DP, mean_state[0].mu))
     assert_tree_close(sum_state[0].nu, jax.tree.map(lambda n: n * DP * DP, mean_state[0].nu))
+
+
+def test_plain_tx_gets_the_default_sync_and_equals_an_explicit_synced() -> None:
+    """A plain Optax tx still trains on the global mean: the step puts synced() in front."""
+    tx = optax.adam(1e-2)
+    chained = optax.chain(synced("dp"), optax.adam(1e-2))
+    plain = run_training(data_parallel_step(LOSS, tx, MESH), tx, 2)
+    explicit = run_training(data_parallel_step(LOSS, chained, MESH), chained, 2)
+    assert jax.tree.leaves(explicit[1][0]) == []  # synced keeps no arrays
+    assert_tree_equal(plain[0], explicit[0])
+    assert_tree_equal(plain[1], explicit[1][1])
+    np.testing.assert_array_equal(plain[2], explicit[2])
+
+
+def test_synced_alone_is_sync_gradients() -> None:
+    """synced() used by hand in a shard_map: its update is exactly sync_gradients."""
+    from jax.sharding import PartitionSpec as P
+
+    plan = plan_buckets(param_specs(PARAMS), cap_bytes=2048, first_cap_bytes=1024)
+    tx = synced("dp", plan=plan, reduce_dtype=jnp.bfloat16)
+    state = tx.init(PARAMS)
+
+    def both(params, batch):
+        grads = local_grad(LOSS)(params, batch)
+        updates, _ = tx.update(grads, state, params)
+        return updates, sync_gradients(grads, "dp", plan=plan, reduce_dtype=jnp.bfloat16)
+
+    mapped = jax.jit(jax.shard_map(both, mesh=MESH, in_specs=(P(), P("dp")), out_specs=(P(), P())))
+    params = jax.device_put(PARAMS, jax.sharding.NamedSharding(MESH, P()))
+    batch = jax.device_put(BATCH, jax.sharding.NamedSharding(MESH, P("dp")))
+    updates, expected = mapped(params, batch)
+    assert_tree_equal(updates, expected)
+    with pytest.raises(ValueError, match="reduce must be 'mean' or 'sum'"):
+        synced("dp", reduce="max")
+
+
+def test_two_syncs_or_another_axis_are_refused() -> None:
+    twice = optax.chain(synced("dp"), synced("dp"), optax.sgd(0.1))
+    with pytest.raises(ValueError, match="tx syncs the gradients 2 times"):
+        data_parallel_step(LOSS, twice, MESH)(PARAMS, twice.init(PARAMS), BATCH)
+    other = optax.chain(synced(("dp",)), optax.sgd(0.1))  # same axis as a tuple: accepted
+    data_parallel_step(LOSS, other, MESH)(PARAMS, other.init(PARAMS), BATCH)
+    elsewhere = optax.chain(synced("pp"), optax.sgd(0.1))
+    with pytest.raises(ValueError, match=r"tx holds synced\('pp'\) but the step's batch"):
+        data_parallel_step(LOSS, elsewhere, MESH)(PARAMS, elsewhere.init(PARAMS), BATCH)
 
 
 def test_pmap_path_equals_shard_map_path() -> None:
@@ -152,11 +200,12 @@ def test_bucketed_step_equals_the_default() -> None:
     tx = optax.adam(1e-2)
     plan = plan_buckets(param_specs(PARAMS), cap_bytes=2048, first_cap_bytes=1024)
     assert len(plan.buckets) > 1
-    bucketed = run_training(data_parallel_step(LOSS, tx, MESH, plan=plan), tx, 2)
+    bucketed_tx = optax.chain(synced("dp", plan=plan), optax.adam(1e-2))
+    params, state, _ = run_training(data_parallel_step(LOSS, bucketed_tx, MESH), bucketed_tx, 2)
     # The reduction is bitwise equal (test_sync); XLA fuses the Adam update around a
     # concatenated buffer differently, which moves some results by an ulp.
     assert_tree_close(
-        bucketed[:2], run_training(data_parallel_step(LOSS, tx, MESH), tx, 2)[:2], rtol=1e-6
+        (params, state[1]), run_training(data_parallel_step(LOSS, tx, MESH), tx, 2)[:2], rtol=1e-6
     )
 
 

@@ -8,15 +8,18 @@ single-device full-batch reference: parameters and the gathered Adam mu/nu/count
 
 from __future__ import annotations
 
+import copy
+
 import jax
 import numpy as np
 import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 
-from gradsync_jax import data_parallel_step, shard_optimizer
+from gradsync_jax import data_parallel_step, shard_optimizer, synced
 from tests.helpers import assert_tree_close
+from tests.jax.step_problem import BATCH, MESH, PARAMS, reference_training, run_training
 from tests.jax.step_problem import LOSS as LOSS_FN
-from tests.jax.step_problem import MESH, PARAMS, reference_training, run_training
 
 
 @pytest.mark.parametrize("partition", ["greedy", "flat"])
@@ -39,4 +42,24 @@ def test_sharded_optimizer_step_equals_single_device_full_batch(partition: str) 
 def test_conflicting_options_are_refused() -> None:
     tx = shard_optimizer(optax.adam(1e-2), MESH)
     with pytest.raises(ValueError, match="reduces the local gradients itself"):
-        data_parallel_step(LOSS_FN, tx, MESH, reduce="sum")
+        data_parallel_step(LOSS_FN, tx, MESH, param_specs=jax.tree.map(lambda _: P(), PARAMS))
+    with pytest.raises(ValueError, match="reduces the local gradients itself"):
+        data_parallel_step(LOSS_FN, tx, MESH, axis_name=("dp", "pp"))
+    # A synced before shard_optimizer would sync twice; refused before anything runs.
+    twice = optax.chain(synced("dp"), tx)
+    with pytest.raises(ValueError, match="tx syncs the gradients 2 times"):
+        data_parallel_step(LOSS_FN, twice, MESH)(PARAMS, twice.init(PARAMS), BATCH)
+    nested = optax.chain(optax.scale(1.0), tx)
+    with pytest.raises(ValueError, match="holds a shard_optimizer"):
+        data_parallel_step(LOSS_FN, nested, MESH)(PARAMS, nested.init(PARAMS), BATCH)
+    # global_norm= is how shard_optimizer hands clip_by_global_norm the norm: reserved.
+    with pytest.raises(ValueError, match="global_norm= is the extra argument"):
+        step = data_parallel_step(LOSS_FN, tx, MESH, loss_as="global_norm")
+        step(PARAMS, tx.init(PARAMS), BATCH)
+
+
+def test_sharded_optimizer_keeps_its_transform_through_a_copy() -> None:
+    tx = shard_optimizer(optax.adam(1e-2), MESH)
+    clone = copy.copy(tx)
+    assert isinstance(clone, optax.GradientTransformationExtraArgs)
+    assert clone.settings is tx.settings and clone.plan(PARAMS) == tx.plan(PARAMS)

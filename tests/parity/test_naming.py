@@ -128,3 +128,15 @@ def test_renames_order_and_errors() -> None:
     state["head.weight"] = np.zeros((3, 1), np.float32)  # transposed by mistake
     with pytest.raises(ValueError, match=r"'head\.weight' has torch shape \(3, 1\)"):
         from_torch_state(state, tree, modules=renames)
+
+
+def test_both_spec_builders_use_one_device_tag(monkeypatch) -> None:
+    """param_specs and torch_specs tag a device the same way on every backend (a TPU was
+    'tpu' in one and 'cuda' in the other)."""
+    from gradsync_jax import param_specs as flax_param_specs
+
+    tree = {"params": {"Dense_0": _dense(2, 3)}}
+    for backend, want in (("cpu", "cpu"), ("gpu", "cuda"), ("rocm", "cuda"), ("tpu", "tpu")):
+        monkeypatch.setattr(jax, "default_backend", lambda backend=backend: backend)
+        tags = {s.device for s in flax_param_specs(tree)} | {s.device for s in torch_specs(tree)}
+        assert tags == {want}, backend

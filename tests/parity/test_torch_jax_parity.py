@@ -11,6 +11,8 @@ tree must have the same fingerprint.
 from __future__ import annotations
 
 import itertools
+import os
+import tempfile
 
 import flax.linen as fnn
 import jax
@@ -22,6 +24,7 @@ from flax import nnx
 
 from gradsync_core import (
     DEFAULT_FIRST_CAP_BYTES,
+    ShardPlan,
     Topology,
     describe_difference,
     plan_buckets,
@@ -30,11 +33,14 @@ from gradsync_jax import (
     data_parallel_step,
     from_torch_state,
     mesh_from_topology,
+    shard_optimizer,
     to_torch_state,
     torch_names,
+    torch_plan,
     torch_specs,
 )
 from gradsync_jax import param_specs as flax_param_specs
+from gradsync_jax._naming import torch_name
 from gradsync_torch import param_specs as torch_param_specs
 from tests.parity.torch_worker import RENAMES, WIDTHS, TorchMLP, train
 from tests.torch.harness import run_workers
@@ -86,6 +92,83 @@ def test_flax_and_torch_plans_have_the_same_fingerprint() -> None:
     assert raw.fingerprint != _plans(torch_specs_)[1].fingerprint
     # torch_names gives sync_gradients the plan names of a Flax gradient tree.
     assert sorted(torch_names(linen, modules=RENAMES)) == sorted(s.name for s in torch_specs_)
+
+
+# Small buckets, so the flat plans hold several (a 12-layer MLP of ~3k float32 weights).
+FLAT_CAP_MB = 2048 / 2**20
+
+
+@pytest.fixture(scope="module")
+def single_process_group():
+    import torch.distributed as dist
+
+    with tempfile.TemporaryDirectory() as tmp:
+        store = dist.FileStore(os.path.join(tmp, "store"), 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
+def _torch_flat_plans(world_sizes: list[int]) -> dict[int, ShardPlan]:
+    """torch's ZeRO-2 plan of ``TorchMLP``: from a ``ZeroRedundancyOptimizer(...,
+    shard_gradients=True)`` on one rank, and for more ranks from the planner it calls."""
+    import torch
+
+    from gradsync_torch import ZeroRedundancyOptimizer
+    from gradsync_torch.zero.plans import param_specs_of, plan_shards
+
+    model = TorchMLP(WIDTHS)
+    opt = ZeroRedundancyOptimizer(
+        model.named_parameters(),
+        torch.optim.Adam,
+        shard_gradients=True,
+        bucket_cap_mb=FLAT_CAP_MB,
+        lr=1e-3,
+    )
+    plans = {1: opt.plan()}
+    names, params = zip(*model.named_parameters(), strict=True)
+    specs = param_specs_of(names, params, set())
+    for n in world_sizes:
+        plans[n] = plan_shards(
+            specs,
+            [0] * len(specs),
+            group_count=1,
+            segment_starts=[0],
+            world_size=n,
+            flat=True,
+            cap_bytes=int(FLAT_CAP_MB * 2**20),
+        )
+    return plans
+
+
+def test_flat_zero_plans_renamed_to_torch_have_torch_fingerprint(single_process_group) -> None:
+    """A JAX flat plan renamed to torch names (shards AND bucket slots, names and shapes) is
+    torch ZeRO-2's plan for the twin module: one statement, one fingerprint."""
+    want = _torch_flat_plans([2, 8])
+    assert want[1].kind == "flat" and len(want[8].buckets.buckets) > 2
+    linen = LinenMLP().init(jax.random.key(0), jnp.zeros((1, WIDTHS[0])))
+    nnx_params = nnx.state(NnxMLP(nnx.Rngs(0)), nnx.Param)
+    devices = sorted(jax.devices(), key=lambda d: d.id)
+    for n, torch_plan_ in want.items():
+        mesh = mesh_from_topology(Topology.create(n), devices[:n])
+        for tree, modules in ((linen, RENAMES), (nnx_params, None)):
+            tx = shard_optimizer(
+                optax.adam(1e-3), mesh, partition="flat", bucket_cap_mb=FLAT_CAP_MB
+            )
+            flax_plan = tx.plan(tree)
+            got = torch_plan(flax_plan, modules=modules)
+            assert describe_difference(got.buckets, torch_plan_.buckets) == "", n
+            assert got == torch_plan_, n
+            assert got.fingerprint == torch_plan_.fingerprint, n
+            # Control: the Flax plan itself names Flax paths with (in, out) kernels.
+            assert flax_plan.fingerprint != torch_plan_.fingerprint
+            kernel = next(s for s in flax_plan.buckets.slots if s.name.endswith("kernel"))
+            assert (
+                got.buckets.slot(torch_name(kernel.name, modules=modules)).shape
+                == (kernel.shape[::-1])
+            )
 
 
 def test_state_round_trip_and_layout() -> None:

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from gradsync_jax._axes import AxisName
-from gradsync_jax._sync import value_and_local_grad
+from gradsync_jax.data_parallel.sync import value_and_local_grad
 
 
 def split_microbatches(batch: Any, steps: int) -> Any:

@@ -46,7 +46,11 @@ from gradsync_jax._axes import (
     varying,
 )
 from gradsync_jax._specs import leaf_names
-from gradsync_jax.model_parallel.mappings import make_shared_local, reduce_shared_gradients
+from gradsync_jax.shared_reductions import (
+    expert_names,
+    make_shared_local,
+    reduce_shared_gradients,
+)
 
 
 def make_local(
@@ -191,7 +195,10 @@ def sync_gradients(
             (``plan_shared_reductions(shared_param_specs(...), topology)``); after the mean,
             each planned gradient is summed over its model-parallel group (in its own dtype),
             one ``psum`` per bucket. The gradients must be partial there: get them with
-            ``local_grad(..., shared=plan)``.
+            ``local_grad(..., shared=plan)``. Expert parameters (the plan's ``"edp"``
+            reduction, e.g. ``MoE``'s experts) are left out of the mean and summed over
+            ``edp`` divided by the dense dp instead: ``axis_name`` must then be the expert
+            mesh's ``("edp", "ep")`` and ``reduce="mean"``; ``plan`` covers the dense leaves.
 
     Returns:
         A pytree like ``grads``, identical on every member of the axis (and of the
@@ -199,8 +206,9 @@ def sync_gradients(
 
     Raises:
         ValueError: on an unknown ``reduce``, a gradient already invariant over the axis
-            (docs/design.md §7), or a plan that does not cover exactly the leaves of ``grads``, or a
-            ``shared`` gradient already summed over its group.
+            (docs/design.md §7), a plan that does not cover exactly the (dense) leaves of
+            ``grads``, a ``shared`` gradient already summed over its group, or an expert plan
+            with ``reduce="sum"`` or an axis whose size is not the dense dp.
         TypeError: on a non-floating gradient leaf.
         NameError: if ``axis_name`` is not bound (called outside shard_map/pmap).
 
@@ -215,17 +223,40 @@ def sync_gradients(
     tracked = tracks_variance(axes)
     leaves, treedef = jax.tree_util.tree_flatten(grads)
     names = leaf_names(grads, names, label="grads")
-    for name, leaf in zip(names, leaves, strict=True):
-        _check_leaf(name, leaf, axes, tracked)
+    experts = expert_names(shared)
+    if experts:
+        _check_expert_sync(shared, axes, reduce)  # type: ignore[arg-type]
+    # Experts are held by different devices along ep, so a mean over the dense dp (which
+    # spans ep) would mix different experts: their sum over edp comes from ``shared``.
+    dense = [i for i, name in enumerate(names) if name not in experts]
+    for i in dense:
+        _check_leaf(names[i], leaves[i], axes, tracked)
     if plan is None:
-        out = [_reduce(leaf, axes, reduce, reduce_dtype) for leaf in leaves]
+        reduced = [_reduce(leaves[i], axes, reduce, reduce_dtype) for i in dense]
     else:
-        out = _reduce_buckets(leaves, list(names), axes, reduce, reduce_dtype, plan)
+        reduced = _reduce_buckets(
+            [leaves[i] for i in dense], [names[i] for i in dense], axes, reduce, reduce_dtype, plan
+        )
+    out = list(leaves)
+    for i, value in zip(dense, reduced, strict=True):
+        out[i] = value
     synced = jax.tree_util.tree_unflatten(treedef, out)
     if shared is None:
         return synced
     # The sum over a model-parallel group commutes with the dp mean (docs/design.md §6).
     return reduce_shared_gradients(synced, shared, names=names)
+
+
+def _check_expert_sync(shared: ReductionPlan, axes: tuple[str, ...], reduce: str) -> None:
+    divisor = shared.reduction("edp").divisor
+    size = lax.axis_size(axes)
+    if reduce != "mean" or size != divisor:
+        raise ValueError(
+            f"expert gradients are summed over edp and divided by the dense dp "
+            f"({divisor}), which equals the global mean only beside a dense mean over dp; "
+            f"got reduce={reduce!r} over axes {axes} of size {size}: "
+            "pass reduce='mean' and the expert mesh's edp and ep axes as axis_name"
+        )
 
 
 def _reduce_buckets(
@@ -245,15 +276,11 @@ def _reduce_buckets(
             f"{len(unplanned)} without one); build the plan from the same tree "
             "(plan_buckets(param_specs(params))) or pass names= mapping leaves to plan names"
         )
+    plan.check_names(names, where="a leaf of grads")
     out: list[jax.Array | None] = [None] * len(leaves)
     for bucket in plan.buckets:
         members = []
         for slot in bucket.slots:
-            if slot.name not in position:
-                raise ValueError(
-                    f"the bucket plan has parameter {slot.name!r}, which is not a leaf of "
-                    "grads; every planned parameter must get a gradient (zeros if unused)"
-                )
             i = position[slot.name]
             if leaves[i].size != slot.numel:
                 raise ValueError(
