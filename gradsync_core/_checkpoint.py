@@ -25,11 +25,6 @@ from typing import Any, NoReturn
 from gradsync_core._canonical import fingerprint
 from gradsync_core._shards import ShardPlan
 from gradsync_core._specs import ParamSpec, check_unique_names
-from gradsync_core._state_keys import (  # noqa: F401  (re-exported: the key map's old home)
-    OPTAX_TO_TORCH_STATE,
-    TORCH_TO_OPTAX_STATE,
-    check_compatible,
-)
 
 FORMAT = "gradsync-optimizer-checkpoint"
 # 2: framework-neutral (torch names, layouts and state keys; 0-d state as JSON numbers in

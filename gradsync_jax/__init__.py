@@ -13,6 +13,7 @@ from gradsync_jax._naming import (
 from gradsync_jax._specs import param_specs, path_name
 from gradsync_jax._step import data_parallel_step
 from gradsync_jax._sync import local_grad, make_local, sync_gradients, value_and_local_grad
+from gradsync_jax.checkpoint import load_optimizer_state, load_params, save_optimizer_state
 from gradsync_jax.model_parallel import (
     ColumnParallelLinear,
     MoE,
@@ -29,14 +30,11 @@ from gradsync_jax.model_parallel import (
     scatter_to,
     shared_param_specs,
 )
-from gradsync_jax.model_state import load_params
 from gradsync_jax.zero import (
     NotElementwiseError,
     ShardedOptimizer,
     ZeroState,
     clip_by_global_norm,
-    load_optimizer_state,
-    save_optimizer_state,
     shard_optimizer,
 )
 

@@ -18,9 +18,9 @@ from torch import nn
 from torch.optim import Optimizer
 
 from gradsync_core import ParamSpec, ShardPlan
+from gradsync_torch.checkpoint import zero as checkpoint
+from gradsync_torch.checkpoint.model_state import copy_weights
 from gradsync_torch.data_parallel import DataParallel
-from gradsync_torch.model_state import copy_weights
-from gradsync_torch.zero import checkpoint
 from gradsync_torch.zero.broadcast import Broadcaster, Piece
 from gradsync_torch.zero.flat import FlatLayout, check_options, claim_sharder
 from gradsync_torch.zero.layout import Layout, make_layout

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from gradsync_core import TORCH_TO_OPTAX_STATE
+from gradsync_core._state_keys import TORCH_TO_OPTAX_STATE
 
 # 12 Linear layers: Flax names them Dense_0..Dense_11, and Dense_10 sorts before Dense_2, so
 # every parity test catches an ordering bug between the frameworks.

@@ -20,7 +20,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from gradsync_core import Manifest, model_key, rank_file, read_manifest
+from gradsync_core import Manifest, read_manifest
+from gradsync_core.checkpoint import model_key, rank_file
 from gradsync_torch._specs import dtype_name
 
 

@@ -17,9 +17,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from gradsync_core import ShardPlan, model_key, model_owners, rank_file, read_manifest
+from gradsync_core import ShardPlan, read_manifest
+from gradsync_core.checkpoint import model_key, model_owners, rank_file
 from gradsync_jax._naming import flax_name, from_torch_layout, to_torch_state, torch_names
-from gradsync_jax.zero.safetensors_io import read_safetensors
+from gradsync_jax.checkpoint.safetensors_io import read_safetensors
 
 
 def host_copy(array: Any) -> np.ndarray:

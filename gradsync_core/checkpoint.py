@@ -1,0 +1,91 @@
+"""The checkpoint format and save protocol, for executors (docs/design.md §9).
+
+``gradsync_core``'s top level holds what users call (``Manifest``, ``read_manifest``,
+``CheckpointError``, ``COUNTERPARTS``); this module holds what an executor needs to read and
+write the format: the switching save (``run_save`` behind ``SaveAgreement``, or its steps
+``begin_save`` / ``commit_save`` / ``discard_save``), file and tensor names, the manifest
+writer, the key and optimizer checks, the bounded safetensors header reader and the fault
+points of a save. ``gradsync_torch`` and ``gradsync_jax`` import from here; a new executor
+would too. Standard library only, like the rest of the core.
+"""
+
+from gradsync_core._atomic import (
+    begin_save,
+    commit_save,
+    discard_save,
+    fsync_directory,
+    new_save_token,
+    staging_directory,
+)
+from gradsync_core._checkpoint import (
+    FORMAT_VERSION,
+    MANIFEST,
+    MODEL_PARAM,
+    RANK_FILE_RE,
+    Manifest,
+    model_key,
+    model_owners,
+    rank_file,
+    read_manifest,
+    sha256_file,
+    tensor_key,
+    verify_file_hashes,
+    write_atomic,
+    write_manifest,
+)
+from gradsync_core._save_hooks import SAVE_POINTS, save_hook
+from gradsync_core._save_protocol import (
+    CheckpointError,
+    SaveAgreement,
+    SaveSteps,
+    error_message,
+    run_save,
+    write_rank_file,
+)
+from gradsync_core._state_keys import (
+    COUNTERPARTS,
+    canonical_state_key,
+    check_compatible,
+    check_optimizer,
+    check_state_keys,
+    counterpart_keys,
+    framework_state_key,
+)
+
+__all__ = [
+    "COUNTERPARTS",
+    "FORMAT_VERSION",
+    "MANIFEST",
+    "MODEL_PARAM",
+    "RANK_FILE_RE",
+    "SAVE_POINTS",
+    "CheckpointError",
+    "Manifest",
+    "SaveAgreement",
+    "SaveSteps",
+    "begin_save",
+    "canonical_state_key",
+    "check_compatible",
+    "check_optimizer",
+    "check_state_keys",
+    "commit_save",
+    "counterpart_keys",
+    "discard_save",
+    "error_message",
+    "framework_state_key",
+    "fsync_directory",
+    "model_key",
+    "model_owners",
+    "new_save_token",
+    "rank_file",
+    "read_manifest",
+    "run_save",
+    "save_hook",
+    "sha256_file",
+    "staging_directory",
+    "tensor_key",
+    "verify_file_hashes",
+    "write_atomic",
+    "write_manifest",
+    "write_rank_file",
+]
