@@ -20,11 +20,8 @@ from gradsync_core._atomic import (
 from gradsync_core._checkpoint import (
     FORMAT_VERSION,
     MANIFEST,
-    MODEL_PARAM,
     RANK_FILE_RE,
     Manifest,
-    model_key,
-    model_owners,
     rank_file,
     read_manifest,
     sha256_file,
@@ -33,6 +30,14 @@ from gradsync_core._checkpoint import (
     write_atomic,
     write_manifest,
 )
+from gradsync_core._model_weights import (
+    MODEL_PARAM,
+    check_weight_names,
+    model_key,
+    model_owners,
+    weight_owners,
+)
+from gradsync_core._safetensors import MAX_HEADER_BYTES, data_range, read_header
 from gradsync_core._save_hooks import SAVE_POINTS, save_hook
 from gradsync_core._save_protocol import (
     CheckpointError,
@@ -44,19 +49,23 @@ from gradsync_core._save_protocol import (
 )
 from gradsync_core._state_keys import (
     COUNTERPARTS,
-    canonical_state_key,
+    LEGACY_OPTIMIZER_NAMES,
+    OPTIMIZER_STATE_KEYS,
+    canonical_optimizer,
     check_compatible,
     check_optimizer,
     check_state_keys,
     counterpart_keys,
-    framework_state_key,
 )
 
 __all__ = [
     "COUNTERPARTS",
     "FORMAT_VERSION",
+    "LEGACY_OPTIMIZER_NAMES",
     "MANIFEST",
+    "MAX_HEADER_BYTES",
     "MODEL_PARAM",
+    "OPTIMIZER_STATE_KEYS",
     "RANK_FILE_RE",
     "SAVE_POINTS",
     "CheckpointError",
@@ -64,20 +73,22 @@ __all__ = [
     "SaveAgreement",
     "SaveSteps",
     "begin_save",
-    "canonical_state_key",
+    "canonical_optimizer",
     "check_compatible",
     "check_optimizer",
     "check_state_keys",
+    "check_weight_names",
     "commit_save",
     "counterpart_keys",
+    "data_range",
     "discard_save",
     "error_message",
-    "framework_state_key",
     "fsync_directory",
     "model_key",
     "model_owners",
     "new_save_token",
     "rank_file",
+    "read_header",
     "read_manifest",
     "run_save",
     "save_hook",
@@ -85,6 +96,7 @@ __all__ = [
     "staging_directory",
     "tensor_key",
     "verify_file_hashes",
+    "weight_owners",
     "write_atomic",
     "write_manifest",
     "write_rank_file",

@@ -28,7 +28,6 @@ from safetensors.numpy import save as save_bytes
 from gradsync_core import Manifest, ParamSpec, read_manifest
 from gradsync_core.checkpoint import (
     SaveSteps,
-    canonical_state_key,
     check_compatible,
     check_state_keys,
     counterpart_keys,
@@ -39,6 +38,7 @@ from gradsync_core.checkpoint import (
 )
 from gradsync_jax._naming import from_torch_layout, to_torch_layout, torch_name, torch_plan
 from gradsync_jax.checkpoint.model_state import weights_by_rank
+from gradsync_jax.checkpoint.optimizers import canonical_key, optimizer_name
 from gradsync_jax.checkpoint.processes import ProcessSaveAgreement, local_ranks, local_view, place
 from gradsync_jax.checkpoint.stored import GLOBAL_PARAM, assemble, read_rank_files
 from gradsync_jax.zero.flat import FlatLayout
@@ -91,8 +91,9 @@ def save_optimizer_state(
             of them see) and process 0 writes the manifest once every file is written.
         params: the parameter tree (arrays or ``ShapeDtypeStruct``) the state belongs to.
         step: the training step, stored in the manifest.
-        optimizer: a name checked on load; default derived from the state's types
-            (``"optax:ScaleByAdamState,EmptyState"``).
+        optimizer: a name checked on load; default derived from the state's types: the
+            canonical name of an optimizer that crosses frameworks (``"adam"``, see
+            ``gradsync_jax.checkpoint.optimizers``), else ``"optax:<state types>"``.
         modules: renames of Flax module paths to torch module names (see ``torch_name``),
             e.g. ``{"Dense_0": "layers.0"}``, so the names match the torch model's.
         model: the model weights to store too (usually ``params`` itself; for NNX
@@ -178,7 +179,7 @@ def _model_space_state(
                 out.global_tensors[tensor_key(GLOBAL_PARAM, leaf.key)] = np.array(value, order="C")
                 out.global_keys.append(leaf.key)
             continue
-        name, key = specs[leaf.param].name, canonical_state_key("jax", leaf.key)
+        name, key = specs[leaf.param].name, canonical_key(leaf.key)
         out.full[tensor_key(name, key)] = to_torch_layout(space.specs[leaf.param].name, value)
         out.state_keys[name].append(key)
     if steps:  # every parameter has state and there is exactly one count value
@@ -221,7 +222,7 @@ def _prepare(
             files[rank].update(tensors)
     manifest = Manifest(
         framework="jax",
-        optimizer=optimizer or space.optimizer,
+        optimizer=optimizer or optimizer_name(space.state_types),
         world_size=tx.world_size,
         step=int(step),
         params=tuple(specs),
@@ -257,7 +258,7 @@ def _needed_keys(manifest: Manifest, optimizer: str, space: ModelSpace) -> tuple
     """The canonical per-parameter keys this Optax state keeps."""
     if manifest.framework == "torch":
         return counterpart_keys(manifest.optimizer, optimizer) or ()
-    keys = {canonical_state_key("jax", leaf.key) for leaf in space.leaves if leaf.param is not None}
+    keys = {canonical_key(leaf.key) for leaf in space.leaves if leaf.param is not None}
     return tuple(sorted(keys | ({STEP} if _counts_as_steps(space) else set())))
 
 
@@ -277,7 +278,7 @@ def load_optimizer_state(
     shape and dtype before anything is placed on a device; on any error nothing changes
     (the state is a new value: keep using the old one). A torch checkpoint loads when its
     optimizer is the counterpart of ``tx``'s inner one (``gradsync_core.COUNTERPARTS``:
-    ``torch.optim.AdamW`` and ``optax.adamw``, ...).
+    ``torch.optim.AdamW`` and ``optax.adamw`` are both ``adamw``, ...).
 
     Args:
         directory: a checkpoint written by ``save_optimizer_state`` or by
@@ -305,7 +306,8 @@ def load_optimizer_state(
         space = layout.space
     else:  # a plain Optax transformation: its whole state, unsharded
         layout, space = None, model_space(tx, abstract(pure(params)))
-    names = _check_loadable(directory, manifest, space, optimizer or space.optimizer, modules)
+    optimizer = optimizer or optimizer_name(space.state_types)
+    names = _check_loadable(directory, manifest, space, optimizer, modules)
     tensors = assemble(manifest, read_rank_files(directory, manifest))
     values = _state_values(manifest, space, names, tensors)
     if layout is None:
@@ -351,7 +353,7 @@ def _state_key(manifest: Manifest, space: ModelSpace, names: list[str], index: i
         return tensor_key(GLOBAL_PARAM, leaf.key)
     if manifest.version == 1:
         return tensor_key(names[leaf.param], leaf.key)
-    return tensor_key(names[leaf.param], canonical_state_key("jax", leaf.key))
+    return tensor_key(names[leaf.param], canonical_key(leaf.key))
 
 
 def _state_values(
