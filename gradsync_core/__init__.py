@@ -38,7 +38,7 @@ from gradsync_core._reductions import (
 from gradsync_core._save_protocol import CheckpointError
 from gradsync_core._shards import Shard, ShardPlan, plan_flat_shards, plan_greedy_shards
 from gradsync_core._specs import DTYPE_ITEMSIZE, ParamSpec, itemsize
-from gradsync_core._state_keys import COUNTERPARTS, check_optimizer
+from gradsync_core._state_keys import COUNTERPARTS
 from gradsync_core._topology import (
     AXES,
     DEFAULT_ORDER,
@@ -82,7 +82,6 @@ __all__ = [
     "bucket_caps",
     "builtin_model",
     "canonical_json",
-    "check_optimizer",
     "describe_difference",
     "expert_reduction_group",
     "fingerprint",
