@@ -2,16 +2,10 @@
 
 Standard library only. The same parameter list gives the same plan, byte for byte, whichever
 framework asks for it; the executors in ``gradsync_torch`` and ``gradsync_jax`` run the plans.
+The top level holds what users call; the checkpoint format and save protocol the executors
+implement live in the documented submodule ``gradsync_core.checkpoint``.
 """
 
-from gradsync_core._atomic import (
-    begin_save,
-    commit_save,
-    discard_save,
-    fsync_directory,
-    new_save_token,
-    staging_directory,
-)
 from gradsync_core._buckets import (
     DEFAULT_CAP_BYTES,
     DEFAULT_FIRST_CAP_BYTES,
@@ -27,25 +21,7 @@ from gradsync_core._buckets import (
     rebuild_buckets,
 )
 from gradsync_core._canonical import PLAN_VERSION, canonical_json, fingerprint
-from gradsync_core._checkpoint import (
-    FORMAT_VERSION,
-    MANIFEST,
-    MODEL_PARAM,
-    OPTAX_TO_TORCH_STATE,
-    RANK_FILE_RE,
-    TORCH_TO_OPTAX_STATE,
-    Manifest,
-    check_compatible,
-    model_key,
-    model_owners,
-    rank_file,
-    read_manifest,
-    sha256_file,
-    tensor_key,
-    verify_file_hashes,
-    write_atomic,
-    write_manifest,
-)
+from gradsync_core._checkpoint import FORMAT_VERSION, Manifest, read_manifest
 from gradsync_core._memory import (
     OPTIMIZER_STATE_BYTES,
     MemoryEstimate,
@@ -79,16 +55,10 @@ from gradsync_core._reductions import (
     with_replicated_over,
 )
 from gradsync_core._sampler import LAST_BATCH, DataCursor, SamplerPlan
+from gradsync_core._save_protocol import CheckpointError
 from gradsync_core._shards import Shard, ShardPlan, plan_flat_shards, plan_greedy_shards
 from gradsync_core._specs import DTYPE_ITEMSIZE, ParamSpec, itemsize
-from gradsync_core._state_keys import (
-    COUNTERPARTS,
-    canonical_state_key,
-    check_optimizer,
-    check_state_keys,
-    counterpart_keys,
-    framework_state_key,
-)
+from gradsync_core._state_keys import COUNTERPARTS
 from gradsync_core._topology import (
     AXES,
     DEFAULT_ORDER,
@@ -113,19 +83,15 @@ __all__ = [
     "EXPERT_GROUPS",
     "FORMAT_VERSION",
     "LAST_BATCH",
-    "MANIFEST",
     "MIB",
     "MODELS",
     "MODEL_AXES",
-    "MODEL_PARAM",
-    "OPTAX_TO_TORCH_STATE",
     "OPTIMIZER_STATE_BYTES",
     "PLAN_VERSION",
-    "RANK_FILE_RE",
     "STANDARD_GROUPS",
-    "TORCH_TO_OPTAX_STATE",
     "Bucket",
     "BucketPlan",
+    "CheckpointError",
     "DataCursor",
     "Manifest",
     "MemoryEstimate",
@@ -143,32 +109,19 @@ __all__ = [
     "Slot",
     "Topology",
     "Unit",
-    "begin_save",
     "block_prefixes",
     "bucket_caps",
     "builtin_model",
     "canonical_json",
-    "canonical_state_key",
-    "check_compatible",
-    "check_optimizer",
-    "check_state_keys",
     "chunk_rows",
-    "commit_save",
-    "counterpart_keys",
     "describe_difference",
-    "discard_save",
     "estimate_ddp",
     "estimate_zero1",
     "estimate_zero2",
     "estimate_zero3",
     "expert_reduction_group",
     "fingerprint",
-    "framework_state_key",
-    "fsync_directory",
     "itemsize",
-    "model_key",
-    "model_owners",
-    "new_save_token",
     "optimizer_state_bytes",
     "plan_buckets",
     "plan_flat_shards",
@@ -176,18 +129,11 @@ __all__ = [
     "plan_legacy_buckets",
     "plan_param_shards",
     "plan_shared_reductions",
-    "rank_file",
     "read_manifest",
     "rebuild_buckets",
     "reduction_group",
     "replicated_axes",
-    "sha256_file",
     "split_expert_specs",
     "split_shapes",
-    "staging_directory",
-    "tensor_key",
-    "verify_file_hashes",
     "with_replicated_over",
-    "write_atomic",
-    "write_manifest",
 ]

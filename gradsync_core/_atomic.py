@@ -25,6 +25,7 @@ import secrets
 import shutil
 
 from gradsync_core._checkpoint import MANIFEST, RANK_FILE_RE
+from gradsync_core._save_hooks import run_hook
 
 STAGING = "tmp"  # PATH.tmp-<token>: being written, never read
 COMPLETE = "v"  # PATH.v-<token>: a complete checkpoint; PATH links to one of them
@@ -188,11 +189,13 @@ def commit_save(path: str | os.PathLike[str], staging: str) -> None:
     path = _normalized(path)
     complete = _publish(staging)
     try:
+        run_hook("before_switch")
         _switch(path, complete)
     except BaseException:
         if os.path.realpath(path) != os.path.realpath(complete):
             _remove(complete)
         raise
+    run_hook("after_switch")
     _remove_superseded(path, keep=complete)
 
 

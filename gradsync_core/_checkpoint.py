@@ -25,11 +25,6 @@ from typing import Any, NoReturn
 from gradsync_core._canonical import fingerprint
 from gradsync_core._shards import ShardPlan
 from gradsync_core._specs import ParamSpec, check_unique_names
-from gradsync_core._state_keys import (  # noqa: F401  (re-exported: the key map's old home)
-    OPTAX_TO_TORCH_STATE,
-    TORCH_TO_OPTAX_STATE,
-    check_compatible,
-)
 
 FORMAT = "gradsync-optimizer-checkpoint"
 # 2: framework-neutral (torch names, layouts and state keys; 0-d state as JSON numbers in
@@ -57,37 +52,12 @@ def tensor_key(param: str, state_key: str) -> str:
     return f"{param}/{state_key}"
 
 
-# Model weights saved beside the optimizer state are named "__model__/<param name>" (no
-# parameter is called "__model__", and the key sorts apart from every state tensor).
-MODEL_PARAM = "__model__"
-
-
-def model_key(param: str) -> str:
-    """``"__model__/layers.0.weight"``: how a model weight is named inside a rank file."""
-    return f"{MODEL_PARAM}/{param}"
-
-
-def model_owners(plan: ShardPlan, names: Sequence[str]) -> dict[str, int]:
-    """The rank whose file holds each model weight (whole, in torch's layout).
-
-    Weights are replicated on every data-parallel rank, so any rank could write any of
-    them; each goes with its optimizer state (the rank of the parameter's first non-empty
-    shard) so the bytes spread like the state does, and a frozen parameter, which the plan
-    does not list, goes to rank 0.
-    """
-    owners: dict[str, int] = {}
-    for shard in plan.shards:
-        if shard.stop > shard.start:
-            owners.setdefault(shard.name, shard.rank)
-    return {name: owners.get(name, 0) for name in names}
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Manifest:
     """What a checkpoint holds; enough to refuse a mismatched load before touching state."""
 
     framework: str  # "torch" | "jax"
-    optimizer: str  # e.g. "torch.optim.Adam", "optax.adam"
+    optimizer: str  # e.g. "torch.optim.Adam"; "adam" (a canonical name, gradsync_jax)
     world_size: int
     step: int
     params: tuple[ParamSpec, ...]

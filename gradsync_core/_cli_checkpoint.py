@@ -1,8 +1,7 @@
 """``gradsync checkpoint inspect PATH``: what a checkpoint holds, after checking every hash.
 
-Standard library only: a safetensors file is an 8-byte little-endian header length, a JSON
-header (``{"<key>": {"dtype", "shape", "data_offsets": [start, stop]}}``) and the bytes, so
-the per-rank sizes come from the headers without reading any tensor. Works on checkpoints
+Standard library only: the per-rank sizes come from the safetensors headers
+(``gradsync_core._safetensors``, bounded) without reading any tensor. Works on checkpoints
 written by either executor (docs/checkpoints.md).
 """
 
@@ -11,37 +10,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import struct
 from collections.abc import Mapping
 from typing import Any
 
-from gradsync_core._checkpoint import MODEL_PARAM, Manifest, rank_file, read_manifest
+from gradsync_core._checkpoint import Manifest, rank_file, read_manifest
+from gradsync_core._model_weights import MODEL_PARAM
+from gradsync_core._safetensors import read_header
 
-# A header larger than this is not one gradsync wrote (it lists a few keys per parameter).
-MAX_HEADER_BYTES = 100 << 20
 _SHOWN_OWNERS = 4  # owners listed per rank in the text output (all of them in --json)
-
-
-def _header(path: str) -> dict[str, Any]:
-    """The JSON header of a safetensors file, checked against the file's size."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise ValueError(f"checkpoint file {path} is truncated: {size} bytes, no header")
-        (length,) = struct.unpack("<Q", head)
-        if length > min(size - 8, MAX_HEADER_BYTES):
-            raise ValueError(
-                f"checkpoint file {path} has a header of {length} bytes in a file of {size}"
-            )
-        try:
-            header = json.loads(f.read(length).decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-            raise ValueError(f"checkpoint file {path} has a corrupt header ({e})") from None
-    if not isinstance(header, dict):
-        raise ValueError(f"checkpoint file {path} has a header that is not a JSON object")
-    header.pop("__metadata__", None)
-    return header
 
 
 def _nbytes(entries: Mapping[str, Any]) -> int:
@@ -62,7 +38,7 @@ def summary(path: str, manifest: Manifest) -> dict[str, Any]:
     for rank in range(manifest.world_size):
         name = rank_file(rank, manifest.world_size)
         file = os.path.join(path, name)
-        header = _header(file)
+        header, _ = read_header(file)
         model = {k: v for k, v in header.items() if k.startswith(MODEL_PARAM + "/")}
         state = {k: v for k, v in header.items() if k not in model}
         ranks.append(

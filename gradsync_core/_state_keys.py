@@ -1,10 +1,13 @@
-"""Where torch and Optax optimizer state meet: one key map, one table of counterparts.
+"""Where executors' optimizer state meets: canonical optimizer names and their state keys.
 
-A version-2 checkpoint names state by torch's keys (``exp_avg``, ``exp_avg_sq``,
-``momentum_buffer``, ``step``): the canonical keys (docs/design.md §9). The JAX executor
-maps Optax's fields through ``TORCH_TO_OPTAX_STATE`` when it writes and reads; this module
-is the only place that map is spelled out. A checkpoint crosses frameworks only between an
-optimizer and its listed counterpart, so an RMSprop state is never read as Adam's.
+A version-2 checkpoint names state by the canonical keys (torch's: ``exp_avg``,
+``exp_avg_sq``, ``momentum_buffer``, ``step``; docs/design.md §9), and names an optimizer that
+crosses frameworks by a canonical name (``adam``, ``adamw``, ``sgd``, ``sgd_momentum``). Each
+executor maps its framework's objects onto these names: ``gradsync_jax.checkpoint.optimizers``
+maps Optax's state types and fields, and torch's classes are listed in ``COUNTERPARTS``.
+The core spells no framework's internals, with one exception kept for old files
+(``LEGACY_OPTIMIZER_NAMES``). A checkpoint crosses frameworks only between an optimizer and
+its listed counterpart, so an RMSprop state is never read as Adam's.
 """
 
 from __future__ import annotations
@@ -14,43 +17,53 @@ from typing import Any
 
 from gradsync_core._specs import ParamSpec
 
-# The one place torch and Optax state names meet: torch.optim key -> optax field.
-TORCH_TO_OPTAX_STATE = {
-    "exp_avg": "mu",
-    "exp_avg_sq": "nu",
-    "step": "count",
-    "momentum_buffer": "trace",
-}
-OPTAX_TO_TORCH_STATE = {v: k for k, v in TORCH_TO_OPTAX_STATE.items()}
-
-# torch optimizer -> the Optax state signatures (``gradsync_jax`` names them after the state
-# types of ``inner.init``) whose arithmetic is the same, with the canonical per-parameter keys
-# both keep. SGD without momentum keeps no state on either side.
-COUNTERPARTS: dict[str, dict[str, tuple[str, ...]]] = {
-    "torch.optim.Adam": {"optax:ScaleByAdamState,EmptyState": ("exp_avg", "exp_avg_sq", "step")},
-    "torch.optim.AdamW": {
-        "optax:ScaleByAdamState,EmptyState,EmptyState": ("exp_avg", "exp_avg_sq", "step")
-    },
-    "torch.optim.SGD": {
-        "optax:TraceState,EmptyState": ("momentum_buffer",),
-        "optax:EmptyState,EmptyState": (),
-    },
+# Canonical optimizer -> the per-parameter state keys every framework's version keeps.
+OPTIMIZER_STATE_KEYS: dict[str, tuple[str, ...]] = {
+    "adam": ("exp_avg", "exp_avg_sq", "step"),
+    "adamw": ("exp_avg", "exp_avg_sq", "step"),
+    "sgd_momentum": ("momentum_buffer",),
+    "sgd": (),  # without momentum: no state on either side
 }
 
+# torch optimizer (as a torch manifest names it) -> the canonical optimizers whose arithmetic
+# it computes; another framework's optimizer with one of these canonical names is its
+# counterpart.
+COUNTERPARTS: dict[str, tuple[str, ...]] = {
+    "torch.optim.Adam": ("adam",),
+    "torch.optim.AdamW": ("adamw",),
+    "torch.optim.SGD": ("sgd_momentum", "sgd"),
+}
 
-def canonical_state_key(framework: str, key: str) -> str:
-    """The checkpoint key of a state entry: torch's key as is, an Optax field mapped back."""
-    return OPTAX_TO_TORCH_STATE.get(key, key) if framework == "jax" else key
+# Version-2 manifests written by gradsync_jax before canonical names existed name the
+# optimizer by its Optax state types. Read only, so those checkpoints still load; nothing
+# writes these names any more, and a change in Optax never needs a change here.
+LEGACY_OPTIMIZER_NAMES: dict[str, str] = {
+    "optax:ScaleByAdamState,EmptyState": "adam",
+    "optax:ScaleByAdamState,EmptyState,EmptyState": "adamw",
+    "optax:TraceState,EmptyState": "sgd_momentum",
+    "optax:EmptyState,EmptyState": "sgd",
+}
 
 
-def framework_state_key(framework: str, key: str) -> str:
-    """The key ``framework`` uses for the canonical checkpoint key ``key``."""
-    return TORCH_TO_OPTAX_STATE.get(key, key) if framework == "jax" else key
+def canonical_optimizer(name: str) -> str | None:
+    """``"adam"`` for ``"adam"`` (or an old manifest's spelling of it); ``None`` for an
+    optimizer that crosses no framework."""
+    if name in OPTIMIZER_STATE_KEYS:
+        return name
+    return LEGACY_OPTIMIZER_NAMES.get(name)
 
 
-def counterpart_keys(torch_optimizer: str, optax_optimizer: str) -> tuple[str, ...] | None:
-    """The canonical per-parameter keys a torch/Optax pair keeps, or None if not a pair."""
-    return COUNTERPARTS.get(torch_optimizer, {}).get(optax_optimizer)
+def counterpart_keys(torch_optimizer: str, other: str) -> tuple[str, ...] | None:
+    """The canonical per-parameter keys a torch optimizer and its counterpart ``other`` (a
+    canonical name) keep, or ``None`` if they are not a pair."""
+    canonical = canonical_optimizer(other)
+    if canonical is None or canonical not in COUNTERPARTS.get(torch_optimizer, ()):
+        return None
+    return OPTIMIZER_STATE_KEYS[canonical]
+
+
+def _same_optimizer(saved: str, mine: str) -> bool:
+    return saved == mine or canonical_optimizer(saved) == canonical_optimizer(mine) is not None
 
 
 def check_optimizer(
@@ -62,16 +75,16 @@ def check_optimizer(
         ValueError: naming both optimizers.
     """
     if saved_framework == framework:
-        if saved_optimizer != optimizer:
+        if not _same_optimizer(saved_optimizer, optimizer):
             raise ValueError(
                 f"checkpoint was written by optimizer {saved_optimizer!r}, this one is "
                 f"{optimizer!r}; load it with the same optimizer class"
             )
         return
-    torch_name, optax_name = (
+    torch_name, other = (
         (saved_optimizer, optimizer) if saved_framework == "torch" else (optimizer, saved_optimizer)
     )
-    if counterpart_keys(torch_name, optax_name) is None:
+    if counterpart_keys(torch_name, other) is None:
         known = ", ".join(f"{t} <-> {' / '.join(o)}" for t, o in COUNTERPARTS.items())
         raise ValueError(
             f"checkpoint optimizer {saved_optimizer!r} ({saved_framework}) has no counterpart "

@@ -10,6 +10,7 @@ from gradsync_jax._naming import (
     torch_specs,
 )
 from gradsync_jax._specs import param_specs, path_name
+from gradsync_jax.checkpoint import load_optimizer_state, load_params, save_optimizer_state
 from gradsync_jax.data_parallel import (
     SyncedState,
     accumulate_local_grads,
@@ -35,7 +36,6 @@ from gradsync_jax.model_parallel import (
     scatter_to,
     shared_param_specs,
 )
-from gradsync_jax.model_state import load_params
 from gradsync_jax.sampler import ResumableSampler
 from gradsync_jax.shared_reductions import make_shared_local, reduce_shared_gradients
 from gradsync_jax.zero import (
@@ -43,8 +43,6 @@ from gradsync_jax.zero import (
     ShardedOptimizer,
     ZeroState,
     clip_by_global_norm,
-    load_optimizer_state,
-    save_optimizer_state,
     shard_optimizer,
 )
 

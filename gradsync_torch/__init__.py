@@ -1,6 +1,7 @@
 """gradsync_torch: executes gradsync_core plans with torch."""
 
 from gradsync_torch._specs import dtype_name, param_specs, replicated_over, shared_param_specs
+from gradsync_torch.checkpoint import load_model_weights, load_optimizer_state_dict
 from gradsync_torch.data_parallel import DataParallel
 from gradsync_torch.data_parallel.comm_hooks import (
     GradBucket,
@@ -23,7 +24,6 @@ from gradsync_torch.model_parallel.mappings import (
     reduce_scatter_to,
     scatter_to,
 )
-from gradsync_torch.model_state import load_model_weights
 from gradsync_torch.sampler import ResumableSampler
 from gradsync_torch.shared_reductions import (
     SharedReducer,
@@ -31,7 +31,6 @@ from gradsync_torch.shared_reductions import (
     reduce_shared_gradients,
 )
 from gradsync_torch.zero import ZeroRedundancyOptimizer
-from gradsync_torch.zero.plain import load_optimizer_state_dict
 
 __all__: list[str] = [
     "ColumnParallelLinear",

@@ -1,6 +1,7 @@
-"""Sharded Optax (ZeRO for JAX): ``shard_optimizer``, its state, checkpoints (docs/design.md §4)."""
+"""Sharded Optax (ZeRO for JAX): ``shard_optimizer`` and its state (docs/design.md §4).
 
-from gradsync_jax.zero.checkpoint import load_optimizer_state, save_optimizer_state
+Its checkpoints live in ``gradsync_jax.checkpoint``."""
+
 from gradsync_jax.zero.clip import clip_by_global_norm
 from gradsync_jax.zero.flat import NotElementwiseError
 from gradsync_jax.zero.layout import Layout, ZeroState
@@ -13,7 +14,5 @@ __all__: list[str] = [
     "ZeroSettings",
     "ZeroState",
     "clip_by_global_norm",
-    "load_optimizer_state",
-    "save_optimizer_state",
     "shard_optimizer",
 ]

@@ -105,7 +105,9 @@ class ModelSpace:
     leaves: tuple[StateLeaf, ...]  # in the state's flattening order
     global_by_path: dict[str, int]  # "/"-joined path -> index into ``leaves``
     param_by_path: dict[str, int]  # "/"-joined path -> index into ``leaves``
-    optimizer: str  # "optax:ScaleByAdamState,EmptyState": refuses a Lion checkpoint in Adam
+    # The Optax state types of ``inner.init`` without parameters ("ScaleByAdamState",
+    # "EmptyState"): what names the optimizer in a checkpoint (gradsync_jax.checkpoint).
+    state_types: tuple[str, ...]
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -120,19 +122,11 @@ def _not_per_parameter(name: str) -> ValueError:
     )
 
 
-def model_space(inner: optax.GradientTransformation, params: Any) -> ModelSpace:
-    """Analyse ``inner``'s state for ``params`` (any arrays or ``ShapeDtypeStruct``)."""
-    params = abstract(params)
-    leaves_with_paths, param_treedef = jax.tree_util.tree_flatten_with_path(params)
-    specs = tuple(param_specs(params))
-    by_parts = {path_parts(path): i for i, (path, _) in enumerate(leaves_with_paths)}
-    full = jax.eval_shape(inner.init, params)
-    empty = jax.eval_shape(inner.init, param_treedef.unflatten([None] * param_treedef.num_leaves))
-    global_paths = {
-        "/".join(path_parts(p)): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(empty)[0]
-    }
-    flat, state_treedef = jax.tree_util.tree_flatten_with_path(full)
-    raw = []  # (parts, leaf, param index or None, prefix parts)
+def _owners(
+    flat: list[tuple[Any, Any]], global_paths: dict[str, Any], by_parts: dict[tuple[str, ...], int]
+) -> list[tuple[tuple[str, ...], Any, int | None, tuple[str, ...]]]:
+    """Each state leaf as ``(parts, leaf, parameter index or None, prefix parts)``."""
+    raw = []
     for path, leaf in flat:
         parts = path_parts(path)
         joined = "/".join(parts)
@@ -149,6 +143,22 @@ def model_space(inner: optax.GradientTransformation, params: Any) -> ModelSpace:
                 break
         else:
             raise _not_per_parameter(".".join(parts))
+    return raw
+
+
+def model_space(inner: optax.GradientTransformation, params: Any) -> ModelSpace:
+    """Analyse ``inner``'s state for ``params`` (any arrays or ``ShapeDtypeStruct``)."""
+    params = abstract(params)
+    leaves_with_paths, param_treedef = jax.tree_util.tree_flatten_with_path(params)
+    specs = tuple(param_specs(params))
+    by_parts = {path_parts(path): i for i, (path, _) in enumerate(leaves_with_paths)}
+    full = jax.eval_shape(inner.init, params)
+    empty = jax.eval_shape(inner.init, param_treedef.unflatten([None] * param_treedef.num_leaves))
+    global_paths = {
+        "/".join(path_parts(p)): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(empty)[0]
+    }
+    flat, state_treedef = jax.tree_util.tree_flatten_with_path(full)
+    raw = _owners(flat, global_paths, by_parts)
     prefixes = {".".join(pre) for _, _, p, pre in raw if p is not None}
     lasts = {pre.rpartition(".")[2] for pre in prefixes}
     short = len(lasts) == len(prefixes) and "" not in lasts  # "mu", "nu" unless ambiguous
@@ -170,7 +180,6 @@ def model_space(inner: optax.GradientTransformation, params: Any) -> ModelSpace:
     names = [leaf.name for leaf in leaves]
     if len(set(names)) != len(names):
         raise ValueError("two inner optimizer state leaves have the same dotted path")
-    types = re.findall(r"namedtuple\[(\w+)\]", str(jax.tree.structure(empty)))
     return ModelSpace(
         param_treedef=param_treedef,
         specs=specs,
@@ -184,5 +193,5 @@ def model_space(inner: optax.GradientTransformation, params: Any) -> ModelSpace:
             for i, (p, _) in enumerate(flat)
             if leaves[i].param is not None
         },
-        optimizer="optax:" + ",".join(types),
+        state_types=tuple(re.findall(r"namedtuple\[(\w+)\]", str(jax.tree.structure(empty)))),
     )

@@ -4,7 +4,8 @@ ranks, with checkpoints that load at any world size (docs/design.md §9).
 ``optimizer`` holds ``ZeroRedundancyOptimizer``; ``plans`` decides which rank owns what;
 ``options`` checks its options; ``layout`` (the protocol), ``greedy`` (ZeRO-1) and ``flat``
 (ZeRO-2) say where state lives and how parameters travel, through ``broadcast``; ``state``
-moves state between layouts; ``checkpoint`` saves and loads.
+moves state between layouts. Checkpoints (of ZeRO state and of model weights) live in
+``gradsync_torch.checkpoint``.
 """
 
 from gradsync_torch.zero.optimizer import ZeroRedundancyOptimizer

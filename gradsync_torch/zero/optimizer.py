@@ -19,9 +19,9 @@ from torch.optim import Optimizer
 
 import gradsync_core
 from gradsync_core import ParamSpec, ShardPlan
+from gradsync_torch.checkpoint import zero as checkpoint
+from gradsync_torch.checkpoint.model_state import copy_weights
 from gradsync_torch.data_parallel import DataParallel
-from gradsync_torch.model_state import copy_weights
-from gradsync_torch.zero import checkpoint
 from gradsync_torch.zero.broadcast import Broadcaster, Piece
 from gradsync_torch.zero.flat import FlatLayout
 from gradsync_torch.zero.layout import Layout, make_layout

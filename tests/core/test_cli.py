@@ -287,7 +287,8 @@ def _write_checkpoint(directory):
     """A 2-rank greedy Adam checkpoint of a 3-parameter model, with one model weight."""
     import hashlib
 
-    from gradsync_core import Manifest, ParamSpec, plan_greedy_shards, rank_file, write_manifest
+    from gradsync_core import Manifest, ParamSpec, plan_greedy_shards
+    from gradsync_core.checkpoint import rank_file, write_manifest
 
     specs = [
         ParamSpec(name="fc.weight", shape=(4,)),

@@ -7,16 +7,9 @@ import os
 
 import pytest
 
-from gradsync_core import (
-    MANIFEST,
-    Manifest,
-    ParamSpec,
-    plan_greedy_shards,
-    rank_file,
-    read_manifest,
-    write_manifest,
-)
+from gradsync_core import Manifest, ParamSpec, plan_greedy_shards, read_manifest
 from gradsync_core._checkpoint import manifest_checksum
+from gradsync_core.checkpoint import MANIFEST, rank_file, write_manifest
 
 SPECS = (
     ParamSpec(name="fc.weight", shape=(4, 3)),

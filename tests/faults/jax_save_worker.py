@@ -7,6 +7,7 @@ no clean-up, as if the process were killed).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from typing import Any
@@ -19,9 +20,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import jax
 import optax
 
-import gradsync_core._atomic as atomic
-import gradsync_jax.zero.checkpoint as jax_checkpoint
 from gradsync_core import Topology
+from gradsync_core.checkpoint import save_hook
 from gradsync_jax import (
     load_optimizer_state,
     mesh_from_topology,
@@ -29,14 +29,16 @@ from gradsync_jax import (
     shard_optimizer,
 )
 
+_HOOKS = contextlib.ExitStack()
 DEVICES = 4
 DIED = 17
-# Where the process dies: (the module, the function, before it runs or after its first call).
-KILL_POINTS: dict[str, tuple[Any, str, str]] = {
-    "before the rank files": (jax_checkpoint, "write_atomic", "before"),
-    "between rank files": (jax_checkpoint, "write_atomic", "after"),
-    "before the switch": (atomic, "_switch", "before"),
-    "after the switch": (atomic, "_remove_superseded", "before"),
+# Where the process dies: the save point (gradsync_core.checkpoint.SAVE_POINTS) whose first
+# pass it exits at.
+KILL_POINTS: dict[str, str] = {
+    "before the rank files": "before_file",
+    "between rank files": "after_file",  # the first file is written, the others not
+    "before the switch": "before_switch",
+    "after the switch": "after_switch",
 }
 
 
@@ -56,16 +58,9 @@ def bumped(state: Any, amount: int) -> Any:
 
 
 def _die_at(point: str) -> None:
-    module, name, when = KILL_POINTS[point]
-    original = getattr(module, name)
-
-    def dies(*args: Any, **kwargs: Any) -> Any:
-        if when == "before":
-            os._exit(DIED)
-        original(*args, **kwargs)
-        os._exit(DIED)
-
-    setattr(module, name, dies)
+    # Never closed (and kept referenced, or collecting it would close it): the process exits
+    # at the point.
+    _HOOKS.enter_context(save_hook(KILL_POINTS[point], lambda: os._exit(DIED)))
 
 
 def main(path: str, point: str) -> None:

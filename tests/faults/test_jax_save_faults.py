@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-import gradsync_core._atomic as atomic
-import gradsync_jax.zero.checkpoint as jax_checkpoint
+from gradsync_core import CheckpointError
+from gradsync_core.checkpoint import save_hook
 from gradsync_jax import load_optimizer_state, save_optimizer_state
 from tests.faults import jax_save_worker as worker
 from tests.helpers import assert_tree_equal
@@ -45,35 +45,22 @@ def _check_loads(path: Path, tx: Any, params: Any, state: Any, step: int) -> Non
 
 
 def _fail_on_call(calls: int, error: int) -> Any:
-    """A writer that works ``calls - 1`` times and then raises ``OSError(error)``."""
-    real, seen = jax_checkpoint.write_atomic, []
+    """An action that passes ``calls - 1`` times and then raises ``OSError(error)``."""
+    seen = []
 
-    def write(*args: Any) -> None:
-        seen.append(args)
+    def fail() -> None:
+        seen.append(None)
         if len(seen) == calls:
             raise OSError(error, os.strerror(error))
-        real(*args)
 
-    return write
-
-
-def _raise_io_error(*args: Any) -> None:
-    raise OSError(errno.EIO, os.strerror(errno.EIO))
+    return fail
 
 
-# Where a writer raises: (the module, the function, a factory of its failing replacement).
+# Where a writer raises: (the save point, a factory of the action that raises there).
 RAISE_POINTS = {
-    "second rank file (disk full)": (
-        jax_checkpoint,
-        "write_atomic",
-        lambda: _fail_on_call(2, errno.ENOSPC),
-    ),
-    "manifest (disk full)": (
-        jax_checkpoint,
-        "write_manifest",
-        lambda: _fail_on_call(1, errno.ENOSPC),
-    ),
-    "switch (I/O error)": (atomic, "_switch", lambda: _raise_io_error),
+    "second rank file (disk full)": ("before_file", lambda: _fail_on_call(2, errno.ENOSPC)),
+    "manifest (disk full)": ("before_manifest", lambda: _fail_on_call(1, errno.ENOSPC)),
+    "switch (I/O error)": ("before_switch", lambda: _fail_on_call(1, errno.EIO)),
 }
 
 
@@ -113,11 +100,15 @@ def test_killed_and_failing_saves_keep_the_previous_checkpoint(
 
     raised = tmp_path / "raised"
     save_optimizer_state(raised, tx, first, params, step=1)
-    for point, (module, name, make_replacement) in RAISE_POINTS.items():
-        with monkeypatch.context() as patch:
-            patch.setattr(module, name, make_replacement())
-            with pytest.raises(OSError, match=r"No space left on device|Input/output error"):
+    for point, (save_point, make_action) in RAISE_POINTS.items():
+        with save_hook(save_point, make_action()):
+            # The same error type on every process (CheckpointError); on the process that
+            # failed, the writer's OSError is its cause.
+            with pytest.raises(
+                CheckpointError, match=r"No space left on device|Input/output error"
+            ) as raised_error:
                 save_optimizer_state(raised, tx, second, params, step=2)
+            assert isinstance(raised_error.value.__cause__, OSError), point
         _check_loads(raised, tx, params, first, step=1)
         assert _leftover_kinds(raised) == [], point
 

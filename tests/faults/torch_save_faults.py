@@ -22,23 +22,24 @@ import torch
 import torch.distributed as dist
 
 import gradsync_core._atomic as atomic
-import gradsync_torch.zero.checkpoint as torch_checkpoint
+from gradsync_core.checkpoint import save_hook
 from gradsync_torch import ZeroRedundancyOptimizer
 from tests.torch.zero_helpers import Pair, make_model, plain, zero
 
 ADAM = {"lr": 1e-2}
 SAVED_STEPS = 3
 MORE_STEPS = 2
-DIED = 17  # the exit status of a rank killed on purpose
+DIED = 17
+_HOOKS = contextlib.ExitStack()  # the exit status of a rank killed on purpose
 
-# Where a rank dies in the second save: (the rank, the module, the function it dies in,
-# before or after that function runs).
-KILL_POINTS: dict[str, tuple[int, Any, str, str]] = {
-    "before its rank file": (1, torch_checkpoint, "_write_rank_file", "before"),
-    "after its rank file": (1, torch_checkpoint, "_write_rank_file", "after"),
-    "before the manifest": (0, torch_checkpoint, "write_manifest", "before"),
-    "before the switch": (0, atomic, "_switch", "before"),
-    "after the switch": (0, atomic, "_remove_superseded", "before"),
+# Where a rank dies in the second save: (the rank, the save point it dies at; see
+# gradsync_core.checkpoint.SAVE_POINTS).
+KILL_POINTS: dict[str, tuple[int, str]] = {
+    "before its rank file": (1, "before_file"),
+    "after its rank file": (1, "after_file"),
+    "before the manifest": (0, "before_manifest"),
+    "before the switch": (0, "before_switch"),
+    "after the switch": (0, "after_switch"),
 }
 # Which checkpoint a load finds afterwards: the previous one, except once the switch is done.
 STEPS_AFTER_KILL = {
@@ -53,19 +54,12 @@ def _pair(world_size: int) -> Pair:
 
 def _die_at(rank: int, point: str) -> None:
     """Patch this process so that ``rank`` exits (no clean-up, like SIGKILL) at ``point``."""
-    dying, module, name, when = KILL_POINTS[point]
+    dying, save_point = KILL_POINTS[point]
     if rank != dying:
         return
-    original = getattr(module, name)
-
-    def dies(*args: Any, **kwargs: Any) -> Any:
-        if when == "before":
-            os._exit(DIED)
-        result = original(*args, **kwargs)
-        os._exit(DIED)
-        return result
-
-    setattr(module, name, dies)
+    # Never closed (and kept referenced, or collecting it would close it): the process exits
+    # at the point.
+    _HOOKS.enter_context(save_hook(save_point, lambda: os._exit(DIED)))
 
 
 def crash_during_save(rank: int, world_size: int, path: str, point: str) -> dict[str, Any]:
@@ -94,19 +88,20 @@ def _io_error(*args: Any, **kwargs: Any) -> None:
     raise OSError(errno.EIO, os.strerror(errno.EIO))
 
 
-# Where a writer raises in a save, on which rank, and what every rank then reports.
+# Where a writer raises in a save, on which rank, and what every rank then reports: a save
+# point (module None) or a function of a module replaced by one that raises.
 RAISE_POINTS: dict[str, tuple[int, Any, str, Callable[..., Any], str]] = {
     "rank file (disk full)": (
         1,
-        torch_checkpoint,
-        "write_atomic",
+        None,
+        "before_file",
         _disk_full,
         r"rank 1 could not write its file: OSError: \[Errno 28\] No space left on device",
     ),
     "manifest (disk full)": (
         0,
-        torch_checkpoint,
-        "write_manifest",
+        None,
+        "before_manifest",
         _disk_full,
         r"\(rank 0\): OSError: \[Errno 28\] No space left on device",
     ),
@@ -119,8 +114,8 @@ RAISE_POINTS: dict[str, tuple[int, Any, str, Callable[..., Any], str]] = {
     ),
     "switch (I/O error)": (
         0,
-        atomic,
-        "_switch",
+        None,
+        "before_switch",
         _io_error,
         r"\(rank 0\): OSError: \[Errno 5\] Input/output error",
     ),
@@ -130,6 +125,10 @@ RAISE_POINTS: dict[str, tuple[int, Any, str, Callable[..., Any], str]] = {
 @contextlib.contextmanager
 def _raising(rank: int, point: str) -> Iterator[str]:
     failing, module, name, replacement, message = RAISE_POINTS[point]
+    if module is None:
+        with save_hook(name, replacement) if rank == failing else contextlib.nullcontext():
+            yield message
+        return
     original = getattr(module, name)
     if rank == failing:
         setattr(module, name, replacement)

@@ -36,8 +36,8 @@ def main(process_id: int, num_processes: int, port: int, out_dir: str) -> None:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    import gradsync_jax.zero.checkpoint as checkpoint
-    from gradsync_core import Topology, read_manifest
+    from gradsync_core import CheckpointError, Topology, read_manifest
+    from gradsync_core.checkpoint import save_hook
     from gradsync_jax import (
         load_optimizer_state,
         make_local,
@@ -45,7 +45,7 @@ def main(process_id: int, num_processes: int, port: int, out_dir: str) -> None:
         save_optimizer_state,
         shard_optimizer,
     )
-    from gradsync_jax.zero.processes import place
+    from gradsync_jax.checkpoint.processes import place
     from tests.jax.test_zero_checkpoint import batch, inner, loss_fn, params0
 
     mesh = mesh_from_topology(Topology.create(jax.device_count()))
@@ -84,19 +84,18 @@ def main(process_id: int, num_processes: int, port: int, out_dir: str) -> None:
     save_optimizer_state(flat_dir, tx_flat, loaded, params, step=STEPS)
 
     first_manifest = read_manifest(greedy_dir)
-    if process_id == 1:  # this process's rank files cannot be written
 
-        def refuse(path: Any, data: bytes) -> None:
-            raise OSError(f"no space left on device writing {path}")
+    def refuse() -> None:  # this process's rank files cannot be written
+        if process_id == 1:
+            raise OSError("no space left on device")
 
-        checkpoint.write_atomic = refuse  # type: ignore[assignment]
     try:
-        save_optimizer_state(greedy_dir, tx, state, params, step=STEPS + 1)
+        with save_hook("before_file", refuse):
+            save_optimizer_state(greedy_dir, tx, state, params, step=STEPS + 1)
         failure = "none"
-    except OSError:
-        failure = "OSError"
-    except RuntimeError as err:
-        failure = f"RuntimeError: {err}"
+    except CheckpointError as err:  # the same type on every process; the cause where it failed
+        cause = type(err.__cause__).__name__ if err.__cause__ is not None else "None"
+        failure = f"CheckpointError (cause {cause}): {err}"
     multihost_utils.sync_global_devices("failed save done")
     kept = read_manifest(greedy_dir) == first_manifest
     leftovers = sorted(n for n in os.listdir(out_dir) if ".tmp-" in n)

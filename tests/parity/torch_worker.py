@@ -12,7 +12,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from gradsync_core import TORCH_TO_OPTAX_STATE
+# torch state key -> the Optax field the JAX side compares it with (the test's own copy:
+# this torch process does not import gradsync_jax).
+TORCH_TO_OPTAX_STATE = {
+    "exp_avg": "mu",
+    "exp_avg_sq": "nu",
+    "step": "count",
+    "momentum_buffer": "trace",
+}
 
 # 12 Linear layers: Flax names them Dense_0..Dense_11, and Dense_10 sorts before Dense_2, so
 # every parity test catches an ordering bug between the frameworks.

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gradsync_torch.checkpoint.saved_keys import probe_state_keys
 from gradsync_torch.zero.broadcast import Piece
-from gradsync_torch.zero.saved_keys import probe_state_keys
 from gradsync_torch.zero.state import StatePiece, assemble, slice_state
 
 

@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gradsync_core import MANIFEST, rank_file, read_manifest, write_manifest
+from gradsync_core import read_manifest
+from gradsync_core.checkpoint import MANIFEST, rank_file, write_manifest
 from gradsync_torch import ZeroRedundancyOptimizer
 from tests.torch.zero_helpers import Pair, batch, make_model, plain, zero
 

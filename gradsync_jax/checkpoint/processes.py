@@ -8,14 +8,9 @@ parameters per device). The flat partition owns element ranges of Flax-layout bu
 its rank files hold element ranges of torch-layout tensors (a Dense kernel transposed), which
 another process's devices may hold: a flat save gathers the state on every process first.
 
-``SaveAgreement`` turns the one save into steps every process takes together, so a failure
-on one process is a failure on all and nothing half-written ever becomes the checkpoint:
-
-1. every process prepares its files (an error is held, not raised, until step 2);
-2. all agree that every process prepared; process 0 opens the staging directory and
-   broadcasts its token;
-3. every process writes its files there and hashes them; the hashes are gathered;
-4. process 0 writes the manifest and switches the checkpoint; all learn whether it worked.
+``ProcessSaveAgreement`` is the ``SaveAgreement`` of ``gradsync_core.checkpoint.run_save`` on
+these processes, so a failure on one process is the same ``CheckpointError`` on all and
+nothing half-written ever becomes the checkpoint (the steps: docs/design.md §9).
 
 Rank files are written by different processes into one directory, so the checkpoint path
 must be on a file system every process sees (NFS, Lustre, a local disk for one host).
@@ -23,6 +18,7 @@ must be on a file system every process sees (NFS, Lustre, a local disk for one h
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import jax
@@ -30,7 +26,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 
-_DIGEST_BYTES = 32  # sha256
+from gradsync_core.checkpoint import CheckpointError
+
 _TOKEN_BYTES = 64  # room for a save token (16 hex digits today)
 
 
@@ -75,8 +72,18 @@ def place(host_tree: Any, shardings: Any) -> Any:
     return jax.tree.map(put, host_tree, shardings)
 
 
-class SaveAgreement:
-    """The collective steps of one multi-process save (no-ops with a single process)."""
+def _gather_bytes(data: bytes) -> list[bytes]:
+    """Every process's ``data``, in process order (two all-gathers: lengths, then bytes)."""
+    lengths = np.asarray(multihost_utils.process_allgather(np.asarray([len(data)], np.int64)))
+    lengths = lengths.reshape(-1)
+    padded = np.zeros(int(lengths.max()), np.uint8)
+    padded[: len(data)] = np.frombuffer(data, np.uint8)
+    rows = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(lengths), -1)
+    return [bytes(row[:n]) for row, n in zip(rows, lengths.tolist(), strict=True)]
+
+
+class ProcessSaveAgreement:
+    """``SaveAgreement`` over the JAX processes (process 0 leads; no-ops with one process)."""
 
     def __init__(self) -> None:
         self.count = jax.process_count()
@@ -87,20 +94,24 @@ class SaveAgreement:
         """Whether this process opens the staging directory and writes the manifest."""
         return self.index == 0
 
-    def all_ok(self, ok: bool, what: str) -> None:
-        """Raise on every process unless ``ok`` holds on every process."""
-        if self.count == 1:
-            return
-        flags = np.asarray(multihost_utils.process_allgather(np.asarray([ok], np.bool_)))
-        failed = [int(p) for p in np.flatnonzero(~flags.reshape(self.count))]
-        if failed and ok:
-            raise RuntimeError(
-                f"process {failed[0]} failed while {what}, so this save was abandoned on every "
-                "process; its log says why"
-            )
+    @property
+    def who(self) -> str:
+        """``"process 1"``, as errors name this process."""
+        return f"process {self.index}"
+
+    def all_ok(self, error: str | None, what: str) -> None:
+        """Raise the first failing process's ``error`` as ``CheckpointError`` everywhere."""
+        errors = [error]
+        if self.count > 1:
+            errors = [json.loads(e) for e in _gather_bytes(json.dumps(error).encode("utf-8"))]
+        failed = [(p, e) for p, e in enumerate(errors) if e is not None]
+        if failed:
+            process, message = failed[0]
+            where = f" (process {process})" if self.count > 1 else ""
+            raise CheckpointError(f"{what}{where}: {message}")
 
     def share_token(self, token: str | None) -> str:
-        """Process 0's save token, on every process (``None`` on process 0: it failed)."""
+        """Process 0's save token, on every process."""
         if self.count == 1:
             assert token is not None
             return token
@@ -110,13 +121,8 @@ class SaveAgreement:
         shared = np.asarray(multihost_utils.broadcast_one_to_all(raw))
         return bytes(shared).rstrip(b"\0").decode("ascii")
 
-    def gather_digests(self, mine: dict[int, str], world_size: int) -> dict[int, str]:
-        """Every rank file's sha256 (hex), each hashed by the process that wrote it."""
+    def gather(self, record: Any) -> list[Any]:
+        """Every process's JSON-able ``record``, in process order."""
         if self.count == 1:
-            return dict(mine)
-        table = np.zeros((world_size, _DIGEST_BYTES), np.uint8)
-        for rank, digest in mine.items():
-            table[rank] = np.frombuffer(bytes.fromhex(digest), np.uint8)
-        everyone = np.asarray(multihost_utils.process_allgather(table))
-        # Each rank is written by exactly one process, so the other rows are zero.
-        return {rank: bytes(everyone[:, rank].max(axis=0)).hex() for rank in range(world_size)}
+            return [record]
+        return [json.loads(r) for r in _gather_bytes(json.dumps(record).encode("utf-8"))]

@@ -7,8 +7,9 @@ from typing import Any
 
 import numpy as np
 
-from gradsync_core import MODEL_PARAM, Manifest, rank_file
-from gradsync_jax.zero.safetensors_io import read_safetensors
+from gradsync_core import Manifest
+from gradsync_core.checkpoint import MODEL_PARAM, rank_file
+from gradsync_jax.checkpoint.safetensors_io import read_safetensors
 
 GLOBAL_PARAM = "__optax__"  # the pseudo-parameter that carries global leaves
 

@@ -20,7 +20,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from gradsync_core import Manifest, model_key, rank_file, read_manifest
+from gradsync_core import Manifest, read_manifest
+from gradsync_core.checkpoint import check_weight_names, model_key, rank_file, weight_owners
 from gradsync_torch._specs import dtype_name
 
 
@@ -48,12 +49,7 @@ def read_weights(path: str | os.PathLike[str], manifest: Manifest) -> dict[str, 
     Raises:
         ValueError: if the checkpoint holds no weights or a listed weight is missing.
     """
-    owners: Mapping[str, int] = manifest.extra.get("model", {})
-    if not owners:
-        raise ValueError(
-            f"{os.fspath(path)} holds no model weights; save it with "
-            "ZeroRedundancyOptimizer.save(path, model=net) or save_optimizer_state(..., model=)"
-        )
+    owners = weight_owners(path, manifest)
     weights = {}
     for rank in sorted(set(owners.values())):
         file = os.path.join(path, rank_file(rank, manifest.world_size))
@@ -73,14 +69,9 @@ def check_weights(weights: Mapping[str, torch.Tensor], module: nn.Module) -> Non
         ValueError: naming the first missing, unexpected or mismatched parameter.
     """
     mine = dict(module.named_parameters())
-    missing, unexpected = sorted(set(mine) - set(weights)), sorted(set(weights) - set(mine))
-    if missing or unexpected:
-        which = f"lacks {missing[0]!r}" if missing else f"has {unexpected[0]!r}, unknown here"
-        raise ValueError(
-            f"the checkpoint's model weights do not match the module: it {which} "
-            f"({len(missing)} missing, {len(unexpected)} unexpected); load into the model "
-            "that was saved (tied parameters count once)"
-        )
+    check_weight_names(
+        weights, mine, fix="load into the model that was saved (tied parameters count once)"
+    )
     for name, param in mine.items():
         saved = weights[name]
         if (tuple(saved.shape), saved.dtype) != (tuple(param.shape), param.dtype):

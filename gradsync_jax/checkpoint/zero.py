@@ -10,7 +10,7 @@ tensor (flat). Optax's ``count`` is stored as every parameter's ``step`` (a JSON
 ``extra["scalars"]``, as torch stores its ``step``); other leaves tied to no parameter (injected
 hyper-parameters) go to rank 0's file under ``"__optax__/<state path>"``, listed in
 ``extra["global_keys"]``: only JAX reads those. With several JAX processes each writes its
-own devices' rank files and process 0 the manifest (``gradsync_jax.zero.processes``).
+own devices' rank files and process 0 the manifest (``gradsync_jax.checkpoint.processes``).
 """
 
 from __future__ import annotations
@@ -18,39 +18,32 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 import optax
 from safetensors.numpy import save as save_bytes
 
-from gradsync_core import (
-    Manifest,
-    ParamSpec,
-    begin_save,
-    canonical_state_key,
+from gradsync_core import Manifest, ParamSpec, read_manifest
+from gradsync_core.checkpoint import (
+    SaveSteps,
     check_compatible,
     check_state_keys,
-    commit_save,
     counterpart_keys,
-    discard_save,
-    new_save_token,
     rank_file,
-    read_manifest,
-    sha256_file,
-    staging_directory,
+    run_save,
     tensor_key,
-    write_atomic,
-    write_manifest,
+    write_rank_file,
 )
 from gradsync_jax._naming import from_torch_layout, to_torch_layout, torch_name, torch_plan
-from gradsync_jax.model_state import weights_by_rank
+from gradsync_jax.checkpoint.model_state import weights_by_rank
+from gradsync_jax.checkpoint.optimizers import canonical_key, optimizer_name
+from gradsync_jax.checkpoint.processes import ProcessSaveAgreement, local_ranks, local_view, place
+from gradsync_jax.checkpoint.stored import GLOBAL_PARAM, assemble, read_rank_files
 from gradsync_jax.zero.flat import FlatLayout
 from gradsync_jax.zero.layout import Layout, ZeroState
 from gradsync_jax.zero.model_space import ModelSpace, abstract, model_space, pure
-from gradsync_jax.zero.processes import SaveAgreement, local_ranks, local_view, place
-from gradsync_jax.zero.stored import GLOBAL_PARAM, assemble, read_rank_files
 from gradsync_jax.zero.transform import ShardedOptimizer
 
 STEP = "step"  # the canonical key Optax's count is stored under
@@ -98,8 +91,9 @@ def save_optimizer_state(
             of them see) and process 0 writes the manifest once every file is written.
         params: the parameter tree (arrays or ``ShapeDtypeStruct``) the state belongs to.
         step: the training step, stored in the manifest.
-        optimizer: a name checked on load; default derived from the state's types
-            (``"optax:ScaleByAdamState,EmptyState"``).
+        optimizer: a name checked on load; default derived from the state's types: the
+            canonical name of an optimizer that crosses frameworks (``"adam"``, see
+            ``gradsync_jax.checkpoint.optimizers``), else ``"optax:<state types>"``.
         modules: renames of Flax module paths to torch module names (see ``torch_name``),
             e.g. ``{"Dense_0": "layers.0"}``, so the names match the torch model's.
         model: the model weights to store too (usually ``params`` itself; for NNX
@@ -110,75 +104,89 @@ def save_optimizer_state(
         The manifest written.
 
     Raises:
-        ValueError: if the state does not match ``params`` or the path cannot hold a
-            checkpoint.
-        RuntimeError: on every other process, when one process failed its part (the
-            previous checkpoint is then kept).
+        CheckpointError: on every process, naming the process that failed its part (the
+            state does not match ``params``, the path cannot hold a checkpoint, a write
+            failed); the previous checkpoint is then kept. A ``ValueError`` and a
+            ``RuntimeError`` both; on the failing process the original error is its cause.
 
     Example:
         >>> save_optimizer_state("ckpt/opt", tx, opt_state, params, step=100)
     """
     layout = tx.layout(params)
-    # Each process sees its own devices' shards only; the rank files it writes are exactly
-    # those ranks, where this local view is complete (gradsync_jax.zero.processes).
-    mine = local_ranks(tx.mesh, tx.settings.axes)
-    agreement = SaveAgreement()
-    complete = isinstance(layout, FlatLayout)  # see gradsync_jax.zero.processes
+    complete = isinstance(layout, FlatLayout)  # see gradsync_jax.checkpoint.processes
     local = ZeroState(  # first, so every process takes part in its collective
         inner=local_view(state.inner, complete=complete),
         shards=local_view(dict(state.shards), complete=complete),
     )
-    error: Exception | None = None
-    try:
-        files, manifest = _prepare(tx, layout, local, params, step, optimizer, modules, model)
-    except Exception as err:  # held until every process knows
-        error = err
-    agreement.all_ok(error is None, "preparing its checkpoint files")
-    if error is not None:
-        raise error
+    # Each process sees its own devices' shards only; the rank files it writes are exactly
+    # those ranks, where this local view is complete (gradsync_jax.checkpoint.processes).
+    mine = sorted(local_ranks(tx.mesh, tx.settings.axes))
     n = tx.world_size
-    token = None
-    if agreement.leader:
-        try:
-            token = new_save_token()
-            begin_save(directory, token)
-        except Exception as err:
-            error = err
-    agreement.all_ok(error is None, "opening the checkpoint's staging directory")
-    if error is not None:
-        raise error
-    # Everything goes to a staging directory; the switch at the end is the only change a
-    # reader of ``directory`` can see, so a save cut short leaves the previous one (§9).
-    staging = staging_directory(directory, agreement.share_token(token))
-    digests: dict[int, str] = {}
-    try:
-        for rank in sorted(mine):
-            path = os.path.join(staging, rank_file(rank, n))
-            write_atomic(path, save_bytes(files[rank], metadata={"framework": "jax"}))
-            digests[rank] = sha256_file(path)
-    except Exception as err:
-        error = err
-    try:
-        agreement.all_ok(error is None, "writing its rank files")
-        if error is not None:
-            raise error
-        hashes = agreement.gather_digests(digests, n)
-    except BaseException:
-        if agreement.leader:
-            discard_save(staging)
-        raise
-    manifest = replace(manifest, files={rank_file(r, n): hashes[r] for r in range(n)})
-    if agreement.leader:
-        try:
-            write_manifest(staging, manifest)
-            commit_save(directory, staging)
-        except Exception as err:
-            error = err
-            discard_save(staging)
-    agreement.all_ok(error is None, "writing the manifest and switching the checkpoint")
-    if error is not None:
-        raise error
-    return manifest
+
+    def write_files(prepared: _Prepared, staging: str) -> dict[int, str]:
+        return {
+            rank: write_rank_file(
+                staging, rank_file(rank, n), save_bytes(prepared.files[rank], metadata=_META)
+            )
+            for rank in mine
+        }
+
+    steps = SaveSteps(
+        prepare=lambda: _prepare(tx, layout, local, params, step, optimizer, modules, model),
+        write_files=write_files,
+        manifest=lambda prepared, files, _: replace(
+            prepared.manifest, files={rank_file(r, n): files[r] for r in range(n)}
+        ),
+    )
+    what = f"cannot save optimizer checkpoint {os.fspath(directory)}"
+    return run_save(directory, ProcessSaveAgreement(), steps, what=what)
+
+
+class _Prepared(NamedTuple):
+    """Every rank file's tensors (exact for the ranks this process writes) and the manifest
+    without the files' hashes."""
+
+    files: dict[int, dict[str, np.ndarray]]
+    manifest: Manifest
+
+
+_META = {"framework": "jax"}
+
+
+class _ModelSpaceState(NamedTuple):
+    """The inner state in torch's names, layouts and keys, whole per parameter."""
+
+    full: dict[str, np.ndarray]  # "<param>/<canonical key>" -> whole tensor
+    state_keys: dict[str, list[str]]
+    scalars: dict[str, Any]
+    global_tensors: dict[str, np.ndarray]  # "__optax__/<path>" -> leaf, rank 0's file
+    global_keys: list[str]
+
+
+def _model_space_state(
+    space: ModelSpace, values: list[Any], specs: list[ParamSpec]
+) -> _ModelSpaceState:
+    """Optax's leaves as torch would hold them: per-parameter state under canonical keys;
+    ``count`` as every parameter's ``step`` when that is exact; other global leaves apart."""
+    steps = _counts_as_steps(space)
+    counts = {int(np.asarray(v)) for i, v in enumerate(values) if _is_count(space, i)}
+    if len(counts) > 1:  # two counts that disagree cannot be one torch step
+        steps = False
+    out = _ModelSpaceState({}, {spec.name: [] for spec in specs}, {}, {}, [])
+    for i, (leaf, value) in enumerate(zip(space.leaves, values, strict=True)):
+        if leaf.param is None:
+            if not (steps and _is_count(space, i)):
+                out.global_tensors[tensor_key(GLOBAL_PARAM, leaf.key)] = np.array(value, order="C")
+                out.global_keys.append(leaf.key)
+            continue
+        name, key = specs[leaf.param].name, canonical_key(leaf.key)
+        out.full[tensor_key(name, key)] = to_torch_layout(space.specs[leaf.param].name, value)
+        out.state_keys[name].append(key)
+    if steps:  # every parameter has state and there is exactly one count value
+        for name, keys in out.state_keys.items():
+            keys.append(STEP)
+            out.scalars[tensor_key(name, STEP)] = next(iter(counts))
+    return out
 
 
 def _prepare(
@@ -190,39 +198,18 @@ def _prepare(
     optimizer: str | None,
     modules: Mapping[str, str] | None,
     model: Any,
-) -> tuple[dict[int, dict[str, np.ndarray]], Manifest]:
-    """The tensors of every rank file (exact for the ranks this process writes) and the
-    manifest without the files' hashes, from the host ``state`` of ``local_view``."""
+) -> _Prepared:
+    """The tensors of every rank file and the manifest without the files' hashes, from the
+    host ``state`` of ``local_view``."""
     space = layout.space
-    values = layout.gather(state)
     specs = _canonical(space, modules)
     plan = torch_plan(tx.plan(params), modules=modules)
-    steps = _counts_as_steps(space)
-    counts = {int(np.asarray(v)) for i, v in enumerate(values) if _is_count(space, i)}
-    if len(counts) > 1:  # two counts that disagree cannot be one torch step
-        steps = False
-    n = tx.world_size
-    full: dict[str, np.ndarray] = {}
-    state_keys: dict[str, list[str]] = {spec.name: [] for spec in specs}
-    scalars: dict[str, Any] = {}
-    files: dict[int, dict[str, np.ndarray]] = {rank: {} for rank in range(n)}
-    global_keys = []
-    for i, (leaf, value) in enumerate(zip(space.leaves, values, strict=True)):
-        if leaf.param is None:
-            if not (steps and _is_count(space, i)):
-                files[0][tensor_key(GLOBAL_PARAM, leaf.key)] = np.array(value, order="C")
-                global_keys.append(leaf.key)
-            continue
-        name, key = specs[leaf.param].name, canonical_state_key("jax", leaf.key)
-        full[tensor_key(name, key)] = to_torch_layout(space.specs[leaf.param].name, value)
-        state_keys[name].append(key)
-    if steps:  # every parameter has state and there is exactly one count value
-        for name, keys in state_keys.items():
-            keys.append(STEP)
-            scalars[tensor_key(name, STEP)] = next(iter(counts))
+    held = _model_space_state(space, layout.gather(state), specs)
+    files: dict[int, dict[str, np.ndarray]] = {rank: {} for rank in range(tx.world_size)}
+    files[0].update(held.global_tensors)
     for shard in plan.shards:
-        for key in state_keys[shard.name]:
-            whole = full.get(tensor_key(shard.name, key))
+        for key in held.state_keys[shard.name]:
+            whole = held.full.get(tensor_key(shard.name, key))
             if whole is None:
                 continue
             if plan.kind != "greedy":
@@ -235,21 +222,21 @@ def _prepare(
             files[rank].update(tensors)
     manifest = Manifest(
         framework="jax",
-        optimizer=optimizer or space.optimizer,
-        world_size=n,
+        optimizer=optimizer or optimizer_name(space.state_types),
+        world_size=tx.world_size,
         step=int(step),
         params=tuple(specs),
         plan=plan,
-        state_keys={k: tuple(v) for k, v in state_keys.items()},
+        state_keys={k: tuple(v) for k, v in held.state_keys.items()},
         files={},
         extra={
             "partition": tx.partition,
-            "global_keys": global_keys,
-            "scalars": scalars,
+            "global_keys": held.global_keys,
+            "scalars": held.scalars,
             **({"model": owners} if owners is not None else {}),
         },
     )
-    return files, manifest
+    return _Prepared(files, manifest)
 
 
 def _common_step(manifest: Manifest) -> int | None:
@@ -271,7 +258,7 @@ def _needed_keys(manifest: Manifest, optimizer: str, space: ModelSpace) -> tuple
     """The canonical per-parameter keys this Optax state keeps."""
     if manifest.framework == "torch":
         return counterpart_keys(manifest.optimizer, optimizer) or ()
-    keys = {canonical_state_key("jax", leaf.key) for leaf in space.leaves if leaf.param is not None}
+    keys = {canonical_key(leaf.key) for leaf in space.leaves if leaf.param is not None}
     return tuple(sorted(keys | ({STEP} if _counts_as_steps(space) else set())))
 
 
@@ -291,7 +278,7 @@ def load_optimizer_state(
     shape and dtype before anything is placed on a device; on any error nothing changes
     (the state is a new value: keep using the old one). A torch checkpoint loads when its
     optimizer is the counterpart of ``tx``'s inner one (``gradsync_core.COUNTERPARTS``:
-    ``torch.optim.AdamW`` and ``optax.adamw``, ...).
+    ``torch.optim.AdamW`` and ``optax.adamw`` are both ``adamw``, ...).
 
     Args:
         directory: a checkpoint written by ``save_optimizer_state`` or by
@@ -319,7 +306,28 @@ def load_optimizer_state(
         space = layout.space
     else:  # a plain Optax transformation: its whole state, unsharded
         layout, space = None, model_space(tx, abstract(pure(params)))
-    optimizer = optimizer or space.optimizer
+    optimizer = optimizer or optimizer_name(space.state_types)
+    names = _check_loadable(directory, manifest, space, optimizer, modules)
+    tensors = assemble(manifest, read_rank_files(directory, manifest))
+    values = _state_values(manifest, space, names, tensors)
+    if layout is None:
+        return space.state_treedef.unflatten(values), manifest
+    assert isinstance(tx, ShardedOptimizer)
+    if jax.process_count() == 1:
+        state = tx.scatter_state(space.state_treedef.unflatten(values), params)
+    else:  # every process read every file; each fills its own devices' shards
+        state = place(layout.scatter(values), tx.state_shardings(params))
+    return state, manifest
+
+
+def _check_loadable(
+    directory: str | os.PathLike[str],
+    manifest: Manifest,
+    space: ModelSpace,
+    optimizer: str,
+    modules: Mapping[str, str] | None,
+) -> list[str]:
+    """Refuse another model, optimizer or state keys; the parameters' checkpoint names."""
     if manifest.version == 1:
         if manifest.framework != "jax":
             raise ValueError(
@@ -327,29 +335,39 @@ def load_optimizer_state(
                 "gradsync_torch reads; load it there (ZeroRedundancyOptimizer.load) and save "
                 "it again to get version 2, which JAX reads"
             )
-        names = [spec.name for spec in space.specs]  # version 1: Flax names, layouts, keys
         check_compatible(manifest, space.specs, optimizer=optimizer)
-    else:
-        specs = _canonical(space, modules)
-        names = [spec.name for spec in specs]
-        check_compatible(manifest, specs, optimizer=optimizer, framework="jax")
-        needed = _needed_keys(manifest, optimizer, space)
-        for name in names:
-            saved = manifest.state_keys.get(name, ())
-            check_state_keys(manifest.optimizer, optimizer, name, saved, needed)
-    tensors = assemble(manifest, read_rank_files(directory, manifest))
+        return [spec.name for spec in space.specs]  # version 1: Flax names, layouts, keys
+    specs = _canonical(space, modules)
+    check_compatible(manifest, specs, optimizer=optimizer, framework="jax")
+    needed = _needed_keys(manifest, optimizer, space)
+    for spec in specs:
+        saved = manifest.state_keys.get(spec.name, ())
+        check_state_keys(manifest.optimizer, optimizer, spec.name, saved, needed)
+    return [spec.name for spec in specs]
+
+
+def _state_key(manifest: Manifest, space: ModelSpace, names: list[str], index: int) -> str:
+    """The checkpoint key of the inner state's leaf ``index``."""
+    leaf = space.leaves[index]
+    if leaf.param is None:
+        return tensor_key(GLOBAL_PARAM, leaf.key)
+    if manifest.version == 1:
+        return tensor_key(names[leaf.param], leaf.key)
+    return tensor_key(names[leaf.param], canonical_key(leaf.key))
+
+
+def _state_values(
+    manifest: Manifest, space: ModelSpace, names: list[str], tensors: dict[str, np.ndarray]
+) -> list[Any]:
+    """The inner state's leaves from the checkpoint's tensors, each checked for its shape
+    and dtype, in the state's flattening order."""
     step = _common_step(manifest) if manifest.version >= 2 else None
     values, expected = [], set()
     for i, leaf in enumerate(space.leaves):
         if leaf.param is None and step is not None and _is_count(space, i):
             values.append(np.asarray(step, dtype=leaf.dtype))
             continue
-        if leaf.param is None:
-            key = tensor_key(GLOBAL_PARAM, leaf.key)
-        elif manifest.version == 1:
-            key = tensor_key(names[leaf.param], leaf.key)
-        else:
-            key = tensor_key(names[leaf.param], canonical_state_key("jax", leaf.key))
+        key = _state_key(manifest, space, names, i)
         expected.add(key)
         if key not in tensors:
             raise ValueError(
@@ -371,11 +389,4 @@ def load_optimizer_state(
             f"checkpoint holds {len(unexpected)} tensor(s) this optimizer does not have, "
             f"starting with {unexpected[0]!r}"
         )
-    if layout is None:
-        return space.state_treedef.unflatten(values), manifest
-    assert isinstance(tx, ShardedOptimizer)
-    if jax.process_count() == 1:
-        state = tx.scatter_state(space.state_treedef.unflatten(values), params)
-    else:  # every process read every file; each fills its own devices' shards
-        state = place(layout.scatter(values), tx.state_shardings(params))
-    return state, manifest
+    return values

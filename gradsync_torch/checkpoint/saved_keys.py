@@ -18,8 +18,10 @@ from typing import Any
 
 import torch
 
-from gradsync_core import Manifest, check_state_keys, counterpart_keys
-from gradsync_torch.zero.state import NOT_HYPER, from_json
+from gradsync_core import Manifest
+from gradsync_core.checkpoint import check_state_keys, counterpart_keys
+from gradsync_torch.checkpoint.json_values import from_json
+from gradsync_torch.zero.state import NOT_HYPER
 
 
 def probe_state_keys(

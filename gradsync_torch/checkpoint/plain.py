@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradsync_torch.zero import checkpoint
+from gradsync_torch.checkpoint import zero as checkpoint
 from gradsync_torch.zero.plans import param_specs_of, parameter_names
 from gradsync_torch.zero.state import RankGroup, hyper_parameters
 
@@ -48,7 +48,9 @@ def load_optimizer_state_dict(
         >>> opt = torch.optim.AdamW(net.parameters(), lr=1e-3)  # doctest: +SKIP
         >>> load_optimizer_state_dict("ckpt", opt, net)  # doctest: +SKIP
     """
-    from gradsync_torch.zero.optimizer import ZeroRedundancyOptimizer  # (an import cycle)
+    # Imported here: zero.optimizer imports this package (its checkpoint), so at import
+    # time the class may not exist yet.
+    from gradsync_torch.zero.optimizer import ZeroRedundancyOptimizer
 
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         raise ValueError(

@@ -17,9 +17,16 @@ from typing import Any
 import jax
 import numpy as np
 
-from gradsync_core import ShardPlan, model_key, model_owners, rank_file, read_manifest
+from gradsync_core import ShardPlan, read_manifest
+from gradsync_core.checkpoint import (
+    check_weight_names,
+    model_key,
+    model_owners,
+    rank_file,
+    weight_owners,
+)
 from gradsync_jax._naming import flax_name, from_torch_layout, to_torch_state, torch_names
-from gradsync_jax.zero.safetensors_io import read_safetensors
+from gradsync_jax.checkpoint.safetensors_io import read_safetensors
 
 
 def host_copy(array: Any) -> np.ndarray:
@@ -77,12 +84,7 @@ def load_params(
         >>> params = load_params("ckpt", variables, modules={"Dense_0": "fc1"})  # doctest: +SKIP
     """
     manifest = read_manifest(directory)  # hashes every file
-    owners: Mapping[str, int] = manifest.extra.get("model", {})
-    if not owners:
-        raise ValueError(
-            f"{os.fspath(directory)} holds no model weights; save it with "
-            "ZeroRedundancyOptimizer.save(path, model=net) or save_optimizer_state(..., model=)"
-        )
+    owners = weight_owners(directory, manifest)
     stored: dict[str, np.ndarray] = {}
     for rank in sorted(set(owners.values())):
         name = rank_file(rank, manifest.world_size)
@@ -96,14 +98,11 @@ def load_params(
             stored[param] = tensors[model_key(param)]
     paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(like)
     names = torch_names(like, modules=modules)
-    missing, unexpected = sorted(set(names) - set(stored)), sorted(set(stored) - set(names))
-    if missing or unexpected:
-        which = f"lacks {missing[0]!r}" if missing else f"has {unexpected[0]!r}, unknown here"
-        raise ValueError(
-            f"the checkpoint's model weights do not match the parameters: it {which} "
-            f"({len(missing)} missing, {len(unexpected)} unexpected); pass the modules= "
-            "renames used at save time, or load into the model that was saved"
-        )
+    check_weight_names(
+        stored,
+        names,
+        fix="pass the modules= renames used at save time, or load into the model that was saved",
+    )
     out = []
     for (path, leaf), name in zip(paths_leaves, names, strict=True):
         value = from_torch_layout(flax_name(path), stored[name])

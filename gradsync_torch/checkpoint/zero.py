@@ -15,7 +15,6 @@ here take what they need and return values; the optimizer applies a ``Loaded`` i
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import os
 from collections.abc import Sequence
@@ -23,48 +22,33 @@ from typing import Any, NamedTuple
 
 import safetensors.torch
 import torch
-import torch.distributed as dist
 from safetensors import safe_open
 from torch import nn
 
-from gradsync_core import (
+from gradsync_core import Manifest, ParamSpec, Shard, ShardPlan, read_manifest
+from gradsync_core.checkpoint import (
     MANIFEST,
-    Manifest,
-    ParamSpec,
-    Shard,
-    ShardPlan,
-    begin_save,
+    SaveSteps,
     check_compatible,
-    commit_save,
-    discard_save,
+    error_message,
     model_owners,
-    new_save_token,
     rank_file,
-    read_manifest,
-    staging_directory,
+    run_save,
     tensor_key,
     verify_file_hashes,
-    write_atomic,
-    write_manifest,
+    write_rank_file,
 )
-from gradsync_torch._collectives import global_rank
-from gradsync_torch.model_state import (
+from gradsync_torch.checkpoint.json_values import from_json, groups_json, to_json
+from gradsync_torch.checkpoint.model_state import (
     check_weights,
     model_weights,
     rank_weights,
     read_weights,
     weight_files,
 )
-from gradsync_torch.zero.saved_keys import check_other_framework_keys, check_torch_keys
-from gradsync_torch.zero.state import (
-    RankGroup,
-    StatePiece,
-    assemble,
-    from_json,
-    groups_json,
-    optimizer_name,
-    to_json,
-)
+from gradsync_torch.checkpoint.save_agreement import RankSaveAgreement
+from gradsync_torch.checkpoint.saved_keys import check_other_framework_keys, check_torch_keys
+from gradsync_torch.zero.state import RankGroup, StatePiece, assemble, optimizer_name
 
 
 class Snapshot(NamedTuple):
@@ -106,32 +90,12 @@ class Loaded(NamedTuple):
     model: dict[str, torch.Tensor] | None = None  # checked weights for ``LoadTarget.model``
 
 
-class _RankFile(NamedTuple):
-    """One rank's written file, as rank 0 gathers it for the manifest."""
+class _Prepared(NamedTuple):
+    """This rank's part of a save, built before anything on disk changes."""
 
-    name: str
-    sha256: str | None
-    state_keys: dict[str, list[str]]
-    scalars: dict[str, Any]
-    error: str | None
-
-
-def agree(ranks: RankGroup, error: str | None, what: str) -> None:
-    """Raise the first rank's error on every rank (a collective), so no rank goes on to a
-    collective the failed rank never reaches (a hang)."""
-    errors: list[Any] = [error]
-    if ranks.world_size > 1:
-        errors = [None] * ranks.world_size
-        dist.all_gather_object(errors, error, group=ranks.process_group)
-    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
-    if failed:
-        rank, message = failed[0]
-        where = f" (rank {rank})" if ranks.world_size > 1 else ""
-        raise ValueError(f"{what}{where}: {message}")
-
-
-def _message(e: BaseException) -> str:
-    return f"{e}" if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+    tensors: dict[str, torch.Tensor]
+    record: dict[str, Any]  # what the manifest needs from this rank: state keys, scalars
+    groups: list[dict[str, Any]]  # the param groups as JSON
 
 
 def _rank_state(
@@ -157,50 +121,51 @@ def _rank_state(
     return tensors, scalars, state_keys
 
 
-def _write_rank_file(
-    path: str,
-    tensors: dict[str, torch.Tensor],
-    state_keys: dict[str, list[str]],
-    scalars: dict[str, Any],
-    ranks: RankGroup,
-) -> _RankFile:
-    """Write this rank's file atomically; a failure is returned, not raised."""
-    name = rank_file(ranks.rank, ranks.world_size)
-    try:
-        metadata = {"rank": str(ranks.rank), "world": str(ranks.world_size)}
-        data = safetensors.torch.save(tensors, metadata=metadata)
-        write_atomic(os.path.join(path, name), data)
-    except Exception as e:
-        return _RankFile(name, None, {}, {}, _message(e))
-    return _RankFile(name, hashlib.sha256(data).hexdigest(), state_keys, scalars, None)
-
-
 def _owners(snapshot: Snapshot) -> dict[str, int]:
     names = [] if snapshot.model is None else [n for n, _ in snapshot.model.named_parameters()]
     return model_owners(snapshot.plan, names)
 
 
-def _manifest(snapshot: Snapshot, files: Sequence[_RankFile], groups: Any) -> Manifest:
+def _prepare(snapshot: Snapshot, rank: int) -> _Prepared:
+    groups = groups_json(snapshot.param_groups, snapshot.names)
+    tensors, scalars, state_keys = _rank_state(snapshot.pieces, snapshot.names, snapshot.plan, rank)
+    if snapshot.model is not None:
+        weights = model_weights(snapshot.model)
+        tensors.update(rank_weights(weights, _owners(snapshot), rank))
+    return _Prepared(tensors, {"state_keys": state_keys, "scalars": scalars}, groups)
+
+
+def _write_files(prepared: _Prepared, staging: str, ranks: RankGroup) -> dict[int, str]:
+    metadata = {"rank": str(ranks.rank), "world": str(ranks.world_size)}
+    data = safetensors.torch.save(prepared.tensors, metadata=metadata)
+    name = rank_file(ranks.rank, ranks.world_size)
+    return {ranks.rank: write_rank_file(staging, name, data)}
+
+
+def _manifest(
+    snapshot: Snapshot, prepared: _Prepared, files: dict[int, str], records: list[Any]
+) -> Manifest:
     all_keys: dict[str, tuple[str, ...]] = {}
     all_scalars: dict[str, Any] = {}
-    for written in files:
-        for name, keys in written.state_keys.items():
+    for record in records:
+        for name, keys in record["state_keys"].items():
             # Under ZeRO-2 a parameter spans ranks; one that has no state yet on one rank
             # must not hide the keys another rank saved.
             if keys or name not in all_keys:
                 all_keys[name] = tuple(keys)
-        all_scalars.update(written.scalars)
+        all_scalars.update(record["scalars"])
+    world_size = len(records)
     return Manifest(
         framework="torch",
         optimizer=snapshot.optimizer,
-        world_size=len(files),
+        world_size=world_size,
         step=snapshot.step,
         params=tuple(snapshot.specs),
         plan=snapshot.plan,
         state_keys=dict(sorted(all_keys.items())),
-        files={written.name: written.sha256 for written in files},
+        files={rank_file(r, world_size): files[r] for r in range(world_size)},
         extra={
-            "param_groups": groups,
+            "param_groups": prepared.groups,
             "scalars": all_scalars,
             "shard_gradients": snapshot.shard_gradients,
             **({"model": _owners(snapshot)} if snapshot.model is not None else {}),
@@ -212,63 +177,21 @@ def save(path: str | os.PathLike[str], snapshot: Snapshot, ranks: RankGroup) -> 
     """Write ``snapshot`` to directory ``path`` (a collective over ``ranks``).
 
     Every rank writes its file into a staging directory beside ``path``; rank 0 writes the
-    manifest last, then switches ``path`` to it atomically (docs/design.md §9). A failure on
-    any rank (a full disk, a bad state value) raises on every rank; ``path`` keeps its data.
+    manifest last, then switches ``path`` to it atomically (``gradsync_core.checkpoint.
+    run_save``, docs/design.md §9). A failure on any rank (a full disk, a bad state value)
+    raises on every rank; ``path`` keeps its data.
 
     Raises:
-        ValueError: on any rank's failure, naming the rank.
+        CheckpointError: on any rank's failure, naming the rank (a ``ValueError``).
     """
-    path = os.fspath(path)
-    what = f"cannot save optimizer checkpoint {path}"
-    error = None
-    try:
-        groups = groups_json(snapshot.param_groups, snapshot.names)
-        tensors, scalars, state_keys = _rank_state(
-            snapshot.pieces, snapshot.names, snapshot.plan, ranks.rank
-        )
-        if snapshot.model is not None:
-            weights = model_weights(snapshot.model)
-            tensors.update(rank_weights(weights, _owners(snapshot), ranks.rank))
-    except Exception as e:
-        error = _message(e)
-    agree(ranks, error, what)  # nothing on disk has changed yet
-    token = [new_save_token()]  # rank 0's is every rank's: it names the staging directory
-    if ranks.world_size > 1:
-        dist.broadcast_object_list(
-            token, src=global_rank(ranks.process_group, 0), group=ranks.process_group
-        )
-    if ranks.rank == 0:
-        try:
-            begin_save(path, token[0])
-        except Exception as e:
-            error = _message(e)
-    agree(ranks, error, what)  # also orders the staging directory's creation before any write
-    staging = staging_directory(path, token[0])
-    mine = _write_rank_file(staging, tensors, state_keys, scalars, ranks)
-    gathered: list[Any] = [mine]
-    if ranks.world_size > 1:
-        gathered = [None] * ranks.world_size
-        dist.gather_object(
-            mine,
-            gathered if ranks.rank == 0 else None,
-            dst=global_rank(ranks.process_group, 0),
-            group=ranks.process_group,
-        )
-    error = None
-    if ranks.rank == 0:
-        files = [_RankFile(*written) for written in gathered]
-        failed = [(r, written.error) for r, written in enumerate(files) if written.error]
-        if failed:
-            error = f"rank {failed[0][0]} could not write its file: {failed[0][1]}"
-        else:
-            try:
-                write_manifest(staging, _manifest(snapshot, files, groups))
-                commit_save(path, staging)
-            except Exception as e:
-                error = _message(e)
-        if error is not None:
-            discard_save(staging)
-    agree(ranks, error, what)  # nobody returns before the checkpoint is complete
+    steps = SaveSteps(
+        prepare=lambda: _prepare(snapshot, ranks.rank),
+        write_files=lambda prepared, staging: _write_files(prepared, staging, ranks),
+        record=lambda prepared: prepared.record,
+        manifest=lambda prepared, files, records: _manifest(snapshot, prepared, files, records),
+    )
+    what = f"cannot save optimizer checkpoint {os.fspath(path)}"
+    run_save(path, RankSaveAgreement(ranks), steps, what=what)
 
 
 def _check_manifest(path: str, target: LoadTarget) -> Manifest:
@@ -372,7 +295,7 @@ def load(path: str | os.PathLike[str], target: LoadTarget, ranks: RankGroup) -> 
     """Read a checkpoint written at any world size for ``target`` (a collective).
 
     Raises:
-        ValueError: on every rank, naming the first rank's problem (missing or corrupt
+        CheckpointError: on every rank, naming the first rank's problem (missing or corrupt
             file, another model or optimizer class, other param groups); nothing is
             returned to any rank, so no rank's state changes.
     """
@@ -380,6 +303,7 @@ def load(path: str | os.PathLike[str], target: LoadTarget, ranks: RankGroup) -> 
     try:
         loaded = _read(os.fspath(path), target, ranks)
     except Exception as e:  # any failure must reach the other ranks, or they would load
-        error = _message(e)
-    agree(ranks, error, f"cannot load optimizer checkpoint {os.fspath(path)}")
+        error = error_message(e)
+    what = f"cannot load optimizer checkpoint {os.fspath(path)}"
+    RankSaveAgreement(ranks).all_ok(error, what)
     return loaded

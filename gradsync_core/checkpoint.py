@@ -1,0 +1,103 @@
+"""The checkpoint format and save protocol, for executors (docs/design.md §9).
+
+``gradsync_core``'s top level holds what users call (``Manifest``, ``read_manifest``,
+``CheckpointError``, ``COUNTERPARTS``); this module holds what an executor needs to read and
+write the format: the switching save (``run_save`` behind ``SaveAgreement``, or its steps
+``begin_save`` / ``commit_save`` / ``discard_save``), file and tensor names, the manifest
+writer, the key and optimizer checks, the bounded safetensors header reader and the fault
+points of a save. ``gradsync_torch`` and ``gradsync_jax`` import from here; a new executor
+would too. Standard library only, like the rest of the core.
+"""
+
+from gradsync_core._atomic import (
+    begin_save,
+    commit_save,
+    discard_save,
+    fsync_directory,
+    new_save_token,
+    staging_directory,
+)
+from gradsync_core._checkpoint import (
+    FORMAT_VERSION,
+    MANIFEST,
+    RANK_FILE_RE,
+    Manifest,
+    rank_file,
+    read_manifest,
+    sha256_file,
+    tensor_key,
+    verify_file_hashes,
+    write_atomic,
+    write_manifest,
+)
+from gradsync_core._model_weights import (
+    MODEL_PARAM,
+    check_weight_names,
+    model_key,
+    model_owners,
+    weight_owners,
+)
+from gradsync_core._safetensors import MAX_HEADER_BYTES, data_range, read_header
+from gradsync_core._save_hooks import SAVE_POINTS, save_hook
+from gradsync_core._save_protocol import (
+    CheckpointError,
+    SaveAgreement,
+    SaveSteps,
+    error_message,
+    run_save,
+    write_rank_file,
+)
+from gradsync_core._state_keys import (
+    COUNTERPARTS,
+    LEGACY_OPTIMIZER_NAMES,
+    OPTIMIZER_STATE_KEYS,
+    canonical_optimizer,
+    check_compatible,
+    check_optimizer,
+    check_state_keys,
+    counterpart_keys,
+)
+
+__all__ = [
+    "COUNTERPARTS",
+    "FORMAT_VERSION",
+    "LEGACY_OPTIMIZER_NAMES",
+    "MANIFEST",
+    "MAX_HEADER_BYTES",
+    "MODEL_PARAM",
+    "OPTIMIZER_STATE_KEYS",
+    "RANK_FILE_RE",
+    "SAVE_POINTS",
+    "CheckpointError",
+    "Manifest",
+    "SaveAgreement",
+    "SaveSteps",
+    "begin_save",
+    "canonical_optimizer",
+    "check_compatible",
+    "check_optimizer",
+    "check_state_keys",
+    "check_weight_names",
+    "commit_save",
+    "counterpart_keys",
+    "data_range",
+    "discard_save",
+    "error_message",
+    "fsync_directory",
+    "model_key",
+    "model_owners",
+    "new_save_token",
+    "rank_file",
+    "read_header",
+    "read_manifest",
+    "run_save",
+    "save_hook",
+    "sha256_file",
+    "staging_directory",
+    "tensor_key",
+    "verify_file_hashes",
+    "weight_owners",
+    "write_atomic",
+    "write_manifest",
+    "write_rank_file",
+]
