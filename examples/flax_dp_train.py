@@ -91,17 +91,18 @@ def main() -> None:
 
     # The sync is the first transformation: the mean over dp, in bf16 on the wire if asked.
     wire = jnp.bfloat16 if args.reduce_dtype == "bfloat16" else None
-    tx = optax.chain(synced("dp", reduce_dtype=wire), optax.adam(3e-3))
+    adam = optax.adam(3e-3)
+    tx = optax.chain(synced("dp", reduce_dtype=wire), adam)
     step = data_parallel_step(loss_fn, tx, mesh, accumulate_steps=args.accumulate)
     opt_state = tx.init(params)
 
     @jax.jit
     def serial_step(params, opt_state, batch):  # the baseline: no gradsync, one device
         loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-        updates, opt_state = tx.update(grads, opt_state, params)
+        updates, opt_state = adam.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    serial = (jax.device_put(params, jax.devices()[0]), tx.init(params))
+    serial = (jax.device_put(params, jax.devices()[0]), adam.init(params))
     rng = np.random.default_rng(0)
     w_true = rng.normal(size=(16, 1)).astype(np.float32) / 4
     first = None
