@@ -107,6 +107,7 @@ class SharedReducer:
         self, plan: ReductionPlan, groups: ProcessGroups, params: Mapping[str, nn.Parameter]
     ) -> None:
         _check_topology(plan, groups)
+        plan.check_names(params, where="a parameter of this model")
         self.plan = plan
         self._buckets: list[_Bucket] = []
         # An expert held by one rank (edp of size 1) still owes the 1/dp: divided in place.
@@ -116,12 +117,11 @@ class SharedReducer:
             if group.size == 1:
                 if reduction.divisor != 1:
                     self._divide_only += [
-                        (_lookup(params, s.name), reduction.divisor)
-                        for s in reduction.buckets.slots
+                        (params[s.name], reduction.divisor) for s in reduction.buckets.slots
                     ]
                 continue
             for bucket in reduction.buckets.buckets:
-                members = [(s, _lookup(params, s.name)) for s in bucket.slots]
+                members = [(s, params[s.name]) for s in bucket.slots]
                 first = members[0][1]
                 flat = torch.zeros(bucket.numel, dtype=first.dtype, device=first.device)
                 views = tuple(
@@ -159,16 +159,6 @@ class SharedReducer:
                     param.grad = view.clone()
                 else:
                     param.grad.copy_(view)
-
-
-def _lookup(params: Mapping[str, nn.Parameter], name: str) -> nn.Parameter:
-    try:
-        return params[name]
-    except KeyError:
-        raise ValueError(
-            f"the reduction plan names {name!r}, which is not a parameter of this model; "
-            "build the plan from the same model"
-        ) from None
 
 
 def reduce_shared_gradients(
