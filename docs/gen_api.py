@@ -40,7 +40,13 @@ GUIDES = {
         "checkpoints.md",
         "data-position.md",
     ],
-    "gradsync_jax": ["jax.md", "jax-zero.md", "model-parallel.md", "checkpoints.md", "data-position.md"],
+    "gradsync_jax": [
+        "jax.md",
+        "jax-zero.md",
+        "model-parallel.md",
+        "checkpoints.md",
+        "data-position.md",
+    ],
 }
 COMMON_TAIL = ["design.md"]
 # A name no section mentions is linked to the section that covers its area.
@@ -125,7 +131,8 @@ def render() -> str:
         "hand. `tests/test_api_doc.py` fails when this file differs from what the script writes,",
         "so a change to an exported name, signature or first docstring line comes with its",
         "regenerated reference. Only these names are the API; subpackages are importable but",
-        "what they export beyond this list may move ([design.md §14](design.md#14-package-layout)).",
+        "what they export beyond this list may move",
+        "([design.md §14](design.md#14-package-layout)).",
         "",
     ]
     for package, what in PACKAGES.items():

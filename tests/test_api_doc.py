@@ -45,7 +45,8 @@ def _documented() -> dict[str, set[str]]:
 def test_every_exported_name_is_documented_and_every_documented_name_exists(package):
     exported = set(importlib.import_module(package).__all__)
     documented = _documented().get(package, set())
-    assert not exported - documented, f"exported but missing from docs/api.md: {exported - documented}"
+    missing = exported - documented
+    assert not missing, f"exported but missing from docs/api.md: {missing}"
     assert not documented - exported, f"in docs/api.md but not exported: {documented - exported}"
     module = importlib.import_module(package)
     for name in documented:
