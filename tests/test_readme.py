@@ -134,3 +134,31 @@ def test_doc_block_runs(group, tmp_path):
     out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, f"{head.id}:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
     assert "terminate called" not in out.stderr, f"{head.id}: unclean end\n{out.stderr[-2000:]}"
+
+
+def _anchors(path: pathlib.Path) -> set[str]:
+    """GitHub's heading anchors of a markdown file (fenced code skipped)."""
+    out, fenced = set(), False
+    for line in path.read_text().splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and (m := re.match(r"#{1,6} (.*)", line)):
+            out.add(re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-"))
+    return out
+
+
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_every_relative_link_resolves(doc):
+    """A link to another page (and to a section of it) lands somewhere: renamed headings and
+    moved pages are caught here."""
+    for target in LINK.findall(doc.read_text()):
+        if target.startswith(("http://", "https://", "mailto:")):
+            continue
+        path, _, anchor = target.partition("#")
+        page = (doc.parent / path).resolve() if path else doc
+        assert page.exists(), f"{doc.name} links to {target}: no such file"
+        if anchor and page.suffix == ".md":
+            assert anchor in _anchors(page), f"{doc.name} links to {target}: no such section"
