@@ -83,11 +83,20 @@ def _sections(doc: str) -> Iterator[tuple[str, str]]:
 
 
 def _link(package: str, name: str) -> str:
-    """The first section (guides first, then design.md) that names ``name`` in backticks."""
+    """The section that explains ``name``: one whose heading names it, else the opening of a
+    guide that names it (the guide is about it), else the first section that names it; guides
+    first, design.md last."""
     pattern = re.compile(r"`(?:[\w.]*\.)?" + re.escape(name) + r"(?:[(\[][^`]*)?`")
-    for doc in GUIDES[package] + COMMON_TAIL:
-        for heading, body in _sections(doc):
-            if heading and (pattern.search(body) or pattern.search(heading)):
+    docs = GUIDES[package] + COMMON_TAIL
+    sections = [(doc, i, h, b) for doc in docs for i, (h, b) in enumerate(_sections(doc)) if h]
+    passes = [
+        lambda i, h, b: bool(pattern.search(h)),
+        lambda i, h, b: i == 1 and bool(pattern.search(b)),  # section 0 precedes the title
+        lambda i, h, b: bool(pattern.search(b)),
+    ]
+    for matches in passes:
+        for doc, i, heading, body in sections:
+            if matches(i, heading, body):
                 return f"[{doc} — {heading}]({doc}#{_anchor(heading)})"
     return f"{FALLBACK[package]} (not named in a guide yet)"
 
