@@ -18,6 +18,7 @@ rank; unmarked bash blocks run under ``bash -euo pipefail`` in an empty director
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 import pathlib
 import re
@@ -136,14 +137,22 @@ def test_doc_block_runs(group, tmp_path):
     assert "terminate called" not in out.stderr, f"{head.id}: unclean end\n{out.stderr[-2000:]}"
 
 
+def _anchor_rule():
+    """docs/gen_api.py's heading-anchor rule, so links it writes and links checked agree."""
+    spec = importlib.util.spec_from_file_location("gen_api", ROOT / "docs" / "gen_api.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module._anchor
+
+
 def _anchors(path: pathlib.Path) -> set[str]:
     """GitHub's heading anchors of a markdown file (fenced code skipped)."""
-    out, fenced = set(), False
+    anchor, out, fenced = _anchor_rule(), set(), False
     for line in path.read_text().splitlines():
         if line.startswith("```"):
             fenced = not fenced
         elif not fenced and (m := re.match(r"#{1,6} (.*)", line)):
-            out.add(re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-"))
+            out.add(anchor(m.group(1)))
     return out
 
 
