@@ -15,6 +15,7 @@ from gradsync_core._atomic import (
     discard_save,
     fsync_directory,
     new_save_token,
+    resolve_checkpoint,
     staging_directory,
 )
 from gradsync_core._checkpoint import (
@@ -90,6 +91,7 @@ __all__ = [
     "rank_file",
     "read_header",
     "read_manifest",
+    "resolve_checkpoint",
     "run_save",
     "save_hook",
     "sha256_file",
