@@ -21,6 +21,7 @@ from gradsync_core._atomic import (
 from gradsync_core._checkpoint import (
     FORMAT_VERSION,
     MANIFEST,
+    MAX_MANIFEST_BYTES,
     RANK_FILE_RE,
     Manifest,
     rank_file,
@@ -31,6 +32,7 @@ from gradsync_core._checkpoint import (
     write_atomic,
     write_manifest,
 )
+from gradsync_core._files import open_checkpoint_file
 from gradsync_core._model_weights import (
     MODEL_PARAM,
     check_weight_names,
@@ -65,6 +67,7 @@ __all__ = [
     "LEGACY_OPTIMIZER_NAMES",
     "MANIFEST",
     "MAX_HEADER_BYTES",
+    "MAX_MANIFEST_BYTES",
     "MODEL_PARAM",
     "OPTIMIZER_STATE_KEYS",
     "RANK_FILE_RE",
@@ -88,6 +91,7 @@ __all__ = [
     "model_key",
     "model_owners",
     "new_save_token",
+    "open_checkpoint_file",
     "rank_file",
     "read_header",
     "read_manifest",
