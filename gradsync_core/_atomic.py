@@ -12,27 +12,13 @@ holds one complete checkpoint. A save goes through three steps:
    see, and an atomic one. Superseded ``PATH.v-*`` directories are removed afterwards.
 
 So at every instant ``PATH`` names either the previous complete checkpoint or the new complete
-one.
-
-Concurrent saves to one ``PATH`` (two jobs, or a job and its restarted twin) are serialized by
-an exclusive ``flock`` on a lock file beside it (``lock_file(PATH)``), taken by ``begin_save``
-and released by ``commit_save`` / ``discard_save``. The kernel drops the lock when its holder
-dies, so a crashed save never blocks the next one. Because every save holds the lock from
-before it creates its staging directory until after it switched ``PATH`` and removed what it
-superseded, a save that holds the lock knows that every other ``PATH.tmp-*`` is abandoned (its
-writer died) and every other ``PATH.v-*`` is superseded (``PATH`` does not name it): removing
-them can never destroy another job's save in progress nor the checkpoint ``PATH`` names. The
-lock file stays (removing it while another save waits on it would break the lock); it is hidden
-(``.ckpt.lock`` beside ``ckpt``) and holds nothing.
-
-A directory named ``.v-`` is always complete; one named ``.tmp-`` never is, is never read,
+one. A directory named ``.v-`` is always complete; one named ``.tmp-`` never is, is never read,
 and is removed by the next save. A real directory at ``PATH`` (written before saves switched,
 or created empty by the user) is adopted: the new link replaces it.
 """
 
 from __future__ import annotations
 
-import fcntl
 import os
 import re
 import secrets
@@ -49,35 +35,6 @@ _TOKEN_HEX = 16
 # and the temporary files of an interrupted ``write_atomic``. Anything else is the user's, and a
 # directory holding it is never adopted (adopting removes it once superseded).
 _CHECKPOINT_FILE_RE = re.compile(rf"{re.escape(MANIFEST)}|{RANK_FILE_RE.pattern}|\.tmp-.*")
-
-
-def lock_file(path: str) -> str:
-    """``dir/.ckpt.lock`` for ``dir/ckpt``: held by the one save in progress at ``path``.
-    Hidden, and not named ``PATH.*``, so that tools listing a checkpoint's versions skip it."""
-    parent, base = os.path.split(path)
-    return os.path.join(parent, f".{base}.lock")
-
-
-_held: dict[str, int] = {}  # staging directory -> the descriptor holding PATH.lock
-
-
-def _lock(path: str) -> int:
-    """Wait for, then hold, the exclusive lock of saves to ``path`` (released on death)."""
-    fd = os.open(lock_file(path), os.O_RDWR | os.O_CREAT, 0o666)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def release_save(staging: str) -> None:
-    """Let the next save to this path begin, leaving ``staging`` as it is (a save that a
-    broken collective cut short: the next save removes the directory). Idempotent."""
-    fd = _held.pop(staging, None)
-    if fd is not None:
-        os.close(fd)  # closing the last descriptor releases the flock
 
 
 def new_save_token() -> str:
@@ -139,9 +96,8 @@ def _check_replaceable(path: str) -> None:
 def begin_save(path: str | os.PathLike[str], token: str) -> str:
     """Prepare save ``token`` of checkpoint ``path``; call on one process before any writes.
 
-    Waits for any other save to ``path`` to finish (the lock ``lock_file(path)``, held until
-    ``commit_save`` or ``discard_save`` of this save), removes the staging directories of saves
-    that crashed (never read, so never needed) and creates an empty ``PATH.tmp-<token>``.
+    Removes the staging directories of saves that crashed (never read, so never needed) and
+    creates an empty ``PATH.tmp-<token>``.
 
     Returns:
         The staging directory.
@@ -152,23 +108,12 @@ def begin_save(path: str | os.PathLike[str], token: str) -> str:
     """
     path = _normalized(path)
     os.makedirs(os.path.dirname(path), exist_ok=True)
+    _check_replaceable(path)
+    for kind, stale in _siblings(path):
+        if kind == STAGING:
+            _remove(stale)
     staging = _sibling(path, STAGING, token)
-    _check_replaceable(path)  # before the lock file exists: a refused path gains nothing
-    # A process saves one checkpoint at a time: its own unfinished save to ``path`` was cut
-    # short (an exception between begin and commit) and is abandoned, not waited for.
-    for held in [s for s in _held if s.rpartition(f".{STAGING}-")[0] == path]:
-        release_save(held)
-    fd = _lock(path)  # waits while another save to ``path`` is in progress
-    try:
-        _check_replaceable(path)  # again: what ``path`` is may have changed while we waited
-        for kind, stale in _siblings(path):
-            if kind == STAGING:  # under the lock: a save that crashed
-                _remove(stale)
-        os.mkdir(staging)
-    except BaseException:
-        os.close(fd)
-        raise
-    _held[staging] = fd
+    os.mkdir(staging)
     return staging
 
 
@@ -242,28 +187,21 @@ def commit_save(path: str | os.PathLike[str], staging: str) -> None:
         OSError: if a rename, link or fsync fails (the previous checkpoint is then intact).
     """
     path = _normalized(path)
+    complete = _publish(staging)
     try:
-        complete = _publish(staging)
-        try:
-            run_hook("before_switch")
-            _switch(path, complete)
-        except BaseException:
-            if os.path.realpath(path) != os.path.realpath(complete):
-                _remove(complete)
-            raise
-        run_hook("after_switch")
-        _remove_superseded(path, keep=complete)
-    finally:
-        release_save(staging)
+        run_hook("before_switch")
+        _switch(path, complete)
+    except BaseException:
+        if os.path.realpath(path) != os.path.realpath(complete):
+            _remove(complete)
+        raise
+    run_hook("after_switch")
+    _remove_superseded(path, keep=complete)
 
 
 def discard_save(staging: str) -> None:
-    """Remove what a failed save staged (best effort: a leftover is removed by the next save),
-    and let the next save to its path begin."""
-    try:
-        _remove(staging)
-    finally:
-        release_save(staging)
+    """Remove what a failed save staged (best effort: a leftover is removed by the next save)."""
+    _remove(staging)
 
 
 def resolve_checkpoint(path: str | os.PathLike[str]) -> str:

@@ -31,13 +31,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
-from gradsync_core._atomic import (
-    begin_save,
-    commit_save,
-    discard_save,
-    new_save_token,
-    release_save,
-)
+from gradsync_core._atomic import begin_save, commit_save, discard_save, new_save_token
 from gradsync_core._atomic import staging_directory as _staging_directory
 from gradsync_core._checkpoint import Manifest, write_atomic, write_manifest
 from gradsync_core._save_hooks import run_hook
@@ -160,23 +154,7 @@ def run_save(
 
     # Also orders the staging directory's creation before any rank writes into it.
     token = step(open_staging, run=agreement.leader)
-    try:
-        staging = _staging_directory(path, agreement.share_token(token))
-        return _write_and_commit(path, staging, agreement, steps, prepared, step)
-    finally:
-        if agreement.leader:  # whatever happened, the next save to ``path`` may begin
-            release_save(_staging_directory(path, token))
-
-
-def _write_and_commit(
-    path: str | os.PathLike[str],
-    staging: str,
-    agreement: SaveAgreement,
-    steps: SaveSteps[P],
-    prepared: P,
-    step: _Step,
-) -> Manifest:
-    """Steps 3 and 4 of ``run_save``: write and hash, gather, manifest and switch."""
+    staging = _staging_directory(path, agreement.share_token(token))
     try:
         written = step(
             lambda: dict(steps.write_files(prepared, staging)),

@@ -41,11 +41,7 @@ def _read(path: Path) -> tuple[str, str]:
 
 
 def _siblings(path: Path) -> list[str]:
-    # The lock file that serializes saves (hidden, empty, always there) is not a version.
-    lock = os.path.basename(_atomic.lock_file(str(path)))
-    return sorted(
-        p.name.replace(path.name, "PATH")[:7] for p in path.parent.iterdir() if p.name != lock
-    )
+    return sorted(p.name.replace(path.name, "PATH")[:7] for p in path.parent.iterdir())
 
 
 def test_saves_switch_a_link_and_remove_superseded_versions(tmp_path: Path) -> None:
