@@ -202,3 +202,14 @@ def commit_save(path: str | os.PathLike[str], staging: str) -> None:
 def discard_save(staging: str) -> None:
     """Remove what a failed save staged (best effort: a leftover is removed by the next save)."""
     _remove(staging)
+
+
+def resolve_checkpoint(path: str | os.PathLike[str]) -> str:
+    """The version directory ``path`` names now, resolved once.
+
+    A load reads the manifest and every file through the returned directory, never through
+    ``path`` again: a save that switches ``path`` meanwhile cannot mix two versions into one
+    load. (If that save also removes the version being read, the load fails with a sentence
+    instead; load again.)
+    """
+    return os.path.realpath(os.fspath(path))

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from gradsync_core._canonical import fingerprint
+from gradsync_core._files import open_checkpoint_file
 from gradsync_core._shards import ShardPlan
 from gradsync_core._specs import ParamSpec, check_unique_names
 
@@ -33,6 +34,9 @@ FORMAT = "gradsync-optimizer-checkpoint"
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
+# A manifest larger than this is not one gradsync wrote (about 200 bytes per parameter plus
+# its shards), and reading it whole would cost its size in memory twice.
+MAX_MANIFEST_BYTES = 256 << 20
 FRAMEWORKS = ("torch", "jax")
 _REQUIRED = ("framework", "optimizer", "world_size", "step", "params", "plan", "state_keys")
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
@@ -264,8 +268,10 @@ def _extra(value: Any, state_keys: Mapping[str, Sequence[str]], world_size: int)
 
 
 def sha256_file(path: str | os.PathLike[str]) -> str:
+    """sha256 (hex) of a checkpoint file, which must be a regular file (``_files``)."""
+    directory, name = os.path.split(os.fspath(path))
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open_checkpoint_file(directory or ".", name) as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
@@ -314,14 +320,20 @@ def read_manifest(directory: str | os.PathLike[str], *, verify_files: bool = Tru
     """
     path = os.path.join(directory, MANIFEST)
     try:
-        with open(path, encoding="utf-8") as f:
-            obj = json.load(f)
+        with open_checkpoint_file(directory, MANIFEST) as f:
+            raw = f.read(MAX_MANIFEST_BYTES + 1)
+        if len(raw) > MAX_MANIFEST_BYTES:
+            raise ValueError(
+                f"{path} is larger than {MAX_MANIFEST_BYTES >> 20} MiB, which no gradsync "
+                "manifest is; restore it or save again"
+            )
+        obj = json.loads(raw.decode("utf-8"))
     except FileNotFoundError:
         raise ValueError(
             f"{directory!s} has no {MANIFEST}: not a gradsync checkpoint, or its save did "
             "not finish"
         ) from None
-    except (ValueError, RecursionError) as e:  # JSONDecodeError, bad UTF-8, deep nesting
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise ValueError(f"{path} is corrupt ({e}); restore it or save again") from None
     # Manifests written before the checksum existed have none; they are accepted, and still
     # get every field check below. A manifest that has one must match it.
@@ -361,9 +373,11 @@ def verify_file_hashes(
         file_path = os.path.join(directory, name)
         if name not in manifest.files:
             raise ValueError(f"checkpoint file {file_path} is not listed in its manifest")
-        if not os.path.exists(file_path):
-            raise ValueError(f"checkpoint file {file_path} is missing")
-        if sha256_file(file_path) != manifest.files[name]:
+        try:
+            digest = sha256_file(file_path)  # refuses a FIFO, device or link out, unread
+        except FileNotFoundError:
+            raise ValueError(f"checkpoint file {file_path} is missing") from None
+        if digest != manifest.files[name]:
             raise ValueError(
                 f"checkpoint file {file_path} does not match its manifest hash: corrupt or "
                 "from another save"

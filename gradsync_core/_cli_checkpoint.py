@@ -13,6 +13,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from gradsync_core._atomic import resolve_checkpoint
 from gradsync_core._checkpoint import Manifest, rank_file, read_manifest
 from gradsync_core._model_weights import MODEL_PARAM
 from gradsync_core._safetensors import read_header
@@ -91,7 +92,7 @@ def _text(info: Mapping[str, Any]) -> str:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    path = os.fspath(args.path)
+    path = resolve_checkpoint(args.path)  # every file from one version, even mid-save
     if not os.path.isdir(path):
         raise ValueError(f"{path!r} is not a directory; pass a gradsync checkpoint directory")
     manifest = read_manifest(path)  # checks the manifest's checksum and every file's sha256

@@ -15,6 +15,8 @@ import os
 import struct
 from typing import Any
 
+from gradsync_core._files import open_checkpoint_file
+
 # A header larger than this is not one gradsync wrote (it lists a few keys per parameter).
 MAX_HEADER_BYTES = 100 << 20
 
@@ -28,8 +30,9 @@ def read_header(path: str | os.PathLike[str]) -> tuple[dict[str, Any], int]:
             ``MAX_HEADER_BYTES``, or the header is not a JSON object.
     """
     path = os.fspath(path)
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
+    directory, name = os.path.split(path)
+    with open_checkpoint_file(directory or ".", name) as f:
+        size = os.fstat(f.fileno()).st_size
         head = f.read(8)
         if len(head) < 8:
             raise ValueError(f"checkpoint file {path} is truncated: {size} bytes, no header")

@@ -15,11 +15,13 @@ from gradsync_core._atomic import (
     discard_save,
     fsync_directory,
     new_save_token,
+    resolve_checkpoint,
     staging_directory,
 )
 from gradsync_core._checkpoint import (
     FORMAT_VERSION,
     MANIFEST,
+    MAX_MANIFEST_BYTES,
     RANK_FILE_RE,
     Manifest,
     rank_file,
@@ -30,6 +32,7 @@ from gradsync_core._checkpoint import (
     write_atomic,
     write_manifest,
 )
+from gradsync_core._files import open_checkpoint_file
 from gradsync_core._model_weights import (
     MODEL_PARAM,
     check_weight_names,
@@ -64,6 +67,7 @@ __all__ = [
     "LEGACY_OPTIMIZER_NAMES",
     "MANIFEST",
     "MAX_HEADER_BYTES",
+    "MAX_MANIFEST_BYTES",
     "MODEL_PARAM",
     "OPTIMIZER_STATE_KEYS",
     "RANK_FILE_RE",
@@ -87,9 +91,11 @@ __all__ = [
     "model_key",
     "model_owners",
     "new_save_token",
+    "open_checkpoint_file",
     "rank_file",
     "read_header",
     "read_manifest",
+    "resolve_checkpoint",
     "run_save",
     "save_hook",
     "sha256_file",

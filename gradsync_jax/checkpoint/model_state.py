@@ -23,6 +23,7 @@ from gradsync_core.checkpoint import (
     model_key,
     model_owners,
     rank_file,
+    resolve_checkpoint,
     weight_owners,
 )
 from gradsync_jax._naming import flax_name, from_torch_layout, to_torch_state, torch_names
@@ -83,6 +84,7 @@ def load_params(
     Example:
         >>> params = load_params("ckpt", variables, modules={"Dense_0": "fc1"})  # doctest: +SKIP
     """
+    directory = resolve_checkpoint(directory)  # one version, even while a save switches it
     manifest = read_manifest(directory)  # hashes every file
     owners = weight_owners(directory, manifest)
     stored: dict[str, np.ndarray] = {}

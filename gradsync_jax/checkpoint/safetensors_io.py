@@ -8,7 +8,7 @@ import os
 import ml_dtypes
 import numpy as np
 
-from gradsync_core.checkpoint import data_range, read_header
+from gradsync_core.checkpoint import data_range, open_checkpoint_file, read_header
 
 # safetensors dtype names -> NumPy; safetensors.numpy.load has no bfloat16 (it raises
 # KeyError 'BF16'), while its save writes BF16 correctly and torch reads it.
@@ -39,9 +39,9 @@ def read_safetensors(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
     """
     path = os.fspath(path)
     header, start = read_header(path)
-    data_bytes = os.path.getsize(path) - start
     out = {}
-    with open(path, "rb") as f:
+    with open_checkpoint_file(*os.path.split(path)) as f:
+        data_bytes = os.fstat(f.fileno()).st_size - start
         for key, entry in header.items():
             first, stop = data_range(path, key, entry, data_bytes)
             try:

@@ -32,6 +32,7 @@ from gradsync_core.checkpoint import (
     check_state_keys,
     counterpart_keys,
     rank_file,
+    resolve_checkpoint,
     run_save,
     tensor_key,
     write_rank_file,
@@ -300,6 +301,7 @@ def load_optimizer_state(
     Example:
         >>> opt_state, manifest = load_optimizer_state("ckpt/opt", tx, params)
     """
+    directory = resolve_checkpoint(directory)  # one version, even while a save switches it
     manifest = read_manifest(directory)
     if isinstance(tx, ShardedOptimizer):
         layout: Layout | None = tx.layout(params)

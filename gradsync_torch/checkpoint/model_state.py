@@ -21,7 +21,13 @@ from safetensors import safe_open
 from torch import nn
 
 from gradsync_core import Manifest, read_manifest
-from gradsync_core.checkpoint import check_weight_names, model_key, rank_file, weight_owners
+from gradsync_core.checkpoint import (
+    check_weight_names,
+    model_key,
+    rank_file,
+    resolve_checkpoint,
+    weight_owners,
+)
 from gradsync_torch._specs import dtype_name
 
 
@@ -53,7 +59,13 @@ def read_weights(path: str | os.PathLike[str], manifest: Manifest) -> dict[str, 
     weights = {}
     for rank in sorted(set(owners.values())):
         file = os.path.join(path, rank_file(rank, manifest.world_size))
-        with safe_open(file, framework="pt") as handle:
+        try:
+            handle = safe_open(file, framework="pt")
+        except OSError as e:  # e.g. a save removed this version while it was read
+            raise ValueError(
+                f"checkpoint file {file} cannot be read ({e.strerror or e}); load again"
+            ) from None
+        with handle:
             stored = set(handle.keys())
             for name in sorted(n for n, r in owners.items() if r == rank):
                 if model_key(name) not in stored:
@@ -112,6 +124,7 @@ def load_model_weights(path: str | os.PathLike[str], module: nn.Module) -> Manif
     Example:
         >>> load_model_weights("ckpt", net)  # doctest: +SKIP
     """
+    path = resolve_checkpoint(path)  # one version, even while a save switches it
     manifest = read_manifest(path)  # hashes every file
     weights = read_weights(path, manifest)
     check_weights(weights, module)

@@ -33,6 +33,7 @@ from gradsync_core.checkpoint import (
     error_message,
     model_owners,
     rank_file,
+    resolve_checkpoint,
     run_save,
     tensor_key,
     verify_file_hashes,
@@ -299,11 +300,15 @@ def load(path: str | os.PathLike[str], target: LoadTarget, ranks: RankGroup) -> 
             file, another model or optimizer class, other param groups); nothing is
             returned to any rank, so no rank's state changes.
     """
+    agreement = RankSaveAgreement(ranks)
+    # Rank 0 resolves PATH once and every rank reads that version: a save that switches PATH
+    # meanwhile can mix versions neither within a rank nor across ranks.
+    version = agreement.share_token(resolve_checkpoint(path) if agreement.leader else None)
     error: str | None = None
     try:
-        loaded = _read(os.fspath(path), target, ranks)
+        loaded = _read(version, target, ranks)
     except Exception as e:  # any failure must reach the other ranks, or they would load
         error = error_message(e)
     what = f"cannot load optimizer checkpoint {os.fspath(path)}"
-    RankSaveAgreement(ranks).all_ok(error, what)
+    agreement.all_ok(error, what)
     return loaded

@@ -1,0 +1,76 @@
+"""A load racing a save reads one version or fails with a sentence, never a mix (issue 21,
+item 2; docs/design.md §9).
+
+Deterministic: the loader is paused right after it read and checked the manifest of version
+1, a save then switches the path to version 2 (and removes version 1), and the load goes on.
+Reading the rank files through the path again would return version 2's weights under version
+1's manifest, silently; a load that resolved the path once reads version 1 or nothing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import pytest
+import torch
+
+import gradsync_jax.checkpoint.model_state as jax_model_state
+import gradsync_torch.checkpoint.model_state as torch_model_state
+from gradsync_jax import load_params, save_optimizer_state
+from gradsync_torch import load_model_weights
+from tests.faults import jax_save_worker as worker
+
+
+def _save(path: Path, tx: Any, params: Any, value: float, step: int) -> None:
+    weights = jax.tree.map(lambda x: jnp.full_like(x, value), params)
+    save_optimizer_state(path, tx, tx.init(weights), weights, step=step, model=weights)
+
+
+def _pause_after_manifest(monkeypatch: pytest.MonkeyPatch, module: Any, save: Any) -> None:
+    real = module.read_manifest
+
+    def read_then_save(directory: Any, **kwargs: Any) -> Any:
+        manifest = real(directory, **kwargs)
+        save()  # a concurrent job switches the path here
+        return manifest
+
+    monkeypatch.setattr(module, "read_manifest", read_then_save)
+
+
+def test_a_load_never_mixes_two_versions(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tx, params = worker.problem()
+    path = tmp_path / "ckpt"
+    _save(path, tx, params, 1.0, step=1)
+    saves = iter(range(2, 10))
+
+    def next_save() -> None:
+        step = next(saves)
+        _save(path, tx, params, float(step), step=step)
+
+    _pause_after_manifest(monkeypatch, jax_model_state, next_save)
+    with pytest.raises(ValueError, match=r"cannot be read"):
+        load_params(path, params)
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.dense = torch.nn.Linear(6, 10)
+            self.head = torch.nn.Linear(10, 3)
+
+    net = Net()
+    before = {n: p.detach().clone() for n, p in net.named_parameters()}
+    _pause_after_manifest(monkeypatch, torch_model_state, next_save)
+    with pytest.raises(ValueError, match=r"cannot be read .*; load again"):
+        load_model_weights(path, net)
+    assert all(torch.equal(p, before[n]) for n, p in net.named_parameters())
+
+    # Without a racing save, the loads read the version the path names, whole.
+    monkeypatch.undo()
+    loaded = load_params(path, params)
+    latest = float(next(saves) - 1)
+    assert all(bool((leaf == latest).all()) for leaf in jax.tree.leaves(loaded))
+    load_model_weights(path, net)
+    assert all(bool((p == latest).all()) for p in net.parameters())
