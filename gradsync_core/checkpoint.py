@@ -30,6 +30,7 @@ from gradsync_core._checkpoint import (
     write_atomic,
     write_manifest,
 )
+from gradsync_core._data_position import data_extra, restore_data
 from gradsync_core._model_weights import (
     MODEL_PARAM,
     check_weight_names,
@@ -80,6 +81,7 @@ __all__ = [
     "check_weight_names",
     "commit_save",
     "counterpart_keys",
+    "data_extra",
     "data_range",
     "discard_save",
     "error_message",
@@ -90,6 +92,7 @@ __all__ = [
     "rank_file",
     "read_header",
     "read_manifest",
+    "restore_data",
     "run_save",
     "save_hook",
     "sha256_file",
