@@ -4,10 +4,13 @@
     python examples/cross_framework.py --steps 10 --plot curves.png
 
 1. torch: 2 ranks (spawned here with gloo, no torchrun needed) train an MLP with
-   ``DataParallel`` + ``ZeroRedundancyOptimizer(AdamW)`` for ``2 * --steps`` steps and save the
-   weights and optimizer state after ``--steps`` (``opt.save(path, model=net)``).
+   ``DataParallel`` + ``ZeroRedundancyOptimizer(AdamW)`` for ``2 * --steps`` steps on batches a
+   ``ResumableSampler`` draws, and save the weights, optimizer state and data position after
+   ``--steps`` (``opt.save(path, model=net, data=sampler)``).
 2. JAX: 8 CPU devices load that checkpoint (``load_params`` + ``load_optimizer_state`` into
-   ``shard_optimizer(optax.adamw)``) and train the second half with ``data_parallel_step``.
+   ``shard_optimizer(optax.adamw)``, the position into a ``ResumableSampler``) and train
+   the second half with ``data_parallel_step`` on the batches that sampler draws: the same
+   samples the torch run read after its save.
 3. Both loss curves are printed side by side: the JAX half continues the torch run, so its
    losses are torch's own up to float32 rounding. With matplotlib installed, ``--plot`` also
    writes a figure.
@@ -29,12 +32,13 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 WIDTHS = [16] + [32] * 11 + [4]  # 12 Linear layers
 HYPER = {"lr": 3e-3, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.01}
 RANKS, DEVICES, BATCH = 2, 8, 64
+SAMPLES, SEED = 8 * BATCH + 10, 1234  # 8 global batches an epoch; the last 10 are dropped
 
 
-def batches(steps: int) -> tuple[np.ndarray, np.ndarray]:
-    """``steps`` batches of a fixed teacher's regression task, the same in both frameworks."""
+def dataset() -> tuple[np.ndarray, np.ndarray]:
+    """A fixed teacher's regression task, the same in both frameworks."""
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(steps, BATCH, WIDTHS[0])).astype(np.float32)
+    x = rng.normal(size=(SAMPLES, WIDTHS[0])).astype(np.float32)
     teacher = rng.normal(size=(WIDTHS[0], WIDTHS[-1])).astype(np.float32) / 4
     return x, np.tanh(x @ teacher).astype(np.float32)
 
@@ -64,8 +68,9 @@ def torch_train(rank: int, steps: int, path: str) -> list[float]:
     import torch
     import torch.distributed as dist
     from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
 
-    from gradsync_torch import DataParallel, ZeroRedundancyOptimizer
+    from gradsync_torch import DataParallel, ResumableSampler, ZeroRedundancyOptimizer
 
     torch.manual_seed(0)  # every rank builds the same initial model
 
@@ -82,21 +87,26 @@ def torch_train(rank: int, steps: int, path: str) -> list[float]:
     net = MLP()
     model = DataParallel(net)
     opt = ZeroRedundancyOptimizer(net.named_parameters(), torch.optim.AdamW, **HYPER)
-    xs, ys = batches(2 * steps)
-    losses = []
-    for step in range(2 * steps):
-        x = torch.from_numpy(xs[step]).chunk(RANKS)[rank]
-        y = torch.from_numpy(ys[step]).chunk(RANKS)[rank]
-        opt.zero_grad()
-        loss = nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses.append(mean.item() / RANKS)
-        if step + 1 == steps:
-            opt.save(path, model=net)  # weights + sharded optimizer state, torch or JAX
-    return losses
+    # Each step reads the next BATCH samples of the epoch's order; this rank takes its half.
+    sampler = ResumableSampler(range(SAMPLES), seed=SEED, global_batch_size=BATCH)
+    data = TensorDataset(*(torch.from_numpy(a) for a in dataset()))
+    loader = DataLoader(data, batch_size=sampler.batch_size, sampler=sampler)
+    losses: list[float] = []
+    for epoch in itertools.count(sampler.epoch):
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            opt.zero_grad()
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            mean = loss.detach().clone()
+            dist.all_reduce(mean)
+            losses.append(mean.item() / RANKS)
+            if len(losses) == steps:  # weights, sharded optimizer state and data position
+                opt.save(path, model=net, data=sampler)
+            if len(losses) == 2 * steps:
+                return losses
+    raise AssertionError("unreachable: the epochs never end")
 
 
 def train_in_torch(steps: int, path: str) -> list[float]:
@@ -128,6 +138,7 @@ def continue_in_jax(steps: int, path: str) -> list[float]:
 
     from gradsync_core import Topology
     from gradsync_jax import (
+        ResumableSampler,
         data_parallel_step,
         load_optimizer_state,
         load_params,
@@ -152,16 +163,19 @@ def continue_in_jax(steps: int, path: str) -> list[float]:
     tx = shard_optimizer(
         optax.adamw(HYPER["lr"], b1=b1, b2=b2, eps=HYPER["eps"], weight_decay=0.01), mesh
     )
-    opt_state, manifest = load_optimizer_state(path, tx, params, modules=modules)
+    # The position torch saved: the sampler continues with the very samples torch read next.
+    sampler = ResumableSampler(SAMPLES, global_batch_size=BATCH, seed=SEED)
+    opt_state, manifest = load_optimizer_state(path, tx, params, modules=modules, data=sampler)
+    print(f"resumed at step {manifest.step}, data position {sampler.state_dict()}")
 
     def loss_fn(p: Any, batch: tuple[jax.Array, jax.Array]) -> jax.Array:
         return jnp.mean((model.apply(p, batch[0]) - batch[1]) ** 2)
 
     train_step = data_parallel_step(loss_fn, tx, mesh)
-    xs, ys = batches(2 * steps)
+    x, y = dataset()
     losses = []
-    for step in range(manifest.step, manifest.step + steps):
-        params, opt_state, loss = train_step(params, opt_state, (xs[step], ys[step]))
+    for indices in itertools.islice(sampler, steps):  # one process: the whole global batch
+        params, opt_state, loss = train_step(params, opt_state, (x[indices], y[indices]))
         losses.append(float(loss))
     return losses
 

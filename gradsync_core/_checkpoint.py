@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from gradsync_core._canonical import fingerprint
+from gradsync_core._data_position import DATA_KEY, check_data_position
 from gradsync_core._files import open_checkpoint_file
 from gradsync_core._shards import ShardPlan
 from gradsync_core._specs import ParamSpec, check_unique_names
@@ -258,6 +259,8 @@ def _extra(value: Any, state_keys: Mapping[str, Sequence[str]], world_size: int)
     global_keys = value.get("global_keys", [])
     if not isinstance(global_keys, list) or not all(isinstance(k, str) for k in global_keys):
         _refuse("extra.global_keys", global_keys, "a list of state paths")
+    if DATA_KEY in value:
+        check_data_position(value[DATA_KEY])  # the sampler's cursor (_data_position.py)
     model = value.get("model", {})
     if not isinstance(model, Mapping):
         _refuse("extra.model", model, "an object mapping parameter names to ranks")

@@ -65,8 +65,18 @@ def summary(path: str, manifest: Manifest) -> dict[str, Any]:
         "params": len(manifest.params),
         "trainable": sum(p.requires_grad for p in manifest.params),
         "model_weights": len(manifest.extra.get("model", {})),
+        "data": manifest.extra.get("data"),  # the sampler's cursor, if saved with data=
         "ranks": ranks,
     }
+
+
+def _position(data: Mapping[str, Any] | None) -> str:
+    if data is None:
+        return "not stored (saved without data=)"
+    return (
+        f"epoch {data['epoch']}, {data['consumed']} samples consumed (seed {data['seed']}, "
+        f"dataset size {data['dataset_size']}, shuffle {data['shuffle']})"
+    )
 
 
 def _text(info: Mapping[str, Any]) -> str:
@@ -77,6 +87,7 @@ def _text(info: Mapping[str, Any]) -> str:
         f"  plan: {info['partition']}, fingerprint {info['plan_fingerprint']}",
         f"  parameters: {info['params']} ({info['trainable']} trainable); model weights: "
         + (f"{info['model_weights']} stored" if info["model_weights"] else "not stored"),
+        "  data position: " + _position(info["data"]),
         "",
         f"  {'rank':>4}  {'bytes':>12}  {'state':>12}  {'model':>12}  owners",
     ]

@@ -111,7 +111,8 @@ class DataCursor:
             raise TypeError(f"shuffle must be a bool, got {self.shuffle!r}")
 
     def to_json(self) -> dict[str, Any]:
-        """A JSON object (``kind``, ``version`` and the fields), for a checkpoint's side file."""
+        """A JSON object (``kind``, ``version`` and the fields), stored in a checkpoint's
+        manifest as ``extra["data"]``."""
         return {
             "kind": "data_cursor",
             "version": PLAN_VERSION,

@@ -32,6 +32,7 @@ from gradsync_core._checkpoint import (
     write_atomic,
     write_manifest,
 )
+from gradsync_core._data_position import data_extra, restore_data
 from gradsync_core._files import open_checkpoint_file
 from gradsync_core._model_weights import (
     MODEL_PARAM,
@@ -84,6 +85,7 @@ __all__ = [
     "check_weight_names",
     "commit_save",
     "counterpart_keys",
+    "data_extra",
     "data_range",
     "discard_save",
     "error_message",
@@ -96,6 +98,7 @@ __all__ = [
     "read_header",
     "read_manifest",
     "resolve_checkpoint",
+    "restore_data",
     "run_save",
     "save_hook",
     "sha256_file",

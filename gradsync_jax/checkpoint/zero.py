@@ -31,8 +31,10 @@ from gradsync_core.checkpoint import (
     check_compatible,
     check_state_keys,
     counterpart_keys,
+    data_extra,
     rank_file,
     resolve_checkpoint,
+    restore_data,
     run_save,
     tensor_key,
     write_rank_file,
@@ -81,6 +83,7 @@ def save_optimizer_state(
     optimizer: str | None = None,
     modules: Mapping[str, str] | None = None,
     model: Any = None,
+    data: Any = None,
 ) -> Manifest:
     """Write ``state`` to ``directory``, replacing the checkpoint there only once complete.
 
@@ -100,6 +103,8 @@ def save_optimizer_state(
         model: the model weights to store too (usually ``params`` itself; for NNX
             ``nnx.state(model, nnx.Param)``; may hold frozen parameters ``params`` lacks),
             read back with ``load_params`` or ``ZeroRedundancyOptimizer.load(model=)``.
+        data: a ``ResumableSampler`` whose position (``state_dict()``) the manifest
+            stores as ``extra["data"]``; ``load_optimizer_state(..., data=)`` restores it.
 
     Returns:
         The manifest written.
@@ -113,6 +118,7 @@ def save_optimizer_state(
     Example:
         >>> save_optimizer_state("ckpt/opt", tx, opt_state, params, step=100)
     """
+    position = data_extra(data)
     layout = tx.layout(params)
     complete = isinstance(layout, FlatLayout)  # see gradsync_jax.checkpoint.processes
     local = ZeroState(  # first, so every process takes part in its collective
@@ -136,7 +142,9 @@ def save_optimizer_state(
         prepare=lambda: _prepare(tx, layout, local, params, step, optimizer, modules, model),
         write_files=write_files,
         manifest=lambda prepared, files, _: replace(
-            prepared.manifest, files={rank_file(r, n): files[r] for r in range(n)}
+            prepared.manifest,
+            files={rank_file(r, n): files[r] for r in range(n)},
+            extra={**prepared.manifest.extra, **position},
         ),
     )
     what = f"cannot save optimizer checkpoint {os.fspath(directory)}"
@@ -270,6 +278,7 @@ def load_optimizer_state(
     *,
     optimizer: str | None = None,
     modules: Mapping[str, str] | None = None,
+    data: Any = None,
 ) -> tuple[Any, Manifest]:
     """Read a checkpoint into a new state for ``tx``, whether ``gradsync_jax`` or
     ``gradsync_torch`` wrote it: a ``shard_optimizer`` (any device count, either partition)
@@ -289,6 +298,8 @@ def load_optimizer_state(
         params: the parameter tree (arrays or ``ShapeDtypeStruct``).
         optimizer: the name given at save time, if one was.
         modules: the Flax-to-torch module renames given at save time (see ``torch_name``).
+        data: a ``ResumableSampler`` to position where the checkpoint's data was
+            (``extra["data"]``, saved by either framework with ``data=``).
 
     Returns:
         ``(state, manifest)``; for a ``shard_optimizer`` the state is placed with
@@ -303,6 +314,7 @@ def load_optimizer_state(
     """
     directory = resolve_checkpoint(directory)  # one version, even while a save switches it
     manifest = read_manifest(directory)
+    restore_data(manifest.extra, data, os.fspath(directory))
     if isinstance(tx, ShardedOptimizer):
         layout: Layout | None = tx.layout(params)
         space = layout.space

@@ -64,6 +64,7 @@ class Snapshot(NamedTuple):
     param_groups: list[dict[str, Any]]
     pieces: list[StatePiece]  # this rank's state
     model: nn.Module | None = None  # its weights are stored too (every rank has a copy)
+    data: dict[str, Any] | None = None  # the manifest's data position (``data_extra``)
 
 
 class LoadTarget(NamedTuple):
@@ -89,6 +90,7 @@ class Loaded(NamedTuple):
     state: dict[int, dict[str, Any]]  # model-space state by global index
     param_groups: list[dict[str, Any]]  # saved hyper-parameters with the current params
     model: dict[str, torch.Tensor] | None = None  # checked weights for ``LoadTarget.model``
+    extra: dict[str, Any] | None = None  # the manifest's extra (its data position)
 
 
 class _Prepared(NamedTuple):
@@ -170,6 +172,7 @@ def _manifest(
             "scalars": all_scalars,
             "shard_gradients": snapshot.shard_gradients,
             **({"model": _owners(snapshot)} if snapshot.model is not None else {}),
+            **(snapshot.data or {}),
         },
     )
 
@@ -283,13 +286,14 @@ def _read(path: str, target: LoadTarget, ranks: RankGroup) -> Loaded:
         weights = read_weights(path, manifest)
         check_weights(weights, target.model)
     if manifest.framework != "torch":
-        return Loaded(manifest.step, full, [dict(g) for g in target.param_groups], weights)
+        groups = [dict(g) for g in target.param_groups]
+        return Loaded(manifest.step, full, groups, weights, dict(manifest.extra))
     groups = []
     saved_groups = manifest.extra.get("param_groups", [])
     for saved, current in zip(saved_groups, target.param_groups, strict=True):
         hyper = {k: from_json(v, current.get(k)) for k, v in saved.items() if k != "params"}
         groups.append({**hyper, "params": current["params"]})
-    return Loaded(manifest.step, full, groups, weights)
+    return Loaded(manifest.step, full, groups, weights, dict(manifest.extra))
 
 
 def load(path: str | os.PathLike[str], target: LoadTarget, ranks: RankGroup) -> Loaded:

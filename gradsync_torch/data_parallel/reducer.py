@@ -40,7 +40,11 @@ from gradsync_torch.data_parallel.buckets import (
     GradSlots,
     build_buckets,
 )
-from gradsync_torch.data_parallel.sync_agreement import SyncHistory, layout_fingerprint
+from gradsync_torch.data_parallel.sync_agreement import (
+    SyncHistory,
+    layout_fingerprint,
+    stalled_sync_error,
+)
 from gradsync_torch.data_parallel.used_map import UsedMap
 from gradsync_torch.data_parallel.used_map import bookkeeping_group as make_bookkeeping_group
 
@@ -135,6 +139,12 @@ class Reducer:
         self._callback_queued = False  # a synced backward's finalize is queued
         self._local_callback_queued = False  # a no_sync backward's end callback is queued
         self._dirty = False  # gradients accumulated under no_sync and not reduced yet
+        # Under Join (join.py), set by the wrapper at every forward: how many ranks have not
+        # joined (None: all of them), and the mean's divisor when it is not the group size
+        # (DDP's divide_by_initial_world_size=False).
+        self.active_ranks: int | None = None
+        self.join_divisor: int | None = None
+        self._joined = False  # the sync in progress is a joined rank's shadow
         if overlap:
             self._register_hooks()
 
@@ -266,6 +276,8 @@ class Reducer:
         collective.prepare(bucket)
         per_tensor = self._per_tensor_division[bucket.spec.index]
         divisor = collective.divisor(bucket)
+        if divisor is not None and self.join_divisor is not None:
+            divisor = self.join_divisor
         copied = gather_gradients(bucket, self._names, divisor=divisor, per_tensor=per_tensor)
         collective.staged(bucket, copied)
 
@@ -282,6 +294,21 @@ class Reducer:
         self._history.local_backwards += 1
         self._local_callback_queued = False
 
+    def shadow_sync(self) -> None:
+        """A rank that joined (ran out of batches under ``Join``) takes part in the sync the
+        other ranks run: it contributes zeros to every bucket, as DDP's join hook does, and
+        reads the average back into ``param.grad`` (a ZeRO optimizer joined with the wrapper
+        then steps its shard with the same gradients as every other rank)."""
+        for param in self._params:
+            param.grad = None
+        self.slots.fired = [False] * len(self._params)
+        self.slots.preset = [False] * len(self._params)
+        self._joined = True
+        try:
+            self._sync(from_backward=self.overlap)
+        finally:
+            self._joined = False
+
     def _finalize(self) -> None:
         """The end of a synced backward (queued on the autograd engine)."""
         try:
@@ -295,11 +322,21 @@ class Reducer:
     def _sync(self, *, from_backward: bool) -> None:
         # Legacy mode has no gradient hooks, so its backwards are not counted (-1).
         backwards = self._history.local_backwards + from_backward if self.overlap else -1
-        record = self._history.record(sync=self.sync_count, layout=self.layout, backwards=backwards)
-        if self.overlap:
-            self._sync_overlap(record)
-        else:
-            self._sync_legacy(record)
+        record = None
+        if not self._joined:
+            record = self._history.record(
+                sync=self.sync_count, layout=self.layout, backwards=backwards
+            )
+        try:
+            if self.overlap:
+                self._sync_overlap(record)
+            else:
+                self._sync_legacy(record)
+        except RuntimeError as e:
+            stalled = stalled_sync_error(self.sync_count, e)
+            if stalled is None:
+                raise
+            raise stalled from e
         if self.shared is not None:
             # The model-parallel sums (docs/design.md §6) commute with the dp mean and with
             # accumulation, so one pass after the mean covers every no_sync step too.
@@ -317,12 +354,15 @@ class Reducer:
             return fired
         return [self.slots.has_grad(s, p) for s, p in enumerate(self._params)]
 
+    def _start_used_map(self, flags: list[bool], record: Any) -> None:
+        self._used_map.start(flags, record, joined=self._joined, active=self.active_ranks)
+
     def _sync_legacy(self, record: Any) -> None:
         """Legacy mode: the buckets share one buffer, so each is filled, reduced and written
         back before the next (fairseq's ``LegacyDistributedDataParallel``). ``record``: how
         this rank reached the sync, checked against every rank's (``sync_agreement.py``)."""
         flags = self._present_flags()
-        self._used_map.start(flags, record)
+        self._start_used_map(flags, record)
         self._used_map.check_agreement()  # before any bucket: a mismatch moves no gradient
         global_used = None if all(flags) else self._used_map.counts().tolist()
         collective, last = self.collective, len(self.buckets) - 1
@@ -346,7 +386,7 @@ class Reducer:
             # Issued after every bucket: ranks may have launched different numbers of
             # buckets during backward, and collectives on one group must be issued in the
             # same order everywhere.
-            self._used_map.start(flags, record)
+            self._start_used_map(flags, record)
         absent: list[tuple[BucketBuffers, int]] = []
         for bucket in self.buckets:
             collective.finish(bucket)
@@ -354,7 +394,7 @@ class Reducer:
         if collective.chains_collectives:
             # Only once every future is done is the order of collectives on the group the
             # same on every rank.
-            self._used_map.start(flags, record)
+            self._start_used_map(flags, record)
         self._used_map.check_agreement()
         global_used = self._used_map.counts().tolist() if absent else None
         for bucket, i in absent:
@@ -432,7 +472,9 @@ def gather_gradients(
     A parameter without a gradient contributes zeros; a gradient that is its bucket view
     already is only divided. ``per_tensor``: divide each gradient while copying it (one pass
     over memory); otherwise one ``torch._foreach_copy_`` and one division of the flat buffer,
-    the same bits (an elementwise, correctly rounded division; zeros and padding stay zero).
+    the same bits (elementwise; zeros and padding stay zero). The division is DDP's
+    multiplication by ``1 / divisor`` in the gradient dtype (its Reducer's ``mul_out``): the
+    same bits as DDP for any group size, where ``grad / 3`` and ``grad * (1/3)`` can differ.
 
     Args:
         bucket: the bucket to fill.
@@ -470,12 +512,13 @@ def gather_gradients(
         if targets:
             torch._foreach_copy_(targets, sources)
     elif per_tensor:
+        scale = 1.0 / divisor
         for view, grad in zip(targets, sources, strict=True):
-            torch.div(grad, divisor, out=view)  # DDP's fused copy: one pass
+            torch.mul(grad, scale, out=view)  # DDP's fused copy: one pass
         if in_place:
-            torch._foreach_div_(in_place, divisor)
+            torch._foreach_mul_(in_place, scale)
     else:
         if targets:
             torch._foreach_copy_(targets, sources)
-        bucket.buffer.div_(divisor)
+        bucket.buffer.mul_(1.0 / divisor)
     return copied

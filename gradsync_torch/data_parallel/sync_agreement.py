@@ -75,28 +75,59 @@ NUM_INTS = 2 * len(SyncRecord._fields)
 
 
 def disagree(sums: Sequence[int], world_size: int) -> bool:
-    """Whether the summed ``encode`` of ``world_size`` ranks came from different records."""
+    """Whether the summed ``encode`` of ``world_size`` ranks came from different records.
+
+    Under ``Join`` a joined rank sends zeros (it adds nothing to either sum), so
+    ``world_size`` is then the number of ranks that have not joined.
+    """
     return any(world_size * sums[i + 1] != sums[i] * sums[i] for i in range(0, len(sums), 2))
 
 
 def disagreement_error(
-    mine: SyncRecord, group: dist.ProcessGroup, *, what: str = "DataParallel"
+    mine: SyncRecord | None, group: dist.ProcessGroup, *, what: str = "DataParallel"
 ) -> RuntimeError:
-    """Gather every rank's record (all ranks call this together) and describe who did what."""
-    records: list[SyncRecord | None] = [None] * group.size()
-    dist.all_gather_object(records, tuple(mine), group=group)
-    records_by_rank = {
-        dist.get_global_rank(group, r): SyncRecord(*rec) for r, rec in enumerate(records)
-    }
-    by_record: dict[SyncRecord, list[int]] = {}
-    for rank, record in records_by_rank.items():
-        by_record.setdefault(record, []).append(rank)
-    did = "; ".join(f"ranks {ranks}: {record.describe()}" for record, ranks in by_record.items())
+    """Gather every rank's record (all ranks call this together) and describe who did what;
+    ``mine`` is ``None`` on a rank that joined (ran out of batches under ``Join``)."""
+    records: list[tuple[int, ...] | None] = [None] * group.size()
+    dist.all_gather_object(records, None if mine is None else tuple(mine), group=group)
+    by_record: dict[SyncRecord | None, list[int]] = {}
+    for r, rec in enumerate(records):
+        record = None if rec is None else SyncRecord(*rec)
+        by_record.setdefault(record, []).append(dist.get_global_rank(group, r))
+    did = "; ".join(
+        f"ranks {ranks}: " + ("joined (out of batches)" if record is None else record.describe())
+        for record, ranks in by_record.items()
+    )
     return RuntimeError(
         f"{what}: the ranks reached this gradient sync differently, so their gradients would "
         f"be averaged across different steps ({did}); run the same forwards and backwards on "
         "every rank between syncs (same no_sync() use, same number of accumulation "
         "micro-steps, zero_grad at the same points)"
+    )
+
+
+# How torch's backends report a collective that a peer never joined or left: gloo raises a
+# plain RuntimeError ("Timed out waiting 10000ms for recv operation", "Connection closed by
+# peer"), NCCL a DistBackendError.
+_PEER_FAILURES = ("Timed out", "timed out", "Connection closed", "Connection reset")
+
+
+def stalled_sync_error(sync: int, cause: RuntimeError) -> RuntimeError | None:
+    """The one sentence for a gradient sync whose collective a peer never completed, or
+    ``None`` if ``cause`` is not such a failure (then it propagates unchanged).
+
+    The runtime agreement above cannot catch this case: its check rides in the sync's own
+    collective, which the other rank never issues (it ran out of batches and went on to a
+    barrier, a save or the end of the script), so the backend's timeout is the only signal.
+    """
+    if not isinstance(cause, dist.DistError) and not any(m in str(cause) for m in _PEER_FAILURES):
+        return None
+    return RuntimeError(
+        f"DataParallel: gradient sync #{sync} did not complete within the process group's "
+        "timeout because another rank of the group never reached it (most often that rank ran "
+        "out of batches and left its loop, or took fewer steps); give every rank the same "
+        "number of steps, or wrap the loop in `with model.join():` for uneven inputs "
+        f"(backend: {str(cause).strip().splitlines()[0][-160:]})"
     )
 
 

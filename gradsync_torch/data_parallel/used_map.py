@@ -58,13 +58,33 @@ class UsedMap:
         self._counts: torch.Tensor | None = None
         self._work: Any = None  # the collective of the latest start(), until settled
         self._record: SyncRecord | None = None  # this rank's record in the latest start()
+        self._joined = False  # the latest start() shadowed the others' sync (Join)
+        self._active = self.world_size  # ranks that sent a record to the latest start()
 
-    def start(self, flags: list[bool], record: SyncRecord | None = None) -> None:
+    def start(
+        self,
+        flags: list[bool],
+        record: SyncRecord | None = None,
+        *,
+        joined: bool = False,
+        active: int | None = None,
+    ) -> None:
         """Begin summing ``flags`` (this rank's "had a gradient" per slot) over the ranks,
-        followed by ``record`` (how this rank reached the sync) for ``check_agreement``."""
+        followed by ``record`` (how this rank reached the sync) for ``check_agreement``.
+
+        Under ``Join`` (``join.py``): ``joined``, this rank ran out of batches and shadows
+        the sync, sending zeros in place of a record; ``active``, how many ranks have not
+        joined (every rank knows it from the join status of this step).
+        """
         self.settle()
         self._record = record if self.world_size > 1 else None
-        extra = encode(record) if self._record is not None else ()
+        self._joined = joined and self.world_size > 1
+        self._active = self.world_size if active is None else active
+        extra: list[int] | tuple[()] = ()
+        if self._joined:
+            extra = [0] * NUM_INTS  # adds nothing to either sum of the check
+        elif self._record is not None:
+            extra = encode(record)
         # int64: the agreement ints carry squares up to 2**40 (sync_agreement.py).
         self._counts = torch.tensor([*flags, *extra], dtype=torch.int64)
         if self.world_size > 1:
@@ -85,10 +105,10 @@ class UsedMap:
         Raises:
             RuntimeError: naming the ranks and what each did since the previous sync.
         """
-        if self._record is None:
+        if self._record is None and not self._joined:
             return
         sums = self.counts()[-NUM_INTS:].tolist()
-        if disagree(sums, self.world_size):
+        if disagree(sums, self._active):
             raise disagreement_error(self._record, self.group)
 
     def settle(self) -> None:

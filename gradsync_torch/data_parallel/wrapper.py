@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.join import Join, Joinable
 
 import gradsync_core
 from gradsync_torch._collectives import broadcast_tensors
@@ -30,6 +31,7 @@ from gradsync_torch.data_parallel.bucket_collectives import AllReduce, BucketCol
 from gradsync_torch.data_parallel.buckets import GradSlots
 from gradsync_torch.data_parallel.comm_hooks import CommHook as HookFn
 from gradsync_torch.data_parallel.grad_sharding import ReduceScatter
+from gradsync_torch.data_parallel.join import DataParallelJoinHook, exchange_status
 from gradsync_torch.data_parallel.options import (
     DataParallelOptions,
     check_group,
@@ -52,7 +54,7 @@ from gradsync_torch.groups import ProcessGroups
 from gradsync_torch.shared_reductions import SharedReducer, check_reduction_plan
 
 
-class DataParallel(nn.Module):
+class DataParallel(nn.Module, Joinable):
     """Data-parallel wrapper: ``forward`` passes through, gradients are averaged across ranks.
 
     Args:
@@ -121,6 +123,7 @@ class DataParallel(nn.Module):
         shared_plan: gradsync_core.ReductionPlan | None = None,
     ) -> None:
         super().__init__()
+        Joinable.__init__(self)
         check_module(module)
         self.options = DataParallelOptions(
             bucket_cap_mb=bucket_cap_mb,
@@ -154,6 +157,8 @@ class DataParallel(nn.Module):
 
         layout = plan_layout(params, self.options, self.world_size)
         device = comm_device([p for _, p in layout.trainable], group)
+        self._device = device
+        self._divide_by_initial_world_size = True  # set by join_hook(), as in DDP
         # The first collective of a construction: every rank must hold the same plan, model
         # and options, or the ranks pair different collectives and hang (docs/design.md §15).
         verify_same_everywhere(
@@ -284,10 +289,10 @@ class DataParallel(nn.Module):
             if sync and self.options.param_broadcast_period:
                 self._maybe_broadcast_params()
         self._reducer.prepare_for_forward(training=training, sync=sync)
-        if self.options.broadcast_buffers and self._sync_buffers_next and self.world_size > 1:
-            buffers = [b for _, b in self.module.named_buffers()]
-            if buffers:
-                broadcast_tensors(buffers, self.process_group)
+        buffers = self._buffers_to_broadcast()
+        source = self._join_step(sync=training and sync, buffers=bool(buffers))
+        if buffers:
+            broadcast_tensors(buffers, self.process_group, group_src=source)
         self._sync_buffers_next = training and sync
         output = self.module(*args, **kwargs)
         if training and self.world_size > 1 and self._reducer.has_params:
@@ -300,3 +305,116 @@ class DataParallel(nn.Module):
         if syncs - self._params_broadcast_at >= self.options.param_broadcast_period:
             broadcast_tensors([p for p in self.module.parameters()], self.process_group)
             self._params_broadcast_at = syncs
+
+    def _buffers_to_broadcast(self) -> list[torch.Tensor]:
+        if self.options.broadcast_buffers and self._sync_buffers_next and self.world_size > 1:
+            return [b for _, b in self.module.named_buffers()]
+        return []
+
+    # ---- uneven inputs (torch's Join; join.py) -----------------------------------------
+
+    def join(
+        self,
+        divide_by_initial_world_size: bool = True,
+        enable: bool = True,
+        throw_on_early_termination: bool = False,
+    ) -> Join:
+        """DDP's ``join()``: ``with model.join(): for batch in my_batches: ...`` ends without
+        a hang when ranks have different numbers of batches (``Join([model, zero])`` joins a
+        ZeRO optimizer too).
+
+        A rank that ran out of batches shadows the collectives of every step the others
+        still run, contributing zero gradients; at the end every rank gets the model of a
+        rank that ran last.
+
+        Args:
+            divide_by_initial_world_size: ``True``: the mean still divides by the group size,
+                so every sample weighs the same; ``False``: by the ranks still running.
+            enable: ``False`` turns the context into a no-op (inputs known to be even).
+            throw_on_early_termination: raise on every rank as soon as one rank runs out.
+
+        Returns:
+            A ``torch.distributed.algorithms.join.Join`` context manager.
+
+        Example:
+            >>> with model.join():  # doctest: +SKIP
+            ...     for x in batches_of_this_rank:  # 3 on one rank, 5 on another
+            ...         model(x).sum().backward(); opt.step(); opt.zero_grad()
+        """
+        return Join(
+            [self],
+            enable,
+            throw_on_early_termination,
+            divide_by_initial_world_size=divide_by_initial_world_size,
+        )
+
+    def join_hook(self, **kwargs: Any) -> DataParallelJoinHook:
+        """The ``JoinHook`` that ``Join`` runs on a rank that ran out of batches
+        (``divide_by_initial_world_size``, default ``True``, as in DDP).
+
+        Raises:
+            ValueError: for options whose collectives a joined rank cannot shadow: model
+                parallelism (``groups``), ``param_broadcast_period`` (rank 0 may have
+                joined), ``shard_gradients`` (ZeRO-2, not yet), or
+                ``divide_by_initial_world_size=False`` with ``reduce_dtype`` (its division
+                happens in the wire dtype, outside the Reducer).
+        """
+        divide = bool(kwargs.get("divide_by_initial_world_size", True))
+        options = self.options
+        if self.shared_plan is not None or options.param_broadcast_period:
+            raise ValueError(
+                "join() supports plain data parallelism only: with model-parallel groups or "
+                "param_broadcast_period the ranks that ran out of batches cannot shadow the "
+                "other collectives; give every rank the same number of batches instead"
+            )
+        if options.shard_gradients:
+            raise ValueError(
+                "join() does not support shard_gradients=True (ZeRO-2) yet; use "
+                "ZeroRedundancyOptimizer without shard_gradients under Join([model, zero]), "
+                "or give every rank the same number of batches"
+            )
+        if not divide and options.reduce_dtype is not None:
+            raise ValueError(
+                "divide_by_initial_world_size=False needs the mean's division in the copy "
+                "into the bucket, which reduce_dtype moves into the wire dtype; pass "
+                "divide_by_initial_world_size=True"
+            )
+        self._divide_by_initial_world_size = divide
+        return DataParallelJoinHook(self, divide_by_initial_world_size=divide)
+
+    @property
+    def join_device(self) -> torch.device:
+        """Where ``Join``'s own all-reduces run: the device of the parameters."""
+        return self._device
+
+    @property
+    def join_process_group(self) -> dist.ProcessGroup:
+        """The group ``Join`` counts the ranks in: the data-parallel group."""
+        return self.process_group
+
+    def _join_step(self, *, sync: bool, buffers: bool) -> int:
+        """Under ``Join``, tell the joined ranks what this step does (before any of its
+        collectives); returns the group rank buffers are broadcast from."""
+        reducer = self._reducer
+        if not self._join_config.enable:
+            reducer.active_ranks = reducer.join_divisor = None
+            return 0
+        Join.notify_join_context(self)  # Join's count of the ranks still running
+        status = exchange_status(
+            self.process_group, self._device, running=True, sync=sync, buffers=buffers
+        )
+        reducer.active_ranks = status.active
+        reducer.join_divisor = None if self._divide_by_initial_world_size else status.active
+        return status.source  # DDP's authoritative rank: one still running
+
+    def _shadow_step(self) -> None:
+        """One step of the ranks still running, on a rank that joined (``Join`` calls it)."""
+        status = exchange_status(
+            self.process_group, self._device, running=False, sync=False, buffers=False
+        )
+        if status.buffers:
+            buffers = [b for _, b in self.module.named_buffers()]
+            broadcast_tensors(buffers, self.process_group, group_src=status.source)
+        if status.sync:
+            self._reducer.active_ranks = status.active
+            self._reducer.shadow_sync()

@@ -15,15 +15,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.join import Joinable
 from torch.optim import Optimizer
 
 import gradsync_core
 from gradsync_core import ParamSpec, ShardPlan
+from gradsync_core.checkpoint import data_extra, restore_data
 from gradsync_torch.checkpoint import zero as checkpoint
 from gradsync_torch.checkpoint.model_state import copy_weights
 from gradsync_torch.data_parallel import DataParallel
 from gradsync_torch.zero.broadcast import Broadcaster, Piece
 from gradsync_torch.zero.flat import FlatLayout
+from gradsync_torch.zero.join import ZeroJoinHook
 from gradsync_torch.zero.layout import Layout, make_layout
 from gradsync_torch.zero.local_step import JobStepper, steps_per_tensor
 from gradsync_torch.zero.options import check_options, claim_sharder
@@ -47,7 +50,7 @@ from gradsync_torch.zero.state import (
 )
 
 
-class ZeroRedundancyOptimizer(Optimizer):
+class ZeroRedundancyOptimizer(Optimizer, Joinable):
     """Wrap an optimizer so each rank keeps the state of about ``1/world_size`` of the
     parameters (ZeRO-1), and optionally only that share of the gradients (ZeRO-2).
 
@@ -117,6 +120,7 @@ class ZeroRedundancyOptimizer(Optimizer):
         self._local_defaults = defaults
         self._comm = Broadcaster(process_group, self.rank, self.world_size)
         super().__init__(params, defaults)
+        Joinable.__init__(self)
         # ZeRO-2 buckets: the constructor's groups, then one segment per added group.
         self._segment_starts = [0]
         self._planned: set[int] = set()
@@ -348,13 +352,21 @@ class ZeroRedundancyOptimizer(Optimizer):
 
     # -- checkpoints and accounting -----------------------------------------------------------
 
-    def save(self, path: str | os.PathLike[str], *, model: nn.Module | None = None) -> None:
+    def save(
+        self, path: str | os.PathLike[str], *, model: nn.Module | None = None, data: Any = None
+    ) -> None:
         """Write a resharding checkpoint to directory ``path`` (a collective; every rank
-        must see the same filesystem); with ``model``, its weights are stored too.
+        must see the same filesystem); with ``model``, its weights are stored too; with
+        ``data`` (a ``ResumableSampler``), its position (``data.state_dict()``) goes into the
+        manifest (docs/data-position.md).
 
         Raises:
             ValueError: if parameter names are unknown (see ``param_names``), or on any
                 rank's failure, naming the rank.
+            TypeError: if ``data`` is not a sampler with ``state_dict()``.
+
+        Example:
+            >>> opt.save("ckpt/step100", model=net, data=sampler)  # doctest: +SKIP
         """
         names = self.param_names(model)
         snapshot = checkpoint.Snapshot(
@@ -367,12 +379,16 @@ class ZeroRedundancyOptimizer(Optimizer):
             param_groups=self.param_groups,
             pieces=local_pieces(self.layout.pieces, self.optim.state),
             model=model,
+            data=data_extra(data),
         )
         checkpoint.save(path, snapshot, self._ranks)
 
-    def load(self, path: str | os.PathLike[str], *, model: nn.Module | None = None) -> None:
+    def load(
+        self, path: str | os.PathLike[str], *, model: nn.Module | None = None, data: Any = None
+    ) -> None:
         """Load a checkpoint written at any world size by torch or JAX, with its weights into
-        ``model`` if stored (a collective); on any error every rank raises and nothing changes."""
+        ``model`` if stored and its data position into ``data`` (a ``ResumableSampler``), a
+        collective; on any error every rank raises and the optimizer is unchanged."""
         names = self.param_names(model)
         target = checkpoint.LoadTarget(
             optimizer_class=self.optimizer_class,
@@ -384,9 +400,26 @@ class ZeroRedundancyOptimizer(Optimizer):
             model=model,
         )
         loaded = checkpoint.load(path, target, self._ranks)
+        restore_data(loaded.extra or {}, data, os.fspath(path))  # every rank alike: one manifest
         copy_weights(model, loaded.model)
         self._load_full_state(loaded.state, loaded.param_groups)
         self._steps = loaded.step
+
+    def join_hook(self, **kwargs: Any) -> ZeroJoinHook:
+        """Under ``Join([model, zero])`` (uneven inputs; the ``DataParallel`` first): a rank
+        that ran out of batches keeps stepping its shard with the averaged gradients the
+        model's hook left (``zero/join.py``), once per step of the others."""
+        return ZeroJoinHook(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        """The device of the parameters (where ``Join``'s own all-reduces run)."""
+        return self.param_groups[0]["params"][0].device
+
+    @property
+    def join_process_group(self) -> Any:
+        """The group the shards are spread over (the model's data-parallel group)."""
+        return dist.group.WORLD if self.process_group is None else self.process_group
 
     @property
     def steps(self) -> int:

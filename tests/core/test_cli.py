@@ -283,8 +283,9 @@ def _safetensors(tensors: dict[str, list[float]]) -> bytes:
     return struct.pack("<Q", len(text)) + text + body
 
 
-def _write_checkpoint(directory):
-    """A 2-rank greedy Adam checkpoint of a 3-parameter model, with one model weight."""
+def _write_checkpoint(directory, position=None):
+    """A 2-rank greedy Adam checkpoint of a 3-parameter model, with one model weight (and the
+    data position ``position``, a cursor's JSON, if given)."""
     import hashlib
 
     from gradsync_core import Manifest, ParamSpec, plan_greedy_shards
@@ -318,7 +319,11 @@ def _write_checkpoint(directory):
         plan=plan,
         state_keys={s.name: ("exp_avg", "step") for s in specs[:2]},
         files=files,
-        extra={"scalars": scalars, "model": {"emb.weight": 0}},
+        extra={
+            "scalars": scalars,
+            "model": {"emb.weight": 0},
+            **({"data": position} if position is not None else {}),
+        },
     )
     write_manifest(directory, manifest)
     return plan, owner
@@ -334,6 +339,7 @@ def test_checkpoint_inspect_verifies_and_describes(tmp_path):
     )
     assert f"fingerprint {plan.fingerprint}" in out.stdout
     assert "parameters: 3 (2 trainable); model weights: 1 stored" in out.stdout
+    assert "data position: not stored (saved without data=)" in out.stdout
 
     out = gradsync("checkpoint", "inspect", "--json", str(tmp_path))
     assert out.returncode == 0, out.stderr
@@ -348,6 +354,29 @@ def test_checkpoint_inspect_verifies_and_describes(tmp_path):
             {"fc.weight": 4, "fc.bias": 2}[n] for n in entry["owners"]
         )
         assert entry["model_bytes"] == (12 if rank == 0 else 0)
+
+
+def test_checkpoint_inspect_shows_the_data_position(tmp_path):
+    from gradsync_core import DataCursor
+
+    cursor = DataCursor(epoch=3, consumed=48, seed=7, dataset_size=100, shuffle=True)
+    _write_checkpoint(tmp_path, position=cursor.to_json())
+    out = gradsync("checkpoint", "inspect", str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    assert (
+        "data position: epoch 3, 48 samples consumed (seed 7, dataset size 100, shuffle True)"
+        in out.stdout
+    )
+    out = gradsync("checkpoint", "inspect", "--json", str(tmp_path))
+    assert json.loads(out.stdout)["data"] == cursor.to_json()
+
+
+def test_a_manifest_with_a_bad_data_position_is_refused(tmp_path):
+    from gradsync_core import read_manifest
+
+    _write_checkpoint(tmp_path, position={"kind": "data_cursor", "epoch": "one"})
+    with pytest.raises(ValueError, match=r"manifest field 'extra\.data' is not a data cursor"):
+        read_manifest(tmp_path)
 
 
 @pytest.mark.parametrize(

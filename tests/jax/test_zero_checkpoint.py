@@ -23,6 +23,7 @@ from safetensors.numpy import load_file
 
 from gradsync_core import Topology
 from gradsync_jax import (
+    ResumableSampler,
     load_optimizer_state,
     make_local,
     mesh_from_topology,
@@ -119,6 +120,27 @@ def test_saved_on_8_resumes_on_4(saved, partition: str) -> None:
     ref_params, ref_state = reference(6)
     assert_tree_close(params, ref_params, atol_rel=1e-6)
     assert_tree_close(tx4.gather_state(state, params), ref_state, atol_rel=1e-6)
+
+
+def test_the_data_position_travels_in_the_manifest(saved, tmp_path) -> None:
+    """save_optimizer_state(..., data=sampler) stores the cursor; a load with data= puts it
+    back; a load with data= from a checkpoint saved without it refuses."""
+    directory, params, _ = saved
+    tx8 = shard_optimizer(inner(), mesh_of(8))
+    state = tx8.init(params)
+    sampler = ResumableSampler(40, global_batch_size=8, seed=3)
+    for _ in range(7):  # one epoch of 5 steps, then 2 more
+        next(sampler)
+    with_data = str(tmp_path / "with-data")
+    manifest = save_optimizer_state(with_data, tx8, state, params, step=7, data=sampler)
+    assert manifest.extra["data"] == sampler.state_dict()
+    resumed = ResumableSampler(40, global_batch_size=8, seed=3)
+    _, loaded = load_optimizer_state(with_data, tx8, params, data=resumed)
+    assert loaded.extra["data"] == sampler.state_dict()
+    assert (resumed.cursor().epoch, resumed.cursor().consumed) == (1, 16)
+    assert np.array_equal(next(resumed), next(sampler))  # the same samples next
+    with pytest.raises(ValueError, match="holds no data position"):
+        load_optimizer_state(directory, tx8, params, data=resumed)
 
 
 def test_files_are_per_parameter(saved) -> None:

@@ -12,8 +12,6 @@ inside the second. The data position travels in a JSON file beside the checkpoin
 from __future__ import annotations
 
 import itertools
-import json
-import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -51,12 +49,13 @@ def test_torch_two_ranks_then_jax_four_devices_equal_torch_one_rank(tmp_path) ->
 
     params = load_params(path, like, modules=RENAMES)
     tx = shard_optimizer(optax_twin("adamw"), mesh_of(4), partition="greedy")
-    opt_state, manifest = load_optimizer_state(path, tx, params, modules=RENAMES)
-    assert (manifest.framework, manifest.step, manifest.world_size) == ("torch", 5, 2)
     sampler = ResumableSampler(
         resume_worker.SAMPLES, global_batch_size=resume_worker.GLOBAL_BATCH, seed=resume_worker.SEED
     )
-    sampler.load_state_dict(json.loads(pathlib.Path(f"{path}.cursor.json").read_text()))
+    # The position travels in the manifest (torch saved it with data=sampler).
+    opt_state, manifest = load_optimizer_state(path, tx, params, modules=RENAMES, data=sampler)
+    assert (manifest.framework, manifest.step, manifest.world_size) == ("torch", 5, 2)
+    assert manifest.extra["data"] == sampler.state_dict()
     assert (sampler.cursor().epoch, sampler.cursor().consumed) == (1, 24)
 
     model = LinenMLP()

@@ -7,8 +7,6 @@ Imported by spawned gloo workers, so it imports torch only (no JAX: faster spawn
 from __future__ import annotations
 
 import itertools
-import json
-import pathlib
 from collections.abc import Callable
 from typing import Any
 
@@ -75,7 +73,7 @@ def run(
 ) -> None:
     """DataParallel + ZeroRedundancyOptimizer(AdamW) for ``steps`` steps on the sampler's
     data, after resuming weights, optimizer state and data position from ``load_from``; then
-    save all three to ``save_to`` (the position as ``<save_to>.cursor.json``, beside it)."""
+    save all three to ``save_to`` (the position in the manifest, ``data=``)."""
     from gradsync_torch import DataParallel, ZeroRedundancyOptimizer
 
     model = TorchMLP(WIDTHS)
@@ -85,9 +83,6 @@ def run(
     opt = ZeroRedundancyOptimizer(model.named_parameters(), torch.optim.AdamW, **ADAMW)
     sampler = ResumableSampler(range(SAMPLES), seed=SEED, global_batch_size=GLOBAL_BATCH)
     if load_from is not None:
-        opt.load(load_from, model=model)
-        sampler.load_state_dict(json.loads(pathlib.Path(f"{load_from}.cursor.json").read_text()))
+        opt.load(load_from, model=model, data=sampler)
     train_steps(dp, opt, sampler, steps)
-    opt.save(save_to, model=model)
-    if rank == 0:
-        pathlib.Path(f"{save_to}.cursor.json").write_text(json.dumps(sampler.state_dict()))
+    opt.save(save_to, model=model, data=sampler)

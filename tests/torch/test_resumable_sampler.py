@@ -4,14 +4,13 @@ world size (docs/data-position.md)."""
 from __future__ import annotations
 
 import itertools
-import json
-import pathlib
 
 import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from gradsync_core import read_manifest
 from gradsync_torch import ResumableSampler, load_model_weights, load_optimizer_state_dict
 from tests.parity.torch_worker import WIDTHS, TorchMLP
 from tests.torch import resume_worker
@@ -157,7 +156,7 @@ def test_four_ranks_then_three_equal_one_rank(tmp_path) -> None:
     run_workers(resume_worker.run, 4, init, 5, first)
     run_workers(resume_worker.run, 3, None, 5, second, first)
     for path, epoch, consumed in ((first, 1, 24), (second, 2, 48)):  # 4 steps an epoch
-        cursor = json.loads(pathlib.Path(f"{path}.cursor.json").read_text())
+        cursor = read_manifest(path).extra["data"]  # saved with data=sampler
         assert (cursor["epoch"], cursor["consumed"]) == (epoch, consumed)
     want_model, want_opt = resume_worker.reference(init, 10)
     net = TorchMLP(WIDTHS)
