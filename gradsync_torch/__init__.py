@@ -31,6 +31,7 @@ from gradsync_torch.model_parallel.mappings import (
     scatter_to,
 )
 from gradsync_torch.model_state import load_model_weights
+from gradsync_torch.param_sharding import MixedPrecisionPolicy, ShardedModule, fully_shard
 from gradsync_torch.sampler import ResumableSampler
 from gradsync_torch.zero import ZeroRedundancyOptimizer
 from gradsync_torch.zero.plain import load_optimizer_state_dict
@@ -41,10 +42,12 @@ __all__: list[str] = [
     "ExpertMLPs",
     "GradBucket",
     "Group",
+    "MixedPrecisionPolicy",
     "MoE",
     "ProcessGroups",
     "ResumableSampler",
     "RowParallelLinear",
+    "ShardedModule",
     "ZeroRedundancyOptimizer",
     "all_gather_from",
     "allreduce_hook",
@@ -53,6 +56,7 @@ __all__: list[str] = [
     "copy_to",
     "dtype_name",
     "fp16_compress_hook",
+    "fully_shard",
     "gather_from",
     "load_model_weights",
     "load_optimizer_state_dict",

@@ -1,0 +1,204 @@
+"""One unit's parameters: sharded at rest, gathered around its use, gradients reduce-scattered
+(ZeRO-3, arXiv:1910.02054 §5.3). The hooks (``_hooks.py``) decide *when*; this owns *what*.
+
+The representation is FSDP2's (torch 2.13 ``_fsdp_param.py``), so torch's tools work on it:
+each parameter is an ``nn.Parameter`` holding a ``DTensor`` with ``Shard(0)`` whose local
+tensor is the *unpadded* view of a zero-padded chunk (the plan's ``ParamChunk``); gathered, it
+is a plain ``nn.Parameter`` viewing a buffer whose storage is freed (resized to 0) when
+resharded, so autograd's saved tensors see the next gather's data without a copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DeviceMesh, DTensor, Shard
+
+from gradsync_core import ParamChunk
+from gradsync_torch._collectives import all_gather_single, reduce_scatter_single
+from gradsync_torch.param_sharding._divide import gradient_divide
+from gradsync_torch.param_sharding._policy import MixedPrecisionPolicy
+
+
+@dataclass(slots=True, kw_only=True)
+class ShardedParameter:
+    """One parameter's three forms: padded local storage, the DTensor the optimizer sees, and
+    the gathered tensor forward and backward use."""
+
+    module: nn.Module  # the module that registers it
+    attr: str  # its name there
+    chunks: tuple[ParamChunk, ...]  # every shard rank's rows, from the plan
+    shard_rank: int
+    padded: torch.Tensor  # flat, chunk.padded_numel elements, zero past the held rows
+    sharded: nn.Parameter  # DTensor(Shard(0)) viewing padded's first chunk.numel elements
+    gathered: torch.Tensor  # flat, world_size * chunk.padded_numel, storage freed at rest
+    unsharded: nn.Parameter  # gathered viewed in the parameter's shape
+
+    @property
+    def chunk(self) -> ParamChunk:
+        """This rank's rows."""
+        return self.chunks[self.shard_rank]
+
+
+def _setattr(module: nn.Module, attr: str, param: nn.Parameter) -> None:
+    # Swap without nn.Module.__setattr__'s checks, as FSDP2 does: the same name must point
+    # at the gathered parameter in forward and at the sharded one at rest.
+    module._parameters[attr] = param
+
+
+def _free(tensor: torch.Tensor) -> None:
+    if tensor.untyped_storage().size() != 0:
+        tensor.untyped_storage().resize_(0)
+
+
+def _alloc(tensor: torch.Tensor) -> None:
+    nbytes = tensor.numel() * tensor.itemsize
+    if tensor.untyped_storage().size() != nbytes:
+        tensor.untyped_storage().resize_(nbytes)
+
+
+def shard_parameter(
+    module: nn.Module,
+    attr: str,
+    chunks: tuple[ParamChunk, ...],
+    shard_rank: int,
+    mesh: DeviceMesh,
+    gather_dtype: torch.dtype | None,
+) -> ShardedParameter:
+    """Replace ``module.attr`` by this rank's rows (``chunks[shard_rank]``) as a ``DTensor``."""
+    chunk = chunks[shard_rank]
+    full = module._parameters[attr]
+    assert full is not None
+    data = full.detach()
+    padded = data.new_zeros(chunk.padded_numel)
+    padded[: chunk.numel].copy_(data[chunk.start : chunk.stop].reshape(-1))
+    local = padded[: chunk.numel].view(chunk.local_shape)
+    shape = torch.Size(chunk.shape)
+    sharded = nn.Parameter(
+        DTensor.from_local(
+            local, mesh, (Shard(0),), run_check=False, shape=shape, stride=data.stride()
+        ),
+        requires_grad=full.requires_grad,
+    )
+    world_size = mesh.size()
+    dtype = gather_dtype or data.dtype
+    gathered = torch.empty(world_size * chunk.padded_numel, dtype=dtype, device=data.device)
+    view = gathered[: full.numel()].view(shape)
+    unsharded = nn.Parameter(view, requires_grad=full.requires_grad)
+    _free(gathered)
+    _setattr(module, attr, sharded)
+    return ShardedParameter(
+        module=module,
+        attr=attr,
+        chunks=chunks,
+        shard_rank=shard_rank,
+        padded=padded,
+        sharded=sharded,
+        gathered=gathered,
+        unsharded=unsharded,
+    )
+
+
+class UnitParameters:
+    """The parameters of one unit and the three moves on them: gather, free, reduce."""
+
+    def __init__(
+        self,
+        params: list[ShardedParameter],
+        *,
+        group: dist.ProcessGroup,
+        world_size: int,
+        policy: MixedPrecisionPolicy,
+    ) -> None:
+        self.params = params
+        self.group = group
+        self.world_size = world_size
+        self.policy = policy
+        self.is_gathered = False
+
+    def gather(self) -> None:
+        """All-gather every member (frozen ones too) in one collective and swap them in."""
+        if self.is_gathered or not self.params:
+            self.is_gathered = True
+            return
+        dtype = self.params[0].gathered.dtype
+        send = torch.cat([p.padded.to(dtype) for p in self.params])
+        recv = send.new_empty(self.world_size * send.numel())
+        all_gather_single(recv, send, group=self.group)
+        pieces = recv.view(self.world_size, -1).split(
+            [p.chunk.padded_numel for p in self.params], 1
+        )
+        for p, piece in zip(self.params, pieces, strict=True):
+            _alloc(p.gathered)
+            # Autograd saved the gathered tensors in an earlier forward; refilling them in
+            # place is the point, so the version counter must not change (as in FSDP2).
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(p.gathered):
+                p.gathered.view(self.world_size, -1).copy_(piece)
+            if p.unsharded.requires_grad != p.sharded.requires_grad:
+                p.unsharded.requires_grad_(p.sharded.requires_grad)
+            _setattr(p.module, p.attr, p.unsharded)
+        self.is_gathered = True
+
+    def free(self) -> None:
+        """Point the modules back at the shards and release the gathered storage."""
+        if not self.is_gathered:
+            return
+        for p in self.params:
+            _setattr(p.module, p.attr, p.sharded)
+            _free(p.gathered)
+        self.is_gathered = False
+
+    def reduce_gradients(self) -> None:
+        """Reduce-scatter the gathered gradients into each parameter's sharded ``.grad``.
+
+        The send buffer holds, for each rank in turn, every member's padded chunk of its
+        gradient back to back (FSDP2's ``chunk_cat`` layout, rows from the plan), so the
+        collective and its arithmetic are FSDP2's (``_divide.py``).
+        """
+        ready = [p for p in self.params if p.unsharded.grad is not None]
+        if not ready:
+            return
+        grads = [p.unsharded.grad for p in ready]
+        reduce_dtype = self.policy.reduce_dtype or grads[0].dtype
+        padded = [p.chunk.padded_numel for p in ready]
+        send = grads[0].new_zeros((self.world_size, sum(padded)), dtype=reduce_dtype)
+        for rank, row in enumerate(send):
+            for p, grad, piece in zip(ready, grads, row.split(padded), strict=True):
+                held = p.chunks[rank]
+                piece[: held.numel].copy_(grad[held.start : held.stop].reshape(-1))
+        for p in ready:
+            p.unsharded.grad = None
+        out = send.new_empty(sum(padded))
+        divide = gradient_divide(reduce_dtype, self.world_size)
+        if divide.pre not in (None, 1):
+            send.div_(divide.pre)
+        if self.world_size > 1:
+            reduce_scatter_single(out, send.view(-1), op=divide.op, group=self.group)
+        else:
+            out.copy_(send.view(-1))
+        if divide.post not in (None, 1):
+            out.div_(divide.post)
+        _store_gradients(ready, out)
+
+
+def _store_gradients(ready: list[ShardedParameter], out: torch.Tensor) -> None:
+    offset = 0
+    for p in ready:
+        local = out[offset : offset + p.chunk.numel].view(p.chunk.local_shape)
+        local = local.to(p.padded.dtype)
+        offset += p.chunk.padded_numel
+        grad = p.sharded.grad
+        if grad is not None:
+            grad._local_tensor += local  # accumulate, as FSDP2 does across steps
+        else:
+            p.sharded.grad = DTensor.from_local(
+                local,
+                p.sharded.device_mesh,
+                (Shard(0),),
+                run_check=False,
+                shape=p.sharded.shape,
+                stride=p.sharded.stride(),
+            )
