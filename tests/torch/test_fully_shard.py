@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from tests.torch.harness import run_checks, run_workers
 from tests.torch.test_param_shard_plan_fsdp import Net
@@ -105,12 +106,44 @@ def _check(rank: int, world_size: int) -> dict:
         return check
 
     checks = [
+        ("units gather, reduce and free in order", lambda: _lifecycle(rank)),
         ("reshard_after_forward=True", case(True)),
         ("reshard_after_forward=False", case(False)),
         ("accumulation over 4 micro-steps", case(True, micro=MICRO)),
         ("plan differs across ranks", lambda: _mismatch(rank)),
     ]
     return run_checks(checks)
+
+
+def _lifecycle(rank: int) -> None:
+    """Each unit reduce-scatters as soon as its own backward is done (the innermost last block
+    first, the root at the end), and nothing stays gathered after forward or backward."""
+    from gradsync_torch import fully_shard
+
+    model = _build(fully_shard, reshard=True)
+    units = [m._gradsync_shard_unit for m in model.modules() if hasattr(m, "_gradsync_shard_unit")]
+    order = []
+    for unit in units:
+        reduce = unit.params.reduce_gradients
+
+        def logged(unit=unit, reduce=reduce) -> None:
+            order.append((unit.prefix, [u.prefix for u in units if u.params.is_gathered]))
+            reduce()
+
+        unit.params.reduce_gradients = logged
+    loss = _loss(model, _batch(rank, 0))
+    gathered = [u.prefix for u in units if u.params.is_gathered]
+    assert gathered == [""], gathered  # only the root stays gathered for the backward
+    assert all(u.params.params[0].gathered.untyped_storage().size() == 0 for u in units[1:])
+    loss.backward()
+    assert order == [
+        ("layers.1", ["", "layers.1"]),
+        ("layers.0.fc", ["", "layers.0", "layers.0.fc"]),
+        ("layers.0", ["", "layers.0"]),
+        ("", [""]),
+    ], order
+    assert not any(u.params.is_gathered for u in units)
+    assert all(isinstance(p, nn.Parameter) and isinstance(p, DTensor) for p in model.parameters())
 
 
 def _mismatch(rank: int) -> None:
