@@ -182,7 +182,9 @@ def fully_shard(
         owner = module.get_submodule(path)
         params.append(shard_parameter(owner, attr, chunks, shard_rank, mesh, mp_policy.param_dtype))
     unit_params = UnitParameters(params, group=group, world_size=world_size, policy=mp_policy)
-    unit = ShardUnit(module, "", unit_params, reshard_after_forward)
+    unit = ShardUnit(
+        module, "", unit_params, reshard_after_forward=reshard_after_forward, policy=mp_policy
+    )
     step = Step([unit])
     for u in plan.units[1:]:
         child = inner[u.prefix]

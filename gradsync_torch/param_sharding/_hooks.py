@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from gradsync_torch.param_sharding._policy import MixedPrecisionPolicy, cast_floats
 from gradsync_torch.param_sharding._unit import UnitParameters
 
 IDLE, FORWARD, PRE_BACKWARD, POST_BACKWARD = "idle", "forward", "pre_backward", "post_backward"
@@ -50,9 +51,16 @@ class ShardUnit:
     """One ``fully_shard`` call at run time: its module, parameters, options and state."""
 
     def __init__(
-        self, module: nn.Module, prefix: str, params: UnitParameters, reshard_after_forward: bool
+        self,
+        module: nn.Module,
+        prefix: str,
+        params: UnitParameters,
+        *,
+        reshard_after_forward: bool,
+        policy: MixedPrecisionPolicy,
     ) -> None:
         self.module = module
+        self.policy = policy
         self.prefix = prefix  # the module path inside the model, "" for the root
         self.params = params
         self.reshard_after_forward = reshard_after_forward
@@ -70,9 +78,11 @@ class ShardUnit:
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         self.params.gather()
         self.state = FORWARD
-        if not torch.is_grad_enabled():
-            return args, kwargs
         leaves, spec = tree_flatten((args, kwargs))
+        if self.policy.cast_forward_inputs and self.policy.param_dtype is not None:
+            leaves = [cast_floats(x, self.policy.param_dtype) for x in leaves]
+        if not torch.is_grad_enabled():
+            return tree_unflatten(leaves, spec)
         needs = [i for i, x in enumerate(leaves) if torch.is_tensor(x) and x.requires_grad]
         if needs:
             wrapped = _PostBackward.apply(self, *(leaves[i] for i in needs))
@@ -91,7 +101,10 @@ class ShardUnit:
             for tensor in leaves:
                 if torch.is_tensor(tensor) and tensor.requires_grad:
                     tensor.register_hook(self.pre_backward)
-        return output
+        if self.policy.output_dtype is None:
+            return output
+        leaves, spec = tree_flatten(output)
+        return tree_unflatten([cast_floats(x, self.policy.output_dtype) for x in leaves], spec)
 
     def pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
         if self.state == FORWARD:  # the first of the outputs' hooks does the work
@@ -106,6 +119,8 @@ class ShardUnit:
         self.state = POST_BACKWARD
         if self.requires_gradient_sync:
             self.params.reduce_gradients()
+        else:
+            self.params.keep_gradients()
         self.params.free()
 
 

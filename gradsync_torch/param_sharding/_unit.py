@@ -36,6 +36,7 @@ class ShardedParameter:
     sharded: nn.Parameter  # DTensor(Shard(0)) viewing padded's first chunk.numel elements
     gathered: torch.Tensor  # flat, world_size * chunk.padded_numel, storage freed at rest
     unsharded: nn.Parameter  # gathered viewed in the parameter's shape
+    accumulated: torch.Tensor | None = None  # unsynced gradients kept in the reduce dtype
 
     @property
     def chunk(self) -> ParamChunk:
@@ -84,7 +85,8 @@ def shard_parameter(
         requires_grad=full.requires_grad,
     )
     world_size = mesh.size()
-    dtype = gather_dtype or data.dtype
+    # Mixed precision applies to floating parameters only, as in FSDP2's init_dtype_attrs.
+    dtype = gather_dtype if gather_dtype and data.is_floating_point() else data.dtype
     gathered = torch.empty(world_size * chunk.padded_numel, dtype=dtype, device=data.device)
     view = gathered[: full.numel()].view(shape)
     unsharded = nn.Parameter(view, requires_grad=full.requires_grad)
@@ -116,7 +118,9 @@ class UnitParameters:
         self.params = params
         self.group = group
         self.world_size = world_size
-        self.policy = policy
+        # FSDP2 drops a reduce dtype equal to the compute dtype: nothing to cast.
+        same = policy.reduce_dtype == policy.param_dtype
+        self.reduce_dtype = None if same else policy.reduce_dtype
         self.is_gathered = False
 
     def gather(self) -> None:
@@ -158,11 +162,14 @@ class UnitParameters:
         gradient back to back (FSDP2's ``chunk_cat`` layout, rows from the plan), so the
         collective and its arithmetic are FSDP2's (``_divide.py``).
         """
-        ready = [p for p in self.params if p.unsharded.grad is not None]
+        self._fold_accumulated()
+        ready = [
+            p for p in self.params if p.accumulated is not None or p.unsharded.grad is not None
+        ]
         if not ready:
             return
-        grads = [p.unsharded.grad for p in ready]
-        reduce_dtype = self.policy.reduce_dtype or grads[0].dtype
+        grads = [p.unsharded.grad if p.accumulated is None else p.accumulated for p in ready]
+        reduce_dtype = self.reduce_dtype or grads[0].dtype
         padded = [p.chunk.padded_numel for p in ready]
         send = grads[0].new_zeros((self.world_size, sum(padded)), dtype=reduce_dtype)
         for rank, row in enumerate(send):
@@ -170,7 +177,7 @@ class UnitParameters:
                 held = p.chunks[rank]
                 piece[: held.numel].copy_(grad[held.start : held.stop].reshape(-1))
         for p in ready:
-            p.unsharded.grad = None
+            p.unsharded.grad = p.accumulated = None
         out = send.new_empty(sum(padded))
         divide = gradient_divide(reduce_dtype, self.world_size)
         if divide.pre not in (None, 1):
@@ -182,6 +189,27 @@ class UnitParameters:
         if divide.post not in (None, 1):
             out.div_(divide.post)
         _store_gradients(ready, out)
+
+    def keep_gradients(self) -> None:
+        """Gradient sync is off: leave the gradients unsharded for the next backward to add
+        to, in the reduce dtype when one is set (FSDP2's ``to_accumulated_grad_if_needed``)."""
+        self._fold_accumulated()
+        for p in self.params:
+            grad = p.unsharded.grad
+            if (
+                self.reduce_dtype is not None
+                and grad is not None
+                and grad.dtype != self.reduce_dtype
+            ):
+                p.unsharded.grad = None
+                p.accumulated = grad.to(self.reduce_dtype)
+
+    def _fold_accumulated(self) -> None:
+        # FSDP2's accumulate_unsharded_grad_if_needed: this backward's gradient joins the sum.
+        for p in self.params:
+            if p.accumulated is not None and p.unsharded.grad is not None:
+                p.accumulated += p.unsharded.grad
+                p.unsharded.grad = None
 
 
 def _store_gradients(ready: list[ShardedParameter], out: torch.Tensor) -> None:

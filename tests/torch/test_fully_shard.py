@@ -16,13 +16,14 @@ STEPS = 5
 MICRO = 4  # micro-steps of the accumulation case
 
 
-def _build(shard, *, reshard: bool) -> nn.Module:
+def _build(shard, *, reshard: bool, policy=None) -> nn.Module:
     torch.manual_seed(0)
     model = Net()
     modules = dict(model.named_modules())
+    options = {} if policy is None else {"mp_policy": policy}
     for prefix in UNITS:  # bottom-up: inner blocks first
-        shard(modules[prefix], reshard_after_forward=reshard)
-    shard(model, reshard_after_forward=reshard)
+        shard(modules[prefix], reshard_after_forward=reshard, **options)
+    shard(model, reshard_after_forward=reshard, **options)
     return model
 
 
@@ -84,19 +85,23 @@ def _reference(rank: int, world_size: int, micro: int) -> nn.Module:
 
 
 def _check(rank: int, world_size: int) -> dict:
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TheirPolicy
     from torch.distributed.fsdp import fully_shard as fsdp2
 
-    from gradsync_torch import fully_shard
+    from gradsync_torch import MixedPrecisionPolicy, fully_shard
 
-    def case(reshard: bool, micro: int = 1):
+    def case(reshard: bool, micro: int = 1, bf16: bool = False):
         def check() -> None:
-            theirs = _build(fsdp2, reshard=reshard)
-            ours = _build(fully_shard, reshard=reshard)
+            dtypes = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32} if bf16 else {}
+            theirs = _build(fsdp2, reshard=reshard, policy=TheirPolicy(**dtypes) if bf16 else None)
+            ours = _build(fully_shard, reshard=reshard, policy=MixedPrecisionPolicy(**dtypes))
             opt_t, norms_t = _train(theirs, rank, micro=micro)
             opt_o, norms_o = _train(ours, rank, micro=micro)
             _bitwise(_locals(theirs, opt_t), _locals(ours, opt_o))
             for a, b in zip(norms_t, norms_o, strict=True):  # clip_grad_norm_'s global norm
                 assert torch.equal(a, b), (a, b)
+            if bf16:
+                return  # bfloat16 compute is not the float32 single-process run
             # Tolerance: the sums' order differs from one process's (a few float32 ulps after
             # 5 Adam steps of lr 0.01); 1e-5 is far below one step's change.
             single = dict(_reference(rank, world_size, micro).named_parameters())
@@ -110,6 +115,7 @@ def _check(rank: int, world_size: int) -> dict:
         ("reshard_after_forward=True", case(True)),
         ("reshard_after_forward=False", case(False)),
         ("accumulation over 4 micro-steps", case(True, micro=MICRO)),
+        ("bf16 parameters, fp32 reduction, 2 micro-steps", case(True, micro=2, bf16=True)),
         ("plan differs across ranks", lambda: _mismatch(rank)),
     ]
     return run_checks(checks)
