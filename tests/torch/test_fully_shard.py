@@ -98,6 +98,13 @@ def _check(rank: int, world_size: int) -> dict:
             opt_t, norms_t = _train(theirs, rank, micro=micro)
             opt_o, norms_o = _train(ours, rank, micro=micro)
             _bitwise(_locals(theirs, opt_t), _locals(ours, opt_o))
+            # The sharded state_dict is FSDP2's too: the same names, DTensors, local pieces.
+            mine, fsdp = ours.state_dict(), theirs.state_dict()
+            _bitwise(
+                {k: v.to_local() for k, v in fsdp.items()},
+                {k: v.to_local() for k, v in mine.items()},
+            )
+            assert all(mine[k].placements == fsdp[k].placements for k in fsdp)
             for a, b in zip(norms_t, norms_o, strict=True):  # clip_grad_norm_'s global norm
                 assert torch.equal(a, b), (a, b)
             if bf16:
