@@ -7,6 +7,7 @@ thing, and cuts the call's own parameters exactly where the plan's chunks say.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch.distributed as dist
@@ -102,14 +103,42 @@ def _check_module(module: nn.Module) -> None:
         raise TypeError(f"fully_shard takes an nn.Module, got {type(module).__name__}")
     if getattr(module, _UNIT, None) is not None:
         raise ValueError(f"fully_shard was already applied to this {type(module).__name__}")
-    names = [n for n, _ in module.named_parameters(remove_duplicate=False)]
-    distinct = dict(module.named_parameters())
-    if len(names) != len(distinct):
-        tied = sorted(set(names) - set(distinct))
-        raise NotImplementedError(
-            f"fully_shard does not support tied (shared) parameters yet ({tied[:3]} share a "
-            "tensor with another name); untie them or use torch.distributed.fsdp.fully_shard"
+
+
+def _places(
+    module: nn.Module, names: tuple[str, ...], inner: dict[str, ShardUnit]
+) -> dict[str, tuple[tuple[nn.Module, str], ...]]:
+    """Every (module, attribute) holding each parameter in ``names``: one, or more if tied.
+
+    Raises:
+        NotImplementedError: a tied weight whose users are in different units.
+    """
+    by_id: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(param), []).append(name)
+    out = {}
+    for name in names:
+        param = module.get_parameter(name)
+        for prefix, unit in inner.items():
+            ref = unit.originals.get(id(param))
+            if ref is not None and ref() is param:
+                raise NotImplementedError(
+                    f"parameter {name!r} is tied to a parameter that fully_shard({prefix!r}) "
+                    "already sharded; wrap both users of a tied weight in one unit (shard the "
+                    "common parent only)"
+                )
+        aliases = by_id[id(param)]
+        for alias in aliases:
+            unit_of = next((p for p in inner if alias.startswith(p + ".")), None)
+            if unit_of is not None:
+                raise NotImplementedError(
+                    f"parameter {name!r} is tied to {alias!r} inside unit {unit_of!r}; wrap "
+                    "both users of a tied weight in one unit"
+                )
+        out[name] = tuple(
+            (module.get_submodule(a.rpartition(".")[0]), a.rpartition(".")[2]) for a in aliases
         )
+    return out
 
 
 def _sharded_class(cls: type) -> type:
@@ -176,11 +205,13 @@ def fully_shard(
     plan = plan_param_shards(param_specs(module), world_size=world_size, units=list(inner))
     agree_on(plan.to_json(), group, describe=_describe(type(module).__name__))
     params = []
+    places = _places(module, plan.units[0].params, inner)
+    originals = [module.get_parameter(name) for name in plan.units[0].params]
     for name in plan.units[0].params:  # the root unit: what no inner call manages
-        path, _, attr = name.rpartition(".")
         chunks = tuple(plan.chunk(name, r) for r in range(world_size))
-        owner = module.get_submodule(path)
-        params.append(shard_parameter(owner, attr, chunks, shard_rank, mesh, mp_policy.param_dtype))
+        params.append(
+            shard_parameter(places[name], chunks, shard_rank, mesh, mp_policy.param_dtype)
+        )
     unit_params = UnitParameters(params, group=group, world_size=world_size, policy=mp_policy)
     unit = ShardUnit(
         module, "", unit_params, reshard_after_forward=reshard_after_forward, policy=mp_policy
@@ -191,6 +222,7 @@ def fully_shard(
         child.prefix, child.is_root, child.step = u.prefix, False, step
         step.units.append(child)
     unit.step = step
+    unit.originals = {id(p): weakref.ref(p) for p in originals}
     module.__class__ = _sharded_class(type(module))
     object.__setattr__(module, _UNIT, unit)
     object.__setattr__(module, "_gradsync_shard_plan", plan)

@@ -66,6 +66,9 @@ class ShardUnit:
         self.reshard_after_forward = reshard_after_forward
         self.requires_gradient_sync = True
         self.is_root = True  # until an outer fully_shard claims it
+        # id -> weakref of the parameters this call replaced: an outer call refuses a weight
+        # tied to one of them (its users would be in two units).
+        self.originals: dict[int, Any] = {}
         self.state = IDLE
         self.step = Step([self])
         self.handles = [

@@ -28,8 +28,7 @@ class ShardedParameter:
     """One parameter's three forms: padded local storage, the DTensor the optimizer sees, and
     the gathered tensor forward and backward use."""
 
-    module: nn.Module  # the module that registers it
-    attr: str  # its name there
+    places: tuple[tuple[nn.Module, str], ...]  # (module, attribute) holding it; 2+ if tied
     chunks: tuple[ParamChunk, ...]  # every shard rank's rows, from the plan
     shard_rank: int
     padded: torch.Tensor  # flat, chunk.padded_numel elements, zero past the held rows
@@ -61,16 +60,22 @@ def _alloc(tensor: torch.Tensor) -> None:
         tensor.untyped_storage().resize_(nbytes)
 
 
+def _swap(places: tuple[tuple[nn.Module, str], ...], param: nn.Parameter) -> None:
+    for module, attr in places:
+        _setattr(module, attr, param)
+
+
 def shard_parameter(
-    module: nn.Module,
-    attr: str,
+    places: tuple[tuple[nn.Module, str], ...],
     chunks: tuple[ParamChunk, ...],
     shard_rank: int,
     mesh: DeviceMesh,
     gather_dtype: torch.dtype | None,
 ) -> ShardedParameter:
-    """Replace ``module.attr`` by this rank's rows (``chunks[shard_rank]``) as a ``DTensor``."""
+    """Replace the parameter at ``places`` by this rank's rows (``chunks[shard_rank]``) as a
+    ``DTensor``; a tied parameter is held at several places and swapped at all of them."""
     chunk = chunks[shard_rank]
+    module, attr = places[0]
     full = module._parameters[attr]
     assert full is not None
     data = full.detach()
@@ -91,10 +96,9 @@ def shard_parameter(
     view = gathered[: full.numel()].view(shape)
     unsharded = nn.Parameter(view, requires_grad=full.requires_grad)
     _free(gathered)
-    _setattr(module, attr, sharded)
+    _swap(places, sharded)
     return ShardedParameter(
-        module=module,
-        attr=attr,
+        places=places,
         chunks=chunks,
         shard_rank=shard_rank,
         padded=padded,
@@ -143,7 +147,7 @@ class UnitParameters:
                 p.gathered.view(self.world_size, -1).copy_(piece)
             if p.unsharded.requires_grad != p.sharded.requires_grad:
                 p.unsharded.requires_grad_(p.sharded.requires_grad)
-            _setattr(p.module, p.attr, p.unsharded)
+            _swap(p.places, p.unsharded)
         self.is_gathered = True
 
     def free(self) -> None:
@@ -151,7 +155,7 @@ class UnitParameters:
         if not self.is_gathered:
             return
         for p in self.params:
-            _setattr(p.module, p.attr, p.sharded)
+            _swap(p.places, p.sharded)
             _free(p.gathered)
         self.is_gathered = False
 

@@ -16,9 +16,18 @@ STEPS = 5
 MICRO = 4  # micro-steps of the accumulation case
 
 
-def _build(shard, *, reshard: bool, policy=None) -> nn.Module:
+class TiedNet(Net):
+    """Net with its head tied to the embedding (GPT-2's tie): both users in the root unit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(5, 11, bias=False)
+        self.head.weight = self.embed.weight
+
+
+def _build(shard, *, reshard: bool, policy=None, tied: bool = False) -> nn.Module:
     torch.manual_seed(0)
-    model = Net()
+    model = TiedNet() if tied else Net()
     modules = dict(model.named_modules())
     options = {} if policy is None else {"mp_policy": policy}
     for prefix in UNITS:  # bottom-up: inner blocks first
@@ -69,10 +78,10 @@ def _bitwise(a: dict, b: dict) -> None:
         assert torch.equal(a[key], b[key]), (key, (a[key] - b[key]).abs().max())
 
 
-def _reference(rank: int, world_size: int, micro: int) -> nn.Module:
+def _reference(rank: int, world_size: int, micro: int, tied: bool) -> nn.Module:
     """One process, no sharding: the mean over ranks (and micro-steps' sum) of the losses."""
     torch.manual_seed(0)
-    model = Net()
+    model = TiedNet() if tied else Net()
     opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
     for step in range(STEPS):
         for m in range(micro):
@@ -90,11 +99,14 @@ def _check(rank: int, world_size: int) -> dict:
 
     from gradsync_torch import MixedPrecisionPolicy, fully_shard
 
-    def case(reshard: bool, micro: int = 1, bf16: bool = False):
+    def case(reshard: bool, micro: int = 1, bf16: bool = False, tied: bool = False):
         def check() -> None:
             dtypes = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32} if bf16 else {}
-            theirs = _build(fsdp2, reshard=reshard, policy=TheirPolicy(**dtypes) if bf16 else None)
-            ours = _build(fully_shard, reshard=reshard, policy=MixedPrecisionPolicy(**dtypes))
+            their_policy = TheirPolicy(**dtypes) if bf16 else None
+            theirs = _build(fsdp2, reshard=reshard, policy=their_policy, tied=tied)
+            ours = _build(
+                fully_shard, reshard=reshard, policy=MixedPrecisionPolicy(**dtypes), tied=tied
+            )
             opt_t, norms_t = _train(theirs, rank, micro=micro)
             opt_o, norms_o = _train(ours, rank, micro=micro)
             _bitwise(_locals(theirs, opt_t), _locals(ours, opt_o))
@@ -111,7 +123,7 @@ def _check(rank: int, world_size: int) -> dict:
                 return  # bfloat16 compute is not the float32 single-process run
             # Tolerance: the sums' order differs from one process's (a few float32 ulps after
             # 5 Adam steps of lr 0.01); 1e-5 is far below one step's change.
-            single = dict(_reference(rank, world_size, micro).named_parameters())
+            single = dict(_reference(rank, world_size, micro, tied).named_parameters())
             for name, p in ours.named_parameters():
                 torch.testing.assert_close(p.full_tensor(), single[name], rtol=1e-5, atol=1e-5)
 
@@ -123,6 +135,8 @@ def _check(rank: int, world_size: int) -> dict:
         ("reshard_after_forward=False", case(False)),
         ("accumulation over 4 micro-steps", case(True, micro=MICRO)),
         ("bf16 parameters, fp32 reduction, 2 micro-steps", case(True, micro=2, bf16=True)),
+        ("a head tied to the embedding", case(True, tied=True)),
+        ("a weight tied across units is refused", _tied_across_units),
         ("plan differs across ranks", lambda: _mismatch(rank)),
     ]
     return run_checks(checks)
@@ -157,6 +171,18 @@ def _lifecycle(rank: int) -> None:
     ], order
     assert not any(u.params.is_gathered for u in units)
     assert all(isinstance(p, nn.Parameter) and isinstance(p, DTensor) for p in model.parameters())
+
+
+def _tied_across_units() -> None:
+    from gradsync_torch import fully_shard
+
+    model = TiedNet()
+    inner = nn.Linear(5, 11, bias=False)
+    inner.weight = model.embed.weight
+    model.layers[1].tied = inner  # the embedding's weight is used inside block layers.1 too
+    fully_shard(model.layers[1])
+    with pytest.raises(NotImplementedError, match="wrap both users of a tied weight in one unit"):
+        fully_shard(model)
 
 
 def _mismatch(rank: int) -> None:
