@@ -172,17 +172,10 @@ class UnitParameters:
         ]
         if not ready:
             return
-        grads = [p.unsharded.grad if p.accumulated is None else p.accumulated for p in ready]
-        reduce_dtype = self.reduce_dtype or grads[0].dtype
-        padded = [p.chunk.padded_numel for p in ready]
-        send = grads[0].new_zeros((self.world_size, sum(padded)), dtype=reduce_dtype)
-        for rank, row in enumerate(send):
-            for p, grad, piece in zip(ready, grads, row.split(padded), strict=True):
-                held = p.chunks[rank]
-                piece[: held.numel].copy_(grad[held.start : held.stop].reshape(-1))
-        for p in ready:
-            p.unsharded.grad = p.accumulated = None
-        out = send.new_empty(sum(padded))
+        reduce_dtype = self.reduce_dtype or _gradient(ready[0]).dtype
+        send = _send_buffer(ready, self.world_size, reduce_dtype)
+        padded = send.shape[1]
+        out = send.new_empty(padded)
         divide = gradient_divide(reduce_dtype, self.world_size)
         if divide.pre not in (None, 1):
             send.div_(divide.pre)
@@ -190,6 +183,7 @@ class UnitParameters:
             reduce_scatter_single(out, send.view(-1), op=divide.op, group=self.group)
         else:
             out.copy_(send.view(-1))
+        del send  # before the gradients' views are made: the peak is one unit's, not two
         if divide.post not in (None, 1):
             out.div_(divide.post)
         _store_gradients(ready, out)
@@ -214,6 +208,28 @@ class UnitParameters:
             if p.accumulated is not None and p.unsharded.grad is not None:
                 p.accumulated += p.unsharded.grad
                 p.unsharded.grad = None
+
+
+def _gradient(p: ShardedParameter) -> torch.Tensor:
+    grad = p.unsharded.grad if p.accumulated is None else p.accumulated
+    assert grad is not None
+    return grad
+
+
+def _send_buffer(
+    ready: list[ShardedParameter], world_size: int, reduce_dtype: torch.dtype
+) -> torch.Tensor:
+    """The reduce-scatter input: for each rank, every member's padded chunk of its gradient
+    back to back (rows from the plan). The unsharded gradients are dropped once copied, before
+    the collective allocates its output, as FSDP2 drops them after its copy-in."""
+    padded = [p.chunk.padded_numel for p in ready]
+    send = _gradient(ready[0]).new_zeros((world_size, sum(padded)), dtype=reduce_dtype)
+    for p, pieces in zip(ready, send.split(padded, dim=1), strict=True):
+        grad = _gradient(p)
+        for held, piece in zip(p.chunks, pieces, strict=True):
+            piece[: held.numel].copy_(grad[held.start : held.stop].reshape(-1))
+        p.unsharded.grad = p.accumulated = None
+    return send
 
 
 def _store_gradients(ready: list[ShardedParameter], out: torch.Tensor) -> None:
