@@ -32,6 +32,7 @@ class Step:
     def __init__(self, units: list[ShardUnit]) -> None:
         self.units = units
         self.callback_queued = False
+        self.in_flight: ShardUnit | None = None
 
     def queue_callback(self) -> None:
         if not self.callback_queued:
@@ -42,9 +43,20 @@ class Step:
         for unit in self.units:
             if unit.state in (FORWARD, PRE_BACKWARD):
                 unit.post_backward()
+        for unit in self.units:  # the optimizer comes next: every gradient must be in place
+            unit.params.finish_reduce()
             unit.params.free()
             unit.state = IDLE
         self.callback_queued = False
+        self.in_flight = None
+
+    def start_reduce(self, unit: ShardUnit) -> None:
+        """Finish the reduce-scatter in flight, start ``unit``'s: at most one unit's send
+        buffer waits at a time, as in FSDP2, while its collective overlaps the backward."""
+        if self.in_flight is not None:
+            self.in_flight.params.finish_reduce()
+        unit.params.reduce_gradients()
+        self.in_flight = unit
 
 
 class ShardUnit:
@@ -121,7 +133,7 @@ class ShardUnit:
             return
         self.state = POST_BACKWARD
         if self.requires_gradient_sync:
-            self.params.reduce_gradients()
+            self.step.start_reduce(self)
         else:
             self.params.keep_gradients()
         self.params.free()

@@ -83,18 +83,17 @@ def shard_parameter(
     padded[: chunk.numel].copy_(data[chunk.start : chunk.stop].reshape(-1))
     local = padded[: chunk.numel].view(chunk.local_shape)
     shape = torch.Size(chunk.shape)
-    sharded = nn.Parameter(
+    # Mixed precision applies to floating parameters only, as in FSDP2's init_dtype_attrs.
+    dtype = gather_dtype if gather_dtype and data.is_floating_point() else data.dtype
+    gathered = torch.empty(mesh.size() * chunk.padded_numel, dtype=dtype, device=data.device)
+    view = gathered[: full.numel()].view(shape)
+    unsharded = nn.Parameter(view, requires_grad=full.requires_grad)
+    sharded = nn.Parameter(  # the global shape with contiguous strides, as FSDP2's
         DTensor.from_local(
-            local, mesh, (Shard(0),), run_check=False, shape=shape, stride=data.stride()
+            local, mesh, (Shard(0),), run_check=False, shape=shape, stride=view.stride()
         ),
         requires_grad=full.requires_grad,
     )
-    world_size = mesh.size()
-    # Mixed precision applies to floating parameters only, as in FSDP2's init_dtype_attrs.
-    dtype = gather_dtype if gather_dtype and data.is_floating_point() else data.dtype
-    gathered = torch.empty(world_size * chunk.padded_numel, dtype=dtype, device=data.device)
-    view = gathered[: full.numel()].view(shape)
-    unsharded = nn.Parameter(view, requires_grad=full.requires_grad)
     _free(gathered)
     _swap(places, sharded)
     return ShardedParameter(
@@ -126,6 +125,7 @@ class UnitParameters:
         same = policy.reduce_dtype == policy.param_dtype
         self.reduce_dtype = None if same else policy.reduce_dtype
         self.is_gathered = False
+        self._pending: tuple | None = None  # a reduce-scatter in flight
 
     def gather(self) -> None:
         """All-gather every member (frozen ones too) in one collective and swap them in."""
@@ -160,12 +160,14 @@ class UnitParameters:
         self.is_gathered = False
 
     def reduce_gradients(self) -> None:
-        """Reduce-scatter the gathered gradients into each parameter's sharded ``.grad``.
+        """Start reduce-scattering the gathered gradients into the sharded ``.grad``s.
 
-        The send buffer holds, for each rank in turn, every member's padded chunk of its
-        gradient back to back (FSDP2's ``chunk_cat`` layout, rows from the plan), so the
-        collective and its arithmetic are FSDP2's (``_divide.py``).
+        The collective runs in the background (gloo's threads, NCCL's stream) while autograd
+        goes on with the units before this one; ``finish_reduce`` waits for it and hands the
+        gradients over. The send buffer is FSDP2's layout (``_send_buffer``), and the
+        collective and its arithmetic are FSDP2's (``_divide.py``), so the sums are its bytes.
         """
+        self.finish_reduce()
         self._fold_accumulated()
         ready = [
             p for p in self.params if p.accumulated is not None or p.unsharded.grad is not None
@@ -174,18 +176,30 @@ class UnitParameters:
             return
         reduce_dtype = self.reduce_dtype or _gradient(ready[0]).dtype
         send = _send_buffer(ready, self.world_size, reduce_dtype)
-        padded = send.shape[1]
-        out = send.new_empty(padded)
+        out = send.new_empty(send.shape[1])
         divide = gradient_divide(reduce_dtype, self.world_size)
         if divide.pre not in (None, 1):
             send.div_(divide.pre)
+        work = None
         if self.world_size > 1:
-            reduce_scatter_single(out, send.view(-1), op=divide.op, group=self.group)
+            work = reduce_scatter_single(
+                out, send.view(-1), op=divide.op, group=self.group, async_op=True
+            )
         else:
             out.copy_(send.view(-1))
+        self._pending = (work, send, out, ready, divide.post)
+
+    def finish_reduce(self) -> None:
+        """Wait for the reduce-scatter ``reduce_gradients`` started; store the gradients."""
+        if self._pending is None:
+            return
+        work, send, out, ready, post = self._pending
+        self._pending = None
+        if work is not None:
+            work.wait()
         del send  # before the gradients' views are made: the peak is one unit's, not two
-        if divide.post not in (None, 1):
-            out.div_(divide.post)
+        if post not in (None, 1):
+            out.div_(post)
         _store_gradients(ready, out)
 
     def keep_gradients(self) -> None:
