@@ -137,6 +137,7 @@ def _check(rank: int, world_size: int) -> dict:
         ("bf16 parameters, fp32 reduction, 2 micro-steps", case(True, micro=2, bf16=True)),
         ("a head tied to the embedding", case(True, tied=True)),
         ("a weight tied across units is refused", _tied_across_units),
+        ("process_group= and mesh= shard alike; a 2-D mesh is refused", lambda: _groups(rank)),
         ("plan differs across ranks", lambda: _mismatch(rank)),
     ]
     return run_checks(checks)
@@ -171,6 +172,26 @@ def _lifecycle(rank: int) -> None:
     ], order
     assert not any(u.params.is_gathered for u in units)
     assert all(isinstance(p, nn.Parameter) and isinstance(p, DTensor) for p in model.parameters())
+
+
+def _groups(rank: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from gradsync_torch import fully_shard
+
+    def by_group(module, **options):
+        return fully_shard(module, process_group=dist.group.WORLD, **options)
+
+    world = init_device_mesh("cpu", (dist.get_world_size(),))
+
+    def by_mesh(module, **options):
+        return fully_shard(module, mesh=world, **options)
+
+    a, b = _build(by_group, reshard=True), _build(by_mesh, reshard=True)
+    _bitwise(_locals(a, _train(a, rank)[0]), _locals(b, _train(b, rank)[0]))
+    flat = init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("r", "s"))
+    with pytest.raises(NotImplementedError, match="HSDP"):
+        fully_shard(nn.Linear(2, 2), mesh=flat)
 
 
 def _tied_across_units() -> None:
