@@ -24,6 +24,7 @@ from gradsync_torch.model_parallel.mappings import (
     reduce_scatter_to,
     scatter_to,
 )
+from gradsync_torch.param_sharding import MixedPrecisionPolicy, ShardedModule, fully_shard
 from gradsync_torch.sampler import ResumableSampler
 from gradsync_torch.shared_reductions import (
     SharedReducer,
@@ -38,10 +39,12 @@ __all__: list[str] = [
     "ExpertMLPs",
     "GradBucket",
     "Group",
+    "MixedPrecisionPolicy",
     "MoE",
     "ProcessGroups",
     "ResumableSampler",
     "RowParallelLinear",
+    "ShardedModule",
     "SharedReducer",
     "ZeroRedundancyOptimizer",
     "all_gather_from",
@@ -51,6 +54,7 @@ __all__: list[str] = [
     "copy_to",
     "dtype_name",
     "fp16_compress_hook",
+    "fully_shard",
     "gather_from",
     "load_model_weights",
     "load_optimizer_state_dict",

@@ -1,0 +1,11 @@
+"""Parameter sharding (ZeRO-3) for torch: FSDP2's ``fully_shard`` API over a gradsync plan.
+
+Switching from FSDP2 is a change of import (docs/torch-zero3.md):
+``from gradsync_torch import fully_shard, MixedPrecisionPolicy``.
+"""
+
+from gradsync_torch.param_sharding._api import ShardedModule, fully_shard
+from gradsync_torch.param_sharding._divide import gradient_divide
+from gradsync_torch.param_sharding._policy import MixedPrecisionPolicy
+
+__all__ = ["MixedPrecisionPolicy", "ShardedModule", "fully_shard", "gradient_divide"]

@@ -1,0 +1,229 @@
+"""``fully_shard``: FSDP2's entry point over a gradsync parameter-shard plan (docs/torch-zero3.md).
+
+Each call plans the module it is given with ``gradsync_core.plan_param_shards`` (the blocks
+already sharded inside it are the plan's inner units), checks that every rank planned the same
+thing, and cuts the call's own parameters exactly where the plan's chunks say.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from gradsync_core import ParamShardPlan, plan_param_shards
+from gradsync_torch._specs import param_specs
+from gradsync_torch.agreement import Disagreement, agree_on
+from gradsync_torch.param_sharding._hooks import ShardUnit, Step
+from gradsync_torch.param_sharding._policy import MixedPrecisionPolicy
+from gradsync_torch.param_sharding._unit import UnitParameters, shard_parameter
+
+_UNIT = "_gradsync_shard_unit"  # the attribute a sharded module keeps its ShardUnit in
+
+
+class ShardedModule:
+    """Mixed into a module's class by ``fully_shard``, like FSDP2's ``FSDPModule``."""
+
+    def _units(self, recurse: bool) -> list[ShardUnit]:
+        modules = self.modules() if recurse else [self]  # type: ignore[attr-defined]
+        return [unit for m in modules if (unit := getattr(m, _UNIT, None)) is not None]
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True):
+        """Turn the reduce-scatter after backward off (micro-steps of gradient accumulation:
+        gradients then accumulate unsharded) or back on, for this unit and, with ``recurse``,
+        every unit inside it. FSDP2's method of the same name."""
+        for unit in self._units(recurse):
+            unit.requires_gradient_sync = requires_gradient_sync
+
+    def unshard(self) -> None:
+        """Gather this module's unit now (it stays gathered until ``reshard``)."""
+        getattr(self, _UNIT).params.gather()
+
+    def reshard(self) -> None:
+        """Free this module's gathered parameters, back to the shards."""
+        getattr(self, _UNIT).params.free()
+
+    @property
+    def shard_plan(self) -> ParamShardPlan:
+        """The plan this call was cut from (module paths relative to this module)."""
+        return self._gradsync_shard_plan  # type: ignore[attr-defined]
+
+
+def _mesh(mesh: DeviceMesh | None, process_group: Any, device_type: str) -> DeviceMesh:
+    if mesh is not None and process_group is not None:
+        raise ValueError("pass mesh or process_group to fully_shard, not both")
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "fully_shard needs torch.distributed: call "
+            "torch.distributed.init_process_group('gloo' or 'nccl') first"
+        )
+    if mesh is None:
+        if process_group is None:
+            return init_device_mesh(device_type, (dist.get_world_size(),))
+        return DeviceMesh.from_group(process_group, device_type)
+    if not isinstance(mesh, DeviceMesh) or mesh.ndim != 1:
+        raise NotImplementedError(
+            f"fully_shard takes a 1-D DeviceMesh; got {mesh!r}. Hybrid sharding (HSDP, a 2-D "
+            "mesh) is not supported yet: use torch.distributed.fsdp.fully_shard for it"
+        )
+    return mesh
+
+
+def _describe(where: str) -> Any:
+    def describe(d: Disagreement) -> str:
+        base, other = d.base["params"], d.other["params"]
+        detail = f"rank {d.base_rank} has {len(base)} parameters, rank {d.other_rank} {len(other)}"
+        for mine, theirs in zip(base, other, strict=False):  # lengths may differ
+            if mine != theirs:
+                unit = d.base["units"][mine["unit"]]["prefix"] or "<root>"
+                diff = {k: (mine[k], theirs.get(k)) for k in mine if mine[k] != theirs.get(k)}
+                detail = f"parameter {mine['name']!r} (unit {unit!r}) differs: " + ", ".join(
+                    f"{k} {a!r} on rank {d.base_rank} vs {b!r} on rank {d.other_rank}"
+                    for k, (a, b) in diff.items()
+                )
+                break
+        else:
+            if d.base.get("units") != d.other.get("units"):
+                detail = "the units differ (different fully_shard calls)"
+        return (
+            f"fully_shard({where}): the parameter-shard plan differs across ranks "
+            f"(ranks {d.agreeing} agree with rank {d.base_rank}, ranks {d.differing} do not): "
+            f"{detail}; build the same model and call fully_shard on the same modules on "
+            "every rank"
+        )
+
+    return describe
+
+
+def _check_module(module: nn.Module) -> None:
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"fully_shard takes an nn.Module, got {type(module).__name__}")
+    if getattr(module, _UNIT, None) is not None:
+        raise ValueError(f"fully_shard was already applied to this {type(module).__name__}")
+
+
+def _places(
+    module: nn.Module, names: tuple[str, ...], inner: dict[str, ShardUnit]
+) -> dict[str, tuple[tuple[nn.Module, str], ...]]:
+    """Every (module, attribute) holding each parameter in ``names``: one, or more if tied.
+
+    Raises:
+        NotImplementedError: a tied weight whose users are in different units.
+    """
+    by_id: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(param), []).append(name)
+    out = {}
+    for name in names:
+        param = module.get_parameter(name)
+        for prefix, unit in inner.items():
+            ref = unit.originals.get(id(param))
+            if ref is not None and ref() is param:
+                raise NotImplementedError(
+                    f"parameter {name!r} is tied to a parameter that fully_shard({prefix!r}) "
+                    "already sharded; wrap both users of a tied weight in one unit (shard the "
+                    "common parent only)"
+                )
+        aliases = by_id[id(param)]
+        for alias in aliases:
+            unit_of = next((p for p in inner if alias.startswith(p + ".")), None)
+            if unit_of is not None:
+                raise NotImplementedError(
+                    f"parameter {name!r} is tied to {alias!r} inside unit {unit_of!r}; wrap "
+                    "both users of a tied weight in one unit"
+                )
+        out[name] = tuple(
+            (module.get_submodule(a.rpartition(".")[0]), a.rpartition(".")[2]) for a in aliases
+        )
+    return out
+
+
+def _sharded_class(cls: type) -> type:
+    if issubclass(cls, ShardedModule):
+        return cls
+    cached = _CLASSES.get(cls)
+    if cached is None:
+        cached = _CLASSES[cls] = type(f"Sharded{cls.__name__}", (ShardedModule, cls), {})
+    return cached
+
+
+_CLASSES: dict[type, type] = {}
+_NO_MIXED_PRECISION = MixedPrecisionPolicy()  # frozen, so one shared default is safe
+
+
+def fully_shard(
+    module: nn.Module,
+    *,
+    mesh: DeviceMesh | None = None,
+    process_group: dist.ProcessGroup | None = None,
+    reshard_after_forward: bool = True,
+    mp_policy: MixedPrecisionPolicy = _NO_MIXED_PRECISION,
+) -> nn.Module:
+    """Shard ``module``'s parameters over the data-parallel ranks (ZeRO-3), as FSDP2 does.
+
+    Call it on each block, then on the root, exactly as ``torch.distributed.fsdp.fully_shard``:
+    each call manages the parameters of ``module`` that no earlier call inside it manages.
+    Afterwards those parameters are ``DTensor``s sharded on dim 0 (``Shard(0)``), cut where the
+    ``gradsync_core`` plan says, so ``torch.optim.*(model.parameters())``,
+    ``clip_grad_norm_`` and ``state_dict()`` work on them as on FSDP2's. The forward gathers a
+    unit just before it runs and frees it after (``reshard_after_forward``; the root stays
+    gathered for the backward); the backward gathers it again, reduce-scatters its gradients
+    (averaged with FSDP2's arithmetic) as soon as its backward is done, and frees it.
+
+    Args:
+        module: the block or the root model; its parameters on one device, not yet sharded.
+        mesh: a 1-D ``DeviceMesh`` of the data-parallel ranks (default: the world).
+        process_group: the data-parallel group instead of ``mesh``.
+        reshard_after_forward: free the gathered parameters after forward (``False`` keeps
+            them to the backward, trading memory for one all-gather).
+        mp_policy: gather in ``param_dtype``, reduce in ``reduce_dtype``.
+
+    Returns:
+        ``module`` itself, its class now also a ``ShardedModule``
+        (``set_requires_gradient_sync``, ``unshard``, ``reshard``).
+
+    Raises:
+        ValueError: the plan differs across ranks (the same sentence on every rank), the module
+            is already sharded, or options conflict.
+        NotImplementedError: tied parameters, a 2-D mesh (HSDP).
+
+    Example:
+        >>> for block in model.layers:  # doctest: +SKIP
+        ...     fully_shard(block)
+        >>> fully_shard(model)  # doctest: +SKIP
+    """
+    _check_module(module)
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {mp_policy!r}")
+    first = next(module.parameters(), None)
+    mesh = _mesh(mesh, process_group, first.device.type if first is not None else "cpu")
+    group, world_size, shard_rank = mesh.get_group(), mesh.size(), mesh.get_local_rank()
+    inner = {p: u for p, m in module.named_modules() if p and (u := getattr(m, _UNIT, None))}
+    plan = plan_param_shards(param_specs(module), world_size=world_size, units=list(inner))
+    agree_on(plan.to_json(), group, describe=_describe(type(module).__name__))
+    params = []
+    places = _places(module, plan.units[0].params, inner)
+    originals = [module.get_parameter(name) for name in plan.units[0].params]
+    for name in plan.units[0].params:  # the root unit: what no inner call manages
+        chunks = tuple(plan.chunk(name, r) for r in range(world_size))
+        params.append(
+            shard_parameter(places[name], chunks, shard_rank, mesh, mp_policy.param_dtype)
+        )
+    unit_params = UnitParameters(params, group=group, world_size=world_size, policy=mp_policy)
+    unit = ShardUnit(
+        module, "", unit_params, reshard_after_forward=reshard_after_forward, policy=mp_policy
+    )
+    step = Step([unit])
+    for u in plan.units[1:]:
+        child = inner[u.prefix]
+        child.prefix, child.is_root, child.step = u.prefix, False, step
+        step.units.append(child)
+    unit.step = step
+    unit.originals = {id(p): weakref.ref(p) for p in originals}
+    module.__class__ = _sharded_class(type(module))
+    object.__setattr__(module, _UNIT, unit)
+    object.__setattr__(module, "_gradsync_shard_plan", plan)
+    return module

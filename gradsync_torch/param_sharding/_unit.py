@@ -1,0 +1,266 @@
+"""One unit's parameters: sharded at rest, gathered around its use, gradients reduce-scattered
+(ZeRO-3, arXiv:1910.02054 §5.3). The hooks (``_hooks.py``) decide *when*; this owns *what*.
+
+The representation is FSDP2's (torch 2.13 ``_fsdp_param.py``), so torch's tools work on it:
+each parameter is an ``nn.Parameter`` holding a ``DTensor`` with ``Shard(0)`` whose local
+tensor is the *unpadded* view of a zero-padded chunk (the plan's ``ParamChunk``); gathered, it
+is a plain ``nn.Parameter`` viewing a buffer whose storage is freed (resized to 0) when
+resharded, so autograd's saved tensors see the next gather's data without a copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DeviceMesh, DTensor, Shard
+
+from gradsync_core import ParamChunk
+from gradsync_torch._collectives import all_gather_single, reduce_scatter_single
+from gradsync_torch.param_sharding._divide import gradient_divide
+from gradsync_torch.param_sharding._policy import MixedPrecisionPolicy
+
+
+@dataclass(slots=True, kw_only=True)
+class ShardedParameter:
+    """One parameter's three forms: padded local storage, the DTensor the optimizer sees, and
+    the gathered tensor forward and backward use."""
+
+    places: tuple[tuple[nn.Module, str], ...]  # (module, attribute) holding it; 2+ if tied
+    chunks: tuple[ParamChunk, ...]  # every shard rank's rows, from the plan
+    shard_rank: int
+    padded: torch.Tensor  # flat, chunk.padded_numel elements, zero past the held rows
+    sharded: nn.Parameter  # DTensor(Shard(0)) viewing padded's first chunk.numel elements
+    gathered: torch.Tensor  # flat, world_size * chunk.padded_numel, storage freed at rest
+    unsharded: nn.Parameter  # gathered viewed in the parameter's shape
+    accumulated: torch.Tensor | None = None  # unsynced gradients kept in the reduce dtype
+
+    @property
+    def chunk(self) -> ParamChunk:
+        """This rank's rows."""
+        return self.chunks[self.shard_rank]
+
+
+def _setattr(module: nn.Module, attr: str, param: nn.Parameter) -> None:
+    # Swap without nn.Module.__setattr__'s checks, as FSDP2 does: the same name must point
+    # at the gathered parameter in forward and at the sharded one at rest.
+    module._parameters[attr] = param
+
+
+def _free(tensor: torch.Tensor) -> None:
+    if tensor.untyped_storage().size() != 0:
+        tensor.untyped_storage().resize_(0)
+
+
+def _alloc(tensor: torch.Tensor) -> None:
+    nbytes = tensor.numel() * tensor.itemsize
+    if tensor.untyped_storage().size() != nbytes:
+        tensor.untyped_storage().resize_(nbytes)
+
+
+def _swap(places: tuple[tuple[nn.Module, str], ...], param: nn.Parameter) -> None:
+    for module, attr in places:
+        _setattr(module, attr, param)
+
+
+def shard_parameter(
+    places: tuple[tuple[nn.Module, str], ...],
+    chunks: tuple[ParamChunk, ...],
+    shard_rank: int,
+    mesh: DeviceMesh,
+    gather_dtype: torch.dtype | None,
+) -> ShardedParameter:
+    """Replace the parameter at ``places`` by this rank's rows (``chunks[shard_rank]``) as a
+    ``DTensor``; a tied parameter is held at several places and swapped at all of them."""
+    chunk = chunks[shard_rank]
+    module, attr = places[0]
+    full = module._parameters[attr]
+    assert full is not None
+    data = full.detach()
+    padded = data.new_zeros(chunk.padded_numel)
+    padded[: chunk.numel].copy_(data[chunk.start : chunk.stop].reshape(-1))
+    local = padded[: chunk.numel].view(chunk.local_shape)
+    shape = torch.Size(chunk.shape)
+    # Mixed precision applies to floating parameters only, as in FSDP2's init_dtype_attrs.
+    dtype = gather_dtype if gather_dtype and data.is_floating_point() else data.dtype
+    gathered = torch.empty(mesh.size() * chunk.padded_numel, dtype=dtype, device=data.device)
+    view = gathered[: full.numel()].view(shape)
+    unsharded = nn.Parameter(view, requires_grad=full.requires_grad)
+    sharded = nn.Parameter(  # the global shape with contiguous strides, as FSDP2's
+        DTensor.from_local(
+            local, mesh, (Shard(0),), run_check=False, shape=shape, stride=view.stride()
+        ),
+        requires_grad=full.requires_grad,
+    )
+    _free(gathered)
+    _swap(places, sharded)
+    return ShardedParameter(
+        places=places,
+        chunks=chunks,
+        shard_rank=shard_rank,
+        padded=padded,
+        sharded=sharded,
+        gathered=gathered,
+        unsharded=unsharded,
+    )
+
+
+class UnitParameters:
+    """The parameters of one unit and the three moves on them: gather, free, reduce."""
+
+    def __init__(
+        self,
+        params: list[ShardedParameter],
+        *,
+        group: dist.ProcessGroup,
+        world_size: int,
+        policy: MixedPrecisionPolicy,
+    ) -> None:
+        self.params = params
+        self.group = group
+        self.world_size = world_size
+        # FSDP2 drops a reduce dtype equal to the compute dtype: nothing to cast.
+        same = policy.reduce_dtype == policy.param_dtype
+        self.reduce_dtype = None if same else policy.reduce_dtype
+        self.is_gathered = False
+        self._pending: tuple | None = None  # a reduce-scatter in flight
+
+    def gather(self) -> None:
+        """All-gather every member (frozen ones too) in one collective and swap them in."""
+        if self.is_gathered or not self.params:
+            self.is_gathered = True
+            return
+        dtype = self.params[0].gathered.dtype
+        send = torch.cat([p.padded.to(dtype) for p in self.params])
+        recv = send.new_empty(self.world_size * send.numel())
+        all_gather_single(recv, send, group=self.group)
+        pieces = recv.view(self.world_size, -1).split(
+            [p.chunk.padded_numel for p in self.params], 1
+        )
+        for p, piece in zip(self.params, pieces, strict=True):
+            _alloc(p.gathered)
+            # Autograd saved the gathered tensors in an earlier forward; refilling them in
+            # place is the point, so the version counter must not change (as in FSDP2).
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(p.gathered):
+                p.gathered.view(self.world_size, -1).copy_(piece)
+            if p.unsharded.requires_grad != p.sharded.requires_grad:
+                p.unsharded.requires_grad_(p.sharded.requires_grad)
+            _swap(p.places, p.unsharded)
+        self.is_gathered = True
+
+    def free(self) -> None:
+        """Point the modules back at the shards and release the gathered storage."""
+        if not self.is_gathered:
+            return
+        for p in self.params:
+            _swap(p.places, p.sharded)
+            _free(p.gathered)
+        self.is_gathered = False
+
+    def reduce_gradients(self) -> None:
+        """Start reduce-scattering the gathered gradients into the sharded ``.grad``s.
+
+        The collective runs in the background (gloo's threads, NCCL's stream) while autograd
+        goes on with the units before this one; ``finish_reduce`` waits for it and hands the
+        gradients over. The send buffer is FSDP2's layout (``_send_buffer``), and the
+        collective and its arithmetic are FSDP2's (``_divide.py``), so the sums are its bytes.
+        """
+        self.finish_reduce()
+        self._fold_accumulated()
+        ready = [
+            p for p in self.params if p.accumulated is not None or p.unsharded.grad is not None
+        ]
+        if not ready:
+            return
+        reduce_dtype = self.reduce_dtype or _gradient(ready[0]).dtype
+        send = _send_buffer(ready, self.world_size, reduce_dtype)
+        out = send.new_empty(send.shape[1])
+        divide = gradient_divide(reduce_dtype, self.world_size)
+        if divide.pre not in (None, 1):
+            send.div_(divide.pre)
+        work = None
+        if self.world_size > 1:
+            work = reduce_scatter_single(
+                out, send.view(-1), op=divide.op, group=self.group, async_op=True
+            )
+        else:
+            out.copy_(send.view(-1))
+        self._pending = (work, send, out, ready, divide.post)
+
+    def finish_reduce(self) -> None:
+        """Wait for the reduce-scatter ``reduce_gradients`` started; store the gradients."""
+        if self._pending is None:
+            return
+        work, send, out, ready, post = self._pending
+        self._pending = None
+        if work is not None:
+            work.wait()
+        del send  # before the gradients' views are made: the peak is one unit's, not two
+        if post not in (None, 1):
+            out.div_(post)
+        _store_gradients(ready, out)
+
+    def keep_gradients(self) -> None:
+        """Gradient sync is off: leave the gradients unsharded for the next backward to add
+        to, in the reduce dtype when one is set (FSDP2's ``to_accumulated_grad_if_needed``)."""
+        self._fold_accumulated()
+        for p in self.params:
+            grad = p.unsharded.grad
+            if (
+                self.reduce_dtype is not None
+                and grad is not None
+                and grad.dtype != self.reduce_dtype
+            ):
+                p.unsharded.grad = None
+                p.accumulated = grad.to(self.reduce_dtype)
+
+    def _fold_accumulated(self) -> None:
+        # FSDP2's accumulate_unsharded_grad_if_needed: this backward's gradient joins the sum.
+        for p in self.params:
+            if p.accumulated is not None and p.unsharded.grad is not None:
+                p.accumulated += p.unsharded.grad
+                p.unsharded.grad = None
+
+
+def _gradient(p: ShardedParameter) -> torch.Tensor:
+    grad = p.unsharded.grad if p.accumulated is None else p.accumulated
+    assert grad is not None
+    return grad
+
+
+def _send_buffer(
+    ready: list[ShardedParameter], world_size: int, reduce_dtype: torch.dtype
+) -> torch.Tensor:
+    """The reduce-scatter input: for each rank, every member's padded chunk of its gradient
+    back to back (rows from the plan). The unsharded gradients are dropped once copied, before
+    the collective allocates its output, as FSDP2 drops them after its copy-in."""
+    padded = [p.chunk.padded_numel for p in ready]
+    send = _gradient(ready[0]).new_zeros((world_size, sum(padded)), dtype=reduce_dtype)
+    for p, pieces in zip(ready, send.split(padded, dim=1), strict=True):
+        grad = _gradient(p)
+        for held, piece in zip(p.chunks, pieces, strict=True):
+            piece[: held.numel].copy_(grad[held.start : held.stop].reshape(-1))
+        p.unsharded.grad = p.accumulated = None
+    return send
+
+
+def _store_gradients(ready: list[ShardedParameter], out: torch.Tensor) -> None:
+    offset = 0
+    for p in ready:
+        local = out[offset : offset + p.chunk.numel].view(p.chunk.local_shape)
+        local = local.to(p.padded.dtype)
+        offset += p.chunk.padded_numel
+        grad = p.sharded.grad
+        if grad is not None:
+            grad._local_tensor += local  # accumulate, as FSDP2 does across steps
+        else:
+            p.sharded.grad = DTensor.from_local(
+                local,
+                p.sharded.device_mesh,
+                (Shard(0),),
+                run_check=False,
+                shape=p.sharded.shape,
+                stride=p.sharded.stride(),
+            )
