@@ -32,9 +32,12 @@ from gradsync_core._checkpoint import (
 )
 from gradsync_core._model_weights import (
     MODEL_PARAM,
+    WRAPPER_PREFIX,
     check_weight_names,
+    is_wrapped,
     model_key,
     model_owners,
+    unwrapped_names,
     weight_owners,
 )
 from gradsync_core._safetensors import MAX_HEADER_BYTES, data_range, read_header
@@ -68,6 +71,7 @@ __all__ = [
     "OPTIMIZER_STATE_KEYS",
     "RANK_FILE_RE",
     "SAVE_POINTS",
+    "WRAPPER_PREFIX",
     "CheckpointError",
     "Manifest",
     "SaveAgreement",
@@ -84,6 +88,7 @@ __all__ = [
     "discard_save",
     "error_message",
     "fsync_directory",
+    "is_wrapped",
     "model_key",
     "model_owners",
     "new_save_token",
@@ -95,6 +100,7 @@ __all__ = [
     "sha256_file",
     "staging_directory",
     "tensor_key",
+    "unwrapped_names",
     "verify_file_hashes",
     "weight_owners",
     "write_atomic",

@@ -19,6 +19,7 @@ from torch.optim import Optimizer
 
 import gradsync_core
 from gradsync_core import ParamSpec, ShardPlan
+from gradsync_torch._specs import unwrapped
 from gradsync_torch.checkpoint import zero as checkpoint
 from gradsync_torch.checkpoint.model_state import copy_weights
 from gradsync_torch.data_parallel import DataParallel
@@ -357,6 +358,7 @@ class ZeroRedundancyOptimizer(Optimizer):
                 rank's failure, naming the rank.
         """
         names = self.param_names(model)
+        model = None if model is None else unwrapped(model)  # never store wrapper names
         snapshot = checkpoint.Snapshot(
             optimizer=optimizer_name(self.optimizer_class),
             step=self._steps,
@@ -374,6 +376,7 @@ class ZeroRedundancyOptimizer(Optimizer):
         """Load a checkpoint written at any world size by torch or JAX, with its weights into
         ``model`` if stored (a collective); on any error every rank raises and nothing changes."""
         names = self.param_names(model)
+        model = None if model is None else unwrapped(model)  # the wrapper's model.module
         target = checkpoint.LoadTarget(
             optimizer_class=self.optimizer_class,
             names=names,
