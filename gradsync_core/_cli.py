@@ -323,6 +323,25 @@ def _shape_note(topo: Topology) -> str | None:
     )
 
 
+def _summary(source: str, specs: Sequence[ParamSpec], topo: Topology) -> str:
+    """The first lines of the plan: parameters (elements) and tensors, the world's axes, and
+    a note when model parallelism makes the shapes given per-rank only if they are."""
+    trainable = [s for s in specs if s.requires_grad]
+    line = (
+        f"Model {source}: {sum(s.numel for s in trainable):,} trainable parameters in "
+        f"{len(specs)} tensors ({len(trainable)} trainable), "
+        f"{_mib(sum(s.nbytes for s in trainable))} MiB; world size {topo.world_size} = "
+        + (
+            f"tp {topo.tp} x cp {topo.cp} x dp {topo.dp} x pp {topo.pp}; experts: etp "
+            f"{topo.etp} x ep {topo.ep} x edp {topo.edp} x pp {topo.pp}"
+            if topo.has_experts
+            else f"tp {topo.tp} x cp {topo.cp} x ep {topo.ep} x dp {topo.dp} x pp {topo.pp}"
+        )
+    )
+    note = _shape_note(topo)
+    return line if note is None else f"{line}\n{note}"
+
+
 def _plan(args: argparse.Namespace) -> int:
     _check_bounds(args)
     specs = _load_params(args.params) if args.params else builtin_model(args.model, args.dtype)
@@ -359,21 +378,7 @@ def _plan(args: argparse.Namespace) -> int:
             out["fingerprints"]["expert_shards"] = expert_shards.fingerprint
         print(json.dumps(out, indent=1, sort_keys=True))
         return 0
-    trainable = [s for s in specs if s.requires_grad]
-    source = args.params or args.model
-    print(
-        f"Model {source}: {sum(s.numel for s in trainable):,} trainable parameters in "
-        f"{len(specs)} tensors ({len(trainable)} trainable), "
-        f"{_mib(sum(s.nbytes for s in trainable))} MiB; world size {topo.world_size} = "
-        + (
-            f"tp {topo.tp} x cp {topo.cp} x dp {topo.dp} x pp {topo.pp}; experts: etp "
-            f"{topo.etp} x ep {topo.ep} x edp {topo.edp} x pp {topo.pp}"
-            if topo.has_experts
-            else f"tp {topo.tp} x cp {topo.cp} x ep {topo.ep} x dp {topo.dp} x pp {topo.pp}"
-        )
-    )
-    if note := _shape_note(topo):
-        print(note)
+    print(_summary(args.params or args.model, specs, topo))
     print()
     print(_bucket_section(buckets), end="\n\n")
     print(_shard_section(shards, specs), end="\n\n")
