@@ -101,7 +101,14 @@ class _LayoutCache:
             raise ValueError(problem)
         if s.partition in ("flat", "auto"):
             try:
-                flat = build_flat(s.inner, space, s.world_size, s.bucket_cap_bytes)
+                flat = build_flat(
+                    s.inner,
+                    space,
+                    s.world_size,
+                    s.bucket_cap_bytes,
+                    order=s.order,
+                    modules=None if s.modules is None else dict(s.modules),
+                )
             except NotElementwiseError:
                 if s.partition == "flat":
                     raise
@@ -382,7 +389,7 @@ def shard_optimizer(
             break ties between equal sizes in this order, as torch's ZeRO optimizer does, so a
             model whose Flax tree sorts otherwise (attention ``q, k, v, o``; a module's own
             parameter before its children's) gets torch's owners. Default: natural order.
-            To continue a torch checkpoint with its owners:
+            Flat buckets are laid out in it too. To continue a torch checkpoint with its owners:
             ``order=[p.name for p in gradsync_core.read_manifest(path).params]``.
         modules: the Flax-to-torch module renames that give ``order``'s names.
 

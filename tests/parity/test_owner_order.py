@@ -16,7 +16,7 @@ import torch
 from flax import nnx
 from torch import nn
 
-from gradsync_core import Topology, plan_greedy_shards, read_manifest
+from gradsync_core import Topology, plan_buckets, plan_greedy_shards, read_manifest
 from gradsync_jax import (
     load_optimizer_state,
     mesh_from_topology,
@@ -82,6 +82,23 @@ def test_order_gives_torch_owners_to_a_transformer_block() -> None:
     got = torch_plan(tx.plan(params))
     assert owners(got) == owners(want)
     assert got.fingerprint == want.fingerprint
+
+
+def test_order_lays_flat_buckets_out_in_torch_registration_order() -> None:
+    torch_block = TorchBlock()
+    order = [name for name, _ in torch_block.named_parameters()]
+    cap = 600  # bytes: a few tensors per bucket
+    want = plan_buckets(torch_param_specs(torch_block), cap_bytes=cap, pad_to=2)
+    params = nnx.state(FlaxBlock(nnx.Rngs(0)), nnx.Param)
+
+    def slots(tx) -> list[list[str]]:
+        plan = torch_plan(tx.plan(params)).buckets
+        return [[slot.name for slot in bucket.slots] for bucket in plan.buckets]
+
+    flat = {"partition": "flat", "bucket_cap_mb": cap / 2**20}
+    wanted = [[slot.name for slot in bucket.slots] for bucket in want.buckets]
+    assert slots(shard_optimizer(optax.adam(1e-3), mesh_of(2), **flat)) != wanted
+    assert slots(shard_optimizer(optax.adam(1e-3), mesh_of(2), order=order, **flat)) == wanted
 
 
 def test_order_must_name_every_parameter_once() -> None:
