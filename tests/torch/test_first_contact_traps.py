@@ -5,23 +5,19 @@ from __future__ import annotations
 import json
 import os
 import stat
-import tempfile
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from gradsync_torch import DataParallel, ZeroRedundancyOptimizer, load_model_weights
+from tests.torch.harness import one_rank_group
 
 
 @pytest.fixture(scope="module")
 def process_group():
-    with tempfile.TemporaryDirectory() as tmp:
-        store = dist.FileStore(os.path.join(tmp, "store"), 1)
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    with one_rank_group():
         yield
-        dist.destroy_process_group()
 
 
 def net() -> nn.Module:
