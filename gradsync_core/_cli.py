@@ -23,13 +23,15 @@ Bad input prints one line on stderr and exits with code 2 (the CLI is in docs/de
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import math
 import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from gradsync_core._buckets import BucketPlan, bucket_caps, plan_buckets
+from gradsync_core import __version__
+from gradsync_core._buckets import Bucket, BucketPlan, bucket_caps, plan_buckets
 from gradsync_core._cli_checkpoint import add_checkpoint_parser
 from gradsync_core._cli_table import mib as _mib
 from gradsync_core._cli_table import shown as _shown
@@ -65,6 +67,44 @@ class UsageError(Exception):
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         raise UsageError(f"{message} (see '{self.prog} --help')")
+
+    def parse_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: Any = None
+    ) -> argparse.Namespace:
+        """argparse's, with an unknown flag named against the subcommand's own flags."""
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            raise UsageError(_unrecognized(self, parsed, extras))
+        return parsed
+
+
+def _chosen(parser: argparse.ArgumentParser, parsed: argparse.Namespace) -> argparse.ArgumentParser:
+    """The (sub)command parser the arguments went to, ``gradsync checkpoint inspect``'s too."""
+    for action in parser._actions:  # argparse keeps subcommands on its subparsers action
+        if isinstance(action, argparse._SubParsersAction):
+            chosen = getattr(parsed, action.dest, None)
+            if chosen in action.choices:
+                return _chosen(action.choices[chosen], parsed)
+    return parser
+
+
+def _unrecognized(
+    parser: argparse.ArgumentParser, parsed: argparse.Namespace, extras: list[str]
+) -> str:
+    """``unrecognized argument '--wrold-size'; did you mean '--world-size'?`` and the help of
+    the subcommand the flag was given to (argparse itself points at the top-level help)."""
+    sub = _chosen(parser, parsed)
+    known = [flag for action in sub._actions for flag in action.option_strings]
+    flags = [arg for arg in extras if arg.startswith("-")]
+    if not flags:
+        return f"unexpected arguments {' '.join(extras)!r} (see '{sub.prog} --help')"
+    message = f"unknown flag {flags[0]!r}"
+    close = difflib.get_close_matches(flags[0].split("=", 1)[0], known, n=1, cutoff=0.6)
+    if close:
+        message += f"; did you mean {close[0]!r}?"
+    if len(flags) > 1:
+        message += f" (and {', '.join(map(repr, flags[1:]))})"
+    return f"{message} (see '{sub.prog} --help')"
 
 
 def _load_params(path: str) -> list[ParamSpec]:
@@ -135,21 +175,30 @@ def _ranks(ranks: Sequence[int], limit: int = 8) -> str:
     return "[" + ",".join(map(str, ranks[: limit - 2])) + f",...,{ranks[-1]}]"
 
 
+def _fill(bucket: Bucket) -> str:
+    """How full a bucket is; one over its cap says why: DDP closes a bucket once it reaches the
+    cap, so only its last tensor can carry it over (a tensor larger than the cap alone)."""
+    used = bucket.used_numel * itemsize(bucket.dtype)
+    if used <= bucket.limit_bytes:
+        return f"{100 * used / bucket.limit_bytes:.0f}%"
+    if len(bucket.slots) == 1:
+        return "over cap: one tensor larger than the cap"
+    return "over cap: last tensor pushed it over"
+
+
 def _bucket_section(plan: BucketPlan) -> str:
-    rows = []
-    for b in plan.buckets:
-        used = b.used_numel * itemsize(b.dtype)
-        rows.append(
-            [
-                b.index,
-                b.dtype,
-                len(b.slots),
-                f"{b.numel:,}",
-                _mib(b.nbytes),
-                _mib(b.limit_bytes),
-                f"{100 * used / b.limit_bytes:.0f}%",
-            ]
-        )
+    rows = [
+        [
+            b.index,
+            b.dtype,
+            len(b.slots),
+            f"{b.numel:,}",
+            _mib(b.nbytes),
+            _mib(b.limit_bytes),
+            _fill(b),
+        ]
+        for b in plan.buckets
+    ]
     head = (
         f"Buckets: {len(plan.buckets)} (cap {_mib(plan.cap_bytes)} MiB, first walked "
         f"{_mib(plan.first_cap_bytes)} MiB; bucket 0 is reduced first)"
@@ -157,7 +206,7 @@ def _bucket_section(plan: BucketPlan) -> str:
     return (
         head
         + "\n"
-        + _table(["bucket", "dtype", "params", "elements", "MiB", "cap MiB", "fill"], rows)
+        + _table(["bucket", "dtype", "tensors", "elements", "MiB", "cap MiB", "fill"], rows)
     )
 
 
@@ -252,6 +301,47 @@ def _owners(
     return buckets, plan_flat_shards(buckets, world_size=ranks)
 
 
+def _partition(args: argparse.Namespace) -> str:
+    """``--partition``: greedy by default (torch's ZeroRedundancyOptimizer); ``auto`` is
+    ``shard_optimizer``'s rule, flat when the optimizer's update is elementwise, which every
+    ``--optimizer`` the command line knows is (Adam, SGD, Lion, ...: the state columns assume
+    one); a coupling optimizer (Shampoo, Muon) would be greedy under auto."""
+    if args.partition == "auto":
+        return "flat"
+    return args.partition or "greedy"
+
+
+def _shape_note(topo: Topology) -> str | None:
+    """With model parallelism the sizes are per rank only if the shapes given are: say so."""
+    axes = [f"--{a} {getattr(topo, a)}" for a in ("tp", "pp", "ep") if getattr(topo, a) > 1]
+    if not axes:
+        return None
+    return (
+        f"note: with {' '.join(axes)}, buckets and shards use the parameter shapes as given; "
+        "for per-rank sizes give one rank's shapes (its tensor-parallel slices, its pipeline "
+        "stage, its experts) with --params"
+    )
+
+
+def _summary(source: str, specs: Sequence[ParamSpec], topo: Topology) -> str:
+    """The first lines of the plan: parameters (elements) and tensors, the world's axes, and
+    a note when model parallelism makes the shapes given per-rank only if they are."""
+    trainable = [s for s in specs if s.requires_grad]
+    line = (
+        f"Model {source}: {sum(s.numel for s in trainable):,} trainable parameters in "
+        f"{len(specs)} tensors ({len(trainable)} trainable), "
+        f"{_mib(sum(s.nbytes for s in trainable))} MiB; world size {topo.world_size} = "
+        + (
+            f"tp {topo.tp} x cp {topo.cp} x dp {topo.dp} x pp {topo.pp}; experts: etp "
+            f"{topo.etp} x ep {topo.ep} x edp {topo.edp} x pp {topo.pp}"
+            if topo.has_experts
+            else f"tp {topo.tp} x cp {topo.cp} x ep {topo.ep} x dp {topo.dp} x pp {topo.pp}"
+        )
+    )
+    note = _shape_note(topo)
+    return line if note is None else f"{line}\n{note}"
+
+
 def _plan(args: argparse.Namespace) -> int:
     _check_bounds(args)
     specs = _load_params(args.params) if args.params else builtin_model(args.model, args.dtype)
@@ -269,7 +359,7 @@ def _plan(args: argparse.Namespace) -> int:
         return _zero(args, specs, topo)
     # Expert parameters (ParamSpec.expert) are owned over edp, the rest over dp (design §6).
     dense, experts = split_expert_specs(specs)
-    partition = args.partition or "greedy"
+    partition = _partition(args)
     buckets, shards = _owners(dense, args, topo.dp, partition)
     expert_shards = _owners(experts, args, topo.edp, partition)[1] if experts else None
     if args.json:
@@ -288,19 +378,7 @@ def _plan(args: argparse.Namespace) -> int:
             out["fingerprints"]["expert_shards"] = expert_shards.fingerprint
         print(json.dumps(out, indent=1, sort_keys=True))
         return 0
-    trainable = [s for s in specs if s.requires_grad]
-    source = args.params or args.model
-    print(
-        f"Model {source}: {len(specs)} parameters ({len(trainable)} trainable), "
-        f"{sum(s.numel for s in trainable):,} trainable elements, "
-        f"{_mib(sum(s.nbytes for s in trainable))} MiB; world size {topo.world_size} = "
-        + (
-            f"tp {topo.tp} x cp {topo.cp} x dp {topo.dp} x pp {topo.pp}; experts: etp "
-            f"{topo.etp} x ep {topo.ep} x edp {topo.edp} x pp {topo.pp}"
-            if topo.has_experts
-            else f"tp {topo.tp} x cp {topo.cp} x ep {topo.ep} x dp {topo.dp} x pp {topo.pp}"
-        )
-    )
+    print(_summary(args.params or args.model, specs, topo))
     print()
     print(_bucket_section(buckets), end="\n\n")
     print(_shard_section(shards, specs), end="\n\n")
@@ -323,7 +401,7 @@ def _zero(args: argparse.Namespace, specs: list[ParamSpec], topo: Topology) -> i
         )
     plans = None
     if args.zero != 3:  # ZeRO-2 cuts gradients by element ranges: flat whatever the default
-        partition = "flat" if args.zero == 2 else args.partition or "greedy"
+        partition = "flat" if args.zero == 2 else _partition(args)
         plans = _owners(specs, args, topo.dp, partition)
     estimate, plan = zero_estimate(specs, args, topo.dp, plans)
     if args.json:
@@ -333,8 +411,8 @@ def _zero(args: argparse.Namespace, specs: list[ParamSpec], topo: Topology) -> i
         return 0
     trainable = [s for s in specs if s.requires_grad]
     print(
-        f"Model {args.params or args.model}: {len(specs)} parameters ({len(trainable)} "
-        f"trainable), {sum(s.numel for s in specs):,} elements, "
+        f"Model {args.params or args.model}: {sum(s.numel for s in specs):,} parameters in "
+        f"{len(specs)} tensors ({len(trainable)} trainable), "
         f"{_mib(sum(s.nbytes for s in specs))} MiB; dp {topo.dp} of world size "
         f"{topo.world_size}"
     )
@@ -365,6 +443,7 @@ def _add_source_arguments(plan: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="gradsync", description="Show gradsync plans for a model.")
+    parser.add_argument("--version", action="version", version=f"gradsync {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     plan = sub.add_parser(
         "plan",
@@ -378,9 +457,16 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--world-size", type=int, default=8, help=f"number of ranks, 1 to {most} (default 8)"
     )
-    for axis in ("tp", "cp", "ep", "pp"):
+    plan.add_argument(
+        "--cp", type=int, default=1, help=f"context-parallel size, 1 to {most} (default 1)"
+    )
+    for axis, what in (("tp", "tensor"), ("ep", "expert"), ("pp", "pipeline")):
         plan.add_argument(
-            f"--{axis}", type=int, default=1, help=f"{axis} size, 1 to {most} (default 1)"
+            f"--{axis}",
+            type=int,
+            default=1,
+            help=f"{what}-parallel size, 1 to {most} (default 1); buckets and shards use the "
+            "shapes given: pass one rank's shapes with --params for per-rank sizes",
         )
     plan.add_argument(
         "--etp",
@@ -398,10 +484,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument(
         "--partition",
-        choices=("greedy", "flat"),
+        choices=("greedy", "flat", "auto"),
         default=None,
-        help="optimizer-state partition: whole parameters (the default) or flat element ranges "
-        f"(flat: at most {MAX_FLAT_PIECES:,} pieces, about buckets x dp)",
+        help="optimizer-state partition: whole parameters (greedy, the default, torch's), flat "
+        "element ranges, or auto (shard_optimizer's rule: flat for an elementwise optimizer, "
+        f"which every --optimizer is); flat: at most {MAX_FLAT_PIECES:,} pieces, about "
+        "buckets x dp",
     )
     plan.add_argument(
         "--pad-to",

@@ -18,6 +18,29 @@ from gradsync_core._shards import ShardPlan
 MODEL_PARAM = "__model__"
 
 
+# What DDP, nn.DataParallel and gradsync's DataParallel put before the model's own names.
+WRAPPER_PREFIX = "module."
+
+
+def is_wrapped(names: Collection[str]) -> bool:
+    """Whether ``names`` are a data-parallel wrapper's: every one under ``module.``."""
+    return bool(names) and all(name.startswith(WRAPPER_PREFIX) for name in names)
+
+
+def unwrapped_names(names: Sequence[str]) -> list[str]:
+    """The model's own names for a wrapper's (``module.fc.weight`` -> ``fc.weight``).
+
+    A checkpoint stores the names the inner model has, as ``model.module`` gives them to a
+    DDP user and as ``torch.distributed.checkpoint`` stores them, so a model trained inside
+    ``DataParallel`` loads into the bare model and into JAX. A model whose parameters all sit
+    under a child called ``module`` is treated as the same wrapper, on save and on load alike.
+    """
+    names = list(names)
+    while is_wrapped(names):
+        names = [name.removeprefix(WRAPPER_PREFIX) for name in names]
+    return names
+
+
 def model_key(param: str) -> str:
     """``"__model__/layers.0.weight"``: how a model weight is named inside a rank file."""
     return f"{MODEL_PARAM}/{param}"

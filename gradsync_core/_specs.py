@@ -27,9 +27,8 @@ DTYPE_ITEMSIZE: Mapping[str, int] = {
 }
 
 
-_JSON_KEYS = frozenset(
-    {"name", "shape", "dtype", "requires_grad", "device", "replicated_over", "expert"}
-)
+_JSON_KEY_ORDER = ("name", "shape", "dtype", "requires_grad", "device", "replicated_over", "expert")
+_JSON_KEYS = frozenset(_JSON_KEY_ORDER)
 
 
 def itemsize(dtype: str) -> int:
@@ -121,7 +120,10 @@ class ParamSpec:
             raise ValueError(f"a parameter entry must be a JSON object, got {_short(obj)}")
         unknown = set(obj) - _JSON_KEYS
         if unknown:
-            raise ValueError(f"parameter entry {_short(obj)} has unknown keys {sorted(unknown)}")
+            raise ValueError(
+                f"parameter entry {_short(obj)} has unknown keys {sorted(unknown)}; the valid "
+                f"keys are {', '.join(_JSON_KEY_ORDER)} (only name and shape are required)"
+            )
         if "name" not in obj or "shape" not in obj:
             raise ValueError(f"parameter entry {_short(obj)} needs at least 'name' and 'shape'")
         name = obj["name"]

@@ -36,9 +36,12 @@ from gradsync_core._data_position import data_extra, restore_data
 from gradsync_core._files import open_checkpoint_file
 from gradsync_core._model_weights import (
     MODEL_PARAM,
+    WRAPPER_PREFIX,
     check_weight_names,
+    is_wrapped,
     model_key,
     model_owners,
+    unwrapped_names,
     weight_owners,
 )
 from gradsync_core._safetensors import MAX_HEADER_BYTES, data_range, read_header
@@ -73,6 +76,7 @@ __all__ = [
     "OPTIMIZER_STATE_KEYS",
     "RANK_FILE_RE",
     "SAVE_POINTS",
+    "WRAPPER_PREFIX",
     "CheckpointError",
     "Manifest",
     "SaveAgreement",
@@ -90,6 +94,7 @@ __all__ = [
     "discard_save",
     "error_message",
     "fsync_directory",
+    "is_wrapped",
     "model_key",
     "model_owners",
     "new_save_token",
@@ -104,6 +109,7 @@ __all__ = [
     "sha256_file",
     "staging_directory",
     "tensor_key",
+    "unwrapped_names",
     "verify_file_hashes",
     "weight_owners",
     "write_atomic",

@@ -30,7 +30,7 @@ the torch names in registration order.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -185,12 +185,17 @@ def torch_specs(
         )
     if order is None:
         return [specs[name] for name in sorted(specs, key=_natural_key)]
-    if sorted(order) != sorted(specs):
-        extra, missing = sorted(set(order) - set(specs)), sorted(set(specs) - set(order))
+    check_order(order, specs)
+    return [specs[name] for name in order]
+
+
+def check_order(order: Sequence[str], names: Collection[str]) -> None:
+    """Refuse an ``order=`` that does not list each torch name of the tree exactly once."""
+    if sorted(order) != sorted(names):
+        extra, missing = sorted(set(order) - set(names)), sorted(set(names) - set(order))
         raise ValueError(
             f"order must list every torch name once; unknown: {extra[:3]}, missing: {missing[:3]}"
         )
-    return [specs[name] for name in order]
 
 
 def to_torch_state(tree: Any, *, modules: Mapping[str, str] | None = None) -> dict[str, np.ndarray]:
@@ -237,7 +242,10 @@ def from_torch_state(
 
 
 def registration_order(
-    specs: Sequence[ParamSpec], *, order: Sequence[str] | None = None
+    specs: Sequence[ParamSpec],
+    *,
+    order: Sequence[str] | None = None,
+    modules: Mapping[str, str] | None = None,
 ) -> list[ParamSpec]:
     """Flax-named ``specs`` in the order torch registers the matching module's parameters.
 
@@ -248,13 +256,18 @@ def registration_order(
     Args:
         specs: specs named by Flax paths (``params/Dense_10/kernel``).
         order: torch names in registration order; default: natural order (module docstring).
+        modules: the module renames that give ``order``'s names (see ``torch_name``).
+
+    Raises:
+        ValueError: if ``order`` does not list each parameter's torch name once.
     """
-    names = [torch_name(spec.name) for spec in specs]
+    names = [torch_name(spec.name, modules=modules) for spec in specs]
     if order is None:
         keys: list[Any] = [_natural_key(name) for name in names]
     else:
+        check_order(order, names)
         position = {name: i for i, name in enumerate(order)}
-        keys = [(position.get(name, len(position)), name) for name in names]
+        keys = [(position[name], name) for name in names]
     return [spec for _, spec in sorted(zip(keys, specs, strict=True), key=lambda kv: kv[0])]
 
 

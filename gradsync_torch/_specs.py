@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from gradsync_core import ParamSpec, replicated_axes
+from gradsync_core.checkpoint import is_wrapped
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -25,6 +26,17 @@ def named_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """``module.named_parameters()`` in registration order, tied parameters once (the first
     name wins, as in torch), frozen ones included."""
     return list(module.named_parameters(remove_duplicate=True))
+
+
+def unwrapped(module: nn.Module) -> nn.Module:
+    """The model inside data-parallel wrappers (DDP, ``nn.DataParallel``, gradsync's
+    ``DataParallel``): ``model.module`` while every parameter name is under ``module.``, so
+    a checkpoint never stores wrapper names (``gradsync_core.checkpoint.unwrapped_names``)."""
+    while isinstance(getattr(module, "module", None), nn.Module) and is_wrapped(
+        [name for name, _ in module.named_parameters()]
+    ):
+        module = module.module
+    return module
 
 
 def param_specs(

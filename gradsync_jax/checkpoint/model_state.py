@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from gradsync_core import ShardPlan, read_manifest
@@ -58,7 +59,11 @@ def weights_by_rank(
 
 
 def load_params(
-    directory: str | os.PathLike[str], like: Any, *, modules: Mapping[str, str] | None = None
+    directory: str | os.PathLike[str],
+    like: Any,
+    *,
+    modules: Mapping[str, str] | None = None,
+    cast: bool = False,
 ) -> Any:
     """The model weights of a gradsync checkpoint (written by torch or JAX) as a tree like
     ``like``: Flax layouts (Dense kernels back to ``(in, out)``), NumPy arrays.
@@ -70,9 +75,12 @@ def load_params(
     Args:
         directory: a checkpoint saved with model weights (``ZeroRedundancyOptimizer.save(path,
             model=net)`` or ``save_optimizer_state(..., model=params)``).
-        like: linen ``variables``/``params`` or ``nnx.state(model, nnx.Param)``; arrays or
-            ``jax.ShapeDtypeStruct`` leaves.
+        like: linen ``variables``/``params`` or ``nnx.state(model, nnx.Param)`` (with frozen
+            weights kept in another ``Variable`` type ``Frozen``: ``nnx.state(model,
+            nnx.Any(nnx.Param, Frozen))``); arrays or ``jax.ShapeDtypeStruct`` leaves.
         modules: Flax-to-torch module renames (see ``torch_name``), as given at save time.
+        cast: convert weights stored in another floating dtype (a ``bfloat16`` checkpoint
+            into ``float32`` parameters, or back) instead of refusing them.
 
     Returns:
         A tree with ``like``'s structure (for NNX: ``nnx.update(model, tree)``).
@@ -100,20 +108,48 @@ def load_params(
             stored[param] = tensors[model_key(param)]
     paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(like)
     names = torch_names(like, modules=modules)
-    check_weight_names(
-        stored,
-        names,
-        fix="pass the modules= renames used at save time, or load into the model that was saved",
-    )
-    out = []
-    for (path, leaf), name in zip(paths_leaves, names, strict=True):
-        value = from_torch_layout(flax_name(path), stored[name])
-        want = (tuple(leaf.shape), np.dtype(leaf.dtype))
-        if (tuple(value.shape), value.dtype) != want:
-            raise ValueError(
-                f"weight {name!r} is {stored[name].shape} {stored[name].dtype} in the "
-                f"checkpoint (torch layout), which is not {want[0]} {want[1]} in Flax layout "
-                f"for {flax_name(path)!r}: another model?"
-            )
-        out.append(value)
+    check_weight_names(stored, names, fix=_names_fix(stored, names))
+    out = [
+        _weight(flax_name(path), name, stored[name], leaf, cast=cast)
+        for (path, leaf), name in zip(paths_leaves, names, strict=True)
+    ]
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _names_fix(stored: Mapping[str, Any], names: list[str]) -> str:
+    """What to do when the names differ: a tree that only lacks stored weights is usually an
+    NNX state filtered to ``nnx.Param`` while the model keeps frozen weights in another
+    ``Variable`` type (torch stores a frozen parameter like any other)."""
+    if set(names) < set(stored):
+        return (
+            "if the model keeps them outside nnx.Param (a frozen Variable type), load a state "
+            "that holds them too: load_params(path, nnx.state(model, nnx.Any(nnx.Param, "
+            "Frozen))) with Frozen that type, then nnx.update(model, params)"
+        )
+    return "pass the modules= renames used at save time, or load into the model that was saved"
+
+
+def _weight(where: str, name: str, saved: np.ndarray, leaf: Any, *, cast: bool) -> np.ndarray:
+    """The stored weight ``name`` in Flax layout for the leaf at ``where``, refused unless its
+    shape and dtype are the leaf's (the dtype converted between floating types if ``cast``)."""
+    value = from_torch_layout(where, saved)
+    shape, dtype = tuple(leaf.shape), np.dtype(leaf.dtype)
+    stored = f"{saved.shape} {saved.dtype} in the checkpoint (torch layout)"
+    if tuple(value.shape) != shape:
+        raise ValueError(
+            f"weight {name!r} is {stored}, which is not {shape} {dtype} in Flax layout for "
+            f"{where!r}: another model?"
+        )
+    if value.dtype == dtype:
+        return value
+    if not (jnp.issubdtype(value.dtype, jnp.floating) and jnp.issubdtype(dtype, jnp.floating)):
+        raise ValueError(
+            f"weight {name!r} is {value.dtype} in the checkpoint but {dtype} for {where!r}: a "
+            "dtype mismatch that no cast makes exact"
+        )
+    if not cast:
+        raise ValueError(
+            f"weight {name!r} is {value.dtype} in the checkpoint but {dtype} for {where!r} "
+            f"(same shape {shape}): only the dtype differs; pass cast=True to convert it"
+        )
+    return value.astype(dtype)

@@ -19,6 +19,9 @@ OPTAX_TO_CANONICAL_KEY = {
     "trace": "momentum_buffer",
 }
 
+# The state type of a transformation that keeps no state (clipping, scaling, weight decay).
+STATELESS = "EmptyState"
+
 # Optax state types of a chain -> the canonical optimizer it computes.
 CANONICAL_OPTIMIZERS: dict[tuple[str, ...], str] = {
     ("ScaleByAdamState", "EmptyState"): "adam",
@@ -36,5 +39,18 @@ def canonical_key(optax_key: str) -> str:
 def optimizer_name(state_types: tuple[str, ...]) -> str:
     """How a checkpoint names the optimizer whose state has ``state_types``: its canonical
     name when it has one (``"adam"``), else ``"optax:<types>"``, which only the same chain of
-    Optax transformations matches on load (a Lion state never loads into Adam)."""
-    return CANONICAL_OPTIMIZERS.get(state_types) or "optax:" + ",".join(state_types)
+    Optax transformations matches on load (a Lion state never loads into Adam).
+
+    Stateless transformations chained before the optimizer (``chain(clip(1.0), adamw(...))``,
+    ``clip_by_global_norm``) keep no state, so they neither add nor move any
+    of it: the chain is named by what follows them, and loads a torch ``AdamW`` checkpoint
+    whose clipping ran outside the optimizer (``clip_grad_norm_``). Only a leading run of
+    them is skipped: Optax's own chains end in stateless links (``adamw``'s decay and
+    learning-rate scale), whose count tells ``adam`` from ``adamw``."""
+    for skip in range(len(state_types)):
+        if skip and state_types[skip - 1] != STATELESS:
+            break
+        canonical = CANONICAL_OPTIMIZERS.get(state_types[skip:])
+        if canonical is not None:
+            return canonical
+    return "optax:" + ",".join(state_types)

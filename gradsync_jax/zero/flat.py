@@ -11,6 +11,7 @@ update before any state is built.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -210,12 +211,20 @@ class FlatLayout:
 
 
 def build_flat(
-    inner: optax.GradientTransformation, space: ModelSpace, n: int, cap_bytes: int
+    inner: optax.GradientTransformation,
+    space: ModelSpace,
+    n: int,
+    cap_bytes: int,
+    *,
+    order: Sequence[str] | None = None,
+    modules: Mapping[str, str] | None = None,
 ) -> FlatLayout:
-    """Plan buckets (padded to a multiple of ``n``) and map the inner state onto them."""
+    """Plan buckets (padded to a multiple of ``n``) and map the inner state onto them;
+    ``order``: the torch registration order (torch names, after ``modules`` renames)."""
     # Torch's registration order, so the plan renamed to torch names is the one
     # ZeroRedundancyOptimizer(shard_gradients=True) makes for the twin module (same owners).
-    buckets = plan_buckets(registration_order(space.specs), cap_bytes=cap_bytes, pad_to=n)
+    specs = registration_order(space.specs, order=order, modules=modules)
+    buckets = plan_buckets(specs, cap_bytes=cap_bytes, pad_to=n)
     position = {spec.name: i for i, spec in enumerate(space.specs)}
     slots = tuple(
         tuple(FlatSlot(position[slot.name], slot.offset) for slot in bucket.slots)

@@ -15,6 +15,7 @@ updates: the same bytes on the wire as one all-reduce.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -371,12 +372,21 @@ class GreedyLayout:
 
 
 def build_greedy(
-    inner: optax.GradientTransformation, space: ModelSpace, params: Any, n: int, cap_bytes: int
+    inner: optax.GradientTransformation,
+    space: ModelSpace,
+    params: Any,
+    n: int,
+    cap_bytes: int,
+    *,
+    order: Sequence[str] | None = None,
+    modules: Mapping[str, str] | None = None,
 ) -> GreedyLayout:
-    """Plan owners and row layouts for ``params`` (abstract) over ``n`` devices."""
+    """Plan owners and row layouts for ``params`` (abstract) over ``n`` devices; ``order``:
+    the torch registration order (torch names, after ``modules`` renames)."""
     # In torch registration order, not the tree's sorted order, so ties between equal sizes
     # go as in torch's ZeroRedundancyOptimizer: the same owners (docs/checkpoints.md).
-    plan = plan_greedy_shards(registration_order(space.specs), world_size=n)
+    specs = registration_order(space.specs, order=order, modules=modules)
+    plan = plan_greedy_shards(specs, world_size=n)
     rank_of = {shard.name: shard.rank for shard in plan.shards}
     owner = tuple(rank_of[spec.name] for spec in space.specs)
     owned = tuple(tuple(i for i, o in enumerate(owner) if o == d) for d in range(n))

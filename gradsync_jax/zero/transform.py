@@ -12,6 +12,7 @@ The partitions live in ``greedy`` (whole tensors) and ``flat`` (element ranges),
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +45,10 @@ class ZeroSettings:
     partition: str
     reduce: str
     bucket_cap_bytes: int
+    # torch registration order of the parameters (torch names, after ``modules`` renames):
+    # ties between equal sizes go to the owners torch's ZeroRedundancyOptimizer picks.
+    order: tuple[str, ...] | None = None
+    modules: tuple[tuple[str, str], ...] | None = None
 
     @property
     def axes(self) -> tuple[str, ...]:
@@ -96,7 +101,14 @@ class _LayoutCache:
             raise ValueError(problem)
         if s.partition in ("flat", "auto"):
             try:
-                flat = build_flat(s.inner, space, s.world_size, s.bucket_cap_bytes)
+                flat = build_flat(
+                    s.inner,
+                    space,
+                    s.world_size,
+                    s.bucket_cap_bytes,
+                    order=s.order,
+                    modules=None if s.modules is None else dict(s.modules),
+                )
             except NotElementwiseError:
                 if s.partition == "flat":
                     raise
@@ -108,7 +120,15 @@ class _LayoutCache:
                     return flat
                 if s.partition == "flat":
                     raise not_elementwise(reason)
-        greedy = build_greedy(s.inner, space, params, s.world_size, s.bucket_cap_bytes)
+        greedy = build_greedy(
+            s.inner,
+            space,
+            params,
+            s.world_size,
+            s.bucket_cap_bytes,
+            order=s.order,
+            modules=None if s.modules is None else dict(s.modules),
+        )
         if soundness is not None:
             if problem := soundness.greedy_problem(greedy):
                 raise ValueError(problem)
@@ -337,6 +357,8 @@ def shard_optimizer(
     partition: str = "auto",
     reduce: str = "mean",
     bucket_cap_mb: float = 25.0,
+    order: Sequence[str] | None = None,
+    modules: Mapping[str, str] | None = None,
 ) -> ShardedOptimizer:
     """Wrap ``inner`` so each device along ``axis_name`` keeps 1/N of its state (ZeRO).
 
@@ -363,6 +385,13 @@ def shard_optimizer(
         bucket_cap_mb: in MiB, as torch's DDP and ``gradsync_torch`` take it. ``"flat"``: the
             gradient bucket size; ``"greedy"``: the size of the column chunks its packed
             gradients are reduce-scattered in.
+        order: torch names in registration order, as ``torch_specs`` takes it: greedy owners
+            break ties between equal sizes in this order, as torch's ZeRO optimizer does, so a
+            model whose Flax tree sorts otherwise (attention ``q, k, v, o``; a module's own
+            parameter before its children's) gets torch's owners. Default: natural order.
+            Flat buckets are laid out in it too. To continue a torch checkpoint with its owners:
+            ``order=[p.name for p in gradsync_core.read_manifest(path).params]``.
+        modules: the Flax-to-torch module renames that give ``order``'s names.
 
     Returns:
         A ``ShardedOptimizer`` (an ``optax.GradientTransformationExtraArgs``).
@@ -404,5 +433,7 @@ def shard_optimizer(
         partition=partition,
         reduce=reduce,
         bucket_cap_bytes=max(1, int(bucket_cap_mb * MIB)),
+        order=None if order is None else tuple(order),
+        modules=None if modules is None else tuple(sorted(modules.items())),
     )
     return ShardedOptimizer(_ZeroTransform(settings))

@@ -28,7 +28,7 @@ from gradsync_core.checkpoint import (
     resolve_checkpoint,
     weight_owners,
 )
-from gradsync_torch._specs import dtype_name
+from gradsync_torch._specs import dtype_name, unwrapped
 
 
 def model_weights(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -74,8 +74,12 @@ def read_weights(path: str | os.PathLike[str], manifest: Manifest) -> dict[str, 
     return weights
 
 
-def check_weights(weights: Mapping[str, torch.Tensor], module: nn.Module) -> None:
-    """Refuse weights that ``module.load_state_dict(strict=True)`` would refuse.
+def check_weights(
+    weights: Mapping[str, torch.Tensor], module: nn.Module, *, cast: bool = False
+) -> None:
+    """Refuse weights that ``module.load_state_dict(strict=True)`` would refuse; with
+    ``cast``, a floating weight stored in another floating dtype is accepted (and converted
+    by ``copy_weights``), as ``load_state_dict`` converts ``bfloat16`` to ``float32``.
 
     Raises:
         ValueError: naming the first missing, unexpected or mismatched parameter.
@@ -86,11 +90,24 @@ def check_weights(weights: Mapping[str, torch.Tensor], module: nn.Module) -> Non
     )
     for name, param in mine.items():
         saved = weights[name]
-        if (tuple(saved.shape), saved.dtype) != (tuple(param.shape), param.dtype):
+        stored = f"{tuple(saved.shape)} {dtype_name(saved.dtype)}"
+        here = f"{tuple(param.shape)} {dtype_name(param.dtype)}"
+        if tuple(saved.shape) != tuple(param.shape):
             raise ValueError(
-                f"weight {name!r} is {tuple(saved.shape)} {dtype_name(saved.dtype)} in the "
-                f"checkpoint but {tuple(param.shape)} {dtype_name(param.dtype)} here: "
-                "another model?"
+                f"weight {name!r} is {stored} in the checkpoint but {here} here: another model?"
+            )
+        if saved.dtype == param.dtype:
+            continue
+        if not (saved.dtype.is_floating_point and param.dtype.is_floating_point):
+            raise ValueError(
+                f"weight {name!r} is {dtype_name(saved.dtype)} in the checkpoint but "
+                f"{dtype_name(param.dtype)} here: a dtype mismatch that no cast makes exact"
+            )
+        if not cast:
+            raise ValueError(
+                f"weight {name!r} is {dtype_name(saved.dtype)} in the checkpoint but "
+                f"{dtype_name(param.dtype)} here (same shape {tuple(param.shape)}): only the "
+                "dtype differs; pass cast=True to convert it, or cast the model first"
             )
 
 
@@ -104,7 +121,9 @@ def copy_weights(module: nn.Module | None, weights: Mapping[str, torch.Tensor] |
             param.copy_(weights[name])
 
 
-def load_model_weights(path: str | os.PathLike[str], module: nn.Module) -> Manifest:
+def load_model_weights(
+    path: str | os.PathLike[str], module: nn.Module, *, cast: bool = False
+) -> Manifest:
     """Load the model weights of a gradsync checkpoint into ``module`` (no process group).
 
     For evaluating or fine-tuning from a checkpoint written by either framework without its
@@ -113,6 +132,9 @@ def load_model_weights(path: str | os.PathLike[str], module: nn.Module) -> Manif
     Args:
         path: a checkpoint directory saved with model weights.
         module: the model; names, shapes and dtypes must match (``load_state_dict`` strict).
+            A data-parallel wrapper (DDP, ``DataParallel``) loads into its ``module``.
+        cast: convert weights stored in another floating dtype (a ``bfloat16`` checkpoint
+            into ``float32`` parameters, or back) instead of refusing them.
 
     Returns:
         The checkpoint's manifest.
@@ -123,10 +145,12 @@ def load_model_weights(path: str | os.PathLike[str], module: nn.Module) -> Manif
 
     Example:
         >>> load_model_weights("ckpt", net)  # doctest: +SKIP
+        >>> load_model_weights("bf16_ckpt", net.float(), cast=True)  # doctest: +SKIP
     """
+    module = unwrapped(module)  # a wrapper's weights are its model's: never "module." names
     path = resolve_checkpoint(path)  # one version, even while a save switches it
     manifest = read_manifest(path)  # hashes every file
     weights = read_weights(path, manifest)
-    check_weights(weights, module)
+    check_weights(weights, module, cast=cast)
     copy_weights(module, weights)
     return manifest

@@ -20,10 +20,11 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 
 from gradsync_torch.data_parallel.buckets import BucketBuffers, GradSlots
 from gradsync_torch.data_parallel.comm_hooks import CommHook as HookFn
-from gradsync_torch.data_parallel.comm_hooks import GradBucket
+from gradsync_torch.data_parallel.comm_hooks import GradBucket, in_bucket_order
 
 
 class BucketCollective(Protocol):
@@ -197,6 +198,10 @@ class CommHook(FullSum):
 
     def __init__(self, hook: HookFn, state: Any, slots: GradSlots, *, views: bool) -> None:
         super().__init__(slots, views=views)
+        if isinstance(state, PowerSGDState):
+            # PowerSGD's chained all-reduces keep one order on every rank only if the buckets
+            # reduce one after another; other hooks keep their buckets in flight together.
+            hook = in_bucket_order(hook)
         self.hook, self.state = hook, state
 
     def launch(self, bucket: BucketBuffers, *, is_last: bool) -> None:

@@ -164,3 +164,61 @@ def fp16_compress_hook(
         >>> model.register_comm_hook(None, fp16_compress_hook)  # doctest: +SKIP
     """
     return _compress_hook(torch.float16, process_group, bucket)
+
+
+def in_bucket_order(hook: CommHook) -> CommHook:
+    """``hook``, each bucket's reduction started only once the previous bucket's is done.
+
+    Compressing PowerSGD issues two of its three all-reduces per bucket from its futures'
+    callbacks, which gloo runs on its own thread: with several buckets in flight, the order of
+    those all-reduces on the group depends on timing and differs between ranks, which hangs
+    (torch DDP hangs too). Started in bucket order, each bucket's collectives all complete
+    before the next bucket's first one is issued, so every rank issues them in one order. The
+    arithmetic is the hook's own: only when it runs changes. Backward is not blocked: a later
+    bucket's hook runs from the earlier bucket's future callback. Buckets must be launched
+    in index order, bucket 0 first in each step (as DDP and ``DataParallel`` launch them).
+
+    Args:
+        hook: a comm hook (``hook(state, bucket) -> Future[Tensor]``).
+
+    Returns:
+        A comm hook with the same results.
+
+    Example:
+        >>> ddp.register_comm_hook(state, in_bucket_order(powerSGD_hook))  # doctest: +SKIP
+    """
+    previous: list[torch.futures.Future[Any] | None] = [None]
+
+    def ordered(state: Any, bucket: Any) -> torch.futures.Future[Any]:
+        before = None if bucket.index() == 0 else previous[0]
+        if before is None or before.done():
+            future = hook(state, bucket)
+        else:
+            future = torch.futures.Future()
+            before.add_done_callback(lambda _: _forward(hook, state, bucket, future))
+        previous[0] = future
+        return future
+
+    # DDP's register_comm_hook checks the annotations as objects; postponed evaluation (this
+    # module's ``from __future__ import annotations``) leaves strings, which it refuses.
+    ordered.__annotations__ = {
+        "state": Any,
+        "bucket": dist.GradBucket,
+        "return": torch.futures.Future[torch.Tensor],
+    }
+    return ordered
+
+
+def _forward(hook: CommHook, state: Any, bucket: Any, future: torch.futures.Future[Any]) -> None:
+    """Run ``hook`` and hand its future's value (or error) to ``future``."""
+
+    def done(inner: torch.futures.Future[Any]) -> None:
+        try:
+            future.set_result(inner.value())
+        except Exception as error:  # the hook's collective failed: the waiter raises it
+            future.set_exception(error)
+
+    try:
+        hook(state, bucket).add_done_callback(done)
+    except Exception as error:
+        future.set_exception(error)

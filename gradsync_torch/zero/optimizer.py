@@ -21,6 +21,7 @@ from torch.optim import Optimizer
 import gradsync_core
 from gradsync_core import ParamSpec, ShardPlan
 from gradsync_core.checkpoint import data_extra, restore_data
+from gradsync_torch._specs import unwrapped
 from gradsync_torch.checkpoint import zero as checkpoint
 from gradsync_torch.checkpoint.model_state import copy_weights
 from gradsync_torch.data_parallel import DataParallel
@@ -369,6 +370,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             >>> opt.save("ckpt/step100", model=net, data=sampler)  # doctest: +SKIP
         """
         names = self.param_names(model)
+        model = None if model is None else unwrapped(model)  # never store wrapper names
         snapshot = checkpoint.Snapshot(
             optimizer=optimizer_name(self.optimizer_class),
             step=self._steps,
@@ -390,6 +392,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         ``model`` if stored and its data position into ``data`` (a ``ResumableSampler``), a
         collective; on any error every rank raises and the optimizer is unchanged."""
         names = self.param_names(model)
+        model = None if model is None else unwrapped(model)  # the wrapper's model.module
         target = checkpoint.LoadTarget(
             optimizer_class=self.optimizer_class,
             names=names,

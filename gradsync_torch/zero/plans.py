@@ -23,7 +23,8 @@ from gradsync_core import (
     plan_flat_shards,
     plan_greedy_shards,
 )
-from gradsync_torch._specs import dtype_name, is_expert
+from gradsync_core.checkpoint import unwrapped_names
+from gradsync_torch._specs import dtype_name, is_expert, unwrapped
 from gradsync_torch.agreement import Disagreement, agree_on
 
 
@@ -37,14 +38,21 @@ def parameter_names(
         ValueError: if neither is available, or ``model`` lacks a parameter.
     """
     if all("param_names" in g for g in param_groups):
-        return [n for group in param_groups for n in group["param_names"]]
+        names = [n for group in param_groups for n in group["param_names"]]
+        # A wrapper's named_parameters() (DDP's, DataParallel's): store the model's own names,
+        # the ones the model given has inside its wrappers (a child may be called "module").
+        bare = unwrapped_names(names)
+        if model is None:
+            return bare
+        inner = {name for name, _ in unwrapped(model).named_parameters()}
+        return names if set(names) <= inner or not set(bare) <= inner else bare
     if model is None:
         raise ValueError(
             "this optimizer has no parameter names: build it from "
             "model.named_parameters() or pass model=<the module> to save/load"
         )
     params = [p for group in param_groups for p in group["params"]]
-    by_id = {id(p): name for name, p in model.named_parameters()}
+    by_id = {id(p): name for name, p in unwrapped(model).named_parameters()}
     names = [by_id.get(id(p)) for p in params]
     if None in names:
         i = names.index(None)

@@ -257,3 +257,45 @@ def test_same_owners_as_torch(world_size: int) -> None:
         got = torch_plan(tx.plan(tree), modules=modules)
         assert {s.name: s.rank for s in got.shards} == {s.name: s.rank for s in want.shards}
         assert got.fingerprint == want.fingerprint
+
+
+def test_stateless_transformations_before_the_optimizer_do_not_block_the_match(tmp_path) -> None:
+    """Issue 22 item 4: a torch AdamW checkpoint loads into ``chain(clip(...), adamw)`` (the
+    clipping keeps no state; torch clips outside the optimizer) and continues exactly; a
+    threshold no gradient reaches keeps the arithmetic torch's, so the result is comparable."""
+    from gradsync_jax.checkpoint.optimizers import optimizer_name
+
+    def types(tx):
+        import re
+
+        return tuple(re.findall(r"namedtuple\[(\w+)\]", str(jax.tree.structure(tx.init({})))))
+
+    adamw, adam = optax_twin("adamw"), optax.adam(1e-2)
+    for clip in (optax.clip(1.0), optax.clip_by_global_norm(1.0)):
+        assert optimizer_name(types(optax.chain(clip, adamw))) == "adamw"
+        assert optimizer_name(types(optax.chain(clip, adam))) == "adam"
+        assert optimizer_name(types(optax.chain(clip, optax.sgd(0.1)))) == "sgd"
+        assert optimizer_name(types(optax.chain(clip, optax.sgd(0.1, 0.9)))) == "sgd_momentum"
+    assert optimizer_name(types(optax.chain(optax.clip(1.0), optax.lion(1e-3)))).startswith(
+        "optax:"
+    )
+    like = linen_init()
+    init = to_torch_state(like, modules=RENAMES)
+    x, y = data()
+    path = str(tmp_path / "ckpt")
+    torch_run = run_workers(
+        cross_worker.run, 2, WIDTHS, init, x, y, "adamw", TORCH_HYPER["adamw"], 10, 5, path
+    )[0]
+    clipped = optax.chain(optax.clip(1e9), optax_twin("adamw"))
+    tx = shard_optimizer(clipped, mesh_of(4), partition="greedy")
+    params = from_torch_state(torch_run["saved_params"], like, modules=RENAMES)
+    opt_state, manifest = load_optimizer_state(path, tx, params, modules=RENAMES)
+    assert manifest.optimizer == "torch.optim.AdamW"
+    params, opt_state = train_jax(tx, params, opt_state, 5)
+    assert_close(to_torch_state(params, modules=RENAMES), torch_run["params"], "params")
+    adam_states = jax.tree.leaves(
+        tx.gather_state(opt_state, params),
+        is_leaf=lambda s: isinstance(s, optax.ScaleByAdamState),
+    )
+    inner = next(s for s in adam_states if isinstance(s, optax.ScaleByAdamState))
+    assert_close(optax_moments(inner, "adamw"), torch_run["state"], "state")

@@ -11,8 +11,6 @@ tree must have the same fingerprint.
 from __future__ import annotations
 
 import itertools
-import os
-import tempfile
 
 import flax.linen as fnn
 import jax
@@ -43,7 +41,7 @@ from gradsync_jax import param_specs as flax_param_specs
 from gradsync_jax._naming import torch_name
 from gradsync_torch import param_specs as torch_param_specs
 from tests.parity.torch_worker import RENAMES, WIDTHS, TorchMLP, train
-from tests.torch.harness import run_workers
+from tests.torch.harness import one_rank_group, run_workers
 
 STEPS = 10
 # Betas whose powers float32 holds exactly: optax computes Adam's bias corrections
@@ -100,15 +98,8 @@ FLAT_CAP_MB = 2048 / 2**20
 
 @pytest.fixture(scope="module")
 def single_process_group():
-    import torch.distributed as dist
-
-    with tempfile.TemporaryDirectory() as tmp:
-        store = dist.FileStore(os.path.join(tmp, "store"), 1)
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-        try:
-            yield
-        finally:
-            dist.destroy_process_group()
+    with one_rank_group():
+        yield
 
 
 def _torch_flat_plans(world_sizes: list[int]) -> dict[int, ShardPlan]:

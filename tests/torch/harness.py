@@ -13,13 +13,14 @@ for a dead peer fails in seconds instead of torch's default 30 minutes) and call
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import queue
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -189,3 +190,15 @@ def run_workers_outcomes(
         while drain(0.5):  # what a rank sent just before it ended
             pass
     return [Outcome(p.exitcode, *reported.get(rank, (None, None))) for rank, p in enumerate(procs)]
+
+
+@contextlib.contextmanager
+def one_rank_group() -> Iterator[None]:
+    """A gloo world of one, this process, for checks that need a group but no peers."""
+    with tempfile.TemporaryDirectory() as tmp:
+        store = dist.FileStore(os.path.join(tmp, "store"), 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()

@@ -7,14 +7,15 @@ PowerSGD (compressing from step 2), in two layouts (one bucket; several small bu
 case trains the same model on the same data with torch DDP and with ``DataParallel`` for
 ``STEPS`` SGD steps and requires bitwise-equal gradients at every step; every case is then
 reported as its own test. Skipped, with the reason: hooks DDP itself refuses or fails here
-(its error is the reason: the bf16 hooks need CUDA and NCCL), and compressing PowerSGD with
-several buckets, whose chained all-reduces gloo issues in a rank-dependent order: torch DDP
-hangs on those (it cannot be run to compare against, and DataParallel hangs the same way).
+(its error is the reason: the bf16 hooks need CUDA and NCCL).
 
 Compressing PowerSGD chains all-reduces from its futures' callbacks, which gloo runs on its
-own thread. DataParallel therefore issues its own used-map all-reduce on the same group only
+own thread: with several buckets in flight their order differs between ranks and torch DDP
+hangs. DataParallel starts each bucket's PowerSGD hook only once the previous bucket's future
+is done (``in_bucket_order``), and issues its own used-map all-reduce on the same group only
 after every bucket's future is done, so the collectives keep one order on every rank; the
-cases run on the world group, as DDP's do.
+reference DDP runs the hook through the same ``in_bucket_order`` to be comparable. The cases
+run on the world group, as DDP's do.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsync_torch as gt
+from gradsync_torch.data_parallel.comm_hooks import in_bucket_order
 from tests.torch.harness import run_workers
 
 WORLD_SIZE = 2
@@ -60,23 +62,28 @@ class Case(NamedTuple):
 
 
 def _enum_case(kind: DDPCommHookType) -> Case:
-    return Case(lambda model: register_ddp_comm_hook(kind, model, state=dist.group.WORLD))
+    return Case(
+        lambda model, ordered=False: register_ddp_comm_hook(kind, model, state=dist.group.WORLD)
+    )
 
 
 def _power_sgd_case(hook: Callable, wrapper: Callable | None = None) -> Case:
-    def register(model: nn.Module) -> None:
+    def register(model: nn.Module, ordered: bool = False) -> None:
         # A fresh state per model: it holds the error feedback and the warm-start factors.
         state = powerSGD.PowerSGDState(
             process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=POWER_SGD_START
         )
-        model.register_comm_hook(state, hook if wrapper is None else wrapper(hook))
+        wrapped = hook if wrapper is None else wrapper(hook)
+        model.register_comm_hook(state, in_bucket_order(wrapped) if ordered else wrapped)
 
     return Case(register, chains_collectives=True)
 
 
 def _wrapped_allreduce_case(wrapper: Callable) -> Case:
     return Case(
-        lambda model: model.register_comm_hook(dist.group.WORLD, wrapper(default.allreduce_hook))
+        lambda model, ordered=False: model.register_comm_hook(
+            dist.group.WORLD, wrapper(default.allreduce_hook)
+        )
     )
 
 
@@ -148,18 +155,21 @@ def _first_line(error: Exception) -> str:
 
 def check_case(case: Case, layout: str, rank: int) -> None:
     """DDP and DataParallel with the same hook: bitwise-equal gradients at every step."""
-    if case.chains_collectives and layout != "one_bucket":
-        # Not run at all: a rank-dependent collective order hangs gloo instead of raising.
-        raise SkipCase(
-            "the hook issues all-reduces from its futures' callbacks on gloo's thread; with "
-            "several buckets in flight their order differs between ranks and torch DDP "
-            "itself hangs here (seen with torch 2.13, gloo, 2 ranks)"
-        )
     ours_kwargs, ddp_kwargs = LAYOUTS[layout]
+    # DDP hangs on compressing PowerSGD with several buckets (the hook issues all-reduces from
+    # its futures' callbacks on gloo's thread, in a rank-dependent order; seen with torch
+    # 2.13, gloo, 2 ranks): DataParallel starts the buckets' hooks one after another
+    # (in_bucket_order), and the reference DDP gets the same order to be comparable. Its
+    # unused-parameter all-reduce would still race with the chained ones, so it runs without
+    # find_unused_parameters: step 0 in one bucket (PowerSGD only all-reduces before
+    # POWER_SGD_START, the same sums in any layout), the capped layout from its rebuild on.
+    ordered = case.chains_collectives and layout != "one_bucket"
+    if ordered:
+        ddp_kwargs = {k: v for k, v in ddp_kwargs.items() if k != "find_unused_parameters"}
     base = mlp()
     ddp = DDP(copy.deepcopy(base), **ddp_kwargs)
     try:
-        case.register(ddp)
+        case.register(ddp, ordered=ordered)
     except Exception as error:
         raise SkipCase(f"torch DDP refuses it here: {_first_line(error)}") from None
     ours = gt.DataParallel(copy.deepcopy(base), **ours_kwargs)
