@@ -1,6 +1,7 @@
 """Every code block in README.md and docs/*.md runs as printed, or says why it does not.
 
-A fenced block is ```python, ```bash or ```text (output, trees and formulas: not code). An
+A fenced block is ```python, ```bash, ```text (output, trees and formulas: not code) or
+```diff (a change to show: not code). An
 HTML comment on the line before the fence changes how it runs:
 
 - ``<!-- doctest: torchrun N -->``: a torchrun script, run on N gloo ranks
@@ -30,7 +31,8 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-LANGUAGES = ("python", "bash", "text")
+LANGUAGES = ("python", "bash", "text", "diff")
+NOT_CODE = ("text", "diff")
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```\n", re.S | re.M)
 MARKER = re.compile(r"<!-- doctest: (torchrun \d+|continues|skip: .+?) -->\s*$")
 
@@ -67,7 +69,7 @@ def _runs() -> list[list[Block]]:
     """Runnable groups: a block followed by the blocks marked ``continues``."""
     groups: list[list[Block]] = []
     for b in BLOCKS:
-        if b.lang == "text" or (b.marker or "").startswith("skip"):
+        if b.lang in NOT_CODE or (b.marker or "").startswith("skip"):
             continue
         if b.marker == "continues":
             assert groups and groups[-1][0].doc == b.doc, f"{b.id}: nothing to continue"
