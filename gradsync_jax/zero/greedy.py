@@ -36,7 +36,16 @@ from gradsync_jax.zero.layout import (
     materialize,
 )
 from gradsync_jax.zero.model_space import ModelSpace, as_dtype, itemsize
-from gradsync_jax.zero.rows import DeviceState, Rows, column_cuts, map_device_state, plan_rows
+from gradsync_jax.zero.rows import (
+    DeviceState,
+    Rows,
+    column_cuts,
+    gather_owned,
+    globals_tree,
+    map_device_state,
+    plan_rows,
+    scatter_owned,
+)
 
 # The branches of ``lax.switch`` must return equal types, and a device that owns nothing
 # returns constants where the others return varying values: every branch output goes
@@ -107,10 +116,7 @@ class GreedyLayout:
         )
 
     def _inner(self, global_values: list[Any]) -> Any:
-        it = iter(global_values)
-        return self.space.state_treedef.unflatten(
-            [next(it) if s.param is None else None for s in self.space.leaves]
-        )
+        return globals_tree(self.space, global_values)
 
     def _owned_tree(self, d: int, leaves: list[Any] | None) -> Any:
         if leaves is None:
@@ -346,28 +352,11 @@ class GreedyLayout:
 
     def gather(self, state: ZeroState) -> list[np.ndarray]:
         """The unsharded inner state's leaves (NumPy), in ``space.leaves`` order."""
-        host = [np.asarray(state.shards[name]) for name in self.state.names()]
-        globals_ = iter(np.asarray(g) for g in jax.tree.leaves(state.inner))
-        out = []
-        for index, leaf in enumerate(self.space.leaves):
-            if leaf.param is None:
-                out.append(next(globals_))
-            else:
-                owner_rows = [buf[self.owner[leaf.param]] for buf in host]
-                out.append(self.state.unpack(owner_rows, index, leaf.shape, np))
-        return out
+        return gather_owned(self.space, self.state, self.owner, state)
 
     def scatter(self, leaves: list[np.ndarray]) -> ZeroState:
         """Unsharded leaves -> inner with globals, and host shard buffers."""
-        host = [np.zeros((self.n, length), dtype) for dtype, length in self.state.buffers]
-        for index, (leaf, value) in enumerate(zip(self.space.leaves, leaves, strict=True)):
-            if leaf.param is not None and leaf.numel:
-                b, offset = self.state.slots[index]
-                host[b][self.owner[leaf.param], offset : offset + leaf.numel] = np.ravel(value)
-        globals_ = [leaves[i] for i in self.globals]
-        return ZeroState(
-            inner=self._inner(globals_), shards=dict(zip(self.state.names(), host, strict=True))
-        )
+        return scatter_owned(self.space, self.state, self.owner, leaves)
 
 
 def build_greedy(

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from gradsync_jax.zero.layout import ZeroState
 from gradsync_jax.zero.model_space import ModelSpace, path_parts
 
 Item = tuple[Hashable, str, int]  # (key, dtype name, numel)
@@ -169,3 +170,47 @@ def map_device_state(
         sources.append(StateSource("param", index))
         items.append((index, np.dtype(leaf.dtype).name, known.numel))
     return DeviceState(treedef=treedef, sources=tuple(sources)), items
+
+
+def globals_tree(space: ModelSpace, global_values: list[Any]) -> Any:
+    """The inner state with its global leaves (in order) and ``None`` per-parameter leaves:
+    how a partition that keeps per-parameter state in rows holds ``ZeroState.inner``."""
+    it = iter(global_values)
+    return space.state_treedef.unflatten(
+        [next(it) if s.param is None else None for s in space.leaves]
+    )
+
+
+def _host(value: Any) -> Any:
+    """A global leaf on the host: NumPy, except a PRNG key (NumPy has no key dtype)."""
+    if jax.dtypes.issubdtype(value.dtype, jax.dtypes.extended):
+        return value
+    return np.asarray(value)
+
+
+def gather_owned(space: ModelSpace, rows: Rows, owner: Any, state: Any) -> list[np.ndarray]:
+    """Host side: the unsharded state's leaves (NumPy, ``space.leaves`` order) from a
+    ``ZeroState`` whose per-parameter leaves sit in their owner's ``rows``."""
+    host = [np.asarray(state.shards[name]) for name in rows.names()]
+    globals_ = iter(_host(g) for g in jax.tree.leaves(state.inner))
+    out = []
+    for index, leaf in enumerate(space.leaves):
+        if leaf.param is None:
+            out.append(next(globals_))
+        else:
+            owner_rows = [buf[owner[leaf.param]] for buf in host]
+            out.append(rows.unpack(owner_rows, index, leaf.shape, np))
+    return out
+
+
+def scatter_owned(space: ModelSpace, rows: Rows, owner: Any, leaves: list[np.ndarray]) -> ZeroState:
+    """Host side, the inverse of ``gather_owned``: a ``ZeroState`` of host buffers."""
+    host = [np.zeros((rows.n, length), dtype) for dtype, length in rows.buffers]
+    for index, (leaf, value) in enumerate(zip(space.leaves, leaves, strict=True)):
+        if leaf.param is not None and leaf.numel:
+            b, offset = rows.slots[index]
+            host[b][owner[leaf.param], offset : offset + leaf.numel] = np.ravel(value)
+    globals_ = [leaves[i] for i, leaf in enumerate(space.leaves) if leaf.param is None]
+    return ZeroState(
+        inner=globals_tree(space, globals_), shards=dict(zip(rows.names(), host, strict=True))
+    )

@@ -26,12 +26,13 @@ from gradsync_jax._axes import AxisName, axis_tuple, display_axis
 from gradsync_jax.zero.checks import check_grads, check_inside, check_state
 from gradsync_jax.zero.clip import GLOBAL_NORM
 from gradsync_jax.zero.flat import FlatLayout, NotElementwiseError, build_flat, not_elementwise
+from gradsync_jax.zero.gathered import GatheredLayout, build_gathered
 from gradsync_jax.zero.greedy import build_greedy
 from gradsync_jax.zero.layout import Collective, Layout, UpdateInputs, UpdateResult, ZeroState
 from gradsync_jax.zero.model_space import abstract, model_space, pure, signature
 from gradsync_jax.zero.soundness import Soundness, check_on_sample, split_extra_args
 
-PARTITIONS = ("auto", "greedy", "flat")
+PARTITIONS = ("auto", "greedy", "flat", "gathered")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -84,16 +85,21 @@ class _LayoutCache:
         return self._layouts[key]
 
     def _plan(self, params: Any) -> Layout:
-        """The partition asked for (``"auto"``: flat when proven elementwise, else greedy),
-        refused unless the analysis proves it exact or needs the update's extra arguments."""
+        """The partition asked for. ``"auto"``: flat when proven elementwise, else greedy
+        when proven exact per tensor, else gathered (exact for any optimizer). ``"greedy"``
+        and ``"flat"`` refuse what the analysis cannot prove exact for them, unless it
+        needs the update's extra arguments (then checked at the first trace)."""
         s = self.settings
         space = model_space(s.inner, params)
-        try:
-            soundness: Soundness | None = Soundness(s.inner, space, params, {})
-        except Exception:  # e.g. it needs value=...: analysed at the first update instead
-            soundness = None
-        if soundness is not None and (problem := soundness.coupling()):
-            raise ValueError(problem)
+        if s.partition == "gathered":
+            return build_gathered(space, s.world_size)
+        soundness, probe = _analyse(s.inner, space, params)
+        coupled = None if soundness is None else soundness.coupling()
+        if coupled and s.partition != "auto":
+            raise ValueError(coupled)
+        if soundness is None or coupled:
+            if s.partition == "auto":  # nothing proven: the partition that is always exact
+                return build_gathered(space, s.world_size)
         if s.partition in ("flat", "auto"):
             try:
                 flat = build_flat(s.inner, space, s.world_size, s.bucket_cap_bytes)
@@ -103,7 +109,7 @@ class _LayoutCache:
             else:
                 reason = "unknown" if soundness is None else soundness.flat_problem(flat)
                 if reason is None:
-                    self._verified.add(self._check_key(flat, True, {}))
+                    self._verified.add(self._check_key(flat, True, probe))
                 if reason is None or (s.partition == "flat" and soundness is None):
                     return flat
                 if s.partition == "flat":
@@ -111,8 +117,10 @@ class _LayoutCache:
         greedy = build_greedy(s.inner, space, params, s.world_size, s.bucket_cap_bytes)
         if soundness is not None:
             if problem := soundness.greedy_problem(greedy):
+                if s.partition == "auto":
+                    return build_gathered(space, s.world_size)
                 raise ValueError(problem)
-            self._verified.add(self._check_key(greedy, True, {}))
+            self._verified.add(self._check_key(greedy, True, probe))
         return greedy
 
     def _check_key(self, layout: Layout, with_params: bool, extra_args: dict[str, Any]) -> Any:
@@ -121,9 +129,10 @@ class _LayoutCache:
 
     def verify(self, layout: Layout, with_params: bool, extra_args: dict[str, Any]) -> None:
         """Refuse, at the first trace, an update the analysis cannot prove exact for this
-        layout with these extra arguments (``value=``, a ``value_fn``)."""
+        layout with these extra arguments (``value=``, a ``value_fn``). The gathered
+        partition runs the whole tree: nothing to prove."""
         key = self._check_key(layout, with_params, extra_args)
-        if key in self._verified:
+        if key in self._verified or isinstance(layout, GatheredLayout):
             return
         space = layout.space
         params = space.param_treedef.unflatten(
@@ -162,6 +171,25 @@ class _LayoutCache:
         if id(layout) not in self._inits:
             self._inits[id(layout)] = _build_init(self.settings, layout)
         return self._inits[id(layout)]
+
+
+# An extra argument Optax optimizers commonly need before they can be traced (polyak_sgd's
+# loss): tried at planning time so such an optimizer is analysed before init, not refused.
+_VALUE_PROBE = {"value": jax.ShapeDtypeStruct((), np.float32)}
+
+
+def _analyse(
+    inner: optax.GradientTransformationExtraArgs, space: Any, params: Any
+) -> tuple[Soundness | None, dict[str, Any]]:
+    """The whole-tree analysis without extra arguments, else with ``value=``; ``None`` if
+    the update cannot be traced either way (it needs a ``value_fn``, or it raises: e.g.
+    ``gradsync_jax.clip_by_global_norm`` behind another transformation)."""
+    for probe in ({}, _VALUE_PROBE):
+        try:
+            return Soundness(inner, space, params, probe), probe
+        except Exception:  # analysed at the first update instead
+            continue
+    return None, {}
 
 
 def _explicit(mesh: Mesh) -> bool:
