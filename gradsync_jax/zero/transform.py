@@ -114,7 +114,12 @@ class _LayoutCache:
                     return flat
                 if s.partition == "flat":
                     raise not_elementwise(reason)
-        greedy = build_greedy(s.inner, space, params, s.world_size, s.bucket_cap_bytes)
+        try:
+            greedy = build_greedy(s.inner, space, params, s.world_size, s.bucket_cap_bytes)
+        except ValueError:  # an init that cannot skip None leaves (galore)
+            if s.partition != "auto":
+                raise
+            return build_gathered(space, s.world_size)
         if soundness is not None:
             if problem := soundness.greedy_problem(greedy):
                 if s.partition == "auto":

@@ -25,6 +25,7 @@ from gradsync_core import Topology
 from gradsync_jax import clip_by_global_norm, mesh_from_topology, shard_optimizer
 from gradsync_jax.zero.gathered import GatheredLayout
 from tests.helpers import assert_tree_close
+from tests.jax.test_zero_sweep import key_data
 
 STEPS = 6
 SHAPES = {"a": (4, 6), "b": (10,), "c": (3, 5)}
@@ -145,15 +146,9 @@ def sharded(runs: list[tuple[Any, bool]], params: dict, mesh: Any, n: int) -> li
         grads = jax.device_put(local_grads(k, n), NamedSharding(mesh, P("dp")))
         all_params, states = step(all_params, states, grads, loss_value(k))
     return [
-        (p, _key_data(tx.gather_state(s, params)))
+        (p, key_data(tx.gather_state(s, params)))
         for (tx, _), p, s in zip(runs, all_params, states, strict=True)
     ]
-
-
-def _key_data(tree: Any) -> Any:
-    """PRNG keys as their key data, so they compare as arrays."""
-    extended = lambda x: jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended)  # noqa: E731
-    return jax.tree.map(lambda x: jax.random.key_data(x) if extended(x) else x, tree)
 
 
 @pytest.mark.parametrize("n", [2, 4, 8], ids=lambda n: f"n{n}")
@@ -165,7 +160,7 @@ def test_coupled_optimizers_match_unsharded(n: int) -> None:
         warnings.simplefilter("ignore")
         runs = [(shard_optimizer(tx, mesh), needs) for tx, needs in cases.values()]
         got = sharded(runs, params, mesh, n)
-        want = [(p, _key_data(s)) for p, s in reference(list(cases.values()), params, n)]
+        want = [(p, key_data(s)) for p, s in reference(list(cases.values()), params, n)]
     for name, (tx, _), (p, s), (ref_p, ref_s) in zip(cases, runs, got, want, strict=True):
         if name in COUPLED:  # auto must not take a per-tensor partition for these
             assert isinstance(tx.layout(params), GatheredLayout), name
