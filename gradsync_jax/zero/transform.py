@@ -386,7 +386,11 @@ def shard_optimizer(
         mesh: the mesh the training step's ``shard_map`` runs on.
         axis_name: the data-parallel axis (or tuple of axes) the batch is split over.
         partition: ``"auto"`` (default): ``"flat"`` when the inner update is proven
-            elementwise, else ``"greedy"``. ``"greedy"``: whole parameters per device
+            elementwise, else ``"greedy"`` when proven exact per tensor, else
+            ``"gathered"``: the state stored with greedy's owners, the update run on the
+            whole tree on every device (exact for any optimizer, global norms and
+            learning-rate estimates included; the whole state in transient memory).
+            ``"greedy"``: whole parameters per device
             (``plan_greedy_shards``, the owners torch's ZeRO optimizer picks), for optimizers
             whose update of a tensor reads only that tensor (Adafactor, LAMB). ``"flat"``:
             element ranges of gradient buckets, one reduce-scatter and one all-gather per
@@ -402,9 +406,10 @@ def shard_optimizer(
 
     Raises:
         ValueError: on an unknown partition/reduce, a non-positive ``bucket_cap_mb``, an
-            axis the mesh lacks, or an inner update that reads other tensors than the one it
-            updates (``optax.clip_by_global_norm``, ``polyak_sgd``), here, at ``init`` or at
-            the first trace. ``NotElementwiseError`` (a ``ValueError``) for ``"flat"`` and a
+            axis the mesh lacks, or, for ``"greedy"``/``"flat"``, an inner update that reads
+            other tensors than the one it updates (``optax.clip_by_global_norm``,
+            ``polyak_sgd``), here, at ``init`` or at the first trace.
+            ``NotElementwiseError`` (a ``ValueError``) for ``"flat"`` and a
             non-elementwise inner update.
 
     Example:
