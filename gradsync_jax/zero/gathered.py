@@ -27,8 +27,8 @@ from gradsync_core import ShardPlan, plan_greedy_shards
 from gradsync_jax._axes import cast_varying, divide_after
 from gradsync_jax._naming import registration_order
 from gradsync_jax.zero.layout import Collective, UpdateInputs, UpdateResult, ZeroState
-from gradsync_jax.zero.model_space import ModelSpace, as_dtype, itemsize
-from gradsync_jax.zero.rows import Rows, gather_owned, globals_tree, plan_rows, scatter_owned
+from gradsync_jax.zero.model_space import ModelSpace, as_dtype
+from gradsync_jax.zero.rows import OwnedRows, Rows, globals_tree, plan_rows
 
 
 def _all_reduce(g: jax.Array, axes: tuple[str, ...], n: int, mean: bool) -> jax.Array:
@@ -42,7 +42,7 @@ def _all_reduce(g: jax.Array, axes: tuple[str, ...], n: int, mean: bool) -> jax.
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class GatheredLayout:
+class GatheredLayout(OwnedRows):
     """Implements ``Layout``: device ``d`` stores the state of the parameters it owns; the
     update gathers it and runs on the whole tree."""
 
@@ -51,31 +51,6 @@ class GatheredLayout:
     plan: ShardPlan
     owner: tuple[int, ...]  # per parameter leaf
     state: Rows  # per-parameter state rows: keys are space indices of state leaves
-
-    @property
-    def globals(self) -> list[int]:
-        return [i for i, s in enumerate(self.space.leaves) if s.param is None]
-
-    def state_specs(self, spec_entry: Any) -> ZeroState:
-        """Globals replicated, per-parameter leaves ``None``, rows sharded over the axis."""
-        inner = globals_tree(self.space, [jax.sharding.PartitionSpec()] * len(self.globals))
-        rows = {name: jax.sharding.PartitionSpec(spec_entry) for name in self.state.names()}
-        return ZeroState(inner=inner, shards=rows)
-
-    def local_shapes(self) -> list[tuple[int, ...]]:
-        return [self.space.leaves[i].shape for i in self.globals]
-
-    def init_sharded(self) -> bool:
-        return False
-
-    def init_inputs(self, leaves: list[Any]) -> list[Any]:
-        return leaves
-
-    def nbytes_per_device(self) -> int:
-        leaves = self.space.leaves
-        return self.state.nbytes + sum(
-            leaves[i].numel * itemsize(leaves[i].dtype) for i in self.globals
-        )
 
     # -- inside shard_map ------------------------------------------------------------------
 
@@ -146,14 +121,6 @@ class GatheredLayout:
         )
         new = self._keep_own(self.space.state_treedef.flatten_up_to(state), axes)
         return UpdateResult(updates=treedef.flatten_up_to(updates), state=new)
-
-    # -- host side: model space <-> storage ------------------------------------------------
-
-    def gather(self, state: ZeroState) -> list[np.ndarray]:
-        return gather_owned(self.space, self.state, self.owner, state)
-
-    def scatter(self, leaves: list[np.ndarray]) -> ZeroState:
-        return scatter_owned(self.space, self.state, self.owner, leaves)
 
 
 def build_gathered(space: ModelSpace, n: int) -> GatheredLayout:

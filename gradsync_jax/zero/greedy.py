@@ -35,16 +35,15 @@ from gradsync_jax.zero.layout import (
     ZeroState,
     materialize,
 )
-from gradsync_jax.zero.model_space import ModelSpace, as_dtype, itemsize
+from gradsync_jax.zero.model_space import ModelSpace, as_dtype
 from gradsync_jax.zero.rows import (
     DeviceState,
+    OwnedRows,
     Rows,
     column_cuts,
-    gather_owned,
     globals_tree,
     map_device_state,
     plan_rows,
-    scatter_owned,
 )
 
 # The branches of ``lax.switch`` must return equal types, and a device that owns nothing
@@ -75,7 +74,7 @@ def _global_norm(chunks: list[list[jax.Array]], axes: tuple[str, ...]) -> jax.Ar
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class GreedyLayout:
+class GreedyLayout(OwnedRows):
     """Implements ``Layout``: device ``d`` stores the state of the parameters it owns."""
 
     space: ModelSpace
@@ -88,32 +87,6 @@ class GreedyLayout:
     state: Rows  # per-parameter state rows: keys are space indices of state leaves
     devices: tuple[DeviceState, ...]
     empty: DeviceState  # the state of a device that owns nothing: global leaves only
-
-    @property
-    def globals(self) -> list[int]:
-        return [i for i, s in enumerate(self.space.leaves) if s.param is None]
-
-    def state_specs(self, spec_entry: Any) -> ZeroState:
-        """Globals replicated, per-parameter leaves ``None``, rows sharded over the axis."""
-        inner = self._inner([jax.sharding.PartitionSpec()] * len(self.globals))
-        rows = {name: jax.sharding.PartitionSpec(spec_entry) for name in self.state.names()}
-        return ZeroState(inner=inner, shards=rows)
-
-    def local_shapes(self) -> list[tuple[int, ...]]:
-        """The inner state holds the global leaves only, whole on every device."""
-        return [self.space.leaves[i].shape for i in self.globals]
-
-    def init_sharded(self) -> bool:
-        return False
-
-    def init_inputs(self, leaves: list[Any]) -> list[Any]:
-        return leaves
-
-    def nbytes_per_device(self) -> int:
-        leaves = self.space.leaves
-        return self.state.nbytes + sum(
-            leaves[i].numel * itemsize(leaves[i].dtype) for i in self.globals
-        )
 
     def _inner(self, global_values: list[Any]) -> Any:
         return globals_tree(self.space, global_values)
@@ -349,14 +322,6 @@ class GreedyLayout:
         return new
 
     # -- host side: model space <-> storage ------------------------------------------------
-
-    def gather(self, state: ZeroState) -> list[np.ndarray]:
-        """The unsharded inner state's leaves (NumPy), in ``space.leaves`` order."""
-        return gather_owned(self.space, self.state, self.owner, state)
-
-    def scatter(self, leaves: list[np.ndarray]) -> ZeroState:
-        """Unsharded leaves -> inner with globals, and host shard buffers."""
-        return scatter_owned(self.space, self.state, self.owner, leaves)
 
 
 def build_greedy(

@@ -23,7 +23,7 @@ import numpy as np
 import optax
 
 from gradsync_jax.zero.layout import ZeroState
-from gradsync_jax.zero.model_space import ModelSpace, path_parts
+from gradsync_jax.zero.model_space import ModelSpace, itemsize, path_parts
 
 Item = tuple[Hashable, str, int]  # (key, dtype name, numel)
 
@@ -214,3 +214,48 @@ def scatter_owned(space: ModelSpace, rows: Rows, owner: Any, leaves: list[np.nda
     return ZeroState(
         inner=globals_tree(space, globals_), shards=dict(zip(rows.names(), host, strict=True))
     )
+
+
+class OwnedRows:
+    """What the partitions that store each parameter's state whole in its owner's row share
+    (greedy, gathered): specs, shapes, bytes and the host-side conversions. Needs the
+    attributes ``space`` (``ModelSpace``), ``state`` (``Rows``) and ``owner``."""
+
+    __slots__ = ()
+    space: ModelSpace
+    state: Rows
+    owner: tuple[int, ...]
+
+    @property
+    def globals(self) -> list[int]:
+        return [i for i, s in enumerate(self.space.leaves) if s.param is None]
+
+    def state_specs(self, spec_entry: Any) -> ZeroState:
+        """Globals replicated, per-parameter leaves ``None``, rows sharded over the axis."""
+        inner = globals_tree(self.space, [jax.sharding.PartitionSpec()] * len(self.globals))
+        rows = {name: jax.sharding.PartitionSpec(spec_entry) for name in self.state.names()}
+        return ZeroState(inner=inner, shards=rows)
+
+    def local_shapes(self) -> list[tuple[int, ...]]:
+        """The inner state holds the global leaves only, whole on every device."""
+        return [self.space.leaves[i].shape for i in self.globals]
+
+    def init_sharded(self) -> bool:
+        return False
+
+    def init_inputs(self, leaves: list[Any]) -> list[Any]:
+        return leaves
+
+    def nbytes_per_device(self) -> int:
+        leaves = self.space.leaves
+        return self.state.nbytes + sum(
+            leaves[i].numel * itemsize(leaves[i].dtype) for i in self.globals
+        )
+
+    def gather(self, state: ZeroState) -> list[np.ndarray]:
+        """The unsharded inner state's leaves (NumPy), in ``space.leaves`` order."""
+        return gather_owned(self.space, self.state, self.owner, state)
+
+    def scatter(self, leaves: list[np.ndarray]) -> ZeroState:
+        """Unsharded leaves -> inner with globals, and host shard buffers."""
+        return scatter_owned(self.space, self.state, self.owner, leaves)

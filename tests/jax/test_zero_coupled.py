@@ -25,6 +25,7 @@ from gradsync_core import Topology
 from gradsync_jax import clip_by_global_norm, mesh_from_topology, shard_optimizer
 from gradsync_jax.zero.gathered import GatheredLayout
 from tests.helpers import assert_tree_close
+from tests.jax.test_zero import mean_in_device_order
 from tests.jax.test_zero_sweep import key_data
 
 STEPS = 6
@@ -91,16 +92,6 @@ def make_params() -> dict:
 def local_grads(step: int, n: int) -> dict:
     rng = np.random.default_rng(100 + step)
     return {k: jnp.asarray(rng.normal(0, 1, (n, *s)), jnp.float32) for k, s in SHAPES.items()}
-
-
-def mean_in_device_order(stacked: dict, n: int) -> dict:
-    def mean(x: jax.Array) -> jax.Array:
-        total = x[0] / n
-        for d in range(1, n):
-            total = total + x[d] / n
-        return total
-
-    return jax.tree.map(mean, stacked)
 
 
 def loss_value(step: int) -> jax.Array:
