@@ -7,7 +7,11 @@ alternating in one process (docs/design.md §11), one step each per round:
   holds and updates the whole Adam state);
 - greedy: ``shard_optimizer(optax.adam, partition="greedy")`` (whole tensors per device);
 - flat: ``shard_optimizer(optax.adam, partition="flat")`` (element ranges of 25 MiB buckets);
-- auto: ``shard_optimizer(optax.adam, partition="auto")``, only when this gradsync accepts it.
+- auto: ``shard_optimizer(optax.adam, partition="auto")``;
+- jit: the JAX-native way, ``jax.jit`` of the plain step with the state sharded by
+  ``NamedSharding`` (largest divisible axis over dp, else replicated): ``JitWay``.
+  ``--optimizer adamw|masked_adamw`` replaces Adam everywhere (greedy/flat only where they
+  accept it); ``auto_ratio_vs_jit`` is auto's paired ratio to the jit way.
 
 Reported: median step time after warm-up, the median of the per-round ratios to the anchor
 (target <= 1.10), and the optimizer-state bytes each device holds, measured from the arrays'

@@ -5,7 +5,9 @@ returns a transformation when called with defaults or with only ``learning_rate=
 Optax optimizers are covered as Optax grows, plus wrappers around transformations that couple
 tensors. Each (case, partition) is refused at construction, ``init`` or the first trace, or it
 runs 8 steps and must match the same transformation unsharded, parameters and state, at rtol
-1e-5. All accepted cases run in one ``shard_map`` program (one compilation).
+1e-5. ``auto`` refuses nothing that runs unsharded: what greedy and flat refuse it runs
+``gathered``, and those runs are compared too. All accepted cases run in one ``shard_map``
+program (one compilation).
 """
 
 from __future__ import annotations
