@@ -34,10 +34,13 @@ def global_norm_args(grads: Any, norm: jax.Array) -> dict[str, GlobalNorm]:
 def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArgs:
     """Clip the gradient by its global norm, across devices under ``shard_optimizer``.
 
-    Put it first in the chain wrapped by ``shard_optimizer`` (where Optax examples put
-    clipping): it must see the gradient itself, and it raises if another transformation
-    runs before it. Outside ``shard_optimizer`` (no ``global_norm`` extra argument) it
-    equals ``optax.clip_by_global_norm``.
+    First in the chain wrapped by ``shard_optimizer`` (where Optax examples put clipping)
+    it keeps a ``flat`` or ``greedy`` partition: it is handed the norm across devices, which
+    is known only for the gradient itself, and it raises there if another transformation
+    runs before it. Anywhere else (after other transformations, inside ``MultiSteps`` or
+    ``multi_transform``) ``partition="auto"`` runs the update ``gathered``, where no
+    ``global_norm`` is passed. Without a ``global_norm`` extra argument (also outside
+    ``shard_optimizer``) it equals ``optax.clip_by_global_norm``.
 
     Args:
         max_norm: the largest global norm an update may have.
@@ -47,8 +50,8 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArg
         the extra argument ``global_norm`` (a ``GlobalNorm``) when given.
 
     Raises:
-        ValueError: (when traced under ``shard_optimizer``) if it does not receive the
-            gradient as ``shard_optimizer`` passed it, i.e. it is not first in the chain.
+        ValueError: (traced under a ``greedy`` or ``flat`` ``shard_optimizer``) if it does
+            not receive the gradient as ``shard_optimizer`` passed it (not first in the chain).
 
     Example:
         >>> tx = shard_optimizer(optax.chain(clip_by_global_norm(1.0), optax.adam(1e-3)), mesh)

@@ -23,7 +23,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from gradsync_core import BucketPlan, ShardPlan, plan_buckets, plan_flat_shards
-from gradsync_jax._axes import psum_scatter_mean, tracks_variance, varying
+from gradsync_jax._axes import cast_varying, psum_scatter_mean, tracks_variance, varying
 from gradsync_jax._naming import registration_order
 from gradsync_jax.zero.clip import global_norm_args
 from gradsync_jax.zero.layout import (
@@ -124,6 +124,42 @@ class FlatLayout:
             out.append(jnp.concatenate(parts))
         return out
 
+    def _own_chunks(self, leaves: list[Any], axes: tuple[str, ...]) -> tuple[jax.Array, ...]:
+        """This device's chunk of every bucket of ``leaves`` (the replicated parameters).
+
+        Slicing ``_flat(leaves)`` at the device index would concatenate every bucket whole
+        each step (the parameters do not change shape, only value): N times the bytes this
+        device reads. Each ``lax.switch`` branch instead copies only the element ranges of
+        the parameters that fall in its own chunk (static slices), 1/N of them.
+        """
+
+        def branch(d: int) -> Any:
+            def run(leaves: list[Any]) -> Any:
+                return cast_varying(
+                    tuple(self._chunk_of(leaves, b, d) for b in range(len(self.slots))), axes
+                )
+
+            return run
+
+        return lax.switch(lax.axis_index(axes), [branch(d) for d in range(self.n)], leaves)
+
+    def _chunk_of(self, leaves: list[Any], b: int, d: int) -> jax.Array:
+        """Elements ``[d * chunk, (d + 1) * chunk)`` of bucket ``b`` (zeros where padded)."""
+        dtype = self.buckets.buckets[b].dtype
+        lo, hi = d * self.chunk(b), (d + 1) * self.chunk(b)
+        parts, at = [], lo
+        for i, offset in self.slots[b]:
+            a, z = max(lo, offset), min(hi, offset + self.space.specs[i].numel)
+            if a >= z:
+                continue
+            if a > at:  # alignment gap between slots
+                parts.append(jnp.zeros(a - at, dtype))
+            parts.append(leaves[i].ravel()[a - offset : z - offset].astype(dtype))
+            at = z
+        if hi > at:
+            parts.append(jnp.zeros(hi - at, dtype))
+        return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+
     # -- inside shard_map ------------------------------------------------------------------
 
     def init_local(
@@ -142,13 +178,7 @@ class FlatLayout:
             psum_scatter_mean(flat, axes, self.n, mean=group.mean)
             for flat in self._flat(inputs.grads, computed=True)
         )
-        p_chunks = None
-        if params is not None:
-            index = lax.axis_index(axes)
-            p_chunks = tuple(
-                lax.dynamic_slice_in_dim(flat, index * self.chunk(b), self.chunk(b))
-                for b, flat in enumerate(self._flat(params))
-            )
+        p_chunks = None if params is None else self._own_chunks(params, axes)
         norm = jnp.sqrt(lax.psum(sum(jnp.sum(jnp.square(g)) for g in g_chunks), axes))
         u_chunks, inner_state = inner.update(
             g_chunks,

@@ -36,8 +36,16 @@ from gradsync_jax.zero.layout import (
     ZeroState,
     materialize,
 )
-from gradsync_jax.zero.model_space import ModelSpace, as_dtype, itemsize
-from gradsync_jax.zero.rows import DeviceState, Rows, column_cuts, map_device_state, plan_rows
+from gradsync_jax.zero.model_space import ModelSpace, as_dtype
+from gradsync_jax.zero.rows import (
+    DeviceState,
+    OwnedRows,
+    Rows,
+    column_cuts,
+    globals_tree,
+    map_device_state,
+    plan_rows,
+)
 
 # The branches of ``lax.switch`` must return equal types, and a device that owns nothing
 # returns constants where the others return varying values: every branch output goes
@@ -67,7 +75,7 @@ def _global_norm(chunks: list[list[jax.Array]], axes: tuple[str, ...]) -> jax.Ar
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class GreedyLayout:
+class GreedyLayout(OwnedRows):
     """Implements ``Layout``: device ``d`` stores the state of the parameters it owns."""
 
     space: ModelSpace
@@ -81,37 +89,8 @@ class GreedyLayout:
     devices: tuple[DeviceState, ...]
     empty: DeviceState  # the state of a device that owns nothing: global leaves only
 
-    @property
-    def globals(self) -> list[int]:
-        return [i for i, s in enumerate(self.space.leaves) if s.param is None]
-
-    def state_specs(self, spec_entry: Any) -> ZeroState:
-        """Globals replicated, per-parameter leaves ``None``, rows sharded over the axis."""
-        inner = self._inner([jax.sharding.PartitionSpec()] * len(self.globals))
-        rows = {name: jax.sharding.PartitionSpec(spec_entry) for name in self.state.names()}
-        return ZeroState(inner=inner, shards=rows)
-
-    def local_shapes(self) -> list[tuple[int, ...]]:
-        """The inner state holds the global leaves only, whole on every device."""
-        return [self.space.leaves[i].shape for i in self.globals]
-
-    def init_sharded(self) -> bool:
-        return False
-
-    def init_inputs(self, leaves: list[Any]) -> list[Any]:
-        return leaves
-
-    def nbytes_per_device(self) -> int:
-        leaves = self.space.leaves
-        return self.state.nbytes + sum(
-            leaves[i].numel * itemsize(leaves[i].dtype) for i in self.globals
-        )
-
     def _inner(self, global_values: list[Any]) -> Any:
-        it = iter(global_values)
-        return self.space.state_treedef.unflatten(
-            [next(it) if s.param is None else None for s in self.space.leaves]
-        )
+        return globals_tree(self.space, global_values)
 
     def _owned_tree(self, d: int, leaves: list[Any] | None) -> Any:
         if leaves is None:
@@ -344,31 +323,6 @@ class GreedyLayout:
         return new
 
     # -- host side: model space <-> storage ------------------------------------------------
-
-    def gather(self, state: ZeroState) -> list[np.ndarray]:
-        """The unsharded inner state's leaves (NumPy), in ``space.leaves`` order."""
-        host = [np.asarray(state.shards[name]) for name in self.state.names()]
-        globals_ = iter(np.asarray(g) for g in jax.tree.leaves(state.inner))
-        out = []
-        for index, leaf in enumerate(self.space.leaves):
-            if leaf.param is None:
-                out.append(next(globals_))
-            else:
-                owner_rows = [buf[self.owner[leaf.param]] for buf in host]
-                out.append(self.state.unpack(owner_rows, index, leaf.shape, np))
-        return out
-
-    def scatter(self, leaves: list[np.ndarray]) -> ZeroState:
-        """Unsharded leaves -> inner with globals, and host shard buffers."""
-        host = [np.zeros((self.n, length), dtype) for dtype, length in self.state.buffers]
-        for index, (leaf, value) in enumerate(zip(self.space.leaves, leaves, strict=True)):
-            if leaf.param is not None and leaf.numel:
-                b, offset = self.state.slots[index]
-                host[b][self.owner[leaf.param], offset : offset + leaf.numel] = np.ravel(value)
-        globals_ = [leaves[i] for i in self.globals]
-        return ZeroState(
-            inner=self._inner(globals_), shards=dict(zip(self.state.names(), host, strict=True))
-        )
 
 
 def build_greedy(

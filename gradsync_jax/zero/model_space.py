@@ -124,8 +124,10 @@ def _not_per_parameter(name: str) -> ValueError:
 
 def _owners(
     flat: list[tuple[Any, Any]], global_paths: dict[str, Any], by_parts: dict[tuple[str, ...], int]
-) -> list[tuple[tuple[str, ...], Any, int | None, tuple[str, ...]]]:
-    """Each state leaf as ``(parts, leaf, parameter index or None, prefix parts)``."""
+) -> list[tuple[tuple[str, ...], Any, int | None, tuple[str, ...], tuple[str, ...]]]:
+    """Each state leaf as ``(parts, leaf, parameter index or None, prefix parts, suffix
+    parts)``; the suffix is what follows the parameter's path (SM3 keeps one accumulator per
+    dimension of a tensor: ``mu/<param>/0``, ``mu/<param>/1``)."""
     raw = []
     for path, leaf in flat:
         parts = path_parts(path)
@@ -133,17 +135,27 @@ def _owners(
         if joined in global_paths:
             if tuple(global_paths[joined].shape) != tuple(leaf.shape):
                 raise _not_per_parameter(".".join(parts))
-            raw.append((parts, leaf, None, parts))
+            raw.append((parts, leaf, None, parts, ()))
             continue
         # The longest suffix that is a parameter path: params {"a": {"b": x}, "b": y} put
-        # mu of x at (..., "a", "b"), whose suffix ("b",) alone would name y.
-        for cut in range(len(parts)):
-            if parts[cut:] in by_parts:
-                raw.append((parts, leaf, by_parts[parts[cut:]], parts[:cut]))
-                break
-        else:
+        # mu of x at (..., "a", "b"), whose suffix ("b",) alone would name y. Failing that,
+        # a parameter path followed by per-tensor sub-leaves (SM3), the longest again.
+        found = _param_in(parts, by_parts)
+        if found is None:
             raise _not_per_parameter(".".join(parts))
+        cut, end = found
+        raw.append((parts, leaf, by_parts[parts[cut:end]], parts[:cut], parts[end:]))
     return raw
+
+
+def _param_in(parts: tuple[str, ...], by_parts: dict[tuple[str, ...], int]) -> Any:
+    """``(cut, end)`` with ``parts[cut:end]`` a parameter path: ``end`` the last possible,
+    then the longest; ``None`` if no parameter path occurs."""
+    for end in range(len(parts), 0, -1):
+        for cut in range(end):
+            if parts[cut:end] in by_parts:
+                return cut, end
+    return None
 
 
 def model_space(inner: optax.GradientTransformation, params: Any) -> ModelSpace:
@@ -159,14 +171,16 @@ def model_space(inner: optax.GradientTransformation, params: Any) -> ModelSpace:
     }
     flat, state_treedef = jax.tree_util.tree_flatten_with_path(full)
     raw = _owners(flat, global_paths, by_parts)
-    prefixes = {".".join(pre) for _, _, p, pre in raw if p is not None}
+    prefixes = {".".join(pre) for _, _, p, pre, _ in raw if p is not None}
     lasts = {pre.rpartition(".")[2] for pre in prefixes}
     short = len(lasts) == len(prefixes) and "" not in lasts  # "mu", "nu" unless ambiguous
     leaves = []
-    for parts, leaf, param, prefix in raw:
+    for parts, leaf, param, prefix, suffix in raw:
         name = ".".join(parts)
         pre = ".".join(prefix)
         key = pre if param is None else (pre.rpartition(".")[2] if short else pre)
+        if suffix:  # one tensor's sub-leaves: "mu.0", "mu.1"
+            key = ".".join((key, *suffix))
         leaves.append(
             StateLeaf(
                 name=name,

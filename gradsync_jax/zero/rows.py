@@ -22,7 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from gradsync_jax.zero.model_space import ModelSpace, path_parts
+from gradsync_jax.zero.layout import ZeroState
+from gradsync_jax.zero.model_space import ModelSpace, itemsize, path_parts
 
 Item = tuple[Hashable, str, int]  # (key, dtype name, numel)
 
@@ -169,3 +170,92 @@ def map_device_state(
         sources.append(StateSource("param", index))
         items.append((index, np.dtype(leaf.dtype).name, known.numel))
     return DeviceState(treedef=treedef, sources=tuple(sources)), items
+
+
+def globals_tree(space: ModelSpace, global_values: list[Any]) -> Any:
+    """The inner state with its global leaves (in order) and ``None`` per-parameter leaves:
+    how a partition that keeps per-parameter state in rows holds ``ZeroState.inner``."""
+    it = iter(global_values)
+    return space.state_treedef.unflatten(
+        [next(it) if s.param is None else None for s in space.leaves]
+    )
+
+
+def _host(value: Any) -> Any:
+    """A global leaf on the host: NumPy, except a PRNG key (NumPy has no key dtype)."""
+    if jax.dtypes.issubdtype(value.dtype, jax.dtypes.extended):
+        return value
+    return np.asarray(value)
+
+
+def gather_owned(space: ModelSpace, rows: Rows, owner: Any, state: Any) -> list[np.ndarray]:
+    """Host side: the unsharded state's leaves (NumPy, ``space.leaves`` order) from a
+    ``ZeroState`` whose per-parameter leaves sit in their owner's ``rows``."""
+    host = [np.asarray(state.shards[name]) for name in rows.names()]
+    globals_ = iter(_host(g) for g in jax.tree.leaves(state.inner))
+    out = []
+    for index, leaf in enumerate(space.leaves):
+        if leaf.param is None:
+            out.append(next(globals_))
+        else:
+            owner_rows = [buf[owner[leaf.param]] for buf in host]
+            out.append(rows.unpack(owner_rows, index, leaf.shape, np))
+    return out
+
+
+def scatter_owned(space: ModelSpace, rows: Rows, owner: Any, leaves: list[np.ndarray]) -> ZeroState:
+    """Host side, the inverse of ``gather_owned``: a ``ZeroState`` of host buffers."""
+    host = [np.zeros((rows.n, length), dtype) for dtype, length in rows.buffers]
+    for index, (leaf, value) in enumerate(zip(space.leaves, leaves, strict=True)):
+        if leaf.param is not None and leaf.numel:
+            b, offset = rows.slots[index]
+            host[b][owner[leaf.param], offset : offset + leaf.numel] = np.ravel(value)
+    globals_ = [leaves[i] for i, leaf in enumerate(space.leaves) if leaf.param is None]
+    return ZeroState(
+        inner=globals_tree(space, globals_), shards=dict(zip(rows.names(), host, strict=True))
+    )
+
+
+class OwnedRows:
+    """What the partitions that store each parameter's state whole in its owner's row share
+    (greedy, gathered): specs, shapes, bytes and the host-side conversions. Needs the
+    attributes ``space`` (``ModelSpace``), ``state`` (``Rows``) and ``owner``."""
+
+    __slots__ = ()
+    space: ModelSpace
+    state: Rows
+    owner: tuple[int, ...]
+
+    @property
+    def globals(self) -> list[int]:
+        return [i for i, s in enumerate(self.space.leaves) if s.param is None]
+
+    def state_specs(self, spec_entry: Any) -> ZeroState:
+        """Globals replicated, per-parameter leaves ``None``, rows sharded over the axis."""
+        inner = globals_tree(self.space, [jax.sharding.PartitionSpec()] * len(self.globals))
+        rows = {name: jax.sharding.PartitionSpec(spec_entry) for name in self.state.names()}
+        return ZeroState(inner=inner, shards=rows)
+
+    def local_shapes(self) -> list[tuple[int, ...]]:
+        """The inner state holds the global leaves only, whole on every device."""
+        return [self.space.leaves[i].shape for i in self.globals]
+
+    def init_sharded(self) -> bool:
+        return False
+
+    def init_inputs(self, leaves: list[Any]) -> list[Any]:
+        return leaves
+
+    def nbytes_per_device(self) -> int:
+        leaves = self.space.leaves
+        return self.state.nbytes + sum(
+            leaves[i].numel * itemsize(leaves[i].dtype) for i in self.globals
+        )
+
+    def gather(self, state: ZeroState) -> list[np.ndarray]:
+        """The unsharded inner state's leaves (NumPy), in ``space.leaves`` order."""
+        return gather_owned(self.space, self.state, self.owner, state)
+
+    def scatter(self, leaves: list[np.ndarray]) -> ZeroState:
+        """Unsharded leaves -> inner with globals, and host shard buffers."""
+        return scatter_owned(self.space, self.state, self.owner, leaves)

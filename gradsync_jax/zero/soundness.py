@@ -24,8 +24,8 @@ from gradsync_jax.zero.model_space import ModelSpace, model_space, path_parts
 
 _NORM = jax.ShapeDtypeStruct((), np.float32)  # gradsync_jax.clip_by_global_norm's norm
 _FIX = (
-    "use gradsync_jax.clip_by_global_norm instead of optax.clip_by_global_norm (it takes the "
-    "norm across devices), or run this optimizer without shard_optimizer"
+    "use partition='auto' or 'gathered' (the update then runs on the whole tree, exactly), or "
+    "gradsync_jax.clip_by_global_norm first in the chain instead of optax.clip_by_global_norm"
 )
 
 
@@ -170,7 +170,7 @@ class Soundness:
             f"shard_optimizer cannot use partition='greedy' for this optimizer: given only the "
             f"parameters one device owns, it computes the {what} differently than on the whole "
             "tree (it depends on the other parameters' number, shapes or order, e.g. one PRNG "
-            "key split per leaf); run this optimizer without shard_optimizer"
+            "key split per leaf); use partition='auto' or 'gathered'"
         )
 
     def flat_problem(self, layout: FlatLayout) -> str | None:
@@ -260,7 +260,10 @@ _SAMPLE = {
 
 def check_on_sample(inner: optax.GradientTransformationExtraArgs, partition: str) -> None:
     """Refuse ``inner`` early if it couples tensors (or, for ``"flat"``, is not elementwise)
-    on a small sample tree; one it cannot run on is left to ``init`` on the real tree."""
+    on a small sample tree; one it cannot run on is left to ``init`` on the real tree.
+    ``"auto"`` and ``"gathered"`` refuse nothing: a coupled update runs gathered."""
+    if partition not in ("greedy", "flat"):
+        return
     try:
         space = model_space(inner, _SAMPLE)
         soundness = Soundness(inner, space, _SAMPLE, {})

@@ -27,12 +27,13 @@ from gradsync_jax._axes import AxisName, axis_tuple, display_axis
 from gradsync_jax.zero.checks import check_grads, check_inside, check_state
 from gradsync_jax.zero.clip import GLOBAL_NORM
 from gradsync_jax.zero.flat import FlatLayout, NotElementwiseError, build_flat, not_elementwise
+from gradsync_jax.zero.gathered import GatheredLayout, build_gathered
 from gradsync_jax.zero.greedy import build_greedy
 from gradsync_jax.zero.layout import Collective, Layout, UpdateInputs, UpdateResult, ZeroState
 from gradsync_jax.zero.model_space import abstract, model_space, pure, signature
 from gradsync_jax.zero.soundness import Soundness, check_on_sample, split_extra_args
 
-PARTITIONS = ("auto", "greedy", "flat")
+PARTITIONS = ("auto", "greedy", "flat", "gathered")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -89,50 +90,51 @@ class _LayoutCache:
         return self._layouts[key]
 
     def _plan(self, params: Any) -> Layout:
-        """The partition asked for (``"auto"``: flat when proven elementwise, else greedy),
-        refused unless the analysis proves it exact or needs the update's extra arguments."""
+        """The partition asked for. ``"auto"``: flat when proven elementwise, else greedy
+        when proven exact per tensor, else gathered (exact for any optimizer). ``"greedy"``
+        and ``"flat"`` refuse what the analysis cannot prove exact for them, unless it
+        needs the update's extra arguments (then checked at the first trace)."""
         s = self.settings
         space = model_space(s.inner, params)
-        try:
-            soundness: Soundness | None = Soundness(s.inner, space, params, {})
-        except Exception:  # e.g. it needs value=...: analysed at the first update instead
-            soundness = None
-        if soundness is not None and (problem := soundness.coupling()):
-            raise ValueError(problem)
+        # Torch's registration order, when given: the owners (and flat's buckets) follow it.
+        ordered = {"order": s.order, "modules": None if s.modules is None else dict(s.modules)}
+        if s.partition == "gathered":
+            return build_gathered(space, s.world_size, **ordered)
+        soundness, probe = _analyse(s.inner, space, params)
+        coupled = None if soundness is None else soundness.coupling()
+        if coupled and s.partition != "auto":
+            raise ValueError(coupled)
+        if soundness is None or coupled:
+            if s.partition == "auto":  # nothing proven: the partition that is always exact
+                return build_gathered(space, s.world_size, **ordered)
         if s.partition in ("flat", "auto"):
             try:
-                flat = build_flat(
-                    s.inner,
-                    space,
-                    s.world_size,
-                    s.bucket_cap_bytes,
-                    order=s.order,
-                    modules=None if s.modules is None else dict(s.modules),
-                )
+                flat = build_flat(s.inner, space, s.world_size, s.bucket_cap_bytes, **ordered)
             except NotElementwiseError:
                 if s.partition == "flat":
                     raise
             else:
                 reason = "unknown" if soundness is None else soundness.flat_problem(flat)
                 if reason is None:
-                    self._verified.add(self._check_key(flat, True, {}))
+                    self._verified.add(self._check_key(flat, True, probe))
                 if reason is None or (s.partition == "flat" and soundness is None):
                     return flat
                 if s.partition == "flat":
                     raise not_elementwise(reason)
-        greedy = build_greedy(
-            s.inner,
-            space,
-            params,
-            s.world_size,
-            s.bucket_cap_bytes,
-            order=s.order,
-            modules=None if s.modules is None else dict(s.modules),
-        )
+        try:
+            greedy = build_greedy(
+                s.inner, space, params, s.world_size, s.bucket_cap_bytes, **ordered
+            )
+        except ValueError:  # an init that cannot skip None leaves (galore)
+            if s.partition != "auto":
+                raise
+            return build_gathered(space, s.world_size, **ordered)
         if soundness is not None:
             if problem := soundness.greedy_problem(greedy):
+                if s.partition == "auto":
+                    return build_gathered(space, s.world_size, **ordered)
                 raise ValueError(problem)
-            self._verified.add(self._check_key(greedy, True, {}))
+            self._verified.add(self._check_key(greedy, True, probe))
         return greedy
 
     def _check_key(self, layout: Layout, with_params: bool, extra_args: dict[str, Any]) -> Any:
@@ -141,9 +143,10 @@ class _LayoutCache:
 
     def verify(self, layout: Layout, with_params: bool, extra_args: dict[str, Any]) -> None:
         """Refuse, at the first trace, an update the analysis cannot prove exact for this
-        layout with these extra arguments (``value=``, a ``value_fn``)."""
+        layout with these extra arguments (``value=``, a ``value_fn``). The gathered
+        partition runs the whole tree: nothing to prove."""
         key = self._check_key(layout, with_params, extra_args)
-        if key in self._verified:
+        if key in self._verified or isinstance(layout, GatheredLayout):
             return
         space = layout.space
         params = space.param_treedef.unflatten(
@@ -182,6 +185,25 @@ class _LayoutCache:
         if id(layout) not in self._inits:
             self._inits[id(layout)] = _build_init(self.settings, layout)
         return self._inits[id(layout)]
+
+
+# An extra argument Optax optimizers commonly need before they can be traced (polyak_sgd's
+# loss): tried at planning time so such an optimizer is analysed before init, not refused.
+_VALUE_PROBE = {"value": jax.ShapeDtypeStruct((), np.float32)}
+
+
+def _analyse(
+    inner: optax.GradientTransformationExtraArgs, space: Any, params: Any
+) -> tuple[Soundness | None, dict[str, Any]]:
+    """The whole-tree analysis without extra arguments, else with ``value=``; ``None`` if
+    the update cannot be traced either way (it needs a ``value_fn``, or it raises: e.g.
+    ``gradsync_jax.clip_by_global_norm`` behind another transformation)."""
+    for probe in ({}, _VALUE_PROBE):
+        try:
+            return Soundness(inner, space, params, probe), probe
+        except Exception:  # analysed at the first update instead
+            continue
+    return None, {}
 
 
 def _explicit(mesh: Mesh) -> bool:
@@ -375,7 +397,11 @@ def shard_optimizer(
         mesh: the mesh the training step's ``shard_map`` runs on.
         axis_name: the data-parallel axis (or tuple of axes) the batch is split over.
         partition: ``"auto"`` (default): ``"flat"`` when the inner update is proven
-            elementwise, else ``"greedy"``. ``"greedy"``: whole parameters per device
+            elementwise, else ``"greedy"`` when proven exact per tensor, else
+            ``"gathered"``: the state stored with greedy's owners, the update run on the
+            whole tree on every device (exact for any optimizer, global norms and
+            learning-rate estimates included; the whole state in transient memory).
+            ``"greedy"``: whole parameters per device
             (``plan_greedy_shards``, the owners torch's ZeRO optimizer picks), for optimizers
             whose update of a tensor reads only that tensor (Adafactor, LAMB). ``"flat"``:
             element ranges of gradient buckets, one reduce-scatter and one all-gather per
@@ -398,9 +424,10 @@ def shard_optimizer(
 
     Raises:
         ValueError: on an unknown partition/reduce, a non-positive ``bucket_cap_mb``, an
-            axis the mesh lacks, or an inner update that reads other tensors than the one it
-            updates (``optax.clip_by_global_norm``, ``polyak_sgd``), here, at ``init`` or at
-            the first trace. ``NotElementwiseError`` (a ``ValueError``) for ``"flat"`` and a
+            axis the mesh lacks, or, for ``"greedy"``/``"flat"``, an inner update that reads
+            other tensors than the one it updates (``optax.clip_by_global_norm``,
+            ``polyak_sgd``), here, at ``init`` or at the first trace.
+            ``NotElementwiseError`` (a ``ValueError``) for ``"flat"`` and a
             non-elementwise inner update.
 
     Example:

@@ -322,9 +322,11 @@ def test_flat_refuses_non_elementwise(inner) -> None:
     ],
     ids=["optax-clip", "apply-if-finite"],
 )
-def test_cross_parameter_transformations_refused(inner) -> None:
+@pytest.mark.parametrize("partition", ["greedy", "flat"])
+def test_cross_parameter_transformations_refused(inner, partition) -> None:
+    # Per-tensor partitions refuse them; "auto" runs them gathered (test_zero_coupled.py).
     with pytest.raises(ValueError, match="combines all parameters"):
-        shard_optimizer(inner, mesh_of(2))
+        shard_optimizer(inner, mesh_of(2), partition=partition)
 
 
 def test_bad_arguments() -> None:
@@ -376,8 +378,12 @@ def test_misuse_in_the_step_is_refused() -> None:
             jax.device_put(local_grads(n, 0), NamedSharding(mesh, P("dp"))),
         )
 
+    # Under greedy the global norm is handed to the clip, so it must be first; "auto" runs
+    # a clip anywhere gathered (test_zero_coupled.py).
     clip_second = shard_optimizer(
-        optax.chain(optax.scale(0.5), clip_by_global_norm(1.0), optax.adam(1e-3)), mesh
+        optax.chain(optax.scale(0.5), clip_by_global_norm(1.0), optax.adam(1e-3)),
+        mesh,
+        partition="greedy",
     )
     with pytest.raises(ValueError, match="must be the first transformation"):
         run_sharded([clip_second], n, params, steps=1)

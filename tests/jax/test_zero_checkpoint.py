@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import optax.contrib
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -30,6 +31,7 @@ from gradsync_jax import (
     save_optimizer_state,
     shard_optimizer,
 )
+from gradsync_jax.zero.gathered import GatheredLayout
 from tests.helpers import assert_tree_close, assert_tree_equal
 
 BATCH = 32
@@ -246,3 +248,30 @@ def test_version_1_of_the_other_framework_is_refused_with_how_to_convert(saved, 
         r"load it there \(ZeroRedundancyOptimizer.load\) and save it again",
     ):
         load_optimizer_state(old, tx, params)
+
+
+def test_gathered_saved_on_8_resumes_on_4(tmp_path) -> None:
+    """A coupled optimizer (auto: gathered) checkpoints like greedy: saved on 8 devices,
+    loaded on 4 bitwise, the resumed training matches the unsharded reference."""
+
+    def prodigy() -> optax.GradientTransformation:
+        return optax.chain(optax.clip_by_global_norm(1.0), optax.contrib.prodigy(0.5))
+
+    tx8 = shard_optimizer(prodigy(), mesh_of(8))
+    assert isinstance(tx8.layout(params0()), GatheredLayout)
+    params, state = train(tx8, params0(), tx8.init(params0()), range(3))
+    save_optimizer_state(tmp_path / "prodigy", tx8, state, params, step=3)
+    tx4 = shard_optimizer(prodigy(), mesh_of(4))
+    loaded, _ = load_optimizer_state(tmp_path / "prodigy", tx4, params)
+    assert_tree_equal(
+        tx4.gather_state(loaded, params), tx8.gather_state(state, params), same_structure=True
+    )
+    params, loaded = train(tx4, params, loaded, range(3, 6))
+    ref_tx = prodigy()
+    ref_params, ref_state = params0(), ref_tx.init(params0())
+    for i in range(6):
+        grads = jax.grad(loss_fn)(ref_params, *batch(i))
+        updates, ref_state = ref_tx.update(grads, ref_state, ref_params)
+        ref_params = optax.apply_updates(ref_params, updates)
+    assert_tree_close(params, ref_params, atol_rel=1e-6)
+    assert_tree_close(tx4.gather_state(loaded, params), ref_state, atol_rel=1e-6)

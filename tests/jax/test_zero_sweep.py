@@ -5,7 +5,9 @@ returns a transformation when called with defaults or with only ``learning_rate=
 Optax optimizers are covered as Optax grows, plus wrappers around transformations that couple
 tensors. Each (case, partition) is refused at construction, ``init`` or the first trace, or it
 runs 8 steps and must match the same transformation unsharded, parameters and state, at rtol
-1e-5. All accepted cases run in one ``shard_map`` program (one compilation).
+1e-5. ``auto`` refuses nothing that runs unsharded: what greedy and flat refuse it runs
+``gathered``, and those runs are compared too. All accepted cases run in one ``shard_map``
+program (one compilation).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 from gradsync_core import Topology
 from gradsync_jax import clip_by_global_norm, mesh_from_topology, shard_optimizer
 from gradsync_jax.zero.flat import FlatLayout
+from gradsync_jax.zero.gathered import GatheredLayout
 from tests.helpers import assert_tree_close
 
 N = 4
@@ -89,10 +92,48 @@ def wrapped() -> dict[str, Any]:
             optax.chain(clip_by_global_norm(1.0), optax.adam(1e-2)), 2
         ),
         "mechanize(adam)": optax.contrib.mechanize(optax.adam(1e-2)),
+        "chain(adam, clip_by_global_norm)": optax.chain(
+            optax.adam(1e-2), optax.clip_by_global_norm(1.0)
+        ),
+        "chain(scale, gradsync clip, sgd)": optax.chain(
+            optax.scale(2.0), clip_by_global_norm(1.0), optax.sgd(1e-2)
+        ),
+        "multi_transform(gradsync clip+adam, sgd)": optax.multi_transform(
+            {
+                "clip": optax.chain(clip_by_global_norm(1.0), optax.adam(1e-2)),
+                "plain": optax.sgd(1e-2),
+            },
+            labels,
+        ),
     }
 
 
 CASES = {**enumerated(), **wrapped()}
+COUPLED = (  # cases that read every parameter: auto must run them gathered
+    "optax.polyak_sgd",
+    "optax.contrib.prodigy",
+    "optax.contrib.dog",
+    "optax.contrib.dadapt_adamw",
+    "optax.noisy_sgd",
+    "apply_if_finite(adam)",
+    "mechanize(adam)",
+    "MultiSteps(chain(clip_by_global_norm, adam), 2)",
+    "chain(adam, clip_by_global_norm)",
+    "chain(scale, gradsync clip, sgd)",
+    "multi_transform(gradsync clip+adam, sgd)",
+)
+
+
+def key_data(tree: Any) -> Any:
+    """PRNG keys (noisy_sgd's state) as their key data, so they compare as arrays."""
+    extended = lambda x: jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended)  # noqa: E731
+    return jax.tree.map(lambda x: jax.random.key_data(x) if extended(x) else x, tree)
+
+
+def _partition_of(layout: Any) -> str:
+    if isinstance(layout, FlatLayout):
+        return "flat"
+    return "gathered" if isinstance(layout, GatheredLayout) else "greedy"
 
 
 def make_params() -> dict:
@@ -207,8 +248,11 @@ def test_every_optax_optimizer_is_exact_or_refused() -> None:
                 outcomes[(name, partition)] = f"refused: {message}"
                 continue
             if partition == "auto":
-                chosen = "flat" if isinstance(tx.layout(params), FlatLayout) else "greedy"
-                assert not outcomes[(name, chosen)].startswith("refused"), (name, chosen)
+                chosen = _partition_of(tx.layout(params))
+                if chosen == "gathered":  # greedy and flat refused: compare it below
+                    accepted.append((name, partition, tx, extra))
+                else:
+                    assert not outcomes[(name, chosen)].startswith("refused"), (name, chosen)
                 outcomes[(name, partition)] = f"runs as {chosen}"
             else:
                 accepted.append((name, partition, tx, extra))
@@ -226,6 +270,12 @@ def test_every_optax_optimizer_is_exact_or_refused() -> None:
         assert outcomes[(name, partition)] == "matches unsharded", (name, partition)
     for name in ("optax.polyak_sgd", "optax.contrib.dog", "optax.contrib.prodigy"):
         assert outcomes[(name, "greedy")].startswith("refused"), name
+    # Coupled optimizers run under auto (gathered), exactly; nothing the unsharded run
+    # runs is refused by auto.
+    for name in COUPLED:
+        assert outcomes[(name, "auto")] == "runs as gathered", (name, outcomes[(name, "auto")])
+    refused = [n for (n, p), o in outcomes.items() if p == "auto" and o.startswith("refused")]
+    assert not refused, refused
 
     runs = [(tx, extra) for _, _, tx, extra in accepted]
     step = jax.jit(sharded_step(runs, params, mesh))
@@ -242,7 +292,11 @@ def test_every_optax_optimizer_is_exact_or_refused() -> None:
         what = f"{name} partition={partition}"
         assert_tree_close(p, ref_p, rtol=1e-5, atol_rel=1e-5, what=f"parameters of {what}")
         assert_tree_close(
-            tx.gather_state(s, params), ref_s, rtol=1e-5, atol_rel=1e-5, what=f"state of {what}"
+            key_data(tx.gather_state(s, params)),
+            key_data(ref_s),
+            rtol=1e-5,
+            atol_rel=1e-5,
+            what=f"state of {what}",
         )
     width = max(len(n) for n in CASES)
     print("\n" + "\n".join(f"{n:{width}s} {p:6s} {o}" for (n, p), o in outcomes.items()))
