@@ -30,6 +30,14 @@ from gradsync_jax.model_parallel import (
     shared_param_specs,
 )
 from gradsync_jax.model_state import load_params
+from gradsync_jax.param_sharding import (
+    ParamLayout,
+    Zero3Step,
+    param_layout,
+    shard_params,
+    unshard_params,
+    zero3_step,
+)
 from gradsync_jax.sampler import ResumableSampler
 from gradsync_jax.zero import (
     NotElementwiseError,
@@ -45,9 +53,11 @@ __all__: list[str] = [
     "ColumnParallelLinear",
     "MoE",
     "NotElementwiseError",
+    "ParamLayout",
     "ResumableSampler",
     "RowParallelLinear",
     "ShardedOptimizer",
+    "Zero3Step",
     "ZeroState",
     "accumulate_local_grads",
     "all_gather_from",
@@ -64,6 +74,7 @@ __all__: list[str] = [
     "make_shared_local",
     "mesh_from_topology",
     "nnx_functional",
+    "param_layout",
     "param_specs",
     "path_name",
     "reduce_from",
@@ -73,6 +84,7 @@ __all__: list[str] = [
     "save_optimizer_state",
     "scatter_to",
     "shard_optimizer",
+    "shard_params",
     "shared_param_specs",
     "split_microbatches",
     "sync_gradients",
@@ -80,5 +92,7 @@ __all__: list[str] = [
     "torch_names",
     "torch_plan",
     "torch_specs",
+    "unshard_params",
     "value_and_local_grad",
+    "zero3_step",
 ]
