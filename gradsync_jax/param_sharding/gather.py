@@ -54,25 +54,69 @@ def _scatter_flat(
     return tuple(out)
 
 
-def _trainable_gather(axes: tuple[str, ...], n: int, mean: bool) -> Any:
-    """all_gather forward, reduce-scatter (mean) backward, for one group of chunks."""
+def _unpadded(leaf: LeafLayout, padded: jax.Array) -> jax.Array:
+    return jnp.transpose(padded[: leaf.rows], leaf.inverse_perm)
+
+
+def _padded(leaf: LeafLayout, grad: jax.Array, n: int) -> jax.Array:
+    torch_layout = jnp.transpose(grad, leaf.perm)
+    pad = n * leaf.padded_rows - leaf.rows
+    return jnp.pad(torch_layout, [(0, pad)] + [(0, 0)] * (torch_layout.ndim - 1))
+
+
+def _unit_gather(
+    leaves: Sequence[LeafLayout], axes: tuple[str, ...], n: int, mean: bool, trainable: bool
+) -> Any:
+    """The whole Flax-layout parameters of one group of chunks: all_gather forward,
+    reduce-scatter (mean) backward, or zeros and no collective for frozen members.
+
+    One custom-VJP call from chunks to what the model reads, so a remat policy that refuses to
+    save its outputs leaves only the chunks as residuals: the backward gathers again.
+    """
+
+    def gathered(*chunks: jax.Array) -> list[jax.Array]:
+        whole = _gather_flat(chunks, axes, n)
+        return [_unpadded(leaf, w) for leaf, w in zip(leaves, whole, strict=True)]
 
     @jax.custom_vjp
     def gather(*chunks: jax.Array) -> list[jax.Array]:
-        return _gather_flat(chunks, axes, n)
+        return gathered(*chunks)
 
-    def fwd(*chunks: jax.Array) -> tuple[list[jax.Array], None]:
-        return _gather_flat(chunks, axes, n), None  # the backward needs no residual
+    def fwd(*chunks: jax.Array) -> tuple[list[jax.Array], tuple[jax.Array, ...]]:
+        return gathered(*chunks), chunks  # the chunks only for their zeros (frozen)
 
-    def bwd(_: None, cotangents: list[jax.Array]) -> tuple[jax.Array, ...]:
-        return _scatter_flat(cotangents, axes, n, mean)
+    def bwd(chunks: tuple[jax.Array, ...], cotangents: list[jax.Array]) -> tuple[Any, ...]:
+        if not trainable:
+            return tuple(jnp.zeros_like(c) for c in chunks)
+        padded = [_padded(leaf, g, n) for leaf, g in zip(leaves, cotangents, strict=True)]
+        return _scatter_flat(padded, axes, n, mean)
 
     gather.defvjp(fwd, bwd)
     return gather
 
 
-def _unpadded(leaf: LeafLayout, padded: jax.Array) -> jax.Array:
-    return jnp.transpose(padded[: leaf.rows], leaf.inverse_perm)
+# What a gathered parameter passes through between its chunks and the model: the all-gather
+# and layout-only ops. None of their outputs is saved with reshard_after_forward, so the only
+# residual left on that path is the chunk itself and the backward gathers again.
+_RECOMPUTED = frozenset(
+    {"all_gather", "reshape", "slice", "transpose", "concatenate", "squeeze", "expand_dims"}
+)
+
+
+def remat_policy(prim: Any, *_: Any, **params: Any) -> bool:
+    """``jax.checkpoint`` policy of ``reshard_after_forward``: save every value the backward
+    needs except gathered parameters, so each unit is all-gathered again for its backward, as
+    FSDP2 does (arXiv:1910.02054 §5.3, parameters are "discarded" after use).
+
+    JAX decides residuals per primitive, and differentiation inlines the gather's custom VJP,
+    so the policy refuses the primitives a gather is made of (``_RECOMPUTED``) rather than only
+    the ``GATHERED`` names: otherwise the value just before a name is saved in its place. The
+    model's own reshapes, slices and transposes are then recomputed from their saved inputs
+    too, which costs a layout op in the backward, not memory.
+    """
+    if prim.name == "name":
+        return params.get("name") != GATHERED
+    return prim.name not in _RECOMPUTED and not prim.name.startswith("custom_vjp_call")
 
 
 def gather_params(
@@ -95,11 +139,8 @@ def gather_params(
     whole: list[Any] = [None] * len(chunks)
     for key in sorted(groups):  # units in the plan's order: root first, then module order
         members = groups[key]
-        local = [chunks[i] for i in members]
-        if key[1]:
-            gathered = _trainable_gather(axes, n, mean)(*local)
-        else:
-            gathered = _gather_flat([lax.stop_gradient(c) for c in local], axes, n)
-        for i, padded in zip(members, gathered, strict=True):
-            whole[i] = _unpadded(layout.leaves[i], checkpoint_name(padded, GATHERED))
+        leaves = [layout.leaves[i] for i in members]
+        gather = _unit_gather(leaves, axes, n, mean, trainable=key[1])
+        for i, value in zip(members, gather(*(chunks[i] for i in members)), strict=True):
+            whole[i] = checkpoint_name(value, GATHERED)
     return whole

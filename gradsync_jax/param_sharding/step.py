@@ -23,7 +23,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from gradsync_jax._axes import AxisName, psum_mean
-from gradsync_jax.param_sharding.gather import GATHERED, gather_params
+from gradsync_jax.param_sharding.gather import gather_params, remat_policy
 from gradsync_jax.param_sharding.layout import ParamLayout
 from gradsync_jax.param_sharding.placement import check_mesh, flat_leaves
 from gradsync_jax.zero import NotElementwiseError, shard_optimizer
@@ -106,8 +106,7 @@ class Zero3Step:
             return loss_fn(jax.tree_util.tree_unflatten(layout.treedef, whole), batch)
 
         if reshard:
-            policy = jax.checkpoint_policies.save_anything_except_these_names(GATHERED)
-            loss_of = jax.checkpoint(loss_of, policy=policy)
+            loss_of = jax.checkpoint(loss_of, policy=remat_policy)
 
         def body(trainable: Any, frozen: Any, opt_state: Any, batch: Any) -> Any:
             loss, grads = jax.value_and_grad(loss_of)(trainable, frozen, batch)
