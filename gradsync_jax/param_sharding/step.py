@@ -139,6 +139,10 @@ class Zero3Step:
     def __call__(self, params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, jax.Array]:
         return self._step(params, opt_state, batch)
 
+    def lower(self, params: Any, opt_state: Any, batch: Any) -> Any:
+        """The jitted step lowered for these arguments (``.as_text()``, ``.compile()``)."""
+        return self._step.lower(params, opt_state, batch)
+
 
 def zero3_step(
     loss_fn: Callable[[Any, Any], jax.Array],
