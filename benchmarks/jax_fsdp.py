@@ -13,8 +13,9 @@ Three jitted AdamW steps on the same MLP and the same batches, run alternating i
 Reported per shape: median step time and its ratio to gspmd (median of the per-round
 ratios), and bytes per device: parameters + optimizer state held (read from the arrays'
 shards) and the compiled program's temporary bytes (``compiled.memory_analysis()``). The gate:
-after one step from the same state, zero3's and gspmd's parameters equal the replicated run's
-within 1e-5. Last line: one JSON object.
+after one step from the same state, zero3's and gspmd's parameters differ from the replicated
+run's by less than 10 % of how far that step moved them (``*_first_step_error``).
+Last line: one JSON object.
 
     python benchmarks/jax_fsdp.py --repeat 3            # 16x792, 10x1000, 96x512, 24x1024
     python benchmarks/jax_fsdp.py --shape 16x792 --rounds 3
@@ -94,6 +95,12 @@ def build(layers: int, width: int, mesh: Mesh, tx) -> dict:
     return out
 
 
+def largest(a, b) -> float:
+    """The largest absolute difference between two trees of arrays."""
+    pairs = zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    return max(float(np.max(np.abs(x - y))) for x, y in pairs)
+
+
 def compiled_temp_bytes(lowerable, params, state, batch) -> int:
     stats = lowerable.lower(params, state, batch).compile().memory_analysis()
     return int(getattr(stats, "temp_size_in_bytes", -1)) if stats is not None else -1
@@ -113,22 +120,23 @@ def measure(args, layers: int, width: int, mesh: Mesh) -> dict:
     for name, v in variants.items():
         figures[f"{name}_held_bytes"] = bytes_per_device([v[2], v[3]])
         figures[f"{name}_temp_bytes"] = compiled_temp_bytes(v[1], v[2], v[3], batch)
-    # The gate: one step from the same state, parameters compared with the replicated run.
+    # The gate: one step from the same state, parameters compared with the replicated run,
+    # relative to how far that step moved them. Adam's first update is g / (|g| + eps), so a
+    # gradient near zero turns the last-bit differences of another summation order into
+    # updates of a few % of the learning rate (GSPMD measures 1.4 % on 16x792); a wrong
+    # gradient or a misplaced row moves them by the whole step.
+    start = jax.tree.map(np.asarray, variants["replicated"][2])
     first = {}
     for name, v in variants.items():
         v[2], v[3], _ = v[0](v[2], v[3], batch)
         first[name] = (
             unshard_params(v[2], v[4]) if name == "zero3" else jax.tree.map(np.asarray, v[2])
         )
+    moved = largest(first["replicated"], start)
     for name in ("gspmd", "zero3"):
-        err = max(
-            float(np.max(np.abs(a - b)))
-            for a, b in zip(
-                jax.tree.leaves(first[name]), jax.tree.leaves(first["replicated"]), strict=True
-            )
-        )
+        err = largest(first[name], first["replicated"]) / moved
         figures[f"{name}_first_step_error"] = err
-        assert err < 1e-5, f"{name} differs from the replicated step by {err}"
+        assert err < 0.1, f"{name} differs from the replicated step by {err:.3f} of the step"
     times = {name: [] for name in variants}
     for _ in range(args.warmup + args.rounds):
         for name, v in variants.items():
