@@ -1,18 +1,19 @@
 """A unit's all-gather forward and its gradients' reduce-scatter backward, inside ``shard_map``.
 
-Like FSDP2's ``foreach_all_gather``, a unit's chunks travel in ONE collective: this device's
-padded chunks are flattened back to back into one buffer, all-gathered (rank-major), and cut
-into each parameter's ``(N * c, *rest)`` padded whole; the padding rows are sliced off and the
-torch layout transposed back to Flax's by ordinary, differentiable ops. The backward is the
-transpose (ZeRO-3, arXiv:1910.02054 §5.3): the padded gradients of the unit, back to back per
-destination rank, one ``psum_scatter`` (a reduce-scatter), divided where
-``divide_after`` says (docs/design.md §7), so each device receives its chunks' mean gradient.
-A custom VJP (rather than JAX's own transpose of ``all_gather``) owns that division.
+Each parameter's padded chunk is all-gathered along dim 0 (``tiled``: rank-major, so the
+result is the padded whole in torch's layout), the padding rows are sliced off and the layout
+transposed back to Flax's. The backward is the transpose (ZeRO-3, arXiv:1910.02054 §5.3):
+each gradient is transposed to torch's layout, padded and ``psum_scatter``-ed along dim 0,
+divided where ``divide_after`` says (docs/design.md §7), so each device receives its chunk's
+mean gradient. A custom VJP (rather than JAX's own transpose of ``all_gather``) owns that
+division. A unit's members are gathered together (one custom-VJP call), but one collective
+per parameter rather than FSDP2's flattened buffer per unit: the copies in and out of that
+buffer doubled the step's temporary bytes on XLA:CPU and cost 2x in step time
+(benchmarks/jax_fsdp.py), and XLA's collective combiners may merge the per-parameter ones.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,30 +29,14 @@ from gradsync_jax.param_sharding.layout import LeafLayout, ParamLayout
 GATHERED = "gradsync_gathered_param"
 
 
-def _gather_flat(chunks: Sequence[jax.Array], axes: tuple[str, ...], n: int) -> list[jax.Array]:
-    sizes = [math.prod(c.shape) for c in chunks]
-    buf = jnp.concatenate([c.reshape(-1) for c in chunks]) if len(chunks) > 1 else chunks[0]
-    whole = lax.all_gather(buf.reshape(-1), axes, tiled=True).reshape(n, sum(sizes))
-    out, start = [], 0
-    for chunk, size in zip(chunks, sizes, strict=True):
-        piece = whole[:, start : start + size]
-        out.append(piece.reshape(n * chunk.shape[0], *chunk.shape[1:]))
-        start += size
-    return out
+def _gather(chunks: Sequence[jax.Array], axes: tuple[str, ...]) -> list[jax.Array]:
+    return [lax.all_gather(c, axes, tiled=True) for c in chunks]
 
 
-def _scatter_flat(
+def _scatter(
     grads: Sequence[jax.Array], axes: tuple[str, ...], n: int, mean: bool
 ) -> tuple[jax.Array, ...]:
-    per_rank = [g.reshape(n, -1) for g in grads]  # row block r of each gradient -> rank r
-    buf = jnp.concatenate(per_rank, axis=1) if len(grads) > 1 else per_rank[0]
-    mine = psum_scatter_mean(buf.reshape(-1), axes, n, mean=mean)
-    out, start = [], 0
-    for g, rank_part in zip(grads, per_rank, strict=True):
-        size = rank_part.shape[1]
-        out.append(mine[start : start + size].reshape(g.shape[0] // n, *g.shape[1:]))
-        start += size
-    return tuple(out)
+    return tuple(psum_scatter_mean(g, axes, n, mean=mean) for g in grads)
 
 
 def _unpadded(leaf: LeafLayout, padded: jax.Array) -> jax.Array:
@@ -75,7 +60,7 @@ def _unit_gather(
     """
 
     def gathered(*chunks: jax.Array) -> list[jax.Array]:
-        whole = _gather_flat(chunks, axes, n)
+        whole = _gather(chunks, axes)
         return [_unpadded(leaf, w) for leaf, w in zip(leaves, whole, strict=True)]
 
     @jax.custom_vjp
@@ -89,7 +74,7 @@ def _unit_gather(
         if not trainable:
             return tuple(jnp.zeros_like(c) for c in chunks)
         padded = [_padded(leaf, g, n) for leaf, g in zip(leaves, cotangents, strict=True)]
-        return _scatter_flat(padded, axes, n, mean)
+        return _scatter(padded, axes, n, mean)
 
     gather.defvjp(fwd, bwd)
     return gather
@@ -128,9 +113,10 @@ def gather_params(
 ) -> list[jax.Array]:
     """Every parameter whole, in Flax layout, from this device's chunks (one per leaf).
 
-    One all-gather per unit and dtype for the trainable members (their gradients come back
-    reduce-scattered) and one for the frozen members (no gradient). Each gathered array is
-    named ``GATHERED`` so a ``jax.checkpoint`` policy can drop it after the forward.
+    One custom-VJP call per unit and dtype for the trainable members (an all-gather per
+    parameter; their gradients come back reduce-scattered) and one for the frozen members (no
+    gradient, no collective in the backward). Each gathered array is named ``GATHERED`` so a
+    ``jax.checkpoint`` policy can drop it after the forward.
     """
     n = layout.world_size
     groups: dict[tuple[int, bool, str], list[int]] = {}

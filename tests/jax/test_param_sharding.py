@@ -171,13 +171,14 @@ def _all_gathers(n: int, reshard: bool) -> int:
 
 
 def test_reshard_after_forward_gathers_again_for_the_backward() -> None:
-    # 4 gathers per forward: the root's trainable members (the tied embedding), its frozen
-    # member, and the 2 blocks. Resharding drops all 4 after the forward and gathers them
-    # again for the backward (the frozen layer's weight is needed for its input gradient).
-    # XLA's CPU compiler later merges each pair (it looks through the optimization barrier),
-    # so on CPU the compiled step holds 4 either way: docs/jax-zero3.md, "Resharding".
-    assert _all_gathers(4, False) == 4
-    assert _all_gathers(4, True) == 8
+    # 7 gathers per forward, one per parameter: the tied embedding, the frozen layer's 2 and
+    # the 2 blocks' 2 each. Resharding drops all after the forward and gathers again what the
+    # backward reads: the 4 weights (the frozen one too, for its input gradient), not the 3
+    # biases, which no gradient formula reads. XLA's CPU
+    # compiler later merges each pair (it looks through the optimization barrier), so on CPU
+    # the compiled step holds them either way: docs/jax-zero3.md, "Resharding".
+    assert _all_gathers(4, False) == 7
+    assert _all_gathers(4, True) == 7 + 4
 
 
 def test_not_elementwise_is_refused() -> None:
