@@ -8,8 +8,9 @@ divided where ``divide_after`` says (docs/design.md §7), so each device receive
 mean gradient. A custom VJP (rather than JAX's own transpose of ``all_gather``) owns that
 division. A unit's members are gathered together (one custom-VJP call), but one collective
 per parameter rather than FSDP2's flattened buffer per unit: the copies in and out of that
-buffer doubled the step's temporary bytes on XLA:CPU and cost 2x in step time
-(benchmarks/jax_fsdp.py), and XLA's collective combiners may merge the per-parameter ones.
+buffer doubled the step's temporary bytes on XLA:CPU and its step time
+(benchmarks/jax_fsdp.py, docs/jax-zero3.md), and XLA's collective combiners may merge the
+per-parameter ones.
 """
 
 from __future__ import annotations
