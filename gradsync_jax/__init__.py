@@ -36,6 +36,14 @@ from gradsync_jax.model_parallel import (
     scatter_to,
     shared_param_specs,
 )
+from gradsync_jax.param_sharding import (
+    ParamLayout,
+    Zero3Step,
+    param_layout,
+    shard_params,
+    unshard_params,
+    zero3_step,
+)
 from gradsync_jax.sampler import ResumableSampler
 from gradsync_jax.shared_reductions import make_shared_local, reduce_shared_gradients
 from gradsync_jax.zero import (
@@ -50,10 +58,12 @@ __all__: list[str] = [
     "ColumnParallelLinear",
     "MoE",
     "NotElementwiseError",
+    "ParamLayout",
     "ResumableSampler",
     "RowParallelLinear",
     "ShardedOptimizer",
     "SyncedState",
+    "Zero3Step",
     "ZeroState",
     "accumulate_local_grads",
     "all_gather_from",
@@ -70,6 +80,7 @@ __all__: list[str] = [
     "make_shared_local",
     "mesh_from_topology",
     "nnx_functional",
+    "param_layout",
     "param_specs",
     "path_name",
     "reduce_from",
@@ -79,6 +90,7 @@ __all__: list[str] = [
     "save_optimizer_state",
     "scatter_to",
     "shard_optimizer",
+    "shard_params",
     "shared_param_specs",
     "split_microbatches",
     "sync_gradients",
@@ -87,5 +99,7 @@ __all__: list[str] = [
     "torch_names",
     "torch_plan",
     "torch_specs",
+    "unshard_params",
     "value_and_local_grad",
+    "zero3_step",
 ]

@@ -1,0 +1,111 @@
+"""Parameters to and from their sharded form: each device's padded dim-0 chunk (ZeRO-3).
+
+A sharded leaf is one global array of shape ``(N * c, *rest)`` in torch's layout, split
+``P(axis)`` over the data-parallel axis, so device ``r`` holds rows ``[r*c, (r+1)*c)``: its
+``chunk_rows`` rows and zero padding. Padding to ``N * c`` is what lets uneven dims (and dims
+smaller than ``N``) be placed at all: ``NamedSharding`` refuses a dim the axis does not divide.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from gradsync_jax._axes import AxisName, axis_tuple
+from gradsync_jax.param_sharding.layout import LeafLayout, ParamLayout
+
+
+def _is_none(x: Any) -> bool:
+    return x is None
+
+
+def flat_leaves(tree: Any, layout: ParamLayout, what: str) -> list[Any]:
+    """``tree``'s leaves (``None`` kept where a leaf is absent) aligned with ``layout.leaves``.
+
+    Raises:
+        ValueError: if ``tree`` has another number of leaves than the layout's parameters.
+    """
+    leaves = jax.tree_util.tree_leaves(tree, is_leaf=_is_none)
+    if len(leaves) != len(layout.leaves):
+        raise ValueError(
+            f"{what} has {len(leaves)} leaves but the layout has {len(layout.leaves)} "
+            "parameters; pass the tree the layout was made from (param_layout)"
+        )
+    return leaves
+
+
+def axis_size(mesh: Mesh, axis_name: AxisName) -> int:
+    """Devices along ``axis_name`` (a name or a tuple of names) of ``mesh``."""
+    axes = axis_tuple(axis_name)
+    missing = [a for a in axes if a not in mesh.axis_names]
+    if missing:
+        raise ValueError(f"axis {missing[0]!r} is not an axis of the mesh {mesh.axis_names}")
+    return int(np.prod([mesh.shape[a] for a in axes]))
+
+
+def check_mesh(layout: ParamLayout, mesh: Mesh, axis_name: AxisName) -> tuple[str, ...]:
+    """The axes, after checking the layout was planned for this many devices."""
+    n = axis_size(mesh, axis_name)
+    if n != layout.world_size:
+        raise ValueError(
+            f"the layout was planned for {layout.world_size} devices but the mesh axis "
+            f"{axis_name!r} has {n}; make it with param_layout(params, world_size={n})"
+        )
+    return axis_tuple(axis_name)
+
+
+def _padded(leaf: LeafLayout, value: Any, n: int) -> np.ndarray:
+    array = np.asarray(value)
+    if array.shape != leaf.shape:
+        raise ValueError(f"{leaf.flax_name!r} has shape {array.shape}, the layout {leaf.shape}")
+    array = np.transpose(array, leaf.perm)
+    pad = n * leaf.padded_rows - leaf.rows
+    return np.pad(array, [(0, pad)] + [(0, 0)] * (array.ndim - 1))
+
+
+def shard_params(params: Any, mesh: Mesh, layout: ParamLayout, *, axis_name: AxisName = "dp"):
+    """Place ``params`` as each device's padded dim-0 chunk over ``axis_name``.
+
+    Args:
+        params: the tree ``layout`` was made from (host or device arrays).
+        mesh: the mesh the training step runs on.
+        layout: from ``param_layout``.
+        axis_name: the data-parallel axis (or tuple of axes).
+
+    Returns:
+        A tree of the same structure whose leaves are ``(N * c, *rest)`` arrays in torch's
+        layout, sharded ``P(axis_name)`` (replicated over the other mesh axes).
+
+    Example:
+        >>> sharded = shard_params(params, mesh, layout)
+    """
+    axes = check_mesh(layout, mesh, axis_name)
+    sharding = NamedSharding(mesh, P(axes))
+    out = []
+    for leaf, value in zip(layout.leaves, flat_leaves(params, layout, "params"), strict=True):
+        host = _padded(leaf, value, layout.world_size)
+        out.append(jax.make_array_from_callback(host.shape, sharding, lambda i, h=host: h[i]))
+    return jax.tree_util.tree_unflatten(layout.treedef, out)
+
+
+def unshard_params(sharded: Any, layout: ParamLayout) -> Any:
+    """Whole Flax-layout NumPy arrays from a sharded tree (parameters, or optimizer moments
+    shaped like them, ``None`` where a leaf is absent). Needs every shard addressable (one
+    process); padding is dropped.
+
+    Example:
+        >>> full = unshard_params(sharded, layout)
+        >>> mu = unshard_params(opt_state[0].mu, layout)
+    """
+    out = []
+    for leaf, value in zip(layout.leaves, flat_leaves(sharded, layout, "the tree"), strict=True):
+        if value is None:
+            out.append(None)
+            continue
+        array = np.asarray(value)[: leaf.rows]
+        out.append(np.transpose(array, leaf.inverse_perm))
+    return jax.tree_util.tree_unflatten(layout.treedef, out)

@@ -1,0 +1,201 @@
+"""A ZeRO-3 training step: parameters, gradients and optimizer state all 1/N per device.
+
+Each step runs in one ``jax.shard_map`` over the data-parallel axis: the units are gathered
+for the forward (``gather_params``), the backward reduce-scatters each unit's gradients to
+the devices' chunks, and the Optax transformation runs on the chunks, so its state is 1/N too.
+That is exact only for an update that treats every element on its own (SGD, Adam, AdamW,
+Lion, ...): the same condition as ``shard_optimizer(partition="flat")``, whose analysis
+decides it here. With ``reshard_after_forward`` the gathered parameters are dropped after the
+forward and gathered again for the backward (``jax.checkpoint`` with a policy that saves all
+but them), as FSDP2's default; without it they are kept from forward to backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from gradsync_jax._axes import AxisName, psum_mean
+from gradsync_jax.param_sharding.gather import gather_params, remat_policy
+from gradsync_jax.param_sharding.layout import ParamLayout
+from gradsync_jax.param_sharding.placement import check_mesh, flat_leaves
+from gradsync_jax.zero import NotElementwiseError, shard_optimizer
+
+
+def _split(tree: Any, layout: ParamLayout) -> tuple[Any, Any]:
+    """(trainable tree, frozen tree): the params' structure with ``None`` for the other kind."""
+    leaves = flat_leaves(tree, layout, "params")
+    trainable = [
+        x if leaf.trainable else None for x, leaf in zip(leaves, layout.leaves, strict=True)
+    ]
+    frozen = [None if leaf.trainable else x for x, leaf in zip(leaves, layout.leaves, strict=True)]
+    unflatten = partial(jax.tree_util.tree_unflatten, layout.treedef)
+    return unflatten(trainable), unflatten(frozen)
+
+
+def _join(trainable: Any, frozen: Any, layout: ParamLayout) -> Any:
+    t = flat_leaves(trainable, layout, "trainable")
+    f = flat_leaves(frozen, layout, "frozen")
+    return jax.tree_util.tree_unflatten(
+        layout.treedef, [a if b is None else b for a, b in zip(t, f, strict=True)]
+    )
+
+
+def _abstract(layout: ParamLayout, rows: Callable[[int], int]) -> Any:
+    """The trainable tree as ShapeDtypeStructs with ``rows(padded_rows)`` rows."""
+    leaves = [
+        jax.ShapeDtypeStruct((rows(leaf.padded_rows), *leaf.torch_shape[1:]), np.dtype(leaf.dtype))
+        if leaf.trainable
+        else None
+        for leaf in layout.leaves
+    ]
+    return jax.tree_util.tree_unflatten(layout.treedef, leaves)
+
+
+def _check_elementwise(tx: Any, mesh: Mesh, axis_name: AxisName, layout: ParamLayout) -> None:
+    """Refuse an update that reads across the elements of a tensor, with one sentence."""
+    whole = _abstract(layout, lambda c: c * layout.world_size)
+    try:
+        jax.eval_shape(shard_optimizer(tx, mesh, axis_name=axis_name, partition="flat").init, whole)
+    except (NotElementwiseError, ValueError) as err:
+        raise ValueError(
+            "zero3_step runs the optimizer on each device's rows of every parameter, which is "
+            "exact only for an update that treats every element on its own (SGD, Adam, AdamW, "
+            "Lion, RMSProp); this one does not (" + str(err).split("; use ")[0] + "); train it "
+            "with data_parallel_step and shard_optimizer(partition='greedy') instead"
+        ) from err
+
+
+def _state_specs(tx: Any, layout: ParamLayout, axes: tuple[str, ...]) -> Any:
+    """``P(axes)`` for the state leaves shaped like the chunks, ``P()`` for the rest (counts).
+
+    Found by initializing on the chunks and on the whole padded parameters: a leaf whose shape
+    follows the parameters' rows is per-parameter and stays sharded.
+    """
+    local = jax.eval_shape(tx.init, _abstract(layout, lambda c: c))
+    whole = jax.eval_shape(tx.init, _abstract(layout, lambda c: c * layout.world_size + 1))
+    return jax.tree.map(lambda a, b: P() if a.shape == b.shape else P(axes), local, whole)
+
+
+class Zero3Step:
+    """``step(params, opt_state, batch) -> (params, opt_state, loss)`` on sharded parameters;
+    ``init(params)`` makes the sharded optimizer state. Made by ``zero3_step``."""
+
+    def __init__(self, loss_fn, tx, mesh, layout, axes, *, reshard, batch_spec, donate):
+        self.layout, self.mesh, self.tx = layout, mesh, tx
+        spec = P(axes)
+        self.state_specs = _state_specs(tx, layout, axes)
+
+        def loss_of(trainable: Any, frozen: Any, batch: Any) -> jax.Array:
+            chunks = [
+                a if b is None else b
+                for a, b in zip(
+                    flat_leaves(trainable, layout, "t"),
+                    flat_leaves(frozen, layout, "f"),
+                    strict=True,
+                )
+            ]
+            whole = gather_params(chunks, layout, axes)
+            return loss_fn(jax.tree_util.tree_unflatten(layout.treedef, whole), batch)
+
+        if reshard:
+            loss_of = jax.checkpoint(loss_of, policy=remat_policy)
+
+        def body(trainable: Any, frozen: Any, opt_state: Any, batch: Any) -> Any:
+            loss, grads = jax.value_and_grad(loss_of)(trainable, frozen, batch)
+            updates, opt_state = tx.update(grads, opt_state, trainable)
+            trainable = optax.apply_updates(trainable, updates)
+            return trainable, opt_state, psum_mean(loss, axes, mean=True)
+
+        mapped = jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(spec, spec, self.state_specs, batch_spec),
+            out_specs=(spec, self.state_specs, P()),
+        )
+
+        def step(params: Any, opt_state: Any, batch: Any) -> Any:
+            trainable, frozen = _split(params, layout)
+            trainable, opt_state, loss = mapped(trainable, frozen, opt_state, batch)
+            return _join(trainable, frozen, layout), opt_state, loss
+
+        self._step = jax.jit(step, donate_argnums=(0, 1) if donate else ())
+        init = jax.shard_map(
+            lambda t: tx.init(t), mesh=mesh, in_specs=(spec,), out_specs=self.state_specs
+        )
+        self._init = jax.jit(lambda params: init(_split(params, layout)[0]))
+
+    def init(self, params: Any) -> Any:
+        """The optimizer state of the sharded ``params``: each device its chunks' state."""
+        return self._init(params)
+
+    def __call__(self, params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, jax.Array]:
+        return self._step(params, opt_state, batch)
+
+    def lower(self, params: Any, opt_state: Any, batch: Any) -> Any:
+        """The jitted step lowered for these arguments (``.as_text()``, ``.compile()``)."""
+        return self._step.lower(params, opt_state, batch)
+
+
+def zero3_step(
+    loss_fn: Callable[[Any, Any], jax.Array],
+    tx: optax.GradientTransformation,
+    mesh: Mesh,
+    layout: ParamLayout,
+    *,
+    axis_name: AxisName = "dp",
+    reshard_after_forward: bool = True,
+    batch_spec: Any = None,
+    donate: bool = False,
+) -> Zero3Step:
+    """A jitted ZeRO-3 training step over ``axis_name`` executing ``layout``'s plan.
+
+    Args:
+        loss_fn: ``loss_fn(params, batch) -> scalar``, the mean loss of a (local) batch, with
+            ``params`` the whole Flax tree, exactly as for one device.
+        tx: an elementwise Optax transformation (``optax.adamw``, ``optax.sgd``, chains of
+            elementwise pieces); it runs on each device's chunks.
+        mesh: the mesh; ``shard_params(params, mesh, layout)`` placed the parameters on it.
+        layout: from ``param_layout``.
+        axis_name: the data-parallel axis (or tuple of axes); gradients are averaged over it.
+        reshard_after_forward: free gathered units after the forward and gather them again
+            for the backward (FSDP2's default); ``False`` keeps them (less communication,
+            more memory).
+        batch_spec: in-spec of the batch; default ``P(axis_name)`` (split on the leading dim).
+        donate: donate the parameters and optimizer state buffers to the step.
+
+    Returns:
+        A ``Zero3Step``: ``opt_state = step.init(params)``, then
+        ``params, opt_state, loss = step(params, opt_state, batch)``; ``loss`` is the mean
+        over devices.
+
+    Raises:
+        ValueError: a mesh of another size than the layout's, or an update that is not
+            elementwise (``optax.clip_by_global_norm``, Adafactor's factored moments).
+
+    Example:
+        >>> step = zero3_step(loss_fn, optax.adamw(1e-3), mesh, layout)
+        >>> opt_state = step.init(params)
+        >>> params, opt_state, loss = step(params, opt_state, batch)
+    """
+    axes = check_mesh(layout, mesh, axis_name)
+    tx = optax.with_extra_args_support(tx)
+    _check_elementwise(tx, mesh, axis_name, layout)
+    spec = P(axes) if batch_spec is None else batch_spec
+    return Zero3Step(
+        loss_fn,
+        tx,
+        mesh,
+        layout,
+        axes,
+        reshard=reshard_after_forward,
+        batch_spec=spec,
+        donate=donate,
+    )
