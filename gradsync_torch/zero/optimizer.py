@@ -32,6 +32,8 @@ from gradsync_torch.zero.local_step import JobStepper, steps_per_tensor
 from gradsync_torch.zero.options import check_options, claim_sharder
 from gradsync_torch.zero.plans import (
     check_same_plan,
+    check_same_settings,
+    optimizer_settings,
     param_specs_of,
     parameter_names,
     plan_over_buckets,
@@ -193,7 +195,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         old_layout = getattr(self, "layout", None)
         old_state = [] if old_layout is None else local_pieces(old_layout.pieces, self.optim.state)
         specs, plan = self._specs(), self.plan()
-        check_same_plan(plan, specs, self.process_group, self.world_size)
+        settings = optimizer_settings(self.optimizer_class, self.param_groups)
+        check_same_plan(plan, specs, self.process_group, self.world_size, settings)
         self.layout: Layout = make_layout(
             self._params(),
             self._group_of(),
@@ -339,7 +342,16 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 "parameters"
             )
         full = {int(k): v for k, v in state_dict["state"].items()}
+        self._check_loaded_settings(groups)
         self._load_full_state(full, groups)
+
+    def _check_loaded_settings(self, groups: list[dict[str, Any]]) -> None:
+        """Agree on the hyper-parameters a load is about to set (a collective), before any
+        state changes: a rank that loaded another file must not step its shard with them."""
+        pairs = zip(self.param_groups, groups, strict=True)
+        merged = [{**mine, **hyper_parameters(g)} for mine, g in pairs]
+        settings = optimizer_settings(self.optimizer_class, merged)
+        check_same_settings(settings, self.process_group, self.world_size)
 
     def _load_full_state(
         self, full: dict[int, dict[str, Any]], groups: list[dict[str, Any]]
@@ -400,6 +412,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             model=model,
         )
         loaded = checkpoint.load(path, target, self._ranks)
+        self._check_loaded_settings(loaded.param_groups)
         restore_data(loaded.extra or {}, data, os.fspath(path))  # every rank alike: one manifest
         copy_weights(model, loaded.model)
         self._load_full_state(loaded.state, loaded.param_groups)
