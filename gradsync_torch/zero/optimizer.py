@@ -396,11 +396,28 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         checkpoint.save(path, snapshot, self._ranks)
 
     def load(
-        self, path: str | os.PathLike[str], *, model: nn.Module | None = None, data: Any = None
+        self,
+        path: str | os.PathLike[str],
+        *,
+        model: nn.Module | None = None,
+        data: Any = None,
+        allow_nonfinite: bool = False,
+        allow_dtype_conversion: bool = False,
     ) -> None:
         """Load a checkpoint written at any world size by torch or JAX, with its weights into
         ``model`` if stored and its data position into ``data`` (a ``ResumableSampler``), a
-        collective; on any error every rank raises and the optimizer is unchanged."""
+        collective; on any error every rank raises and the optimizer is unchanged.
+
+        Every state tensor must have its parameter's shape and dtype and hold finite values,
+        the stored weights too, ``step`` must be >= 0 and every hyper-parameter finite; all
+        are checked on every rank before the ranks agree, so a bad file changes no rank.
+
+        Args:
+            allow_nonfinite: take NaN or inf in state tensors and weights as they are (say, to
+                inspect a diverged run) instead of refusing them.
+            allow_dtype_conversion: cast state of another dtype (float64, int32, ...) to the
+                parameter's, as ``torch.optim.Optimizer.load_state_dict`` does silently.
+        """
         names = self.param_names(model)
         target = checkpoint.LoadTarget(
             optimizer_class=self.optimizer_class,
@@ -410,6 +427,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             shapes=self._shapes(),
             needed={piece.index for piece in self.layout.pieces},
             model=model,
+            policy=checkpoint.ValuePolicy(allow_nonfinite, allow_dtype_conversion),
         )
         loaded = checkpoint.load(path, target, self._ranks)
         self._check_loaded_settings(loaded.param_groups)
