@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import tempfile
@@ -144,10 +145,14 @@ def _is_int(value: Any) -> bool:
 
 
 def _is_hyper(value: Any) -> bool:
-    """A JSON number, bool or null, or a list of them (Adam's ``betas``)."""
+    """A finite JSON number, bool or null, or a list of them (Adam's ``betas``): a NaN or
+    infinite learning rate (Python's JSON reads ``NaN``) would turn every weight into NaN at
+    the first step."""
     if isinstance(value, list):
         return all(_is_hyper(v) and not isinstance(v, list) for v in value)
-    return value is None or isinstance(value, bool | int | float)
+    if isinstance(value, float):
+        return math.isfinite(value)
+    return value is None or isinstance(value, bool | int)
 
 
 def _params(value: Any) -> tuple[ParamSpec, ...]:
@@ -242,16 +247,23 @@ def _extra(value: Any, state_keys: Mapping[str, Sequence[str]], world_size: int)
                 if not isinstance(hyper, list) or not all(isinstance(n, str) for n in hyper):
                     _refuse(f"extra.param_groups[{i}].params", hyper, "a list of names")
             elif not _is_hyper(hyper):
-                _refuse(f"extra.param_groups[{i}].{key}", hyper, "a number, bool or null")
+                _refuse(
+                    f"extra.param_groups[{i}].{key}",
+                    hyper,
+                    "a number, bool or null; numbers finite",
+                )
     scalars = value.get("scalars", {})
     if not isinstance(scalars, Mapping):
         _refuse("extra.scalars", scalars, "an object of state values")
-    listed = {tensor_key(name, key) for name, keys in state_keys.items() for key in keys}
+    listed = {tensor_key(name, key): key for name, keys in state_keys.items() for key in keys}
     for key, scalar in scalars.items():
         if key not in listed:
             _refuse("extra.scalars", key, "'<param>/<state key>' of a key in 'state_keys'")
         if not _is_hyper(scalar):
-            _refuse(f"extra.scalars[{key!r}]", scalar, "a number, bool or null")
+            _refuse(f"extra.scalars[{key!r}]", scalar, "a number, bool or null; numbers finite")
+        # A step count below 0 divides by zero in Adam's bias correction (1 - beta ** 0).
+        if listed[key] == "step" and not (isinstance(scalar, int | float) and scalar >= 0):
+            _refuse(f"extra.scalars[{key!r}]", scalar, "a step count >= 0")
     if not isinstance(value.get("shard_gradients", False), bool):
         _refuse("extra.shard_gradients", value["shard_gradients"], "true or false")
     if not isinstance(value.get("partition", ""), str):

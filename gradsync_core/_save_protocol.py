@@ -116,12 +116,16 @@ class _Step:
         if run:
             try:
                 result = action()
-            except Exception as e:  # held until every rank knows
+            # Held until every rank knows; a KeyboardInterrupt too: raised at once, it would
+            # leave the other ranks waiting for this one until the process-group timeout.
+            except BaseException as e:
                 error = e
         message = None if error is None else f"{label}{error_message(error)}"
         try:
             self.agreement.all_ok(message, self.what)
         except CheckpointError as failure:
+            if error is not None and not isinstance(error, Exception):
+                raise error from None  # the others know now: an interrupt stays one here
             raise failure from error
         return result
 

@@ -41,9 +41,17 @@ def assemble(manifest: Manifest, tensors: dict[Any, np.ndarray]) -> dict[str, np
         if manifest.plan.kind == "greedy" or manifest.version == 1:
             out[key] = tensors[(rank, key)]
             continue
-        parts = [tensors.get((s.rank, key)) for s in shards if s.stop > s.start]
+        shards = [s for s in shards if s.stop > s.start]
+        parts = [tensors.get((s.rank, key)) for s in shards]
         if any(p is None for p in parts):
             raise ValueError(f"checkpoint tensor {key!r} is missing a slice in some rank file")
+        for shard, part in zip(shards, parts, strict=True):
+            if part.shape != (shard.stop - shard.start,):  # before joining: a named sentence
+                raise ValueError(
+                    f"checkpoint tensor {key!r} is {part.shape} in "
+                    f"{rank_file(shard.rank, manifest.world_size)}, expected "
+                    f"({shard.stop - shard.start},) for elements [{shard.start}, {shard.stop})"
+                )
         out[key] = np.concatenate([p.reshape(-1) for p in parts]).reshape(shapes[name])
     for (_, key), value in tensors.items():
         if key.partition("/")[0] == GLOBAL_PARAM:

@@ -279,6 +279,7 @@ def load_optimizer_state(
     optimizer: str | None = None,
     modules: Mapping[str, str] | None = None,
     data: Any = None,
+    allow_nonfinite: bool = False,
 ) -> tuple[Any, Manifest]:
     """Read a checkpoint into a new state for ``tx``, whether ``gradsync_jax`` or
     ``gradsync_torch`` wrote it: a ``shard_optimizer`` (any device count, either partition)
@@ -299,7 +300,11 @@ def load_optimizer_state(
         optimizer: the name given at save time, if one was.
         modules: the Flax-to-torch module renames given at save time (see ``torch_name``).
         data: a ``ResumableSampler`` to position where the checkpoint's data was
-            (``extra["data"]``, saved by either framework with ``data=``).
+            (``extra["data"]``, saved by either framework with ``data=``); positioned only
+            once everything else checked out.
+        allow_nonfinite: take NaN or inf in state tensors as they are (say, to look at a
+            diverged run); by default they are refused, like a tensor of another shape or
+            dtype (never cast), a ``step`` below 0 or a non-finite hyper-parameter.
 
     Returns:
         ``(state, manifest)``; for a ``shard_optimizer`` the state is placed with
@@ -314,7 +319,6 @@ def load_optimizer_state(
     """
     directory = resolve_checkpoint(directory)  # one version, even while a save switches it
     manifest = read_manifest(directory)
-    restore_data(manifest.extra, data, os.fspath(directory))
     if isinstance(tx, ShardedOptimizer):
         layout: Layout | None = tx.layout(params)
         space = layout.space
@@ -324,6 +328,9 @@ def load_optimizer_state(
     names = _check_loadable(directory, manifest, space, optimizer, modules)
     tensors = assemble(manifest, read_rank_files(directory, manifest))
     values = _state_values(manifest, space, names, tensors)
+    if not allow_nonfinite:
+        check_finite(tensors)
+    restore_data(manifest.extra, data, os.fspath(directory))  # the load can no longer fail
     if layout is None:
         return space.state_treedef.unflatten(values), manifest
     assert isinstance(tx, ShardedOptimizer)
@@ -404,3 +411,21 @@ def _state_values(
             f"starting with {unexpected[0]!r}"
         )
     return values
+
+
+def check_finite(tensors: Mapping[str, np.ndarray]) -> None:
+    """Refuse a checkpoint whose state holds NaN or inf: loaded, the parameters would be NaN
+    a step or two later (``load_optimizer_state(..., allow_nonfinite=True)`` takes them).
+
+    Raises:
+        ValueError: naming the first such tensor.
+    """
+    for key, value in tensors.items():
+        if value.dtype.kind in "biu":
+            continue
+        bad = int(np.size(value) - np.count_nonzero(np.isfinite(value.astype(np.float32))))
+        if bad:
+            raise ValueError(
+                f"checkpoint tensor {key!r} holds {bad} NaN or infinite value(s); load an "
+                "earlier checkpoint, or pass allow_nonfinite=True to take them as they are"
+            )

@@ -49,6 +49,12 @@ from gradsync_torch.checkpoint.model_state import (
 )
 from gradsync_torch.checkpoint.save_agreement import RankSaveAgreement
 from gradsync_torch.checkpoint.saved_keys import check_other_framework_keys, check_torch_keys
+from gradsync_torch.checkpoint.state_values import (
+    ValuePolicy,
+    check_finite_weights,
+    check_slice_lengths,
+    check_state_values,
+)
 from gradsync_torch.zero.state import RankGroup, StatePiece, assemble, optimizer_name
 
 
@@ -77,6 +83,7 @@ class LoadTarget(NamedTuple):
     shapes: list[tuple[int, ...]]
     needed: set[int]  # global indices of the parameters this rank's layout steps
     model: nn.Module | None = None  # receives the stored weights, if the checkpoint has any
+    policy: ValuePolicy = ValuePolicy()  # non-finite values and dtype casts: refused by default
 
     @property
     def optimizer(self) -> str:
@@ -250,21 +257,16 @@ def _read_pieces(
         state: dict[str, Any] = {}
         for key in manifest.state_keys[shard.name]:
             full_key = tensor_key(shard.name, key)
-            state[key] = scalars[full_key] if full_key in scalars else handle.get_tensor(full_key)
+            if full_key in scalars:
+                state[key] = scalars[full_key]
+            else:
+                # A whole tensor would be kept as it is, backed by the file's memory map for
+                # the optimizer's life (pinning the file's disk space after a later save
+                # deletes it): copy it out. Flat slices are copied when joined.
+                tensor = handle.get_tensor(full_key)
+                state[key] = tensor.clone() if whole else tensor
         pieces.append(StatePiece(index_of[shard.name], shard.start, shard.stop, whole, state))
     return pieces
-
-
-def _check_shapes(full: dict[int, dict[str, Any]], target: LoadTarget, *, whole: bool) -> None:
-    for index, state in full.items():
-        for key, value in state.items():
-            if whole or not torch.is_tensor(value) or value.dim() < 1:
-                continue
-            if tuple(value.shape) != target.shapes[index]:
-                raise ValueError(
-                    f"state {key!r} of {target.names[index]!r} has the wrong shape: "
-                    f"{tuple(value.shape)} in the checkpoint, {target.shapes[index]} here"
-                )
 
 
 def _read(path: str, target: LoadTarget, ranks: RankGroup) -> Loaded:
@@ -279,12 +281,15 @@ def _read(path: str, target: LoadTarget, ranks: RankGroup) -> Loaded:
         to_read |= weight_files(manifest)
     spread = {f for i, f in enumerate(sorted(manifest.files)) if i % ranks.world_size == ranks.rank}
     verify_file_hashes(path, manifest, sorted(to_read | spread))
-    full = assemble(_read_pieces(path, manifest, shards, target.names), target.shapes)
-    _check_shapes(full, target, whole=manifest.plan.kind == "greedy")
+    pieces = _read_pieces(path, manifest, shards, target.names)
+    check_slice_lengths(pieces, target.specs)
+    full = assemble(pieces, target.shapes)
+    check_state_values(full, target.specs, target.policy)
     weights = None
     if with_weights:
         weights = read_weights(path, manifest)
         check_weights(weights, target.model)
+        check_finite_weights(weights, target.policy)
     if manifest.framework != "torch":
         groups = [dict(g) for g in target.param_groups]
         return Loaded(manifest.step, full, groups, weights, dict(manifest.extra))

@@ -33,6 +33,8 @@ from gradsync_torch.zero.local_step import JobStepper, steps_per_tensor
 from gradsync_torch.zero.options import check_options, claim_sharder
 from gradsync_torch.zero.plans import (
     check_same_plan,
+    check_same_settings,
+    optimizer_settings,
     param_specs_of,
     parameter_names,
     plan_over_buckets,
@@ -194,7 +196,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         old_layout = getattr(self, "layout", None)
         old_state = [] if old_layout is None else local_pieces(old_layout.pieces, self.optim.state)
         specs, plan = self._specs(), self.plan()
-        check_same_plan(plan, specs, self.process_group, self.world_size)
+        settings = optimizer_settings(self.optimizer_class, self.param_groups)
+        check_same_plan(plan, specs, self.process_group, self.world_size, settings)
         self.layout: Layout = make_layout(
             self._params(),
             self._group_of(),
@@ -340,7 +343,16 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 "parameters"
             )
         full = {int(k): v for k, v in state_dict["state"].items()}
+        self._check_loaded_settings(groups)
         self._load_full_state(full, groups)
+
+    def _check_loaded_settings(self, groups: list[dict[str, Any]]) -> None:
+        """Agree on the hyper-parameters a load is about to set (a collective), before any
+        state changes: a rank that loaded another file must not step its shard with them."""
+        pairs = zip(self.param_groups, groups, strict=True)
+        merged = [{**mine, **hyper_parameters(g)} for mine, g in pairs]
+        settings = optimizer_settings(self.optimizer_class, merged)
+        check_same_settings(settings, self.process_group, self.world_size)
 
     def _load_full_state(
         self, full: dict[int, dict[str, Any]], groups: list[dict[str, Any]]
@@ -386,11 +398,28 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         checkpoint.save(path, snapshot, self._ranks)
 
     def load(
-        self, path: str | os.PathLike[str], *, model: nn.Module | None = None, data: Any = None
+        self,
+        path: str | os.PathLike[str],
+        *,
+        model: nn.Module | None = None,
+        data: Any = None,
+        allow_nonfinite: bool = False,
+        allow_dtype_conversion: bool = False,
     ) -> None:
         """Load a checkpoint written at any world size by torch or JAX, with its weights into
         ``model`` if stored and its data position into ``data`` (a ``ResumableSampler``), a
-        collective; on any error every rank raises and the optimizer is unchanged."""
+        collective; on any error every rank raises and the optimizer is unchanged.
+
+        Every state tensor must have its parameter's shape and dtype and hold finite values,
+        the stored weights too, ``step`` must be >= 0 and every hyper-parameter finite; all
+        are checked on every rank before the ranks agree, so a bad file changes no rank.
+
+        Args:
+            allow_nonfinite: take NaN or inf in state tensors and weights as they are (say, to
+                inspect a diverged run) instead of refusing them.
+            allow_dtype_conversion: cast state of another dtype (float64, int32, ...) to the
+                parameter's, as ``torch.optim.Optimizer.load_state_dict`` does silently.
+        """
         names = self.param_names(model)
         model = None if model is None else unwrapped(model)  # the wrapper's model.module
         target = checkpoint.LoadTarget(
@@ -401,8 +430,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             shapes=self._shapes(),
             needed={piece.index for piece in self.layout.pieces},
             model=model,
+            policy=checkpoint.ValuePolicy(allow_nonfinite, allow_dtype_conversion),
         )
         loaded = checkpoint.load(path, target, self._ranks)
+        self._check_loaded_settings(loaded.param_groups)
         restore_data(loaded.extra or {}, data, os.fspath(path))  # every rank alike: one manifest
         copy_weights(model, loaded.model)
         self._load_full_state(loaded.state, loaded.param_groups)

@@ -1,8 +1,10 @@
 """Which rank owns what: the ZeRO-1 and ZeRO-2 shard plans of an optimizer's parameters.
 
 Pure functions of gradsync_core specs and plans (docs/design.md §4, §9), apart from
-``check_same_plan``, which agrees on the plan across ranks (``agreement.agree_on``) before any
-collective uses it.
+``check_same_plan`` and ``check_same_settings``, which agree on the plan and on the optimizer
+(class and every hyper-parameter of every param group) across ranks (``agreement.agree_on``)
+before any collective uses them: each owner steps its shard with its own settings, so ranks
+that differ would otherwise diverge silently.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from gradsync_core import (
 from gradsync_core.checkpoint import unwrapped_names
 from gradsync_torch._specs import dtype_name, is_expert, unwrapped
 from gradsync_torch.agreement import Disagreement, agree_on
+from gradsync_torch.zero.state import hyper_parameters, optimizer_name
 
 
 def parameter_names(
@@ -177,24 +180,99 @@ def plan_over_buckets(
     return rename_plan(base, names, {name: groups[i] for name, i in ours.items()})
 
 
+def optimizer_settings(
+    optimizer_class: type, param_groups: Sequence[dict[str, Any]]
+) -> dict[str, Any]:
+    """What every rank's optimizer must agree on: its class and the hyper-parameters of every
+    param group, as JSON (numbers, bools, strings and tuples of them as they are; 1-element
+    tensors as their number; anything else by ``repr``, without memory addresses)."""
+    return {
+        "optimizer": optimizer_name(optimizer_class),
+        "groups": [
+            {k: _jsonable(v) for k, v in sorted(hyper_parameters(g).items())} for g in param_groups
+        ],
+    }
+
+
+def _jsonable(value: Any) -> Any:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (tuple, list)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()  # a tensor lr (capturable optimizers): its value is what matters
+    text = repr(value)
+    # An object without a value repr (a function, say) prints its address, unequal per rank.
+    return f"<{type(value).__qualname__}>" if " at 0x" in text else text
+
+
 def check_same_plan(
-    plan: ShardPlan, specs: Sequence[ParamSpec], group: Any, world_size: int
+    plan: ShardPlan,
+    specs: Sequence[ParamSpec],
+    group: Any,
+    world_size: int,
+    settings: dict[str, Any] | None = None,
 ) -> None:
     """Every rank must hold the same plan, or the sync collectives mismatch and hang
-    (docs/design.md §8): ``agree_on`` the plan's fingerprint (one digest all-gather), and the
-    parameter tables only on a mismatch, to name the first differing parameter.
+    (docs/design.md §8), and the same optimizer ``settings`` (``optimizer_settings``), or each
+    owner steps its shard differently: ``agree_on`` the plan's fingerprint and the settings
+    (one digest all-gather), and the parameter tables only on a mismatch, to name the first
+    difference.
 
     Raises:
-        ValueError: naming a differing rank and the first differing parameter.
+        ValueError: naming a differing rank and the first differing parameter, or the
+            differing optimizer class, or the param group, key and values that differ.
     """
     if world_size == 1:
         return
     table = [(s.name, s.shape, s.dtype, s.requires_grad) for s in specs]
-    agree_on(plan.fingerprint, group, describe=_describe_plans, detail=table)
+    agree_on(
+        [plan.fingerprint, settings],
+        group,
+        describe=_describe_plans,
+        detail={"table": table, "settings": settings},
+    )
+
+
+def check_same_settings(settings: dict[str, Any], group: Any, world_size: int) -> None:
+    """``check_same_plan`` for the optimizer settings alone (after ``load`` or
+    ``load_state_dict`` set new hyper-parameters; the plan did not change).
+
+    Raises:
+        ValueError: naming the ranks, the param group, the key and both values.
+    """
+    if world_size == 1:
+        return
+    agree_on(settings, group, describe=_describe_settings)
+
+
+def _describe_settings(d: Disagreement) -> str:
+    return (
+        f"ranks {d.base_rank} and {d.other_rank} built ZeroRedundancyOptimizer with different "
+        f"settings ({settings_difference(d.base, d.other)}); every owner steps its shard with "
+        "its own, so pass the same optimizer class and hyper-parameters on every rank"
+    )
+
+
+def settings_difference(mine: dict[str, Any], theirs: dict[str, Any]) -> str:
+    """The first difference between two ``optimizer_settings``, as a phrase."""
+    if mine["optimizer"] != theirs["optimizer"]:
+        return f"optimizer {mine['optimizer']} vs {theirs['optimizer']}"
+    a, b = mine["groups"], theirs["groups"]
+    if len(a) != len(b):
+        return f"{len(a)} vs {len(b)} param groups"
+    for g, (x, y) in enumerate(zip(a, b, strict=True)):
+        for key in sorted(set(x) | set(y)):
+            ours, other = x.get(key, "(absent)"), y.get(key, "(absent)")
+            if ours != other:
+                return f"param group {g}: {key} {ours} vs {other}"
+    return "equal settings"  # unreachable: the digests differed
 
 
 def _describe_plans(d: Disagreement) -> str:
-    mine, theirs = d.base, d.other
+    mine, theirs = d.base["table"], d.other["table"]
+    if mine == theirs and d.base["settings"] != d.other["settings"]:
+        return _describe_settings(d._replace(base=d.base["settings"], other=d.other["settings"]))
     diff = next(
         (
             f"parameter #{i}: {a} vs {b}"
