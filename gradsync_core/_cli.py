@@ -33,6 +33,7 @@ from typing import Any, NoReturn
 from gradsync_core import __version__
 from gradsync_core._buckets import Bucket, BucketPlan, bucket_caps, plan_buckets
 from gradsync_core._cli_checkpoint import add_checkpoint_parser
+from gradsync_core._cli_json import plan_report, report_header
 from gradsync_core._cli_table import mib as _mib
 from gradsync_core._cli_table import shown as _shown
 from gradsync_core._cli_table import table as _table
@@ -363,19 +364,7 @@ def _plan(args: argparse.Namespace) -> int:
     buckets, shards = _owners(dense, args, topo.dp, partition)
     expert_shards = _owners(experts, args, topo.edp, partition)[1] if experts else None
     if args.json:
-        out = {
-            "buckets": buckets.to_json(),
-            "shards": shards.to_json(),
-            "topology": topo.to_json(),
-            "fingerprints": {
-                "buckets": buckets.fingerprint,
-                "shards": shards.fingerprint,
-                "topology": topo.fingerprint,
-            },
-        }
-        if expert_shards is not None:  # absent without experts: the JSON stays as it was
-            out["expert_shards"] = expert_shards.to_json()
-            out["fingerprints"]["expert_shards"] = expert_shards.fingerprint
+        out = plan_report(buckets, shards, topo, expert_shards)
         print(json.dumps(out, indent=1, sort_keys=True))
         return 0
     print(_summary(args.params or args.model, specs, topo))
@@ -405,7 +394,7 @@ def _zero(args: argparse.Namespace, specs: list[ParamSpec], topo: Topology) -> i
         plans = _owners(specs, args, topo.dp, partition)
     estimate, plan = zero_estimate(specs, args, topo.dp, plans)
     if args.json:
-        out = zero_json(estimate, plan) | {"topology": topo.to_json()}
+        out = report_header() | zero_json(estimate, plan) | {"topology": topo.to_json()}
         out.setdefault("fingerprints", {})["topology"] = topo.fingerprint
         print(json.dumps(out, indent=1, sort_keys=True))
         return 0

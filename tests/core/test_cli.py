@@ -54,6 +54,16 @@ def test_json_output_is_the_plans():
     assert buckets.cap_bytes == 5 * 1024 * 1024 and buckets.pad_to == 4
     assert shards.kind == "flat" and shards.world_size == 4
     assert obj["fingerprints"]["buckets"] == buckets.fingerprint
+    # The same facts by name, beside the canonical (positional) plans: a versioned report.
+    assert (obj["kind"], obj["version"]) == ("plan_report", 2)
+    assert obj["owners"] == [
+        {"name": s.name, "rank": s.rank, "start": s.start, "stop": s.stop, "group": s.group}
+        for s in shards.shards
+    ]
+    slots = [(i, s) for i, b in enumerate(buckets.buckets) for s in b.slots]
+    assert obj["slots"] == [
+        {"bucket": i, "name": s.name, "shape": list(s.shape), "offset": s.offset} for i, s in slots
+    ]
 
 
 def test_user_parameter_file(tmp_path):

@@ -151,7 +151,10 @@ def test_tied_weights_add_their_gradient_copies(capsys):
     assert transient("--tied", "transformer.wte.weight") == transient()
 
 
-def test_plan_without_zero_is_unchanged(capsys):
+def test_plan_without_zero_has_no_memory_section(capsys):
     code, out, _ = run(capsys, "--world-size", "4", "--json")
     assert code == 0
-    assert set(json.loads(out)) == {"buckets", "shards", "topology", "fingerprints"}
+    assert set(json.loads(out)) == {
+        *("kind", "version", "buckets", "shards", "topology", "fingerprints"),
+        *("slots", "owners"),  # the plans' facts by name (version 2 of the report)
+    }
