@@ -89,7 +89,7 @@ def test_the_packages_have_no_import_cycle() -> None:
 
 # Executors whose data_parallel package is already the base layer (docs/design.md §14);
 # gradsync_torch joins once its ProcessGroups leave model_parallel/.
-LAYERED = ("gradsync_jax",)
+LAYERED = ("gradsync_torch", "gradsync_jax")
 
 
 @pytest.mark.parametrize("package", LAYERED)
