@@ -153,7 +153,7 @@ class BucketPlan:
         Raises:
             ValueError: if ``multiple`` is not a positive int.
         """
-        _check_positive(multiple=multiple)
+        check_positive(multiple=multiple)
         pad_to = math.lcm(self.pad_to, multiple)
         buckets = tuple(replace(b, numel=_round_up(b.numel, pad_to)) for b in self.buckets)
         return replace(self, buckets=buckets, pad_to=pad_to)
@@ -256,7 +256,8 @@ def check_distinct_renames(names: Sequence[str]) -> None:
         seen.add(name)
 
 
-def _check_positive(**values: int) -> None:
+def check_positive(**values: int) -> None:
+    """Refuse any of ``values`` that is not a positive int (a bool is not an int here)."""
     for key, value in values.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{key} must be a positive int, got {value!r}")
@@ -370,7 +371,7 @@ def plan_buckets(
         [2, 2]
     """
     first = cap_bytes if first_cap_bytes is None else first_cap_bytes
-    _check_positive(cap_bytes=cap_bytes, first_cap_bytes=first, align=align, pad_to=pad_to)
+    check_positive(cap_bytes=cap_bytes, first_cap_bytes=first, align=align, pad_to=pad_to)
     check_unique_names(specs)
     walk = [spec for _, spec in trainable(specs)]
     groups = _group_by_limits(walk, [first, cap_bytes])
@@ -443,7 +444,7 @@ def plan_legacy_buckets(
         >>> [len(b.slots) for b in plan_legacy_buckets(specs, max_numel=20).buckets]
         [2, 2, 1]
     """
-    _check_positive(max_numel=max_numel, align=align, pad_to=pad_to)
+    check_positive(max_numel=max_numel, align=align, pad_to=pad_to)
     check_unique_names(specs)
     walk = [spec for _, spec in trainable(specs)]
     open_buckets: dict[tuple[str, str], list[int]] = {}

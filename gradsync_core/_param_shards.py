@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from gradsync_core._buckets import check_positive
 from gradsync_core._canonical import PLAN_VERSION, check_header, fingerprint
 from gradsync_core._param_units import assign_units
 from gradsync_core._specs import ParamSpec, check_unique_names, itemsize
@@ -122,7 +123,7 @@ class ParamShardPlan:
     _by_name: dict[str, ShardedParam] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        _check_positive(shard_size=self.shard_size, replicate_size=self.replicate_size)
+        check_positive(shard_size=self.shard_size, replicate_size=self.replicate_size)
         by_name = {p.name: p for p in self.params}
         for p in self.params:
             ParamSpec(name=p.name, shape=p.shape, dtype=p.dtype)  # names, dims and dtype
@@ -295,12 +296,6 @@ def _replace_param(p: ShardedParam, *, name: str) -> ShardedParam:
     )
 
 
-def _check_positive(**values: int) -> None:
-    for key, value in values.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{key} must be a positive int, got {value!r}")
-
-
 def plan_param_shards(
     specs: Sequence[ParamSpec],
     *,
@@ -338,7 +333,7 @@ def plan_param_shards(
         >>> last.local_shape, last.padded_shape
         ((0, 2), (1, 2))
     """
-    _check_positive(world_size=world_size, replicate_size=replicate_size)
+    check_positive(world_size=world_size, replicate_size=replicate_size)
     if world_size % replicate_size:
         raise ValueError(
             f"replicate_size {replicate_size} does not divide world_size {world_size}; "
