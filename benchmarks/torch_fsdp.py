@@ -49,7 +49,7 @@ from _torch_models import (
     loss_of,
     make_batch,
 )
-from zero3_memory import _live_rise
+from zero3_memory import peak_live_bytes
 
 from gradsync_core import block_prefixes
 from gradsync_torch import fully_shard, param_specs
@@ -105,7 +105,7 @@ def _memory(model: nn.Module, opt: torch.optim.Optimizer, batch: Any) -> dict[st
         "params": params,
         "grads": grads,
         "state": state,
-        "peak": params + state + _live_rise(prof),
+        "peak": params + state + peak_live_bytes(prof),
     }
 
 

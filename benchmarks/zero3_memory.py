@@ -33,7 +33,7 @@ from gradsync_core import block_prefixes, estimate_zero3, plan_param_shards
 from gradsync_torch import param_specs
 
 
-def _live_rise(prof: Any) -> int:
+def peak_live_bytes(prof: Any) -> int:
     """The largest rise of live CPU bytes over the profiled region, from its memory events."""
     events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
     live = peak = 0
@@ -90,7 +90,7 @@ def _measure(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: Any) -> 
         "params": params,
         "grads": grads,
         "state": state,
-        "peak": params + state + _live_rise(prof),
+        "peak": params + state + peak_live_bytes(prof),
     }
 
 
