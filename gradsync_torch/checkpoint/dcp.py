@@ -1,0 +1,188 @@
+"""A gradsync checkpoint to torch Distributed Checkpoint (DCP) and back (docs/interchange.md).
+
+DCP stores state dicts, not a model: ``export_dcp`` loads a gradsync checkpoint into the
+user's model and plain optimizer (``load_model_weights``, ``load_optimizer_state_dict``, every
+check theirs), takes ``get_state_dict(model, optimizer)`` (fully qualified names, a tied
+weight under each of its names, as DCP users load it) and saves ``{"model": ..., "optim":
+...}`` with ``dcp.save``. ``import_dcp`` does the reverse and writes a one-rank gradsync
+checkpoint that either framework loads at any world size.
+
+Layout: DCP's default ``FileSystemWriter`` (``.distcp`` files and ``.metadata``). torch 2.13's
+``HuggingFaceStorageWriter`` (safetensors, no pickle) holds tensors only: an optimizer state
+dict's ``param_groups`` (floats, tuples) are not tensors, and a plain ``dcp.load`` of one it
+wrote fails (``KeyError``), so it cannot hold what ``torch.optim.AdamW`` restores.
+
+A fresh optimizer has no state, and ``dcp.load`` fills only the keys of the state dict it is
+given, so loading into ``optimizer.state_dict()`` silently leaves the moments out.
+``get_state_dict`` creates the state first; ``import_dcp`` and the documented recipe use it,
+and ``import_dcp`` reads only the tensors (never unpickles ``param_groups``: the
+hyper-parameters are the given optimizer's).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from gradsync_torch._specs import unwrapped
+from gradsync_torch.checkpoint import zero as checkpoint
+from gradsync_torch.checkpoint.model_state import load_model_weights
+from gradsync_torch.checkpoint.plain import load_optimizer_state_dict
+from gradsync_torch.zero.plans import param_specs_of, parameter_names, plan_shards
+from gradsync_torch.zero.state import RankGroup, StatePiece, optimizer_name
+
+# Optimizers whose lazily created state is zeros and a 0-d ``step`` of 0 (their ``_init_group``):
+# state a checkpoint saved before the first step can be written as, exactly.
+_ZERO_INIT = (torch.optim.Adam, torch.optim.AdamW)
+
+
+def _fresh_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give every trainable parameter without state the state its first ``step`` would
+    create, so DCP holds (and a load restores) every key; refuse an optimizer whose first
+    state is not zeros, instead of writing what its step would not have made."""
+    missing = [
+        (p, group)
+        for group in optimizer.param_groups
+        for p in group["params"]
+        if p.requires_grad and not optimizer.state.get(p)
+    ]
+    if not missing:
+        return
+    if not isinstance(optimizer, _ZERO_INIT):
+        raise ValueError(
+            f"the checkpoint holds no {type(optimizer).__name__} state for a parameter of shape "
+            f"{tuple(missing[0][0].shape)} (saved before its first step) and DCP cannot record "
+            "absent state; export a checkpoint saved after a step"
+        )
+    for p, group in missing:
+        state = {"step": torch.tensor(0.0, dtype=torch.float32)}
+        keys = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group.get("amsgrad") else [])
+        for key in keys:
+            state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        optimizer.state[p] = state
+
+
+def export_dcp(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+) -> None:
+    """Write the gradsync checkpoint ``src`` as a DCP checkpoint ``dst`` of
+    ``{"model": model state dict, "optim": optimizer state dict}`` (one process).
+
+    ``model`` and ``optimizer`` say what the checkpoint is (names, a tied weight's other
+    name, the optimizer class); they are overwritten with ``src``'s weights and state.
+    Parameters ``src`` holds no state for yet get the state a first ``step`` creates (Adam,
+    AdamW: zeros, ``step`` 0), so a later ``dcp.load`` restores every key.
+
+    Restore it with plain DCP (docs/interchange.md)::
+
+        state = dict(zip(("model", "optim"), get_state_dict(model, optimizer)))
+        dcp.load(state, checkpoint_id=dst)
+        set_state_dict(model, optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+
+    Raises:
+        ValueError: one sentence, if ``src`` does not match ``model`` and ``optimizer`` (every
+            check of ``load_model_weights`` and ``load_optimizer_state_dict``), holds no
+            weights, or holds no state for an optimizer other than Adam or AdamW.
+
+    Example:
+        >>> export_dcp("ckpt", "ckpt_dcp", net, opt)  # doctest: +SKIP
+    """
+    model = unwrapped(model)
+    load_model_weights(src, model)
+    load_optimizer_state_dict(src, optimizer, model)
+    _fresh_state(optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.fspath(dst), no_dist=True)
+
+
+def import_dcp(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+) -> None:
+    """Write the DCP checkpoint ``src`` (``{"model": ..., "optim": ...}`` as ``export_dcp`` or
+    ``dcp.save(get_state_dict(...))`` wrote it) as a one-rank gradsync checkpoint ``dst``
+    with model weights, which ``ZeroRedundancyOptimizer.load`` (any world size) and
+    ``gradsync_jax.load_optimizer_state`` / ``load_params`` read.
+
+    ``model`` and ``optimizer`` receive ``src``'s weights and state (through
+    ``get_state_dict``, which creates a fresh optimizer's state so no moment is left out).
+    Only tensors are read: the hyper-parameters stored are ``optimizer``'s own, since DCP
+    keeps ``param_groups`` pickled and gradsync never unpickles.
+
+    Raises:
+        ValueError: one sentence, if ``src`` lacks a tensor the model or optimizer has.
+
+    Example:
+        >>> import_dcp("ckpt_dcp", "ckpt", net, opt)  # doctest: +SKIP
+    """
+    model = unwrapped(model)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    tensors = {"model": model_sd, "optim": {"state": optim_sd["state"]}}
+    try:
+        dcp.load(tensors, checkpoint_id=os.fspath(src), no_dist=True)
+    except (Exception, CheckpointException) as err:  # the latter is a BaseException
+        # DCP's text is every rank's traceback; its last line is the reason.
+        first = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+        raise ValueError(
+            f"cannot read DCP checkpoint {os.fspath(src)!r} into this model and optimizer "
+            f"({first}); pass the model and optimizer it was saved from"
+        ) from err
+    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    save_plain(dst, model, optimizer)
+
+
+def save_plain(
+    path: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.Optimizer
+) -> None:
+    """Save a plain ``torch.optim`` optimizer of ``model`` and its weights as a one-rank
+    gradsync checkpoint (greedy plan, world size 1), without a process group."""
+    groups = optimizer.param_groups
+    params = [p for group in groups for p in group["params"]]
+    names = parameter_names(groups, model)
+    specs = param_specs_of(names, params, set())
+    plan = plan_shards(
+        specs,
+        [g for g, group in enumerate(groups) for _ in group["params"]],
+        group_count=len(groups),
+        segment_starts=[0],
+        world_size=1,
+        flat=False,
+        cap_bytes=0,
+    )
+    pieces = [
+        StatePiece(i, 0, p.numel(), True, optimizer.state[p])
+        for i, p in enumerate(params)
+        if optimizer.state.get(p)
+    ]
+    steps = [_step(piece.state.get("step")) for piece in pieces]
+    snapshot = checkpoint.Snapshot(
+        optimizer=optimizer_name(type(optimizer)),
+        step=max(steps, default=0),
+        shard_gradients=False,
+        names=names,
+        specs=specs,
+        plan=plan,
+        param_groups=groups,
+        pieces=pieces,
+        model=model,
+    )
+    checkpoint.save(path, snapshot, RankGroup(process_group=None, rank=0, world_size=1))
+
+
+def _step(value: Any) -> int:
+    """A state's ``step`` (a 0-d tensor or a number) as the manifest's int; 0 if absent."""
+    if value is None:
+        return 0
+    return int(value.item() if torch.is_tensor(value) else value)

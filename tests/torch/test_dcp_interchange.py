@@ -1,0 +1,117 @@
+"""gradsync checkpoint <-> torch Distributed Checkpoint (docs/interchange.md).
+
+A model with a tied weight (``head.weight`` is ``embed.weight``) and a frozen layer: the
+export restores bitwise through plain ``dcp.load`` and ``set_state_dict``, the import gives a
+gradsync checkpoint that loads bitwise, and a checkpoint saved before the first step
+exports as the state a first step creates (a plain ``dcp.load`` into a fresh AdamW's
+``state_dict()`` would leave the moments out; the documented recipe does not).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from gradsync_core import read_manifest
+from gradsync_torch import load_model_weights, load_optimizer_state_dict
+from gradsync_torch.checkpoint.dcp import export_dcp, import_dcp, save_plain
+
+
+class Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(11, 6)
+        self.frozen = nn.Linear(6, 6)
+        self.frozen.requires_grad_(False)
+        self.layer = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 11, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.layer(torch.tanh(self.frozen(self.embed(tokens))))))
+
+
+def make(seed: int = 0) -> tuple[Tied, torch.optim.AdamW]:
+    torch.manual_seed(seed)
+    model = Tied()
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.5, 0.75))
+
+
+def train(model: nn.Module, opt: torch.optim.Optimizer, steps: int) -> None:
+    tokens = torch.arange(8) % 11
+    for _ in range(steps):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(tokens), (tokens * 3) % 11).backward()
+        opt.step()
+
+
+def assert_same(a: tuple[nn.Module, torch.optim.Optimizer], b) -> None:
+    for (name, x), (_, y) in zip(a[0].named_parameters(), b[0].named_parameters(), strict=True):
+        assert torch.equal(x, y), name
+    sa, sb = a[1].state_dict()["state"], b[1].state_dict()["state"]
+    assert sa.keys() == sb.keys()
+    for index, state in sa.items():
+        assert state.keys() == sb[index].keys()
+        for key, value in state.items():
+            assert torch.equal(value, sb[index][key]), (index, key)
+
+
+def user_load(path) -> tuple[Tied, torch.optim.AdamW]:
+    """The recipe docs/interchange.md gives: plain DCP, no gradsync."""
+    model, opt = make(seed=9)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return model, opt
+
+
+def test_round_trip_is_bitwise(tmp_path) -> None:
+    trained = make()
+    train(*trained, steps=3)
+    save_plain(tmp_path / "src", *trained)
+    export_dcp(tmp_path / "src", tmp_path / "dcp", *make(seed=5))
+    restored = user_load(tmp_path / "dcp")
+    assert_same(trained, restored)
+    assert "head.weight" in get_state_dict(*restored)[0]  # the tied name DCP users load
+
+    import_dcp(tmp_path / "dcp", tmp_path / "back", *make(seed=7))
+    assert read_manifest(tmp_path / "back").step == 3
+    again = make(seed=8)
+    load_model_weights(tmp_path / "back", again[0])
+    load_optimizer_state_dict(tmp_path / "back", again[1], again[0])
+    assert_same(trained, again)
+    train(*trained, steps=1)  # and both continue alike
+    train(*again, steps=1)
+    assert_same(trained, again)
+
+
+def test_no_state_yet_exports_the_first_steps_state(tmp_path) -> None:
+    fresh = make()
+    save_plain(tmp_path / "src", *fresh)  # saved before the first step: no state
+    export_dcp(tmp_path / "src", tmp_path / "dcp", *make(seed=5))
+
+    plain_model, plain_opt = make(seed=9)  # the pitfall: a fresh AdamW's own state_dict
+    sd = {"model": plain_model.state_dict(), "optim": plain_opt.state_dict()}
+    dcp.load(sd, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    assert sd["optim"]["state"] == {}  # the moments were silently left out
+
+    restored = user_load(tmp_path / "dcp")
+    state = restored[1].state_dict()["state"]
+    assert all(s["step"].item() == 0 and not s["exp_avg"].any() for s in state.values())
+    train(*fresh, steps=2)
+    train(*restored, steps=2)
+    assert_same(fresh, restored)
+
+
+def test_import_of_another_model_is_one_sentence(tmp_path) -> None:
+    trained = make()
+    train(*trained, steps=1)
+    save_plain(tmp_path / "src", *trained)
+    export_dcp(tmp_path / "src", tmp_path / "dcp", *make())
+    other = nn.Linear(6, 3)
+    with pytest.raises(ValueError, match="cannot read DCP checkpoint"):
+        import_dcp(tmp_path / "dcp", tmp_path / "x", other, torch.optim.AdamW(other.parameters()))
