@@ -115,3 +115,35 @@ def test_import_of_another_model_is_one_sentence(tmp_path) -> None:
     other = nn.Linear(6, 3)
     with pytest.raises(ValueError, match="cannot read DCP checkpoint"):
         import_dcp(tmp_path / "dcp", tmp_path / "x", other, torch.optim.AdamW(other.parameters()))
+
+
+BUILD = """
+from tests.torch.test_dcp_interchange import make
+
+
+def build():
+    model, optimizer = make(seed=3)
+    return {"model": model, "optimizer": optimizer}
+"""
+
+
+def test_cli_export_and_import(tmp_path, capsys) -> None:
+    from gradsync_core._cli import main
+
+    trained = make()
+    train(*trained, steps=2)
+    save_plain(tmp_path / "src", *trained)
+    (tmp_path / "build.py").write_text(BUILD)
+    model = f"{tmp_path / 'build.py'}:build"
+    src, out, back = (str(tmp_path / n) for n in ("src", "dcp", "back"))
+    assert main(["checkpoint", "export", "--to", "dcp", src, out, "--model", model]) == 0
+    assert_same(trained, user_load(out))
+    assert main(["checkpoint", "import", "--from", "dcp", out, back, "--model", model]) == 0
+    again = make(seed=8)
+    load_model_weights(back, again[0])
+    load_optimizer_state_dict(back, again[1], again[0])
+    assert_same(trained, again)
+    assert main(["checkpoint", "export", "--to", "dcp", src, out, "--model", "build"]) == 2
+    assert "is not MODULE:FUNCTION" in capsys.readouterr().err
+    assert main(["checkpoint", "export", "--to", "dcp", src, out, "--model", f"{model}x"]) == 2
+    assert "has no function 'buildx'" in capsys.readouterr().err

@@ -1,0 +1,141 @@
+"""gradsync checkpoint <-> Orbax (docs/interchange.md).
+
+A torch-written checkpoint of a model with a tied embedding (Flax: one table, ``Embed.
+attend``) and a frozen layer (kept out of the optimizer's tree) exports to an Orbax tree that
+plain ``orbax.checkpoint`` restores bitwise, and imports back into a gradsync checkpoint that
+torch and JAX load bitwise.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import optax
+import pytest
+import torch
+
+from gradsync_core import read_manifest
+from gradsync_jax import load_optimizer_state, load_params, to_torch_state
+from gradsync_jax.checkpoint.orbax import export_orbax, import_orbax
+from gradsync_torch import load_model_weights, load_optimizer_state_dict
+from gradsync_torch.checkpoint.dcp import save_plain
+from tests.parity.test_cross_tied import RENAMES, TiedLinen, linen_init, split
+from tests.parity.tied_worker import VOCAB, TiedLM
+
+ocp = pytest.importorskip("orbax.checkpoint", reason="orbax-checkpoint is not installed")
+
+
+def adamw() -> optax.GradientTransformation:
+    return optax.adamw(1e-2, b1=0.5, b2=0.75, eps=1e-8, weight_decay=0.1)
+
+
+def trained_torch() -> tuple[TiedLM, torch.optim.AdamW]:
+    torch.manual_seed(0)
+    model = TiedLM()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.5, 0.75), weight_decay=0.1)
+    tokens = torch.arange(12) % VOCAB
+    for _ in range(3):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(tokens), (tokens * 5) % VOCAB).backward()
+        opt.step()
+    return model, opt
+
+
+def assert_trees_equal(a, b) -> None:
+    la, ta = jax.tree_util.tree_flatten(a)
+    lb, tb = jax.tree_util.tree_flatten(b)
+    assert ta == tb
+    for x, y in zip(la, lb, strict=True):
+        assert np.asarray(x).dtype == np.asarray(y).dtype
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_round_trip_through_orbax_is_bitwise(tmp_path) -> None:
+    model, opt = trained_torch()
+    save_plain(tmp_path / "src", model, opt)
+    variables = linen_init()
+    trainable, _ = split(variables)
+    templates = {"params": trainable, "optimizer": adamw(), "model": variables, "modules": RENAMES}
+    export_orbax(tmp_path / "src", tmp_path / "orbax", **templates)
+
+    # What a Flax/Optax program does, without gradsync.
+    target = {"params": variables, "opt_state": adamw().init(trainable)}
+    restored = ocp.StandardCheckpointer().restore(str(tmp_path / "orbax"), target)
+    want_state, _ = load_optimizer_state(tmp_path / "src", adamw(), trainable, modules=RENAMES)
+    assert_trees_equal(restored["opt_state"], want_state)
+    weights = to_torch_state(restored["params"], modules=RENAMES)
+    assert "head.weight" not in weights  # the tied table is stored once
+    for name, param in model.named_parameters():
+        np.testing.assert_array_equal(weights[name], param.detach().numpy())
+    logits = TiedLinen().apply(restored["params"], np.arange(4))
+    assert logits.shape == (4, VOCAB)
+
+    import_orbax(tmp_path / "orbax", tmp_path / "back", **templates)
+    assert read_manifest(tmp_path / "back").step == 3
+    torch.manual_seed(5)
+    again = TiedLM()
+    again_opt = torch.optim.AdamW(again.parameters(), lr=1e-2, betas=(0.5, 0.75))
+    load_model_weights(tmp_path / "back", again)
+    load_optimizer_state_dict(tmp_path / "back", again_opt, again)
+    for (name, x), (_, y) in zip(model.named_parameters(), again.named_parameters(), strict=True):
+        assert torch.equal(x, y), name
+    mine, theirs = opt.state_dict()["state"], again_opt.state_dict()["state"]
+    assert mine.keys() == theirs.keys()
+    for index, state in mine.items():
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(state[key], theirs[index][key]), (index, key)
+    back_state, _ = load_optimizer_state(tmp_path / "back", adamw(), trainable, modules=RENAMES)
+    assert_trees_equal(back_state, want_state)
+    assert_trees_equal(
+        load_params(tmp_path / "back", variables, modules=RENAMES), restored["params"]
+    )
+
+
+def test_wrong_templates_are_one_sentence(tmp_path) -> None:
+    model, opt = trained_torch()
+    save_plain(tmp_path / "src", model, opt)
+    variables = linen_init()
+    trainable, _ = split(variables)
+    export_orbax(
+        tmp_path / "src",
+        tmp_path / "orbax",
+        params=trainable,
+        optimizer=adamw(),
+        model=variables,
+        modules=RENAMES,
+    )
+    with pytest.raises(ValueError, match="cannot restore Orbax checkpoint"):
+        import_orbax(tmp_path / "orbax", tmp_path / "back", params=trainable, optimizer=adamw())
+
+
+BUILD = """
+from tests.jax.test_orbax_interchange import adamw
+from tests.parity.test_cross_tied import RENAMES, linen_init, split
+
+
+def build():
+    variables = linen_init()
+    return {"params": split(variables)[0], "optimizer": adamw(), "model": variables,
+            "modules": RENAMES}
+"""
+
+
+def test_cli_export_and_import(tmp_path) -> None:
+    from gradsync_core._cli import main
+
+    model, opt = trained_torch()
+    save_plain(tmp_path / "src", model, opt)
+    (tmp_path / "build.py").write_text(BUILD)
+    build = f"{tmp_path / 'build.py'}:build"
+    src, out, back = (str(tmp_path / n) for n in ("src", "orbax", "back"))
+    assert main(["checkpoint", "export", "--to", "orbax", src, out, "--model", build]) == 0
+    assert main(["checkpoint", "import", "--from", "orbax", out, back, "--model", build]) == 0
+    variables = linen_init()
+    trainable, _ = split(variables)
+    want, _ = load_optimizer_state(src, adamw(), trainable, modules=RENAMES)
+    got, manifest = load_optimizer_state(back, adamw(), trainable, modules=RENAMES)
+    assert_trees_equal(got, want)
+    assert manifest.framework == "jax" and manifest.step == 3
+    assert_trees_equal(
+        load_params(back, variables, modules=RENAMES), load_params(src, variables, modules=RENAMES)
+    )
