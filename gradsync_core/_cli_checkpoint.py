@@ -15,6 +15,7 @@ from typing import Any
 
 from gradsync_core._atomic import resolve_checkpoint
 from gradsync_core._checkpoint import Manifest, rank_file, read_manifest
+from gradsync_core._cli_interchange import add_interchange_parsers
 from gradsync_core._model_weights import MODEL_PARAM
 from gradsync_core._safetensors import read_header
 
@@ -133,3 +134,4 @@ def add_checkpoint_parser(sub: Any) -> None:
     inspect.add_argument("path", metavar="PATH", help="the checkpoint directory")
     inspect.add_argument("--json", action="store_true", help="print JSON for machines")
     inspect.set_defaults(run=_inspect)
+    add_interchange_parsers(actions)  # export --to / import --from dcp|orbax
