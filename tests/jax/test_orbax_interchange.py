@@ -41,6 +41,12 @@ def trained_torch() -> tuple[TiedLM, torch.optim.AdamW]:
     return model, opt
 
 
+def fresh_torch() -> tuple[TiedLM, torch.optim.AdamW]:
+    torch.manual_seed(7)
+    model = TiedLM()
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.5, 0.75))
+
+
 def assert_trees_equal(a, b) -> None:
     la, ta = jax.tree_util.tree_flatten(a)
     lb, tb = jax.tree_util.tree_flatten(b)
@@ -139,3 +145,45 @@ def test_cli_export_and_import(tmp_path) -> None:
     assert_trees_equal(
         load_params(back, variables, modules=RENAMES), load_params(src, variables, modules=RENAMES)
     )
+
+
+def test_a_jax_checkpoint_of_four_flat_shards_exports_to_both(tmp_path) -> None:
+    """Written by JAX on 4 devices (ZeRO-2 flat slices), read whole by DCP and Orbax users."""
+    from gradsync_jax import save_optimizer_state, shard_optimizer
+    from gradsync_torch.checkpoint.dcp import export_dcp
+    from tests.parity.test_cross_checkpoint import mesh_of
+    from tests.parity.test_cross_tied import joined
+    from tests.torch.test_dcp_interchange import user_load_into
+
+    trainable, frozen = split(linen_init())
+    rng = np.random.default_rng(0)  # state unlike any init, without compiling a training step
+    plain = jax.tree_util.tree_map(
+        lambda x: np.abs(rng.standard_normal(x.shape)).astype(x.dtype) if x.ndim else x + 2,
+        adamw().init(trainable),
+    )
+    tx = shard_optimizer(adamw(), mesh_of(4), partition="flat")
+    state = tx.scatter_state(plain, trainable)
+    src = tmp_path / "src"
+    model = joined(trainable, frozen)
+    save_optimizer_state(src, tx, state, trainable, step=2, modules=RENAMES, model=model)
+    want_state, _ = load_optimizer_state(src, adamw(), trainable, modules=RENAMES)
+
+    export_orbax(
+        src, tmp_path / "orbax", params=trainable, optimizer=adamw(), model=model, modules=RENAMES
+    )
+    target = {"params": model, "opt_state": adamw().init(trainable)}
+    restored = ocp.StandardCheckpointer().restore(str(tmp_path / "orbax"), target)
+    assert_trees_equal(restored["opt_state"], want_state)
+    assert_trees_equal(restored["params"], model)
+
+    net = TiedLM()
+    export_dcp(src, tmp_path / "dcp", net, torch.optim.AdamW(net.parameters()))
+    got, got_opt = user_load_into(tmp_path / "dcp", *fresh_torch())
+    weights = to_torch_state(model, modules=RENAMES)
+    for name, param in got.named_parameters():
+        np.testing.assert_array_equal(param.detach().numpy(), weights[name])
+    names = dict(enumerate(n for n, _ in got.named_parameters()))
+    moments = to_torch_state(want_state[0].mu, modules=RENAMES)
+    for index, state in got_opt.state_dict()["state"].items():
+        np.testing.assert_array_equal(state["exp_avg"].numpy(), moments[names[index]])
+        assert state["step"].item() == 2

@@ -60,8 +60,11 @@ def assert_same(a: tuple[nn.Module, torch.optim.Optimizer], b) -> None:
 
 
 def user_load(path) -> tuple[Tied, torch.optim.AdamW]:
+    return user_load_into(path, *make(seed=9))
+
+
+def user_load_into(path, model: nn.Module, opt: torch.optim.Optimizer):
     """The recipe docs/interchange.md gives: plain DCP, no gradsync."""
-    model, opt = make(seed=9)
     model_sd, optim_sd = get_state_dict(model, opt)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(path), no_dist=True)
