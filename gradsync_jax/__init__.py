@@ -11,6 +11,7 @@ from gradsync_jax._naming import (
 )
 from gradsync_jax._specs import param_specs, path_name
 from gradsync_jax.checkpoint import load_optimizer_state, load_params, save_optimizer_state
+from gradsync_jax.checkpoint.orbax import export_orbax, import_orbax
 from gradsync_jax.data_parallel import (
     SyncedState,
     accumulate_local_grads,
@@ -70,9 +71,11 @@ __all__: list[str] = [
     "clip_by_global_norm",
     "copy_to",
     "data_parallel_step",
+    "export_orbax",
     "from_torch_state",
     "gather_from",
     "group_axes",
+    "import_orbax",
     "load_optimizer_state",
     "load_params",
     "local_grad",

@@ -2,6 +2,7 @@
 
 from gradsync_torch._specs import dtype_name, param_specs, replicated_over, shared_param_specs
 from gradsync_torch.checkpoint import load_model_weights, load_optimizer_state_dict
+from gradsync_torch.checkpoint.dcp import export_dcp, import_dcp
 from gradsync_torch.data_parallel import DataParallel
 from gradsync_torch.data_parallel.comm_hooks import (
     GradBucket,
@@ -53,9 +54,11 @@ __all__: list[str] = [
     "check_reduction_plan",
     "copy_to",
     "dtype_name",
+    "export_dcp",
     "fp16_compress_hook",
     "fully_shard",
     "gather_from",
+    "import_dcp",
     "load_model_weights",
     "load_optimizer_state_dict",
     "local_state",

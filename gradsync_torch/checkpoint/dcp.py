@@ -25,10 +25,7 @@ import os
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from gradsync_torch._specs import unwrapped
 from gradsync_torch.checkpoint import zero as checkpoint
@@ -97,6 +94,9 @@ def export_dcp(
     Example:
         >>> export_dcp("ckpt", "ckpt_dcp", net, opt)  # doctest: +SKIP
     """
+    import torch.distributed.checkpoint as dcp  # here: it would slow ``import gradsync_torch``
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
     model = unwrapped(model)
     load_model_weights(src, model)
     load_optimizer_state_dict(src, optimizer, model)
@@ -127,6 +127,10 @@ def import_dcp(
     Example:
         >>> import_dcp("ckpt_dcp", "ckpt", net, opt)  # doctest: +SKIP
     """
+    import torch.distributed.checkpoint as dcp  # here: it would slow ``import gradsync_torch``
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
     model = unwrapped(model)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     tensors = {"model": model_sd, "optim": {"state": optim_sd["state"]}}
