@@ -132,6 +132,7 @@ def import_dcp(
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     model = unwrapped(model)
+    _check_no_gradients(optimizer)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     tensors = {"model": model_sd, "optim": {"state": optim_sd["state"]}}
     try:
@@ -145,6 +146,21 @@ def import_dcp(
         ) from err
     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
     save_plain(dst, model, optimizer)
+
+
+def _check_no_gradients(optimizer: torch.optim.Optimizer) -> None:
+    """``get_state_dict`` creates a stateless optimizer's state only when no parameter has a
+    gradient; otherwise ``dcp.load`` would silently load no moments."""
+    if optimizer.state:
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is not None:
+                raise ValueError(
+                    f"the optimizer has no state yet and a parameter of shape {tuple(p.shape)} "
+                    "has a gradient, so DCP would load no optimizer state into it; call "
+                    "optimizer.zero_grad(set_to_none=True) before importing"
+                )
 
 
 def save_plain(

@@ -150,3 +150,17 @@ def test_cli_export_and_import(tmp_path, capsys) -> None:
     assert "is not MODULE:FUNCTION" in capsys.readouterr().err
     assert main(["checkpoint", "export", "--to", "dcp", src, out, "--model", f"{model}x"]) == 2
     assert "has no function 'buildx'" in capsys.readouterr().err
+
+
+def test_import_refuses_an_optimizer_that_would_load_no_state(tmp_path) -> None:
+    trained = make()
+    train(*trained, steps=1)
+    save_plain(tmp_path / "src", *trained)
+    export_dcp(tmp_path / "src", tmp_path / "dcp", *make())
+    model, opt = make()
+    train(model, torch.optim.SGD(model.parameters(), lr=0.0), steps=1)  # grads, no AdamW state
+    with pytest.raises(ValueError, match=r"zero_grad\(set_to_none=True\) before importing"):
+        import_dcp(tmp_path / "dcp", tmp_path / "x", model, opt)
+    opt.zero_grad(set_to_none=True)
+    import_dcp(tmp_path / "dcp", tmp_path / "x", model, opt)
+    assert_same(trained, (model, opt))
