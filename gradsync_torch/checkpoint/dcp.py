@@ -57,8 +57,10 @@ def _fresh_state(optimizer: torch.optim.Optimizer) -> None:
             f"{tuple(missing[0][0].shape)} (saved before its first step) and DCP cannot record "
             "absent state; export a checkpoint saved after a step"
         )
+    # torch's ``_get_scalar_dtype``: the step is float64 only under a float64 default dtype.
+    step_dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
     for p, group in missing:
-        state = {"step": torch.tensor(0.0, dtype=torch.float32)}
+        state = {"step": torch.tensor(0.0, dtype=step_dtype)}
         keys = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group.get("amsgrad") else [])
         for key in keys:
             state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
