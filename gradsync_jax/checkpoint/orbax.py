@@ -9,6 +9,9 @@ the same templates. ``import_orbax`` restores such a tree and writes it with
 ``save_optimizer_state`` over a one-device mesh: a gradsync checkpoint either framework loads
 at any world size.
 
+Both run in one JAX process (a conversion, not a training step): the import's mesh is that
+process's first device.
+
 ``orbax-checkpoint`` is an optional dependency (``pip install "gradsync[orbax]"``), imported
 only when these functions run.
 """
