@@ -19,7 +19,7 @@ from gradsync_jax import load_optimizer_state, load_params, to_torch_state
 from gradsync_jax.checkpoint.orbax import export_orbax, import_orbax
 from gradsync_torch import load_model_weights, load_optimizer_state_dict
 from gradsync_torch.checkpoint.dcp import save_plain
-from tests.parity.test_cross_tied import RENAMES, TiedLinen, linen_init, split
+from tests.parity.test_cross_tied import RENAMES, TiedLinen, split
 from tests.parity.tied_worker import VOCAB, TiedLM
 
 ocp = pytest.importorskip("orbax.checkpoint", reason="orbax-checkpoint is not installed")
@@ -39,6 +39,14 @@ def trained_torch() -> tuple[TiedLM, torch.optim.AdamW]:
         torch.nn.functional.cross_entropy(model(tokens), (tokens * 5) % VOCAB).backward()
         opt.step()
     return model, opt
+
+
+def linen_init():
+    """TiedLinen's variables, random values of the shapes ``init`` makes, without compiling
+    ``init`` (every value is overwritten by a load before it is compared)."""
+    shapes = jax.eval_shape(lambda: TiedLinen().init(jax.random.key(3), np.zeros(1, np.int32)))
+    rng = np.random.default_rng(3)
+    return jax.tree_util.tree_map(lambda s: rng.standard_normal(s.shape).astype(s.dtype), shapes)
 
 
 def fresh_torch() -> tuple[TiedLM, torch.optim.AdamW]:
@@ -115,8 +123,8 @@ def test_wrong_templates_are_one_sentence(tmp_path) -> None:
 
 
 BUILD = """
-from tests.jax.test_orbax_interchange import adamw
-from tests.parity.test_cross_tied import RENAMES, linen_init, split
+from tests.jax.test_orbax_interchange import adamw, linen_init
+from tests.parity.test_cross_tied import RENAMES, split
 
 
 def build():
