@@ -8,9 +8,10 @@ weight under each of its names, as DCP users load it) and saves ``{"model": ...,
 checkpoint that either framework loads at any world size.
 
 Layout: DCP's default ``FileSystemWriter`` (``.distcp`` files and ``.metadata``). torch 2.13's
-``HuggingFaceStorageWriter`` (safetensors, no pickle) holds tensors only: an optimizer state
-dict's ``param_groups`` (floats, tuples) are not tensors, and a plain ``dcp.load`` of one it
-wrote fails (``KeyError``), so it cannot hold what ``torch.optim.AdamW`` restores.
+``HuggingFaceStorageWriter`` (safetensors, no pickle) is made for tensors: it saves an
+optimizer state dict's ``param_groups`` (floats, tuples), but its reader cannot read the file
+back ("header too large", or a ``KeyError``) and a plain ``dcp.load`` finds no ``.metadata``,
+so it cannot hold what ``torch.optim.AdamW`` restores.
 
 A fresh optimizer has no state, and ``dcp.load`` fills only the keys of the state dict it is
 given, so loading into ``optimizer.state_dict()`` silently leaves the moments out.
