@@ -18,7 +18,7 @@ from gradsync_core import read_manifest
 from gradsync_jax import load_optimizer_state, load_params, to_torch_state
 from gradsync_jax.checkpoint.orbax import export_orbax, import_orbax
 from gradsync_torch import load_model_weights, load_optimizer_state_dict
-from gradsync_torch.checkpoint.dcp import save_plain
+from gradsync_torch.checkpoint.plain_save import save_plain
 from tests.parity.test_cross_tied import RENAMES, TiedLinen, split
 from tests.parity.tied_worker import VOCAB, TiedLM
 

@@ -17,7 +17,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from gradsync_core import read_manifest
 from gradsync_torch import load_model_weights, load_optimizer_state_dict
-from gradsync_torch.checkpoint.dcp import export_dcp, import_dcp, save_plain
+from gradsync_torch.checkpoint.dcp import export_dcp, import_dcp
+from gradsync_torch.checkpoint.plain_save import save_plain
 
 
 class Tied(nn.Module):

@@ -1,0 +1,73 @@
+"""A plain ``torch.optim`` optimizer saved as a gradsync checkpoint (docs/interchange.md).
+
+The reverse of ``load_optimizer_state_dict``: one process, no process group, a one-rank
+checkpoint (greedy plan, world size 1) with the model's weights, written by the same save as
+``ZeroRedundancyOptimizer.save``, so either framework loads it at any world size.
+``import_dcp`` ends with it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from gradsync_torch.checkpoint import zero as checkpoint
+from gradsync_torch.zero.plans import param_specs_of, parameter_names, plan_shards
+from gradsync_torch.zero.state import RankGroup, StatePiece, optimizer_name
+
+
+def save_plain(
+    path: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.Optimizer
+) -> None:
+    """Save a plain ``torch.optim`` optimizer of ``model`` and its weights as a one-rank
+    gradsync checkpoint (greedy plan, world size 1), without a process group; the manifest's
+    step is the largest ``step`` in the optimizer's state (0 before the first step).
+
+    Raises:
+        ValueError: if a parameter of ``optimizer`` is not one of ``model``'s, or the save
+            fails (``CheckpointError``; the previous checkpoint at ``path`` is kept).
+
+    Example:
+        >>> save_plain("ckpt", net, torch.optim.AdamW(net.parameters()))  # doctest: +SKIP
+    """
+    groups = optimizer.param_groups
+    params = [p for group in groups for p in group["params"]]
+    names = parameter_names(groups, model)
+    specs = param_specs_of(names, params, set())
+    plan = plan_shards(
+        specs,
+        [g for g, group in enumerate(groups) for _ in group["params"]],
+        group_count=len(groups),
+        segment_starts=[0],
+        world_size=1,
+        flat=False,
+        cap_bytes=0,
+    )
+    pieces = [
+        StatePiece(i, 0, p.numel(), True, optimizer.state[p])
+        for i, p in enumerate(params)
+        if optimizer.state.get(p)
+    ]
+    steps = [_step(piece.state.get("step")) for piece in pieces]
+    snapshot = checkpoint.Snapshot(
+        optimizer=optimizer_name(type(optimizer)),
+        step=max(steps, default=0),
+        shard_gradients=False,
+        names=names,
+        specs=specs,
+        plan=plan,
+        param_groups=groups,
+        pieces=pieces,
+        model=model,
+    )
+    checkpoint.save(path, snapshot, RankGroup(process_group=None, rank=0, world_size=1))
+
+
+def _step(value: Any) -> int:
+    """A state's ``step`` (a 0-d tensor or a number) as the manifest's int; 0 if absent."""
+    if value is None:
+        return 0
+    return int(value.item() if torch.is_tensor(value) else value)
