@@ -142,7 +142,9 @@ def import_dcp(
         first = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
         raise ValueError(
             f"cannot read DCP checkpoint {os.fspath(src)!r} into this model and optimizer "
-            f"({first}); pass the model and optimizer it was saved from"
+            f"({first}); import reads {{'model', 'optim'}} as get_state_dict(model, optimizer) "
+            "gives them (parameter names, not optimizer.state_dict()'s indices), as export_dcp "
+            "writes them: pass the model and optimizer it was saved from"
         ) from err
     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
     save_plain(dst, model, optimizer)
