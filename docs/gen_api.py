@@ -39,6 +39,7 @@ GUIDES = {
         "model-parallel.md",
         "checkpoints.md",
         "data-position.md",
+        "interchange.md",
     ],
     "gradsync_jax": [
         "jax.md",
@@ -46,6 +47,7 @@ GUIDES = {
         "model-parallel.md",
         "checkpoints.md",
         "data-position.md",
+        "interchange.md",
     ],
 }
 COMMON_TAIL = ["design.md"]
