@@ -1,7 +1,12 @@
 """gradsync_torch: executes gradsync_core plans with torch."""
 
 from gradsync_torch._specs import dtype_name, param_specs, replicated_over, shared_param_specs
-from gradsync_torch.checkpoint import load_model_weights, load_optimizer_state_dict
+from gradsync_torch.checkpoint import (
+    load_fully_sharded,
+    load_model_weights,
+    load_optimizer_state_dict,
+    save_fully_sharded,
+)
 from gradsync_torch.data_parallel import DataParallel
 from gradsync_torch.data_parallel.comm_hooks import (
     GradBucket,
@@ -56,6 +61,7 @@ __all__: list[str] = [
     "fp16_compress_hook",
     "fully_shard",
     "gather_from",
+    "load_fully_sharded",
     "load_model_weights",
     "load_optimizer_state_dict",
     "local_state",
@@ -64,6 +70,7 @@ __all__: list[str] = [
     "reduce_scatter_to",
     "reduce_shared_gradients",
     "replicated_over",
+    "save_fully_sharded",
     "scatter_to",
     "shared_param_specs",
 ]
