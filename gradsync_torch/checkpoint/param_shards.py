@@ -9,7 +9,7 @@ every parameter, padding stripped, as the element ranges of a ``"dim0"`` shard p
 parameter at a time and written whole by their owner (``model_owners``), as the other savers
 store them. Saving and loading go through ``checkpoint.zero``'s ``save`` and ``load``: the
 same switching save (``run_save``), the same checks before any rank changes, the same
-agreement and refusals.
+agreement and refusals; a load reads only each rank's rows of the state (``windows``).
 """
 
 from __future__ import annotations
@@ -22,13 +22,17 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from gradsync_core import chunk_rows
 from gradsync_core.checkpoint import data_extra, plan_dim0_shards, restore_data
 from gradsync_torch._specs import unwrapped
 from gradsync_torch.checkpoint import zero as checkpoint
 from gradsync_torch.checkpoint.model_state import copy_weights
 from gradsync_torch.checkpoint.plain import loaded_state_dict
-from gradsync_torch.param_sharding._rows import check_row_sharded, row_sharded_like, shard_mesh
+from gradsync_torch.param_sharding._rows import (
+    as_row_sharded,
+    check_row_sharded,
+    held_elements,
+    shard_mesh,
+)
 from gradsync_torch.zero.plans import param_specs_of, parameter_names
 from gradsync_torch.zero.state import RankGroup, StatePiece, optimizer_name
 
@@ -63,11 +67,9 @@ class _Sharded:
 def _piece(index: int, name: str, param: DTensor, state: dict[str, Any]) -> StatePiece | None:
     """This rank's rows of one parameter's state as a flat (element-range) piece; None if it
     holds no rows (its 0-d state, ``step``, comes from the ranks that do)."""
-    mesh = param.device_mesh
-    start, stop, _ = chunk_rows(param.shape[0], mesh.size(), mesh.get_local_rank())
+    start, stop = held_elements(param)
     if stop <= start:
         return None
-    row = param.numel() // param.shape[0]
     flat: dict[str, Any] = {}
     for key, value in state.items():
         if isinstance(value, DTensor):
@@ -81,7 +83,7 @@ def _piece(index: int, name: str, param: DTensor, state: dict[str, Any]) -> Stat
             )
         else:
             flat[key] = value
-    return StatePiece(index, start * row, stop * row, False, flat)
+    return StatePiece(index, start, stop, False, flat)
 
 
 def _gather_weights(
@@ -170,9 +172,10 @@ def load_fully_sharded(
     a plain optimizer's, JAX) into a ``fully_shard``-ed ``model`` and its ``optimizer``
     (a collective over the model's mesh); on any error every rank raises and nothing changes.
 
-    Each rank keeps its rows of the stored weights (when stored) and of every parameter's
-    state, as ``DTensor``s of the parameter's spec, through the optimizer's own
-    ``load_state_dict``; the saved hyper-parameters come back too (from a torch checkpoint).
+    Each rank reads only its rows of every parameter's state from the files (the weights,
+    when stored, are read whole and cut) and keeps them as ``DTensor``s of the parameter's
+    spec, through the optimizer's own ``load_state_dict``; the saved hyper-parameters come
+    back too (from a torch checkpoint).
     Every check of ``ZeroRedundancyOptimizer.load`` runs first, on every rank.
 
     Args:
@@ -196,6 +199,7 @@ def load_fully_sharded(
         needed=set(range(len(sharded.params))),  # every rank holds rows of each parameter
         model=sharded.model,
         policy=checkpoint.ValuePolicy(allow_nonfinite, allow_dtype_conversion),
+        windows={i: held_elements(p) for i, p in enumerate(sharded.params)},  # its rows only
     )
     loaded = checkpoint.load(path, target, sharded.ranks)
     restore_data(loaded.extra or {}, data, os.fspath(path))  # every rank alike: one manifest
@@ -203,7 +207,7 @@ def load_fully_sharded(
     def rows(index: int, state: dict[str, Any]) -> dict[str, Any]:
         like = sharded.params[index]
         return {
-            k: row_sharded_like(v, like) if torch.is_tensor(v) and v.dim() >= 1 else v
+            k: as_row_sharded(v, like) if torch.is_tensor(v) and v.dim() >= 1 else v
             for k, v in state.items()
         }
 

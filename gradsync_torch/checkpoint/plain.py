@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from gradsync_torch.checkpoint import zero as checkpoint
 from gradsync_torch.zero.plans import param_specs_of, parameter_names
@@ -60,6 +61,12 @@ def load_optimizer_state_dict(
         )
     groups = optimizer.param_groups
     params = [p for group in groups for p in group["params"]]
+    if any(isinstance(p, DTensor) for p in params):
+        raise ValueError(
+            "load_optimizer_state_dict is for unsharded parameters and this optimizer's are "
+            "DTensors (a fully_shard-ed model); call load_fully_sharded(path, model, optimizer) "
+            "on every rank instead"
+        )
     names = parameter_names(groups, model)
     target = checkpoint.LoadTarget(
         optimizer_class=type(optimizer),

@@ -58,19 +58,31 @@ def shard_mesh(named: Iterable[tuple[str, torch.Tensor]]) -> DeviceMesh:
     return mesh
 
 
-def local_rows(whole: torch.Tensor, like: DTensor) -> torch.Tensor:
-    """The rows of model-space ``whole`` that this rank holds of ``like`` (its local shape)."""
+def held_rows(like: DTensor) -> tuple[int, int]:
+    """The rows ``[start, stop)`` of dim 0 that this rank holds of ``like``."""
     mesh = like.device_mesh
     start, stop, _ = chunk_rows(like.shape[0], mesh.size(), mesh.get_local_rank())
+    return start, stop
+
+
+def held_elements(like: DTensor) -> tuple[int, int]:
+    """``held_rows`` as elements of the flattened tensor (a checkpoint's slice)."""
+    start, stop = held_rows(like)
+    row = like.numel() // like.shape[0] if like.shape[0] else 0
+    return start * row, stop * row
+
+
+def local_rows(whole: torch.Tensor, like: DTensor) -> torch.Tensor:
+    """The rows of model-space ``whole`` that this rank holds of ``like`` (its local shape)."""
+    start, stop = held_rows(like)
     return whole[start:stop]
 
 
-def row_sharded_like(whole: torch.Tensor, like: DTensor) -> DTensor:
-    """``whole`` cut as ``like`` is: this rank's rows as a ``DTensor`` of ``like``'s spec, on
-    ``like``'s device (the form torch's optimizers keep for a sharded parameter's state)."""
-    local = local_rows(whole, like).to(like.device).contiguous()
+def as_row_sharded(local: torch.Tensor, like: DTensor) -> DTensor:
+    """This rank's rows ``local`` as a ``DTensor`` of ``like``'s spec, on ``like``'s device
+    (the form torch's optimizers keep for a sharded parameter's state)."""
     return DTensor.from_local(
-        local,
+        local.to(like.device).contiguous(),
         like.device_mesh,
         like.placements,
         run_check=False,

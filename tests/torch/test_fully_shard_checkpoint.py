@@ -8,7 +8,8 @@ stopped, in one process; the continued runs are compared with it after further s
 (parameters, both Adam moments, the step count).
 
 - **Bitwise**: ZeRO-3 at 2 ranks saved and loaded at 2 ranks is the 2-rank run that never
-  stopped (the same arithmetic after the load: the state is the same bytes).
+  stopped (the same arithmetic after the load: the state is the same bytes); so is a 2-row
+  layer saved and loaded at 4 ranks, two of which hold no rows.
 - **Reduction-order floor** (``RTOL`` of tests/parity/test_cross_checkpoint.py: 1e-5 relative
   for parameters, 5e-5 for moments, 4x the floor measured there): every other pair, since the
   gradient sums run over 1, 2 or 4 ranks or in XLA; a wrong row, key or step count errs by
@@ -148,10 +149,41 @@ def _two_ranks(rank: int, world_size: int, tokens, labels, root: str) -> dict[st
     return out if rank == 0 else {}
 
 
+def _empty_chunks(rank: int, root: str) -> None:
+    """A layer with 2 rows over 4 ranks (ranks 2 and 3 hold none) saves and resumes bitwise,
+    its step counts on the empty ranks included."""
+    from gradsync_torch import fully_shard, load_fully_sharded, save_fully_sharded
+
+    def build(seed: int):
+        torch.manual_seed(seed)
+        model = fully_shard(nn.Linear(3, 2))
+        return model, torch.optim.AdamW(model.parameters(), **HYPER)
+
+    def steps(model, opt, count: int) -> None:
+        for step in range(count):
+            opt.zero_grad()
+            model(torch.full((4, 3), float(rank + step))).square().mean().backward()
+            opt.step()
+
+    model, opt = build(0)
+    steps(model, opt, 2)
+    path = os.path.join(root, "small")
+    save_fully_sharded(path, model, opt)
+    again, again_opt = build(1)
+    load_fully_sharded(path, again, again_opt)
+    mine, theirs = _locals(again, again_opt), _locals(model, opt)
+    assert mine.keys() == theirs.keys()
+    for key, value in theirs.items():
+        assert torch.equal(mine[key], value), key
+    assert again.weight.to_local().shape == ((1, 3) if rank < 2 else (0, 3))
+
+
 def _four_ranks(rank: int, world_size: int, tokens, labels, root: str) -> dict[str, Any]:
-    """ZeRO-3 saved at 2 ranks, and JAX's save, each continued by ZeRO-3 at 4 ranks."""
+    """ZeRO-3 saved at 2 ranks, and JAX's save, each continued by ZeRO-3 at 4 ranks; a
+    layer smaller than the world saved and resumed at 4."""
     from gradsync_torch.checkpoint.param_shards import load_fully_sharded
 
+    _empty_chunks(rank, root)
     out = {}
     for name, more in (("z3", MORE), ("jax", MORE)):
         model, opt = _sharded(1234)
