@@ -111,7 +111,7 @@ def _zero1_state(model: nn.Module, opt) -> dict[str, Any]:
 def _two_ranks(rank: int, world_size: int, tokens, labels, root: str) -> dict[str, Any]:
     """ZeRO-3 saved and resumed at 2 ranks (bitwise), ZeRO-3 -> ZeRO-1 and ZeRO-1 -> ZeRO-3;
     a refused load changes nothing. Returns (rank 0) each continued run's state."""
-    from gradsync_torch.checkpoint.param_shards import load_fully_sharded, save_fully_sharded
+    from gradsync_torch import load_fully_sharded, load_optimizer_state_dict, save_fully_sharded
 
     z3, z1 = os.path.join(root, "z3"), os.path.join(root, "z1")
     model, opt = _sharded(0)
@@ -134,6 +134,8 @@ def _two_ranks(rank: int, world_size: int, tokens, labels, root: str) -> dict[st
     with pytest.raises(ValueError, match=r"cannot load optimizer checkpoint .*optimizer"):
         load_fully_sharded(z3, wrong, sgd)
     assert all(torch.equal(v, before[k]) for k, v in _locals(wrong, sgd).items())
+    with pytest.raises(ValueError, match=r"DTensors .*call load_fully_sharded"):
+        load_optimizer_state_dict(z3, sgd, wrong)  # the plain loader, on sharded parameters
 
     into1, dp, opt1 = _zero1(1234, z3)  # ZeRO-3 -> ZeRO-1 at 2 ranks
     _train(dp, opt1, tokens, labels, MORE, rank, world_size)
@@ -181,7 +183,7 @@ def _empty_chunks(rank: int, root: str) -> None:
 def _four_ranks(rank: int, world_size: int, tokens, labels, root: str) -> dict[str, Any]:
     """ZeRO-3 saved at 2 ranks, and JAX's save, each continued by ZeRO-3 at 4 ranks; a
     layer smaller than the world saved and resumed at 4."""
-    from gradsync_torch.checkpoint.param_shards import load_fully_sharded
+    from gradsync_torch import load_fully_sharded
 
     _empty_chunks(rank, root)
     out = {}
