@@ -1,7 +1,12 @@
 """gradsync_torch: executes gradsync_core plans with torch."""
 
 from gradsync_torch._specs import dtype_name, param_specs, replicated_over, shared_param_specs
-from gradsync_torch.checkpoint import load_model_weights, load_optimizer_state_dict
+from gradsync_torch.checkpoint import (
+    load_fully_sharded,
+    load_model_weights,
+    load_optimizer_state_dict,
+    save_fully_sharded,
+)
 from gradsync_torch.checkpoint.dcp import export_dcp, import_dcp
 from gradsync_torch.data_parallel import DataParallel
 from gradsync_torch.data_parallel.comm_hooks import (
@@ -59,6 +64,7 @@ __all__: list[str] = [
     "fully_shard",
     "gather_from",
     "import_dcp",
+    "load_fully_sharded",
     "load_model_weights",
     "load_optimizer_state_dict",
     "local_state",
@@ -67,6 +73,7 @@ __all__: list[str] = [
     "reduce_scatter_to",
     "reduce_shared_gradients",
     "replicated_over",
+    "save_fully_sharded",
     "scatter_to",
     "shared_param_specs",
 ]

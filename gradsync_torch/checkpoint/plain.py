@@ -9,10 +9,12 @@ torch) can continue, be evaluated or fine-tuned without gradsync's executors.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from gradsync_torch.checkpoint import zero as checkpoint
 from gradsync_torch.zero.plans import param_specs_of, parameter_names
@@ -59,6 +61,12 @@ def load_optimizer_state_dict(
         )
     groups = optimizer.param_groups
     params = [p for group in groups for p in group["params"]]
+    if any(isinstance(p, DTensor) for p in params):
+        raise ValueError(
+            "load_optimizer_state_dict is for unsharded parameters and this optimizer's are "
+            "DTensors (a fully_shard-ed model); call load_fully_sharded(path, model, optimizer) "
+            "on every rank instead"
+        )
     names = parameter_names(groups, model)
     target = checkpoint.LoadTarget(
         optimizer_class=type(optimizer),
@@ -69,12 +77,24 @@ def load_optimizer_state_dict(
         needed=set(range(len(params))),
     )
     loaded = checkpoint.load(path, target, RankGroup(process_group=None, rank=0, world_size=1))
-    state_dict: dict[str, Any] = {"state": dict(sorted(loaded.state.items())), "param_groups": []}
+    state_dict = loaded_state_dict(loaded)
+    optimizer.load_state_dict(state_dict)
+    return state_dict
+
+
+def loaded_state_dict(
+    loaded: checkpoint.Loaded,
+    state_of: Callable[[int, dict[str, Any]], dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """A checked checkpoint as the ``state_dict`` its torch optimizer loads: each
+    parameter's model-space state (through ``state_of(index, state)`` when given: ZeRO-3 cuts
+    it to this rank's rows) by global index, and the saved hyper-parameters per group."""
+    state = {i: s if state_of is None else state_of(i, s) for i, s in sorted(loaded.state.items())}
+    state_dict: dict[str, Any] = {"state": state, "param_groups": []}
     first = 0
     for group in loaded.param_groups:
         count = len(group["params"])
         indices = list(range(first, first + count))
         state_dict["param_groups"].append({**hyper_parameters(group), "params": indices})
         first += count
-    optimizer.load_state_dict(state_dict)
     return state_dict

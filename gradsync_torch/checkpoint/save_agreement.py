@@ -36,6 +36,12 @@ class RankSaveAgreement:
 
     def all_ok(self, error: str | None, what: str) -> None:
         """Raise the first failing rank's ``error`` as ``CheckpointError`` on every rank."""
+        if self.ranks.world_size == 1:
+            # Alone (a plain optimizer's load on rank 0 of a running job): agree_ok's group
+            # None is the whole world, which would wait for ranks that never come.
+            if error is not None:
+                raise CheckpointError(f"{what}: {error}")
+            return
         try:
             agree_ok(error, self.ranks.process_group, what=what)
         except ValueError as failure:

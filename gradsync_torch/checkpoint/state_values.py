@@ -29,24 +29,29 @@ class ValuePolicy(NamedTuple):
 
 
 def check_state_values(
-    full: Mapping[int, Mapping[str, Any]], specs: Sequence[ParamSpec], policy: ValuePolicy
+    full: Mapping[int, Mapping[str, Any]],
+    specs: Sequence[ParamSpec],
+    policy: ValuePolicy,
+    shapes: Sequence[tuple[int, ...]] | None = None,
 ) -> None:
     """Refuse state (model-space, by global parameter index) that does not fit its parameter:
-    a tensor of another shape or dtype, or a non-finite value, unless ``policy`` allows it.
+    a tensor of another shape (the parameter's, or ``shapes[index]`` when a load keeps only
+    some rows) or dtype, or a non-finite value, unless ``policy`` allows it.
 
     Raises:
         ValueError: one sentence naming the parameter, the state key, what was found and the fix.
     """
     for index, state in full.items():
         spec = specs[index]
+        expected = tuple(spec.shape if shapes is None else shapes[index])
         for key, value in state.items():
             if not torch.is_tensor(value):
                 continue
             where = f"state {key!r} of {spec.name!r}"
-            if value.dim() >= 1 and tuple(value.shape) != tuple(spec.shape):
+            if value.dim() >= 1 and tuple(value.shape) != expected:
                 raise ValueError(
                     f"{where} has the wrong shape: {tuple(value.shape)} in the checkpoint, "
-                    f"{tuple(spec.shape)} here; the file is corrupt or of another model"
+                    f"{expected} here; the file is corrupt or of another model"
                 )
             found = dtype_name(value.dtype)
             if value.dim() >= 1 and found != spec.dtype and not policy.allow_dtype_conversion:

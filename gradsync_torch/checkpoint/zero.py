@@ -16,6 +16,7 @@ here take what they need and return values; the optimizer applies a ``Loaded`` i
 from __future__ import annotations
 
 import itertools
+import math
 import os
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -71,6 +72,9 @@ class Snapshot(NamedTuple):
     pieces: list[StatePiece]  # this rank's state
     model: nn.Module | None = None  # its weights are stored too (every rank has a copy)
     data: dict[str, Any] | None = None  # the manifest's data position (``data_extra``)
+    # The model's weights this rank writes, when its parameters are sharded (ZeRO-3 gathers
+    # each before the save); None: every rank has a copy, taken from ``model``.
+    weights: dict[str, torch.Tensor] | None = None
 
 
 class LoadTarget(NamedTuple):
@@ -84,6 +88,10 @@ class LoadTarget(NamedTuple):
     needed: set[int]  # global indices of the parameters this rank's layout steps
     model: nn.Module | None = None  # receives the stored weights, if the checkpoint has any
     policy: ValuePolicy = ValuePolicy()  # non-finite values and dtype casts: refused by default
+    # The element range [start, stop) of each parameter this rank keeps, row-aligned (ZeRO-3:
+    # its rows); only that part of the state is read, and ``Loaded.state`` holds those rows.
+    # None: whole parameters.
+    windows: dict[int, tuple[int, int]] | None = None
 
     @property
     def optimizer(self) -> str:
@@ -131,7 +139,8 @@ def _rank_state(
     return tensors, scalars, state_keys
 
 
-def _owners(snapshot: Snapshot) -> dict[str, int]:
+def weight_owners_of(snapshot: Snapshot) -> dict[str, int]:
+    """The rank whose file holds each of the snapshot's model weights (``model_owners``)."""
     names = [] if snapshot.model is None else [n for n, _ in snapshot.model.named_parameters()]
     return model_owners(snapshot.plan, names)
 
@@ -140,8 +149,10 @@ def _prepare(snapshot: Snapshot, rank: int) -> _Prepared:
     groups = groups_json(snapshot.param_groups, snapshot.names)
     tensors, scalars, state_keys = _rank_state(snapshot.pieces, snapshot.names, snapshot.plan, rank)
     if snapshot.model is not None:
-        weights = model_weights(snapshot.model)
-        tensors.update(rank_weights(weights, _owners(snapshot), rank))
+        weights = snapshot.weights
+        if weights is None:
+            weights = model_weights(snapshot.model)
+        tensors.update(rank_weights(weights, weight_owners_of(snapshot), rank))
     return _Prepared(tensors, {"state_keys": state_keys, "scalars": scalars}, groups)
 
 
@@ -178,7 +189,7 @@ def _manifest(
             "param_groups": prepared.groups,
             "scalars": all_scalars,
             "shard_gradients": snapshot.shard_gradients,
-            **({"model": _owners(snapshot)} if snapshot.model is not None else {}),
+            **({"model": weight_owners_of(snapshot)} if snapshot.model is not None else {}),
             **(snapshot.data or {}),
         },
     )
@@ -232,59 +243,116 @@ def _check_manifest(path: str, target: LoadTarget) -> Manifest:
     return manifest
 
 
-def _shards_to_read(manifest: Manifest, target: LoadTarget) -> list[Shard]:
-    """The saved shards with state of the parameters this rank's layout steps."""
+class _Read(NamedTuple):
+    """Elements ``[start, stop)`` of a saved shard's parameter that this rank reads."""
+
+    shard: Shard
+    start: int
+    stop: int
+
+
+def _reads(manifest: Manifest, target: LoadTarget) -> list[_Read]:
+    """What this rank reads: the saved shards with state of the parameters its layout steps,
+    whole, or (``target.windows``) their overlap with its window; a parameter whose window is
+    empty reads an empty piece of its first shard, which carries its keys and dtypes."""
     index_of = {name: i for i, name in enumerate(target.names)}
-    return [
-        s
-        for s in manifest.plan.shards
-        if index_of.get(s.name) in target.needed and s.name in manifest.state_keys
-    ]
+    reads, empty = [], set()
+    for s in manifest.plan.shards:
+        index = index_of.get(s.name)
+        if index not in target.needed or s.name not in manifest.state_keys:
+            continue
+        if target.windows is None:
+            reads.append(_Read(s, s.start, s.stop))
+            continue
+        first, last = target.windows[index]
+        start, stop = max(s.start, first), min(s.stop, last)
+        if start < stop:
+            reads.append(_Read(s, start, stop))
+        elif first == last and index not in empty:
+            empty.add(index)
+            reads.append(_Read(s, first, first))
+    return reads
+
+
+def _kept_shapes(target: LoadTarget) -> list[tuple[int, ...]]:
+    """The shape of each parameter's state this rank keeps: the parameter's, or the rows of
+    its window (``target.windows``, row-aligned)."""
+    if target.windows is None:
+        return list(target.shapes)
+    out = []
+    for index, shape in enumerate(target.shapes):
+        first, last = target.windows.get(index, (0, 0))
+        row = math.prod(shape[1:]) or 1
+        out.append(((last - first) // row, *shape[1:]))
+    return out
+
+
+def _window_part(view: Any, read: _Read, whole: bool, shape: tuple[int, ...]) -> torch.Tensor:
+    """Elements ``[read.start, read.stop)`` of a stored tensor, read from the file as a slice
+    (never the whole tensor): rows of a whole one (windows are row-aligned), a range of a
+    flat one."""
+    if read.start == read.stop:  # an empty window: no elements, the stored dtype
+        return view[0:0].reshape(-1)
+    if whole:
+        row = math.prod(shape[1:]) or 1
+        return view[read.start // row : read.stop // row].reshape(-1)
+    offset = read.shard.start
+    return view[read.start - offset : read.stop - offset]
 
 
 def _read_pieces(
-    path: str, manifest: Manifest, shards: Sequence[Shard], names: Sequence[str]
+    path: str, manifest: Manifest, reads: Sequence[_Read], target: LoadTarget
 ) -> list[StatePiece]:
-    """The state of ``shards`` from their rank files, as pieces in the current indices."""
-    index_of = {name: i for i, name in enumerate(names)}
+    """The state of ``reads`` from their rank files, as pieces in the current indices (with
+    windows: flat pieces at offsets inside the window)."""
+    index_of = {name: i for i, name in enumerate(target.names)}
     scalars = manifest.extra.get("scalars", {})
     whole = manifest.plan.kind == "greedy"
-    files = sorted({rank_file(s.rank, manifest.world_size) for s in shards})
+    files = sorted({rank_file(r.shard.rank, manifest.world_size) for r in reads})
     handles = {f: safe_open(os.path.join(path, f), framework="pt") for f in files}
     pieces = []
-    for shard in shards:
+    for read in reads:
+        shard, index = read.shard, index_of[read.shard.name]
         handle = handles[rank_file(shard.rank, manifest.world_size)]
         state: dict[str, Any] = {}
         for key in manifest.state_keys[shard.name]:
             full_key = tensor_key(shard.name, key)
             if full_key in scalars:
                 state[key] = scalars[full_key]
+            elif target.windows is not None:
+                part = handle.get_slice(full_key)
+                state[key] = _window_part(part, read, whole, target.shapes[index])
             else:
                 # A whole tensor would be kept as it is, backed by the file's memory map for
                 # the optimizer's life (pinning the file's disk space after a later save
                 # deletes it): copy it out. Flat slices are copied when joined.
                 tensor = handle.get_tensor(full_key)
                 state[key] = tensor.clone() if whole else tensor
-        pieces.append(StatePiece(index_of[shard.name], shard.start, shard.stop, whole, state))
+        if target.windows is None:
+            pieces.append(StatePiece(index, shard.start, shard.stop, whole, state))
+        else:
+            first = target.windows[index][0]
+            pieces.append(StatePiece(index, read.start - first, read.stop - first, False, state))
     return pieces
 
 
 def _read(path: str, target: LoadTarget, ranks: RankGroup) -> Loaded:
     """Validate the checkpoint and read this rank's state; touches nothing."""
     manifest = _check_manifest(path, target)
-    shards = _shards_to_read(manifest, target)
+    reads = _reads(manifest, target)
     # Every file is hashed by some rank (and every file a rank reads, by that rank), so a
     # corrupt file fails the load everywhere even when nobody needs its tensors.
-    to_read = {rank_file(s.rank, manifest.world_size) for s in shards}
+    to_read = {rank_file(r.shard.rank, manifest.world_size) for r in reads}
     with_weights = target.model is not None and bool(manifest.extra.get("model"))
     if with_weights:
         to_read |= weight_files(manifest)
     spread = {f for i, f in enumerate(sorted(manifest.files)) if i % ranks.world_size == ranks.rank}
     verify_file_hashes(path, manifest, sorted(to_read | spread))
-    pieces = _read_pieces(path, manifest, shards, target.names)
+    pieces = _read_pieces(path, manifest, reads, target)
     check_slice_lengths(pieces, target.specs)
-    full = assemble(pieces, target.shapes)
-    check_state_values(full, target.specs, target.policy)
+    shapes = _kept_shapes(target)
+    full = assemble(pieces, shapes)
+    check_state_values(full, target.specs, target.policy, shapes)
     weights = None
     if with_weights:
         weights = read_weights(path, manifest)
