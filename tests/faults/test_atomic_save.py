@@ -61,6 +61,9 @@ def test_a_save_cut_short_leaves_the_previous_checkpoint(tmp_path: Path) -> None
     staging = _stage(path, "two")  # a crash here: files written, never committed
     assert _read(path) == ("one", "manifest of one")
     assert os.path.isdir(staging)
+    # A crash drops the save lock (the kernel does, for a dead process; run_save does, for a
+    # save that ended early in a live one): the directory is abandoned from then on.
+    _atomic.release_save(staging)
     # The next save removes the stale staging directory before writing, and never reads it.
     _save(path, "three")
     assert not os.path.exists(staging)

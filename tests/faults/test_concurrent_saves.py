@@ -1,0 +1,116 @@
+"""Two jobs saving to one path never destroy each other's checkpoint (issue 21, item 1;
+docs/design.md §9, "Concurrent saves").
+
+A save removes only versions it can prove are abandoned (no live save holds their lock) or
+superseded (under the switch lock, any complete version ``PATH`` does not name); a crashed
+save blocks nobody; and a reader racing two writers never gets a mixed load.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from gradsync_core import _atomic
+from gradsync_core.checkpoint import (
+    MANIFEST,
+    begin_save,
+    commit_save,
+    discard_save,
+    new_save_token,
+)
+from tests.faults import stress_concurrent_saves
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Another job, as a separate process: a whole save of ``text``, or one that dies mid-save.
+_OTHER_JOB = """
+import os, sys
+from gradsync_core.checkpoint import begin_save, commit_save, new_save_token
+path, text, die = sys.argv[1], sys.argv[2], sys.argv[3] == "die"
+staging = begin_save(path, new_save_token())
+with open(os.path.join(staging, "manifest.json"), "w") as f:
+    f.write(text)
+if die:
+    os._exit(17)  # no clean-up: its staging directory stays, its save lock dies with it
+commit_save(path, staging)
+"""
+
+
+def _other_job(path: Path, text: str, *, die: bool = False) -> float:
+    """Run the other job to its end; its duration in seconds."""
+    start = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-c", _OTHER_JOB, str(path), text, "die" if die else "save"],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == (17 if die else 0)
+    return time.monotonic() - start
+
+
+def _save(path: Path, text: str) -> None:
+    staging = begin_save(path, new_save_token())
+    Path(staging, MANIFEST).write_text(text)
+    commit_save(path, staging)
+
+
+def _manifest(path: Path) -> str:
+    return (path / MANIFEST).read_text()
+
+
+def _beside(path: Path) -> list[str]:
+    """What lies beside ``path``: ``v-`` / ``tmp-`` per version directory, ``PATH`` itself."""
+    return sorted(
+        "PATH" if p.name == path.name else p.name[len(path.name) + 1 :].partition("-")[0] + "-"
+        for p in path.parent.iterdir()
+    )
+
+
+def test_a_save_in_progress_is_never_removed_by_another_job(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt"
+    _save(path, "first")
+    ours = begin_save(path, new_save_token())  # this job's save, between begin and commit
+    # The other job saves whole meanwhile, without waiting for ours (the switch lock is not
+    # held across a save), and leaves our staging directory alone: it is locked, so live.
+    assert _other_job(path, "theirs") < 30
+    assert _manifest(path) == "theirs" and os.path.isdir(ours)
+    Path(ours, MANIFEST).write_text("ours")
+    commit_save(path, ours)  # the later switch wins, whole; what it superseded is removed
+    assert _manifest(path) == "ours"
+    assert _beside(path) == ["PATH", "v-"]
+
+
+def test_a_crashed_save_blocks_nothing_and_is_removed(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt"
+    _save(path, "first")
+    _other_job(path, "crashed", die=True)
+    assert _beside(path) == ["PATH", "tmp-", "v-"]  # its staging directory stayed
+    _save(path, "after the crash")  # its lock died with it: abandoned, removed
+    assert _manifest(path) == "after the crash"
+    assert _beside(path) == ["PATH", "v-"]
+
+
+def test_this_process_releases_a_save_cut_short(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt"
+    _save(path, "first")
+    cut = begin_save(path, new_save_token())
+    _save(path, "second")  # ``cut`` is still held: a save in progress, kept
+    assert os.path.isdir(cut)
+    _atomic.release_save(cut)  # what run_save does once a save is over, however it ended
+    _save(path, "third")
+    assert not os.path.exists(cut) and _beside(path) == ["PATH", "v-"]
+    failed = begin_save(path, new_save_token())
+    discard_save(failed)  # removed and released
+    assert _beside(path) == ["PATH", "v-"] and _manifest(path) == "third"
+
+
+def test_two_writers_and_a_reader_never_mix_or_lose_a_checkpoint(tmp_path: Path) -> None:
+    # The short form of ``python -m tests.faults.stress_concurrent_saves --saves 300``.
+    result = stress_concurrent_saves.run(12, str(tmp_path))
+    assert result["mixed"] == 0 and result["lost"] == 0 and result["errors"] == 0, result
+    assert result["saves"] == 24 and result["ok"] > 0, result
