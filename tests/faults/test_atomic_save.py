@@ -8,6 +8,7 @@ checkpoint, the previous one until the new one is committed.
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from gradsync_core.checkpoint import (
     discard_save,
     new_save_token,
     rank_file,
+    write_atomic,
 )
 
 RANK0 = rank_file(0, 1)
@@ -159,3 +161,16 @@ def test_a_path_that_holds_user_data_is_refused_before_writing(
     with pytest.raises(ValueError, match=r"cannot save a checkpoint at .*ckpt: " + message):
         begin_save(path, new_save_token())
     assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+@pytest.mark.parametrize(("umask", "mode"), [(0o022, 0o644), (0o027, 0o640)])
+def test_checkpoint_files_get_the_process_umask(tmp_path: Path, umask: int, mode: int) -> None:
+    # Issue 21: rank files were 0600 (mkstemp's mode), unreadable to the group a job shares.
+    previous = os.umask(umask)
+    try:
+        staging = begin_save(tmp_path / "ckpt", new_save_token())
+        write_atomic(os.path.join(staging, RANK0), b"weights")
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE(os.stat(os.path.join(staging, RANK0)).st_mode) == mode
+    discard_save(staging)
