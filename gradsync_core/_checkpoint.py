@@ -389,10 +389,15 @@ def read_manifest(directory: str | os.PathLike[str], *, verify_files: bool = Tru
     return manifest
 
 
+# A version directory of a switching save (``PATH.v-<16 hex>``, gradsync_core/_atomic.py).
+_VERSION_DIR_RE = re.compile(r".+\.v-[0-9a-f]{16}")
+
+
 def _refuse_if_removed(directory: str | os.PathLike[str]) -> None:
     """A version directory that vanished while it was read was removed by a later save
     (docs/design.md §9): say so, instead of calling the checkpoint incomplete."""
-    if not os.path.isdir(directory):
+    name = os.path.basename(os.fspath(directory))
+    if _VERSION_DIR_RE.fullmatch(name) and not os.path.isdir(directory):
         raise ValueError(
             f"checkpoint {os.fspath(directory)} was removed by a later save while it was being "
             "read; load again"

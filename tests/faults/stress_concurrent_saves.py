@@ -8,9 +8,10 @@ process loads the path continuously, alternating ``load_params`` and ``load_opti
 
 - a **mixed** load returns values from two saves (leaves that differ, or a state whose values
   are not the manifest's step);
-- a **lost** checkpoint is a moment at which ``PATH`` names no complete checkpoint: after a
-  writer's save returned, or whenever the reader looks (it has existed since the first save);
-  and at the end, ``PATH`` must name one writer's last save with nothing else left beside it;
+- a **lost** checkpoint is a save that failed (the other writer removed its files), or a
+  moment at which ``PATH`` names no complete checkpoint: after a writer's save returned, or
+  whenever the reader looks (it has existed since the first save); and at the end, ``PATH``
+  must name one writer's last save with nothing else left beside it;
 - a **retried** load is one refused with a sentence because a save removed the version it was
   reading (documented: load again); it is counted, never an error.
 
@@ -55,7 +56,11 @@ def _writer(path: str, writer: int, saves: int, out: Any) -> None:
         value = 1 + writer + WRITERS * i
         weights = jax.tree.map(lambda x, v=value: jax.numpy.full_like(x, v), params)
         state = jax.tree.map(lambda x, v=value: x + v, tx.init(weights))  # every leaf is v
-        save_optimizer_state(path, tx, state, weights, step=value, model=weights)
+        try:
+            save_optimizer_state(path, tx, state, weights, step=value, model=weights)
+        except ValueError as err:  # e.g. the other writer removed our staging directory
+            lost.append(f"writer {writer} save {i} failed: {str(err)[:200]}")
+            continue
         last = value
         if not _complete(path):  # our save returned: PATH must name a complete checkpoint
             lost.append(f"writer {writer} save {i}: {path} -> {os.readlink(path)} is gone")
@@ -104,7 +109,9 @@ def _reader(path: str, stop: Any, out: Any) -> None:
     while not stop.is_set():
         if not _complete(path):
             counts["lost"] += 1
-            notes.append(f"{path} names no complete checkpoint")
+            if len(notes) < 20:
+                notes.append(f"{path} names no complete checkpoint")
+            time.sleep(0.001)
             continue
         try:
             outcome = _load_once(path, tx, params, loads)
