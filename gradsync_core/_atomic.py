@@ -61,13 +61,29 @@ def new_save_token() -> str:
 _held: dict[str, int] = {}
 
 
+def _flock(fd: int, flags: int) -> bool:
+    """``flock(fd, flags)``; ``False`` where the file system cannot lock a directory.
+
+    NFS emulates ``flock`` with POSIX locks, which refuse an exclusive lock on a descriptor
+    not open for writing (``EBADF``; a directory never is). Saves there work as before this
+    protocol: one job per path (docs/design.md §9, "Concurrent saves").
+    """
+    try:
+        fcntl.flock(fd, flags)
+    except BlockingIOError:
+        raise
+    except OSError:  # EBADF, ENOLCK, EOPNOTSUPP: no directory locks here
+        return False
+    return True
+
+
 @contextlib.contextmanager
 def _switch_lock(path: str) -> Iterator[None]:
     """Hold the switch lock of ``path`` (its parent directory's ``flock``) for a few local
     steps; waits while another save to that directory is inside the same steps."""
     fd = os.open(os.path.dirname(path), os.O_RDONLY)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        _flock(fd, fcntl.LOCK_EX)
         yield
     finally:
         os.close(fd)  # closing the descriptor drops the lock
@@ -76,7 +92,7 @@ def _switch_lock(path: str) -> Iterator[None]:
 def _hold(staging: str) -> None:
     """Take the save lock of the new ``staging`` directory for this process's save."""
     fd = os.open(staging, os.O_RDONLY)
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # new: nobody else can hold it
+    _flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # new: nobody else can hold it
     _held[staging] = fd
 
 
@@ -101,7 +117,7 @@ def _abandoned(directory: str) -> bool:
     except OSError:
         return False  # gone already, or not ours to open: leave it
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        _flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # unlockable file system: as before, removed
     except BlockingIOError:
         return False  # a save in progress, in this process or another
     finally:

@@ -8,11 +8,14 @@ save blocks nobody; and a reader racing two writers never gets a mixed load.
 
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 from gradsync_core import _atomic
 from gradsync_core.checkpoint import (
@@ -151,3 +154,20 @@ def test_two_writers_and_a_reader_never_mix_or_lose_a_checkpoint(tmp_path: Path)
     assert counts["mixed"] == 0 and counts["lost"] == 0, counts
     assert _manifest(path) in (f"w0:{saves - 1}", f"w1:{saves - 1}")  # a last save, whole
     assert _beside(path) == ["PATH", "v-"]
+
+
+def test_saves_work_where_directories_cannot_be_locked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # NFS refuses an exclusive flock on a directory (EBADF): a save there still works, as it
+    # did before the locks (one job per path), and still removes what a crash left.
+    def no_locks(fd: int, flags: int) -> None:
+        raise OSError(errno.EBADF, os.strerror(errno.EBADF))
+
+    monkeypatch.setattr(_atomic.fcntl, "flock", no_locks)
+    path = tmp_path / "ckpt"
+    _save(path, "first")
+    crashed = begin_save(path, new_save_token())
+    _atomic.release_save(crashed)
+    _save(path, "second")
+    assert _manifest(path) == "second" and _beside(path) == ["PATH", "v-"]
