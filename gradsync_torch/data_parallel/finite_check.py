@@ -109,7 +109,7 @@ class FiniteCheck:
             else "no rank's own gradient was, so the reduction overflowed"
         )
         return (
-            f"check_finite: the averaged gradient of {shown or 'a parameter'} is NaN or "
+            f"check_finite: the reduced gradient of {shown or 'a parameter'} is NaN or "
             f"infinite after sync {sync}: {where}; find what made them so (a learning rate, "
             "a loss scale, bad data on that rank) or skip this step (zero_grad) and go on"
         )
