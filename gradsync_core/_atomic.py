@@ -24,9 +24,10 @@ the kernel drops both when their holder dies, so a crashed save never blocks any
   until it is published or removed. A directory whose lock can be taken has no live writer:
   abandoned, so removable. One whose lock cannot be taken is another save in progress: left.
 - the *switch lock*, on ``PATH``'s parent directory: held only around the short local steps
-  that create a staging directory, publish one and switch ``PATH``, and remove what is no
-  longer needed; never across a collective or a write. Under it no other save is between
-  publish and switch, so every ``PATH.v-*`` but the one ``PATH`` names is superseded.
+  that create a staging directory, publish one and switch ``PATH``, and rename what is
+  superseded out of the way; never across a collective, a write or a deletion. Under it no
+  other save is between publish and switch, so every ``PATH.v-*`` but the one ``PATH`` names
+  is superseded.
 """
 
 from __future__ import annotations
@@ -197,15 +198,15 @@ def begin_save(path: str | os.PathLike[str], token: str) -> str:
     # creation and its lock, nor can ``path`` change between the check and the creation.
     with _switch_lock(path):
         _check_replaceable(path)
-        for kind, stale in _siblings(path):
-            if kind == STAGING and _abandoned(stale):
-                _remove(stale)
+        stale = [d for kind, d in _siblings(path) if kind == STAGING and _abandoned(d)]
         os.mkdir(staging)
         try:
             _hold(staging)
         except BaseException:
             os.rmdir(staging)
             raise
+    for directory in stale:  # abandoned: nobody takes its lock again, so no lock needed
+        _remove(directory)
     return staging
 
 
@@ -254,22 +255,26 @@ def _switch(path: str, complete: str) -> None:
     fsync_directory(os.path.dirname(path))
 
 
-def _remove_superseded(path: str, keep: str) -> None:
-    """Under the switch lock: remove every ``PATH.v-*`` but ``keep`` (the one ``path`` links
-    to; no other save is between publish and switch, so the others are superseded or were
-    published by a save that died before switching) and every abandoned ``PATH.tmp-*``."""
+def _retire_superseded(path: str, keep: str) -> list[str]:
+    """Under the switch lock: every ``PATH.v-*`` but ``keep`` (the one ``path`` links to; no
+    other save is between publish and switch, so the others are superseded or were published
+    by a save that died before switching), renamed to an unlocked staging name, and every
+    abandoned ``PATH.tmp-*``. The caller removes them once it released the lock: a large
+    version takes a while to delete, and nobody needs them any more."""
+    doomed = []
     for kind, other in _siblings(path):
         if other == keep:
             continue
         if kind == COMPLETE:
-            # Renamed first, so the version vanishes at once for a load still reading it
-            # (which then says "removed by a later save; load again", not "file missing");
-            # the staging name has no save lock, so a crash here leaves an abandoned one.
-            doomed = _sibling(path, STAGING, other.rpartition(f".{COMPLETE}-")[2])
-            os.rename(other, doomed)
-            _remove(doomed)
+            # Renamed now, so the version vanishes at once for a load still reading it (which
+            # then says "removed by a later save; load again", not "file missing"); the
+            # staging name has no save lock, so it is abandoned to any later save too.
+            retired = _sibling(path, STAGING, other.rpartition(f".{COMPLETE}-")[2])
+            os.rename(other, retired)
+            doomed.append(retired)
         elif _abandoned(other):
-            _remove(other)
+            doomed.append(other)
+    return doomed
 
 
 def _remove(path: str) -> None:
@@ -285,7 +290,8 @@ def commit_save(path: str | os.PathLike[str], staging: str) -> None:
     Call on one process, after every rank's files and the manifest are in ``staging``. Until
     the final rename, ``path`` still names the previous checkpoint; a failure before it leaves
     that one in place and removes what this save made. Waits while another save to the same
-    directory publishes or switches (milliseconds: local renames and removals only).
+    directory publishes or switches (local renames only; what is superseded is deleted after
+    the lock is released).
 
     Raises:
         OSError: if a rename, link or fsync fails (the previous checkpoint is then intact).
@@ -302,7 +308,9 @@ def commit_save(path: str | os.PathLike[str], staging: str) -> None:
                     _remove(complete)
                 raise
             run_hook("after_switch")
-            _remove_superseded(path, keep=complete)
+            doomed = _retire_superseded(path, keep=complete)
+        for retired in doomed:  # outside the lock; a crash here leaves abandoned ones
+            _remove(retired)
     finally:
         release_save(staging)
 
