@@ -23,11 +23,11 @@ the kernel drops both when their holder dies, so a crashed save never blocks any
 - the *save lock*: the save that opened ``PATH.tmp-<token>`` holds a lock on that directory
   until it is published or removed. A directory whose lock can be taken has no live writer:
   abandoned, so removable. One whose lock cannot be taken is another save in progress: left.
-- the *switch lock*, on ``PATH``'s parent directory: held only around the short local steps
-  that create a staging directory, publish one and switch ``PATH``, and rename what is
-  superseded out of the way; never across a collective, a write or a deletion. Under it no
-  other save is between publish and switch, so every ``PATH.v-*`` but the one ``PATH`` names
-  is superseded.
+- the *switch lock*, on the hidden file ``.<name>.lock`` beside ``PATH``: held only around
+  the short local steps that create a staging directory, publish one and switch ``PATH``,
+  and rename what is superseded out of the way; never across a collective, a write or a
+  deletion. Under it no other save is between publish and switch, so every ``PATH.v-*`` but
+  the one ``PATH`` names is superseded.
 """
 
 from __future__ import annotations
@@ -78,11 +78,19 @@ def _flock(fd: int, flags: int) -> bool:
     return True
 
 
+def lock_file(path: str | os.PathLike[str]) -> str:
+    """``dir/.ckpt.lock`` for ``dir/ckpt``: the file whose ``flock`` is the switch lock of
+    saves to that path. Hidden and empty; it stays (removing it while a save waits on it
+    would give two saves two locks)."""
+    parent, base = os.path.split(os.fspath(path))
+    return os.path.join(parent, f".{base}.lock")
+
+
 @contextlib.contextmanager
 def _switch_lock(path: str) -> Iterator[None]:
-    """Hold the switch lock of ``path`` (its parent directory's ``flock``) for a few local
-    steps; waits while another save to that directory is inside the same steps."""
-    fd = os.open(os.path.dirname(path), os.O_RDONLY)
+    """Hold the switch lock of ``path`` for a few local steps; waits while another save to
+    the same path is inside the same steps."""
+    fd = os.open(lock_file(path), os.O_RDWR | os.O_CREAT, 0o666)
     try:
         _flock(fd, fcntl.LOCK_EX)
         yield
@@ -196,8 +204,9 @@ def begin_save(path: str | os.PathLike[str], token: str) -> str:
     staging = _sibling(path, STAGING, token)
     # Under the switch lock: another save's cleanup cannot see our directory between its
     # creation and its lock, nor can ``path`` change between the check and the creation.
+    _check_replaceable(path)  # before the lock file exists: a refused path gains nothing
     with _switch_lock(path):
-        _check_replaceable(path)
+        _check_replaceable(path)  # again: another save may have changed it meanwhile
         stale = [d for kind, d in _siblings(path) if kind == STAGING and _abandoned(d)]
         os.mkdir(staging)
         try:

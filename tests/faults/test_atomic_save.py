@@ -43,7 +43,11 @@ def _read(path: Path) -> tuple[str, str]:
 
 
 def _siblings(path: Path) -> list[str]:
-    return sorted(p.name.replace(path.name, "PATH")[:7] for p in path.parent.iterdir())
+    # The switch lock's file (hidden, empty, always there once a save ran) is not a version.
+    lock = os.path.basename(_atomic.lock_file(path))
+    return sorted(
+        p.name.replace(path.name, "PATH")[:7] for p in path.parent.iterdir() if p.name != lock
+    )
 
 
 def test_saves_switch_a_link_and_remove_superseded_versions(tmp_path: Path) -> None:

@@ -70,6 +70,7 @@ def _beside(path: Path) -> list[str]:
     return sorted(
         "PATH" if p.name == path.name else p.name[len(path.name) + 1 :].partition("-")[0] + "-"
         for p in path.parent.iterdir()
+        if p.name != os.path.basename(_atomic.lock_file(path))  # the switch lock's file
     )
 
 
