@@ -13,16 +13,32 @@ holds one complete checkpoint. A save goes through three steps:
 
 So at every instant ``PATH`` names either the previous complete checkpoint or the new complete
 one. A directory named ``.v-`` is always complete; one named ``.tmp-`` never is, is never read,
-and is removed by the next save. A real directory at ``PATH`` (written before saves switched,
-or created empty by the user) is adopted: the new link replaces it.
+and is removed by a later save once its writer is gone. A real directory at ``PATH`` (written
+before saves switched, or created empty by the user) is adopted: the new link replaces it.
+
+Concurrent saves to one ``PATH`` (two jobs, or a job and its restarted twin) never remove each
+other's work (docs/design.md §9, "Concurrent saves"). Two kinds of ``flock`` make that so, and
+the kernel drops both when their holder dies, so a crashed save never blocks anyone:
+
+- the *save lock*: the save that opened ``PATH.tmp-<token>`` holds a lock on that directory
+  until it is published or removed. A directory whose lock can be taken has no live writer:
+  abandoned, so removable. One whose lock cannot be taken is another save in progress: left.
+- the *switch lock*, on the hidden file ``.<name>.lock`` beside ``PATH``: held only around
+  the short local steps that create a staging directory, publish one and switch ``PATH``,
+  and rename what is superseded out of the way; never across a collective, a write or a
+  deletion. Under it no other save is between publish and switch, so every ``PATH.v-*`` but
+  the one ``PATH`` names is superseded.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import re
 import secrets
 import shutil
+from collections.abc import Iterator
 
 from gradsync_core._checkpoint import MANIFEST, RANK_FILE_RE
 from gradsync_core._save_hooks import run_hook
@@ -40,6 +56,82 @@ _CHECKPOINT_FILE_RE = re.compile(rf"{re.escape(MANIFEST)}|{RANK_FILE_RE.pattern}
 def new_save_token() -> str:
     """A random token naming one save's directories (16 hex digits)."""
     return secrets.token_hex(_TOKEN_HEX // 2)
+
+
+# staging directory -> the descriptor that holds its save lock, for the saves this process runs
+_held: dict[str, int] = {}
+
+
+def _flock(fd: int, flags: int) -> bool:
+    """``flock(fd, flags)``; ``False`` where the file system cannot lock a directory.
+
+    NFS emulates ``flock`` with POSIX locks, which refuse an exclusive lock on a descriptor
+    not open for writing (``EBADF``; a directory never is). Saves there work as before this
+    protocol: one job per path (docs/design.md §9, "Concurrent saves").
+    """
+    try:
+        fcntl.flock(fd, flags)
+    except BlockingIOError:
+        raise
+    except OSError:  # EBADF, ENOLCK, EOPNOTSUPP: no directory locks here
+        return False
+    return True
+
+
+def lock_file(path: str | os.PathLike[str]) -> str:
+    """``dir/.ckpt.lock`` for ``dir/ckpt``: the file whose ``flock`` is the switch lock of
+    saves to that path. Hidden and empty; it stays (removing it while a save waits on it
+    would give two saves two locks)."""
+    parent, base = os.path.split(os.fspath(path))
+    return os.path.join(parent, f".{base}.lock")
+
+
+@contextlib.contextmanager
+def _switch_lock(path: str) -> Iterator[None]:
+    """Hold the switch lock of ``path`` for a few local steps; waits while another save to
+    the same path is inside the same steps."""
+    fd = os.open(lock_file(path), os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        _flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor drops the lock
+
+
+def _hold(staging: str) -> None:
+    """Take the save lock of the new ``staging`` directory for this process's save."""
+    fd = os.open(staging, os.O_RDONLY)
+    _flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # new: nobody else can hold it
+    _held[staging] = fd
+
+
+def release_save(staging: str) -> None:
+    """Drop this process's save lock of ``staging`` (idempotent). A directory left behind by
+    a save cut short is then abandoned, and a later save removes it."""
+    fd = _held.pop(staging, None)
+    if fd is not None:
+        os.close(fd)
+
+
+def _abandoned(directory: str) -> bool:
+    """Whether no live save holds ``directory``'s save lock (its writer is gone).
+
+    The probe's lock is dropped at once: the caller removes ``directory`` under the switch
+    lock, and no save takes the lock of an existing directory.
+    """
+    if os.path.islink(directory):
+        return True  # a switch's temporary link, made and replaced under the switch lock
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return False  # gone already, or not ours to open: leave it
+    try:
+        _flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # unlockable file system: as before, removed
+    except BlockingIOError:
+        return False  # a save in progress, in this process or another
+    finally:
+        os.close(fd)
+    return True
 
 
 def _sibling(path: str, kind: str, token: str) -> str:
@@ -96,8 +188,9 @@ def _check_replaceable(path: str) -> None:
 def begin_save(path: str | os.PathLike[str], token: str) -> str:
     """Prepare save ``token`` of checkpoint ``path``; call on one process before any writes.
 
-    Removes the staging directories of saves that crashed (never read, so never needed) and
-    creates an empty ``PATH.tmp-<token>``.
+    Removes the staging directories of saves whose writer is gone (never read, so never
+    needed; another live save's is left alone), creates an empty ``PATH.tmp-<token>`` and
+    holds its save lock until ``commit_save``, ``discard_save`` or ``release_save``.
 
     Returns:
         The staging directory.
@@ -108,12 +201,21 @@ def begin_save(path: str | os.PathLike[str], token: str) -> str:
     """
     path = _normalized(path)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    _check_replaceable(path)
-    for kind, stale in _siblings(path):
-        if kind == STAGING:
-            _remove(stale)
     staging = _sibling(path, STAGING, token)
-    os.mkdir(staging)
+    # Under the switch lock: another save's cleanup cannot see our directory between its
+    # creation and its lock, nor can ``path`` change between the check and the creation.
+    _check_replaceable(path)  # before the lock file exists: a refused path gains nothing
+    with _switch_lock(path):
+        _check_replaceable(path)  # again: another save may have changed it meanwhile
+        stale = [d for kind, d in _siblings(path) if kind == STAGING and _abandoned(d)]
+        os.mkdir(staging)
+        try:
+            _hold(staging)
+        except BaseException:
+            os.rmdir(staging)
+            raise
+    for directory in stale:  # abandoned: nobody takes its lock again, so no lock needed
+        _remove(directory)
     return staging
 
 
@@ -162,11 +264,26 @@ def _switch(path: str, complete: str) -> None:
     fsync_directory(os.path.dirname(path))
 
 
-def _remove_superseded(path: str, keep: str) -> None:
-    """Remove every ``PATH.v-*`` / ``PATH.tmp-*`` but ``keep`` (the one ``path`` links to)."""
-    for _, other in _siblings(path):
-        if other != keep:
-            _remove(other)
+def _retire_superseded(path: str, keep: str) -> list[str]:
+    """Under the switch lock: every ``PATH.v-*`` but ``keep`` (the one ``path`` links to; no
+    other save is between publish and switch, so the others are superseded or were published
+    by a save that died before switching), renamed to an unlocked staging name, and every
+    abandoned ``PATH.tmp-*``. The caller removes them once it released the lock: a large
+    version takes a while to delete, and nobody needs them any more."""
+    doomed = []
+    for kind, other in _siblings(path):
+        if other == keep:
+            continue
+        if kind == COMPLETE:
+            # Renamed now, so the version vanishes at once for a load still reading it (which
+            # then says "removed by a later save; load again", not "file missing"); the
+            # staging name has no save lock, so it is abandoned to any later save too.
+            retired = _sibling(path, STAGING, other.rpartition(f".{COMPLETE}-")[2])
+            os.rename(other, retired)
+            doomed.append(retired)
+        elif _abandoned(other):
+            doomed.append(other)
+    return doomed
 
 
 def _remove(path: str) -> None:
@@ -181,27 +298,39 @@ def commit_save(path: str | os.PathLike[str], staging: str) -> None:
 
     Call on one process, after every rank's files and the manifest are in ``staging``. Until
     the final rename, ``path`` still names the previous checkpoint; a failure before it leaves
-    that one in place and removes what this save made.
+    that one in place and removes what this save made. Waits while another save to the same
+    directory publishes or switches (local renames only; what is superseded is deleted after
+    the lock is released).
 
     Raises:
         OSError: if a rename, link or fsync fails (the previous checkpoint is then intact).
     """
     path = _normalized(path)
-    complete = _publish(staging)
     try:
-        run_hook("before_switch")
-        _switch(path, complete)
-    except BaseException:
-        if os.path.realpath(path) != os.path.realpath(complete):
-            _remove(complete)
-        raise
-    run_hook("after_switch")
-    _remove_superseded(path, keep=complete)
+        with _switch_lock(path):
+            complete = _publish(staging)
+            try:
+                run_hook("before_switch")
+                _switch(path, complete)
+            except BaseException:
+                if os.path.realpath(path) != os.path.realpath(complete):
+                    _remove(complete)
+                raise
+            run_hook("after_switch")
+            doomed = _retire_superseded(path, keep=complete)
+        for retired in doomed:  # outside the lock; a crash here leaves abandoned ones
+            _remove(retired)
+    finally:
+        release_save(staging)
 
 
 def discard_save(staging: str) -> None:
-    """Remove what a failed save staged (best effort: a leftover is removed by the next save)."""
-    _remove(staging)
+    """Remove what a failed save staged, then drop its save lock (best effort: a leftover
+    is removed by a later save)."""
+    try:
+        _remove(staging)
+    finally:
+        release_save(staging)
 
 
 def resolve_checkpoint(path: str | os.PathLike[str]) -> str:

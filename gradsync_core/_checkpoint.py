@@ -363,6 +363,7 @@ def read_manifest(directory: str | os.PathLike[str], *, verify_files: bool = Tru
             )
         obj = json.loads(raw.decode("utf-8"))
     except FileNotFoundError:
+        _refuse_if_removed(directory)
         raise ValueError(
             f"{directory!s} has no {MANIFEST}: not a gradsync checkpoint, or its save did "
             "not finish"
@@ -388,6 +389,21 @@ def read_manifest(directory: str | os.PathLike[str], *, verify_files: bool = Tru
     return manifest
 
 
+# A version directory of a switching save (``PATH.v-<16 hex>``, gradsync_core/_atomic.py).
+_VERSION_DIR_RE = re.compile(r".+\.v-[0-9a-f]{16}")
+
+
+def _refuse_if_removed(directory: str | os.PathLike[str]) -> None:
+    """A version directory that vanished while it was read was removed by a later save
+    (docs/design.md §9): say so, instead of calling the checkpoint incomplete."""
+    name = os.path.basename(os.fspath(directory))
+    if _VERSION_DIR_RE.fullmatch(name) and not os.path.isdir(directory):
+        raise ValueError(
+            f"checkpoint {os.fspath(directory)} was removed by a later save while it was being "
+            "read; load again"
+        ) from None
+
+
 def verify_file_hashes(
     directory: str | os.PathLike[str], manifest: Manifest, files: Sequence[str] | None = None
 ) -> None:
@@ -410,6 +426,7 @@ def verify_file_hashes(
         try:
             digest = sha256_file(file_path)  # refuses a FIFO, device or link out, unread
         except FileNotFoundError:
+            _refuse_if_removed(directory)
             raise ValueError(f"checkpoint file {file_path} is missing") from None
         if digest != manifest.files[name]:
             raise ValueError(

@@ -31,7 +31,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
-from gradsync_core._atomic import begin_save, commit_save, discard_save, new_save_token
+from gradsync_core._atomic import (
+    begin_save,
+    commit_save,
+    discard_save,
+    new_save_token,
+    release_save,
+)
 from gradsync_core._atomic import staging_directory as _staging_directory
 from gradsync_core._checkpoint import Manifest, write_atomic, write_manifest
 from gradsync_core._save_hooks import run_hook
@@ -160,6 +166,24 @@ def run_save(
     token = step(open_staging, run=agreement.leader)
     staging = _staging_directory(path, agreement.share_token(token))
     try:
+        return _write_and_commit(path, staging, agreement, steps, prepared, step)
+    finally:
+        # Whatever happened (a collective broken by a dead rank included), this save is over:
+        # what it left behind is abandoned now, and a later save removes it.
+        if agreement.leader:
+            release_save(staging)
+
+
+def _write_and_commit(
+    path: str | os.PathLike[str],
+    staging: str,
+    agreement: SaveAgreement,
+    steps: SaveSteps[P],
+    prepared: P,
+    step: _Step,
+) -> Manifest:
+    """Steps 3 and 4 of ``run_save``: write and hash, gather, write the manifest and switch."""
+    try:
         written = step(
             lambda: dict(steps.write_files(prepared, staging)),
             label=f"{agreement.who} could not write its file: ",
@@ -167,7 +191,7 @@ def run_save(
     except CheckpointError:
         # Every rank knows the save failed: the leader removes what it staged. When a
         # collective itself breaks (a rank died), the staging directory stays: it is never
-        # read, and the next save's ``begin_save`` removes it.
+        # read, and once ``run_save`` dropped its save lock a later save removes it.
         if agreement.leader:
             discard_save(staging)
         raise

@@ -29,6 +29,7 @@ from gradsync_core.checkpoint import (
 )
 from gradsync_jax._naming import flax_name, from_torch_layout, to_torch_state, torch_names
 from gradsync_jax.checkpoint.safetensors_io import read_safetensors
+from gradsync_jax.checkpoint.stored import check_finite
 
 
 def host_copy(array: Any) -> np.ndarray:
@@ -64,6 +65,7 @@ def load_params(
     *,
     modules: Mapping[str, str] | None = None,
     cast: bool = False,
+    allow_nonfinite: bool = False,
 ) -> Any:
     """The model weights of a gradsync checkpoint (written by torch or JAX) as a tree like
     ``like``: Flax layouts (Dense kernels back to ``(in, out)``), NumPy arrays.
@@ -81,13 +83,16 @@ def load_params(
         modules: Flax-to-torch module renames (see ``torch_name``), as given at save time.
         cast: convert weights stored in another floating dtype (a ``bfloat16`` checkpoint
             into ``float32`` parameters, or back) instead of refusing them.
+        allow_nonfinite: take weights holding NaN or inf as they are (say, to look at a
+            diverged run); by default they are refused, as ``load_optimizer_state`` refuses
+            them in state.
 
     Returns:
         A tree with ``like``'s structure (for NNX: ``nnx.update(model, tree)``).
 
     Raises:
-        ValueError: one sentence naming the missing, unexpected or mismatched weight, or the
-            missing or corrupt file.
+        ValueError: one sentence naming the missing, unexpected, mismatched or non-finite
+            weight, or the missing or corrupt file.
 
     Example:
         >>> params = load_params("ckpt", variables, modules={"Dense_0": "fc1"})  # doctest: +SKIP
@@ -109,6 +114,8 @@ def load_params(
     paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(like)
     names = torch_names(like, modules=modules)
     check_weight_names(stored, names, fix=_names_fix(stored, names))
+    if not allow_nonfinite:
+        check_finite({model_key(name): value for name, value in stored.items()})
     out = [
         _weight(flax_name(path), name, stored[name], leaf, cast=cast)
         for (path, leaf), name in zip(paths_leaves, names, strict=True)

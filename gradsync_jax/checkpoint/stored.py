@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -57,3 +58,22 @@ def assemble(manifest: Manifest, tensors: dict[Any, np.ndarray]) -> dict[str, np
         if key.partition("/")[0] == GLOBAL_PARAM:
             out[key] = value
     return out
+
+
+def check_finite(tensors: Mapping[str, np.ndarray]) -> None:
+    """Refuse a checkpoint whose state holds NaN or inf: loaded, the parameters would be NaN
+    a step or two later (``load_optimizer_state`` and ``load_params`` take them with
+    ``allow_nonfinite=True``).
+
+    Raises:
+        ValueError: naming the first such tensor.
+    """
+    for key, value in tensors.items():
+        if value.dtype.kind in "biu":
+            continue
+        bad = int(np.size(value) - np.count_nonzero(np.isfinite(value.astype(np.float32))))
+        if bad:
+            raise ValueError(
+                f"checkpoint tensor {key!r} holds {bad} NaN or infinite value(s); load an "
+                "earlier checkpoint, or pass allow_nonfinite=True to take them as they are"
+            )

@@ -43,7 +43,7 @@ from gradsync_jax._naming import from_torch_layout, to_torch_layout, torch_name,
 from gradsync_jax.checkpoint.model_state import weights_by_rank
 from gradsync_jax.checkpoint.optimizers import canonical_key, optimizer_name
 from gradsync_jax.checkpoint.processes import ProcessSaveAgreement, local_ranks, local_view, place
-from gradsync_jax.checkpoint.stored import GLOBAL_PARAM, assemble, read_rank_files
+from gradsync_jax.checkpoint.stored import GLOBAL_PARAM, assemble, check_finite, read_rank_files
 from gradsync_jax.zero.flat import FlatLayout
 from gradsync_jax.zero.layout import Layout, ZeroState
 from gradsync_jax.zero.model_space import ModelSpace, abstract, model_space, pure
@@ -411,21 +411,3 @@ def _state_values(
             f"starting with {unexpected[0]!r}"
         )
     return values
-
-
-def check_finite(tensors: Mapping[str, np.ndarray]) -> None:
-    """Refuse a checkpoint whose state holds NaN or inf: loaded, the parameters would be NaN
-    a step or two later (``load_optimizer_state(..., allow_nonfinite=True)`` takes them).
-
-    Raises:
-        ValueError: naming the first such tensor.
-    """
-    for key, value in tensors.items():
-        if value.dtype.kind in "biu":
-            continue
-        bad = int(np.size(value) - np.count_nonzero(np.isfinite(value.astype(np.float32))))
-        if bad:
-            raise ValueError(
-                f"checkpoint tensor {key!r} holds {bad} NaN or infinite value(s); load an "
-                "earlier checkpoint, or pass allow_nonfinite=True to take them as they are"
-            )

@@ -30,6 +30,7 @@ from gradsync_core.checkpoint import (
     weight_owners,
 )
 from gradsync_torch._specs import dtype_name, unwrapped
+from gradsync_torch.checkpoint.state_values import ValuePolicy, check_finite_weights
 from gradsync_torch.param_sharding._rows import local_rows
 
 
@@ -128,7 +129,11 @@ def copy_weights(module: nn.Module | None, weights: Mapping[str, torch.Tensor] |
 
 
 def load_model_weights(
-    path: str | os.PathLike[str], module: nn.Module, *, cast: bool = False
+    path: str | os.PathLike[str],
+    module: nn.Module,
+    *,
+    cast: bool = False,
+    allow_nonfinite: bool = False,
 ) -> Manifest:
     """Load the model weights of a gradsync checkpoint into ``module`` (no process group).
 
@@ -141,13 +146,16 @@ def load_model_weights(
             A data-parallel wrapper (DDP, ``DataParallel``) loads into its ``module``.
         cast: convert weights stored in another floating dtype (a ``bfloat16`` checkpoint
             into ``float32`` parameters, or back) instead of refusing them.
+        allow_nonfinite: take weights holding NaN or inf as they are (say, to look at a
+            diverged run); by default they are refused, as ``ZeroRedundancyOptimizer.load``
+            refuses them.
 
     Returns:
         The checkpoint's manifest.
 
     Raises:
-        ValueError: if a file is missing or corrupt, the checkpoint holds no weights, or
-            they do not match ``module``; the module is then unchanged.
+        ValueError: if a file is missing or corrupt, the checkpoint holds no weights, they
+            do not match ``module`` or hold NaN/inf; the module is then unchanged.
 
     Example:
         >>> load_model_weights("ckpt", net)  # doctest: +SKIP
@@ -158,5 +166,6 @@ def load_model_weights(
     manifest = read_manifest(path)  # hashes every file
     weights = read_weights(path, manifest)
     check_weights(weights, module, cast=cast)
+    check_finite_weights(weights, ValuePolicy(allow_nonfinite=allow_nonfinite))
     copy_weights(module, weights)
     return manifest

@@ -12,13 +12,15 @@ changes. Scalars (``step``, hyper-parameters) are checked by range in the manife
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
 from gradsync_core import ParamSpec
 from gradsync_torch._specs import dtype_name
-from gradsync_torch.zero.state import StatePiece
+
+if TYPE_CHECKING:  # a hint only: importing it would cycle through gradsync_torch.zero
+    from gradsync_torch.zero.state import StatePiece
 
 
 class ValuePolicy(NamedTuple):
@@ -100,5 +102,5 @@ def _check_finite(value: torch.Tensor, where: str, policy: ValuePolicy) -> None:
         bad = int((~torch.isfinite(value)).sum())
         raise ValueError(
             f"{where} holds {bad} NaN or infinite value(s) in the checkpoint; load an earlier "
-            "checkpoint, or pass allow_nonfinite=True to load() to take them as they are"
+            "checkpoint, or pass allow_nonfinite=True to take them as they are"
         )

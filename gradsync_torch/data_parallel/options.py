@@ -37,6 +37,7 @@ class DataParallelOptions:
     broadcast_buffers: bool = True
     param_broadcast_period: int = 0
     shard_gradients: bool = False
+    check_finite: bool = False
 
     def __post_init__(self) -> None:
         if self.reduce not in ("mean", "sum"):
@@ -65,6 +66,12 @@ class DataParallelOptions:
             raise ValueError(
                 "shard_gradients=True drops param.grad after each bucket's reduce-scatter, so "
                 "gradients cannot be bucket views; leave gradient_as_bucket_view=False"
+            )
+        if self.check_finite and self.shard_gradients:
+            raise ValueError(
+                "check_finite=True reads the all-reduced buckets, which shard_gradients=True "
+                "replaces by a reduce-scatter (each rank sees only its shard); use one or the "
+                "other"
             )
         if self.shard_gradients and self.reduce_dtype is not None:
             raise ValueError(

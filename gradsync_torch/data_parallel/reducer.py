@@ -40,6 +40,7 @@ from gradsync_torch.data_parallel.buckets import (
     GradSlots,
     build_buckets,
 )
+from gradsync_torch.data_parallel.finite_check import FiniteCheck
 from gradsync_torch.data_parallel.sync_agreement import (
     SyncHistory,
     layout_fingerprint,
@@ -145,6 +146,7 @@ class Reducer:
         self.active_ranks: int | None = None
         self.join_divisor: int | None = None
         self._joined = False  # the sync in progress is a joined rank's shadow
+        self.finite_check: FiniteCheck | None = None  # check_finite=True (finite_check.py)
         if overlap:
             self._register_hooks()
 
@@ -280,6 +282,8 @@ class Reducer:
             divisor = self.join_divisor
         copied = gather_gradients(bucket, self._names, divisor=divisor, per_tensor=per_tensor)
         collective.staged(bucket, copied)
+        if self.finite_check is not None:
+            self.finite_check.local(bucket)
 
     def _launch_complete(self) -> None:
         """Launch every staged bucket from the first unlaunched one on, in plan order."""
@@ -346,6 +350,8 @@ class Reducer:
         self._history.synced()
         if from_backward:
             self.rebuild()  # once: DDP's rebuild from the observed ready order
+        if self.finite_check is not None:
+            self.finite_check.verify(self.sync_count - 1)  # raises alike on every rank
 
     def _present_flags(self) -> list[bool]:
         """Per slot, whether this rank has a gradient to contribute in this sync."""
@@ -370,6 +376,8 @@ class Reducer:
             self._stage(bucket)
             collective.launch(bucket, is_last=bucket.spec.index == last)
             collective.finish(bucket)
+            if self.finite_check is not None:
+                self.finite_check.reduced(bucket)
             for i in collective.write_back(bucket, flags):
                 collective.write_back_absent(bucket, i, global_used)
         self._end_sync()
@@ -390,6 +398,8 @@ class Reducer:
         absent: list[tuple[BucketBuffers, int]] = []
         for bucket in self.buckets:
             collective.finish(bucket)
+            if self.finite_check is not None:
+                self.finite_check.reduced(bucket)
             absent.extend((bucket, i) for i in collective.write_back(bucket, flags))
         if collective.chains_collectives:
             # Only once every future is done is the order of collectives on the group the
@@ -418,6 +428,8 @@ class Reducer:
             if fired:  # a real gradient arrived (perhaps into a bound view)
                 self.slots.preset[slot] = False
         self._reset_backward()
+        if self.finite_check is not None:
+            self.finite_check.reset()
         if self._ready_order is not None:
             self._ready_order = []
         self._callback_queued = False

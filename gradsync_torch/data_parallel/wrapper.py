@@ -30,6 +30,7 @@ from gradsync_torch.data_parallel.backward_sink import attach_if_detached
 from gradsync_torch.data_parallel.bucket_collectives import AllReduce, BucketCollective, CommHook
 from gradsync_torch.data_parallel.buckets import GradSlots
 from gradsync_torch.data_parallel.comm_hooks import CommHook as HookFn
+from gradsync_torch.data_parallel.finite_check import FiniteCheck
 from gradsync_torch.data_parallel.grad_sharding import ReduceScatter
 from gradsync_torch.data_parallel.join import DataParallelJoinHook, exchange_status
 from gradsync_torch.data_parallel.options import (
@@ -80,6 +81,10 @@ class DataParallel(nn.Module, Joinable):
             only its shard, which a ZeRO optimizer given this wrapper steps:
             ``ZeroRedundancyOptimizer(model.parameters(), ..., shard_gradients=True,
             data_parallel=model)``; a sync with no such optimizer raises.
+        check_finite: after every sync, raise ``FloatingPointError`` on every rank if a
+            gradient went NaN or infinite, naming the rank(s) it came from and the
+            parameter(s); rides on the all-reduce (docs/torch-data-parallel.md, "Finding a
+            NaN gradient"). Not with ``shard_gradients``.
         groups: model parallelism (docs/design.md §6): the topology's ``ProcessGroups``. The
             data-parallel group (``process_group``) is then ``groups["dp"]``, and after every
             synced mean the gradients of parameters replicated over a model-parallel axis (a
@@ -119,6 +124,7 @@ class DataParallel(nn.Module, Joinable):
         broadcast_buffers: bool = True,
         param_broadcast_period: int = 0,
         shard_gradients: bool = False,
+        check_finite: bool = False,
         groups: ProcessGroups | None = None,
         shared_plan: gradsync_core.ReductionPlan | None = None,
     ) -> None:
@@ -134,6 +140,7 @@ class DataParallel(nn.Module, Joinable):
             broadcast_buffers=broadcast_buffers,
             param_broadcast_period=param_broadcast_period,
             shard_gradients=shard_gradients,
+            check_finite=check_finite,
         )
         params = ModuleParams.of(module)  # the one walk over the module's parameters
         choice = resolve_groups(
@@ -187,7 +194,7 @@ class DataParallel(nn.Module, Joinable):
             )
         else:
             collective = AllReduce(group, slots, mean=mean, views=options.gradient_as_bucket_view)
-        return Reducer(
+        reducer = Reducer(
             group,
             layout.trainable,
             layout.specs,
@@ -202,6 +209,10 @@ class DataParallel(nn.Module, Joinable):
             record_ready_order=options.overlap and not options.shard_gradients,
             shared=shared,
         )
+        if options.check_finite:
+            named = layout.trainable
+            reducer.finite_check = FiniteCheck(group, [n for n, _ in named], [p for _, p in named])
+        return reducer
 
     # ---- public API -------------------------------------------------------------------
 

@@ -33,6 +33,7 @@ DIFFERING_VALUES: dict[str, object] = {
     "broadcast_buffers": False,
     "param_broadcast_period": 3,
     "shard_gradients": True,
+    "check_finite": True,
 }
 # Options agreed by another check, and why they are not in the option comparison.
 CHECKED_ELSEWHERE = {

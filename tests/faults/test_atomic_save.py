@@ -8,6 +8,7 @@ checkpoint, the previous one until the new one is committed.
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from gradsync_core.checkpoint import (
     discard_save,
     new_save_token,
     rank_file,
+    write_atomic,
 )
 
 RANK0 = rank_file(0, 1)
@@ -41,7 +43,11 @@ def _read(path: Path) -> tuple[str, str]:
 
 
 def _siblings(path: Path) -> list[str]:
-    return sorted(p.name.replace(path.name, "PATH")[:7] for p in path.parent.iterdir())
+    # The switch lock's file (hidden, empty, always there once a save ran) is not a version.
+    lock = os.path.basename(_atomic.lock_file(path))
+    return sorted(
+        p.name.replace(path.name, "PATH")[:7] for p in path.parent.iterdir() if p.name != lock
+    )
 
 
 def test_saves_switch_a_link_and_remove_superseded_versions(tmp_path: Path) -> None:
@@ -61,6 +67,9 @@ def test_a_save_cut_short_leaves_the_previous_checkpoint(tmp_path: Path) -> None
     staging = _stage(path, "two")  # a crash here: files written, never committed
     assert _read(path) == ("one", "manifest of one")
     assert os.path.isdir(staging)
+    # A crash drops the save lock (the kernel does, for a dead process; run_save does, for a
+    # save that ended early in a live one): the directory is abandoned from then on.
+    _atomic.release_save(staging)
     # The next save removes the stale staging directory before writing, and never reads it.
     _save(path, "three")
     assert not os.path.exists(staging)
@@ -156,3 +165,16 @@ def test_a_path_that_holds_user_data_is_refused_before_writing(
     with pytest.raises(ValueError, match=r"cannot save a checkpoint at .*ckpt: " + message):
         begin_save(path, new_save_token())
     assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+@pytest.mark.parametrize(("umask", "mode"), [(0o022, 0o644), (0o027, 0o640)])
+def test_checkpoint_files_get_the_process_umask(tmp_path: Path, umask: int, mode: int) -> None:
+    # Issue 21: rank files were 0600 (mkstemp's mode), unreadable to the group a job shares.
+    previous = os.umask(umask)
+    try:
+        staging = begin_save(tmp_path / "ckpt", new_save_token())
+        write_atomic(os.path.join(staging, RANK0), b"weights")
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE(os.stat(os.path.join(staging, RANK0)).st_mode) == mode
+    discard_save(staging)

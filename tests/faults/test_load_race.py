@@ -17,8 +17,10 @@ import jax.numpy as jnp
 import pytest
 import torch
 
+import gradsync_core._cli_checkpoint as cli_checkpoint
 import gradsync_jax.checkpoint.model_state as jax_model_state
 import gradsync_torch.checkpoint.model_state as torch_model_state
+from gradsync_core._cli import main as cli_main
 from gradsync_jax import load_params, save_optimizer_state
 from gradsync_torch import load_model_weights
 from tests.faults import jax_save_worker as worker
@@ -74,3 +76,21 @@ def test_a_load_never_mixes_two_versions(tmp_path: Path, monkeypatch: pytest.Mon
     assert all(bool((leaf == latest).all()) for leaf in jax.tree.leaves(loaded))
     load_model_weights(path, net)
     assert all(bool((p == latest).all()) for p in net.parameters())
+
+
+def test_inspect_never_mixes_two_versions(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # ``gradsync checkpoint inspect`` reads the manifest, then every file's size and header:
+    # through the version it resolved first, so a save in between makes it fail with one
+    # line (exit 2), never print version 2's files under version 1's manifest.
+    tx, params = worker.problem()
+    path = tmp_path / "ckpt"
+    _save(path, tx, params, 1.0, step=1)
+    _pause_after_manifest(monkeypatch, cli_checkpoint, lambda: _save(path, tx, params, 2.0, step=2))
+    assert cli_main(["checkpoint", "inspect", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err and "cannot read" in err, err
+    monkeypatch.undo()
+    assert cli_main(["checkpoint", "inspect", "--json", str(path)]) == 0
+    assert '"step": 2' in capsys.readouterr().out

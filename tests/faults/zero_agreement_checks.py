@@ -31,6 +31,7 @@ from torch import nn
 from gradsync_core import read_manifest
 from gradsync_core.checkpoint import save_hook, sha256_file, write_manifest
 from gradsync_torch import ZeroRedundancyOptimizer
+from gradsync_torch.checkpoint import zero as checkpoint_zero
 from tests.torch.dp_grad_checks import expect_error
 
 
@@ -250,10 +251,46 @@ def check_interrupted_save_fails_fast(rank: int, ws: int) -> None:
         shutil.rmtree(box[0])
 
 
+def check_load_racing_a_save(rank: int, ws: int) -> None:
+    """A ZeRO load paused after reading version 1's manifest while a save switches PATH to
+    version 2 and removes version 1 (issue 21 item 2): the load reads version 1 or fails on
+    every rank with "load again", never version 2's state under version 1's manifest; the
+    loading optimizer is untouched, and the next load reads version 2 whole."""
+    box = [tempfile.mkdtemp(prefix="gradsync-race-") if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    path = os.path.join(box[0], "ckpt")
+    model, saver = _trained(False)
+    saver.save(path, model=model)  # version 1, step 2
+    model(torch.randn(8, 16)).square().mean().backward()
+    saver.step()  # step 3: what version 2 holds
+    loader = ZeroRedundancyOptimizer(_model().named_parameters(), torch.optim.Adam, lr=1e-2)
+    before = _state(loader)
+    real = checkpoint_zero.read_manifest
+
+    def read_then_save(directory: Any, **kwargs: Any) -> Any:
+        manifest = real(directory, **kwargs)
+        saver.save(path, model=model)  # every rank is here: the save is a collective too
+        return manifest
+
+    checkpoint_zero.read_manifest = read_then_save
+    try:
+        needles = ["removed by a later save", "load again"]
+        expect_error(ValueError, needles, lambda: loader.load(path))
+    finally:
+        checkpoint_zero.read_manifest = real
+    assert _same(_state(loader), before), "a refused load changed the optimizer"
+    loader.load(path)
+    assert loader.steps == 3 and _same(_state(loader), _state(saver))
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(box[0])
+
+
 CHECKS: dict[str, Callable[[int, int], None]] = {
     "optimizer_settings_agree": check_optimizer_settings_agree,
     "add_param_group_agrees": check_add_param_group_agrees,
     "load_state_dict_agrees": check_load_state_dict_agrees,
     "forged_values_refused": check_forged_values_refused,
     "interrupted_save_fails_fast": check_interrupted_save_fails_fast,
+    "load_racing_a_save": check_load_racing_a_save,
 }
