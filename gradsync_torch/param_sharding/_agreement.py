@@ -27,10 +27,15 @@ def _what(op: dict[str, Any]) -> str:
 def _describe(d: Disagreement) -> str:
     mine, theirs = d.base, d.other
     if mine["unit"] == theirs["unit"] and mine["op"] == theirs["op"]:
-        missing = sorted(set(mine["params"]) ^ set(theirs["params"]))
-        detail = (
-            f"both are at {mine['op']} #{mine['seq']} of unit {mine['unit']!r}, but parameters "
-            f"{missing} have a gradient on one side only (a parameter unused on some ranks)"
+        ours, others = set(mine["params"]), set(theirs["params"])
+        sides = [(ours - others, d.agreeing, d.differing), (others - ours, d.differing, d.agreeing)]
+        detail = f"both are at {mine['op']} #{mine['seq']} of unit {mine['unit']!r}, but " + (
+            " and ".join(
+                f"parameters {sorted(names)} have a gradient on ranks {has} and not on ranks "
+                f"{lacks}"
+                for names, has, lacks in sides
+                if names
+            )
         )
         fix = (
             "use every parameter of a unit in every step on every rank (or freeze it on all), "
