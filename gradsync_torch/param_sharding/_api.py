@@ -217,13 +217,16 @@ def fully_shard(
     Afterwards those parameters are ``DTensor``s sharded on dim 0 (``Shard(0)``), cut where the
     ``gradsync_core`` plan says, so ``torch.optim.*(model.parameters())``,
     ``clip_grad_norm_`` and ``state_dict()`` work on them as on FSDP2's. The forward gathers a
-    unit just before it runs and frees it after (``reshard_after_forward``; the root stays
-    gathered for the backward); the backward gathers it again, reduce-scatters its gradients
-    (averaged with FSDP2's arithmetic) as soon as its backward is done, and frees it.
+    unit just before it runs (prefetching the next) and frees it after
+    (``reshard_after_forward``; the root stays gathered for the backward); the backward gathers
+    it again (prefetching the next), reduce-scatters its gradients (averaged with FSDP2's
+    arithmetic) as soon as its backward is done, and frees it.
 
     Args:
         module: the block or the root model; its parameters on one device, not yet sharded.
-        mesh: a 1-D ``DeviceMesh`` of the data-parallel ranks (default: the world).
+        mesh: a 1-D ``DeviceMesh`` of the data-parallel ranks (default: the world), or a 2-D
+            one ``(replicate, shard)`` for hybrid sharding (HSDP; ``hsdp_mesh`` builds it
+            from a ``Topology``): shard over dim 1, all-reduce gradients over dim 0.
         process_group: the data-parallel group instead of ``mesh``.
         reshard_after_forward: free the gathered parameters after forward (``False`` keeps
             them to the backward, trading memory for one all-gather).
@@ -235,8 +238,9 @@ def fully_shard(
 
     Raises:
         ValueError: the plan differs across ranks (the same sentence on every rank), the module
-            is already sharded, or options conflict.
-        NotImplementedError: tied parameters, a 2-D mesh (HSDP).
+            is already sharded, options conflict, or the mesh is not 1-D or 2-D. At run time,
+            ranks that run the model differently (``_agreement.py``).
+        NotImplementedError: a weight tied across units.
 
     Example:
         >>> for block in model.layers:  # doctest: +SKIP

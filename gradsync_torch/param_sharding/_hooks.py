@@ -1,14 +1,22 @@
 """When a unit gathers, frees and reduces: forward and backward hooks, as FSDP2 places them.
 
-- forward pre-hook: gather the unit; wrap the inputs that need gradients in ``_PostBackward``,
-  whose backward runs once autograd is done with the unit (its inputs' gradients exist);
+- forward pre-hook: gather the unit (or wait for its prefetch) and start gathering the unit
+  that ran next in the previous step's forward; wrap the inputs that need gradients in
+  ``_PostBackward``, whose backward runs once autograd is done with this call of the unit;
 - forward hook: free the unit if ``reshard_after_forward`` (never the root, which backward
   needs first); hook the outputs so the unit is gathered again before its backward starts;
-- post-backward: reduce-scatter the unit's gradients at once (unless gradient sync is off, in
-  which case autograd keeps accumulating into the gathered parameters' ``.grad``), free it;
+- pre-backward (the first gradient at a call's outputs): gather, and prefetch the unit whose
+  backward comes next (this step's post-forward order reversed, FSDP2's implicit prefetch);
+- post-backward: once no call of the unit is still in its backward, reduce-scatter its
+  gradients at once (unless gradient sync is off, in which case autograd keeps accumulating
+  into the gathered parameters' ``.grad``) and free it; a module called twice per step is
+  gathered again for its earlier call and reduce-scatters again, as in FSDP2;
 - a callback queued on autograd's engine at the first pre-backward finishes every unit whose
   post-backward did not fire (the root, whose inputs are token ids; a unit without a gradient
-  path) when the whole backward is done.
+  path) when the whole backward is done, and waits for every collective.
+
+Before each collective the ranks agree on it (``_agreement.py``), so ranks that run the
+model differently get one sentence instead of a hang.
 """
 
 from __future__ import annotations
