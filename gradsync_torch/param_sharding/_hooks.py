@@ -139,12 +139,12 @@ class ShardUnit:
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         grad = torch.is_grad_enabled()
         self.params.gather()
-        if grad:
+        if grad:  # a forward under no_grad (evaluation) leaves the step's state alone
             if self not in self.step.forward_order:
                 self.step.forward_order.append(self)
             self.step.prefetch_after(self, self.step.last_forward_order, IDLE)
-        self.state = FORWARD
-        self.calls += 1
+            self.state = FORWARD
+            self.calls += 1
         leaves, spec = tree_flatten((args, kwargs))
         if self.policy.cast_forward_inputs and self.policy.param_dtype is not None:
             leaves = [cast_floats(x, self.policy.param_dtype) for x in leaves]
