@@ -1,4 +1,4 @@
-"""Parameter sharding step time and memory: DDP vs torch FSDP2 vs gradsync ZeRO-3 (fully_shard).
+"""Sharding step time and memory: DDP, torch FSDP2, gradsync ZeRO-1, ZeRO-2 and ZeRO-3.
 
 docs/design.md §11: every variant runs in the same process tree, alternating step by step (the
 order rotates every round), on the same model and data; each time is the median over the timed
@@ -7,20 +7,25 @@ backward and AdamW's step.
 
     DDP                 torch DistributedDataParallel, plain AdamW (every rank holds all)
     FSDP2               torch.distributed.fsdp.fully_shard per block and on the root
-    gradsync ZeRO-3     gradsync_torch.fully_shard, the same units
+    gradsync ZeRO-1     gradsync DataParallel + ZeroRedundancyOptimizer(AdamW): state 1/N
+    gradsync ZeRO-2     the same with shard_gradients=True: gradients reduce-scattered, 1/N
+    gradsync ZeRO-3     gradsync_torch.fully_shard, FSDP2's units
 
     python benchmarks/torch_fsdp.py --repeat 3               # GPT 4 x 256, 2 gloo ranks
     python benchmarks/torch_fsdp.py --world-size 4 --quick
 
 Memory, per rank, after the timed rounds: the resident bytes of parameters (the distinct
-storages behind them: FSDP2's and gradsync's padded shards, DDP's full tensors), gradients
-(after a backward) and AdamW state, and the **peak** of one more step: resident parameters
-and state plus the largest rise of live CPU bytes during the step (torch's profiler,
-``profile_memory=True``), so it includes activations and the gathered units. The model is the
+storages behind them: FSDP2's and gradsync's padded shards, the others' full tensors),
+gradients (after a backward: ``param.grad`` and gradsync ``DataParallel``'s bucket buffers or
+ZeRO-2 shards, each storage once) and AdamW state, and the **peak** of one more step:
+resident parameters and state plus the largest rise of live CPU bytes during the step
+(torch's profiler, ``profile_memory=True``), so it includes activations and the gathered
+units. The model is the
 benchmarks' GPT (``--model gpt``, tied head; benchmarks/_torch_models.py).
 
 The last line is one JSON object: {"bench": "torch_fsdp", "ratio_vs_anchor": gradsync ZeRO-3's
-step time over FSDP2's, "ddp_ratio_vs_anchor": DDP's over FSDP2's, ...}; the anchor is FSDP2.
+step time over FSDP2's, "ddp_ratio_vs_anchor", "zero1_ratio_vs_anchor",
+"zero2_ratio_vs_anchor": the others' over FSDP2's, ...}; the anchor is FSDP2.
 """
 
 from __future__ import annotations
@@ -52,9 +57,10 @@ from _torch_models import (
 from zero3_memory import peak_live_bytes
 
 from gradsync_core import block_prefixes
-from gradsync_torch import fully_shard, param_specs
+from gradsync_torch import DataParallel, ZeroRedundancyOptimizer, fully_shard, param_specs
 
-VARIANTS = ("DDP", "FSDP2", "gradsync ZeRO-3")
+ZERO1, ZERO2, ZERO3 = "gradsync ZeRO-1", "gradsync ZeRO-2", "gradsync ZeRO-3"
+VARIANTS = ("DDP", "FSDP2", ZERO1, ZERO2, ZERO3)
 ANCHOR = "FSDP2"
 MIB = 1024 * 1024
 
@@ -77,13 +83,34 @@ def _sharded(shard: Any, model: nn.Module) -> nn.Module:
     return model
 
 
-def _setup(name: str, args: argparse.Namespace) -> nn.Module:
+def _setup(name: str, args: argparse.Namespace) -> tuple[nn.Module, torch.optim.Optimizer]:
     from torch.distributed.fsdp import fully_shard as fsdp2
 
     model = build_model(args)
+    if name in (ZERO1, ZERO2):
+        wrapped = DataParallel(model, shard_gradients=name == ZERO2)
+        opt = ZeroRedundancyOptimizer(
+            model.named_parameters(),
+            torch.optim.AdamW,
+            lr=1e-4,
+            shard_gradients=name == ZERO2,
+            data_parallel=wrapped if name == ZERO2 else None,  # it steps the wrapper's shards
+        )
+        return wrapped, opt
     if name == "DDP":
-        return DistributedDataParallel(model)
-    return _sharded(fsdp2 if name == "FSDP2" else fully_shard, model)
+        model = DistributedDataParallel(model)
+    else:
+        model = _sharded(fsdp2 if name == "FSDP2" else fully_shard, model)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+
+def _grad_tensors(model: nn.Module) -> list[torch.Tensor]:
+    """Every tensor holding gradients now: ``param.grad`` and gradsync's bucket buffers or
+    ZeRO-2 gradient shards."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if isinstance(model, DataParallel):
+        grads += list(model.reducer.buffer_tensors())
+    return grads
 
 
 def _memory(model: nn.Module, opt: torch.optim.Optimizer, batch: Any) -> dict[str, int]:
@@ -91,11 +118,12 @@ def _memory(model: nn.Module, opt: torch.optim.Optimizer, batch: Any) -> dict[st
 
     opt.zero_grad()
     loss_of(model, *batch).backward()
-    grads = _storage_nbytes([p.grad for p in model.parameters() if p.grad is not None])
+    grads = _storage_nbytes(_grad_tensors(model))
     opt.zero_grad()
     params = _storage_nbytes(list(model.parameters()))
+    inner = getattr(opt, "optim", opt)  # gradsync's ZeRO keeps a local optimizer there
     state = _storage_nbytes(
-        [v for s in opt.state.values() for k, v in s.items() if k != "step" and v.dim() > 0]
+        [v for s in inner.state.values() for k, v in s.items() if k != "step" and v.dim() > 0]
     )
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         loss_of(model, *batch).backward()
@@ -115,8 +143,9 @@ def worker(rank: int, world_size: int, store_path: str, args: argparse.Namespace
         "gloo", store=dist.FileStore(store_path, world_size), rank=rank, world_size=world_size
     )
     try:
-        models = {name: _setup(name, args) for name in VARIANTS}
-        opts = {n: torch.optim.AdamW(m.parameters(), lr=1e-4) for n, m in models.items()}
+        setups = {name: _setup(name, args) for name in VARIANTS}
+        models = {name: model for name, (model, _) in setups.items()}
+        opts = {name: opt for name, (_, opt) in setups.items()}
         batch = make_batch(args, rank, torch.device("cpu"))
 
         def step(name: str) -> None:
@@ -166,11 +195,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "bench": "torch_fsdp",
         "world_size": args.world_size,
-        "step_s": step_s["gradsync ZeRO-3"],
+        "step_s": step_s[ZERO3],
         "anchor_step_s": step_s[ANCHOR],
         "ddp_step_s": step_s["DDP"],
-        "ratio_vs_anchor": step_s["gradsync ZeRO-3"] / step_s[ANCHOR],
+        "ratio_vs_anchor": step_s[ZERO3] / step_s[ANCHOR],
         "ddp_ratio_vs_anchor": step_s["DDP"] / step_s[ANCHOR],
+        "zero1_ratio_vs_anchor": step_s[ZERO1] / step_s[ANCHOR],
+        "zero2_ratio_vs_anchor": step_s[ZERO2] / step_s[ANCHOR],
         "peak_bytes": {n: [row[n]["peak"] for row in result["memory"]] for n in VARIANTS},
         "resident_bytes": {
             n: [row[n]["params"] + row[n]["grads"] + row[n]["state"] for row in result["memory"]]
@@ -190,7 +221,15 @@ def main() -> None:
     args.warmup = 1 if args.quick else args.warmup
     fill_model_defaults(args)
     runs = run_repeats(lambda index: measure(args), args.repeat)
-    finish(runs, ratio_keys=("ratio_vs_anchor", "ddp_ratio_vs_anchor"))
+    finish(
+        runs,
+        ratio_keys=(
+            "ratio_vs_anchor",
+            "ddp_ratio_vs_anchor",
+            "zero1_ratio_vs_anchor",
+            "zero2_ratio_vs_anchor",
+        ),
+    )
 
 
 if __name__ == "__main__":

@@ -30,7 +30,12 @@ from gradsync_torch.model_parallel.mappings import (
     reduce_scatter_to,
     scatter_to,
 )
-from gradsync_torch.param_sharding import MixedPrecisionPolicy, ShardedModule, fully_shard
+from gradsync_torch.param_sharding import (
+    MixedPrecisionPolicy,
+    ShardedModule,
+    fully_shard,
+    hsdp_mesh,
+)
 from gradsync_torch.sampler import ResumableSampler
 from gradsync_torch.shared_reductions import (
     SharedReducer,
@@ -63,6 +68,7 @@ __all__: list[str] = [
     "fp16_compress_hook",
     "fully_shard",
     "gather_from",
+    "hsdp_mesh",
     "import_dcp",
     "load_fully_sharded",
     "load_model_weights",

@@ -8,15 +8,16 @@ thing, and cuts the call's own parameters exactly where the plan's chunks say.
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import Placement, Replicate, Shard
 
 from gradsync_core import ParamShardPlan, plan_param_shards
 from gradsync_torch._specs import param_specs
-from gradsync_torch.agreement import Disagreement, agree_on
+from gradsync_torch.agreement import Disagreement, agree_ok, agree_on
 from gradsync_torch.param_sharding._hooks import ShardUnit, Step
 from gradsync_torch.param_sharding._policy import MixedPrecisionPolicy
 from gradsync_torch.param_sharding._unit import UnitParameters, shard_parameter
@@ -64,12 +65,59 @@ def _mesh(mesh: DeviceMesh | None, process_group: Any, device_type: str) -> Devi
         if process_group is None:
             return init_device_mesh(device_type, (dist.get_world_size(),))
         return DeviceMesh.from_group(process_group, device_type)
-    if not isinstance(mesh, DeviceMesh) or mesh.ndim != 1:
-        raise NotImplementedError(
-            f"fully_shard takes a 1-D DeviceMesh; got {mesh!r}. Hybrid sharding (HSDP, a 2-D "
-            "mesh) is not supported yet: use torch.distributed.fsdp.fully_shard for it"
+    if not isinstance(mesh, DeviceMesh) or mesh.ndim not in (1, 2):
+        raise ValueError(
+            f"fully_shard takes a 1-D DeviceMesh (shard) or a 2-D one (replicate, shard) for "
+            f"hybrid sharding (HSDP), as FSDP2; got {mesh!r}"
         )
     return mesh
+
+
+class _Layout(NamedTuple):
+    """Where one fully_shard call's collectives run: the shard group (all-gather,
+    reduce-scatter) and, under HSDP, the replicate group (the gradients' all-reduce)."""
+
+    group: dist.ProcessGroup
+    shard_size: int
+    shard_rank: int
+    replicate_group: dist.ProcessGroup | None
+    replicate_size: int
+    placements: tuple[Placement, ...]
+
+
+def _layout(mesh: DeviceMesh) -> _Layout:
+    # FSDP2's HSDPMeshInfo: dim 1 shards, dim 0 replicates; parameters (Replicate(), Shard(0)).
+    if mesh.ndim == 1:
+        return _Layout(mesh.get_group(), mesh.size(), mesh.get_local_rank(), None, 1, (Shard(0),))
+    replicate = mesh.size(0)
+    return _Layout(
+        mesh.get_group(1),
+        mesh.size(1),
+        mesh.get_local_rank(1),
+        mesh.get_group(0) if replicate > 1 else None,
+        replicate,
+        (Replicate(), Shard(0)),
+    )
+
+
+def _agree_plan(plan: ParamShardPlan, layout: _Layout, where: str) -> None:
+    """Every rank of the mesh planned the same, or the same sentence on every rank.
+
+    Under HSDP the shard group agrees first; ``agree_ok`` then tells each replicate group
+    whether a shard group failed (each replicate group meets every shard group, so every rank
+    hears it) before the replicas compare their plans, so no rank walks on alone.
+    """
+    describe = _describe(where)
+    if layout.replicate_group is None:
+        agree_on(plan.to_json(), layout.group, describe=describe)
+        return
+    try:
+        agree_on(plan.to_json(), layout.group, describe=describe)
+        error = None
+    except ValueError as exc:
+        error = str(exc)
+    agree_ok(error, layout.replicate_group, what=f"fully_shard({where})")
+    agree_on(plan.to_json(), layout.replicate_group, describe=describe)
 
 
 def _describe(where: str) -> Any:
@@ -169,13 +217,16 @@ def fully_shard(
     Afterwards those parameters are ``DTensor``s sharded on dim 0 (``Shard(0)``), cut where the
     ``gradsync_core`` plan says, so ``torch.optim.*(model.parameters())``,
     ``clip_grad_norm_`` and ``state_dict()`` work on them as on FSDP2's. The forward gathers a
-    unit just before it runs and frees it after (``reshard_after_forward``; the root stays
-    gathered for the backward); the backward gathers it again, reduce-scatters its gradients
-    (averaged with FSDP2's arithmetic) as soon as its backward is done, and frees it.
+    unit just before it runs (prefetching the next) and frees it after
+    (``reshard_after_forward``; the root stays gathered for the backward); the backward gathers
+    it again (prefetching the next), reduce-scatters its gradients (averaged with FSDP2's
+    arithmetic) as soon as its backward is done, and frees it.
 
     Args:
         module: the block or the root model; its parameters on one device, not yet sharded.
-        mesh: a 1-D ``DeviceMesh`` of the data-parallel ranks (default: the world).
+        mesh: a 1-D ``DeviceMesh`` of the data-parallel ranks (default: the world), or a 2-D
+            one ``(replicate, shard)`` for hybrid sharding (HSDP; ``hsdp_mesh`` builds it
+            from a ``Topology``): shard over dim 1, all-reduce gradients over dim 0.
         process_group: the data-parallel group instead of ``mesh``.
         reshard_after_forward: free the gathered parameters after forward (``False`` keeps
             them to the backward, trading memory for one all-gather).
@@ -187,8 +238,9 @@ def fully_shard(
 
     Raises:
         ValueError: the plan differs across ranks (the same sentence on every rank), the module
-            is already sharded, or options conflict.
-        NotImplementedError: tied parameters, a 2-D mesh (HSDP).
+            is already sharded, options conflict, or the mesh is not 1-D or 2-D. At run time,
+            ranks that run the model differently (``_agreement.py``).
+        NotImplementedError: a weight tied across units.
 
     Example:
         >>> for block in model.layers:  # doctest: +SKIP
@@ -200,19 +252,39 @@ def fully_shard(
         raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {mp_policy!r}")
     first = next(module.parameters(), None)
     mesh = _mesh(mesh, process_group, first.device.type if first is not None else "cpu")
-    group, world_size, shard_rank = mesh.get_group(), mesh.size(), mesh.get_local_rank()
+    layout = _layout(mesh)
+    world_size = layout.shard_size
     inner = {p: u for p, m in module.named_modules() if p and (u := getattr(m, _UNIT, None))}
-    plan = plan_param_shards(param_specs(module), world_size=world_size, units=list(inner))
-    agree_on(plan.to_json(), group, describe=_describe(type(module).__name__))
+    plan = plan_param_shards(
+        param_specs(module),
+        world_size=world_size * layout.replicate_size,
+        units=list(inner),
+        replicate_size=layout.replicate_size,
+    )
+    _agree_plan(plan, layout, type(module).__name__)
     params = []
     places = _places(module, plan.units[0].params, inner)
     originals = [module.get_parameter(name) for name in plan.units[0].params]
     for name in plan.units[0].params:  # the root unit: what no inner call manages
         chunks = tuple(plan.chunk(name, r) for r in range(world_size))
         params.append(
-            shard_parameter(places[name], chunks, shard_rank, mesh, mp_policy.param_dtype)
+            shard_parameter(
+                name,
+                places[name],
+                chunks,
+                layout.shard_rank,
+                mesh,
+                mp_policy.param_dtype,
+                layout.placements,
+            )
         )
-    unit_params = UnitParameters(params, group=group, world_size=world_size, policy=mp_policy)
+    unit_params = UnitParameters(
+        params,
+        group=layout.group,
+        world_size=world_size,
+        policy=mp_policy,
+        replicate_group=layout.replicate_group,
+    )
     unit = ShardUnit(
         module, "", unit_params, reshard_after_forward=reshard_after_forward, policy=mp_policy
     )

@@ -1,24 +1,34 @@
 """When a unit gathers, frees and reduces: forward and backward hooks, as FSDP2 places them.
 
-- forward pre-hook: gather the unit; wrap the inputs that need gradients in ``_PostBackward``,
-  whose backward runs once autograd is done with the unit (its inputs' gradients exist);
+- forward pre-hook: gather the unit (or wait for its prefetch) and start gathering the unit
+  that ran next in the previous step's forward; wrap the inputs that need gradients in
+  ``_PostBackward``, whose backward runs once autograd is done with this call of the unit;
 - forward hook: free the unit if ``reshard_after_forward`` (never the root, which backward
   needs first); hook the outputs so the unit is gathered again before its backward starts;
-- post-backward: reduce-scatter the unit's gradients at once (unless gradient sync is off, in
-  which case autograd keeps accumulating into the gathered parameters' ``.grad``), free it;
+- pre-backward (the first gradient at a call's outputs): gather, and prefetch the unit whose
+  backward comes next (this step's post-forward order reversed, FSDP2's implicit prefetch);
+- post-backward: once no call of the unit is still in its backward, reduce-scatter its
+  gradients at once (unless gradient sync is off, in which case autograd keeps accumulating
+  into the gathered parameters' ``.grad``) and free it; a module called twice per step is
+  gathered again for its earlier call and reduce-scatters again, as in FSDP2;
 - a callback queued on autograd's engine at the first pre-backward finishes every unit whose
   post-backward did not fire (the root, whose inputs are token ids; a unit without a gradient
-  path) when the whole backward is done.
+  path) when the whole backward is done, and waits for every collective.
+
+Before each collective the ranks agree on it (``_agreement.py``), so ranks that run the
+model differently get one sentence instead of a hang.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from gradsync_torch.param_sharding._agreement import StepAgreement
 from gradsync_torch.param_sharding._policy import MixedPrecisionPolicy, cast_floats
 from gradsync_torch.param_sharding._unit import UnitParameters
 
@@ -26,13 +36,21 @@ IDLE, FORWARD, PRE_BACKWARD, POST_BACKWARD = "idle", "forward", "pre_backward", 
 
 
 class Step:
-    """What the units of one sharded model share in a step: who they are, and whether the
-    end-of-backward callback is queued. Created by the outermost ``fully_shard`` call."""
+    """What the units of one sharded model share in a step: who they are, the order they ran
+    in (for prefetching), the runtime agreement, and whether the end-of-backward callback is
+    queued. Created by the outermost ``fully_shard`` call."""
 
     def __init__(self, units: list[ShardUnit]) -> None:
         self.units = units
         self.callback_queued = False
         self.in_flight: ShardUnit | None = None
+        self.agreement = StepAgreement()
+        # Forward prefetch follows the previous step's forward order (FSDP2 needs it spelled
+        # out with set_modules_to_forward_prefetch); backward prefetch this step's reversed
+        # post-forward order, as FSDP2's implicit backward prefetch.
+        self.forward_order: list[ShardUnit] = []
+        self.last_forward_order: list[ShardUnit] = []
+        self.post_forward_order: list[ShardUnit] = []
 
     def queue_callback(self) -> None:
         if not self.callback_queued:
@@ -42,13 +60,21 @@ class Step:
     def finish_backward(self) -> None:
         for unit in self.units:
             if unit.state in (FORWARD, PRE_BACKWARD):
-                unit.post_backward()
+                unit.post_backward(None)
         for unit in self.units:  # the optimizer comes next: every gradient must be in place
             unit.params.finish_reduce()
+        for unit in self.units:
+            unit.params.finish_all_reduce()
             unit.params.free()
             unit.state = IDLE
+            unit.open_calls.clear()
+            unit.seen_calls.clear()
         self.callback_queued = False
         self.in_flight = None
+        if self.forward_order:
+            self.last_forward_order = self.forward_order
+        self.forward_order, self.post_forward_order = [], []
+        self.agreement.new_step()
 
     def start_reduce(self, unit: ShardUnit) -> None:
         """Finish the reduce-scatter in flight, start ``unit``'s: at most one unit's send
@@ -57,6 +83,16 @@ class Step:
             self.in_flight.params.finish_reduce()
         unit.params.reduce_gradients()
         self.in_flight = unit
+
+    def prefetch_after(self, unit: ShardUnit, order: list[ShardUnit], state: str) -> None:
+        """Start gathering the unit after ``unit`` in ``order`` if it is in ``state`` and not
+        gathered yet: its all-gather then runs while ``unit`` computes."""
+        index = next((i for i, u in enumerate(order) if u is unit), None)
+        if index is None or index + 1 == len(order):
+            return
+        nxt = order[index + 1]
+        if nxt.state == state and not nxt.params.is_gathered:
+            nxt.params.start_gather()
 
 
 class ShardUnit:
@@ -82,25 +118,41 @@ class ShardUnit:
         # tied to one of them (its users would be in two units).
         self.originals: dict[int, Any] = {}
         self.state = IDLE
+        self.calls = 0  # grad-enabled forwards so far: each call's backward is told apart
+        self.seen_calls: set[int] = set()  # calls whose backward has started
+        self.open_calls: set[int] = set()  # calls whose backward has started, not ended
         self.step = Step([self])
+        self.params.check = self.check
         self.handles = [
             module.register_forward_pre_hook(self.pre_forward, prepend=True, with_kwargs=True),
             module.register_forward_hook(self.post_forward, with_kwargs=True),
         ]
 
+    def check(self, op: str, names: list[str], group: Any = None) -> None:
+        """Agree with the peers before collective ``op`` over ``names`` (``_agreement.py``);
+        ``group``: the replicate group of an HSDP all-reduce, else the shard group."""
+        group = self.params.group if group is None else group
+        self.step.agreement.check(op, self.prefix, names, group)
+
     def pre_forward(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        grad = torch.is_grad_enabled()
         self.params.gather()
-        self.state = FORWARD
+        if grad:  # a forward under no_grad (evaluation) leaves the step's state alone
+            if self not in self.step.forward_order:
+                self.step.forward_order.append(self)
+            self.step.prefetch_after(self, self.step.last_forward_order, IDLE)
+            self.state = FORWARD
+            self.calls += 1
         leaves, spec = tree_flatten((args, kwargs))
         if self.policy.cast_forward_inputs and self.policy.param_dtype is not None:
             leaves = [cast_floats(x, self.policy.param_dtype) for x in leaves]
-        if not torch.is_grad_enabled():
+        if not grad:
             return tree_unflatten(leaves, spec)
         needs = [i for i, x in enumerate(leaves) if torch.is_tensor(x) and x.requires_grad]
         if needs:
-            wrapped = _PostBackward.apply(self, *(leaves[i] for i in needs))
+            wrapped = _PostBackward.apply(self, self.calls, *(leaves[i] for i in needs))
             for i, tensor in zip(needs, wrapped, strict=True):
                 leaves[i] = tensor
         return tree_unflatten(leaves, spec)
@@ -112,24 +164,37 @@ class ShardUnit:
         if not grad or (self.reshard_after_forward and not self.is_root):
             self.params.free()
         if grad:
+            if self not in self.step.post_forward_order:
+                self.step.post_forward_order.append(self)
+            hook = functools.partial(self.pre_backward, self.calls)
             leaves, _ = tree_flatten(output)
             for tensor in leaves:
                 if torch.is_tensor(tensor) and tensor.requires_grad:
-                    tensor.register_hook(self.pre_backward)
+                    tensor.register_hook(hook)
         if self.policy.output_dtype is None:
             return output
         leaves, spec = tree_flatten(output)
         return tree_unflatten([cast_floats(x, self.policy.output_dtype) for x in leaves], spec)
 
-    def pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
-        if self.state == FORWARD:  # the first of the outputs' hooks does the work
-            self.step.queue_callback()
-            self.params.gather()
-            self.state = PRE_BACKWARD
+    def pre_backward(self, call: int, grad: torch.Tensor) -> torch.Tensor:
+        """The first gradient reaching forward call ``call``'s outputs: gather the unit (a
+        module called twice per step is gathered again for its earlier call's backward) and
+        prefetch the unit whose backward comes next."""
+        if call in self.seen_calls:  # the first of the call's outputs' hooks does the work
+            return grad
+        self.seen_calls.add(call)
+        self.open_calls.add(call)
+        self.step.queue_callback()
+        self.params.gather()
+        self.state = PRE_BACKWARD
+        self.step.prefetch_after(self, self.step.post_forward_order[::-1], FORWARD)
         return grad
 
-    def post_backward(self) -> None:
-        if self.state == POST_BACKWARD:
+    def post_backward(self, call: int | None) -> None:
+        """Autograd finished forward call ``call`` of this unit (``None``: the backward ended):
+        once no call is still in its backward, reduce-scatter the gradients and free."""
+        self.open_calls.discard(call)
+        if self.state == POST_BACKWARD or (call is not None and self.open_calls):
             return
         self.state = POST_BACKWARD
         if self.requires_gradient_sync:
@@ -144,11 +209,13 @@ class _PostBackward(torch.autograd.Function):
     when autograd has finished the unit (FSDP2's ``RegisterPostBackwardFunction``)."""
 
     @staticmethod
-    def forward(ctx: Any, unit: ShardUnit, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.unit = unit
+    def forward(
+        ctx: Any, unit: ShardUnit, call: int, *inputs: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        ctx.unit, ctx.call = unit, call
         return inputs
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        ctx.unit.post_backward()
-        return (None, *grads)
+        ctx.unit.post_backward(ctx.call)
+        return (None, None, *grads)

@@ -10,12 +10,13 @@ resharded, so autograd's saved tensors see the next gather's data without a copy
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DeviceMesh, DTensor, Shard
+from torch.distributed.tensor import DeviceMesh, DTensor, Placement, Shard
 
 from gradsync_core import ParamChunk
 from gradsync_torch._collectives import all_gather_single, reduce_scatter_single
@@ -28,6 +29,7 @@ class ShardedParameter:
     """One parameter's three forms: padded local storage, the DTensor the optimizer sees, and
     the gathered tensor forward and backward use."""
 
+    name: str  # the path inside the module fully_shard was called on
     places: tuple[tuple[nn.Module, str], ...]  # (module, attribute) holding it; 2+ if tied
     chunks: tuple[ParamChunk, ...]  # every shard rank's rows, from the plan
     shard_rank: int
@@ -66,14 +68,17 @@ def _swap(places: tuple[tuple[nn.Module, str], ...], param: nn.Parameter) -> Non
 
 
 def shard_parameter(
+    name: str,
     places: tuple[tuple[nn.Module, str], ...],
     chunks: tuple[ParamChunk, ...],
     shard_rank: int,
     mesh: DeviceMesh,
     gather_dtype: torch.dtype | None,
+    placements: tuple[Placement, ...] = (Shard(0),),
 ) -> ShardedParameter:
     """Replace the parameter at ``places`` by this rank's rows (``chunks[shard_rank]``) as a
-    ``DTensor``; a tied parameter is held at several places and swapped at all of them."""
+    ``DTensor`` on ``mesh`` with ``placements`` (``(Replicate(), Shard(0))`` under HSDP, as
+    FSDP2's); a tied parameter is held at several places and swapped at all of them."""
     chunk = chunks[shard_rank]
     module, attr = places[0]
     full = module._parameters[attr]
@@ -85,18 +90,19 @@ def shard_parameter(
     shape = torch.Size(chunk.shape)
     # Mixed precision applies to floating parameters only, as in FSDP2's init_dtype_attrs.
     dtype = gather_dtype if gather_dtype and data.is_floating_point() else data.dtype
-    gathered = torch.empty(mesh.size() * chunk.padded_numel, dtype=dtype, device=data.device)
+    gathered = torch.empty(len(chunks) * chunk.padded_numel, dtype=dtype, device=data.device)
     view = gathered[: full.numel()].view(shape)
     unsharded = nn.Parameter(view, requires_grad=full.requires_grad)
     sharded = nn.Parameter(  # the global shape with contiguous strides, as FSDP2's
         DTensor.from_local(
-            local, mesh, (Shard(0),), run_check=False, shape=shape, stride=view.stride()
+            local, mesh, placements, run_check=False, shape=shape, stride=view.stride()
         ),
         requires_grad=full.requires_grad,
     )
     _free(gathered)
     _swap(places, sharded)
     return ShardedParameter(
+        name=name,
         places=places,
         chunks=chunks,
         shard_rank=shard_rank,
@@ -117,25 +123,49 @@ class UnitParameters:
         group: dist.ProcessGroup,
         world_size: int,
         policy: MixedPrecisionPolicy,
+        replicate_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.params = params
         self.group = group
         self.world_size = world_size
+        # HSDP: the reduce-scattered shards are all-reduced over the replicate group, and the
+        # mean is over both (FSDP2's data_parallel_size = shard size x replicate size).
+        self.replicate_group = replicate_group
+        self.replicate_size = 1 if replicate_group is None else replicate_group.size()
         # FSDP2 drops a reduce dtype equal to the compute dtype: nothing to cast.
         same = policy.reduce_dtype == policy.param_dtype
         self.reduce_dtype = None if same else policy.reduce_dtype
         self.is_gathered = False
+        self._gathering: tuple | None = None  # an all-gather in flight (a prefetch)
         self._pending: tuple | None = None  # a reduce-scatter in flight
+        self._all_reducing: tuple | None = None  # HSDP: its all-reduce over the replicas
+        # Called with (collective, member names) before each collective: the hooks' runtime
+        # agreement (_agreement.py), so ranks that diverge get a sentence, not a hang.
+        self.check: Callable[..., None] | None = None
 
-    def gather(self) -> None:
-        """All-gather every member (frozen ones too) in one collective and swap them in."""
-        if self.is_gathered or not self.params:
-            self.is_gathered = True
+    def start_gather(self) -> None:
+        """Start all-gathering every member (frozen ones too) in one collective, in the
+        background (a prefetch: ``gather`` finishes it when the unit is needed)."""
+        if self.is_gathered or self._gathering is not None or not self.params:
             return
+        if self.check is not None:
+            self.check("all-gather", [p.name for p in self.params])
         dtype = self.params[0].gathered.dtype
         send = torch.cat([p.padded.to(dtype) for p in self.params])
         recv = send.new_empty(self.world_size * send.numel())
-        all_gather_single(recv, send, group=self.group)
+        work = all_gather_single(recv, send, group=self.group, async_op=True)
+        self._gathering = (work, recv)
+
+    def gather(self) -> None:
+        """Gather the unit (or finish the gather ``start_gather`` began) and swap it in."""
+        if self.is_gathered or not self.params:
+            self.is_gathered = True
+            return
+        self.start_gather()
+        assert self._gathering is not None
+        work, recv = self._gathering
+        self._gathering = None
+        work.wait()
         pieces = recv.view(self.world_size, -1).split(
             [p.chunk.padded_numel for p in self.params], 1
         )
@@ -150,8 +180,16 @@ class UnitParameters:
             _swap(p.places, p.unsharded)
         self.is_gathered = True
 
+    @property
+    def is_gathering(self) -> bool:
+        """Whether a prefetch's all-gather is in flight."""
+        return self._gathering is not None
+
     def free(self) -> None:
         """Point the modules back at the shards and release the gathered storage."""
+        if self._gathering is not None:  # a prefetch nobody used: complete it, then drop it
+            self._gathering[0].wait()
+            self._gathering = None
         if not self.is_gathered:
             return
         for p in self.params:
@@ -177,30 +215,47 @@ class UnitParameters:
         reduce_dtype = self.reduce_dtype or _gradient(ready[0]).dtype
         send = _send_buffer(ready, self.world_size, reduce_dtype)
         out = send.new_empty(send.shape[1])
-        divide = gradient_divide(reduce_dtype, self.world_size)
+        divide = gradient_divide(reduce_dtype, self.world_size * self.replicate_size)
         if divide.pre not in (None, 1):
             send.div_(divide.pre)
         work = None
+        if self.check is not None:
+            self.check("reduce-scatter", [p.name for p in ready])
         if self.world_size > 1:
+            # The one reduce-scatter call site (gloo's fast reduce-scatter plugs in here).
             work = reduce_scatter_single(
                 out, send.view(-1), op=divide.op, group=self.group, async_op=True
             )
         else:
             out.copy_(send.view(-1))
-        self._pending = (work, send, out, ready, divide.post)
+        self._pending = (work, send, out, ready, divide)
 
     def finish_reduce(self) -> None:
-        """Wait for the reduce-scatter ``reduce_gradients`` started; store the gradients."""
+        """Wait for the reduce-scatter ``reduce_gradients`` started; store the gradients, or
+        under HSDP start their all-reduce over the replicas (``finish_all_reduce`` ends it)."""
         if self._pending is None:
             return
-        work, send, out, ready, post = self._pending
+        work, send, out, ready, divide = self._pending
         self._pending = None
         if work is not None:
             work.wait()
         del send  # before the gradients' views are made: the peak is one unit's, not two
-        if post not in (None, 1):
-            out.div_(post)
-        _store_gradients(ready, out)
+        if self.replicate_size > 1:
+            if self.check is not None:
+                self.check("all-reduce", [p.name for p in ready], self.replicate_group)
+            work = dist.all_reduce(out, op=divide.op, group=self.replicate_group, async_op=True)
+            self._all_reducing = (work, out, ready, divide.post)
+            return
+        _finish(ready, out, divide.post)
+
+    def finish_all_reduce(self) -> None:
+        """Wait for the HSDP all-reduce ``finish_reduce`` started; store the gradients."""
+        if self._all_reducing is None:
+            return
+        work, out, ready, post = self._all_reducing
+        self._all_reducing = None
+        work.wait()
+        _finish(ready, out, post)
 
     def keep_gradients(self) -> None:
         """Gradient sync is off: leave the gradients unsharded for the next backward to add
@@ -246,6 +301,12 @@ def _send_buffer(
     return send
 
 
+def _finish(ready: list[ShardedParameter], out: torch.Tensor, post: float | None) -> None:
+    if post not in (None, 1):
+        out.div_(post)
+    _store_gradients(ready, out)
+
+
 def _store_gradients(ready: list[ShardedParameter], out: torch.Tensor) -> None:
     offset = 0
     for p in ready:
@@ -259,7 +320,7 @@ def _store_gradients(ready: list[ShardedParameter], out: torch.Tensor) -> None:
             p.sharded.grad = DTensor.from_local(
                 local,
                 p.sharded.device_mesh,
-                (Shard(0),),
+                p.sharded.placements,
                 run_check=False,
                 shape=p.sharded.shape,
                 stride=p.sharded.stride(),

@@ -2,6 +2,8 @@
 parameters, gradients and optimizer state are bitwise equal, and close to one process training
 on every rank's batch (docs/torch-zero3.md)."""
 
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -137,9 +139,14 @@ def _check(rank: int, world_size: int) -> dict:
         ("bf16 parameters, fp32 reduction, 2 micro-steps", case(True, micro=2, bf16=True)),
         ("a head tied to the embedding", case(True, tied=True)),
         ("a weight tied across units is refused", _tied_across_units),
-        ("process_group= and mesh= shard alike; a 2-D mesh is refused", lambda: _groups(rank)),
+        (
+            "process_group=, 1-D and (1, N) meshes shard alike; 3-D is refused",
+            lambda: _groups(rank),
+        ),
         ("plan differs across ranks", lambda: _mismatch(rank)),
     ]
+    if world_size == 4:
+        checks.append(("HSDP 2 x 2 equals FSDP2's HSDP", lambda: _hsdp(rank)))
     return run_checks(checks)
 
 
@@ -187,11 +194,48 @@ def _groups(rank: int) -> None:
     def by_mesh(module, **options):
         return fully_shard(module, mesh=world, **options)
 
-    a, b = _build(by_group, reshard=True), _build(by_mesh, reshard=True)
-    _bitwise(_locals(a, _train(a, rank)[0]), _locals(b, _train(b, rank)[0]))
     flat = init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("r", "s"))
-    with pytest.raises(NotImplementedError, match="HSDP"):
-        fully_shard(nn.Linear(2, 2), mesh=flat)
+
+    def by_flat_mesh(module, **options):  # HSDP with one replica: plain sharding
+        return fully_shard(module, mesh=flat, **options)
+
+    a, b = _build(by_group, reshard=True), _build(by_mesh, reshard=True)
+    c = _build(by_flat_mesh, reshard=True)
+    trained = [_locals(m, _train(m, rank)[0]) for m in (a, b, c)]
+    _bitwise(trained[0], trained[1])
+    _bitwise(trained[1], trained[2])
+    cube = init_device_mesh("cpu", (1, 1, dist.get_world_size()), mesh_dim_names=tuple("abc"))
+    with pytest.raises(ValueError, match="2-D one"):
+        fully_shard(nn.Linear(2, 2), mesh=cube)
+
+
+def _hsdp(rank: int) -> None:
+    """4 ranks as 2 x 2 (shard within a pair, all-reduce across): bitwise FSDP2's HSDP, with
+    the mesh built from a gradsync Topology, and close to one process."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard as fsdp2
+
+    from gradsync_core import Topology
+    from gradsync_torch import fully_shard, hsdp_mesh
+
+    theirs_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    ours_mesh = hsdp_mesh(Topology.create(world_size=4), shard_size=2)
+    assert ours_mesh.mesh.tolist() == theirs_mesh.mesh.tolist()
+    for reshard in (True, False):
+        theirs = _build(functools.partial(fsdp2, mesh=theirs_mesh), reshard=reshard)
+        ours = _build(functools.partial(fully_shard, mesh=ours_mesh), reshard=reshard)
+        opt_t, norms_t = _train(theirs, rank)
+        opt_o, norms_o = _train(ours, rank)
+        _bitwise(_locals(theirs, opt_t), _locals(ours, opt_o))
+        assert all(
+            a.placements == b.placements
+            for a, b in zip(theirs.parameters(), ours.parameters(), strict=True)
+        )
+        for a, b in zip(norms_t, norms_o, strict=True):
+            assert torch.equal(a, b), (a, b)
+    single = dict(_reference(rank, 4, 1, False).named_parameters())
+    for name, p in ours.named_parameters():
+        torch.testing.assert_close(p.full_tensor(), single[name], rtol=1e-5, atol=1e-5)
 
 
 def _tied_across_units() -> None:
