@@ -2,21 +2,24 @@
 
 As in DDP, the wrapper calls a few verbs and never sees a gradient: ``prepare_for_forward``
 (is the coming backward a synced one), ``sync_gradients`` (legacy mode, or what ``no_sync``
-left) and ``backward_reached`` (a backward with no trainable parameter in it). The Reducer
-registers one hook per trainable parameter itself, queues its own end-of-backward callback
-(``finalize``) and there, after the last bucket, runs the runtime agreement check, writes the
-results back and runs the shared-parameter sums (``SharedReducer``, docs/design.md §6).
+left) and ``backward_reached`` (a backward with no trainable parameter in it), and hands it
+the outputs of each training forward (``watch_outputs``). The Reducer hooks every trainable
+parameter itself, queues its own end-of-backward callback (``finalize``) and there, after the
+last bucket, runs the runtime agreement check, writes the results back and runs the
+shared-parameter sums (``SharedReducer``, docs/design.md §6).
 
-Per gradient the hook only counts (on a GPU the hook thread also launches the backward
-kernels); a complete bucket is gathered in one batch (``gather_gradients``) and launched in
-plan order (arXiv:2006.15704: the same order on every rank). How a bucket is reduced is the
-``BucketCollective`` the Reducer is given (``bucket_collectives.py``: all-reduce, a comm hook,
-or ZeRO-2's reduce-scatter). Besides the buckets it issues the used-map all-reduce (carrying
-the runtime agreement check) and the rebuild broadcast, on CPU tensors over gloo
-(``used_map.py``).
+Readiness is per bucket: every parameter's hook is the C-level ``list.append`` of the
+arrivals list, except one Python flush hook per bucket (``_flush``) on the slot seen last in
+it; a flush takes the arrivals since the last one (``take_arrivals``), gathers each complete
+bucket in one batch (``gather_gradients``) and launches in plan order (arXiv:2006.15704: the
+same order on every rank). How a bucket is reduced is the ``BucketCollective`` the Reducer is
+given (``bucket_collectives.py``: all-reduce, a comm hook, or ZeRO-2's reduce-scatter).
+Besides the buckets it issues the used-map all-reduce (carrying the runtime agreement check)
+and the rebuild broadcast, on CPU tensors over gloo (``used_map.py``).
 
-The per-parameter hook is the one place that knows gradients arrive one by one; replacing it
-by per-bucket readiness changes ``_register_hooks`` and ``_grad_ready`` only.
+Where a per-bucket check belongs: ``_stage`` runs once per bucket right before its launch
+(every gradient of the bucket is in its buffer), ``_end_sync`` once per sync after the last
+write-back.
 """
 
 from __future__ import annotations
@@ -50,9 +53,8 @@ from gradsync_torch.data_parallel.used_map import bookkeeping_group as make_book
 
 _UNNOTICED_BACKWARD = (
     "a synced backward accumulated gradients into the wrapped module's parameters without "
-    "passing through the DataParallel's outputs or any bucket's last parameter, so they "
-    "were not reduced; compute the loss from the wrapper's output (or call "
-    "sync_gradients() under no_sync())"
+    "reaching the DataParallel's outputs or any bucket's last parameter, so they were not "
+    "reduced; compute the loss from the output of a DataParallel forward"
 )
 
 
