@@ -1,7 +1,7 @@
 """Small collective helpers shared by the data-parallel wrapper, ZeRO and the mappings.
 
-One home for the torch-version shims, the reduce-scatter pattern and the chunked broadcast of
-module state, so the callers do not each carry a copy that drifts.
+One home for the torch-version shims, the reduce-scatter (``reduce_scatter_into``) and the
+chunked broadcast of module state, so the callers do not each carry a copy that drifts.
 """
 
 from __future__ import annotations
@@ -26,37 +26,74 @@ def global_rank(group: Any, group_rank: int) -> int:
     return dist.get_global_rank(group, group_rank)
 
 
-def reduce_scatter(send: torch.Tensor, out: torch.Tensor, group: Any, world_size: int) -> list:
-    """Start summing ``send`` over the group into this rank's chunk ``out``.
+class ReduceScatterWork:
+    """A reduce-scatter in flight (``reduce_scatter_into``); ``wait()`` completes it.
 
-    On gloo, ``reduce_scatter`` goes through lists and measured slower here than one
-    ``reduce`` per owner (1.0-1.8x at 2 and 4 ranks, 25 MiB buckets); the sums are the same.
-    Call ``finish_reduce_scatter`` with the returned handles.
+    ``wait`` is idempotent: after the first call ``out`` holds this rank's summed chunk.
     """
-    if world_size == 1:
-        return []
+
+    __slots__ = ("_finish", "_handles")
+
+    def __init__(self, handles: list, finish: Any = None) -> None:
+        self._handles = handles
+        self._finish = finish
+
+    def wait(self) -> None:
+        handles, self._handles = self._handles, []
+        for handle in handles:
+            handle.wait()
+        finish, self._finish = self._finish, None
+        if finish is not None:
+            finish()
+
+
+def reduce_scatter_into(
+    out: torch.Tensor, flat: torch.Tensor, group: Any, *, tag: int = 0
+) -> ReduceScatterWork:
+    """Start summing ``flat`` over ``group`` into this rank's chunk ``out``.
+
+    ``flat`` holds ``group.size()`` chunks of ``out.numel()`` elements; group rank ``r``
+    receives the sum of chunk ``r``. The one reduce-scatter of the torch executor: ZeRO-2's
+    buckets (``data_parallel/grad_sharding.py``, ``zero/flat.py``) call it, and so can the
+    ZeRO-3 executor. ``flat`` is scratch until ``wait()`` returns (gloo's ``reduce`` writes
+    partial sums into it); ``out`` must not overlap it. Returns at once; call ``wait()``.
+
+    How, measured on gloo (``benchmarks/torch_zero.py``'s machine, 2 cores; docs/design.md
+    §11): torch 2.13's gloo ``reduce_scatter_tensor`` and the list ``reduce_scatter`` copy
+    through lists and measured 1.4-2x slower than the alternatives, so on gloo
+
+    - 2 ranks: one pairwise exchange, ``isend`` of the peer's chunk and ``irecv`` straight into
+      ``out``, then ``out += flat[mine]`` (each rank moves half a bucket, no scratch buffer;
+      ``a + b`` is commutative in IEEE arithmetic, so the sum has the bits of any other
+      two-rank sum), 1.5-2x faster than one ``reduce`` per owner;
+    - more ranks: one asynchronous ``reduce`` per owner (a ring of point-to-point steps
+      waits on every rank in turn, and measured slower with more ranks than cores);
+    - other backends (NCCL): ``reduce_scatter_tensor``.
+    """
+    world = group.size() if group is not None else dist.get_world_size()
     chunk = out.numel()
-    if dist.get_backend(group) == "gloo":
-        return [
-            dist.reduce(
-                send[r * chunk : (r + 1) * chunk],
-                dst=global_rank(group, r),
-                group=group,
-                async_op=True,
-            )
-            for r in range(world_size)
+    rank = dist.get_rank(group)
+    mine = flat[rank * chunk : (rank + 1) * chunk]
+    if world == 1:
+        out.copy_(mine)
+        return ReduceScatterWork([])
+    if dist.get_backend(group) != "gloo":
+        return ReduceScatterWork([reduce_scatter_single(out, flat, group=group, async_op=True)])
+    if world == 2:
+        peer = 1 - rank
+        dst = global_rank(group, peer)
+        handles = [
+            dist.isend(flat[peer * chunk : (peer + 1) * chunk], dst, group=group, tag=tag),
+            dist.irecv(out, dst, group=group, tag=tag),
         ]
-    return [dist.reduce_scatter_tensor(out, send, group=group, async_op=True)]
-
-
-def finish_reduce_scatter(
-    send: torch.Tensor, out: torch.Tensor, handles: list, group: Any, rank: int, world_size: int
-) -> None:
-    """Wait for ``reduce_scatter``'s handles and leave this rank's summed chunk in ``out``."""
-    for handle in handles:
-        handle.wait()
-    if world_size == 1 or dist.get_backend(group) == "gloo":
-        out.copy_(send[rank * out.numel() : (rank + 1) * out.numel()])
+        return ReduceScatterWork(handles, lambda: out.add_(mine))
+    handles = [
+        dist.reduce(
+            flat[r * chunk : (r + 1) * chunk], dst=global_rank(group, r), group=group, async_op=True
+        )
+        for r in range(world)
+    ]
+    return ReduceScatterWork(handles, lambda: out.copy_(mine))
 
 
 # DDP broadcasts module states in chunks of this size (torch.distributed.utils).

@@ -1,8 +1,8 @@
 """Let a rank whose forward used no trainable parameter still run a backward and sync.
 
-``DataParallel`` learns that a backward reached the model from its parameters' gradient
-hooks. A rank whose forward touched no trainable parameter (a batch routed around every
-layer, an empty batch) gets no hook call; its output does not even require grad, so
+``DataParallel`` learns that a backward reached the model from hooks on its outputs and
+on one parameter per bucket. A rank whose forward touched no trainable parameter (a batch
+routed around every layer, an empty batch) has no output that requires grad, so
 ``loss.backward()`` raises, while the other ranks wait for it in their first bucket (DDP
 hangs here too). gradsync instead passes such an output through ``BackwardSink``: the copies
 require grad (through a zero-dimensional anchor that receives no gradient), and the sink's
@@ -35,15 +35,29 @@ class BackwardSink(torch.autograd.Function):
         return (None, None, *grads)
 
 
-def attach_if_detached(output: Any, anchor: torch.Tensor, notify: Callable[[], None]) -> Any:
-    """``output`` unchanged if any tensor in it requires grad; otherwise its floating-point
-    tensors passed through ``BackwardSink`` so a backward from them reaches ``notify``."""
+def watch_backward(
+    output: Any,
+    anchor: torch.Tensor,
+    notify: Callable[[], None],
+    watch: Callable[[list[torch.Tensor]], None],
+    *,
+    sink: bool,
+) -> Any:
+    """Let a backward from ``output`` reach the wrapper.
+
+    ``watch(tensors)`` is given the tensors of ``output`` that require grad (the Reducer
+    hooks them); if none does and ``sink``, the floating-point tensors are passed through
+    ``BackwardSink`` instead, so a backward from them reaches ``notify``. Returns ``output``
+    or its copy through the sink.
+    """
     leaves, spec = pytree.tree_flatten(output)
     tensors = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-    if any(leaves[i].requires_grad for i in tensors):
+    grads = [leaves[i] for i in tensors if leaves[i].requires_grad]
+    if grads:
+        watch(grads)
         return output
     floating = [i for i in tensors if leaves[i].is_floating_point()]
-    if not floating:
+    if not sink or not floating:
         return output  # nothing a loss could be computed from
     copies = BackwardSink.apply(notify, anchor, *(leaves[i] for i in floating))
     for i, copy in zip(floating, copies, strict=True):

@@ -56,10 +56,12 @@ class BucketBuffers:
     slot_ids: tuple[int, ...]  # the Reducer's slots (positions among trainable parameters)
     wire: torch.Tensor | None  # the same elements in reduce_dtype, if it differs
     pending: int = 0  # gradients still to arrive in this backward
+    staged: bool = False  # its gradients are gathered into the buffer in this backward
     handle: Any = field(default=None, repr=False)  # Work or Future of the collective in flight
 
     def reset(self) -> None:
         self.pending = len(self.params)
+        self.staged = False
         self.handle = None
 
 

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gradsync_core import Bucket, BucketPlan
-from gradsync_torch._collectives import finish_reduce_scatter, reduce_scatter
+from gradsync_torch._collectives import reduce_scatter_into
 from gradsync_torch.data_parallel.buckets import BucketBuffers, GradSlots
 
 UNCLAIMED_MESSAGE = (
@@ -274,14 +274,13 @@ class ReduceScatter:
         if spec.index == 0:
             self._launched = []
         self._launched.append(spec)
-        bucket.handle = reduce_scatter(bucket.buffer, shard, self.group, self.world_size)
+        bucket.handle = reduce_scatter_into(shard, bucket.buffer, self.group, tag=spec.index)
 
     def finish(self, bucket: BucketBuffers) -> None:
         if bucket.handle is None and self.pool is not None and not self.pool.holds(bucket):
             return  # finished early, to lend its buffer to a later bucket
-        handles, bucket.handle = bucket.handle, None
-        shard = self.shards[bucket.spec.index]
-        finish_reduce_scatter(bucket.buffer, shard, handles, self.group, self.rank, self.world_size)
+        handle, bucket.handle = bucket.handle, None
+        handle.wait()
         if self.pool is not None:
             self.pool.give_back(bucket)
 

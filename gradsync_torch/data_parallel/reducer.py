@@ -2,21 +2,24 @@
 
 As in DDP, the wrapper calls a few verbs and never sees a gradient: ``prepare_for_forward``
 (is the coming backward a synced one), ``sync_gradients`` (legacy mode, or what ``no_sync``
-left) and ``backward_reached`` (a backward with no trainable parameter in it). The Reducer
-registers one hook per trainable parameter itself, queues its own end-of-backward callback
-(``finalize``) and there, after the last bucket, runs the runtime agreement check, writes the
-results back and runs the shared-parameter sums (``SharedReducer``, docs/design.md §6).
+left) and ``backward_reached`` (a backward with no trainable parameter in it), and hands it
+the outputs of each training forward (``watch_outputs``). The Reducer hooks every trainable
+parameter itself, queues its own end-of-backward callback (``finalize``) and there, after the
+last bucket, runs the runtime agreement check, writes the results back and runs the
+shared-parameter sums (``SharedReducer``, docs/design.md §6).
 
-Per gradient the hook only counts (on a GPU the hook thread also launches the backward
-kernels); a complete bucket is gathered in one batch (``gather_gradients``) and launched in
-plan order (arXiv:2006.15704: the same order on every rank). How a bucket is reduced is the
-``BucketCollective`` the Reducer is given (``bucket_collectives.py``: all-reduce, a comm hook,
-or ZeRO-2's reduce-scatter). Besides the buckets it issues the used-map all-reduce (carrying
-the runtime agreement check) and the rebuild broadcast, on CPU tensors over gloo
-(``used_map.py``).
+Readiness is per bucket: every parameter's hook is the C-level ``list.append`` of the
+arrivals list, except one Python flush hook per bucket (``_flush``) on the slot seen last in
+it; a flush takes the arrivals since the last one (``take_arrivals``), gathers each complete
+bucket in one batch (``gather_gradients``) and launches in plan order (arXiv:2006.15704: the
+same order on every rank). How a bucket is reduced is the ``BucketCollective`` the Reducer is
+given (``bucket_collectives.py``: all-reduce, a comm hook, or ZeRO-2's reduce-scatter).
+Besides the buckets it issues the used-map all-reduce (carrying the runtime agreement check)
+and the rebuild broadcast, on CPU tensors over gloo (``used_map.py``).
 
-The per-parameter hook is the one place that knows gradients arrive one by one; replacing it
-by per-bucket readiness changes ``_register_hooks`` and ``_grad_ready`` only.
+Where a per-bucket check belongs: ``_stage`` runs once per bucket right before its launch
+(every gradient of the bucket is in its buffer), ``_end_sync`` once per sync after the last
+write-back.
 """
 
 from __future__ import annotations
@@ -49,26 +52,39 @@ from gradsync_torch.data_parallel.sync_agreement import (
 from gradsync_torch.data_parallel.used_map import UsedMap
 from gradsync_torch.data_parallel.used_map import bookkeeping_group as make_bookkeeping_group
 
+_UNNOTICED_BACKWARD = (
+    "a synced backward accumulated gradients into the wrapped module's parameters without "
+    "reaching the DataParallel's outputs or any bucket's last parameter, so they were not "
+    "reduced; compute the loss from the output of a DataParallel forward"
+)
 
-def _grad_ready(owner: weakref.ref, slot: int, param: torch.Tensor) -> None:
-    """A parameter's gradient is accumulated (``register_post_accumulate_grad_hook``).
 
-    The one Python frame per gradient: whether this backward syncs, then a counter; all real
-    work (checks, copies, divisions, collectives) happens per bucket
-    (docs/torch-data-parallel.md, "The hot path").
+def _flush(owner: weakref.ref, param: torch.Tensor) -> None:
+    """A bucket's flush parameter (the one seen last in it) has its gradient accumulated.
+
+    The one Python frame per bucket: every other parameter's hook is the C-level
+    ``list.append`` of the Reducer's arrivals, so this takes all the gradients that arrived
+    since the last flush at once (``take_arrivals``) and launches what is complete.
     """
     reducer = owner()
-    if reducer is None or param.grad is None:
+    if reducer is None:
         return
-    if not reducer._sync_backward:
-        reducer.slots.preset[slot] = False  # a real gradient from now on
-        reducer._dirty = True
-        if not reducer._local_callback_queued:
-            reducer.backward_reached()
-        return
-    if not reducer._callback_queued:
+    reducer._arrivals.append(param)
+    reducer.backward_reached()
+    reducer.take_arrivals()
+
+
+def _output_reached(owner: weakref.ref, grad: torch.Tensor) -> None:
+    """A backward reached one of the wrapper's outputs (a tensor hook, one per output)."""
+    reducer = owner()
+    if reducer is not None and reducer.will_reach_params():
         reducer.backward_reached()
-    reducer.mark_ready(slot)
+
+
+def _remove_hooks(handles: dict[int, Any]) -> None:
+    for handle in handles.values():
+        handle.remove()
+    handles.clear()
 
 
 def _reached(owner: weakref.ref) -> None:
@@ -132,6 +148,22 @@ class Reducer:
         self._group_src = global_rank(bookkeeping_group, 0)
         self._next_launch = 0  # the first bucket not launched yet in this backward
         self._ready_order: list[int] | None = [] if record_ready_order else None
+        # Per-bucket readiness (docs/torch-data-parallel.md, "The hot path"): the parameters
+        # whose gradients arrived, in order, appended by C-level hooks; ``_taken`` of them
+        # are accounted for. ``_handles``: slot -> its hook; ``_flush_slots``: per bucket,
+        # the slot whose hook is the Python flush.
+        self._arrivals: list[torch.Tensor] = []
+        self._taken = 0
+        self._slot_of_id = {id(p): i for i, p in enumerate(self._params)}
+        self._handles: dict[int, Any] = {}
+        self._flush_slots: list[int] = []
+        self._repick: list[tuple[int, int]] = []  # (bucket, slot that completed it)
+        self._grad_nodes: list[Any] | None = None
+        # The hooks hold the Reducer weakly: once a user drops the wrapper (say, to wrap the
+        # module again after unfreezing a layer), its hooks are removed instead of syncing
+        # twice.
+        self._me = weakref.ref(self)
+        weakref.finalize(self, _remove_hooks, self._handles)
         self._install(plan)
         # The backward's state machine (DDP's Reducer keeps the same flags).
         self._history = SyncHistory(self._params[0] if self._params else None)
@@ -147,16 +179,52 @@ class Reducer:
         self.join_divisor: int | None = None
         self._joined = False  # the sync in progress is a joined rank's shadow
         self.finite_check: FiniteCheck | None = None  # check_finite=True (finite_check.py)
-        if overlap:
-            self._register_hooks()
+        self._reached = functools.partial(_reached, self._me)
+        self._output_hook = functools.partial(_output_reached, self._me)
 
-    def _register_hooks(self) -> None:
-        # The hooks hold the Reducer weakly: once a user drops the wrapper (say, to wrap the
-        # module again after unfreezing a layer), its hooks go quiet instead of syncing twice.
-        me = weakref.ref(self)
-        self._reached = functools.partial(_reached, me)
+    def _hook_buckets(self) -> None:
+        """One Python hook per bucket, on the slot expected to arrive last in it (its last
+        slot in plan order: DDP's layout and the rebuilt one follow the ready order); every
+        other parameter gets ``self._arrivals.append``, which runs no Python frame."""
+        _remove_hooks(self._handles)
+        self._repick = []
+        self._flush_slots = [bucket.slot_ids[-1] for bucket in self.buckets]
+        flush = set(self._flush_slots)
         for slot, p in enumerate(self._params):
-            p.register_post_accumulate_grad_hook(functools.partial(_grad_ready, me, slot))
+            self._hook(slot, p, flush=slot in flush)
+
+    def _hook(self, slot: int, param: torch.Tensor, *, flush: bool) -> None:
+        old = self._handles.pop(slot, None)
+        if old is not None:
+            old.remove()
+        fn = functools.partial(_flush, self._me) if flush else self._arrivals.append
+        self._handles[slot] = param.register_post_accumulate_grad_hook(fn)
+
+    def _repick_flush(self) -> None:
+        """A bucket completed on another slot than its flush slot (it waited for a later
+        flush, or for the end of backward): flush on that slot from the next backward."""
+        for index, slot in self._repick:
+            old = self._flush_slots[index]
+            if old != slot:
+                self._flush_slots[index] = slot
+                self._hook(old, self._params[old], flush=False)
+                self._hook(slot, self._params[slot], flush=True)
+        self._repick = []
+
+    def will_reach_params(self) -> bool:
+        """Inside a backward: whether it will accumulate a gradient into any parameter (not,
+        say, ``torch.autograd.grad`` with respect to the inputs)."""
+        return any(map(torch._C._will_engine_execute_node, self._grad_nodes or ()))
+
+    def watch_outputs(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Learn that a backward reached the model from its outputs too (``tensors``: those
+        that require grad), so a backward whose flush parameters are all unused still syncs."""
+        if not self.overlap:
+            return
+        if self._grad_nodes is None:  # each parameter's AccumulateGrad node, found once
+            self._grad_nodes = [p.view_as(p).grad_fn.next_functions[0][0] for p in self._params]
+        for t in tensors:
+            t.register_hook(self._output_hook)
 
     def _install(self, plan: gradsync_core.BucketPlan) -> None:
         self.plan = plan
@@ -179,6 +247,8 @@ class Reducer:
             for b in self.buckets
         ]
         self.collective.install(self.buckets)
+        if self.overlap:
+            self._hook_buckets()
 
     # ---- the wrapper's verbs ----------------------------------------------------------
 
@@ -200,6 +270,7 @@ class Reducer:
         """A forward starts; ``sync``: its backward syncs (``require_backward_grad_sync``)."""
         if self._callback_queued:
             self.abandon()  # the last backward raised before it finished
+        self.take_arrivals()  # a no_sync backward's, if its end callback was not queued
         self._local_callback_queued = False  # set here only if a no_sync backward raised
         if training:
             self._history.note_forward()
@@ -233,6 +304,7 @@ class Reducer:
         """
         if self._callback_queued:
             raise RuntimeError("sync_gradients() cannot run inside backward")
+        self.take_arrivals()
         if self.overlap and not self._dirty:
             return
         self._sync(from_backward=False)
@@ -246,29 +318,50 @@ class Reducer:
         tensors = [b.buffer for b in self.buckets]
         return tensors + [b.wire for b in self.buckets if b.wire is not None]
 
-    # ---- during backward (the hot path: per parameter, so it only counts) ---------------
+    # ---- during backward (the hot path: per bucket) --------------------------------------
 
-    def mark_ready(self, slot: int) -> None:
-        """The trainable parameter ``slot`` has its gradient for this synced backward.
+    def take_arrivals(self) -> None:
+        """Account for every gradient that arrived since the last call: in a synced backward
+        count it against its bucket, stage each bucket that is complete and launch in plan
+        order; after a ``no_sync`` backward, note a real gradient to reduce later.
 
         Raises:
-            RuntimeError: if the same parameter reports twice in one backward.
+            RuntimeError: if the same parameter reports twice in one backward, or if a synced
+                backward reached the parameters without this Reducer noticing it.
         """
-        fired = self.slots.fired
-        if fired[slot]:
-            raise RuntimeError(
-                f"parameter {self._names[slot]!r} received its gradient twice in one "
-                "backward (reentrant checkpointing?); use "
-                "torch.utils.checkpoint(..., use_reentrant=False)"
-            )
-        fired[slot] = True
+        arrivals = self._arrivals
+        if self._taken == len(arrivals):
+            return
+        new = arrivals[self._taken :]
+        self._taken = len(arrivals)
+        slot_of = self._slot_of_id
+        slots = [slot_of[id(p)] for p in new]
+        if not self._sync_backward:
+            preset = self.slots.preset
+            for slot in slots:
+                preset[slot] = False  # a real gradient from now on
+            self._dirty = True
+            return
+        if not self._callback_queued:
+            raise RuntimeError(_UNNOTICED_BACKWARD)
         if self._ready_order is not None:
-            self._ready_order.append(slot)
-        bucket = self._bucket_of[slot]
-        bucket.pending -= 1
-        if bucket.pending == 0:
-            self._stage(bucket)
-            self._launch_complete()
+            self._ready_order.extend(slots)
+        fired, bucket_of = self.slots.fired, self._bucket_of
+        for slot in slots:
+            if fired[slot]:
+                raise RuntimeError(
+                    f"parameter {self._names[slot]!r} received its gradient twice in one "
+                    "backward (reentrant checkpointing?); use "
+                    "torch.utils.checkpoint(..., use_reentrant=False)"
+                )
+            fired[slot] = True
+            bucket = bucket_of[slot]
+            bucket.pending -= 1
+            if bucket.pending == 0:
+                self._stage(bucket)
+                if slot != self._flush_slots[bucket.spec.index]:
+                    self._repick.append((bucket.spec.index, slot))
+        self._launch_complete()
 
     def _stage(self, bucket: BucketBuffers) -> None:
         """Put every gradient of ``bucket`` into its slot, divided where that is due; the
@@ -282,6 +375,7 @@ class Reducer:
             divisor = self.join_divisor
         copied = gather_gradients(bucket, self._names, divisor=divisor, per_tensor=per_tensor)
         collective.staged(bucket, copied)
+        bucket.staged = True
         if self.finite_check is not None:
             self.finite_check.local(bucket)
 
@@ -295,6 +389,9 @@ class Reducer:
     # ---- after backward ---------------------------------------------------------------
 
     def _finish_local_backward(self) -> None:
+        self.take_arrivals()
+        self._arrivals.clear()
+        self._taken = 0
         self._history.local_backwards += 1
         self._local_callback_queued = False
 
@@ -316,7 +413,9 @@ class Reducer:
     def _finalize(self) -> None:
         """The end of a synced backward (queued on the autograd engine)."""
         try:
+            self.take_arrivals()
             self._sync(from_backward=True)
+            self._repick_flush()
         except BaseException:
             self.abandon()
             raise
@@ -388,7 +487,8 @@ class Reducer:
         flags = self._present_flags()
         collective, last = self.collective, len(self.buckets) - 1
         for b in range(self._next_launch, last + 1):
-            self._stage(self.buckets[b])
+            if not self.buckets[b].staged:  # staged already: complete, after an incomplete one
+                self._stage(self.buckets[b])
             collective.launch(self.buckets[b], is_last=b == last)
         if not collective.chains_collectives:
             # Issued after every bucket: ranks may have launched different numbers of
@@ -420,13 +520,15 @@ class Reducer:
             bucket.reset()
         self.slots.fired = [False] * len(self._params)
         self._next_launch = 0
+        self._arrivals.clear()
+        self._taken = 0
         self.collective.reset()
 
     def abandon(self) -> None:
         """Forget a backward that raised before it finished; observe the ready order anew."""
-        for slot, fired in enumerate(self.slots.fired):
-            if fired:  # a real gradient arrived (perhaps into a bound view)
-                self.slots.preset[slot] = False
+        for p in self._arrivals:  # a real gradient arrived (perhaps into a bound view)
+            self.slots.preset[self._slot_of_id[id(p)]] = False
+        self._repick = []
         self._reset_backward()
         if self.finite_check is not None:
             self.finite_check.reset()

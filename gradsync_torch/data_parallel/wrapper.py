@@ -26,7 +26,7 @@ from torch.distributed.algorithms.join import Join, Joinable
 
 import gradsync_core
 from gradsync_torch._collectives import broadcast_tensors
-from gradsync_torch.data_parallel.backward_sink import attach_if_detached
+from gradsync_torch.data_parallel.backward_sink import watch_backward
 from gradsync_torch.data_parallel.bucket_collectives import AllReduce, BucketCollective, CommHook
 from gradsync_torch.data_parallel.buckets import GradSlots
 from gradsync_torch.data_parallel.comm_hooks import CommHook as HookFn
@@ -306,8 +306,15 @@ class DataParallel(nn.Module, Joinable):
             broadcast_tensors(buffers, self.process_group, group_src=source)
         self._sync_buffers_next = training and sync
         output = self.module(*args, **kwargs)
-        if training and self.world_size > 1 and self._reducer.has_params:
-            output = attach_if_detached(output, self._sink_anchor, self._reducer.notify_backward)
+        reducer = self._reducer
+        if training and reducer.has_params:
+            output = watch_backward(
+                output,
+                self._sink_anchor,
+                reducer.notify_backward,
+                reducer.watch_outputs,
+                sink=self.world_size > 1,
+            )
         return output
 
     def _maybe_broadcast_params(self) -> None:

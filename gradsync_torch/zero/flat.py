@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from gradsync_core import Bucket, ShardPlan
-from gradsync_torch._collectives import finish_reduce_scatter, reduce_scatter
+from gradsync_torch._collectives import ReduceScatterWork, reduce_scatter_into
 from gradsync_torch.data_parallel import ReduceScatter
 from gradsync_torch.zero.broadcast import ALONE_BYTES, Broadcaster, Job, Piece, Transfer
 
@@ -178,10 +178,10 @@ class FlatLayout:
             # optimizer; one that some ranks skipped contributes their zeros (docs/design.md §7).
             dist.all_reduce(has_grad, op=dist.ReduceOp.MAX, group=comm.group)
         stepped = {i for i, h in zip(self.trainable, has_grad.tolist(), strict=True) if h}
-        in_flight: deque[tuple[torch.Tensor, torch.Tensor, list[Any]]] = deque()
+        in_flight: deque[ReduceScatterWork] = deque()
         for b, bucket in enumerate(self.buckets):
             while len(in_flight) >= 2:
-                finish_reduce_scatter(*in_flight.popleft(), comm.group, comm.rank, world)
+                in_flight.popleft().wait()
             first = self.slot_params[bucket.slots[0].name]
             send = comm.staging((first.dtype, first.device), b % 2, bucket.numel)
             for slot in bucket.slots:
@@ -194,9 +194,9 @@ class FlatLayout:
             end = bucket.slots[-1].offset + bucket.slots[-1].numel
             send[end:].zero_()
             shard = self.grad_shards[b]
-            in_flight.append((send, shard, reduce_scatter(send, shard, comm.group, world)))
+            in_flight.append(reduce_scatter_into(shard, send, comm.group, tag=b))
         while in_flight:
-            finish_reduce_scatter(*in_flight.popleft(), comm.group, comm.rank, world)
+            in_flight.popleft().wait()
         for i in self.trainable:
             self.params[i].grad = None  # each rank keeps only its shard (ZeRO-2)
         self._attach_grads(lambda index: index in stepped, self.grad_shards)

@@ -144,17 +144,41 @@ def check_many_buckets_match_ddp(rank: int, ws: int) -> None:
     ddp = DDP(copy.deepcopy(base), bucket_cap_mb=cap)
     ours = gt.DataParallel(copy.deepcopy(base), bucket_cap_mb=cap)
     assert len(ours.bucket_plan.buckets) > 2
+    launches = _record_launches(ours)
     for s in range(3):
         sync_params(ddp.module, base)
         sync_params(ours.module, base)
         x, y = batch(s, ws)
         step(ddp, x, y, rank)
+        launches.clear()
         step(ours, x, y, rank)
+        if s == 2:  # per-bucket readiness: each bucket launched by its own flush hook
+            assert launches == ["backward"] * len(ours.bucket_plan.buckets), launches
         assert_close(grads(ours), reference_grads(base, x, y, ws), f"step {s} vs reference")
         # Step 0: DDP starts with one bucket, gradsync with the capped layout.
         if s > 0 or ws <= 2:
             assert_equal(grads(ours), grads(ddp), f"step {s} vs torch DDP")
     same_on_all_ranks([p.grad for p in ours.parameters()], "gradients")
+
+
+def _record_launches(model: gt.DataParallel) -> list[str]:
+    """Per bucket launch, whether it ran during backward or at its end (the finalize)."""
+    reducer, seen = model._reducer, []
+    launch, finalize, at_end = reducer.collective.launch, reducer._finalize, [False]
+
+    def record(bucket: object, *, is_last: bool) -> None:
+        seen.append("end" if at_end[0] else "backward")
+        launch(bucket, is_last=is_last)
+
+    def end() -> None:
+        at_end[0] = True
+        try:
+            finalize()
+        finally:
+            at_end[0] = False
+
+    reducer.collective.launch, reducer._finalize = record, end
+    return seen
 
 
 def check_legacy_equals_overlap(rank: int, ws: int) -> None:

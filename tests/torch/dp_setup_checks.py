@@ -122,6 +122,17 @@ def check_errors(rank: int, ws: int) -> None:
         ["shard_gradients=True", "reduce_dtype=torch.bfloat16"],
         lambda: gt.DataParallel(mlp(), shard_gradients=True, reduce_dtype=torch.bfloat16),
     )
+    # A backward that reaches a parameter through neither the wrapper's output nor a bucket's
+    # flush hook was never reduced: the next forward says so instead of going on unsynced.
+    unnoticed = gt.DataParallel(nn.Linear(3, 2))
+    flush = set(unnoticed.reducer._flush_slots)
+    other = next(p for i, p in enumerate(unnoticed.reducer._params) if i not in flush)
+    (other * 2).sum().backward()
+    expect_error(
+        RuntimeError,
+        ["without reaching the DataParallel's outputs", "were not reduced"],
+        lambda: unnoticed(torch.zeros(1, 3)),
+    )
     torch.manual_seed(0)
     sparse = gt.DataParallel(nn.Embedding(10, 4, sparse=True))
     expect_error(
