@@ -222,7 +222,8 @@ class UnitParameters:
         if self.check is not None:
             self.check("reduce-scatter", [p.name for p in ready])
         if self.world_size > 1:
-            # The one reduce-scatter call site (gloo's fast reduce-scatter plugs in here).
+            # FSDP2's own collective and op (AVG for float32/bfloat16), not the executor's
+            # SUM-only reduce_scatter_into: bitwise parity with FSDP2 needs the same reduction.
             work = reduce_scatter_single(
                 out, send.view(-1), op=divide.op, group=self.group, async_op=True
             )
