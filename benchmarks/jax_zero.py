@@ -23,8 +23,8 @@ Last line: one JSON object.
     python benchmarks/jax_zero.py                  # 16 x 792^2 MLP (10.0M parameters)
     python benchmarks/jax_zero.py --quick          # fewer rounds, < 2 minutes on 2 cores
     python benchmarks/jax_zero.py --shape 96x512   # layers x width (the reference shapes: 16x792,
-                                                   # 10x1000, 96x512, 24x2048)
-    python benchmarks/jax_zero.py --shape all --quick  # the four reference shapes, one table
+                                                   # 10x1000, 96x512, 24x1024, 6x1001)
+    python benchmarks/jax_zero.py --shape all --quick  # the five reference shapes, one table
     JAX_PLATFORMS=cuda python benchmarks/jax_zero.py --shape all --batch 4096  # one GPU
     python benchmarks/jax_zero.py --repeat 5       # the whole run 5 times: median and range
 """
@@ -150,14 +150,15 @@ LABELS = {
 }
 
 
-# Issue 12's shapes: balanced (16 x 792^2), 10 equal tensors on 8 devices (greedy's
-# imbalance 0.6), many small tensors (96 x 512^2), few large ones (24 x 2048^2).
-ISSUE_SHAPES = ((16, 792), (10, 1000), (96, 512), (24, 2048))
+# Issue 26's shapes: balanced (16 x 792^2), 10 equal tensors on 8 devices (greedy's
+# imbalance 0.6), many small tensors (96 x 512^2), few large ones (24 x 1024^2), and an
+# uneven one (6 x 1001^2: no dimension divisible by 8, so the jit way replicates it all).
+ISSUE_SHAPES = ((16, 792), (10, 1000), (96, 512), (24, 1024), (6, 1001))
 
 
 def parse_shape(text: str) -> tuple[tuple[int, int], ...]:
     """``"16x792"`` -> ((16, 792),): layers x width of the square Dense layers; several
-    separated by commas; ``"all"``: the four reference shapes (docs/jax-zero.md)."""
+    separated by commas; ``"all"``: the five reference shapes (docs/jax-zero.md)."""
     if text.lower() == "all":
         return ISSUE_SHAPES
     try:
@@ -179,7 +180,7 @@ def sharded_optimizers(adam, mesh, params) -> dict:
         try:
             txs[p] = shard_optimizer(adam, mesh, partition=p)
             txs[p].layout(params)
-        except ValueError:  # flat refuses masked AdamW (a mask chosen per tensor)
+        except ValueError:  # a partition that cannot run this optimizer exactly
             txs.pop(p, None)
     txs["jit"] = JitWay(adam, mesh, params)
     return txs
@@ -377,7 +378,7 @@ def main() -> None:
     parser.add_argument(
         "--shape",
         type=parse_shape,
-        help="LAYERSxWIDTH, e.g. 16x792, or 'all': the four reference shapes "
+        help="LAYERSxWIDTH, e.g. 16x792, or 'all': the five reference shapes "
         "(overrides the next two)",
     )
     parser.add_argument("--layers", type=int, default=16)
