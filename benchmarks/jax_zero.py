@@ -197,8 +197,11 @@ OPTIMIZERS = {
 
 
 def chosen_partition(tx, params) -> str:
-    """``"flat"`` or ``"greedy"``: the layout ``tx`` (``auto`` included) uses for ``params``."""
-    return type(tx.layout(params)).__name__.removesuffix("Layout").lower()
+    """``"flat"``, ``"flat/param"`` (one bucket per parameter), ``"greedy"`` or
+    ``"gathered"``: the layout ``tx`` (``auto`` included) uses for ``params``."""
+    layout = tx.layout(params)
+    name = type(layout).__name__.removesuffix("Layout").lower()
+    return f"{name}/param" if getattr(layout, "by_param", False) else name
 
 
 def describe_plan(name: str, plan) -> str:
@@ -364,12 +367,21 @@ def print_summary(results: dict[str, dict]) -> None:
     head = f"{'shape':<10} {'anchor (s)':>10}" + "".join(
         f" {n + ' step':>12} {n + ' state':>12}" for n in names
     )
-    print(head + f" {'auto uses':>10}")
+    print(head + f" {'auto vs jit [range]':>22} {'auto uses':>11}")
     for shape, r in results.items():
         cells = "".join(
             f" {r[f'{n}_ratio_median']:>11.3f}x {r[f'{n}_state_vs_ideal']:>11.3f}x" for n in names
         )
-        print(f"{shape:<10} {r['anchor_step_s']:>10.4f}{cells} {r.get('auto_partition')!s:>10}")
+        vs_jit = (
+            f"{r['auto_ratio_vs_jit_median']:.3f}x [{r['auto_ratio_vs_jit_min']:.2f}-"
+            f"{r['auto_ratio_vs_jit_max']:.2f}]"
+            if "auto_ratio_vs_jit_median" in r
+            else "-"
+        )
+        print(
+            f"{shape:<10} {r['anchor_step_s']:>10.4f}{cells} {vs_jit:>22} "
+            f"{r.get('auto_partition')!s:>11}"
+        )
 
 
 def main() -> None:

@@ -306,22 +306,25 @@ def flat_layout(
     space: ModelSpace,
     n: int,
     cap_bytes: int,
+    *,
+    by_param_first: bool = False,
     **ordered: Any,
 ) -> tuple[FlatLayout | None, str]:
     """The flat layout proven exact: gradient buckets, else one bucket per parameter (a mask
-    or label per parameter); ``(None, reason)`` if neither is. Unproven (``soundness`` None:
-    the update needs extra arguments): the bucket layout, checked at the first trace."""
+    or label per parameter); ``by_param_first``: the other way round. ``(None, reason)`` if
+    neither is. Unproven (``soundness`` None: the update needs extra arguments): the first
+    that can be built, checked at the first trace."""
     reason = ""
-    for by_param in (False, True):
+    for by_param in (True, False) if by_param_first else (False, True):
         try:
             layout = build_flat(inner, space, n, cap_bytes, by_param=by_param, **ordered)
-        except NotElementwiseError as err:
-            reason = reason or err.reason
+        except NotElementwiseError as err:  # the bucket layout's reason is the one to give
+            reason = err.reason if not by_param else reason or err.reason
             continue
         if soundness is None:
             return layout, ""
         problem = soundness.flat_problem(layout)
         if problem is None:
             return layout, ""
-        reason = reason or problem
+        reason = problem if not by_param else reason or problem
     return None, reason
