@@ -101,3 +101,17 @@ def test_per_parameter_flat_keeps_flat_balance(shape: tuple[int, int, int]) -> N
     assert isinstance(layout, FlatLayout) and layout.by_param
     whole = sum(2 * 4 * (rows * cols + cols) for _ in range(count))  # mu and nu, float32
     assert tx.state_nbytes_per_device(params) <= whole / 8 * 1.05
+
+
+def test_auto_packs_nothing_and_explicit_flat_keeps_torch_buckets() -> None:
+    # auto: one bucket per parameter (no per-step packing; docs/jax-zero.md, "Performance");
+    # explicit flat: the torch-style buckets (ZeroRedundancyOptimizer's plan) where it can.
+    params = {
+        "w": jax.ShapeDtypeStruct((64, 64), np.float32),
+        "b": jax.ShapeDtypeStruct((64,), np.float32),
+    }
+    mesh = mesh_from_topology(Topology.create(8), devices=jax.devices()[:8])
+    auto = shard_optimizer(optax.adam(1e-3), mesh).layout(params)
+    flat = shard_optimizer(optax.adam(1e-3), mesh, partition="flat").layout(params)
+    assert isinstance(auto, FlatLayout) and auto.by_param and len(auto.buckets.buckets) == 2
+    assert isinstance(flat, FlatLayout) and not flat.by_param and len(flat.buckets.buckets) == 1
