@@ -15,8 +15,8 @@ first trace, where every refusal happens) instead of compiling an ``init`` per c
 partition, which was most of this file's time; nothing run or compared is dropped. The sweep
 stays at 4 devices: whether a case is refused does not depend on N (the analysis reads the
 jaxpr, not sizes, and the 4-device shapes here already split parameters unevenly); the
-device-count dependence of the results is what ``test_zero_coupled.py`` and
-``test_zero_rules.py`` check at 2, 4 and 8.
+device-count dependence of the results is what ``test_zero_coupled.py`` checks at 2, 4 and
+8 (with ``test_zero_rules.py``'s per-parameter cases).
 """
 
 from __future__ import annotations
