@@ -23,8 +23,8 @@ Last line: one JSON object.
     python benchmarks/jax_zero.py                  # 16 x 792^2 MLP (10.0M parameters)
     python benchmarks/jax_zero.py --quick          # fewer rounds, < 2 minutes on 2 cores
     python benchmarks/jax_zero.py --shape 96x512   # layers x width (the reference shapes: 16x792,
-                                                   # 10x1000, 96x512, 24x2048)
-    python benchmarks/jax_zero.py --shape all --quick  # the four reference shapes, one table
+                                                   # 10x1000, 96x512, 24x1024, 6x1001)
+    python benchmarks/jax_zero.py --shape all --quick  # the five reference shapes, one table
     JAX_PLATFORMS=cuda python benchmarks/jax_zero.py --shape all --batch 4096  # one GPU
     python benchmarks/jax_zero.py --repeat 5       # the whole run 5 times: median and range
 """
@@ -32,6 +32,7 @@ Last line: one JSON object.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -150,14 +151,15 @@ LABELS = {
 }
 
 
-# Issue 12's shapes: balanced (16 x 792^2), 10 equal tensors on 8 devices (greedy's
-# imbalance 0.6), many small tensors (96 x 512^2), few large ones (24 x 2048^2).
-ISSUE_SHAPES = ((16, 792), (10, 1000), (96, 512), (24, 2048))
+# Issue 26's shapes: balanced (16 x 792^2), 10 equal tensors on 8 devices (greedy's
+# imbalance 0.6), many small tensors (96 x 512^2), few large ones (24 x 1024^2), and an
+# uneven one (6 x 1001^2: no dimension divisible by 8, so the jit way replicates it all).
+ISSUE_SHAPES = ((16, 792), (10, 1000), (96, 512), (24, 1024), (6, 1001))
 
 
 def parse_shape(text: str) -> tuple[tuple[int, int], ...]:
     """``"16x792"`` -> ((16, 792),): layers x width of the square Dense layers; several
-    separated by commas; ``"all"``: the four reference shapes (docs/jax-zero.md)."""
+    separated by commas; ``"all"``: the five reference shapes (docs/jax-zero.md)."""
     if text.lower() == "all":
         return ISSUE_SHAPES
     try:
@@ -172,14 +174,14 @@ def parse_shape(text: str) -> tuple[tuple[int, int], ...]:
         ) from None
 
 
-def sharded_optimizers(adam, mesh, params) -> dict:
-    """greedy and flat (where they accept the optimizer), ``auto``, and the jit anchor."""
+def sharded_optimizers(adam, mesh, params, partitions=("greedy", "flat", "auto")) -> dict:
+    """``partitions`` (where they accept the optimizer) and the jit anchor."""
     txs = {}
-    for p in ("greedy", "flat", "auto"):
+    for p in partitions:
         try:
             txs[p] = shard_optimizer(adam, mesh, partition=p)
             txs[p].layout(params)
-        except ValueError:  # flat refuses masked AdamW (a mask chosen per tensor)
+        except ValueError:  # a partition that cannot run this optimizer exactly
             txs.pop(p, None)
     txs["jit"] = JitWay(adam, mesh, params)
     return txs
@@ -196,8 +198,11 @@ OPTIMIZERS = {
 
 
 def chosen_partition(tx, params) -> str:
-    """``"flat"`` or ``"greedy"``: the layout ``tx`` (``auto`` included) uses for ``params``."""
-    return type(tx.layout(params)).__name__.removesuffix("Layout").lower()
+    """``"flat"``, ``"flat/param"`` (one bucket per parameter), ``"greedy"`` or
+    ``"gathered"``: the layout ``tx`` (``auto`` included) uses for ``params``."""
+    layout = tx.layout(params)
+    name = type(layout).__name__.removesuffix("Layout").lower()
+    return f"{name}/param" if getattr(layout, "by_param", False) else name
 
 
 def describe_plan(name: str, plan) -> str:
@@ -322,10 +327,11 @@ def measure(args, mesh, params, batch, adam, txs, steps) -> dict:
             f"auto vs jit + NamedSharding (median of paired ratios): "
             f"{figures['auto_ratio_vs_jit']:.3f}x"
         )
-    figures["greedy_imbalance"] = round(plans["greedy"].imbalance, 5)
+    figures["greedy_imbalance"] = round(plans["greedy"].imbalance, 5) if "greedy" in plans else None
     figures["flat_padding_numel"] = plans["flat"].padding_numel if "flat" in plans else None
-    figures["step_s"] = figures["greedy_step_s"]
-    figures["ratio_vs_anchor"] = figures["greedy_ratio_vs_anchor"]
+    first = next(iter(sharded))  # the first partition run (greedy by default)
+    figures["step_s"] = figures[f"{first}_step_s"]
+    figures["ratio_vs_anchor"] = figures[f"{first}_ratio_vs_anchor"]
     return figures
 
 
@@ -344,7 +350,7 @@ def run_shape(args, layers: int, width: int) -> list[dict]:
         for _ in range(2)
     )
     adam = OPTIMIZERS[args.optimizer]()
-    txs = sharded_optimizers(adam, mesh, params)
+    txs = sharded_optimizers(adam, mesh, params, args.partitions)
     # Built once: the repeats reuse the compiled steps, and each starts from the same state.
     steps = {"anchor": data_parallel_step(loss_fn, adam, mesh)}
     for partition, tx in txs.items():
@@ -363,12 +369,21 @@ def print_summary(results: dict[str, dict]) -> None:
     head = f"{'shape':<10} {'anchor (s)':>10}" + "".join(
         f" {n + ' step':>12} {n + ' state':>12}" for n in names
     )
-    print(head + f" {'auto uses':>10}")
+    print(head + f" {'auto vs jit [range]':>22} {'auto uses':>11}")
     for shape, r in results.items():
         cells = "".join(
             f" {r[f'{n}_ratio_median']:>11.3f}x {r[f'{n}_state_vs_ideal']:>11.3f}x" for n in names
         )
-        print(f"{shape:<10} {r['anchor_step_s']:>10.4f}{cells} {r.get('auto_partition')!s:>10}")
+        vs_jit = (
+            f"{r['auto_ratio_vs_jit_median']:.3f}x [{r['auto_ratio_vs_jit_min']:.2f}-"
+            f"{r['auto_ratio_vs_jit_max']:.2f}]"
+            if "auto_ratio_vs_jit_median" in r
+            else "-"
+        )
+        print(
+            f"{shape:<10} {r['anchor_step_s']:>10.4f}{cells} {vs_jit:>22} "
+            f"{r.get('auto_partition')!s:>11}"
+        )
 
 
 def main() -> None:
@@ -377,7 +392,7 @@ def main() -> None:
     parser.add_argument(
         "--shape",
         type=parse_shape,
-        help="LAYERSxWIDTH, e.g. 16x792, or 'all': the four reference shapes "
+        help="LAYERSxWIDTH, e.g. 16x792, or 'all': the five reference shapes "
         "(overrides the next two)",
     )
     parser.add_argument("--layers", type=int, default=16)
@@ -386,6 +401,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adam")
+    parser.add_argument(
+        "--partitions",
+        type=lambda text: tuple(text.split(",")),
+        default=("greedy", "flat", "auto"),
+        help="the shard_optimizer partitions to run beside the two anchors (comma-separated; "
+        "default greedy,flat,auto)",
+    )
     add_repeat_arg(parser)
     args = parser.parse_args()
     shapes = args.shape or ((args.layers, args.width),)
@@ -401,6 +423,8 @@ def main() -> None:
     for layers, width in shapes:
         runs = run_shape(args, layers, width)
         results[f"{layers}x{width}"] = summarize(runs, [k for k in ratio_keys if k in runs[0]])
+        jax.clear_caches()  # the last shape's compiled steps: 5 shapes at once ran out of memory
+        gc.collect()
     print_summary(results)
     print(json.dumps({"bench": "jax_zero", "shapes": results}), flush=True)
 

@@ -7,6 +7,16 @@ the inner update on the flat chunk, one all-gather. The inner transformation see
 that cut through parameters, so the result equals the unsharded one only for elementwise
 optimizers; ``soundness.Soundness.flat_problem`` refuses the others from the jaxpr of the
 update before any state is built.
+
+A mask or label chosen per parameter (``optax.adamw(mask=...)``, ``optax.masked``,
+``optax.multi_transform`` by path, frozen parameters through ``optax.set_to_zero``) cannot
+be decided on a chunk that cuts through several parameters. ``by_param=True`` plans one
+bucket per parameter instead (``plan_buckets`` with a one-byte cap), so device ``i`` holds
+element range ``i`` of every parameter, and hands the inner transformation a tree shaped like
+the parameters (same paths; each leaf this device's range, as ``(1, ..., 1, chunk)`` so it
+keeps the parameter's rank): the mask or label function then decides as it does on the whole
+tree, which the analysis checks (equal signatures), and the state keeps flat's balance (each
+parameter padded to a multiple of ``N`` elements at most).
 """
 
 from __future__ import annotations
@@ -39,8 +49,16 @@ from gradsync_jax.zero.model_space import ModelSpace, dtype_name, itemsize, key_
 class NotElementwiseError(ValueError):
     """The inner transformation cannot be sharded by element ranges exactly."""
 
+    reason: str = ""  # what the inner transformation does (the sentence's middle)
+
 
 def not_elementwise(reason: str) -> NotElementwiseError:
+    err = _not_elementwise(reason)
+    err.reason = reason
+    return err
+
+
+def _not_elementwise(reason: str) -> NotElementwiseError:
     return NotElementwiseError(
         f"partition='flat' cuts parameters into element ranges, which is exact only for "
         f"elementwise optimizers (SGD, Adam, AdamW, Lion, RMSProp, ...), but the inner "
@@ -77,9 +95,51 @@ class FlatLayout:
     sources: tuple[FlatSource, ...]  # per inner leaf
     element_leaves: dict[tuple[int, int], int]  # (prefix id, param leaf) -> space index
     state_dtypes: tuple[str, ...]  # per inner leaf
+    # One parameter per bucket, the inner transformation run on a tree shaped like the
+    # parameters (module docstring); False: on the tuple of bucket chunks.
+    by_param: bool = False
 
     def chunk(self, bucket: int) -> int:
         return self.buckets.buckets[bucket].numel // self.n
+
+    def segment_shape(self, i: int) -> tuple[int, ...]:
+        """Parameter ``i``'s element range on one device as the inner update sees it
+        (``by_param``): the chunk, shaped ``(1, ..., 1, chunk)`` to keep the parameter's rank."""
+        rank = max(1, len(self.space.specs[i].shape))
+        return (1,) * (rank - 1) + (self.chunk(self._bucket_of(i)),)
+
+    def _bucket_of(self, i: int) -> int:
+        return next(b for b, slots in enumerate(self.slots) if slots[0].param == i)
+
+    def view(self, chunks: Sequence[Any]) -> Any:
+        """One device's bucket chunks as the inner transformation takes them."""
+        if not self.by_param:
+            return tuple(chunks)
+        leaves = [None] * len(self.space.specs)
+        for b, slots in enumerate(self.slots):
+            leaves[slots[0].param] = chunks[b].reshape(self.segment_shape(slots[0].param))
+        return self.space.param_treedef.unflatten(leaves)
+
+    def unview(self, tree: Any) -> list[Any]:
+        """The inner transformation's output (``view``'s structure) -> 1-D chunks per bucket."""
+        if not self.by_param:
+            return list(tree)
+        leaves = self.space.param_treedef.flatten_up_to(tree)
+        return [leaves[slots[0].param].reshape(-1) for slots in self.slots]
+
+    def inner_state(self, stored: Any, *, to_inner: bool) -> Any:
+        """The stored state (per-element leaves 1-D) <-> the inner transformation's own
+        (``by_param``: each per-element leaf shaped like its parameter's segment)."""
+        if not self.by_param:
+            return stored
+        leaves = self.state_treedef.flatten_up_to(stored)
+        out = []
+        for leaf, (kind, _, bucket) in zip(leaves, self.sources, strict=True):
+            if kind == "element":
+                shape = self.segment_shape(self.slots[bucket][0].param) if to_inner else (-1,)
+                leaf = leaf.reshape(shape)
+            out.append(leaf)
+        return self.state_treedef.unflatten(out)
 
     def state_specs(self, spec_entry: Any) -> ZeroState:
         leaves = [P(spec_entry) if s.kind == "element" else P() for s in self.sources]
@@ -121,7 +181,7 @@ class FlatLayout:
             pad = bucket.numel - sum(int(p.size) for p in parts)
             if pad:
                 parts.append(jnp.zeros(pad, bucket.dtype))
-            out.append(jnp.concatenate(parts))
+            out.append(parts[0] if len(parts) == 1 else jnp.concatenate(parts))
         return out
 
     def _own_chunks(self, leaves: list[Any], axes: tuple[str, ...]) -> tuple[jax.Array, ...]:
@@ -165,7 +225,8 @@ class FlatLayout:
     def init_local(
         self, inner: optax.GradientTransformation, inputs: list[Any], axes: tuple[str, ...]
     ) -> ZeroState:
-        return ZeroState(inner=inner.init(tuple(inputs)), shards={})
+        state = inner.init(self.view(inputs))
+        return ZeroState(inner=self.inner_state(state, to_inner=False), shards={})
 
     def update_local(
         self,
@@ -180,13 +241,16 @@ class FlatLayout:
         )
         p_chunks = None if params is None else self._own_chunks(params, axes)
         norm = jnp.sqrt(lax.psum(sum(jnp.sum(jnp.square(g)) for g in g_chunks), axes))
-        u_chunks, inner_state = inner.update(
-            g_chunks,
-            inputs.state.inner,
-            p_chunks,
+        g_view = self.view(g_chunks)
+        u_view, inner_state = inner.update(
+            g_view,
+            self.inner_state(inputs.state.inner, to_inner=True),
+            None if p_chunks is None else self.view(p_chunks),
             **inputs.extra_args,
-            **global_norm_args(g_chunks, norm),
+            **global_norm_args(g_view, norm),
         )
+        u_chunks = self.unview(u_view)
+        inner_state = self.inner_state(inner_state, to_inner=False)
         if tracks_variance(axes):  # a global leaf computed from this device's chunk only
             leaves = self.state_treedef.flatten_up_to(inner_state)
             for (kind, index, _), leaf in zip(self.sources, leaves, strict=True):
@@ -248,20 +312,31 @@ def build_flat(
     *,
     order: Sequence[str] | None = None,
     modules: Mapping[str, str] | None = None,
+    by_param: bool = False,
 ) -> FlatLayout:
     """Plan buckets (padded to a multiple of ``n``) and map the inner state onto them;
-    ``order``: the torch registration order (torch names, after ``modules`` renames)."""
+    ``order``: the torch registration order (torch names, after ``modules`` renames);
+    ``by_param``: one bucket per parameter, the inner update run on a parameter-shaped tree
+    (module docstring). Raises ``NotElementwiseError`` for a state it cannot hold."""
     # Torch's registration order, so the plan renamed to torch names is the one
     # ZeroRedundancyOptimizer(shard_gradients=True) makes for the twin module (same owners).
     specs = registration_order(space.specs, order=order, modules=modules)
-    buckets = plan_buckets(specs, cap_bytes=cap_bytes, pad_to=n)
+    if by_param and any(spec.numel == 0 for spec in specs):
+        # plan_buckets puts a zero-size parameter into its neighbour's bucket
+        raise not_elementwise("has a zero-size parameter, which has no element range")
+    # A one-byte cap closes every bucket after its first parameter: one parameter each.
+    buckets = plan_buckets(specs, cap_bytes=1 if by_param else cap_bytes, pad_to=n)
     position = {spec.name: i for i, spec in enumerate(space.specs)}
     slots = tuple(
         tuple(FlatSlot(position[slot.name], slot.offset) for slot in bucket.slots)
         for bucket in buckets.buckets
     )
-    sources = _StateSources.of(inner, space, buckets, slots, n)
+    if by_param:
+        sources = _StateSources.by_param(inner, space, buckets, slots, n)
+    else:
+        sources = _StateSources.of(inner, space, buckets, slots, n)
     return FlatLayout(
+        by_param=by_param,
         space=space,
         n=n,
         plan=plan_flat_shards(buckets, world_size=n),
@@ -334,6 +409,76 @@ class _StateSources:
             dtypes=tuple(dtype_name(leaf.dtype) for _, leaf in flat),
         )
 
+    @classmethod
+    def by_param(
+        cls,
+        inner: optax.GradientTransformation,
+        space: ModelSpace,
+        buckets: BucketPlan,
+        slots: tuple[tuple[FlatSlot, ...], ...],
+        n: int,
+    ) -> _StateSources:
+        """The sources when each bucket holds one parameter and the inner transformation
+        runs on a parameter-shaped tree: its state leaves are the whole tree's, in order."""
+        return _tree_sources(inner, space, buckets, slots, n)
+
+
+def _segments(
+    space: ModelSpace, buckets: BucketPlan, slots: tuple[tuple[FlatSlot, ...], ...], n: int
+) -> list[jax.ShapeDtypeStruct]:
+    """Per parameter, its element range on one device as ``FlatLayout.view`` shapes it."""
+    out: list[Any] = [None] * len(space.specs)
+    for b, bucket in enumerate(buckets.buckets):
+        i = slots[b][0].param
+        rank = max(1, len(space.specs[i].shape))
+        out[i] = jax.ShapeDtypeStruct((1,) * (rank - 1) + (bucket.numel // n,), bucket.dtype)
+    return out
+
+
+def _init_error(err: Exception, on: str) -> NotElementwiseError:
+    first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    return not_elementwise(f"cannot be initialized on {on} ({type(err).__name__}: {first_line})")
+
+
+def _tree_sources(
+    inner: optax.GradientTransformation,
+    space: ModelSpace,
+    buckets: BucketPlan,
+    slots: tuple[tuple[FlatSlot, ...], ...],
+    n: int,
+) -> _StateSources:
+    """``_StateSources.by_param``: the inner state of the parameter-shaped tree of segments
+    must have the whole tree's structure, each per-parameter leaf its segment's shape."""
+    segments = _segments(space, buckets, slots, n)
+    try:
+        state = jax.eval_shape(inner.init, space.param_treedef.unflatten(segments))
+    except Exception as err:
+        raise _init_error(err, "each parameter's element range") from err
+    leaves, treedef = jax.tree.flatten(state)
+    if treedef != space.state_treedef:
+        raise not_elementwise("keeps a state whose structure depends on the parameters' shapes")
+    bucket_of = {slots[b][0].param: b for b in range(len(slots))}
+    prefixes: dict[str, int] = {}
+    sources, element_leaves = [], {}
+    for k, (leaf, value) in enumerate(zip(space.leaves, leaves, strict=True)):
+        want = leaf.shape if leaf.param is None else segments[leaf.param].shape
+        if tuple(value.shape) != tuple(want):
+            raise not_elementwise(f"keeps state {leaf.name!r} of a shape other than its input's")
+        if leaf.param is None:
+            sources.append(FlatSource("global", k, -1))
+            continue
+        prefix = prefixes.setdefault(leaf.prefix, len(prefixes))
+        if (prefix, leaf.param) in element_leaves:  # per-dimension leaves (SM3)
+            raise not_elementwise(f"keeps several state leaves {leaf.prefix!r} per parameter")
+        sources.append(FlatSource("element", prefix, bucket_of[leaf.param]))
+        element_leaves[(prefix, leaf.param)] = k
+    return _StateSources(
+        treedef=treedef,
+        sources=tuple(sources),
+        element_leaves=element_leaves,
+        dtypes=tuple(dtype_name(value.dtype) for value in leaves),
+    )
+
 
 def _chunk_states(
     inner: optax.GradientTransformation, buckets: BucketPlan, n: int
@@ -354,10 +499,7 @@ def _chunk_states(
         state = jax.eval_shape(inner.init, chunks(0))
         grown = jax.tree.leaves(jax.eval_shape(inner.init, chunks(1)))
     except Exception as err:  # a label or mask tree shaped like the parameters
-        first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        raise not_elementwise(
-            f"cannot be initialized on flat 1-D chunks ({type(err).__name__}: {first_line})"
-        ) from err
+        raise _init_error(err, "flat 1-D chunks") from err
     flat, treedef = jax.tree_util.tree_flatten_with_path(state)
     if len(grown) != len(flat):
         raise not_elementwise("has a state whose structure depends on the parameters' sizes")

@@ -18,7 +18,7 @@ import optax
 
 from gradsync_jax.zero.analysis import ELEMENT, UNIFORM, Analyser, Node, Role
 from gradsync_jax.zero.clip import global_norm_args
-from gradsync_jax.zero.flat import FlatLayout, build_flat, not_elementwise
+from gradsync_jax.zero.flat import FlatLayout, NotElementwiseError, build_flat, not_elementwise
 from gradsync_jax.zero.greedy import GreedyLayout
 from gradsync_jax.zero.model_space import ModelSpace, model_space, path_parts
 
@@ -174,8 +174,11 @@ class Soundness:
         )
 
     def flat_problem(self, layout: FlatLayout) -> str | None:
-        """Why running ``inner`` on 1-D bucket chunks is not exact (a ``_not_elementwise``
+        """Why running ``inner`` on 1-D bucket chunks (``by_param``: on each parameter's
+        element range, in a parameter-shaped tree) is not exact (a ``not_elementwise``
         reason), or None. Call ``coupling`` first."""
+        if layout.by_param:
+            return self._by_param_problem(layout)
         chunks = [
             jax.ShapeDtypeStruct((layout.chunk(b),), bucket.dtype)
             for b, bucket in enumerate(layout.buckets.buckets)
@@ -205,6 +208,25 @@ class Soundness:
                 )
                 if reason:
                     return reason
+        return None
+
+    def _by_param_problem(self, layout: FlatLayout) -> str | None:
+        segments = [
+            jax.ShapeDtypeStruct(layout.segment_shape(i), spec.dtype)
+            for i, spec in enumerate(self.specs)
+        ]
+        state = jax.eval_shape(self.inner.init, self.space.param_treedef.unflatten(segments))
+        roles = [Role(leaf.param, self._label_of(k)) for k, leaf in enumerate(self.space.leaves)]
+        updates, new_state = self._trace(segments, state, roles)
+        for i, node in enumerate(updates):
+            reason = self._flat_reason(node, i, self.updates[i], f"update of {self._name(i)!r}")
+            if reason:
+                return reason
+        for k, node in enumerate(new_state):
+            what = f"state leaf {self._leaf(k)!r}"
+            reason = self._flat_reason(node, self.space.leaves[k].param, self.state[k], what)
+            if reason:
+                return reason
         return None
 
     def _chunk_trace(
@@ -273,6 +295,36 @@ def check_on_sample(inner: optax.GradientTransformationExtraArgs, partition: str
     if problem := soundness.coupling():
         raise ValueError(problem)
     if partition == "flat":
-        reason = soundness.flat_problem(build_flat(inner, space, 2, 1 << 20))
-        if reason:
+        layout, reason = flat_layout(soundness, inner, space, 2, 1 << 20)
+        if layout is None:
             raise not_elementwise(reason)
+
+
+def flat_layout(
+    soundness: Soundness | None,
+    inner: optax.GradientTransformationExtraArgs,
+    space: ModelSpace,
+    n: int,
+    cap_bytes: int,
+    *,
+    by_param_first: bool = False,
+    **ordered: Any,
+) -> tuple[FlatLayout | None, str]:
+    """The flat layout proven exact: gradient buckets, else one bucket per parameter (a mask
+    or label per parameter); ``by_param_first``: the other way round. ``(None, reason)`` if
+    neither is. Unproven (``soundness`` None: the update needs extra arguments): the first
+    that can be built, checked at the first trace."""
+    reason = ""
+    for by_param in (True, False) if by_param_first else (False, True):
+        try:
+            layout = build_flat(inner, space, n, cap_bytes, by_param=by_param, **ordered)
+        except NotElementwiseError as err:  # the bucket layout's reason is the one to give
+            reason = err.reason if not by_param else reason or err.reason
+            continue
+        if soundness is None:
+            return layout, ""
+        problem = soundness.flat_problem(layout)
+        if problem is None:
+            return layout, ""
+        reason = problem if not by_param else reason or problem
+    return None, reason

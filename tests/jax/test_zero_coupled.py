@@ -4,7 +4,8 @@ Global norms, sums over all leaves, learning-rate estimates and finite checks: u
 ``partition="auto"`` (and ``"gathered"``) each case runs 6 steps at 2, 4 and 8 devices and
 must match the same transformation unsharded, fed the mean of the same local gradients:
 parameters and the gathered state, rtol 1e-5. All cases of one device count run in one
-``shard_map`` program (one compilation).
+``shard_map`` program (one compilation), the per-parameter rules of ``test_zero_rules.py``
+included.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from gradsync_core import Topology
 from gradsync_jax import clip_by_global_norm, mesh_from_topology, shard_optimizer
+from gradsync_jax.zero.flat import FlatLayout
 from gradsync_jax.zero.gathered import GatheredLayout
 from tests.helpers import assert_tree_close
 from tests.jax.test_zero import mean_in_device_order
@@ -144,9 +146,14 @@ def sharded(runs: list[tuple[Any, bool]], params: dict, mesh: Any, n: int) -> li
 
 @pytest.mark.parametrize("n", [2, 4, 8], ids=lambda n: f"n{n}")
 def test_coupled_optimizers_match_unsharded(n: int) -> None:
+    # The per-parameter rules of test_zero_rules.py run in the same program (one compilation
+    # per device count instead of two); they must take flat by parameter (issue 26 item 2).
+    from tests.jax.test_zero_rules import rule_cases
+
     mesh = mesh_from_topology(Topology.create(n), devices=jax.devices()[:n])
     params = make_params()
-    cases = _cases()
+    rules = rule_cases()
+    cases = {**_cases(), **{name: (tx, False) for name, tx in rules.items()}}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         runs = [(shard_optimizer(tx, mesh), needs) for tx, needs in cases.values()]
@@ -155,5 +162,8 @@ def test_coupled_optimizers_match_unsharded(n: int) -> None:
     for name, (tx, _), (p, s), (ref_p, ref_s) in zip(cases, runs, got, want, strict=True):
         if name in COUPLED:  # auto must not take a per-tensor partition for these
             assert isinstance(tx.layout(params), GatheredLayout), name
+        if name in rules:  # a mask or label per parameter: flat with one bucket each
+            layout = tx.layout(params)
+            assert isinstance(layout, FlatLayout) and layout.by_param, (name, layout)
         assert_tree_close(p, ref_p, rtol=1e-5, atol_rel=1e-5, what=f"parameters of {name}")
         assert_tree_close(s, ref_s, rtol=1e-5, atol_rel=1e-5, what=f"state of {name}")
