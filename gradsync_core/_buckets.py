@@ -387,6 +387,32 @@ def plan_buckets(
     )
 
 
+def plan_param_buckets(specs: Sequence[ParamSpec], *, pad_to: int = 1) -> BucketPlan:
+    """One bucket per trainable parameter, each padded to a multiple of ``pad_to``.
+
+    The layout of the flat partition "by parameter" (``shard_optimizer``'s ``auto`` for an
+    elementwise optimizer, docs/design.md §4): rank ``r`` holds element range ``r`` of every
+    parameter, so nothing is packed per step and a mask or label decides per parameter.
+    Refuses a zero-size parameter, which has no element range (``plan_buckets`` would put it
+    into its neighbour's bucket).
+
+    Example:
+        >>> from gradsync_core import ParamSpec
+        >>> specs = [ParamSpec(name="w", shape=(3, 2)), ParamSpec(name="b", shape=(3,))]
+        >>> plan = plan_param_buckets(specs, pad_to=4)
+        >>> [([s.name for s in b.slots], b.numel) for b in plan.buckets]
+        [(['b'], 4), (['w'], 8)]
+    """
+    empty = [spec.name for spec in specs if spec.requires_grad and spec.numel == 0]
+    if empty:
+        raise ValueError(
+            f"parameters {empty} have zero elements, so one bucket per parameter cannot give "
+            "them an element range; leave them out or use the bucketed flat partition"
+        )
+    # A one-byte cap closes every bucket after its first parameter: one parameter each.
+    return plan_buckets(specs, cap_bytes=1, pad_to=pad_to)
+
+
 def rebuild_buckets(
     plan: BucketPlan, specs: Sequence[ParamSpec], ready_order: Sequence[str]
 ) -> BucketPlan:

@@ -31,7 +31,13 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from gradsync_core import __version__
-from gradsync_core._buckets import Bucket, BucketPlan, bucket_caps, plan_buckets
+from gradsync_core._buckets import (
+    Bucket,
+    BucketPlan,
+    bucket_caps,
+    plan_buckets,
+    plan_param_buckets,
+)
 from gradsync_core._cli_checkpoint import add_checkpoint_parser
 from gradsync_core._cli_json import plan_report, report_header
 from gradsync_core._cli_table import mib as _mib
@@ -286,6 +292,10 @@ def _owners(
     buckets = plan_buckets(specs, cap_bytes=cap, first_cap_bytes=first, pad_to=pad_to)
     if partition != "flat":
         return buckets, plan_greedy_shards(specs, world_size=ranks)
+    if args.partition == "auto" and args.zero != 2:
+        # shard_optimizer's auto: flat by parameter (element range r of every parameter);
+        # ZeRO-2 reduce-scatters the gradient buckets, so its shards follow them instead.
+        return buckets, plan_flat_shards(plan_param_buckets(specs, pad_to=ranks), world_size=ranks)
     # A piece per rank and bucket, plus one per parameter straddling a cut: bound them first.
     pieces = sum(len(b.slots) for b in buckets.buckets) + len(buckets.buckets) * ranks
     if pieces > MAX_FLAT_PIECES:
@@ -304,9 +314,9 @@ def _owners(
 
 def _partition(args: argparse.Namespace) -> str:
     """``--partition``: greedy by default (torch's ZeroRedundancyOptimizer); ``auto`` is
-    ``shard_optimizer``'s rule, flat when the optimizer's update is elementwise, which every
-    ``--optimizer`` the command line knows is (Adam, SGD, Lion, ...: the state columns assume
-    one); a coupling optimizer (Shampoo, Muon) would be greedy under auto."""
+    ``shard_optimizer``'s rule, flat by parameter when the optimizer's update is elementwise,
+    which every ``--optimizer`` the command line knows is (Adam, SGD, Lion, ...: the state
+    columns assume one); a coupling optimizer (Shampoo, Muon) would not be flat under auto."""
     if args.partition == "auto":
         return "flat"
     return args.partition or "greedy"
@@ -476,7 +486,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("greedy", "flat", "auto"),
         default=None,
         help="optimizer-state partition: whole parameters (greedy, the default, torch's), flat "
-        "element ranges, or auto (shard_optimizer's rule: flat for an elementwise optimizer, "
+        "element ranges, or auto (shard_optimizer's rule: flat by parameter, one element range "
+        "of every parameter per rank, for an elementwise optimizer, "
         f"which every --optimizer is); flat: at most {MAX_FLAT_PIECES:,} pieces, about "
         "buckets x dp",
     )

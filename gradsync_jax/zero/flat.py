@@ -33,6 +33,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from gradsync_core import BucketPlan, ShardPlan, plan_buckets, plan_flat_shards
+from gradsync_core._buckets import plan_param_buckets
 from gradsync_jax._axes import cast_varying, psum_scatter_mean, tracks_variance, varying
 from gradsync_jax._naming import registration_order
 from gradsync_jax.zero.clip import global_norm_args
@@ -322,10 +323,12 @@ def build_flat(
     # ZeroRedundancyOptimizer(shard_gradients=True) makes for the twin module (same owners).
     specs = registration_order(space.specs, order=order, modules=modules)
     if by_param and any(spec.numel == 0 for spec in specs):
-        # plan_buckets puts a zero-size parameter into its neighbour's bucket
+        # plan_param_buckets refuses it too; here it must be the refusal auto falls back on
         raise not_elementwise("has a zero-size parameter, which has no element range")
-    # A one-byte cap closes every bucket after its first parameter: one parameter each.
-    buckets = plan_buckets(specs, cap_bytes=1 if by_param else cap_bytes, pad_to=n)
+    if by_param:
+        buckets = plan_param_buckets(specs, pad_to=n)
+    else:
+        buckets = plan_buckets(specs, cap_bytes=cap_bytes, pad_to=n)
     position = {spec.name: i for i, spec in enumerate(space.specs)}
     slots = tuple(
         tuple(FlatSlot(position[slot.name], slot.offset) for slot in bucket.slots)

@@ -5,8 +5,10 @@ import json
 
 import pytest
 
-from gradsync_core import ShardPlan, __version__
+from gradsync_core import ShardPlan, __version__, plan_flat_shards
+from gradsync_core._buckets import plan_param_buckets
 from gradsync_core._cli import main
+from gradsync_core._models import builtin_model
 
 
 def run(capsys, *argv):
@@ -46,13 +48,19 @@ def test_flag_typos_point_at_the_subcommand_help(capsys, argv, expected):
     assert expected in err, err
 
 
-def test_partition_auto_is_flat_as_shard_optimizer_picks_for_adam(capsys):
+def test_partition_auto_is_flat_by_parameter_as_shard_optimizer_picks_for_adam(capsys):
     code, out, err = run(capsys, "plan", "--model", "mlp-25m", "--partition", "auto", "--json")
     assert code == 0, err
     auto = json.loads(out)
     code, out, _ = run(capsys, "plan", "--model", "mlp-25m", "--partition", "flat", "--json")
-    assert json.loads(out) == auto
-    assert ShardPlan.from_json(auto["shards"]).kind == "flat"
+    flat = json.loads(out)
+    assert auto["buckets"] == flat["buckets"]  # the gradient buckets do not change
+    shards = ShardPlan.from_json(auto["shards"])
+    assert shards.kind == "flat"
+    # shard_optimizer's auto layout: every rank holds one element range of every parameter
+    ranks = auto["topology"]["dp"]
+    by_param = plan_param_buckets(builtin_model("mlp-25m"), pad_to=ranks)
+    assert shards == plan_flat_shards(by_param, world_size=ranks)
     code, out, err = run(capsys, "plan", "--model", "mlp-25m", "--partition", "auto", "--zero", "1")
     assert code == 0, err
 
