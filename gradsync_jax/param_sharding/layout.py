@@ -68,6 +68,9 @@ class ParamLayout:
     plan: ParamShardPlan
     leaves: tuple[LeafLayout, ...]
     treedef: Any
+    # The Flax -> torch module renames the names were made with: a checkpoint names the
+    # parameters, their state and weights the same way (gradsync_jax.checkpoint.param_shards).
+    modules: Mapping[str, str] | None = None
 
     @property
     def world_size(self) -> int:
@@ -167,4 +170,9 @@ def param_layout(
                 padded_rows=chunk_rows(entry.shape[0], world_size, 0)[2],
             )
         )
-    return ParamLayout(plan=plan, leaves=tuple(leaves), treedef=treedef)
+    return ParamLayout(
+        plan=plan,
+        leaves=tuple(leaves),
+        treedef=treedef,
+        modules=None if modules is None else dict(modules),
+    )

@@ -89,7 +89,7 @@ class Zero3Step:
     ``init(params)`` makes the sharded optimizer state. Made by ``zero3_step``."""
 
     def __init__(self, loss_fn, tx, mesh, layout, axes, *, reshard, batch_spec, donate):
-        self.layout, self.mesh, self.tx = layout, mesh, tx
+        self.layout, self.mesh, self.tx, self.axes = layout, mesh, tx, axes
         spec = P(axes)
         self.state_specs = _state_specs(tx, layout, axes)
 
