@@ -17,12 +17,15 @@ from functools import partial
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh
+from jax import lax
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from gradsync_jax._axes import AxisName, psum_mean
+from gradsync_jax.data_parallel.accumulate import split_microbatches
 from gradsync_jax.param_sharding.gather import gather_params, remat_policy
 from gradsync_jax.param_sharding.layout import ParamLayout
 from gradsync_jax.param_sharding.placement import check_mesh, flat_leaves
@@ -84,44 +87,72 @@ def _state_specs(tx: Any, layout: ParamLayout, axes: tuple[str, ...]) -> Any:
     return jax.tree.map(lambda a, b: P() if a.shape == b.shape else P(axes), local, whole)
 
 
+def _local_step(loss_fn, tx, layout: ParamLayout, axes, *, reshard: bool, accumulate: int):
+    """The step of one device inside ``shard_map``: gather, differentiate (``accumulate``
+    micro-steps, each reduce-scattering its gradients to the chunks), update the chunks."""
+
+    def loss_of(trainable: Any, frozen: Any, batch: Any) -> jax.Array:
+        chunks = [
+            a if b is None else b
+            for a, b in zip(
+                flat_leaves(trainable, layout, "t"), flat_leaves(frozen, layout, "f"), strict=True
+            )
+        ]
+        whole = gather_params(chunks, layout, axes)
+        return loss_fn(jax.tree_util.tree_unflatten(layout.treedef, whole), batch)
+
+    if reshard:
+        loss_of = jax.checkpoint(loss_of, policy=remat_policy)
+    grad_fn = jax.value_and_grad(loss_of)
+
+    def grads_of(trainable: Any, frozen: Any, batch: Any) -> tuple[jax.Array, Any]:
+        if accumulate == 1:
+            return grad_fn(trainable, frozen, batch)
+        # Each micro-step reduce-scatters its own gradients and the chunks are summed: the
+        # accumulator stays 1/N (FSDP2's default). Deferring the reduce-scatter to the last
+        # micro-step would hold every unit's whole gradient across the micro-steps, the
+        # memory ZeRO-3 exists to remove.
+        micro = split_microbatches(batch, accumulate)
+
+        def body(carry: Any, mb: Any) -> tuple[Any, None]:
+            loss, grads = grad_fn(trainable, frozen, mb)
+            return (carry[0] + loss, jax.tree.map(jnp.add, carry[1], grads)), None
+
+        first = grad_fn(trainable, frozen, jax.tree.map(lambda leaf: leaf[0], micro))
+        rest = jax.tree.map(lambda leaf: leaf[1:], micro)
+        (loss, grads), _ = lax.scan(body, first, rest)
+        return loss / accumulate, jax.tree.map(lambda g: g / accumulate, grads)
+
+    def body(trainable: Any, frozen: Any, opt_state: Any, batch: Any) -> Any:
+        loss, grads = grads_of(trainable, frozen, batch)
+        updates, opt_state = tx.update(grads, opt_state, trainable)
+        trainable = optax.apply_updates(trainable, updates)
+        return trainable, opt_state, psum_mean(loss, axes, mean=True)
+
+    return body
+
+
 class Zero3Step:
     """``step(params, opt_state, batch) -> (params, opt_state, loss)`` on sharded parameters;
     ``init(params)`` makes the sharded optimizer state. Made by ``zero3_step``."""
 
-    def __init__(self, loss_fn, tx, mesh, layout, axes, *, reshard, batch_spec, donate):
+    def __init__(self, loss_fn, tx, mesh, layout, axes, *, reshard, batch_spec, donate, accumulate):
         self.layout, self.mesh, self.tx, self.axes = layout, mesh, tx, axes
+        self.accumulate_steps = accumulate
         spec = P(axes)
         self.state_specs = _state_specs(tx, layout, axes)
-
-        def loss_of(trainable: Any, frozen: Any, batch: Any) -> jax.Array:
-            chunks = [
-                a if b is None else b
-                for a, b in zip(
-                    flat_leaves(trainable, layout, "t"),
-                    flat_leaves(frozen, layout, "f"),
-                    strict=True,
-                )
-            ]
-            whole = gather_params(chunks, layout, axes)
-            return loss_fn(jax.tree_util.tree_unflatten(layout.treedef, whole), batch)
-
-        if reshard:
-            loss_of = jax.checkpoint(loss_of, policy=remat_policy)
-
-        def body(trainable: Any, frozen: Any, opt_state: Any, batch: Any) -> Any:
-            loss, grads = jax.value_and_grad(loss_of)(trainable, frozen, batch)
-            updates, opt_state = tx.update(grads, opt_state, trainable)
-            trainable = optax.apply_updates(trainable, updates)
-            return trainable, opt_state, psum_mean(loss, axes, mean=True)
-
+        body = _local_step(loss_fn, tx, layout, axes, reshard=reshard, accumulate=accumulate)
         mapped = jax.shard_map(
             body,
             mesh=mesh,
             in_specs=(spec, spec, self.state_specs, batch_spec),
             out_specs=(spec, self.state_specs, P()),
         )
+        explicit = all(t == AxisType.Explicit for t in mesh.axis_types)
 
         def step(params: Any, opt_state: Any, batch: Any) -> Any:
+            if explicit:  # Explicit axes: shard_map inputs must already carry its in_specs
+                batch = jax.reshard(batch, NamedSharding(mesh, batch_spec))
             trainable, frozen = _split(params, layout)
             trainable, opt_state, loss = mapped(trainable, frozen, opt_state, batch)
             return _join(trainable, frozen, layout), opt_state, loss
@@ -132,11 +163,23 @@ class Zero3Step:
         )
         self._init = jax.jit(lambda params: init(_split(params, layout)[0]))
 
+    def check_batch(self, batch: Any) -> None:
+        """Refuse a batch whose leading dimension does not split over devices and micro-steps."""
+        multiple = self.layout.world_size * self.accumulate_steps
+        for leaf in jax.tree.leaves(batch):
+            if np.ndim(leaf) == 0 or np.shape(leaf)[0] % multiple:
+                raise ValueError(
+                    f"a batch leaf has shape {np.shape(leaf)}; its leading dimension must be a "
+                    f"multiple of {self.layout.world_size} devices x accumulate_steps "
+                    f"{self.accumulate_steps} = {multiple}"
+                )
+
     def init(self, params: Any) -> Any:
         """The optimizer state of the sharded ``params``: each device its chunks' state."""
         return self._init(params)
 
     def __call__(self, params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, jax.Array]:
+        self.check_batch(batch)
         return self._step(params, opt_state, batch)
 
     def lower(self, params: Any, opt_state: Any, batch: Any) -> Any:
@@ -154,6 +197,7 @@ def zero3_step(
     reshard_after_forward: bool = True,
     batch_spec: Any = None,
     donate: bool = False,
+    accumulate_steps: int = 1,
 ) -> Zero3Step:
     """A jitted ZeRO-3 training step over ``axis_name`` executing ``layout``'s plan.
 
@@ -170,6 +214,9 @@ def zero3_step(
             more memory).
         batch_spec: in-spec of the batch; default ``P(axis_name)`` (split on the leading dim).
         donate: donate the parameters and optimizer state buffers to the step.
+        accumulate_steps: split each device's batch into this many micro-batches; each
+            micro-step reduce-scatters its gradients (the accumulator is 1/N, as FSDP2's
+            default) and the step equals one step on the whole batch.
 
     Returns:
         A ``Zero3Step``: ``opt_state = step.init(params)``, then
@@ -186,6 +233,8 @@ def zero3_step(
         >>> params, opt_state, loss = step(params, opt_state, batch)
     """
     axes = check_mesh(layout, mesh, axis_name)
+    if not isinstance(accumulate_steps, int) or accumulate_steps < 1:
+        raise ValueError(f"accumulate_steps must be a positive int, got {accumulate_steps!r}")
     tx = optax.with_extra_args_support(tx)
     _check_elementwise(tx, mesh, axis_name, layout)
     spec = P(axes) if batch_spec is None else batch_spec
@@ -198,4 +247,5 @@ def zero3_step(
         reshard=reshard_after_forward,
         batch_spec=spec,
         donate=donate,
+        accumulate=accumulate_steps,
     )

@@ -233,3 +233,30 @@ def test_nnx_model_equals_one_device() -> None:
         sharded, opt_state, _ = step(sharded, opt_state, batch)
     assert_close(unshard_params(sharded, layout), ref, RTOL["params"], "params")
     assert_close(unshard_params(opt_state[0].nu, layout), state[0].nu, RTOL["state"], "nu")
+
+
+def test_data_parallel_step_option_with_accumulation_equals_one_device() -> None:
+    """``data_parallel_step(param_layout=)`` is the ZeRO-3 step; 3 micro-steps, each
+    reduce-scattering, equal one step on the whole batch; an Explicit-axes mesh (the
+    default of ``mesh_from_topology``) takes a batch placed anywhere."""
+    from gradsync_core import Topology
+    from gradsync_jax import data_parallel_step, mesh_from_topology, synced
+
+    params = init_params()
+    layout = param_layout(params, world_size=4, units=UNITS, frozen=FROZEN)
+    mesh = mesh_from_topology(Topology.create(4), jax.devices()[:4])
+    step = data_parallel_step(loss_fn, adamw(), mesh, param_layout=layout, accumulate_steps=3)
+    assert step.accumulate_steps == 3
+    sharded = shard_params(params, mesh, layout)
+    opt_state = step.init(sharded)
+    with pytest.raises(ValueError, match="multiple of 4 devices x accumulate_steps 3 = 12"):
+        step(sharded, opt_state, (data()[0][:8], data()[1][:8]))
+    for _ in range(STEPS):
+        sharded, opt_state, _ = step(sharded, opt_state, data())
+    want_params, want_state = reference(adamw(), init_params())
+    assert_close(unshard_params(sharded, layout), want_params, RTOL["params"], "params")
+    for moment in ("mu", "nu"):
+        got_m = without_frozen(unshard_params(getattr(opt_state[0], moment), layout))
+        assert_close(got_m, getattr(want_state[0], moment), RTOL["state"], moment)
+    with pytest.raises(ValueError, match="without synced"):
+        data_parallel_step(loss_fn, optax.chain(synced("dp"), adamw()), mesh, param_layout=layout)
