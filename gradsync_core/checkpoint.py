@@ -44,6 +44,7 @@ from gradsync_core._model_weights import (
     unwrapped_names,
     weight_owners,
 )
+from gradsync_core._param_shard_state import DIM0, plan_dim0_shards
 from gradsync_core._safetensors import MAX_HEADER_BYTES, data_range, read_header
 from gradsync_core._save_hooks import SAVE_POINTS, save_hook
 from gradsync_core._save_protocol import (
@@ -67,6 +68,7 @@ from gradsync_core._state_keys import (
 
 __all__ = [
     "COUNTERPARTS",
+    "DIM0",
     "FORMAT_VERSION",
     "LEGACY_OPTIMIZER_NAMES",
     "MANIFEST",
@@ -99,6 +101,7 @@ __all__ = [
     "model_owners",
     "new_save_token",
     "open_checkpoint_file",
+    "plan_dim0_shards",
     "rank_file",
     "read_header",
     "read_manifest",

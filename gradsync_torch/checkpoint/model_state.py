@@ -19,6 +19,7 @@ from collections.abc import Mapping
 import torch
 from safetensors import safe_open
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from gradsync_core import Manifest, read_manifest
 from gradsync_core.checkpoint import (
@@ -29,6 +30,7 @@ from gradsync_core.checkpoint import (
     weight_owners,
 )
 from gradsync_torch._specs import dtype_name, unwrapped
+from gradsync_torch.param_sharding._rows import local_rows
 
 
 def model_weights(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -112,13 +114,17 @@ def check_weights(
 
 
 def copy_weights(module: nn.Module | None, weights: Mapping[str, torch.Tensor] | None) -> None:
-    """Copy checked ``weights`` into ``module``'s parameters, in place (tied ones once);
-    nothing when either is None (a load without a model, or of a checkpoint without weights)."""
+    """Copy checked ``weights`` into ``module``'s parameters, in place (tied ones once; a
+    parameter sharded by ``fully_shard`` takes this rank's rows of its weight); nothing when
+    either is None (a load without a model, or of a checkpoint without weights)."""
     if module is None or weights is None:
         return
     with torch.no_grad():
         for name, param in module.named_parameters():
-            param.copy_(weights[name])
+            if isinstance(param, DTensor):  # sharded by fully_shard: this rank's rows only
+                param.to_local().copy_(local_rows(weights[name], param))
+            else:
+                param.copy_(weights[name])
 
 
 def load_model_weights(

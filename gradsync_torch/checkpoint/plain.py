@@ -9,6 +9,7 @@ torch) can continue, be evaluated or fine-tuned without gradsync's executors.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -69,12 +70,24 @@ def load_optimizer_state_dict(
         needed=set(range(len(params))),
     )
     loaded = checkpoint.load(path, target, RankGroup(process_group=None, rank=0, world_size=1))
-    state_dict: dict[str, Any] = {"state": dict(sorted(loaded.state.items())), "param_groups": []}
+    state_dict = loaded_state_dict(loaded)
+    optimizer.load_state_dict(state_dict)
+    return state_dict
+
+
+def loaded_state_dict(
+    loaded: checkpoint.Loaded,
+    state_of: Callable[[int, dict[str, Any]], dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """A checked checkpoint as the ``state_dict`` its torch optimizer loads: each
+    parameter's model-space state (through ``state_of(index, state)`` when given: ZeRO-3 cuts
+    it to this rank's rows) by global index, and the saved hyper-parameters per group."""
+    state = {i: s if state_of is None else state_of(i, s) for i, s in sorted(loaded.state.items())}
+    state_dict: dict[str, Any] = {"state": state, "param_groups": []}
     first = 0
     for group in loaded.param_groups:
         count = len(group["params"])
         indices = list(range(first, first + count))
         state_dict["param_groups"].append({**hyper_parameters(group), "params": indices})
         first += count
-    optimizer.load_state_dict(state_dict)
     return state_dict

@@ -71,6 +71,9 @@ class Snapshot(NamedTuple):
     pieces: list[StatePiece]  # this rank's state
     model: nn.Module | None = None  # its weights are stored too (every rank has a copy)
     data: dict[str, Any] | None = None  # the manifest's data position (``data_extra``)
+    # The model's weights this rank writes, when its parameters are sharded (ZeRO-3 gathers
+    # each before the save); None: every rank has a copy, taken from ``model``.
+    weights: dict[str, torch.Tensor] | None = None
 
 
 class LoadTarget(NamedTuple):
@@ -131,7 +134,8 @@ def _rank_state(
     return tensors, scalars, state_keys
 
 
-def _owners(snapshot: Snapshot) -> dict[str, int]:
+def weight_owners_of(snapshot: Snapshot) -> dict[str, int]:
+    """The rank whose file holds each of the snapshot's model weights (``model_owners``)."""
     names = [] if snapshot.model is None else [n for n, _ in snapshot.model.named_parameters()]
     return model_owners(snapshot.plan, names)
 
@@ -140,8 +144,10 @@ def _prepare(snapshot: Snapshot, rank: int) -> _Prepared:
     groups = groups_json(snapshot.param_groups, snapshot.names)
     tensors, scalars, state_keys = _rank_state(snapshot.pieces, snapshot.names, snapshot.plan, rank)
     if snapshot.model is not None:
-        weights = model_weights(snapshot.model)
-        tensors.update(rank_weights(weights, _owners(snapshot), rank))
+        weights = snapshot.weights
+        if weights is None:
+            weights = model_weights(snapshot.model)
+        tensors.update(rank_weights(weights, weight_owners_of(snapshot), rank))
     return _Prepared(tensors, {"state_keys": state_keys, "scalars": scalars}, groups)
 
 
@@ -178,7 +184,7 @@ def _manifest(
             "param_groups": prepared.groups,
             "scalars": all_scalars,
             "shard_gradients": snapshot.shard_gradients,
-            **({"model": _owners(snapshot)} if snapshot.model is not None else {}),
+            **({"model": weight_owners_of(snapshot)} if snapshot.model is not None else {}),
             **(snapshot.data or {}),
         },
     )
