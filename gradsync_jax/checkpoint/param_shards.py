@@ -4,9 +4,10 @@ The format is version 2 of docs/design.md §9: model space, torch's names, layou
 keys, one safetensors file per rank. A parameter-shard plan cuts every parameter in torch's
 layout along dim 0, so the rows ``[lo, hi)`` device ``r`` holds are the elements
 ``[lo·k, hi·k)`` of the flattened tensor (``k`` elements per row, ``ParamChunk.element_range``):
-a flat ``ShardPlan`` of those element ranges (no bucket layout) says exactly what each rank
-file holds. Every loader of the format already reads such a plan (torch's
-``ZeroRedundancyOptimizer`` and plain optimizers, ``shard_optimizer``, plain Optax, and
+a ``ShardPlan`` of kind ``"dim0"`` of those element ranges (``plan_dim0_shards``, the one
+rule torch's ``save_fully_sharded`` uses too) says exactly what each rank file holds. Every
+loader of the format already reads such a plan (torch's ``ZeroRedundancyOptimizer``, plain
+optimizers and ``load_fully_sharded``, ``shard_optimizer``, plain Optax, and
 ``load_param_shards`` at another device count), so no new reader is needed on either side.
 
 The files are made by ``gradsync_jax.checkpoint.zero``'s preparation (one implementation of
@@ -30,8 +31,15 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from safetensors.numpy import save as save_bytes
 
-from gradsync_core import Manifest, Shard, ShardPlan
-from gradsync_core.checkpoint import SaveSteps, data_extra, rank_file, run_save, write_rank_file
+from gradsync_core import Manifest, ShardPlan
+from gradsync_core.checkpoint import (
+    SaveSteps,
+    data_extra,
+    plan_dim0_shards,
+    rank_file,
+    run_save,
+    write_rank_file,
+)
 from gradsync_jax.checkpoint.model_state import load_params
 from gradsync_jax.checkpoint.processes import ProcessSaveAgreement, local_ranks, local_view, place
 from gradsync_jax.checkpoint.zero import _META, _prepare, _Prepared, load_optimizer_state
@@ -68,14 +76,14 @@ class _RowShards:
         self.space: ModelSpace = model_space(zero3.tx, _whole(self.layout, trainable_only=True))
 
     def plan(self, _params: Any) -> ShardPlan:
-        """Each trainable parameter's dim-0 rows per rank as flat element ranges, named like
+        """Each trainable parameter's dim-0 rows per rank as element ranges (the core's
+        ``plan_dim0_shards``, as torch's ZeRO-3 save), cut in torch's layout but named like
         ``space.specs`` (Flax paths; ``torch_plan`` renames them)."""
-        shards = []
-        for spec, leaf in zip(self.space.specs, self.trainable, strict=True):
-            for rank in range(self.world_size):
-                start, stop = self.layout.plan.chunk(leaf.name, rank).element_range
-                shards.append(Shard(name=spec.name, rank=rank, start=start, stop=stop, group=0))
-        return ShardPlan(kind="flat", world_size=self.world_size, shards=tuple(shards))
+        specs = [
+            replace(spec, shape=leaf.torch_shape)
+            for spec, leaf in zip(self.space.specs, self.trainable, strict=True)
+        ]
+        return plan_dim0_shards(specs, [0] * len(specs), shard_size=self.world_size)
 
     def gather(self, host_state: Any) -> list[Any]:
         """The state's leaves in model space (whole, Flax layout) from its host copy."""
