@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from gradsync_jax._axes import AxisName, psum_mean
 from gradsync_jax.data_parallel.accumulate import split_microbatches
-from gradsync_jax.param_sharding.gather import gather_params, remat_policy
+from gradsync_jax.param_sharding.gather import Precision, gather_params, remat_policy
 from gradsync_jax.param_sharding.layout import ParamLayout
 from gradsync_jax.param_sharding.placement import check_mesh, flat_leaves
 from gradsync_jax.zero import NotElementwiseError, shard_optimizer
@@ -87,7 +87,9 @@ def _state_specs(tx: Any, layout: ParamLayout, axes: tuple[str, ...]) -> Any:
     return jax.tree.map(lambda a, b: P() if a.shape == b.shape else P(axes), local, whole)
 
 
-def _local_step(loss_fn, tx, layout: ParamLayout, axes, *, reshard: bool, accumulate: int):
+def _local_step(
+    loss_fn, tx, layout: ParamLayout, axes, *, reshard: bool, accumulate: int, precision: Precision
+):
     """The step of one device inside ``shard_map``: gather, differentiate (``accumulate``
     micro-steps, each reduce-scattering its gradients to the chunks), update the chunks."""
 
@@ -98,7 +100,7 @@ def _local_step(loss_fn, tx, layout: ParamLayout, axes, *, reshard: bool, accumu
                 flat_leaves(trainable, layout, "t"), flat_leaves(frozen, layout, "f"), strict=True
             )
         ]
-        whole = gather_params(chunks, layout, axes)
+        whole = gather_params(chunks, layout, axes, precision=precision)
         return loss_fn(jax.tree_util.tree_unflatten(layout.treedef, whole), batch)
 
     if reshard:
@@ -136,12 +138,22 @@ class Zero3Step:
     """``step(params, opt_state, batch) -> (params, opt_state, loss)`` on sharded parameters;
     ``init(params)`` makes the sharded optimizer state. Made by ``zero3_step``."""
 
-    def __init__(self, loss_fn, tx, mesh, layout, axes, *, reshard, batch_spec, donate, accumulate):
+    def __init__(
+        self, loss_fn, tx, mesh, layout, axes, *, reshard, batch_spec, donate, accumulate, precision
+    ):
         self.layout, self.mesh, self.tx, self.axes = layout, mesh, tx, axes
         self.accumulate_steps = accumulate
         spec = P(axes)
         self.state_specs = _state_specs(tx, layout, axes)
-        body = _local_step(loss_fn, tx, layout, axes, reshard=reshard, accumulate=accumulate)
+        body = _local_step(
+            loss_fn,
+            tx,
+            layout,
+            axes,
+            reshard=reshard,
+            accumulate=accumulate,
+            precision=precision,
+        )
         mapped = jax.shard_map(
             body,
             mesh=mesh,
@@ -198,6 +210,8 @@ def zero3_step(
     batch_spec: Any = None,
     donate: bool = False,
     accumulate_steps: int = 1,
+    param_dtype: Any = None,
+    reduce_dtype: Any = None,
 ) -> Zero3Step:
     """A jitted ZeRO-3 training step over ``axis_name`` executing ``layout``'s plan.
 
@@ -217,6 +231,12 @@ def zero3_step(
         accumulate_steps: split each device's batch into this many micro-batches; each
             micro-step reduce-scatters its gradients (the accumulator is 1/N, as FSDP2's
             default) and the step equals one step on the whole batch.
+        param_dtype: mixed precision (FSDP2's ``MixedPrecisionPolicy``): the dtype the
+            chunks are cast to before the all-gather, so the model computes in it
+            (``jnp.bfloat16``); the stored chunks and the optimizer stay in their own dtype
+            (fp32 master parameters). Default: no cast.
+        reduce_dtype: the dtype gradients are reduce-scattered in (``jnp.float32``); default
+            ``param_dtype``, as FSDP2's. The reduced gradient is cast to the stored dtype.
 
     Returns:
         A ``Zero3Step``: ``opt_state = step.init(params)``, then
@@ -248,4 +268,5 @@ def zero3_step(
         batch_spec=spec,
         donate=donate,
         accumulate=accumulate_steps,
+        precision=Precision(param_dtype, reduce_dtype),
     )
