@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from gradsync_jax._axes import psum_scatter_mean
+from gradsync_jax._axes import cast_varying, psum_mean, psum_scatter_mean
 from gradsync_jax.param_sharding.layout import LeafLayout, ParamLayout
 
 # The name of every gathered parameter: rematerialized, not saved, with reshard_after_forward.
@@ -77,6 +77,7 @@ def _unit_gather(
     mean: bool,
     trainable: bool,
     precision: Precision,
+    replicate: tuple[str, ...] = (),
 ) -> Any:
     """The whole Flax-layout parameters of one group of chunks: all_gather forward,
     reduce-scatter (mean) backward, or zeros and no collective for frozen members.
@@ -87,6 +88,10 @@ def _unit_gather(
 
     def gathered(*chunks: jax.Array) -> list[jax.Array]:
         whole = _gather([precision.gathered(c) for c in chunks], axes)
+        # Varying over the replicas, as the batch: otherwise JAX marks it where the model
+        # mixes it with the batch, and that mark's transpose sums the cotangents over the
+        # replicas before the backward below sees them. The backward owns that reduction.
+        whole = cast_varying(whole, replicate) if replicate else whole
         return [_unpadded(leaf, w) for leaf, w in zip(leaves, whole, strict=True)]
 
     @jax.custom_vjp
@@ -104,6 +109,8 @@ def _unit_gather(
             for leaf, g in zip(leaves, cotangents, strict=True)
         ]
         scattered = _scatter(padded, axes, n, mean)
+        if replicate:  # HSDP: the shard groups' chunks all-reduced across the replicas
+            scattered = tuple(psum_mean(g, replicate, mean=mean) for g in scattered)
         return tuple(g.astype(c.dtype) for g, c in zip(scattered, chunks, strict=True))
 
     gather.defvjp(fwd, bwd)
@@ -141,6 +148,7 @@ def gather_params(
     *,
     mean: bool = True,
     precision: Precision = Precision(),
+    replicate: tuple[str, ...] = (),
 ) -> list[jax.Array]:
     """Every parameter whole, in Flax layout, from this device's chunks (one per leaf).
 
@@ -148,7 +156,9 @@ def gather_params(
     parameter; their gradients come back reduce-scattered) and one for the frozen members (no
     gradient, no collective in the backward). Each gathered array is named ``GATHERED`` so a
     ``jax.checkpoint`` policy can drop it after the forward. ``precision`` casts what is
-    gathered and what is reduced (mixed precision, FSDP2's policy).
+    gathered and what is reduced (mixed precision, FSDP2's policy). With ``replicate`` axes
+    (hybrid sharding, HSDP) the reduce-scattered chunks are then all-reduced (mean) across
+    them: the shard groups hold the same chunks and step them identically.
     """
     n = layout.world_size
     groups: dict[tuple[int, bool, str], list[int]] = {}
@@ -158,7 +168,9 @@ def gather_params(
     for key in sorted(groups):  # units in the plan's order: root first, then module order
         members = groups[key]
         leaves = [layout.leaves[i] for i in members]
-        gather = _unit_gather(leaves, axes, n, mean, trainable=key[1], precision=precision)
+        gather = _unit_gather(
+            leaves, axes, n, mean, trainable=key[1], precision=precision, replicate=replicate
+        )
         for i, value in zip(members, gather(*(chunks[i] for i in members)), strict=True):
             whole[i] = checkpoint_name(value, GATHERED)
     return whole

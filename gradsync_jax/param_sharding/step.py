@@ -24,11 +24,11 @@ from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from gradsync_jax._axes import AxisName, psum_mean
+from gradsync_jax._axes import AxisName, axis_tuple, psum_mean
 from gradsync_jax.data_parallel.accumulate import split_microbatches
 from gradsync_jax.param_sharding.gather import Precision, gather_params, remat_policy
 from gradsync_jax.param_sharding.layout import ParamLayout
-from gradsync_jax.param_sharding.placement import check_mesh, flat_leaves
+from gradsync_jax.param_sharding.placement import axis_size, check_mesh, flat_leaves
 from gradsync_jax.zero import NotElementwiseError, shard_optimizer
 
 
@@ -88,7 +88,15 @@ def _state_specs(tx: Any, layout: ParamLayout, axes: tuple[str, ...]) -> Any:
 
 
 def _local_step(
-    loss_fn, tx, layout: ParamLayout, axes, *, reshard: bool, accumulate: int, precision: Precision
+    loss_fn,
+    tx,
+    layout: ParamLayout,
+    axes,
+    *,
+    reshard: bool,
+    accumulate: int,
+    precision: Precision,
+    replicate: tuple[str, ...],
 ):
     """The step of one device inside ``shard_map``: gather, differentiate (``accumulate``
     micro-steps, each reduce-scattering its gradients to the chunks), update the chunks."""
@@ -100,7 +108,7 @@ def _local_step(
                 flat_leaves(trainable, layout, "t"), flat_leaves(frozen, layout, "f"), strict=True
             )
         ]
-        whole = gather_params(chunks, layout, axes, precision=precision)
+        whole = gather_params(chunks, layout, axes, precision=precision, replicate=replicate)
         return loss_fn(jax.tree_util.tree_unflatten(layout.treedef, whole), batch)
 
     if reshard:
@@ -129,9 +137,31 @@ def _local_step(
         loss, grads = grads_of(trainable, frozen, batch)
         updates, opt_state = tx.update(grads, opt_state, trainable)
         trainable = optax.apply_updates(trainable, updates)
-        return trainable, opt_state, psum_mean(loss, axes, mean=True)
+        return trainable, opt_state, psum_mean(loss, replicate + axes, mean=True)
 
     return body
+
+
+def _check_replicate(
+    layout: ParamLayout, mesh: Mesh, replicate_axis: AxisName | None
+) -> tuple[str, ...]:
+    """The replicate axes, after checking the layout's ``replicate_size`` matches them."""
+    want = layout.plan.replicate_size
+    if replicate_axis is None:
+        if want != 1:
+            raise ValueError(
+                f"the layout replicates over {want} groups (replicate_size={want}) but no "
+                "replicate_axis was given; pass zero3_step(..., replicate_axis=<mesh axis>)"
+            )
+        return ()
+    have = axis_size(mesh, replicate_axis)
+    if have != want:
+        raise ValueError(
+            f"the layout was planned with replicate_size={want} but the mesh axis "
+            f"{replicate_axis!r} has {have} devices; make it with param_layout(params, "
+            f"world_size=..., replicate_size={have})"
+        )
+    return axis_tuple(replicate_axis)
 
 
 class Zero3Step:
@@ -139,7 +169,19 @@ class Zero3Step:
     ``init(params)`` makes the sharded optimizer state. Made by ``zero3_step``."""
 
     def __init__(
-        self, loss_fn, tx, mesh, layout, axes, *, reshard, batch_spec, donate, accumulate, precision
+        self,
+        loss_fn,
+        tx,
+        mesh,
+        layout,
+        axes,
+        *,
+        reshard,
+        batch_spec,
+        donate,
+        accumulate,
+        precision,
+        replicate,
     ):
         self.layout, self.mesh, self.tx, self.axes = layout, mesh, tx, axes
         self.accumulate_steps = accumulate
@@ -153,6 +195,7 @@ class Zero3Step:
             reshard=reshard,
             accumulate=accumulate,
             precision=precision,
+            replicate=replicate,
         )
         mapped = jax.shard_map(
             body,
@@ -177,12 +220,13 @@ class Zero3Step:
 
     def check_batch(self, batch: Any) -> None:
         """Refuse a batch whose leading dimension does not split over devices and micro-steps."""
-        multiple = self.layout.world_size * self.accumulate_steps
+        devices = self.layout.plan.world_size  # the replicas' devices too (HSDP)
+        multiple = devices * self.accumulate_steps
         for leaf in jax.tree.leaves(batch):
             if np.ndim(leaf) == 0 or np.shape(leaf)[0] % multiple:
                 raise ValueError(
                     f"a batch leaf has shape {np.shape(leaf)}; its leading dimension must be a "
-                    f"multiple of {self.layout.world_size} devices x accumulate_steps "
+                    f"multiple of {devices} devices x accumulate_steps "
                     f"{self.accumulate_steps} = {multiple}"
                 )
 
@@ -212,6 +256,7 @@ def zero3_step(
     accumulate_steps: int = 1,
     param_dtype: Any = None,
     reduce_dtype: Any = None,
+    replicate_axis: AxisName | None = None,
 ) -> Zero3Step:
     """A jitted ZeRO-3 training step over ``axis_name`` executing ``layout``'s plan.
 
@@ -237,6 +282,11 @@ def zero3_step(
             (fp32 master parameters). Default: no cast.
         reduce_dtype: the dtype gradients are reduce-scattered in (``jnp.float32``); default
             ``param_dtype``, as FSDP2's. The reduced gradient is cast to the stored dtype.
+        replicate_axis: hybrid sharding (HSDP) on a 2-D mesh: parameters are cut over
+            ``axis_name`` and replicated over this axis (a layout made with
+            ``param_layout(..., world_size=R * S, replicate_size=R)``); gradients are
+            reduce-scattered over ``axis_name``, then all-reduced over this axis. The batch
+            is split over both (default ``P((replicate_axis, axis_name))``).
 
     Returns:
         A ``Zero3Step``: ``opt_state = step.init(params)``, then
@@ -253,11 +303,12 @@ def zero3_step(
         >>> params, opt_state, loss = step(params, opt_state, batch)
     """
     axes = check_mesh(layout, mesh, axis_name)
+    replicate = _check_replicate(layout, mesh, replicate_axis)
     if not isinstance(accumulate_steps, int) or accumulate_steps < 1:
         raise ValueError(f"accumulate_steps must be a positive int, got {accumulate_steps!r}")
     tx = optax.with_extra_args_support(tx)
     _check_elementwise(tx, mesh, axis_name, layout)
-    spec = P(axes) if batch_spec is None else batch_spec
+    spec = P(replicate + axes) if batch_spec is None else batch_spec
     return Zero3Step(
         loss_fn,
         tx,
@@ -269,4 +320,5 @@ def zero3_step(
         donate=donate,
         accumulate=accumulate_steps,
         precision=Precision(param_dtype, reduce_dtype),
+        replicate=replicate,
     )

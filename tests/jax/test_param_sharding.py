@@ -326,3 +326,28 @@ def test_bf16_compute_fp32_master_and_reduction(n: int) -> None:
         fp32_params["params"]["layers_0"]["kernel"],
     )
     assert err > 100 * RTOL["params"], err
+
+
+@pytest.mark.parametrize(("replicas", "shards"), [(2, 2), (2, 4)], ids=str)
+def test_hybrid_sharding_equals_one_device(replicas: int, shards: int) -> None:
+    """HSDP on a 2-D mesh ``("replicate", "shard")``: cut over the shard axis, gradients
+    reduce-scattered there and all-reduced across the replicas; the plan is torch's HSDP plan
+    (``replicate_size``); the result equals one device."""
+    params = init_params()
+    n = replicas * shards
+    layout = param_layout(params, world_size=n, units=UNITS, frozen=FROZEN, replicate_size=replicas)
+    assert (layout.world_size, layout.plan.replicate_size) == (shards, replicas)
+    devices = np.array(jax.devices()[:n]).reshape(replicas, shards)
+    mesh = Mesh(devices, ("replicate", "shard"))
+    with pytest.raises(ValueError, match="replicate_axis"):
+        zero3_step(loss_fn, adamw(), mesh, layout, axis_name="shard")
+    step = zero3_step(loss_fn, adamw(), mesh, layout, axis_name="shard", replicate_axis="replicate")
+    sharded = shard_params(params, mesh, layout, axis_name="shard")
+    opt_state = step.init(sharded)
+    for _ in range(STEPS):
+        sharded, opt_state, _ = step(sharded, opt_state, data())
+    want_params, want_state = reference(adamw(), init_params())
+    assert_close(unshard_params(sharded, layout), want_params, RTOL["params"], "params")
+    for moment in ("mu", "nu"):
+        got_m = without_frozen(unshard_params(getattr(opt_state[0], moment), layout))
+        assert_close(got_m, getattr(want_state[0], moment), RTOL["state"], moment)
