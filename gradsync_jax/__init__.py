@@ -11,6 +11,7 @@ from gradsync_jax._naming import (
 )
 from gradsync_jax._specs import param_specs, path_name
 from gradsync_jax.checkpoint import load_optimizer_state, load_params, save_optimizer_state
+from gradsync_jax.checkpoint.param_shards import load_param_shards, save_param_shards
 from gradsync_jax.data_parallel import (
     SyncedState,
     accumulate_local_grads,
@@ -74,6 +75,7 @@ __all__: list[str] = [
     "gather_from",
     "group_axes",
     "load_optimizer_state",
+    "load_param_shards",
     "load_params",
     "local_grad",
     "make_local",
@@ -88,6 +90,7 @@ __all__: list[str] = [
     "reduce_shared_gradients",
     "registration_order",
     "save_optimizer_state",
+    "save_param_shards",
     "scatter_to",
     "shard_optimizer",
     "shard_params",

@@ -46,7 +46,7 @@ from gradsync_jax.checkpoint.zero import _META, _prepare, _Prepared, load_optimi
 from gradsync_jax.param_sharding.layout import ParamLayout
 from gradsync_jax.param_sharding.placement import padded_host, shard_params, unshard_params
 from gradsync_jax.param_sharding.step import Zero3Step
-from gradsync_jax.zero.model_space import ModelSpace, model_space
+from gradsync_jax.zero.model_space import ModelSpace, model_space, pure
 
 PARTITION = "param_shards"  # extra["partition"] of a ZeRO-3 save
 
@@ -73,7 +73,10 @@ class _RowShards:
         self.layout = zero3.layout
         self.world_size = self.layout.world_size
         self.trainable = [leaf for leaf in self.layout.leaves if leaf.trainable]
-        self.space: ModelSpace = model_space(zero3.tx, _whole(self.layout, trainable_only=True))
+        # ``pure``: an NNX state's Variables as plain values, as the loader analyses it
+        # (otherwise their ``.value`` would be part of every name).
+        whole = pure(_whole(self.layout, trainable_only=True))
+        self.space: ModelSpace = model_space(zero3.tx, whole)
 
     def plan(self, _params: Any) -> ShardPlan:
         """Each trainable parameter's dim-0 rows per rank as element ranges (the core's
@@ -216,8 +219,11 @@ def _place_state(zero3: Zero3Step, state: Any) -> Any:
     """The whole Flax-layout Optax state as ``zero3.init`` places it: per-parameter leaves
     padded in torch's layout and sharded, the others replicated."""
     rows = _RowShards(zero3)
-    leaves, treedef = jax.tree.flatten(state)
-    specs = jax.tree.leaves(zero3.state_specs, is_leaf=lambda x: isinstance(x, P))
+    leaves = jax.tree.leaves(state)
+    # The step's own structure (an NNX state's Variables kept), which the loaded plain
+    # Optax state has leaf for leaf in the same order.
+    is_spec = lambda x: isinstance(x, P)  # noqa: E731
+    specs, treedef = jax.tree.flatten(zero3.state_specs, is_leaf=is_spec)
     host, shardings = [], []
     for leaf, value, spec in zip(rows.space.leaves, leaves, specs, strict=True):
         if leaf.param is not None:
