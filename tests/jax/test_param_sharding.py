@@ -235,6 +235,14 @@ def test_nnx_model_equals_one_device() -> None:
     assert_close(unshard_params(opt_state[0].nu, layout), state[0].nu, RTOL["state"], "nu")
 
 
+def assert_trained_like(sharded, opt_state, layout, want_params, want_state) -> None:
+    """Parameters and both AdamW moments within the floor of the one-device run's."""
+    assert_close(unshard_params(sharded, layout), want_params, RTOL["params"], "params")
+    for moment in ("mu", "nu"):
+        got_m = without_frozen(unshard_params(getattr(opt_state[0], moment), layout))
+        assert_close(got_m, getattr(want_state[0], moment), RTOL["state"], moment)
+
+
 def test_data_parallel_step_option_with_accumulation_equals_one_device() -> None:
     """``data_parallel_step(param_layout=)`` is the ZeRO-3 step; 3 micro-steps, each
     reduce-scattering, equal one step on the whole batch; an Explicit-axes mesh (the
@@ -254,10 +262,7 @@ def test_data_parallel_step_option_with_accumulation_equals_one_device() -> None
     for _ in range(STEPS):
         sharded, opt_state, _ = step(sharded, opt_state, data())
     want_params, want_state = reference(adamw(), init_params())
-    assert_close(unshard_params(sharded, layout), want_params, RTOL["params"], "params")
-    for moment in ("mu", "nu"):
-        got_m = without_frozen(unshard_params(getattr(opt_state[0], moment), layout))
-        assert_close(got_m, getattr(want_state[0], moment), RTOL["state"], moment)
+    assert_trained_like(sharded, opt_state, layout, want_params, want_state)
     with pytest.raises(ValueError, match="without synced"):
         data_parallel_step(loss_fn, optax.chain(synced("dp"), adamw()), mesh, param_layout=layout)
 
@@ -315,10 +320,7 @@ def test_bf16_compute_fp32_master_and_reduction(n: int) -> None:
         sharded, opt_state, _ = step(sharded, opt_state, data())
     assert {str(x.dtype) for x in jax.tree.leaves((sharded, opt_state[0].mu))} == {"float32"}
     want_params, want_state = mixed_reference(adamw(), init_params(), n)
-    assert_close(unshard_params(sharded, layout), want_params, RTOL["params"], "params")
-    for moment in ("mu", "nu"):
-        got_m = without_frozen(unshard_params(getattr(opt_state[0], moment), layout))
-        assert_close(got_m, getattr(want_state[0], moment), RTOL["state"], moment)
+    assert_trained_like(sharded, opt_state, layout, want_params, want_state)
     # And it is bf16 arithmetic: the fp32 run differs by far more than the floor.
     fp32_params, _ = reference(adamw(), init_params())
     err = rel_err(
@@ -347,7 +349,4 @@ def test_hybrid_sharding_equals_one_device(replicas: int, shards: int) -> None:
     for _ in range(STEPS):
         sharded, opt_state, _ = step(sharded, opt_state, data())
     want_params, want_state = reference(adamw(), init_params())
-    assert_close(unshard_params(sharded, layout), want_params, RTOL["params"], "params")
-    for moment in ("mu", "nu"):
-        got_m = without_frozen(unshard_params(getattr(opt_state[0], moment), layout))
-        assert_close(got_m, getattr(want_state[0], moment), RTOL["state"], moment)
+    assert_trained_like(sharded, opt_state, layout, want_params, want_state)
