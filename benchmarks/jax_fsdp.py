@@ -10,6 +10,11 @@ Three jitted AdamW steps on the same MLP and the same batches, run alternating i
   shardings, XLA inserting the collectives;
 - zero3: ``gradsync_jax.zero3_step`` (one unit per layer, ``reshard_after_forward=True``).
 
+Workloads: the MLPs of benchmarks/jax_dp.py (``--shape``) and a small decoder-only
+transformer (``--transformer LxD``: L pre-norm blocks of width D, 4 heads, vocabulary 4·D with
+the embedding tied to the output head, sequences of 64 tokens, batch ``--batch / 8``
+sequences; ``--transformer none`` leaves it out).
+
 Reported per shape: median step time and its ratio to gspmd (median of the per-round
 ratios), and bytes per device: parameters + optimizer state held (read from the arrays'
 shards) and the compiled program's temporary bytes (``compiled.memory_analysis()``). The gate:
@@ -17,7 +22,7 @@ after one step from the same state, zero3's and gspmd's parameters differ from t
 run's by less than 10 % of how far that step moved them (``*_first_step_error``).
 Last line: one JSON object.
 
-    python benchmarks/jax_fsdp.py --repeat 3            # 16x792, 10x1000, 96x512, 24x1024
+    python benchmarks/jax_fsdp.py --repeat 3    # 16x792, 10x1000, 96x512, 24x1024, tfm 4x256
     python benchmarks/jax_fsdp.py --shape 16x792 --rounds 3
 """
 
@@ -28,17 +33,20 @@ import json
 import os
 import statistics
 import time
+from typing import Any, NamedTuple
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from _report import add_repeat_arg, run_repeats, summarize
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-from jax_dp import loss_fn, make_mlp  # the MLP of benchmarks/jax_dp.py and jax_zero.py
+from jax_dp import loss_fn as mlp_loss
+from jax_dp import make_mlp  # the MLP of benchmarks/jax_dp.py and jax_zero.py
 from jax_zero import bytes_per_device, parse_shape
 
 from gradsync_jax import param_layout, shard_params, unshard_params, zero3_step
@@ -56,7 +64,76 @@ def gspmd_spec(shape: tuple[int, ...], n: int) -> P:
     return P(*[("dp" if i == best else None) for i in range(len(shape))])
 
 
-def jit_step(tx, params, opt_state, mesh, spec_of):
+class Workload(NamedTuple):
+    """A model to step: its parameters, loss, units and a global batch (host arrays)."""
+
+    name: str
+    params: Any
+    loss_fn: Any
+    units: list[str]
+    batch: tuple[np.ndarray, np.ndarray]
+
+
+def mlp(layers: int, width: int, batch: int) -> Workload:
+    rng = np.random.default_rng(0)
+    data = tuple(rng.normal(size=(batch, width)).astype(np.float32) for _ in range(2))
+    units = [f"layer_{i}" for i in range(layers)]
+    return Workload(f"{layers}x{width}", make_mlp(layers, width), mlp_loss, units, data)
+
+
+SEQ, HEADS = 64, 4
+
+
+def _norm(x: jax.Array, scale: jax.Array) -> jax.Array:
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6) * scale
+
+
+def transformer_loss(params: dict, batch: tuple[jax.Array, jax.Array]) -> jax.Array:
+    """Next-token cross entropy of a pre-norm decoder, the embedding tied to the head."""
+    tokens, labels = batch
+    table = params["embed"]["embedding"]
+    x = table[tokens]
+    b, s, d = x.shape
+    mask = jnp.tril(jnp.ones((s, s), bool))
+    for i in range(len(params) - 1):
+        p = params[f"layer_{i}"]
+        h = _norm(x, p["norm_1"]["scale"])
+        q, k, v = jnp.split(h @ p["qkv"]["kernel"], 3, axis=-1)
+        q, k, v = (t.reshape(b, s, HEADS, d // HEADS) for t in (q, k, v))
+        att = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(d // HEADS)
+        att = jax.nn.softmax(jnp.where(mask, att, -1e9), axis=-1)
+        x = x + jnp.einsum("bhqk,bkhd->bqhd", att, v).reshape(b, s, d) @ p["out"]["kernel"]
+        h = _norm(x, p["norm_2"]["scale"])
+        x = x + jax.nn.gelu(h @ p["up"]["kernel"]) @ p["down"]["kernel"]
+    logits = x @ table.T
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+def transformer(layers: int, width: int, batch: int) -> Workload:
+    rng = np.random.default_rng(0)
+    vocab, scale = 4 * width, 1.0 / np.sqrt(width)
+
+    def dense(a: int, b: int) -> dict:
+        return {"kernel": jnp.asarray(rng.normal(0, scale, (a, b)), jnp.float32)}
+
+    params: dict = {"embed": {"embedding": jnp.asarray(rng.normal(0, 1, (vocab, width)), "f4")}}
+    for i in range(layers):
+        params[f"layer_{i}"] = {
+            "norm_1": {"scale": jnp.ones((width,), jnp.float32)},
+            "qkv": dense(width, 3 * width),
+            "out": dense(width, width),
+            "norm_2": {"scale": jnp.ones((width,), jnp.float32)},
+            "up": dense(width, 4 * width),
+            "down": dense(4 * width, width),
+        }
+    sequences = max(8, batch // 8)
+    tokens = rng.integers(0, vocab, (sequences, SEQ + 1)).astype(np.int32)
+    units = [f"layer_{i}" for i in range(layers)]
+    name = f"tfm{layers}x{width}"
+    return Workload(name, params, transformer_loss, units, (tokens[:, :-1], tokens[:, 1:]))
+
+
+def jit_step(tx, params, opt_state, mesh, spec_of, loss_fn):
     """A jitted step whose parameters and state are placed by ``spec_of(shape)``."""
 
     def shardings(tree):
@@ -79,16 +156,16 @@ def jit_step(tx, params, opt_state, mesh, spec_of):
     return fn, jax.device_put(params, p_sh), jax.device_put(opt_state, s_sh)
 
 
-def build(layers: int, width: int, mesh: Mesh, tx) -> dict:
+def build(work: Workload, mesh: Mesh, tx) -> dict:
     """Each variant's (step, lowered, params, state)."""
     n = mesh.shape["dp"]
-    params = make_mlp(layers, width)
+    params = work.params
     out = {}
     for name, spec_of in (("replicated", lambda s: P()), ("gspmd", lambda s: gspmd_spec(s, n))):
-        fn, p, s = jit_step(tx, params, tx.init(params), mesh, spec_of)
+        fn, p, s = jit_step(tx, params, tx.init(params), mesh, spec_of, work.loss_fn)
         out[name] = [fn, fn, p, s]
-    layout = param_layout(params, world_size=n, units=[f"layer_{i}" for i in range(layers)])
-    z = zero3_step(loss_fn, tx, mesh, layout, donate=True)
+    layout = param_layout(params, world_size=n, units=work.units)
+    z = zero3_step(work.loss_fn, tx, mesh, layout, donate=True)
     sharded = shard_params(params, mesh, layout)
     out["zero3"] = [z, z, sharded, z.init(sharded)]
     out["zero3"].append(layout)
@@ -106,17 +183,12 @@ def compiled_temp_bytes(lowerable, params, state, batch) -> int:
     return int(getattr(stats, "temp_size_in_bytes", -1)) if stats is not None else -1
 
 
-def measure(args, layers: int, width: int, mesh: Mesh) -> dict:
+def measure(args, work: Workload, mesh: Mesh) -> dict:
     tx = optax.adamw(1e-3)
-    variants = build(layers, width, mesh, tx)
-    rng = np.random.default_rng(0)
-    batch = tuple(
-        jax.device_put(
-            rng.normal(size=(args.batch, width)).astype(np.float32), NamedSharding(mesh, P("dp"))
-        )
-        for _ in range(2)
-    )
-    figures: dict = {"shape": f"{layers}x{width}", "params": layers * (width * width + width)}
+    variants = build(work, mesh, tx)
+    batch = tuple(jax.device_put(a, NamedSharding(mesh, P("dp"))) for a in work.batch)
+    count = sum(int(np.size(x)) for x in jax.tree.leaves(work.params))
+    figures: dict = {"shape": work.name, "params": count}
     for name, v in variants.items():
         figures[f"{name}_held_bytes"] = bytes_per_device([v[2], v[3]])
         figures[f"{name}_temp_bytes"] = compiled_temp_bytes(v[1], v[2], v[3], batch)
@@ -175,14 +247,18 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256, help="global batch (rows)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--transformer", default="4x256", help="LxD, or none")
     add_repeat_arg(parser)
     args = parser.parse_args()
     mesh = Mesh(np.array(jax.devices()[:8]), ("dp",))
     ratio_keys = ("replicated_ratio_vs_anchor", "zero3_ratio_vs_anchor")
+    works = [mlp(layers, width, args.batch) for layers, width in args.shape]
+    if args.transformer != "none":
+        works.append(transformer(*parse_shape(args.transformer)[0], args.batch))
     results = {}
-    for layers, width in args.shape:
-        runs = run_repeats(lambda _, s=(layers, width): measure(args, *s, mesh), args.repeat)
-        results[f"{layers}x{width}"] = summarize(runs, ratio_keys, ("zero3_first_step_error",))
+    for work in works:
+        runs = run_repeats(lambda _, w=work: measure(args, w, mesh), args.repeat)
+        results[work.name] = summarize(runs, ratio_keys, ("zero3_first_step_error",))
     print("median over repeats (zero3 / gspmd step time; bytes per device, MiB):")
     for key, r in results.items():
         print(

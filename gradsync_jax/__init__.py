@@ -12,6 +12,7 @@ from gradsync_jax._naming import (
 from gradsync_jax._specs import param_specs, path_name
 from gradsync_jax.checkpoint import load_optimizer_state, load_params, save_optimizer_state
 from gradsync_jax.checkpoint.orbax import export_orbax, import_orbax
+from gradsync_jax.checkpoint.param_shards import load_param_shards, save_param_shards
 from gradsync_jax.data_parallel import (
     SyncedState,
     accumulate_local_grads,
@@ -77,6 +78,7 @@ __all__: list[str] = [
     "group_axes",
     "import_orbax",
     "load_optimizer_state",
+    "load_param_shards",
     "load_params",
     "local_grad",
     "make_local",
@@ -91,6 +93,7 @@ __all__: list[str] = [
     "reduce_shared_gradients",
     "registration_order",
     "save_optimizer_state",
+    "save_param_shards",
     "scatter_to",
     "shard_optimizer",
     "shard_params",

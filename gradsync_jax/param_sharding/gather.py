@@ -16,6 +16,7 @@ per-parameter ones.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -23,7 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from gradsync_jax._axes import psum_scatter_mean
+from gradsync_jax._axes import cast_varying, psum_mean, psum_scatter_mean
 from gradsync_jax.param_sharding.layout import LeafLayout, ParamLayout
 
 # The name of every gathered parameter: rematerialized, not saved, with reshard_after_forward.
@@ -50,8 +51,33 @@ def _padded(leaf: LeafLayout, grad: jax.Array, n: int) -> jax.Array:
     return jnp.pad(torch_layout, [(0, pad)] + [(0, 0)] * (torch_layout.ndim - 1))
 
 
+@dataclass(frozen=True, slots=True)
+class Precision:
+    """FSDP2's ``MixedPrecisionPolicy`` for the gather: ``param_dtype`` is what the chunks are
+    cast to before the all-gather (what the model computes with), ``reduce_dtype`` what the
+    gradients are cast to before the reduce-scatter; ``None`` keeps the stored dtype, and a
+    ``None`` ``reduce_dtype`` follows ``param_dtype``, as FSDP2's does. The reduced chunk
+    gradient is cast back to the stored (master) dtype for the optimizer."""
+
+    param_dtype: Any = None
+    reduce_dtype: Any = None
+
+    def gathered(self, chunk: jax.Array) -> jax.Array:
+        return chunk if self.param_dtype is None else chunk.astype(self.param_dtype)
+
+    def reduced(self, grad: jax.Array) -> jax.Array:
+        dtype = self.param_dtype if self.reduce_dtype is None else self.reduce_dtype
+        return grad if dtype is None else grad.astype(dtype)
+
+
 def _unit_gather(
-    leaves: Sequence[LeafLayout], axes: tuple[str, ...], n: int, mean: bool, trainable: bool
+    leaves: Sequence[LeafLayout],
+    axes: tuple[str, ...],
+    n: int,
+    mean: bool,
+    trainable: bool,
+    precision: Precision,
+    replicate: tuple[str, ...] = (),
 ) -> Any:
     """The whole Flax-layout parameters of one group of chunks: all_gather forward,
     reduce-scatter (mean) backward, or zeros and no collective for frozen members.
@@ -61,7 +87,11 @@ def _unit_gather(
     """
 
     def gathered(*chunks: jax.Array) -> list[jax.Array]:
-        whole = _gather(chunks, axes)
+        whole = _gather([precision.gathered(c) for c in chunks], axes)
+        # Varying over the replicas, as the batch: otherwise JAX marks it where the model
+        # mixes it with the batch, and that mark's transpose sums the cotangents over the
+        # replicas before the backward below sees them. The backward owns that reduction.
+        whole = cast_varying(whole, replicate) if replicate else whole
         return [_unpadded(leaf, w) for leaf, w in zip(leaves, whole, strict=True)]
 
     @jax.custom_vjp
@@ -74,8 +104,14 @@ def _unit_gather(
     def bwd(chunks: tuple[jax.Array, ...], cotangents: list[jax.Array]) -> tuple[Any, ...]:
         if not trainable:
             return tuple(jnp.zeros_like(c) for c in chunks)
-        padded = [_padded(leaf, g, n) for leaf, g in zip(leaves, cotangents, strict=True)]
-        return _scatter(padded, axes, n, mean)
+        padded = [
+            _padded(leaf, precision.reduced(g), n)
+            for leaf, g in zip(leaves, cotangents, strict=True)
+        ]
+        scattered = _scatter(padded, axes, n, mean)
+        if replicate:  # HSDP: the shard groups' chunks all-reduced across the replicas
+            scattered = tuple(psum_mean(g, replicate, mean=mean) for g in scattered)
+        return tuple(g.astype(c.dtype) for g, c in zip(scattered, chunks, strict=True))
 
     gather.defvjp(fwd, bwd)
     return gather
@@ -111,13 +147,18 @@ def gather_params(
     axes: tuple[str, ...],
     *,
     mean: bool = True,
+    precision: Precision = Precision(),
+    replicate: tuple[str, ...] = (),
 ) -> list[jax.Array]:
     """Every parameter whole, in Flax layout, from this device's chunks (one per leaf).
 
     One custom-VJP call per unit and dtype for the trainable members (an all-gather per
     parameter; their gradients come back reduce-scattered) and one for the frozen members (no
     gradient, no collective in the backward). Each gathered array is named ``GATHERED`` so a
-    ``jax.checkpoint`` policy can drop it after the forward.
+    ``jax.checkpoint`` policy can drop it after the forward. ``precision`` casts what is
+    gathered and what is reduced (mixed precision, FSDP2's policy). With ``replicate`` axes
+    (hybrid sharding, HSDP) the reduce-scattered chunks are then all-reduced (mean) across
+    them: the shard groups hold the same chunks and step them identically.
     """
     n = layout.world_size
     groups: dict[tuple[int, bool, str], list[int]] = {}
@@ -127,7 +168,9 @@ def gather_params(
     for key in sorted(groups):  # units in the plan's order: root first, then module order
         members = groups[key]
         leaves = [layout.leaves[i] for i in members]
-        gather = _unit_gather(leaves, axes, n, mean, trainable=key[1])
+        gather = _unit_gather(
+            leaves, axes, n, mean, trainable=key[1], precision=precision, replicate=replicate
+        )
         for i, value in zip(members, gather(*(chunks[i] for i in members)), strict=True):
             whole[i] = checkpoint_name(value, GATHERED)
     return whole

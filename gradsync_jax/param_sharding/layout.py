@@ -68,9 +68,13 @@ class ParamLayout:
     plan: ParamShardPlan
     leaves: tuple[LeafLayout, ...]
     treedef: Any
+    # The Flax -> torch module renames the names were made with: a checkpoint names the
+    # parameters, their state and weights the same way (gradsync_jax.checkpoint.param_shards).
+    modules: Mapping[str, str] | None = None
 
     @property
     def world_size(self) -> int:
+        """The devices each parameter is cut over (the shard axis; all of them without HSDP)."""
         return self.plan.shard_size
 
 
@@ -110,13 +114,14 @@ def param_layout(
     frozen: Iterable[str] = (),
     modules: Mapping[str, str] | None = None,
     order: Sequence[str] | None = None,
+    replicate_size: int = 1,
 ) -> ParamLayout:
     """Plan FSDP2's dim-0 cut of a Flax parameter tree over ``world_size`` devices.
 
     Args:
         params: linen ``variables``/``params`` or ``nnx.state(model, nnx.Param)``; arrays or
             ``jax.ShapeDtypeStruct`` leaves.
-        world_size: devices along the data-parallel mesh axis.
+        world_size: data-parallel devices: the shard axis's size, times ``replicate_size``.
         units: Flax module paths gathered together, one per block (``"layers/0"``,
             ``"Dense_3"``); the root unit holds every other parameter (FSDP2's
             ``fully_shard`` per block and on the root).
@@ -124,6 +129,9 @@ def param_layout(
             ``requires_grad=False``): sharded and gathered, never reduced or updated.
         modules: Flax -> torch module renames (``gradsync_jax.torch_specs``).
         order: torch names in registration order (``gradsync_jax.torch_specs``).
+        replicate_size: hybrid sharding (HSDP): cut over ``world_size // replicate_size``
+            devices and replicate across ``replicate_size`` groups (``zero3_step(...,
+            replicate_axis=)``), as FSDP2's 2-D mesh and the plan's ``replicate_size``.
 
     Returns:
         A ``ParamLayout`` whose ``plan.fingerprint`` equals the torch plan of the twin model.
@@ -149,7 +157,9 @@ def param_layout(
     if isinstance(units, str):
         raise TypeError(f"units must be a sequence of Flax module paths, not the string {units!r}")
     torch_units = [_torch_prefix(u, fnames, modules, "unit") for u in units]
-    plan = plan_param_shards(specs, world_size=world_size, units=torch_units)
+    plan = plan_param_shards(
+        specs, world_size=world_size, units=torch_units, replicate_size=replicate_size
+    )
     perms = _perms(params, modules)
     leaves = []
     for fname, name, perm, (_, leaf) in zip(fnames, names, perms, paths_leaves, strict=True):
@@ -164,7 +174,12 @@ def param_layout(
                 dtype=entry.dtype,
                 unit=entry.unit,
                 trainable=entry.requires_grad,
-                padded_rows=chunk_rows(entry.shape[0], world_size, 0)[2],
+                padded_rows=chunk_rows(entry.shape[0], plan.shard_size, 0)[2],
             )
         )
-    return ParamLayout(plan=plan, leaves=tuple(leaves), treedef=treedef)
+    return ParamLayout(
+        plan=plan,
+        leaves=tuple(leaves),
+        treedef=treedef,
+        modules=None if modules is None else dict(modules),
+    )

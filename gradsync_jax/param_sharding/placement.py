@@ -58,7 +58,8 @@ def check_mesh(layout: ParamLayout, mesh: Mesh, axis_name: AxisName) -> tuple[st
     return axis_tuple(axis_name)
 
 
-def _padded(leaf: LeafLayout, value: Any, n: int) -> np.ndarray:
+def padded_host(leaf: LeafLayout, value: Any, n: int) -> np.ndarray:
+    """A Flax-layout host array in torch's layout, dim 0 zero padded to ``n`` chunks."""
     array = np.asarray(value)
     if array.shape != leaf.shape:
         raise ValueError(f"{leaf.flax_name!r} has shape {array.shape}, the layout {leaf.shape}")
@@ -87,7 +88,7 @@ def shard_params(params: Any, mesh: Mesh, layout: ParamLayout, *, axis_name: Axi
     sharding = NamedSharding(mesh, P(axes))
     out = []
     for leaf, value in zip(layout.leaves, flat_leaves(params, layout, "params"), strict=True):
-        host = _padded(leaf, value, layout.world_size)
+        host = padded_host(leaf, value, layout.world_size)
         out.append(jax.make_array_from_callback(host.shape, sharding, lambda i, h=host: h[i]))
     return jax.tree_util.tree_unflatten(layout.treedef, out)
 

@@ -17,15 +17,18 @@ from functools import partial
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh
+from jax import lax
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from gradsync_jax._axes import AxisName, psum_mean
-from gradsync_jax.param_sharding.gather import gather_params, remat_policy
+from gradsync_jax._axes import AxisName, axis_tuple, psum_mean
+from gradsync_jax.data_parallel.accumulate import split_microbatches
+from gradsync_jax.param_sharding.gather import Precision, gather_params, remat_policy
 from gradsync_jax.param_sharding.layout import ParamLayout
-from gradsync_jax.param_sharding.placement import check_mesh, flat_leaves
+from gradsync_jax.param_sharding.placement import axis_size, check_mesh, flat_leaves
 from gradsync_jax.zero import NotElementwiseError, shard_optimizer
 
 
@@ -84,44 +87,127 @@ def _state_specs(tx: Any, layout: ParamLayout, axes: tuple[str, ...]) -> Any:
     return jax.tree.map(lambda a, b: P() if a.shape == b.shape else P(axes), local, whole)
 
 
+def _local_step(
+    loss_fn,
+    tx,
+    layout: ParamLayout,
+    axes,
+    *,
+    reshard: bool,
+    accumulate: int,
+    precision: Precision,
+    replicate: tuple[str, ...],
+):
+    """The step of one device inside ``shard_map``: gather, differentiate (``accumulate``
+    micro-steps, each reduce-scattering its gradients to the chunks), update the chunks."""
+
+    def loss_of(trainable: Any, frozen: Any, batch: Any) -> jax.Array:
+        chunks = [
+            a if b is None else b
+            for a, b in zip(
+                flat_leaves(trainable, layout, "t"), flat_leaves(frozen, layout, "f"), strict=True
+            )
+        ]
+        whole = gather_params(chunks, layout, axes, precision=precision, replicate=replicate)
+        return loss_fn(jax.tree_util.tree_unflatten(layout.treedef, whole), batch)
+
+    if reshard:
+        loss_of = jax.checkpoint(loss_of, policy=remat_policy)
+    grad_fn = jax.value_and_grad(loss_of)
+
+    def grads_of(trainable: Any, frozen: Any, batch: Any) -> tuple[jax.Array, Any]:
+        if accumulate == 1:
+            return grad_fn(trainable, frozen, batch)
+        # Each micro-step reduce-scatters its own gradients and the chunks are summed: the
+        # accumulator stays 1/N (FSDP2's default). Deferring the reduce-scatter to the last
+        # micro-step would hold every unit's whole gradient across the micro-steps, the
+        # memory ZeRO-3 exists to remove.
+        micro = split_microbatches(batch, accumulate)
+
+        def body(carry: Any, mb: Any) -> tuple[Any, None]:
+            loss, grads = grad_fn(trainable, frozen, mb)
+            return (carry[0] + loss, jax.tree.map(jnp.add, carry[1], grads)), None
+
+        first = grad_fn(trainable, frozen, jax.tree.map(lambda leaf: leaf[0], micro))
+        rest = jax.tree.map(lambda leaf: leaf[1:], micro)
+        (loss, grads), _ = lax.scan(body, first, rest)
+        return loss / accumulate, jax.tree.map(lambda g: g / accumulate, grads)
+
+    def body(trainable: Any, frozen: Any, opt_state: Any, batch: Any) -> Any:
+        loss, grads = grads_of(trainable, frozen, batch)
+        updates, opt_state = tx.update(grads, opt_state, trainable)
+        trainable = optax.apply_updates(trainable, updates)
+        return trainable, opt_state, psum_mean(loss, replicate + axes, mean=True)
+
+    return body
+
+
+def _check_replicate(
+    layout: ParamLayout, mesh: Mesh, replicate_axis: AxisName | None
+) -> tuple[str, ...]:
+    """The replicate axes, after checking the layout's ``replicate_size`` matches them."""
+    want = layout.plan.replicate_size
+    if replicate_axis is None:
+        if want != 1:
+            raise ValueError(
+                f"the layout replicates over {want} groups (replicate_size={want}) but no "
+                "replicate_axis was given; pass zero3_step(..., replicate_axis=<mesh axis>)"
+            )
+        return ()
+    have = axis_size(mesh, replicate_axis)
+    if have != want:
+        raise ValueError(
+            f"the layout was planned with replicate_size={want} but the mesh axis "
+            f"{replicate_axis!r} has {have} devices; make it with param_layout(params, "
+            f"world_size=..., replicate_size={have})"
+        )
+    return axis_tuple(replicate_axis)
+
+
 class Zero3Step:
     """``step(params, opt_state, batch) -> (params, opt_state, loss)`` on sharded parameters;
     ``init(params)`` makes the sharded optimizer state. Made by ``zero3_step``."""
 
-    def __init__(self, loss_fn, tx, mesh, layout, axes, *, reshard, batch_spec, donate):
-        self.layout, self.mesh, self.tx = layout, mesh, tx
+    def __init__(
+        self,
+        loss_fn,
+        tx,
+        mesh,
+        layout,
+        axes,
+        *,
+        reshard,
+        batch_spec,
+        donate,
+        accumulate,
+        precision,
+        replicate,
+    ):
+        self.layout, self.mesh, self.tx, self.axes = layout, mesh, tx, axes
+        self.accumulate_steps = accumulate
         spec = P(axes)
         self.state_specs = _state_specs(tx, layout, axes)
-
-        def loss_of(trainable: Any, frozen: Any, batch: Any) -> jax.Array:
-            chunks = [
-                a if b is None else b
-                for a, b in zip(
-                    flat_leaves(trainable, layout, "t"),
-                    flat_leaves(frozen, layout, "f"),
-                    strict=True,
-                )
-            ]
-            whole = gather_params(chunks, layout, axes)
-            return loss_fn(jax.tree_util.tree_unflatten(layout.treedef, whole), batch)
-
-        if reshard:
-            loss_of = jax.checkpoint(loss_of, policy=remat_policy)
-
-        def body(trainable: Any, frozen: Any, opt_state: Any, batch: Any) -> Any:
-            loss, grads = jax.value_and_grad(loss_of)(trainable, frozen, batch)
-            updates, opt_state = tx.update(grads, opt_state, trainable)
-            trainable = optax.apply_updates(trainable, updates)
-            return trainable, opt_state, psum_mean(loss, axes, mean=True)
-
+        body = _local_step(
+            loss_fn,
+            tx,
+            layout,
+            axes,
+            reshard=reshard,
+            accumulate=accumulate,
+            precision=precision,
+            replicate=replicate,
+        )
         mapped = jax.shard_map(
             body,
             mesh=mesh,
             in_specs=(spec, spec, self.state_specs, batch_spec),
             out_specs=(spec, self.state_specs, P()),
         )
+        explicit = all(t == AxisType.Explicit for t in mesh.axis_types)
 
         def step(params: Any, opt_state: Any, batch: Any) -> Any:
+            if explicit:  # Explicit axes: shard_map inputs must already carry its in_specs
+                batch = jax.reshard(batch, NamedSharding(mesh, batch_spec))
             trainable, frozen = _split(params, layout)
             trainable, opt_state, loss = mapped(trainable, frozen, opt_state, batch)
             return _join(trainable, frozen, layout), opt_state, loss
@@ -132,11 +218,24 @@ class Zero3Step:
         )
         self._init = jax.jit(lambda params: init(_split(params, layout)[0]))
 
+    def check_batch(self, batch: Any) -> None:
+        """Refuse a batch whose leading dimension does not split over devices and micro-steps."""
+        devices = self.layout.plan.world_size  # the replicas' devices too (HSDP)
+        multiple = devices * self.accumulate_steps
+        for leaf in jax.tree.leaves(batch):
+            if np.ndim(leaf) == 0 or np.shape(leaf)[0] % multiple:
+                raise ValueError(
+                    f"a batch leaf has shape {np.shape(leaf)}; its leading dimension must be a "
+                    f"multiple of {devices} devices x accumulate_steps "
+                    f"{self.accumulate_steps} = {multiple}"
+                )
+
     def init(self, params: Any) -> Any:
         """The optimizer state of the sharded ``params``: each device its chunks' state."""
         return self._init(params)
 
     def __call__(self, params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, jax.Array]:
+        self.check_batch(batch)
         return self._step(params, opt_state, batch)
 
     def lower(self, params: Any, opt_state: Any, batch: Any) -> Any:
@@ -154,6 +253,10 @@ def zero3_step(
     reshard_after_forward: bool = True,
     batch_spec: Any = None,
     donate: bool = False,
+    accumulate_steps: int = 1,
+    param_dtype: Any = None,
+    reduce_dtype: Any = None,
+    replicate_axis: AxisName | None = None,
 ) -> Zero3Step:
     """A jitted ZeRO-3 training step over ``axis_name`` executing ``layout``'s plan.
 
@@ -170,6 +273,20 @@ def zero3_step(
             more memory).
         batch_spec: in-spec of the batch; default ``P(axis_name)`` (split on the leading dim).
         donate: donate the parameters and optimizer state buffers to the step.
+        accumulate_steps: split each device's batch into this many micro-batches; each
+            micro-step reduce-scatters its gradients (the accumulator is 1/N, as FSDP2's
+            default) and the step equals one step on the whole batch.
+        param_dtype: mixed precision (FSDP2's ``MixedPrecisionPolicy``): the dtype the
+            chunks are cast to before the all-gather, so the model computes in it
+            (``jnp.bfloat16``); the stored chunks and the optimizer stay in their own dtype
+            (fp32 master parameters). Default: no cast.
+        reduce_dtype: the dtype gradients are reduce-scattered in (``jnp.float32``); default
+            ``param_dtype``, as FSDP2's. The reduced gradient is cast to the stored dtype.
+        replicate_axis: hybrid sharding (HSDP) on a 2-D mesh: parameters are cut over
+            ``axis_name`` and replicated over this axis (a layout made with
+            ``param_layout(..., world_size=R * S, replicate_size=R)``); gradients are
+            reduce-scattered over ``axis_name``, then all-reduced over this axis. The batch
+            is split over both (default ``P((replicate_axis, axis_name))``).
 
     Returns:
         A ``Zero3Step``: ``opt_state = step.init(params)``, then
@@ -186,9 +303,12 @@ def zero3_step(
         >>> params, opt_state, loss = step(params, opt_state, batch)
     """
     axes = check_mesh(layout, mesh, axis_name)
+    replicate = _check_replicate(layout, mesh, replicate_axis)
+    if not isinstance(accumulate_steps, int) or accumulate_steps < 1:
+        raise ValueError(f"accumulate_steps must be a positive int, got {accumulate_steps!r}")
     tx = optax.with_extra_args_support(tx)
     _check_elementwise(tx, mesh, axis_name, layout)
-    spec = P(axes) if batch_spec is None else batch_spec
+    spec = P(replicate + axes) if batch_spec is None else batch_spec
     return Zero3Step(
         loss_fn,
         tx,
@@ -198,4 +318,7 @@ def zero3_step(
         reshard=reshard_after_forward,
         batch_spec=spec,
         donate=donate,
+        accumulate=accumulate_steps,
+        precision=Precision(param_dtype, reduce_dtype),
+        replicate=replicate,
     )

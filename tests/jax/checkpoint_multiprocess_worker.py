@@ -11,8 +11,12 @@ then together:
 - save again to ``OUT_DIR/greedy`` with process 1's file writes failing: both processes
   must raise, and ``OUT_DIR/greedy`` must still be the first save.
 
+Then ZeRO-3 (``zero3_step``, the test_param_sharding model) trains 2 steps, is saved to
+``OUT_DIR/zero3`` with ``save_param_shards`` (each process writes its devices' rows) and
+loaded back on 2 x 2 with ``load_param_shards``, which must be bitwise the state in memory.
+
 Process 0 writes the gathered in-memory state, parameters and what each step saw to
-``OUT_DIR/result.npz``; the test loads both checkpoints on 1 x 4 and 1 x 8 devices.
+``OUT_DIR/result.npz``; the test loads the checkpoints on 1 x 4 and 1 x 8 devices.
 """
 
 from __future__ import annotations
@@ -105,8 +109,10 @@ def main(process_id: int, num_processes: int, port: int, out_dir: str) -> None:
     flags = multihost_utils.process_allgather(
         np.asarray([same, kept, not leftovers, failure != "none"], np.bool_)
     )
+    zero3 = _zero3(mesh, os.path.join(out_dir, "zero3"))
     if process_id == 0:
         arrays = {f"state_{i}": v for i, v in enumerate(expected)}
+        arrays |= zero3
         host_params = jax.tree.leaves(
             jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), params)
         )
@@ -116,6 +122,40 @@ def main(process_id: int, num_processes: int, port: int, out_dir: str) -> None:
         np.savez(os.path.join(out_dir, "result.npz"), **arrays)
     multihost_utils.sync_global_devices("results written")
     jax.distributed.shutdown()
+
+
+ZERO3_STEPS = 2
+
+
+def _zero3(mesh: Any, directory: str) -> dict[str, np.ndarray]:
+    """Train, save and load a ZeRO-3 state on every process; its whole parameters and state
+    (``zero3_*``) and whether the load was bitwise the state in memory (``zero3_same``)."""
+    import jax
+    from jax.experimental import multihost_utils
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from gradsync_jax import param_layout, shard_params, zero3_step
+    from gradsync_jax.checkpoint.param_shards import load_param_shards, save_param_shards
+    from gradsync_jax.checkpoint.processes import place
+    from tests.jax import test_param_sharding as model
+
+    layout = param_layout(model.init_params(), world_size=4, units=model.UNITS, frozen=["frozen"])
+    step = zero3_step(model.loss_fn, model.adamw(), mesh, layout)
+    params = shard_params(model.init_params(), mesh, layout)
+    state = step.init(params)
+    batch = place(model.data(), (NamedSharding(mesh, P("dp")),) * 2)
+    for _ in range(ZERO3_STEPS):
+        params, state, _ = step(params, state, batch)
+    save_param_shards(directory, step, params, state, step=ZERO3_STEPS)
+    loaded = load_param_shards(directory, step)[:2]
+    gather = lambda tree: [  # noqa: E731
+        np.asarray(v) for v in jax.tree.leaves(multihost_utils.process_allgather(tree, tiled=True))
+    ]
+    whole, back = gather((params, state)), gather(tuple(loaded))
+    same = all(np.array_equal(a, b) for a, b in zip(whole, back, strict=True))
+    out = {f"zero3_{i}": v for i, v in enumerate(whole)}
+    return out | {"zero3_same": np.asarray(same)}
 
 
 if __name__ == "__main__":
