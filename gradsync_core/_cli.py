@@ -486,10 +486,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("greedy", "flat", "auto"),
         default=None,
         help="optimizer-state partition: whole parameters (greedy, the default, torch's), flat "
-        "element ranges, or auto (shard_optimizer's rule: flat by parameter, one element range "
-        "of every parameter per rank, for an elementwise optimizer, "
-        f"which every --optimizer is); flat: at most {MAX_FLAT_PIECES:,} pieces, about "
-        "buckets x dp",
+        "element ranges of buckets, or auto (shard_optimizer's: a range of every parameter per "
+        f"rank, as every --optimizer is elementwise); flat: at most {MAX_FLAT_PIECES:,} pieces",
     )
     plan.add_argument(
         "--pad-to",
