@@ -56,7 +56,7 @@ def test_forged_values_are_refused(tmp_path) -> None:
     cases = {
         "shape": (
             lambda t: np.zeros(3, t.dtype),
-            r"'b/exp_avg' is \(3,\) in rank-00000-of-00002\.safetensors, expected \(16,\)",
+            r"'b/exp_avg' is \(3,\) in rank-00000-of-00002\.safetensors, expected \(8,\)",  # flat: 16 / 2 rows
         ),
         "nan": (lambda t: np.full_like(t, np.nan), "NaN or infinite value"),
     }
