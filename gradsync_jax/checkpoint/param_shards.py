@@ -29,20 +29,15 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from safetensors.numpy import save as save_bytes
 
 from gradsync_core import Manifest, ShardPlan
 from gradsync_core.checkpoint import (
-    SaveSteps,
     data_extra,
     plan_dim0_shards,
-    rank_file,
-    run_save,
-    write_rank_file,
 )
 from gradsync_jax.checkpoint.model_state import load_params
-from gradsync_jax.checkpoint.processes import ProcessSaveAgreement, local_ranks, local_view, place
-from gradsync_jax.checkpoint.zero import _META, _prepare, _Prepared, load_optimizer_state
+from gradsync_jax.checkpoint.processes import local_ranks, local_view, place
+from gradsync_jax.checkpoint.zero import _prepare, load_optimizer_state, save_rank_files
 from gradsync_jax.param_sharding.layout import ParamLayout
 from gradsync_jax.param_sharding.placement import padded_host, shard_params, unshard_params
 from gradsync_jax.param_sharding.step import Zero3Step
@@ -142,28 +137,14 @@ def save_param_shards(
     mine = sorted(local_ranks(zero3.mesh, zero3.axes))
     n = layout.world_size
 
-    def write_files(prepared: _Prepared, staging: str) -> dict[int, str]:
-        return {
-            rank: write_rank_file(
-                staging, rank_file(rank, n), save_bytes(prepared.files[rank], metadata=_META)
-            )
-            for rank in mine
-        }
-
-    extra = {**position, "param_shard_plan": layout.plan.to_json()}
-    steps = SaveSteps(
-        prepare=lambda: _prepare(
-            rows, rows, host_state, None, step, optimizer, layout.modules, model
-        ),
-        write_files=write_files,
-        manifest=lambda prepared, files, _: replace(
-            prepared.manifest,
-            files={rank_file(r, n): files[r] for r in range(n)},
-            extra={**prepared.manifest.extra, **extra},
-        ),
+    return save_rank_files(
+        directory,
+        lambda: _prepare(rows, rows, host_state, None, step, optimizer, layout.modules, model),
+        mine=mine,
+        n=n,
+        extra={**position, "param_shard_plan": layout.plan.to_json()},
+        what=f"cannot save ZeRO-3 checkpoint {os.fspath(directory)}",
     )
-    what = f"cannot save ZeRO-3 checkpoint {os.fspath(directory)}"
-    return run_save(directory, ProcessSaveAgreement(), steps, what=what)
 
 
 def load_param_shards(

@@ -16,7 +16,7 @@ own devices' rank files and process 0 the manifest (``gradsync_jax.checkpoint.pr
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, NamedTuple
 
@@ -130,6 +130,29 @@ def save_optimizer_state(
     mine = sorted(local_ranks(tx.mesh, tx.settings.axes))
     n = tx.world_size
 
+    return save_rank_files(
+        directory,
+        lambda: _prepare(tx, layout, local, params, step, optimizer, modules, model),
+        mine=mine,
+        n=n,
+        extra=position,
+        what=f"cannot save optimizer checkpoint {os.fspath(directory)}",
+    )
+
+
+def save_rank_files(
+    directory: str | os.PathLike[str],
+    prepare: Callable[[], _Prepared],
+    *,
+    mine: Sequence[int],
+    n: int,
+    extra: Mapping[str, Any],
+    what: str,
+) -> Manifest:
+    """The save of both JAX savers (ZeRO-1/2 state here, ZeRO-3 in ``param_shards``): this
+    process writes the rank files ``mine`` of ``n`` from what ``prepare`` returns, and the
+    manifest gains ``extra``; one ``run_save`` agreed across the processes."""
+
     def write_files(prepared: _Prepared, staging: str) -> dict[int, str]:
         return {
             rank: write_rank_file(
@@ -139,15 +162,14 @@ def save_optimizer_state(
         }
 
     steps = SaveSteps(
-        prepare=lambda: _prepare(tx, layout, local, params, step, optimizer, modules, model),
+        prepare=prepare,
         write_files=write_files,
         manifest=lambda prepared, files, _: replace(
             prepared.manifest,
             files={rank_file(r, n): files[r] for r in range(n)},
-            extra={**prepared.manifest.extra, **position},
+            extra={**prepared.manifest.extra, **extra},
         ),
     )
-    what = f"cannot save optimizer checkpoint {os.fspath(directory)}"
     return run_save(directory, ProcessSaveAgreement(), steps, what=what)
 
 
