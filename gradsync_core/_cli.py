@@ -292,24 +292,26 @@ def _owners(
     buckets = plan_buckets(specs, cap_bytes=cap, first_cap_bytes=first, pad_to=pad_to)
     if partition != "flat":
         return buckets, plan_greedy_shards(specs, world_size=ranks)
-    if args.partition == "auto" and args.zero != 2:
-        # shard_optimizer's auto: flat by parameter (element range r of every parameter);
-        # ZeRO-2 reduce-scatters the gradient buckets, so its shards follow them instead.
-        return buckets, plan_flat_shards(plan_param_buckets(specs, pad_to=ranks), world_size=ranks)
+    # shard_optimizer's auto cuts every parameter (flat by parameter: range r of each), and
+    # takes the bucketed layout when a zero-size parameter has no range; ZeRO-2
+    # reduce-scatters the gradient buckets, so its shards follow those instead.
+    sized = all(spec.numel for spec in specs if spec.requires_grad)
+    by_param = args.partition == "auto" and args.zero != 2 and sized
+    cut = plan_param_buckets(specs, pad_to=ranks) if by_param else buckets
     # A piece per rank and bucket, plus one per parameter straddling a cut: bound them first.
-    pieces = sum(len(b.slots) for b in buckets.buckets) + len(buckets.buckets) * ranks
+    pieces = sum(len(b.slots) for b in cut.buckets) + len(cut.buckets) * ranks
     if pieces > MAX_FLAT_PIECES:
+        if by_param:
+            fix = "; use --partition greedy"
+        elif args.zero == 2:
+            fix = "; raise --bucket-cap-mb (ZeRO-2 needs the flat partition)"
+        else:
+            fix = "; raise --bucket-cap-mb or use --partition greedy"
         raise UsageError(
-            f"a flat partition of {len(buckets.buckets)} buckets over {ranks:,} "
-            f"ranks has up to {pieces:,} pieces, more than {MAX_FLAT_PIECES:,}; raise "
-            "--bucket-cap-mb"
-            + (
-                " (ZeRO-2 needs the flat partition)"
-                if args.zero == 2
-                else " or use --partition greedy"
-            )
+            f"a flat partition of {len(cut.buckets)} buckets over {ranks:,} ranks has up to "
+            f"{pieces:,} pieces, more than {MAX_FLAT_PIECES:,}" + fix
         )
-    return buckets, plan_flat_shards(buckets, world_size=ranks)
+    return buckets, plan_flat_shards(cut, world_size=ranks)
 
 
 def _partition(args: argparse.Namespace) -> str:

@@ -104,3 +104,21 @@ def test_model_parallel_sizes_say_the_shapes_are_used_as_given(capsys, axis):
     assert f"note: with {axis} 2, buckets and shards use the parameter shapes as given" in out
     code, out, _ = run(capsys, "plan", "--world-size", "8", "--cp", "2")
     assert "note:" not in out
+
+
+def test_partition_auto_takes_the_bucketed_layout_when_a_parameter_has_no_elements(
+    capsys, tmp_path
+):
+    # shard_optimizer's auto does the same: a zero-size parameter has no element range.
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps([{"name": "w", "shape": [0, 3]}, {"name": "b", "shape": [4]}]))
+    plans = {}
+    for partition in ("auto", "flat"):
+        code, out, err = run(capsys, "plan", "--params", str(path), "--partition", partition)
+        assert code == 0, err
+        plans[partition] = out
+    assert plans["auto"] == plans["flat"]
+    code, _, err = run(
+        capsys, "plan", "--model", "gpt2-small", "--partition", "auto", "--world-size", "1048576"
+    )
+    assert code == 2 and "more than 131,072; use --partition greedy" in err, err
