@@ -56,7 +56,8 @@ def test_forged_values_are_refused(tmp_path) -> None:
     cases = {
         "shape": (
             lambda t: np.zeros(3, t.dtype),
-            r"'b/exp_avg' is \(3,\) in rank-00000-of-00002\.safetensors, expected \(8,\)",  # flat: 16 / 2 rows
+            # auto's flat-by-parameter layout: each of the 2 ranks holds 8 of b's 16 elements
+            r"'b/exp_avg' is \(3,\) in rank-00000-of-00002\.safetensors, expected \(8,\)",
         ),
         "nan": (lambda t: np.full_like(t, np.nan), "NaN or infinite value"),
     }
