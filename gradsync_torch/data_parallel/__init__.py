@@ -6,9 +6,10 @@ collectives it is given (all-reduce, comm hook, ZeRO-2's reduce-scatter).
 - ``options.py``: the options every rank must agree on (``DataParallelOptions``) and the
   argument checks; ``setup.py``: the construction steps (parameters, groups, plan, cross-rank
   agreement, broadcast).
-- ``reducer.py``: the ``Reducer`` registers the gradient hooks and owns every bucket and the
-  backward; ``bucket_collectives.py``: how one bucket is reduced (``AllReduce``,
-  ``CommHook``); ``grad_sharding.py``: ZeRO-2's ``ReduceScatter`` and ``pad_for_sharding``.
+- ``reducer.py``: the ``Reducer`` owns every bucket and the backward; ``readiness.py``: its
+  gradient hooks, one Python frame per bucket; ``bucket_collectives.py``: how one bucket is
+  reduced (``AllReduce``, ``CommHook``); ``grad_sharding.py``: ZeRO-2's ``ReduceScatter`` and
+  ``pad_for_sharding``.
 - ``buckets.py``: the initial plan and the bucket buffers.
 - ``used_map.py``: the per-sync CPU all-reduce of used flags; ``sync_agreement.py``: the
   runtime agreement record that rides in it; ``backward_sink.py``: the backward of a rank

@@ -4,15 +4,14 @@ As in DDP, the wrapper calls a few verbs and never sees a gradient: ``prepare_fo
 (is the coming backward a synced one), ``sync_gradients`` (legacy mode, or what ``no_sync``
 left) and ``backward_reached`` (a backward with no trainable parameter in it), and hands it
 the outputs of each training forward (``watch_outputs``). The Reducer hooks every trainable
-parameter itself, queues its own end-of-backward callback (``finalize``) and there, after the
-last bucket, runs the runtime agreement check, writes the results back and runs the
-shared-parameter sums (``SharedReducer``, docs/design.md §6).
+parameter itself (through its ``BucketReadiness``), queues its own end-of-backward callback
+(``finalize``) and there, after the last bucket, runs the runtime agreement check, writes
+the results back and runs the shared-parameter sums (``SharedReducer``, docs/design.md §6).
 
-Readiness is per bucket: every parameter's hook is the C-level ``list.append`` of the
-arrivals list, except one Python flush hook per bucket (``_flush``) on the slot seen last in
-it; a flush takes the arrivals since the last one (``take_arrivals``), gathers each complete
-bucket in one batch (``gather_gradients``) and launches in plan order (arXiv:2006.15704: the
-same order on every rank). How a bucket is reduced is the ``BucketCollective`` the Reducer is
+Readiness is per bucket (``readiness.py``: the hooks, one Python frame per bucket); a flush
+takes the arrivals since the last one (``take_arrivals``), gathers each complete bucket in
+one batch (``gather_gradients``) and launches in plan order (arXiv:2006.15704: the same
+order on every rank). How a bucket is reduced is the ``BucketCollective`` the Reducer is
 given (``bucket_collectives.py``: all-reduce, a comm hook, or ZeRO-2's reduce-scatter).
 Besides the buckets it issues the used-map all-reduce (carrying the runtime agreement check)
 and the rebuild broadcast, on CPU tensors over gloo (``used_map.py``).
@@ -24,8 +23,6 @@ write-back.
 
 from __future__ import annotations
 
-import functools
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,6 +41,7 @@ from gradsync_torch.data_parallel.buckets import (
     build_buckets,
 )
 from gradsync_torch.data_parallel.finite_check import FiniteCheck
+from gradsync_torch.data_parallel.readiness import BucketReadiness
 from gradsync_torch.data_parallel.sync_agreement import (
     SyncHistory,
     layout_fingerprint,
@@ -57,40 +55,6 @@ _UNNOTICED_BACKWARD = (
     "reaching the DataParallel's outputs or any bucket's last parameter, so they were not "
     "reduced; compute the loss from the output of a DataParallel forward"
 )
-
-
-def _flush(owner: weakref.ref, param: torch.Tensor) -> None:
-    """A bucket's flush parameter (the one seen last in it) has its gradient accumulated.
-
-    The one Python frame per bucket: every other parameter's hook is the C-level
-    ``list.append`` of the Reducer's arrivals, so this takes all the gradients that arrived
-    since the last flush at once (``take_arrivals``) and launches what is complete.
-    """
-    reducer = owner()
-    if reducer is None:
-        return
-    reducer._arrivals.append(param)
-    reducer.backward_reached()
-    reducer.take_arrivals()
-
-
-def _output_reached(owner: weakref.ref, grad: torch.Tensor) -> None:
-    """A backward reached one of the wrapper's outputs (a tensor hook, one per output)."""
-    reducer = owner()
-    if reducer is not None and reducer.will_reach_params():
-        reducer.backward_reached()
-
-
-def _remove_hooks(handles: dict[int, Any]) -> None:
-    for handle in handles.values():
-        handle.remove()
-    handles.clear()
-
-
-def _reached(owner: weakref.ref) -> None:
-    reducer = owner()
-    if reducer is not None:
-        reducer.backward_reached()
 
 
 class Reducer:
@@ -148,22 +112,10 @@ class Reducer:
         self._group_src = global_rank(bookkeeping_group, 0)
         self._next_launch = 0  # the first bucket not launched yet in this backward
         self._ready_order: list[int] | None = [] if record_ready_order else None
-        # Per-bucket readiness (docs/torch-data-parallel.md, "The hot path"): the parameters
-        # whose gradients arrived, in order, appended by C-level hooks; ``_taken`` of them
-        # are accounted for. ``_handles``: slot -> its hook; ``_flush_slots``: per bucket,
-        # the slot whose hook is the Python flush.
-        self._arrivals: list[torch.Tensor] = []
-        self._taken = 0
-        self._slot_of_id = {id(p): i for i, p in enumerate(self._params)}
-        self._handles: dict[int, Any] = {}
-        self._flush_slots: list[int] = []
-        self._repick: list[tuple[int, int]] = []  # (bucket, slot that completed it)
-        self._grad_nodes: list[Any] | None = None
-        # The hooks hold the Reducer weakly: once a user drops the wrapper (say, to wrap the
-        # module again after unfreezing a layer), its hooks are removed instead of syncing
-        # twice.
-        self._me = weakref.ref(self)
-        weakref.finalize(self, _remove_hooks, self._handles)
+        # Per-bucket readiness (docs/torch-data-parallel.md, "The hot path"). Its hooks hold
+        # the Reducer weakly: once a user drops the wrapper (say, to wrap the module again
+        # after unfreezing a layer), its hooks are removed instead of syncing twice.
+        self.readiness = BucketReadiness(self._params, self)
         self._install(plan)
         # The backward's state machine (DDP's Reducer keeps the same flags).
         self._history = SyncHistory(self._params[0] if self._params else None)
@@ -179,52 +131,12 @@ class Reducer:
         self.join_divisor: int | None = None
         self._joined = False  # the sync in progress is a joined rank's shadow
         self.finite_check: FiniteCheck | None = None  # check_finite=True (finite_check.py)
-        self._reached = functools.partial(_reached, self._me)
-        self._output_hook = functools.partial(_output_reached, self._me)
-
-    def _hook_buckets(self) -> None:
-        """One Python hook per bucket, on the slot expected to arrive last in it (its last
-        slot in plan order: DDP's layout and the rebuilt one follow the ready order); every
-        other parameter gets ``self._arrivals.append``, which runs no Python frame."""
-        _remove_hooks(self._handles)
-        self._repick = []
-        self._flush_slots = [bucket.slot_ids[-1] for bucket in self.buckets]
-        flush = set(self._flush_slots)
-        for slot, p in enumerate(self._params):
-            self._hook(slot, p, flush=slot in flush)
-
-    def _hook(self, slot: int, param: torch.Tensor, *, flush: bool) -> None:
-        old = self._handles.pop(slot, None)
-        if old is not None:
-            old.remove()
-        fn = functools.partial(_flush, self._me) if flush else self._arrivals.append
-        self._handles[slot] = param.register_post_accumulate_grad_hook(fn)
-
-    def _repick_flush(self) -> None:
-        """A bucket completed on another slot than its flush slot (it waited for a later
-        flush, or for the end of backward): flush on that slot from the next backward."""
-        for index, slot in self._repick:
-            old = self._flush_slots[index]
-            if old != slot:
-                self._flush_slots[index] = slot
-                self._hook(old, self._params[old], flush=False)
-                self._hook(slot, self._params[slot], flush=True)
-        self._repick = []
-
-    def will_reach_params(self) -> bool:
-        """Inside a backward: whether it will accumulate a gradient into any parameter (not,
-        say, ``torch.autograd.grad`` with respect to the inputs)."""
-        return any(map(torch._C._will_engine_execute_node, self._grad_nodes or ()))
 
     def watch_outputs(self, tensors: Sequence[torch.Tensor]) -> None:
         """Learn that a backward reached the model from its outputs too (``tensors``: those
         that require grad), so a backward whose flush parameters are all unused still syncs."""
-        if not self.overlap:
-            return
-        if self._grad_nodes is None:  # each parameter's AccumulateGrad node, found once
-            self._grad_nodes = [p.view_as(p).grad_fn.next_functions[0][0] for p in self._params]
-        for t in tensors:
-            t.register_hook(self._output_hook)
+        if self.overlap:
+            self.readiness.watch_outputs(tensors)
 
     def _install(self, plan: gradsync_core.BucketPlan) -> None:
         self.plan = plan
@@ -248,7 +160,7 @@ class Reducer:
         ]
         self.collective.install(self.buckets)
         if self.overlap:
-            self._hook_buckets()
+            self.readiness.install(self.buckets)
 
     # ---- the wrapper's verbs ----------------------------------------------------------
 
@@ -294,7 +206,7 @@ class Reducer:
     @property
     def notify_backward(self) -> Any:
         """``backward_reached`` holding the Reducer weakly, for a ``BackwardSink``."""
-        return self._reached if self.overlap else (lambda: None)
+        return self.readiness.reached if self.overlap else (lambda: None)
 
     def sync_gradients(self) -> None:
         """Reduce now: legacy mode's sync, or what ``no_sync()`` accumulated (overlap mode).
@@ -329,13 +241,9 @@ class Reducer:
             RuntimeError: if the same parameter reports twice in one backward, or if a synced
                 backward reached the parameters without this Reducer noticing it.
         """
-        arrivals = self._arrivals
-        if self._taken == len(arrivals):
+        slots = self.readiness.take()
+        if not slots:
             return
-        new = arrivals[self._taken :]
-        self._taken = len(arrivals)
-        slot_of = self._slot_of_id
-        slots = [slot_of[id(p)] for p in new]
         if not self._sync_backward:
             preset = self.slots.preset
             for slot in slots:
@@ -359,8 +267,7 @@ class Reducer:
             bucket.pending -= 1
             if bucket.pending == 0:
                 self._stage(bucket)
-                if slot != self._flush_slots[bucket.spec.index]:
-                    self._repick.append((bucket.spec.index, slot))
+                self.readiness.completed(bucket.spec.index, slot)
         self._launch_complete()
 
     def _stage(self, bucket: BucketBuffers) -> None:
@@ -390,8 +297,7 @@ class Reducer:
 
     def _finish_local_backward(self) -> None:
         self.take_arrivals()
-        self._arrivals.clear()
-        self._taken = 0
+        self.readiness.forget()
         self._history.local_backwards += 1
         self._local_callback_queued = False
 
@@ -415,7 +321,7 @@ class Reducer:
         try:
             self.take_arrivals()
             self._sync(from_backward=True)
-            self._repick_flush()
+            self.readiness.repick_flush()
         except BaseException:
             self.abandon()
             raise
@@ -520,15 +426,13 @@ class Reducer:
             bucket.reset()
         self.slots.fired = [False] * len(self._params)
         self._next_launch = 0
-        self._arrivals.clear()
-        self._taken = 0
+        self.readiness.forget()
         self.collective.reset()
 
     def abandon(self) -> None:
         """Forget a backward that raised before it finished; observe the ready order anew."""
-        for p in self._arrivals:  # a real gradient arrived (perhaps into a bound view)
-            self.slots.preset[self._slot_of_id[id(p)]] = False
-        self._repick = []
+        for slot in self.readiness.abandon():  # a real gradient arrived (perhaps into a view)
+            self.slots.preset[slot] = False
         self._reset_backward()
         if self.finite_check is not None:
             self.finite_check.reset()

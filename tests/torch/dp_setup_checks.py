@@ -125,7 +125,7 @@ def check_errors(rank: int, ws: int) -> None:
     # A backward that reaches a parameter through neither the wrapper's output nor a bucket's
     # flush hook was never reduced: the next forward says so instead of going on unsynced.
     unnoticed = gt.DataParallel(nn.Linear(3, 2))
-    flush = set(unnoticed.reducer._flush_slots)
+    flush = set(unnoticed.reducer.readiness.flush_slots)
     other = next(p for i, p in enumerate(unnoticed.reducer._params) if i not in flush)
     (other * 2).sum().backward()
     expect_error(
