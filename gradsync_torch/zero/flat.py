@@ -8,6 +8,7 @@ only elementwise optimizers give the unsharded result.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -115,7 +116,9 @@ class FlatLayout:
     ) -> list[Job]:
         """Broadcast every rank's range of ``bucket`` from its owner. With bucket views: each
         range in place. Otherwise each large piece in place (the owner stepped the
-        parameter's own memory), and the small pieces of a range packed together."""
+        parameter's own memory), and the small pieces of a range packed together; the owners
+        take turns (as ZeRO-1's jobs), so every rank sends and receives at once instead of
+        the ranges crossing the links one owner after another."""
         world = self.plan.world_size
         if flat is not None:
             transfers = [
@@ -123,8 +126,10 @@ class FlatLayout:
                 for r in range(world)
             ]
             return [Job(transfers, 0, dtype, device)]
-        jobs, itemsize = [], torch.empty(0, dtype=dtype).element_size()
+        per_rank: list[list[Job]] = [[] for _ in range(world)]
+        itemsize = torch.empty(0, dtype=dtype).element_size()
         for r in range(world):
+            jobs = per_rank[r]
             lo, hi = r * chunk, (r + 1) * chunk
             small: list[torch.Tensor] = []
             for slot in bucket.slots:
@@ -139,7 +144,8 @@ class FlatLayout:
                     jobs.append(Job([Transfer(r, b - a, lambda _, t=piece: t)], 0, dtype, device))
             if small:
                 jobs.append(self._packed_job(r, small, dtype, device))
-        return jobs
+        turns = itertools.zip_longest(*per_rank)
+        return [job for turn in turns for job in turn if job is not None]
 
     def _packed_job(
         self, src: int, pieces: list[torch.Tensor], dtype: torch.dtype, device: torch.device

@@ -7,10 +7,17 @@ move the jobs already stepped (and receive the other owners' jobs) while the nex
 stepped. This is exact only when the optimizer updates each tensor from that tensor's own
 gradient and state, which holds for torch's built-in optimizers below: stepping a subset is
 then the same arithmetic as stepping all of them, so results stay bitwise equal.
+
+Either way (job by job or all at once) the local step takes torch's foreach path on CPU
+where that gives the same bits (``foreach_on_cpu``): torch picks its per-tensor loop there
+by default, a few Python-level kernel launches per tensor, where foreach launches one per
+list of tensors.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -24,10 +31,64 @@ from gradsync_torch.zero.options import ELEMENTWISE
 PER_TENSOR = ELEMENTWISE | {"Adafactor"}
 
 
+# torch.optim classes whose foreach step gives the bits of their per-tensor loop on CPU
+# (torch 2.13; each checked with weight decay, momentum, nesterov, amsgrad, centered,
+# maximize, decoupled weight decay as it has them). Not NAdam, RAdam, ASGD, Adafactor: their
+# foreach paths round differently (a last-bit change a user did not ask for).
+FOREACH_SAME_BITS = frozenset(
+    {"SGD", "Adam", "AdamW", "Adamax", "RMSprop", "Adagrad", "Adadelta", "Rprop"}
+)
+
+
+def _is_torch(optimizer_class: type, names: frozenset[str]) -> bool:
+    is_torch = optimizer_class.__module__.startswith("torch.optim")
+    return is_torch and optimizer_class.__name__ in names
+
+
 def steps_per_tensor(optimizer_class: type) -> bool:
     """Whether stepping a subset of ``optimizer_class``'s parameters at a time is exact."""
-    is_torch = optimizer_class.__module__.startswith("torch.optim")
-    return is_torch and optimizer_class.__name__ in PER_TENSOR
+    return _is_torch(optimizer_class, PER_TENSOR)
+
+
+def foreach_on_cpu_groups(optim: Optimizer) -> list[dict[str, Any]]:
+    """The param groups of ``optim`` that torch would step with its per-tensor loop and that
+    its foreach path steps to the same bits: ``foreach`` left unset (``None``), no ``fused``
+    or ``differentiable``, no tensor hyper-parameter (foreach refuses a tensor ``lr`` unless
+    ``capturable``), every parameter on CPU (on CUDA torch takes foreach by itself)."""
+    if not _is_torch(type(optim), FOREACH_SAME_BITS):
+        return []
+    return [
+        group
+        for group in optim.param_groups
+        if "foreach" in group
+        and group["foreach"] is None
+        and not group.get("fused")
+        and not group.get("differentiable")
+        and not any(isinstance(v, torch.Tensor) for k, v in group.items() if k != "params")
+        and all(p.device.type == "cpu" for p in group["params"])
+    ]
+
+
+@contextmanager
+def foreach_on_cpu(optim: Optimizer) -> Iterator[None]:
+    """While active, ``optim.step`` takes torch's foreach path in ``foreach_on_cpu_groups``
+    (where it gives the same bits); those groups read ``foreach=None`` again afterwards, so
+    the wrapper's own param groups, which hyper-parameters are copied to, never see it."""
+    groups = foreach_on_cpu_groups(optim)
+    for group in groups:
+        group["foreach"] = True
+    try:
+        yield
+    finally:
+        for group in groups:
+            group["foreach"] = None
+
+
+def step_all(optim: Optimizer, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
+    """Step every local parameter at once (``optim.step``), on the foreach path where that
+    gives the same bits (``foreach_on_cpu``)."""
+    with foreach_on_cpu(optim):
+        return optim.step(closure, **kwargs) if closure is not None else optim.step(**kwargs)
 
 
 class JobStepper:
@@ -64,7 +125,7 @@ class JobStepper:
         try:
             for group, subset in zip(groups, self._subsets[id(job)], strict=True):
                 group["params"] = subset
-            self.optim.step(**self.kwargs)
+            step_all(self.optim, **self.kwargs)
         finally:
             for group, params in zip(groups, saved, strict=True):
                 group["params"] = params

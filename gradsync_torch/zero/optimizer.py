@@ -29,7 +29,7 @@ from gradsync_torch.zero.broadcast import Broadcaster, Piece
 from gradsync_torch.zero.flat import FlatLayout
 from gradsync_torch.zero.join import ZeroJoinHook
 from gradsync_torch.zero.layout import Layout, make_layout
-from gradsync_torch.zero.local_step import JobStepper, steps_per_tensor
+from gradsync_torch.zero.local_step import JobStepper, step_all, steps_per_tensor
 from gradsync_torch.zero.options import check_options, claim_sharder
 from gradsync_torch.zero.plans import (
     check_same_plan,
@@ -294,9 +294,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if stepper is not None:
             stepper.kwargs = kwargs  # the local step runs job by job inside the sync
         elif closure is not None:
-            loss = self.optim.step(closure=closure, **kwargs)
+            loss = step_all(self.optim, closure, **kwargs)
         else:
-            self.optim.step(**kwargs)
+            step_all(self.optim, **kwargs)
         with torch.no_grad():
             self.layout.sync_params(stepper)
         copy_hyper(self.optim.param_groups, self.param_groups)

@@ -28,7 +28,7 @@ from gradsync_torch._specs import param_specs
 from gradsync_torch.zero import flat as zero_flat
 from gradsync_torch.zero import greedy as zero_greedy
 from gradsync_torch.zero.broadcast import Job
-from gradsync_torch.zero.local_step import JobStepper, steps_per_tensor
+from gradsync_torch.zero.local_step import JobStepper, foreach_on_cpu_groups, steps_per_tensor
 from tests.torch import zero_checkpoint_checks as ckpt
 from tests.torch.harness import run_workers
 from tests.torch.zero_helpers import (
@@ -339,6 +339,8 @@ def test_job_stepper_steps_exactly_each_jobs_parameters() -> None:
     plain = torch.optim.Adam([{"params": ref_params[:3]}, {"params": ref_params[3:], "lr": 0.1}])
     jobs = [Job([], 0, torch.float32, torch.device("cpu"), owned=params[i::2]) for i in (0, 1)]
     stepper = JobStepper(optim, [*jobs, Job([], 0, torch.float32, torch.device("cpu"))])
+    seen: list[list[Any]] = []  # each job's step runs torch's foreach path (same bits)
+    optim.register_step_pre_hook(lambda o, *_: seen.append([g["foreach"] for g in o.param_groups]))
     before = [p.detach().clone() for p in params]
     stepper(jobs[0])
     for i, (p, b) in enumerate(zip(params, before, strict=True)):
@@ -348,6 +350,9 @@ def test_job_stepper_steps_exactly_each_jobs_parameters() -> None:
     for p, q in zip(params, reference.parameters(), strict=True):
         assert torch.equal(p, q)
     assert [len(g["params"]) for g in optim.param_groups] == [3, len(params) - 3]
+    assert seen == [[True, True]] * 2
+    assert [g["foreach"] for g in optim.param_groups] == [None, None]  # unset again
+    assert not foreach_on_cpu_groups(torch.optim.NAdam(params))  # its foreach rounds otherwise
     with pytest.raises(RuntimeError, match=r"1 local parameter\(s\).*in no sync job"):
         JobStepper(optim, [Job([], 0, torch.float32, torch.device("cpu"), owned=params[1:])])
     assert steps_per_tensor(torch.optim.AdamW) and not steps_per_tensor(torch.optim.LBFGS)
