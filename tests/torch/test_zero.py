@@ -28,7 +28,12 @@ from gradsync_torch._specs import param_specs
 from gradsync_torch.zero import flat as zero_flat
 from gradsync_torch.zero import greedy as zero_greedy
 from gradsync_torch.zero.broadcast import Job
-from gradsync_torch.zero.local_step import JobStepper, foreach_on_cpu_groups, steps_per_tensor
+from gradsync_torch.zero.local_step import (
+    FOREACH_SAME_BITS,
+    JobStepper,
+    foreach_on_cpu_groups,
+    steps_per_tensor,
+)
 from tests.torch import zero_checkpoint_checks as ckpt
 from tests.torch.harness import run_workers
 from tests.torch.zero_helpers import (
@@ -324,6 +329,43 @@ def test_zero2_rejects_non_elementwise_optimizers() -> None:
 def test_needs_an_initialized_process_group() -> None:
     with pytest.raises(RuntimeError, match="init_process_group"):
         ZeroRedundancyOptimizer(make_model().parameters(), torch.optim.Adam)
+
+
+# Every option of each optimizer ZeRO's local step switches to foreach, as torch 2.13 names it.
+FOREACH_VARIANTS = {
+    "SGD": [
+        {"lr": 0.1},
+        {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01, "dampening": 0.1},
+        {"lr": 0.1, "momentum": 0.9, "nesterov": True, "maximize": True},
+    ],
+    "Adam": [{}, {"weight_decay": 0.01, "amsgrad": True, "maximize": True}],
+    "AdamW": [{}, {"amsgrad": True, "maximize": True, "weight_decay": 0.1}],
+    "Adamax": [{}, {"weight_decay": 0.01, "maximize": True}],
+    "RMSprop": [{}, {"centered": True, "momentum": 0.9, "weight_decay": 0.01, "maximize": True}],
+    "Adagrad": [{}, {"weight_decay": 0.01, "lr_decay": 0.01, "maximize": True}],
+    "Adadelta": [{}, {"weight_decay": 0.01, "maximize": True}],
+    "Rprop": [{}, {"maximize": True}],
+}
+
+
+@pytest.mark.parametrize("name", sorted(FOREACH_SAME_BITS))
+def test_foreach_path_gives_the_loops_bits(name: str) -> None:
+    """The local step switches these to foreach on CPU because it is bitwise the per-tensor
+    loop; a torch release that rounds differently fails here, not as a silent last-bit drift."""
+    assert set(FOREACH_VARIANTS) == FOREACH_SAME_BITS
+    for options in FOREACH_VARIANTS[name]:
+        finals = []
+        for foreach in (False, True):
+            gen = torch.Generator().manual_seed(0)
+            shapes = [(7, 5), (5,), (33,), (1,)]
+            params = [torch.randn(s, generator=gen, requires_grad=True) for s in shapes]
+            optim = getattr(torch.optim, name)(params, foreach=foreach, **options)
+            for step in range(4):  # gradients from 1e-2 to 10: tiny and large moments
+                for p in params:
+                    p.grad = torch.randn(p.shape, generator=gen) * 10.0 ** (step - 2)
+                optim.step()
+            finals.append([p.detach().clone() for p in params])
+        assert all(torch.equal(a, b) for a, b in zip(*finals, strict=True)), (name, options)
 
 
 def test_job_stepper_steps_exactly_each_jobs_parameters() -> None:
