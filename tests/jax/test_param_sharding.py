@@ -161,13 +161,26 @@ def test_storage_is_the_padded_dim0_chunk_in_torch_layout() -> None:
     assert adam.mu["params"]["layers_0"]["kernel"].sharding.spec == kernel.sharding.spec
 
 
-def _all_gathers(n: int, reshard: bool) -> int:
-    """All-gathers in the program JAX hands to XLA (StableHLO)."""
+def _lowered(n: int, reshard: bool, options=None):
+    """The step lowered for the test model (``options``: its ``compiler_options``)."""
     params = init_params()
     layout = param_layout(params, world_size=n, units=UNITS, frozen=FROZEN)
     sharded = shard_params(params, mesh_of(n), layout)
-    step = zero3_step(loss_fn, adamw(), mesh_of(n), layout, reshard_after_forward=reshard)
-    lowered = step.lower(sharded, step.init(sharded), data())
+    step = zero3_step(
+        loss_fn,
+        adamw(),
+        mesh_of(n),
+        layout,
+        reshard_after_forward=reshard,
+        compiler_options=options,
+    )
+    return step.lower(sharded, step.init(sharded), data())
+
+
+def _all_gathers(lowered, *, compiled: bool = False) -> int:
+    """All-gathers in the program JAX hands to XLA (StableHLO), or in the one XLA made."""
+    if compiled:
+        return len(re.findall(r" all-gather\(", lowered.compile().as_text()))
     return len(re.findall(r"stablehlo\.all_gather", lowered.as_text()))
 
 
@@ -175,11 +188,16 @@ def test_reshard_after_forward_gathers_again_for_the_backward() -> None:
     # 7 gathers per forward, one per parameter: the tied embedding, the frozen layer's 2 and
     # the 2 blocks' 2 each. Resharding drops all after the forward and gathers again what the
     # backward reads: the 4 weights (the frozen one too, for its input gradient), not the 3
-    # biases, which no gradient formula reads. XLA's CPU
-    # compiler later merges each pair (it looks through the optimization barrier), so on CPU
-    # the compiled step holds them either way: docs/jax-zero3.md, "Resharding".
-    assert _all_gathers(4, False) == 7
-    assert _all_gathers(4, True) == 7 + 4
+    # biases, which no gradient formula reads.
+    assert _all_gathers(_lowered(4, False)) == 7
+    resharded = _lowered(4, True)
+    assert _all_gathers(resharded) == 7 + 4
+    # XLA's CSE merges each pair (the CPU pipeline looks through the optimization barrier),
+    # so the compiled step holds the gathered units either way, unless CSE is off for the
+    # step: docs/jax-zero3.md, "Where the temporary bytes go".
+    assert _all_gathers(resharded, compiled=True) == 7
+    no_cse = _lowered(4, True, {"xla_disable_hlo_passes": "cse"})
+    assert _all_gathers(no_cse, compiled=True) == 7 + 4
 
 
 def test_not_elementwise_is_refused() -> None:
