@@ -17,7 +17,9 @@ sequences; ``--transformer none`` leaves it out).
 
 Reported per shape: median step time and its ratio to gspmd (median of the per-round
 ratios), and bytes per device: parameters + optimizer state held (read from the arrays'
-shards) and the compiled program's temporary bytes (``compiled.memory_analysis()``). The gate
+shards) and the compiled program's temporary bytes (``compiled.memory_analysis()``).
+``--memory-scheduler`` compiles every variant with XLA:CPU's memory-minimizing scheduler and
+zero3 without CSE, which keeps resharding's second gathers (docs/jax-zero3.md). The gate
 (``first_step_gate``): after one step from the same state, zero3's and gspmd's Adam moments
 (the gradient and its square) equal the replicated run's to 1e-4 of each leaf's largest
 (``*_moment_error``), and their parameters, where the gradient is clear of rounding, differ by
@@ -27,6 +29,7 @@ Last line: one JSON object.
     python benchmarks/jax_fsdp.py --repeat 3    # 16x792, 10x1000, 96x512, 24x1024, tfm 4x256
     python benchmarks/jax_fsdp.py --shape 16x792 --rounds 3
     python benchmarks/jax_fsdp.py --quick       # every row, 2 rounds: a smoke run of the gates
+    python benchmarks/jax_fsdp.py --memory-scheduler --repeat 3   # the second table of the docs
 """
 
 from __future__ import annotations
@@ -35,11 +38,17 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 from typing import Any, NamedTuple
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# --memory-scheduler: XLA:CPU's memory-minimizing scheduler for every variant (a process-wide
+# flag: jit's compiler_options does not reach the scheduler choice), set before jax starts.
+os.environ["XLA_FLAGS"] += " --xla_cpu_enable_concurrency_optimized_scheduler=false" * (
+    "--memory-scheduler" in sys.argv
+)
 
 import jax
 import jax.numpy as jnp
@@ -54,6 +63,7 @@ from jax_zero import bytes_per_device, parse_shape
 
 from gradsync_jax import param_layout, shard_params, unshard_params, zero3_step
 
+MEMORY_SCHEDULER = "--memory-scheduler" in sys.argv
 SHAPES = ((16, 792), (10, 1000), (96, 512), (24, 1024))
 VARIANTS = ("replicated", "gspmd", "zero3")
 
@@ -168,7 +178,10 @@ def build(work: Workload, mesh: Mesh, tx) -> dict:
         fn, p, s = jit_step(tx, params, tx.init(params), mesh, spec_of, work.loss_fn)
         out[name] = [fn, fn, p, s]
     layout = param_layout(params, world_size=n, units=work.units)
-    z = zero3_step(work.loss_fn, tx, mesh, layout, donate=True)
+    # Under the memory-minimizing scheduler, zero3 compiles without CSE, which would merge
+    # resharding's second gathers with the forward's (docs/jax-zero3.md).
+    options = {"xla_disable_hlo_passes": "cse"} if MEMORY_SCHEDULER else None
+    z = zero3_step(work.loss_fn, tx, mesh, layout, donate=True, compiler_options=options)
     sharded = shard_params(params, mesh, layout)
     out["zero3"] = [z, z, sharded, z.init(sharded)]
     out["zero3"].append(layout)
@@ -300,6 +313,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds (default 5)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed rounds (default 2)")
     parser.add_argument("--quick", action="store_true", help="2 rounds, 1 warm-up: a smoke run")
+    parser.add_argument(
+        "--memory-scheduler",
+        action="store_true",
+        help="XLA:CPU's memory-minimizing scheduler for every variant, zero3 compiled without CSE",
+    )
     parser.add_argument("--transformer", default="4x256", help="LxD, or none")
     add_repeat_arg(parser)
     args = parser.parse_args()
@@ -324,7 +342,8 @@ def main() -> None:
             f"{r['replicated_held_bytes'] / 2**20:.1f}; temp zero3 "
             f"{r['zero3_temp_bytes'] / 2**20:.1f} gspmd {r['gspmd_temp_bytes'] / 2**20:.1f}"
         )
-    print(json.dumps({"bench": "jax_fsdp", "shapes": results}), flush=True)
+    summary = {"bench": "jax_fsdp", "memory_scheduler": MEMORY_SCHEDULER, "shapes": results}
+    print(json.dumps(summary), flush=True)
 
 
 if __name__ == "__main__":
