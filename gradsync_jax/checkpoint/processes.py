@@ -32,15 +32,20 @@ _TOKEN_BYTES = 64  # room for a save token (16 hex digits today)
 
 
 def local_ranks(mesh: Mesh, axes: tuple[str, ...]) -> frozenset[int]:
-    """The data-parallel ranks (positions along ``axes``, major to minor) whose devices
-    belong to this process."""
+    """The data-parallel ranks (positions along ``axes``, major to minor) whose rank files
+    this process writes: those whose first device in the mesh's order belongs to it.
+
+    A rank spans several devices when the mesh has axes besides ``axes`` (the replicas of
+    hybrid sharding hold the same shard), and those devices may belong to different
+    processes; each file must have one writer, and the first device's process holds the
+    rank's shard, so its local view is exact there."""
     sizes = [mesh.shape[a] for a in axes]
     positions = [mesh.axis_names.index(a) for a in axes]
-    mine = set()
-    for index in np.ndindex(mesh.devices.shape):
-        if mesh.devices[index].process_index == jax.process_index():
-            mine.add(int(np.ravel_multi_index([index[p] for p in positions], sizes)))
-    return frozenset(mine)
+    first: dict[int, int] = {}
+    for index in np.ndindex(mesh.devices.shape):  # C order: the mesh's order
+        rank = int(np.ravel_multi_index([index[p] for p in positions], sizes))
+        first.setdefault(rank, mesh.devices[index].process_index)
+    return frozenset(r for r, process in first.items() if process == jax.process_index())
 
 
 def local_view(tree: Any, *, complete: bool = False) -> Any:

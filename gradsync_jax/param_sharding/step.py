@@ -12,7 +12,7 @@ but them), as FSDP2's default; without it they are kept from forward to backward
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
 
@@ -182,6 +182,7 @@ class Zero3Step:
         accumulate,
         precision,
         replicate,
+        compiler_options=None,
     ):
         self.layout, self.mesh, self.tx, self.axes = layout, mesh, tx, axes
         self.accumulate_steps = accumulate
@@ -212,7 +213,9 @@ class Zero3Step:
             trainable, opt_state, loss = mapped(trainable, frozen, opt_state, batch)
             return _join(trainable, frozen, layout), opt_state, loss
 
-        self._step = jax.jit(step, donate_argnums=(0, 1) if donate else ())
+        self._step = jax.jit(
+            step, donate_argnums=(0, 1) if donate else (), compiler_options=compiler_options
+        )
         init = jax.shard_map(
             lambda t: tx.init(t), mesh=mesh, in_specs=(spec,), out_specs=self.state_specs
         )
@@ -257,6 +260,7 @@ def zero3_step(
     param_dtype: Any = None,
     reduce_dtype: Any = None,
     replicate_axis: AxisName | None = None,
+    compiler_options: Mapping[str, Any] | None = None,
 ) -> Zero3Step:
     """A jitted ZeRO-3 training step over ``axis_name`` executing ``layout``'s plan.
 
@@ -287,6 +291,11 @@ def zero3_step(
             ``param_layout(..., world_size=R * S, replicate_size=R)``); gradients are
             reduce-scattered over ``axis_name``, then all-reduced over this axis. The batch
             is split over both (default ``P((replicate_axis, axis_name))``).
+        compiler_options: XLA options for compiling the step (``jax.jit``'s). With
+            ``{"xla_disable_hlo_passes": "cse"}`` XLA keeps the backward's second gathers
+            that ``reshard_after_forward`` asks for (its CSE merges them with the forward's
+            otherwise); on CPU that frees memory only under the memory-minimizing scheduler
+            (docs/jax-zero3.md, "Where the temporary bytes go").
 
     Returns:
         A ``Zero3Step``: ``opt_state = step.init(params)``, then
@@ -321,4 +330,5 @@ def zero3_step(
         accumulate=accumulate_steps,
         precision=Precision(param_dtype, reduce_dtype),
         replicate=replicate,
+        compiler_options=compiler_options,
     )

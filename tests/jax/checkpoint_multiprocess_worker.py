@@ -13,7 +13,9 @@ then together:
 
 Then ZeRO-3 (``zero3_step``, the test_param_sharding model) trains 2 steps, is saved to
 ``OUT_DIR/zero3`` with ``save_param_shards`` (each process writes its devices' rows) and
-loaded back on 2 x 2 with ``load_param_shards``, which must be bitwise the state in memory.
+loaded back on 2 x 2 with ``load_param_shards``, which must be bitwise the state in memory;
+the same for HSDP on a 2 x 2 ``("replicate", "shard")`` mesh, one replica per process
+(``OUT_DIR/hsdp``: each shard rank's file written once, by the process of its first device).
 
 Process 0 writes the gathered in-memory state, parameters and what each step saw to
 ``OUT_DIR/result.npz``; the test loads the checkpoints on 1 x 4 and 1 x 8 devices.
@@ -37,7 +39,7 @@ def main(process_id: int, num_processes: int, port: int, out_dir: str) -> None:
     import jax
     import optax
     from jax.experimental import multihost_utils
-    from jax.sharding import NamedSharding
+    from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
     from gradsync_core import CheckpointError, Topology, read_manifest
@@ -110,6 +112,10 @@ def main(process_id: int, num_processes: int, port: int, out_dir: str) -> None:
         np.asarray([same, kept, not leftovers, failure != "none"], np.bool_)
     )
     zero3 = _zero3(mesh, os.path.join(out_dir, "zero3"))
+    # HSDP with one replica per process (the usual hybrid mesh: shard within a host,
+    # replicate across hosts): both processes hold shard ranks 0 and 1, one writes each file.
+    hybrid = Mesh(np.array(jax.devices()).reshape(2, 2), ("replicate", "shard"))
+    zero3 |= _zero3(hybrid, os.path.join(out_dir, "hsdp"), prefix="hsdp")
     if process_id == 0:
         arrays = {f"state_{i}": v for i, v in enumerate(expected)}
         arrays |= zero3
@@ -127,9 +133,11 @@ def main(process_id: int, num_processes: int, port: int, out_dir: str) -> None:
 ZERO3_STEPS = 2
 
 
-def _zero3(mesh: Any, directory: str) -> dict[str, np.ndarray]:
+def _zero3(mesh: Any, directory: str, prefix: str = "zero3") -> dict[str, np.ndarray]:
     """Train, save and load a ZeRO-3 state on every process; its whole parameters and state
-    (``zero3_*``) and whether the load was bitwise the state in memory (``zero3_same``)."""
+    (``<prefix>_*``) and whether the load was bitwise the state in memory (``<prefix>_same``).
+    On a ``("replicate", "shard")`` mesh it is HSDP: cut over ``shard``, replicated over
+    ``replicate``."""
     import jax
     from jax.experimental import multihost_utils
     from jax.sharding import NamedSharding
@@ -137,14 +145,24 @@ def _zero3(mesh: Any, directory: str) -> dict[str, np.ndarray]:
 
     from gradsync_jax import param_layout, shard_params, zero3_step
     from gradsync_jax.checkpoint.param_shards import load_param_shards, save_param_shards
-    from gradsync_jax.checkpoint.processes import place
+    from gradsync_jax.checkpoint.processes import local_ranks, place
     from tests.jax import test_param_sharding as model
 
-    layout = param_layout(model.init_params(), world_size=4, units=model.UNITS, frozen=["frozen"])
-    step = zero3_step(model.loss_fn, model.adamw(), mesh, layout)
-    params = shard_params(model.init_params(), mesh, layout)
+    hybrid = "replicate" in mesh.axis_names
+    axis, replicate = ("shard", "replicate") if hybrid else ("dp", None)
+    layout = param_layout(
+        model.init_params(),
+        world_size=mesh.size,
+        units=model.UNITS,
+        frozen=["frozen"],
+        replicate_size=mesh.shape["replicate"] if hybrid else 1,
+    )
+    step = zero3_step(
+        model.loss_fn, model.adamw(), mesh, layout, axis_name=axis, replicate_axis=replicate
+    )
+    params = shard_params(model.init_params(), mesh, layout, axis_name=axis)
     state = step.init(params)
-    batch = place(model.data(), (NamedSharding(mesh, P("dp")),) * 2)
+    batch = place(model.data(), (NamedSharding(mesh, P(mesh.axis_names)),) * 2)
     for _ in range(ZERO3_STEPS):
         params, state, _ = step(params, state, batch)
     save_param_shards(directory, step, params, state, step=ZERO3_STEPS)
@@ -154,8 +172,11 @@ def _zero3(mesh: Any, directory: str) -> dict[str, np.ndarray]:
     ]
     whole, back = gather((params, state)), gather(tuple(loaded))
     same = all(np.array_equal(a, b) for a, b in zip(whole, back, strict=True))
-    out = {f"zero3_{i}": v for i, v in enumerate(whole)}
-    return out | {"zero3_same": np.asarray(same)}
+    # Which process writes which rank file: one row per process, one column per rank.
+    mine = local_ranks(mesh, step.axes)
+    writers = multihost_utils.process_allgather(np.isin(np.arange(layout.world_size), list(mine)))
+    out = {f"{prefix}_{i}": v for i, v in enumerate(whole)}
+    return out | {f"{prefix}_same": np.asarray(same), f"{prefix}_writers": np.asarray(writers)}
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Checkpoints of 2 JAX processes x 2 CPU devices (jax.distributed on 127.0.0.1): each process
 writes its own devices' rank files, process 0 the manifest; the result loads bitwise on 2 x 2
 with the other partition, and here on 1 x 4 and 1 x 8; a write failing on one process fails
-the save on both and keeps the previous checkpoint (tests/jax/checkpoint_multiprocess_worker.py).
+the save on both and keeps the previous checkpoint; ZeRO-3 and HSDP (one replica per process)
+saves load back bitwise and on 1 x 8 (tests/jax/checkpoint_multiprocess_worker.py).
 """
 
 from __future__ import annotations
@@ -95,22 +96,36 @@ def test_weights_load_on_one_process(saved) -> None:
         np.testing.assert_array_equal(weight, result[f"params_{i}"])
 
 
-def test_zero3_saved_by_two_processes_loads_on_one(saved) -> None:
-    """ZeRO-3 on 2 x 2: loaded back there bitwise; here on 1 x 8, the same parameters and
-    state (padded to 8 chunks), and the training's: the single-device run within the floor."""
+@pytest.mark.parametrize("name", ["zero3", "hsdp"])
+def test_zero3_saved_by_two_processes_loads_on_one(saved, name: str) -> None:
+    """ZeRO-3 on 2 x 2, and HSDP on a 2 x 2 (replica x shard) mesh with one replica per
+    process: loaded back there bitwise; here on 1 x 8, the same parameters and state (padded
+    to 8 chunks), and the training's: the single-device run within the floor."""
     from gradsync_jax import param_layout, unshard_params, zero3_step
     from gradsync_jax.checkpoint.param_shards import load_param_shards
     from tests.jax import test_param_sharding as model
 
     out, result = saved
-    assert bool(result["zero3_same"]), "the 2 x 2 ZeRO-3 save did not load back bitwise"
-    layout4 = param_layout(model.init_params(), world_size=4, units=model.UNITS, frozen=["frozen"])
+    assert bool(result[f"{name}_same"]), f"the 2 x 2 {name} save did not load back bitwise"
+    replicas = 2 if name == "hsdp" else 1
+    # Each rank file has one writer: with HSDP both processes hold shards 0 and 1 (one
+    # replica each), and the process of each shard's first device (process 0) writes it.
+    writers = result[f"{name}_writers"].astype(int)
+    want_writers = [[1, 1], [0, 0]] if name == "hsdp" else [[1, 1, 0, 0], [0, 0, 1, 1]]
+    np.testing.assert_array_equal(writers, want_writers)
+    layout4 = param_layout(
+        model.init_params(),
+        world_size=4,
+        units=model.UNITS,
+        frozen=["frozen"],
+        replicate_size=replicas,
+    )
     layout8 = param_layout(model.init_params(), world_size=8, units=model.UNITS, frozen=["frozen"])
     step = zero3_step(model.loss_fn, model.adamw(), model.mesh_of(8), layout8)
-    params, state, manifest = load_param_shards(out / "zero3", step)
-    assert (manifest.world_size, manifest.step) == (4, worker.ZERO3_STEPS)
+    params, state, manifest = load_param_shards(out / name, step)
+    assert (manifest.world_size, manifest.step) == (4 // replicas, worker.ZERO3_STEPS)
     n = len(layout4.leaves)
-    saved_params = [result[f"zero3_{i}"] for i in range(n)]
+    saved_params = [result[f"{name}_{i}"] for i in range(n)]
     treedef = jax.tree.structure(model.init_params())
     want = unshard_params(jax.tree.unflatten(treedef, saved_params), layout4)
     got = unshard_params(params, layout8)
