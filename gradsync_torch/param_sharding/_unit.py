@@ -63,6 +63,15 @@ def _alloc(tensor: torch.Tensor) -> None:
         tensor.untyped_storage().resize_(nbytes)
 
 
+def _release(*buffers: torch.Tensor) -> None:
+    """Free a finished collective's buffers now. Dropping our references is not enough: the
+    backend's work object holds them until its thread lets go of it, which on an
+    oversubscribed machine came after the next unit's backward had started (measured: the
+    root's all-gather buffers, 41 MB at 4 ranks, alive into the backward on half the ranks)."""
+    for buffer in buffers:
+        _free(buffer)
+
+
 def _swap(places: tuple[tuple[nn.Module, str], ...], param: nn.Parameter) -> None:
     for module, attr in places:
         _setattr(module, attr, param)
@@ -161,7 +170,7 @@ class UnitParameters:
         send = torch.cat([p.padded.to(dtype) for p in self.params])
         recv = send.new_empty(self.world_size * send.numel())
         work = all_gather_single(recv, send, group=self.group, async_op=True)
-        self._gathering = (work, recv)
+        self._gathering = (work, recv, send)
 
     def gather(self) -> None:
         """Gather the unit (or finish the gather ``start_gather`` began) and swap it in."""
@@ -170,7 +179,7 @@ class UnitParameters:
             return
         self.start_gather()
         assert self._gathering is not None
-        work, recv = self._gathering
+        work, recv, send = self._gathering
         self._gathering = None
         work.wait()
         pieces = recv.view(self.world_size, -1).split(
@@ -185,6 +194,7 @@ class UnitParameters:
             if p.unsharded.requires_grad != p.sharded.requires_grad:
                 p.unsharded.requires_grad_(p.sharded.requires_grad)
             _swap(p.places, p.unsharded)
+        _release(recv, send)
         self.is_gathered = True
 
     @property
@@ -195,7 +205,9 @@ class UnitParameters:
     def free(self) -> None:
         """Point the modules back at the shards and release the gathered storage."""
         if self._gathering is not None:  # a prefetch nobody used: complete it, then drop it
-            self._gathering[0].wait()
+            work, *buffers = self._gathering
+            work.wait()
+            _release(*buffers)
             self._gathering = None
         if not self.is_gathered:
             return
@@ -250,7 +262,7 @@ class UnitParameters:
         self._pending = None
         if work is not None:
             work.wait()
-        del send  # before the gradients' views are made: the peak is one unit's, not two
+        _release(send)  # before the gradients' views are made: the peak is one unit's, not two
         if self.replicate_size > 1:
             if self.check is not None:
                 self.check("all-reduce", [p.name for p in ready], group=self.replicate_group)
