@@ -1,7 +1,8 @@
-"""gradsync's ZeRO-3 memory estimate against what FSDP2 actually holds, per rank, on gloo.
+"""gradsync's ZeRO-3 memory estimate against what FSDP2 (or gradsync) holds, per rank, on gloo.
 
 Builds the benchmarks' GPT (``--model gpt``, tied head), applies torch's ``fully_shard``
-(``--impl gradsync``: gradsync's) per block and on the root, runs one AdamW step, then measures on every rank:
+(``--impl gradsync``: gradsync's) per block and on the root, runs one AdamW step, then
+measures on every rank:
 
 - parameters: the padded sharded storage (FSDP2's ``FSDPParam._sharded_param_data``,
   gradsync's ``ShardedParameter.padded``);
@@ -164,8 +165,9 @@ def main() -> None:
     ]
     head = " (untied head)" if args.untie else ""
     print(
-        f"{args.impl}: GPT {args.layers} x {args.width}{head}, vocab {args.vocab}, batch {args.batch} x seq "
-        f"{args.seq}, {args.world_size} gloo ranks, AdamW; bytes measured / predicted"
+        f"{args.impl}: GPT {args.layers} x {args.width}{head}, vocab {args.vocab}, batch "
+        f"{args.batch} x seq {args.seq}, {args.world_size} gloo ranks, AdamW; bytes measured / "
+        "predicted"
     )
     for row in rows:
         cells = []

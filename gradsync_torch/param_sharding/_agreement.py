@@ -152,7 +152,7 @@ class StepAgreement:
 
     def __init__(self) -> None:
         self.seq = 0
-        self.scheduled: bool | None = None  # decided by the Step at the first collective
+        self.scheduled: bool | None = None  # set by fully_shard (Step.can_schedule)
         self._phase: Any = "forward"  # "forward", or ("backward", the units' sync flags)
         self._log: list[dict[str, Any]] = []  # this phase's collectives since _start
         self._wires: list[Wire] = []
