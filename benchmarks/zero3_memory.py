@@ -1,9 +1,11 @@
-"""gradsync's ZeRO-3 memory estimate against what FSDP2 actually holds, per rank, on gloo.
+"""gradsync's ZeRO-3 memory estimate against what FSDP2 (or gradsync) holds, per rank, on gloo.
 
-Builds the benchmarks' GPT (``--model gpt``, tied head), applies torch's ``fully_shard`` per
-block and on the root, runs one AdamW step, then measures on every rank:
+Builds the benchmarks' GPT (``--model gpt``, tied head), applies torch's ``fully_shard``
+(``--impl gradsync``: gradsync's) per block and on the root, runs one AdamW step, then
+measures on every rank:
 
-- parameters: FSDP2's padded sharded storage (``FSDPParam._sharded_param_data``);
+- parameters: the padded sharded storage (FSDP2's ``FSDPParam._sharded_param_data``,
+  gradsync's ``ShardedParameter.padded``);
 - gradients: the distinct storages behind the sharded ``param.grad`` after backward;
 - optimizer state: AdamW's ``exp_avg`` and ``exp_avg_sq`` local tensors;
 - peak: parameters + state + the largest rise of live CPU bytes during the next step
@@ -55,6 +57,20 @@ def _tied_names(model: torch.nn.Module) -> list[str]:
     return tied
 
 
+def _sharded_param_bytes(model: torch.nn.Module) -> int:
+    """The padded sharded parameter storage: FSDP2's ``_sharded_param_data``, or gradsync's
+    ``ShardedParameter.padded``."""
+    total = 0
+    for module in model.modules():
+        unit = getattr(module, "_gradsync_shard_unit", None)
+        if unit is not None:
+            total += sum(p.padded.nbytes for p in unit.params.params)
+        elif hasattr(module, "_get_fsdp_state"):
+            group = module._get_fsdp_state()._fsdp_param_group
+            total += sum(fp._sharded_param_data.nbytes for fp in group.fsdp_params) if group else 0
+    return total
+
+
 def _measure(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: Any) -> dict[str, int]:
     from torch.profiler import ProfilerActivity, profile
 
@@ -64,12 +80,7 @@ def _measure(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: Any) -> 
         opt.step()
 
     step()  # creates the optimizer state
-    groups = [
-        m._get_fsdp_state()._fsdp_param_group
-        for m in model.modules()
-        if hasattr(m, "_get_fsdp_state")
-    ]
-    params = sum(fp._sharded_param_data.nbytes for g in groups if g for fp in g.fsdp_params)
+    params = _sharded_param_bytes(model)
     state = sum(
         value.to_local().nbytes
         for per_param in opt.state.values()
@@ -96,7 +107,11 @@ def _measure(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: Any) -> 
 
 def worker(rank: int, world_size: int, store_path: str, args: argparse.Namespace, out: Any) -> None:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+
+    if args.impl == "gradsync":
+        from gradsync_torch import fully_shard
+    else:
+        from torch.distributed.fsdp import fully_shard
 
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -135,6 +150,9 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=16)
     parser.add_argument("--heads", type=int, default=None)
     parser.add_argument("--untie", action="store_true", help="give the head its own weight")
+    parser.add_argument(
+        "--impl", choices=("fsdp2", "gradsync"), default="fsdp2", help="whose fully_shard"
+    )
     args = parser.parse_args()
     args.model = "gpt"
     fill_model_defaults(args)
@@ -147,8 +165,9 @@ def main() -> None:
     ]
     head = " (untied head)" if args.untie else ""
     print(
-        f"GPT {args.layers} x {args.width}{head}, vocab {args.vocab}, batch {args.batch} x seq "
-        f"{args.seq}, {args.world_size} gloo ranks, AdamW; bytes measured / predicted"
+        f"{args.impl}: GPT {args.layers} x {args.width}{head}, vocab {args.vocab}, batch "
+        f"{args.batch} x seq {args.seq}, {args.world_size} gloo ranks, AdamW; bytes measured / "
+        "predicted"
     )
     for row in rows:
         cells = []

@@ -3,7 +3,8 @@
 The files are the ones every gradsync saver writes (format version 2, docs/design.md §9):
 optimizer state in model space, keyed by torch names, so a ZeRO-3 save at N ranks loads into
 ZeRO-3 at M, into ``ZeroRedundancyOptimizer`` (ZeRO-1/2), into a plain torch optimizer and
-into gradsync_jax, and back. Each rank writes what it holds: the state of its dim-0 rows of
+into gradsync_jax, and back. Each rank writes what it holds (under HSDP, the ranks of replica
+0, its shard group: the other replicas hold the same rows, and wait): the state of its dim-0 rows of
 every parameter, padding stripped, as the element ranges of a ``"dim0"`` shard plan
 (``gradsync_core.checkpoint.plan_dim0_shards``). The model's weights are gathered one
 parameter at a time and written whole by their owner (``model_owners``), as the other savers
@@ -15,7 +16,7 @@ agreement and refusals; a load reads only each rank's rows of the state (``windo
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from gradsync_core.checkpoint import data_extra, plan_dim0_shards, restore_data
 from gradsync_torch._specs import unwrapped
+from gradsync_torch.agreement import agree_ok
 from gradsync_torch.checkpoint import zero as checkpoint
 from gradsync_torch.checkpoint.model_state import copy_weights
 from gradsync_torch.checkpoint.plain import loaded_state_dict
@@ -31,6 +33,7 @@ from gradsync_torch.param_sharding._rows import (
     as_row_sharded,
     check_row_sharded,
     held_elements,
+    shard_dim,
     shard_mesh,
 )
 from gradsync_torch.zero.plans import param_specs_of, parameter_names
@@ -51,7 +54,11 @@ class _Sharded:
             )
         self.model = unwrapped(model)  # a wrapper's weights are its model's
         mesh = shard_mesh(self.model.named_parameters())
-        self.ranks = RankGroup(mesh.get_group(), mesh.get_local_rank(), mesh.size())
+        dim = shard_dim(mesh)  # HSDP: the files are the shard group's, written by replica 0
+        self.ranks = RankGroup(mesh.get_group(dim), mesh.get_local_rank(dim), mesh.size(dim))
+        replicated = mesh.ndim == 2 and mesh.size(0) > 1
+        self.replicate_group = mesh.get_group(0) if replicated else None
+        self.replica = mesh.get_local_rank(0) if replicated else 0
         self.groups = optimizer.param_groups
         self.params = [p for group in self.groups for p in group["params"]]
         self.names = parameter_names(self.groups, self.model)
@@ -62,6 +69,20 @@ class _Sharded:
     @property
     def group_of(self) -> list[int]:
         return [g for g, group in enumerate(self.groups) for _ in group["params"]]
+
+
+def _across_replicas(sharded: _Sharded, run: Callable[[], Any], what: str) -> Any:
+    """``run()``, a collective over the shard group; under HSDP every replicate group then
+    hears whether it failed (each meets every shard group, so every rank hears it), and all
+    raise together: no replica goes on alone, no rank is left waiting."""
+    if sharded.replicate_group is None:
+        return run()
+    try:
+        result, error = run(), None
+    except ValueError as exc:
+        result, error = None, str(exc)
+    agree_ok(error, sharded.replicate_group, what=what)
+    return result
 
 
 def _piece(index: int, name: str, param: DTensor, state: dict[str, Any]) -> StatePiece | None:
@@ -136,6 +157,15 @@ def save_fully_sharded(
         >>> save_fully_sharded("ckpt/step100", model, optimizer)  # doctest: +SKIP
     """
     sharded = _Sharded(model, optimizer)
+    what = f"cannot save checkpoint {os.fspath(path)} (HSDP: written by replica 0)"
+    if sharded.replica == 0:  # the other replicas hold the same rows: they wait below
+        _across_replicas(sharded, lambda: _save(path, sharded, optimizer, data), what)
+    else:
+        _across_replicas(sharded, lambda: None, what)
+
+
+def _save(path: Any, sharded: _Sharded, optimizer: torch.optim.Optimizer, data: Any) -> None:
+    """The save of one shard group (the whole mesh without HSDP)."""
     ranks = sharded.ranks
     snapshot = checkpoint.Snapshot(
         optimizer=optimizer_name(type(optimizer)),
@@ -201,7 +231,8 @@ def load_fully_sharded(
         policy=checkpoint.ValuePolicy(allow_nonfinite, allow_dtype_conversion),
         windows={i: held_elements(p) for i, p in enumerate(sharded.params)},  # its rows only
     )
-    loaded = checkpoint.load(path, target, sharded.ranks)
+    what = f"cannot load checkpoint {os.fspath(path)} (HSDP: a replica refused it)"
+    loaded = _across_replicas(sharded, lambda: checkpoint.load(path, target, sharded.ranks), what)
     restore_data(loaded.extra or {}, data, os.fspath(path))  # every rank alike: one manifest
 
     def rows(index: int, state: dict[str, Any]) -> dict[str, Any]:

@@ -294,6 +294,7 @@ def fully_shard(
         child.prefix, child.is_root, child.step = u.prefix, False, step
         step.units.append(child)
     unit.step = step
+    step.agreement.scheduled = step.can_schedule()
     unit.originals = {id(p): weakref.ref(p) for p in originals}
     module.__class__ = _sharded_class(type(module))
     object.__setattr__(module, _UNIT, unit)

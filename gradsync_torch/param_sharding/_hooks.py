@@ -15,8 +15,9 @@
   post-backward did not fire (the root, whose inputs are token ids; a unit without a gradient
   path) when the whole backward is done, and waits for every collective.
 
-Before each collective the ranks agree on it (``_agreement.py``), so ranks that run the
-model differently get one sentence instead of a hang.
+The ranks agree on every collective (``_agreement.py``: each one in the first step, then once
+per phase, at the backward's start and end), so ranks that run the model differently get one
+sentence instead of a hang.
 """
 
 from __future__ import annotations
@@ -52,8 +53,20 @@ class Step:
         self.last_forward_order: list[ShardUnit] = []
         self.post_forward_order: list[ShardUnit] = []
 
+    def can_schedule(self) -> bool:
+        """Whether the runtime agreement may check once per phase (``_agreement.py``): one
+        shard group of 2+ ranks for every unit, and no HSDP all-reduce."""
+        group = self.units[0].params.group
+        return group.size() > 1 and all(
+            u.params.group is group and u.params.replicate_group is None for u in self.units
+        )
+
     def queue_callback(self) -> None:
+        """The backward starts: agree on the forward (and on which units reduce-scatter),
+        then queue ``finish_backward`` at the end of autograd's backward."""
         if not self.callback_queued:
+            flags = tuple(u.requires_gradient_sync for u in self.units)
+            self.agreement.end_phase(("backward", flags), self.units[0].params.group)
             self.callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
 
@@ -65,6 +78,9 @@ class Step:
             unit.params.finish_reduce()
         for unit in self.units:
             unit.params.finish_all_reduce()
+        self.agreement.end_phase("forward", self.units[0].params.group)
+        for unit in self.units:  # the ranks agreed on the step: store its gradients
+            unit.params.store_gradients()
             unit.params.free()
             unit.state = IDLE
             unit.open_calls.clear()
@@ -74,7 +90,6 @@ class Step:
         if self.forward_order:
             self.last_forward_order = self.forward_order
         self.forward_order, self.post_forward_order = [], []
-        self.agreement.new_step()
 
     def start_reduce(self, unit: ShardUnit) -> None:
         """Finish the reduce-scatter in flight, start ``unit``'s: at most one unit's send
@@ -128,11 +143,12 @@ class ShardUnit:
             module.register_forward_hook(self.post_forward, with_kwargs=True),
         ]
 
-    def check(self, op: str, names: list[str], group: Any = None) -> None:
+    def check(self, op: str, names: list[str], *, group: Any = None, wire: Any = None) -> None:
         """Agree with the peers before collective ``op`` over ``names`` (``_agreement.py``);
-        ``group``: the replicate group of an HSDP all-reduce, else the shard group."""
+        ``group``: the replicate group of an HSDP all-reduce, else the shard group;
+        ``wire``: the collective's shape, what a rank leaving the schedule issues instead."""
         group = self.params.group if group is None else group
-        self.step.agreement.check(op, self.prefix, names, group)
+        self.step.agreement.check(op, self.prefix, names, group, wire)
 
     def pre_forward(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]

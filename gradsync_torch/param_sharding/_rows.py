@@ -1,9 +1,10 @@
 """A sharded parameter's rows, from outside the hooks: what checkpoints read and write.
 
 ``fully_shard`` leaves every parameter an ``nn.Parameter`` holding a ``DTensor`` with
-``Shard(0)`` on a 1-D mesh, its local tensor the rank's unpadded rows (``_unit.py``), exactly
-FSDP2's representation, and torch's optimizers keep their state in the same form. These
-helpers go between that form and model space (whole tensors) by the plan's one cut rule,
+``Shard(0)`` on a 1-D mesh, or ``(Replicate(), Shard(0))`` on a 2-D one (HSDP), its local
+tensor the rank's unpadded rows of the shard dimension (``_unit.py``), exactly FSDP2's
+representation, and torch's optimizers keep their state in the same form. These helpers go
+between that form and model space (whole tensors) by the plan's one cut rule,
 ``gradsync_core.chunk_rows``, so a checkpoint never needs the hooks' internals.
 """
 
@@ -12,13 +13,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-from torch.distributed.tensor import DeviceMesh, DTensor, Shard
+from torch.distributed.tensor import DeviceMesh, DTensor, Replicate, Shard
 
 from gradsync_core import chunk_rows
 
 
 def check_row_sharded(name: str, value: torch.Tensor) -> DTensor:
-    """``value`` as a row-sharded ``DTensor`` (``Shard(0)`` on a 1-D mesh), or a sentence.
+    """``value`` as a row-sharded ``DTensor`` (``Shard(0)`` on a 1-D mesh, or
+    ``(Replicate(), Shard(0))`` on a 2-D one: HSDP), or a sentence.
 
     Raises:
         ValueError: naming ``name`` if it is another tensor (not sharded by ``fully_shard``,
@@ -29,10 +31,11 @@ def check_row_sharded(name: str, value: torch.Tensor) -> DTensor:
             f"{name} is a plain {type(value).__name__}, not a DTensor: every parameter of the "
             "model must be sharded by gradsync_torch.fully_shard (call it on the root too)"
         )
-    if value.device_mesh.ndim != 1 or tuple(value.placements) != (Shard(0),):
+    if tuple(value.placements) not in ((Shard(0),), (Replicate(), Shard(0))):
         raise ValueError(
             f"{name} is placed {tuple(value.placements)} on a {value.device_mesh.ndim}-D mesh; "
-            "a ZeRO-3 checkpoint holds parameters sharded by fully_shard (Shard(0), 1-D mesh)"
+            "a ZeRO-3 checkpoint holds parameters sharded by fully_shard (Shard(0) on a 1-D "
+            "mesh, or (Replicate(), Shard(0)) on a 2-D one)"
         )
     return value
 
@@ -58,10 +61,15 @@ def shard_mesh(named: Iterable[tuple[str, torch.Tensor]]) -> DeviceMesh:
     return mesh
 
 
+def shard_dim(mesh: DeviceMesh) -> int:
+    """The mesh dimension the rows are cut over: the only one, or (HSDP) the last."""
+    return mesh.ndim - 1
+
+
 def held_rows(like: DTensor) -> tuple[int, int]:
     """The rows ``[start, stop)`` of dim 0 that this rank holds of ``like``."""
-    mesh = like.device_mesh
-    start, stop, _ = chunk_rows(like.shape[0], mesh.size(), mesh.get_local_rank())
+    mesh, dim = like.device_mesh, shard_dim(like.device_mesh)
+    start, stop, _ = chunk_rows(like.shape[0], mesh.size(dim), mesh.get_local_rank(dim))
     return start, stop
 
 

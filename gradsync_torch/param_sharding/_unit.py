@@ -20,6 +20,7 @@ from torch.distributed.tensor import DeviceMesh, DTensor, Placement, Shard
 
 from gradsync_core import ParamChunk
 from gradsync_torch._collectives import all_gather_single, reduce_scatter_single
+from gradsync_torch.param_sharding._agreement import Wire
 from gradsync_torch.param_sharding._divide import gradient_divide
 from gradsync_torch.param_sharding._policy import MixedPrecisionPolicy
 
@@ -60,6 +61,15 @@ def _alloc(tensor: torch.Tensor) -> None:
     nbytes = tensor.numel() * tensor.itemsize
     if tensor.untyped_storage().size() != nbytes:
         tensor.untyped_storage().resize_(nbytes)
+
+
+def _release(*buffers: torch.Tensor) -> None:
+    """Free a finished collective's buffers now. Dropping our references is not enough: the
+    backend's work object holds them until its thread lets go of it, which on an
+    oversubscribed machine came after the next unit's backward had started (measured: the
+    root's all-gather buffers, 41 MB at 4 ranks, alive into the backward on half the ranks)."""
+    for buffer in buffers:
+        _free(buffer)
 
 
 def _swap(places: tuple[tuple[nn.Module, str], ...], param: nn.Parameter) -> None:
@@ -139,6 +149,9 @@ class UnitParameters:
         self._gathering: tuple | None = None  # an all-gather in flight (a prefetch)
         self._pending: tuple | None = None  # a reduce-scatter in flight
         self._all_reducing: tuple | None = None  # HSDP: its all-reduce over the replicas
+        # Reduced gradients waiting for the end-of-backward agreement check before they are
+        # stored (store_gradients): a step the ranks ran differently changes no gradient.
+        self._reduced: list[tuple[ShardedParameter, torch.Tensor]] = []
         # Called with (collective, member names) before each collective: the hooks' runtime
         # agreement (_agreement.py), so ranks that diverge get a sentence, not a hang.
         self.check: Callable[..., None] | None = None
@@ -148,13 +161,16 @@ class UnitParameters:
         background (a prefetch: ``gather`` finishes it when the unit is needed)."""
         if self.is_gathered or self._gathering is not None or not self.params:
             return
-        if self.check is not None:
-            self.check("all-gather", [p.name for p in self.params])
         dtype = self.params[0].gathered.dtype
+        if self.check is not None:
+            numel = sum(p.chunk.padded_numel for p in self.params)
+            device = self.params[0].padded.device
+            wire = Wire("all-gather", self.group, numel, dtype, device)
+            self.check("all-gather", [p.name for p in self.params], wire=wire)
         send = torch.cat([p.padded.to(dtype) for p in self.params])
         recv = send.new_empty(self.world_size * send.numel())
         work = all_gather_single(recv, send, group=self.group, async_op=True)
-        self._gathering = (work, recv)
+        self._gathering = (work, recv, send)
 
     def gather(self) -> None:
         """Gather the unit (or finish the gather ``start_gather`` began) and swap it in."""
@@ -163,7 +179,7 @@ class UnitParameters:
             return
         self.start_gather()
         assert self._gathering is not None
-        work, recv = self._gathering
+        work, recv, send = self._gathering
         self._gathering = None
         work.wait()
         pieces = recv.view(self.world_size, -1).split(
@@ -178,6 +194,7 @@ class UnitParameters:
             if p.unsharded.requires_grad != p.sharded.requires_grad:
                 p.unsharded.requires_grad_(p.sharded.requires_grad)
             _swap(p.places, p.unsharded)
+        _release(recv, send)
         self.is_gathered = True
 
     @property
@@ -188,7 +205,9 @@ class UnitParameters:
     def free(self) -> None:
         """Point the modules back at the shards and release the gathered storage."""
         if self._gathering is not None:  # a prefetch nobody used: complete it, then drop it
-            self._gathering[0].wait()
+            work, *buffers = self._gathering
+            work.wait()
+            _release(*buffers)
             self._gathering = None
         if not self.is_gathered:
             return
@@ -220,7 +239,10 @@ class UnitParameters:
             send.div_(divide.pre)
         work = None
         if self.check is not None:
-            self.check("reduce-scatter", [p.name for p in ready])
+            wire = Wire("reduce-scatter", self.group, send.numel(), reduce_dtype, send.device)
+            self.check(
+                "reduce-scatter", [p.name for p in ready], wire=wire._replace(reduce_op=divide.op)
+            )
         if self.world_size > 1:
             # FSDP2's own collective and op (AVG for float32/bfloat16), not the executor's
             # SUM-only reduce_scatter_into: bitwise parity with FSDP2 needs the same reduction.
@@ -240,14 +262,14 @@ class UnitParameters:
         self._pending = None
         if work is not None:
             work.wait()
-        del send  # before the gradients' views are made: the peak is one unit's, not two
+        _release(send)  # before the gradients' views are made: the peak is one unit's, not two
         if self.replicate_size > 1:
             if self.check is not None:
-                self.check("all-reduce", [p.name for p in ready], self.replicate_group)
+                self.check("all-reduce", [p.name for p in ready], group=self.replicate_group)
             work = dist.all_reduce(out, op=divide.op, group=self.replicate_group, async_op=True)
             self._all_reducing = (work, out, ready, divide.post)
             return
-        _finish(ready, out, divide.post)
+        self._reduced += _reduced(ready, out, divide.post)
 
     def finish_all_reduce(self) -> None:
         """Wait for the HSDP all-reduce ``finish_reduce`` started; store the gradients."""
@@ -256,7 +278,25 @@ class UnitParameters:
         work, out, ready, post = self._all_reducing
         self._all_reducing = None
         work.wait()
-        _finish(ready, out, post)
+        self._reduced += _reduced(ready, out, post)
+
+    def store_gradients(self) -> None:
+        """Hand the reduced gradients to the sharded ``.grad``s (added to any already there,
+        as FSDP2 accumulates across steps); called once the step's collectives agreed."""
+        reduced, self._reduced = self._reduced, []
+        for p, local in reduced:
+            grad = p.sharded.grad
+            if grad is not None:
+                grad._local_tensor += local
+            else:
+                p.sharded.grad = DTensor.from_local(
+                    local,
+                    p.sharded.device_mesh,
+                    p.sharded.placements,
+                    run_check=False,
+                    shape=p.sharded.shape,
+                    stride=p.sharded.stride(),
+                )
 
     def keep_gradients(self) -> None:
         """Gradient sync is off: leave the gradients unsharded for the next backward to add
@@ -302,27 +342,16 @@ def _send_buffer(
     return send
 
 
-def _finish(ready: list[ShardedParameter], out: torch.Tensor, post: float | None) -> None:
+def _reduced(
+    ready: list[ShardedParameter], out: torch.Tensor, post: float | None
+) -> list[tuple[ShardedParameter, torch.Tensor]]:
+    """Each parameter's rows of the reduced ``out`` (divided by ``post``), in its own dtype:
+    views of ``out``, or copies under mixed precision (``out`` is then dropped at once)."""
     if post not in (None, 1):
         out.div_(post)
-    _store_gradients(ready, out)
-
-
-def _store_gradients(ready: list[ShardedParameter], out: torch.Tensor) -> None:
-    offset = 0
+    offset, pieces = 0, []
     for p in ready:
         local = out[offset : offset + p.chunk.numel].view(p.chunk.local_shape)
-        local = local.to(p.padded.dtype)
+        pieces.append((p, local.to(p.padded.dtype)))
         offset += p.chunk.padded_numel
-        grad = p.sharded.grad
-        if grad is not None:
-            grad._local_tensor += local  # accumulate, as FSDP2 does across steps
-        else:
-            p.sharded.grad = DTensor.from_local(
-                local,
-                p.sharded.device_mesh,
-                p.sharded.placements,
-                run_check=False,
-                shape=p.sharded.shape,
-                stride=p.sharded.stride(),
-            )
+    return pieces

@@ -144,10 +144,47 @@ def _check(rank: int, world_size: int) -> dict:
             lambda: _groups(rank),
         ),
         ("plan differs across ranks", lambda: _mismatch(rank)),
+        ("the runtime agreement checks twice per step", lambda: _agreement_per_phase(rank)),
     ]
     if world_size == 4:
         checks.append(("HSDP 2 x 2 equals FSDP2's HSDP", lambda: _hsdp(rank)))
     return run_checks(checks)
+
+
+def _agreement_per_phase(rank: int) -> None:
+    """Once a phase is learnt, a step costs two checks (the backward's start and end), with
+    accumulation alternating two schedules and an evaluation forward in between; ranks with
+    different set_requires_gradient_sync raise one sentence before their backward."""
+    from gradsync_torch import fully_shard
+    from gradsync_torch.param_sharding import _agreement
+
+    model = _build(fully_shard, reshard=True)
+    real, calls = _agreement.agree_on, []
+
+    def counted(*args, **kwargs):
+        calls.append(args[0])
+        return real(*args, **kwargs)
+
+    _agreement.agree_on = counted
+    try:
+        per_step = []
+        for step in range(6):
+            if step == 3:  # an evaluation forward: the ranks leave the schedule alike
+                with torch.no_grad():
+                    model(_batch(rank, step))
+            calls.clear()
+            model.set_requires_gradient_sync(step % 2 == 1)
+            _loss(model, _batch(rank, step)).backward()
+            per_step.append(len(calls))
+        assert per_step[0] > 2 and per_step[2] == per_step[5] == 2, per_step
+        model.set_requires_gradient_sync(rank == 0)
+        with pytest.raises(ValueError, match="different set_requires_gradient_sync") as error:
+            _loss(model, _batch(rank, 6)).backward()
+    finally:
+        _agreement.agree_on = real
+    sentences: list = [None] * dist.get_world_size()
+    dist.all_gather_object(sentences, str(error.value))
+    assert len(set(sentences)) == 1, sentences
 
 
 def _lifecycle(rank: int) -> None:

@@ -180,13 +180,49 @@ def _empty_chunks(rank: int, root: str) -> None:
     assert again.weight.to_local().shape == ((1, 3) if rank < 2 else (0, 3))
 
 
+def _hsdp(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from gradsync_torch import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(seed)
+    model = TiedLM()
+    for module in (*model.layers, model.frozen, model):
+        fully_shard(module, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), **HYPER)
+
+
+def _hsdp_checkpoint(rank: int, world_size: int, tokens, labels, root: str) -> dict[str, Any]:
+    """HSDP 2 x 2 saved (by replica 0) and resumed by HSDP 2 x 2 (bitwise), and by 1-D ZeRO-3
+    at 4 ranks; returns both continued runs' states for the floor check."""
+    from gradsync_torch import load_fully_sharded, save_fully_sharded
+
+    path = os.path.join(root, "hsdp")
+    model, opt = _hsdp(0)
+    _train(model, opt, tokens, labels, SAVE_AT, rank, world_size)
+    save_fully_sharded(path, model, opt)
+    _train(model, opt, tokens, labels, MORE, rank, world_size)
+    resumed, resumed_opt = _hsdp(1234)
+    load_fully_sharded(path, resumed, resumed_opt)
+    _train(resumed, resumed_opt, tokens, labels, MORE, rank, world_size)
+    mine, theirs = _locals(resumed, resumed_opt), _locals(model, opt)
+    assert mine.keys() == theirs.keys()
+    for key, value in theirs.items():  # the same arithmetic: the same bytes
+        assert torch.equal(mine[key], value), key
+    into, into_opt = _sharded(1234)
+    load_fully_sharded(path, into, into_opt)
+    _train(into, into_opt, tokens, labels, MORE, rank, world_size)
+    return {"hsdp": _state(model, opt), "hsdp_to_1d": _state(into, into_opt)}
+
+
 def _four_ranks(rank: int, world_size: int, tokens, labels, root: str) -> dict[str, Any]:
     """ZeRO-3 saved at 2 ranks, and JAX's save, each continued by ZeRO-3 at 4 ranks; a
-    layer smaller than the world saved and resumed at 4."""
+    layer smaller than the world saved and resumed at 4; an HSDP 2 x 2 save."""
     from gradsync_torch import load_fully_sharded
 
     _empty_chunks(rank, root)
-    out = {}
+    out = _hsdp_checkpoint(rank, world_size, tokens, labels, root)
     for name, more in (("z3", MORE), ("jax", MORE)):
         model, opt = _sharded(1234)
         load_fully_sharded(os.path.join(root, name), model, opt)
@@ -217,7 +253,10 @@ def _close(got: dict[str, Any], want: dict[str, Any], what: str) -> None:
 
 def test_zero3_checkpoint_round_trips(tmp_path, capsys) -> None:
     """ZeRO-3 2 -> ZeRO-3 2 (bitwise), 2 -> 4, -> ZeRO-1, -> plain torch, -> JAX; ZeRO-1 ->
-    ZeRO-3; JAX -> ZeRO-3 at 4 ranks; ``gradsync checkpoint inspect`` on the ZeRO-3 save."""
+    ZeRO-3; JAX -> ZeRO-3 at 4 ranks; ``gradsync checkpoint inspect`` on the ZeRO-3 save;
+    HSDP 2 x 2 -> HSDP 2 x 2 (bitwise), -> ZeRO-3 at 4 ranks, -> plain torch."""
+    from gradsync_core import read_manifest
+    from gradsync_core.checkpoint import resolve_checkpoint
     from tests.parity import test_cross_tied as jaxside
 
     tokens, labels = jaxside.data()
@@ -235,9 +274,16 @@ def test_zero3_checkpoint_round_trips(tmp_path, capsys) -> None:
     _close(four["z3"], after, "ZeRO-3 at 2 ranks -> ZeRO-3 at 4 ranks")
     final = _reference(tokens, labels, SAVE_AT + 2 * MORE)
     _close(four["jax"], final, "ZeRO-3 -> JAX (ZeRO-1, 2 devices) -> ZeRO-3 at 4 ranks")
+    _close(four["hsdp"], after, "HSDP 2 x 2, uninterrupted")
+    _close(four["hsdp_to_1d"], after, "HSDP 2 x 2 -> ZeRO-3 at 4 ranks")
+    hsdp = os.path.join(root, "hsdp")
+    assert read_manifest(resolve_checkpoint(hsdp)).world_size == 2  # the shard group's files
+    _check_plain(hsdp, tokens, labels, after, "HSDP 2 x 2 -> plain torch AdamW")
 
 
-def _check_plain(path: str, tokens, labels, want: dict[str, Any]) -> None:
+def _check_plain(
+    path: str, tokens, labels, want: dict[str, Any], what: str = "ZeRO-3 at 2 ranks"
+) -> None:
     """ZeRO-3 -> a plain torch AdamW in one process, weights and state."""
     from gradsync_torch import load_model_weights, load_optimizer_state_dict
 
@@ -248,7 +294,7 @@ def _check_plain(path: str, tokens, labels, want: dict[str, Any]) -> None:
     load_optimizer_state_dict(path, opt, model)
     assert model.head.weight is model.embed.weight
     _train(model, opt, tokens, labels, MORE, 0, 1)
-    _close(_state(model, opt), want, "ZeRO-3 at 2 ranks -> plain torch AdamW")
+    _close(_state(model, opt), want, what if "->" in what else f"{what} -> plain torch AdamW")
 
 
 def _check_inspect(path: str, at_save: dict[str, Any], capsys) -> None:
