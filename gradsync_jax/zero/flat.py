@@ -16,7 +16,9 @@ element range ``i`` of every parameter, and hands the inner transformation a tre
 the parameters (same paths; each leaf this device's range, as ``(1, ..., 1, chunk)`` so it
 keeps the parameter's rank): the mask or label function then decides as it does on the whole
 tree, which the analysis checks (equal signatures), and the state keeps flat's balance (each
-parameter padded to a multiple of ``N`` elements at most).
+parameter padded to a multiple of ``N`` elements at most). The small parameters' buckets
+share one reduce-scatter and one all-gather (``FlatLayout.wire_groups``); what each device
+stores is unchanged.
 """
 
 from __future__ import annotations
