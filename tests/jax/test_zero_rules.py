@@ -103,6 +103,9 @@ def test_per_parameter_flat_keeps_flat_balance(shape: tuple[int, int, int]) -> N
     assert isinstance(layout, FlatLayout) and layout.by_param
     whole = sum(2 * 4 * (rows * cols + cols) for _ in range(count))  # mu and nu, float32
     assert tx.state_nbytes_per_device(params) <= whole / 8 * 1.05
+    # Each kernel has its own reduce-scatter and all-gather; the biases (a few KiB each)
+    # share one of each (FlatLayout.wire_groups), the stored ranges staying per parameter.
+    assert sorted(len(group) for group in layout.wire_groups()) == [1] * count + [count]
 
 
 def test_auto_packs_nothing_and_explicit_flat_keeps_torch_buckets() -> None:
