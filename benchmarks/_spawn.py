@@ -2,12 +2,17 @@
 
 A rank that dies (an exception, a gloo abort) would leave the others waiting in a collective
 and the parent waiting on the queue for half an hour; so the parent polls the queue and the
-processes, and stops everything as soon as one rank has exited with an error.
+processes, and stops everything as soon as one rank has exited with an error. Each rank ends
+as the README's "clean end" says: after its worker returns (and destroyed its process group),
+a ``gc.collect()`` lets gloo's threads stop before the interpreter exits; left to interpreter
+shutdown, one of them can abort the process ("terminate called without an active
+exception", seen once in ~20 repeats of benchmarks/torch_zero.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import queue
 import tempfile
@@ -33,7 +38,7 @@ def spawn_ranks(
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
         procs = [
-            ctx.Process(target=worker, args=(r, args.world_size, store, args, out))
+            ctx.Process(target=_rank_main, args=(worker, r, args.world_size, store, args, out))
             for r in range(args.world_size)
         ]
         for p in procs:
@@ -50,6 +55,11 @@ def spawn_ranks(
                     p.terminate()
                     p.join()
     return result
+
+
+def _rank_main(worker: Callable[..., None], *args: Any) -> None:
+    worker(*args)
+    gc.collect()  # the objects holding the process group, before interpreter shutdown
 
 
 def _wait_for_result(out: Any, procs: list[Any], timeout_s: float) -> Any:
