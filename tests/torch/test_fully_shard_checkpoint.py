@@ -108,25 +108,33 @@ def _zero1_state(model: nn.Module, opt) -> dict[str, Any]:
     }
 
 
-def _two_ranks(rank: int, world_size: int, tokens, labels, root: str) -> dict[str, Any]:
-    """ZeRO-3 saved and resumed at 2 ranks (bitwise), ZeRO-3 -> ZeRO-1 and ZeRO-1 -> ZeRO-3;
-    a refused load changes nothing. Returns (rank 0) each continued run's state."""
-    from gradsync_torch import load_fully_sharded, load_optimizer_state_dict, save_fully_sharded
+def _save_resume_bitwise(path: str, make, tokens, labels, rank: int, world_size: int):
+    """Train, save at SAVE_AT, train MORE; a fresh ``make(1234)`` loads the save and trains
+    MORE: both end on the same bytes (the same arithmetic). Returns the uninterrupted run."""
+    from gradsync_torch import load_fully_sharded, save_fully_sharded
 
-    z3, z1 = os.path.join(root, "z3"), os.path.join(root, "z1")
-    model, opt = _sharded(0)
+    model, opt = make(0)
     _train(model, opt, tokens, labels, SAVE_AT, rank, world_size)
-    save_fully_sharded(z3, model, opt)
+    save_fully_sharded(path, model, opt)
     _train(model, opt, tokens, labels, MORE, rank, world_size)
-    out = {"uninterrupted": _state(model, opt)}
-
-    resumed, resumed_opt = _sharded(1234)
-    load_fully_sharded(z3, resumed, resumed_opt)
+    resumed, resumed_opt = make(1234)
+    load_fully_sharded(path, resumed, resumed_opt)
     _train(resumed, resumed_opt, tokens, labels, MORE, rank, world_size)
     mine, theirs = _locals(resumed, resumed_opt), _locals(model, opt)
     assert mine.keys() == theirs.keys()
-    for key, value in theirs.items():  # the same arithmetic: the same bytes
+    for key, value in theirs.items():
         assert torch.equal(mine[key], value), key
+    return model, opt
+
+
+def _two_ranks(rank: int, world_size: int, tokens, labels, root: str) -> dict[str, Any]:
+    """ZeRO-3 saved and resumed at 2 ranks (bitwise), ZeRO-3 -> ZeRO-1 and ZeRO-1 -> ZeRO-3;
+    a refused load changes nothing. Returns (rank 0) each continued run's state."""
+    from gradsync_torch import load_fully_sharded, load_optimizer_state_dict
+
+    z3, z1 = os.path.join(root, "z3"), os.path.join(root, "z1")
+    model, opt = _save_resume_bitwise(z3, _sharded, tokens, labels, rank, world_size)
+    out = {"uninterrupted": _state(model, opt)}
 
     wrong, _ = _sharded(1234)
     sgd = torch.optim.SGD(wrong.parameters(), lr=0.1, momentum=0.9)
@@ -196,20 +204,10 @@ def _hsdp(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
 def _hsdp_checkpoint(rank: int, world_size: int, tokens, labels, root: str) -> dict[str, Any]:
     """HSDP 2 x 2 saved (by replica 0) and resumed by HSDP 2 x 2 (bitwise), and by 1-D ZeRO-3
     at 4 ranks; returns both continued runs' states for the floor check."""
-    from gradsync_torch import load_fully_sharded, save_fully_sharded
+    from gradsync_torch import load_fully_sharded
 
     path = os.path.join(root, "hsdp")
-    model, opt = _hsdp(0)
-    _train(model, opt, tokens, labels, SAVE_AT, rank, world_size)
-    save_fully_sharded(path, model, opt)
-    _train(model, opt, tokens, labels, MORE, rank, world_size)
-    resumed, resumed_opt = _hsdp(1234)
-    load_fully_sharded(path, resumed, resumed_opt)
-    _train(resumed, resumed_opt, tokens, labels, MORE, rank, world_size)
-    mine, theirs = _locals(resumed, resumed_opt), _locals(model, opt)
-    assert mine.keys() == theirs.keys()
-    for key, value in theirs.items():  # the same arithmetic: the same bytes
-        assert torch.equal(mine[key], value), key
+    model, opt = _save_resume_bitwise(path, _hsdp, tokens, labels, rank, world_size)
     into, into_opt = _sharded(1234)
     load_fully_sharded(path, into, into_opt)
     _train(into, into_opt, tokens, labels, MORE, rank, world_size)
