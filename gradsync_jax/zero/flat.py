@@ -17,8 +17,8 @@ the parameters (same paths; each leaf this device's range, as ``(1, ..., 1, chun
 keeps the parameter's rank): the mask or label function then decides as it does on the whole
 tree, which the analysis checks (equal signatures), and the state keeps flat's balance (each
 parameter padded to a multiple of ``N`` elements at most). The small parameters' buckets
-share one reduce-scatter and one all-gather (``FlatLayout.wire_groups``); what each device
-stores is unchanged.
+share one reduce-scatter and one all-gather (``wire.py``); what each device stores is
+unchanged.
 """
 
 from __future__ import annotations
@@ -36,8 +36,9 @@ from jax.sharding import PartitionSpec as P
 
 from gradsync_core import BucketPlan, ShardPlan, plan_buckets, plan_flat_shards
 from gradsync_core._buckets import plan_param_buckets
-from gradsync_jax._axes import cast_varying, psum_scatter_mean, tracks_variance, varying
+from gradsync_jax._axes import cast_varying, tracks_variance, varying
 from gradsync_jax._naming import registration_order
+from gradsync_jax.zero import wire
 from gradsync_jax.zero.clip import global_norm_args
 from gradsync_jax.zero.layout import (
     Collective,
@@ -47,14 +48,6 @@ from gradsync_jax.zero.layout import (
     materialize,
 )
 from gradsync_jax.zero.model_space import ModelSpace, dtype_name, itemsize, key_part, path_parts
-
-# Under ``by_param``, parameters below this size share their collectives (``wire_groups``):
-# each collective is one rendezvous of every device, whatever its size, and a model has as
-# many biases and norms as weight matrices. A collectives-only step of 10 x 1000² with
-# biases took 0.71-0.83x the time with the ten biases packed (8 CPU devices, loaded 2-core
-# machine); the whole AdamW step showed no difference at that load (docs/jax-zero.md).
-PACK_BELOW_BYTES = 256 * 1024
-PACK_CAP_BYTES = 4 * 1024 * 1024
 
 
 class NotElementwiseError(ValueError):
@@ -246,7 +239,8 @@ class FlatLayout:
         group: Collective,
     ) -> UpdateResult:
         axes, params = group.axes, inputs.params
-        g_chunks = self._reduce_scatter(self._flat(inputs.grads, computed=True), axes, group.mean)
+        flats = self._flat(inputs.grads, computed=True)
+        g_chunks = wire.reduce_scatter(flats, self.wire_groups(), axes, self.n, group.mean)
         p_chunks = None if params is None else self._own_chunks(params, axes)
         norm = jnp.sqrt(lax.psum(sum(jnp.sum(jnp.square(g)) for g in g_chunks), axes))
         g_view = self.view(g_chunks)
@@ -268,7 +262,7 @@ class FlatLayout:
                         "gradient as a whole"
                     )
         updates: list[Any] = [None] * len(self.space.specs)
-        for b, full in enumerate(self._all_gather(u_chunks, axes)):
+        for b, full in enumerate(wire.all_gather(u_chunks, self.wire_groups(), axes, self.n)):
             for i, offset in self.slots[b]:
                 spec = self.space.specs[i]
                 updates[i] = full[offset : offset + spec.numel].reshape(spec.shape)
@@ -278,59 +272,10 @@ class FlatLayout:
         ]
         return UpdateResult(updates=updates, state=ZeroState(inner=inner_state, shards={}))
 
-    def wire_groups(self) -> tuple[tuple[int, ...], ...]:
-        """The buckets that travel in one collective: each alone, except under ``by_param``
-        the small ones (below ``PACK_BELOW_BYTES``, same dtype, in plan order) packed
-        together up to ``PACK_CAP_BYTES``. A collective has a fixed cost (one rendezvous of
-        every device), so a model's biases and norms, one bucket each, would cost as much in
-        number as its weight matrices; packing them costs one copy of a few KiB. The stored
-        layout is unchanged: device ``i`` still holds range ``i`` of every parameter."""
-        groups: list[list[int]] = []
-        open_group: dict[str, list[int]] = {}
-        for b, bucket in enumerate(self.buckets.buckets):
-            nbytes = bucket.numel * itemsize(bucket.dtype)
-            if not self.by_param or nbytes >= PACK_BELOW_BYTES:
-                groups.append([b])
-                continue
-            members = open_group.get(bucket.dtype)
-            size = sum(self.buckets.buckets[m].numel for m in members or [])
-            if members is None or (size * itemsize(bucket.dtype) + nbytes) > PACK_CAP_BYTES:
-                members = open_group[bucket.dtype] = []
-                groups.append(members)
-            members.append(b)
-        return tuple(tuple(g) for g in groups)
-
-    def _reduce_scatter(self, flats: list[Any], axes: tuple[str, ...], mean: bool) -> list[Any]:
-        """This device's chunk of every bucket of ``flats``, summed (or averaged) over ``axes``.
-
-        A packed group is laid out device-major (row ``d``: chunk ``d`` of each member, one
-        small concatenate), so the one reduce-scatter leaves each device its own chunk of
-        every member, as one reduce-scatter per bucket would."""
-        out: list[Any] = [None] * len(flats)
-        for group in self.wire_groups():
-            if len(group) == 1:
-                out[group[0]] = psum_scatter_mean(flats[group[0]], axes, self.n, mean=mean)
-                continue
-            rows = jnp.concatenate([flats[b].reshape(self.n, -1) for b in group], axis=1)
-            mine = psum_scatter_mean(rows.reshape(-1), axes, self.n, mean=mean)
-            cuts = np.cumsum([self.chunk(b) for b in group])[:-1]
-            for b, part in zip(group, jnp.split(mine, cuts), strict=True):
-                out[b] = part
-        return out
-
-    def _all_gather(self, chunks: list[Any], axes: tuple[str, ...]) -> list[Any]:
-        """Every bucket whole (replicated) from each device's chunk, one collective a group."""
-        out: list[Any] = [None] * len(chunks)
-        for group in self.wire_groups():
-            if len(group) == 1:
-                out[group[0]] = lax.all_gather(chunks[group[0]], axes, tiled=True, to="invarying")
-                continue
-            mine = jnp.concatenate([chunks[b] for b in group])
-            rows = lax.all_gather(mine, axes, tiled=True, to="invarying").reshape(self.n, -1)
-            cuts = np.cumsum([self.chunk(b) for b in group])[:-1]
-            for b, cols in zip(group, jnp.split(rows, cuts, axis=1), strict=True):
-                out[b] = cols.reshape(-1)
-        return out
+    def wire_groups(self) -> wire.Groups:
+        """The buckets that travel in one collective (``wire.wire_groups``): under
+        ``by_param`` the small ones share one; the stored layout is the same either way."""
+        return wire.wire_groups(self.buckets.buckets, pack=self.by_param)
 
     # -- host side: model space <-> storage ------------------------------------------------
 
