@@ -378,15 +378,7 @@ class _StateSources:
     ) -> _StateSources:
         """Raises ``NotElementwiseError`` for a state the flat layout cannot hold."""
         flat, grown, treedef = _chunk_states(inner, buckets, n)
-        prefixes: dict[str, int] = {}  # space prefix text -> id
-        for leaf in space.leaves:
-            if leaf.param is not None:
-                prefixes.setdefault(leaf.prefix, len(prefixes))
-        by_prefix_param = {
-            (prefixes[leaf.prefix], leaf.param): k
-            for k, leaf in enumerate(space.leaves)
-            if leaf.param is not None
-        }
+        prefixes, by_prefix_param = _element_leaves(space)
         sources = []
         for (path, leaf), bigger in zip(flat, grown, strict=True):
             parts = path_parts(path)
@@ -448,6 +440,22 @@ def _init_error(err: Exception, on: str) -> NotElementwiseError:
     return not_elementwise(f"cannot be initialized on {on} ({type(err).__name__}: {first_line})")
 
 
+def _element_leaves(space: ModelSpace) -> tuple[dict[str, int], dict[tuple[int, int], int]]:
+    """The per-parameter state prefixes (``mu``, ``nu``) numbered in first-appearance order,
+    and the model-space leaf of each (prefix id, parameter). Raises ``NotElementwiseError``
+    for several leaves of one prefix per parameter (per-dimension state, as SM3's)."""
+    prefixes: dict[str, int] = {}  # space prefix text -> id
+    leaves: dict[tuple[int, int], int] = {}
+    for k, leaf in enumerate(space.leaves):
+        if leaf.param is None:
+            continue
+        key = (prefixes.setdefault(leaf.prefix, len(prefixes)), leaf.param)
+        if key in leaves:
+            raise not_elementwise(f"keeps several state leaves {leaf.prefix!r} per parameter")
+        leaves[key] = k
+    return prefixes, leaves
+
+
 def _tree_sources(
     inner: optax.GradientTransformation,
     space: ModelSpace,
@@ -466,20 +474,16 @@ def _tree_sources(
     if treedef != space.state_treedef:
         raise not_elementwise("keeps a state whose structure depends on the parameters' shapes")
     bucket_of = {slots[b][0].param: b for b in range(len(slots))}
-    prefixes: dict[str, int] = {}
-    sources, element_leaves = [], {}
+    prefixes, element_leaves = _element_leaves(space)
+    sources = []
     for k, (leaf, value) in enumerate(zip(space.leaves, leaves, strict=True)):
         want = leaf.shape if leaf.param is None else segments[leaf.param].shape
         if tuple(value.shape) != tuple(want):
             raise not_elementwise(f"keeps state {leaf.name!r} of a shape other than its input's")
         if leaf.param is None:
             sources.append(FlatSource("global", k, -1))
-            continue
-        prefix = prefixes.setdefault(leaf.prefix, len(prefixes))
-        if (prefix, leaf.param) in element_leaves:  # per-dimension leaves (SM3)
-            raise not_elementwise(f"keeps several state leaves {leaf.prefix!r} per parameter")
-        sources.append(FlatSource("element", prefix, bucket_of[leaf.param]))
-        element_leaves[(prefix, leaf.param)] = k
+        else:
+            sources.append(FlatSource("element", prefixes[leaf.prefix], bucket_of[leaf.param]))
     return _StateSources(
         treedef=treedef,
         sources=tuple(sources),
