@@ -1,4 +1,4 @@
-"""A unit's all-gather forward and its gradients' reduce-scatter backward, inside ``shard_map``.
+"""Parameters' all-gather forward and their gradients' reduce-scatter backward, in ``shard_map``.
 
 Each parameter's padded chunk is all-gathered along dim 0 (``tiled``: rank-major, so the
 result is the padded whole in torch's layout), the padding rows are sliced off and the layout
@@ -6,11 +6,14 @@ transposed back to Flax's. The backward is the transpose (ZeRO-3, arXiv:1910.020
 each gradient is transposed to torch's layout, padded and ``psum_scatter``-ed along dim 0,
 divided where ``divide_after`` says (docs/design.md §7), so each device receives its chunk's
 mean gradient. A custom VJP (rather than JAX's own transpose of ``all_gather``) owns that
-division. A unit's members are gathered together (one custom-VJP call), but one collective
-per parameter rather than FSDP2's flattened buffer per unit: the copies in and out of that
-buffer doubled the step's temporary bytes on XLA:CPU and its step time
+division. The parameters a gather is asked for are gathered in one custom-VJP call, but with
+one collective per parameter rather than FSDP2's flattened buffer per unit: the copies in and
+out of that buffer doubled the step's temporary bytes on XLA:CPU and its step time
 (benchmarks/jax_fsdp.py, docs/jax-zero3.md), and XLA's collective combiners may merge the
 per-parameter ones.
+
+When a gather happens is the caller's (gradsync_jax/param_sharding/order.py): every gather
+takes ``after``, values it must wait for, and reads its chunks through them (``_read_after``).
 """
 
 from __future__ import annotations
@@ -21,14 +24,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
-from jax.ad_checkpoint import checkpoint_name
 
-from gradsync_jax._axes import cast_varying, psum_mean, psum_scatter_mean
+from gradsync_jax._axes import cast_varying, psum_mean, psum_scatter_mean, varying
 from gradsync_jax.param_sharding.layout import LeafLayout, ParamLayout
-
-# The name of every gathered parameter: rematerialized, not saved, with reshard_after_forward.
-GATHERED = "gradsync_gathered_param"
 
 
 def _gather(chunks: Sequence[jax.Array], axes: tuple[str, ...]) -> list[jax.Array]:
@@ -51,6 +51,32 @@ def _padded(leaf: LeafLayout, grad: jax.Array, n: int) -> jax.Array:
     return jnp.pad(torch_layout, [(0, pad)] + [(0, 0)] * (torch_layout.ndim - 1))
 
 
+def _read_after(chunks: tuple[jax.Array, ...], value: jax.Array) -> tuple[jax.Array, ...]:
+    """``chunks`` unchanged, bit for bit, but computed from ``value``, so nothing that reads
+    them can start before ``value`` exists.
+
+    An opaque zero (``b·(1−b)`` for ``b = value[0] < 0``, 0 or 1) starts a dynamic slice
+    that reads each chunk back out of itself extended by one row. Cheaper orderings do not
+    survive XLA:CPU: it removes ``lax.optimization_barrier`` before it schedules, and folds
+    the identities it can see (a full-size dynamic slice, ``x & 0``, ``x - x``). The cost is
+    a copy of each chunk, ``1/N`` of the parameter.
+    """
+    first = lax.convert_element_type(jnp.ravel(value)[0], jnp.float32)
+    b = (first < 0).astype(jnp.int32)
+    zero = b * (1 - b)
+    out = []
+    for c in chunks:
+        extended = jnp.concatenate([c, c[:1]])
+        out.append(lax.dynamic_slice(extended, (zero,) + (0,) * (c.ndim - 1), c.shape))
+    return tuple(out)
+
+
+def _zero_cotangent(x: jax.Array) -> Any:
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+        return jnp.zeros_like(x)
+    return np.zeros(x.shape, jax.dtypes.float0)
+
+
 @dataclass(frozen=True, slots=True)
 class Precision:
     """FSDP2's ``MixedPrecisionPolicy`` for the gather: ``param_dtype`` is what the chunks are
@@ -70,7 +96,7 @@ class Precision:
         return grad if dtype is None else grad.astype(dtype)
 
 
-def _unit_gather(
+def _members_gather(
     leaves: Sequence[LeafLayout],
     axes: tuple[str, ...],
     n: int,
@@ -79,31 +105,33 @@ def _unit_gather(
     precision: Precision,
     replicate: tuple[str, ...] = (),
 ) -> Any:
-    """The whole Flax-layout parameters of one group of chunks: all_gather forward,
-    reduce-scatter (mean) backward, or zeros and no collective for frozen members.
+    """``gather(chunks, after)``: the whole Flax-layout parameters of ``leaves``, all_gather
+    forward, reduce-scatter (mean) backward, or zeros and no collective for frozen members;
+    the chunks read through ``after[0]`` when there is one (``_read_after``), which gets a
+    zero cotangent."""
 
-    One custom-VJP call from chunks to what the model reads, so a remat policy that refuses to
-    save its outputs leaves only the chunks as residuals: the backward gathers again.
-    """
-
-    def gathered(*chunks: jax.Array) -> list[jax.Array]:
-        whole = _gather([precision.gathered(c) for c in chunks], axes)
+    def gathered(chunks: tuple[jax.Array, ...], after: tuple[jax.Array, ...]) -> list[jax.Array]:
+        chunks = tuple(precision.gathered(c) for c in chunks)
         # Varying over the replicas, as the batch: otherwise JAX marks it where the model
         # mixes it with the batch, and that mark's transpose sums the cotangents over the
         # replicas before the backward below sees them. The backward owns that reduction.
-        whole = cast_varying(whole, replicate) if replicate else whole
+        chunks = cast_varying(chunks, replicate) if replicate else chunks
+        chunks = _read_after(chunks, after[0]) if after else chunks
+        whole = _gather(chunks, axes)
         return [_unpadded(leaf, w) for leaf, w in zip(leaves, whole, strict=True)]
 
     @jax.custom_vjp
-    def gather(*chunks: jax.Array) -> list[jax.Array]:
-        return gathered(*chunks)
+    def gather(chunks: tuple[jax.Array, ...], after: tuple[jax.Array, ...]) -> list[jax.Array]:
+        return gathered(chunks, after)
 
-    def fwd(*chunks: jax.Array) -> tuple[list[jax.Array], tuple[jax.Array, ...]]:
-        return gathered(*chunks), chunks  # the chunks only for their zeros (frozen)
+    def fwd(chunks: tuple, after: tuple) -> tuple[list[jax.Array], tuple]:
+        return gathered(chunks, after), (chunks, after)  # for their zeros' types
 
-    def bwd(chunks: tuple[jax.Array, ...], cotangents: list[jax.Array]) -> tuple[Any, ...]:
+    def bwd(res: tuple, cotangents: list[jax.Array]) -> tuple[Any, Any]:
+        chunks, after = res
+        none = tuple(_zero_cotangent(a) for a in after)
         if not trainable:
-            return tuple(jnp.zeros_like(c) for c in chunks)
+            return tuple(jnp.zeros_like(c) for c in chunks), none
         padded = [
             _padded(leaf, precision.reduced(g), n)
             for leaf, g in zip(leaves, cotangents, strict=True)
@@ -111,66 +139,70 @@ def _unit_gather(
         scattered = _scatter(padded, axes, n, mean)
         if replicate:  # HSDP: the shard groups' chunks all-reduced across the replicas
             scattered = tuple(psum_mean(g, replicate, mean=mean) for g in scattered)
-        return tuple(g.astype(c.dtype) for g, c in zip(scattered, chunks, strict=True))
+        return tuple(g.astype(c.dtype) for g, c in zip(scattered, chunks, strict=True)), none
 
     gather.defvjp(fwd, bwd)
     return gather
 
 
-# What a gathered parameter passes through between its chunks and the model: the all-gather
-# and layout-only ops. None of their outputs is saved with reshard_after_forward, so the only
-# residual left on that path is the chunk itself and the backward gathers again.
-_RECOMPUTED = frozenset(
-    {"all_gather", "reshape", "slice", "transpose", "concatenate", "squeeze", "expand_dims"}
-)
+class Gatherer:
+    """``gatherer(indices, chunks, after)``: the leaves ``indices`` of ``layout`` whole, in
+    Flax layout, from this device's ``chunks`` of them, gathered once ``after`` exists.
 
-
-def remat_policy(prim: Any, *_: Any, **params: Any) -> bool:
-    """``jax.checkpoint`` policy of ``reshard_after_forward``: save every value the backward
-    needs except gathered parameters, so each unit is all-gathered again for its backward, as
-    FSDP2 does (arXiv:1910.02054 §5.3, parameters are "discarded" after use).
-
-    JAX decides residuals per primitive, and differentiation inlines the gather's custom VJP,
-    so the policy refuses the primitives a gather is made of (``_RECOMPUTED``) rather than only
-    the ``GATHERED`` names: otherwise the value just before a name is saved in its place. The
-    model's own reshapes, slices and transposes are then recomputed from their saved inputs
-    too, which costs a layout op in the backward, not memory.
+    One custom-VJP call per kind among them (trainable or frozen, and dtype): an all-gather
+    per parameter forward and a reduce-scatter of its gradient backward, or for frozen
+    members no gradient and no collective. ``precision`` casts what is gathered and what is
+    reduced (mixed precision, FSDP2's policy). With ``replicate`` axes (hybrid sharding, HSDP)
+    the reduce-scattered chunks are then all-reduced (mean) across them: the shard groups
+    hold the same chunks and step them identically.
     """
-    if prim.name == "name":
-        return params.get("name") != GATHERED
-    return prim.name not in _RECOMPUTED and not prim.name.startswith("custom_vjp_call")
 
+    def __init__(
+        self,
+        layout: ParamLayout,
+        axes: tuple[str, ...],
+        *,
+        mean: bool = True,
+        precision: Precision = Precision(),
+        replicate: tuple[str, ...] = (),
+    ) -> None:
+        self.layout, self.axes, self.mean = layout, axes, mean
+        self.precision, self.replicate = precision, replicate
 
-def gather_params(
-    chunks: Sequence[jax.Array | None],
-    layout: ParamLayout,
-    axes: tuple[str, ...],
-    *,
-    mean: bool = True,
-    precision: Precision = Precision(),
-    replicate: tuple[str, ...] = (),
-) -> list[jax.Array]:
-    """Every parameter whole, in Flax layout, from this device's chunks (one per leaf).
+    def __call__(
+        self, indices: Sequence[int], chunks: Sequence[jax.Array], after: Sequence[jax.Array]
+    ) -> list[jax.Array]:
+        kinds: dict[tuple[bool, str], list[int]] = {}
+        for k, i in enumerate(indices):
+            key = (self.layout.leaves[i].trainable, str(chunks[k].dtype))
+            kinds.setdefault(key, []).append(k)
+        after = self._ordering(chunks[0], after)
+        whole: list[Any] = [None] * len(indices)
+        for (trainable, _), ks in sorted(kinds.items()):
+            call = _members_gather(
+                [self.layout.leaves[indices[k]] for k in ks],
+                self.axes,
+                self.layout.world_size,
+                self.mean,
+                trainable,
+                self.precision,
+                self.replicate,
+            )
+            for k, value in zip(ks, call(tuple(chunks[k] for k in ks), after), strict=True):
+                whole[k] = value
+        return whole
 
-    One custom-VJP call per unit and dtype for the trainable members (an all-gather per
-    parameter; their gradients come back reduce-scattered) and one for the frozen members (no
-    gradient, no collective in the backward). Each gathered array is named ``GATHERED`` so a
-    ``jax.checkpoint`` policy can drop it after the forward. ``precision`` casts what is
-    gathered and what is reduced (mixed precision, FSDP2's policy). With ``replicate`` axes
-    (hybrid sharding, HSDP) the reduce-scattered chunks are then all-reduced (mean) across
-    them: the shard groups hold the same chunks and step them identically.
-    """
-    n = layout.world_size
-    groups: dict[tuple[int, bool, str], list[int]] = {}
-    for i, leaf in enumerate(layout.leaves):
-        groups.setdefault((leaf.unit, leaf.trainable, str(chunks[i].dtype)), []).append(i)
-    whole: list[Any] = [None] * len(chunks)
-    for key in sorted(groups):  # units in the plan's order: root first, then module order
-        members = groups[key]
-        leaves = [layout.leaves[i] for i in members]
-        gather = _unit_gather(
-            leaves, axes, n, mean, trainable=key[1], precision=precision, replicate=replicate
-        )
-        for i, value in zip(members, gather(*(chunks[i] for i in members)), strict=True):
-            whole[i] = checkpoint_name(value, GATHERED)
-    return whole
+    def _ordering(self, chunk: jax.Array, after: Sequence[Any]) -> tuple[jax.Array, ...]:
+        """The first of ``after`` the chunks can be read through, without a gradient: a real
+        non-empty array no more varying than the (cast) chunks, so reading through it changes
+        neither their types nor their cotangents. None: the gather is unordered."""
+        allowed = varying(chunk) | set(self.replicate)
+        for a in after:
+            if (
+                isinstance(a, jax.Array)
+                and a.size
+                and not jnp.issubdtype(a.dtype, jnp.complexfloating)
+                and varying(a) <= allowed
+            ):
+                return (lax.stop_gradient(a),)
+        return ()

@@ -26,8 +26,9 @@ from jax.sharding import PartitionSpec as P
 
 from gradsync_jax._axes import AxisName, axis_tuple, psum_mean
 from gradsync_jax.data_parallel.accumulate import split_microbatches
-from gradsync_jax.param_sharding.gather import Precision, gather_params, remat_policy
+from gradsync_jax.param_sharding.gather import Gatherer, Precision
 from gradsync_jax.param_sharding.layout import ParamLayout
+from gradsync_jax.param_sharding.order import call_gathering_on_first_read
 from gradsync_jax.param_sharding.placement import axis_size, check_mesh, flat_leaves
 from gradsync_jax.zero import NotElementwiseError, shard_optimizer
 
@@ -101,6 +102,9 @@ def _local_step(
     """The step of one device inside ``shard_map``: gather, differentiate (``accumulate``
     micro-steps, each reduce-scattering its gradients to the chunks), update the chunks."""
 
+    gather = Gatherer(layout, axes, precision=precision, replicate=replicate)
+    units = [leaf.unit for leaf in layout.leaves]
+
     def loss_of(trainable: Any, frozen: Any, batch: Any) -> jax.Array:
         chunks = [
             a if b is None else b
@@ -108,11 +112,15 @@ def _local_step(
                 flat_leaves(trainable, layout, "t"), flat_leaves(frozen, layout, "f"), strict=True
             )
         ]
-        whole = gather_params(chunks, layout, axes, precision=precision, replicate=replicate)
-        return loss_fn(jax.tree_util.tree_unflatten(layout.treedef, whole), batch)
+        return call_gathering_on_first_read(
+            lambda whole, b: loss_fn(jax.tree_util.tree_unflatten(layout.treedef, whole), b),
+            chunks,
+            units,
+            gather,
+            batch,
+            reshard=reshard,
+        )
 
-    if reshard:
-        loss_of = jax.checkpoint(loss_of, policy=remat_policy)
     grad_fn = jax.value_and_grad(loss_of)
 
     def grads_of(trainable: Any, frozen: Any, batch: Any) -> tuple[jax.Array, Any]:

@@ -22,7 +22,6 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from gradsync_jax import param_layout, shard_params, unshard_params, zero3_step
-from gradsync_jax.param_sharding.gather import remat_policy
 
 VOCAB, DIM, BATCH, STEPS = 6, 5, 24, 8
 RTOL = {"params": 1e-5, "state": 5e-5}
@@ -186,18 +185,32 @@ def _all_gathers(lowered, *, compiled: bool = False) -> int:
 
 def test_reshard_after_forward_gathers_again_for_the_backward() -> None:
     # 7 gathers per forward, one per parameter: the tied embedding, the frozen layer's 2 and
-    # the 2 blocks' 2 each. Resharding drops all after the forward and gathers again what the
-    # backward reads: the 4 weights (the frozen one too, for its input gradient), not the 3
-    # biases, which no gradient formula reads.
-    assert _all_gathers(_lowered(4, False)) == 7
+    # the 2 blocks' 2 each. Without resharding they are kept to the backward.
+    kept = _lowered(4, False)
+    assert _all_gathers(kept) == _all_gathers(kept, compiled=True) == 7
+    # Resharding gathers at each equation that reads a parameter: the embedding twice (the
+    # lookup and the head), so 8 in the forward; and again for each backward that reads one:
+    # the 3 weights (the frozen one too, for its input gradient) and the head's embedding,
+    # not the biases nor the lookup, whose gradient formulas do not read them (XLA drops
+    # those gathers). Each backward gather reads its chunks through that equation's
+    # cotangent, so XLA's CSE cannot merge it with the forward's: the compiled step keeps all.
     resharded = _lowered(4, True)
-    assert _all_gathers(resharded) == 7 + 4
-    # XLA's CSE merges each pair (the CPU pipeline looks through the optimization barrier),
-    # so the compiled step holds the gathered units either way, unless CSE is off for the
-    # step: docs/jax-zero3.md, "Where the temporary bytes go".
-    assert _all_gathers(resharded, compiled=True) == 7
-    no_cse = _lowered(4, True, {"xla_disable_hlo_passes": "cse"})
-    assert _all_gathers(no_cse, compiled=True) == 7 + 4
+    assert _all_gathers(resharded, compiled=True) == 8 + 4
+
+
+def test_each_unit_is_gathered_where_the_model_reads_it() -> None:
+    """In the compiled step, a layer's gathers come after the previous layer's matmul (the
+    default XLA:CPU scheduler would otherwise issue every gather first), and the backward's
+    after the next layer's backward matmuls: the order is a data dependency."""
+    for reshard in (False, True):
+        text = _lowered(4, reshard).compile().as_text()
+        entry = text[text.index("ENTRY") :]
+        order = "".join(
+            "G" if " all-gather(" in line else "D"
+            for line in entry.splitlines()
+            if " all-gather(" in line or re.search(r"= \S+ (dot|fusion)\(.*dot", line)
+        )
+        assert not order.startswith("G" * 7), (reshard, order)
 
 
 def test_not_elementwise_is_refused() -> None:
@@ -286,27 +299,48 @@ def test_data_parallel_step_option_with_accumulation_equals_one_device() -> None
         data_parallel_step(loss_fn, optax.chain(synced("dp"), adamw()), mesh, param_layout=layout)
 
 
-def mixed_reference(tx, params, n: int, *, remat: bool, steps: int = STEPS):
+def _tied_reads_apart(params, tokens, e_in, e_out):
+    """The model with its tied embedding's two reads as two arguments (the lookup, the head)."""
+    p = params["params"]
+    h = nn.Embed(VOCAB, DIM).apply({"params": {"embedding": e_in}}, tokens)
+    for name, width in (("frozen", 3), ("layers_0", 11), ("layers_1", DIM)):
+        h = jnp.tanh(nn.Dense(width).apply({"params": p[name]}, h))
+    return nn.Embed(VOCAB, DIM).apply({"params": {"embedding": e_out}}, h, method="attend")
+
+
+def mixed_reference(tx, params, n: int, *, reads_apart: bool, steps: int = STEPS):
     """One device, the same precision: each of the ``n`` devices' batches computed with the
     parameters in bf16, its gradient cast to fp32, the fp32 mean of the ``n`` taken.
 
-    ``remat``: the loss under ``jax.checkpoint`` with the resharding policy, as
-    ``reshard_after_forward=True`` runs it: the backward recomputes bf16 values where the
-    plain program keeps XLA's fused fp32 ones, so without it the bf16 roundings differ
-    (measured 8e-3 relative after 8 steps at 2 devices, 1.3e-2 at 4; 9e-8 with it)."""
+    ``reads_apart``: the tied embedding's two reads get their bf16 gradients separately and
+    they are summed in fp32, as ``reshard_after_forward=True`` sums them (each read gathers
+    and reduce-scatters on its own, gradsync_jax/param_sharding/order.py); the plain program
+    sums them in bf16 first (measured 2e-3 relative on the embedding's gradient, then 1e-3
+    in every layer after 8 steps: bf16 rounding of one sum, not a sharding error)."""
     frozen = params["params"]["frozen"]
     trainable = without_frozen(params)
 
-    def half_loss(t, batch):
-        whole = {"params": {**t["params"], "frozen": frozen}}
-        return loss_fn(jax.tree.map(lambda p: p.astype(jnp.bfloat16), whole), batch)
+    def half_grad(t, batch):
+        half = jax.tree.map(
+            lambda p: p.astype(jnp.bfloat16), {"params": {**t["params"], "frozen": frozen}}
+        )
+        if not reads_apart:
+            return jax.grad(lambda h: loss_fn(h, batch))(half)
+        table = half["params"]["embed"]["embedding"]
 
-    if remat:
-        half_loss = jax.checkpoint(half_loss, policy=remat_policy)
+        def loss_of(h, e_in, e_out):
+            logits = _tied_reads_apart(h, batch[0], e_in, e_out)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch[1]).mean()
+
+        g, g_in, g_out = jax.grad(loss_of, argnums=(0, 1, 2))(half, table, table)
+        g = jax.tree.map(lambda x: x.astype(jnp.float32), g)
+        g["params"]["embed"]["embedding"] = g_in.astype(jnp.float32) + g_out.astype(jnp.float32)
+        return g
 
     @jax.jit  # compiled, as the sharded step is: XLA keeps fused intermediates in fp32
     def local_grad(t, batch):
-        return jax.tree.map(lambda g: g.astype(jnp.float32), jax.grad(half_loss)(t, batch))
+        grads = jax.tree.map(lambda g: g.astype(jnp.float32), half_grad(t, batch))
+        return without_frozen(grads)
 
     state = tx.init(trainable)
     tokens, labels = data()
@@ -327,11 +361,9 @@ def test_bf16_compute_fp32_master_and_reduction(n: int, reshards: tuple[bool, ..
     the one-device run of the same precision within the fp32 floor (measured about 1e-7),
     with and without ``reshard_after_forward``.
 
-    With the resharding, the one-device run recomputes what the sharded step recomputes (the
-    loss under ``jax.checkpoint`` with the same policy, ``mixed_reference``): XLA fuses a
-    rematerialized bf16 program differently, and against the plain one-device program the
-    bf16 roundings differ (measured 1e-2 relative after 8 steps, in the parameters of every
-    layer, the frozen one excepted): bf16 arithmetic in another order, not a sharding error."""
+    With the resharding, the tied embedding's two reads are gathered and reduce-scattered
+    apart, so their bf16 gradients are summed in fp32; the one-device run sums them the same
+    way (``mixed_reference(reads_apart=True)``)."""
     params = init_params()
     layout = param_layout(params, world_size=n, units=UNITS, frozen=FROZEN)
     mesh = mesh_of(n)
@@ -350,7 +382,7 @@ def test_bf16_compute_fp32_master_and_reduction(n: int, reshards: tuple[bool, ..
         for _ in range(STEPS):
             sharded, opt_state, _ = step(sharded, opt_state, data())
         assert {str(x.dtype) for x in jax.tree.leaves((sharded, opt_state[0].mu))} == {"float32"}
-        want_params, want_state = mixed_reference(adamw(), init_params(), n, remat=reshard)
+        want_params, want_state = mixed_reference(adamw(), init_params(), n, reads_apart=reshard)
         assert_trained_like(sharded, opt_state, layout, want_params, want_state)
     # And it is bf16 arithmetic: the fp32 run differs by far more than the floor.
     fp32_params, _ = reference(adamw(), init_params())
