@@ -18,8 +18,8 @@ sequences; ``--transformer none`` leaves it out).
 Reported per shape: median step time and its ratio to gspmd (median of the per-round
 ratios), and bytes per device: parameters + optimizer state held (read from the arrays'
 shards) and the compiled program's temporary bytes (``compiled.memory_analysis()``).
-``--memory-scheduler`` compiles every variant with XLA:CPU's memory-minimizing scheduler and
-zero3 without CSE, which keeps resharding's second gathers (docs/jax-zero3.md). The gate
+``--memory-scheduler`` compiles every variant with XLA:CPU's memory-minimizing scheduler
+(docs/jax-zero3.md, "Where the temporary bytes go"). The gate
 (``first_step_gate``): after one step from the same state, zero3's and gspmd's Adam moments
 (the gradient and its square) equal the replicated run's to 1e-4 of each leaf's largest
 (``*_moment_error``), and their parameters, where the gradient is clear of rounding, differ by
@@ -178,10 +178,7 @@ def build(work: Workload, mesh: Mesh, tx) -> dict:
         fn, p, s = jit_step(tx, params, tx.init(params), mesh, spec_of, work.loss_fn)
         out[name] = [fn, fn, p, s]
     layout = param_layout(params, world_size=n, units=work.units)
-    # Under the memory-minimizing scheduler, zero3 compiles without CSE, which would merge
-    # resharding's second gathers with the forward's (docs/jax-zero3.md).
-    options = {"xla_disable_hlo_passes": "cse"} if MEMORY_SCHEDULER else None
-    z = zero3_step(work.loss_fn, tx, mesh, layout, donate=True, compiler_options=options)
+    z = zero3_step(work.loss_fn, tx, mesh, layout, donate=True)
     sharded = shard_params(params, mesh, layout)
     out["zero3"] = [z, z, sharded, z.init(sharded)]
     out["zero3"].append(layout)
@@ -316,7 +313,7 @@ def main() -> None:
     parser.add_argument(
         "--memory-scheduler",
         action="store_true",
-        help="XLA:CPU's memory-minimizing scheduler for every variant, zero3 compiled without CSE",
+        help="XLA:CPU's memory-minimizing scheduler for every variant",
     )
     parser.add_argument("--transformer", default="4x256", help="LxD, or none")
     add_repeat_arg(parser)

@@ -1,13 +1,14 @@
 """A ZeRO-3 training step: parameters, gradients and optimizer state all 1/N per device.
 
-Each step runs in one ``jax.shard_map`` over the data-parallel axis: the units are gathered
-for the forward (``gather_params``), the backward reduce-scatters each unit's gradients to
-the devices' chunks, and the Optax transformation runs on the chunks, so its state is 1/N too.
-That is exact only for an update that treats every element on its own (SGD, Adam, AdamW,
-Lion, ...): the same condition as ``shard_optimizer(partition="flat")``, whose analysis
-decides it here. With ``reshard_after_forward`` the gathered parameters are dropped after the
-forward and gathered again for the backward (``jax.checkpoint`` with a policy that saves all
-but them), as FSDP2's default; without it they are kept from forward to backward.
+Each step runs in one ``jax.shard_map`` over the data-parallel axis: each parameter is
+gathered where the loss first computes with it (``call_gathering_on_first_read``, order.py),
+the backward reduce-scatters its gradient to the devices' chunks, and the Optax
+transformation runs on the chunks, so its state is 1/N too. That is exact only for an update
+that treats every element on its own (SGD, Adam, AdamW, Lion, ...): the same condition as
+``shard_optimizer(partition="flat")``, whose analysis decides it here. With
+``reshard_after_forward`` a gathered parameter is dropped after the equation that uses it and
+gathered again for that equation's backward, as FSDP2's default; without it each unit is
+kept from its first use to the backward.
 """
 
 from __future__ import annotations
@@ -280,9 +281,10 @@ def zero3_step(
         mesh: the mesh; ``shard_params(params, mesh, layout)`` placed the parameters on it.
         layout: from ``param_layout``.
         axis_name: the data-parallel axis (or tuple of axes); gradients are averaged over it.
-        reshard_after_forward: free gathered units after the forward and gather them again
-            for the backward (FSDP2's default); ``False`` keeps them (less communication,
-            more memory).
+        reshard_after_forward: drop each gathered parameter after the equation that computes
+            with it and gather it again for that equation's backward (FSDP2's default);
+            ``False`` keeps each unit from its first use to the backward (less
+            communication, more memory).
         batch_spec: in-spec of the batch; default ``P(axis_name)`` (split on the leading dim).
         donate: donate the parameters and optimizer state buffers to the step.
         accumulate_steps: split each device's batch into this many micro-batches; each
@@ -299,11 +301,8 @@ def zero3_step(
             ``param_layout(..., world_size=R * S, replicate_size=R)``); gradients are
             reduce-scattered over ``axis_name``, then all-reduced over this axis. The batch
             is split over both (default ``P((replicate_axis, axis_name))``).
-        compiler_options: XLA options for compiling the step (``jax.jit``'s). With
-            ``{"xla_disable_hlo_passes": "cse"}`` XLA keeps the backward's second gathers
-            that ``reshard_after_forward`` asks for (its CSE merges them with the forward's
-            otherwise); on CPU that frees memory only under the memory-minimizing scheduler
-            (docs/jax-zero3.md, "Where the temporary bytes go").
+        compiler_options: XLA options for compiling the step (``jax.jit``'s), e.g.
+            ``{"xla_allow_excess_precision": False}``.
 
     Returns:
         A ``Zero3Step``: ``opt_state = step.init(params)``, then
