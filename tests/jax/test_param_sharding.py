@@ -423,26 +423,37 @@ def _gate(v: jax.Array) -> jax.Array:
 _gate.defjvp(lambda primals, tangents: (_gate(primals[0]), tangents[0] * 0.25))
 
 
+@jax.custom_vjp
+def _halved_gradient(v: jax.Array) -> jax.Array:
+    return v
+
+
+_halved_gradient.defvjp(lambda v: (v, None), lambda _, g: (0.5 * g,))
+
+
 @jax.jit
 def _jitted_block(x: jax.Array, w: jax.Array) -> jax.Array:
     return jnp.tanh(x @ w.T)  # the parameter read through a transpose, inside a jit call
 
 
 def _structured_loss(params, batch):
-    """A parameter read inside a ``jax.jit`` call, stacked layers in a ``lax.scan``, a
-    custom-JVP function of a parameter and a parameter used by two equations."""
+    """A parameter read inside a ``jax.jit`` call, stacked layers in a ``lax.scan``, custom-JVP
+    and custom-VJP functions of parameters, a parameter used by two equations and one seen
+    through ``stop_gradient`` (no gradient from that read)."""
     x, y = batch
     h = _jitted_block(x, params["inp"]["w"])
     h, _ = jax.lax.scan(lambda c, w: (jnp.tanh(c @ w), None), h, params["stack"]["w"])
     h = h * _gate(params["gate"]["v"]) + params["gate"]["v"]
-    return jnp.mean((h @ params["out"]["w"] - y) ** 2)
+    h = h + jnp.sum(jax.lax.stop_gradient(params["inp"]["w"]))
+    return jnp.mean((h @ _halved_gradient(params["out"]["w"]) - y) ** 2)
 
 
 @pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "kept"])
 def test_loss_structure_is_followed_exactly(reshard: bool) -> None:
     """The step gathers each parameter where the loss's jaxpr computes with it: inside a jit
-    call, a scan over stacked layers (gathered for the whole scan), a custom-JVP call and two
-    reads of one parameter. 3 AdamW steps at 4 devices equal one device's."""
+    call, a scan over stacked layers (gathered for the whole scan), custom-JVP and custom-VJP
+    calls, two reads of one parameter, a ``stop_gradient``. 3 AdamW steps at 4 devices equal
+    one device's."""
     rng = np.random.default_rng(3)
 
     def w(*shape):
