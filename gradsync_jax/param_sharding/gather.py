@@ -24,7 +24,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from gradsync_jax._axes import cast_varying, psum_mean, psum_scatter_mean, varying
@@ -71,12 +70,6 @@ def _read_after(chunks: tuple[jax.Array, ...], value: jax.Array) -> tuple[jax.Ar
     return tuple(out)
 
 
-def _zero_cotangent(x: jax.Array) -> Any:
-    if jnp.issubdtype(x.dtype, jnp.inexact):
-        return jnp.zeros_like(x)
-    return np.zeros(x.shape, jax.dtypes.float0)
-
-
 @dataclass(frozen=True, slots=True)
 class Precision:
     """FSDP2's ``MixedPrecisionPolicy`` for the gather: ``param_dtype`` is what the chunks are
@@ -107,8 +100,8 @@ def _members_gather(
 ) -> Any:
     """``gather(chunks, after)``: the whole Flax-layout parameters of ``leaves``, all_gather
     forward, reduce-scatter (mean) backward, or zeros and no collective for frozen members;
-    the chunks read through ``after[0]`` when there is one (``_read_after``), which gets a
-    zero cotangent."""
+    the chunks read through ``after[0]`` when there is one (``_read_after``), which gets no
+    cotangent."""
 
     def gathered(chunks: tuple[jax.Array, ...], after: tuple[jax.Array, ...]) -> list[jax.Array]:
         chunks = tuple(precision.gathered(c) for c in chunks)
@@ -125,13 +118,13 @@ def _members_gather(
         return gathered(chunks, after)
 
     def fwd(chunks: tuple, after: tuple) -> tuple[list[jax.Array], tuple]:
-        return gathered(chunks, after), (chunks, after)  # for their zeros' types
+        # Not ``after``: it gets no cotangent (None), and keeping it would hold an
+        # activation to the backward.
+        return gathered(chunks, after), chunks  # the chunks only for their zeros (frozen)
 
-    def bwd(res: tuple, cotangents: list[jax.Array]) -> tuple[Any, Any]:
-        chunks, after = res
-        none = tuple(_zero_cotangent(a) for a in after)
+    def bwd(chunks: tuple, cotangents: list[jax.Array]) -> tuple[Any, Any]:
         if not trainable:
-            return tuple(jnp.zeros_like(c) for c in chunks), none
+            return tuple(jnp.zeros_like(c) for c in chunks), None
         padded = [
             _padded(leaf, precision.reduced(g), n)
             for leaf, g in zip(leaves, cotangents, strict=True)
@@ -139,7 +132,7 @@ def _members_gather(
         scattered = _scatter(padded, axes, n, mean)
         if replicate:  # HSDP: the shard groups' chunks all-reduced across the replicas
             scattered = tuple(psum_mean(g, replicate, mean=mean) for g in scattered)
-        return tuple(g.astype(c.dtype) for g, c in zip(scattered, chunks, strict=True)), none
+        return tuple(g.astype(c.dtype) for g, c in zip(scattered, chunks, strict=True)), None
 
     gather.defvjp(fwd, bwd)
     return gather
