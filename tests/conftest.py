@@ -16,11 +16,11 @@ else:
 
 # The README's test command runs the files on two pytest-xdist workers (pyproject's addopts:
 # `-n 2 --dist loadfile --no-loadscope-reorder`), which take whole files in collection order
-# (without --no-loadscope-reorder, xdist orders them by number of tests and ignores this). A long file that
-# starts last runs alone at the end, so the longest files (measured serially with
-# `--durations=0`, 2 cores: 20-60 s each) go first: longest-first scheduling. The files after
-# test_checkpoint_multiprocess.py were left to collection order, i.e. to the end, while taking
-# 18-26 s each in the suite (`-n 2`, loaded machine, torch ranks from the fork server).
+# (without --no-loadscope-reorder, xdist orders them by number of tests and ignores this).
+# A long file that starts last runs alone at the end, so the longest files (measured serially
+# with `--durations=0`, 2 cores: 20-60 s each) go first: longest-first scheduling. The last
+# five were measured in the suite instead (`-n 2`, loaded machine, torch ranks from the fork
+# server: 18-26 s each).
 LONGEST_FIRST = (
     "tests/jax/test_zero_sweep.py",
     "tests/examples/test_examples.py",
