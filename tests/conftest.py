@@ -15,9 +15,12 @@ else:
 
 
 # The README's test command runs the files on two pytest-xdist workers (pyproject's addopts:
-# `-n 2 --dist loadfile`), which take whole files in collection order. A long file that
-# starts last runs alone at the end, so the longest files (measured serially with
-# `--durations=0`, 2 cores: 20-60 s each) go first: longest-first scheduling.
+# `-n 2 --dist loadfile --no-loadscope-reorder`), which take whole files in collection order
+# (without --no-loadscope-reorder, xdist orders them by number of tests and ignores this).
+# A long file that starts last runs alone at the end, so the longest files (measured serially
+# with `--durations=0`, 2 cores: 20-60 s each) go first: longest-first scheduling. The last
+# five were measured in the suite instead (`-n 2`, loaded machine, torch ranks from the fork
+# server: 18-26 s each).
 LONGEST_FIRST = (
     "tests/jax/test_zero_sweep.py",
     "tests/examples/test_examples.py",
@@ -35,6 +38,11 @@ LONGEST_FIRST = (
     "tests/jax/test_step.py",
     "tests/torch/test_param_shard_plan_fsdp.py",
     "tests/jax/test_checkpoint_multiprocess.py",
+    "tests/torch/test_fully_shard_compile.py",
+    "tests/jax/test_zero_checkpoint.py",
+    "tests/parity/test_cross_tied.py",
+    "tests/jax/test_step_multiprocess.py",
+    "tests/torch/test_fully_shard_checkpoint.py",
 )
 
 

@@ -10,6 +10,9 @@ The methods return ``None`` or one sentence naming what couples tensors and what
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
+from collections.abc import Hashable
 from typing import Any
 
 import jax
@@ -20,7 +23,7 @@ from gradsync_jax.zero.analysis import ELEMENT, UNIFORM, Analyser, Node, Role
 from gradsync_jax.zero.clip import global_norm_args
 from gradsync_jax.zero.flat import FlatLayout, NotElementwiseError, build_flat, not_elementwise
 from gradsync_jax.zero.greedy import GreedyLayout
-from gradsync_jax.zero.model_space import ModelSpace, model_space, path_parts
+from gradsync_jax.zero.model_space import ModelSpace, model_space, path_parts, signature
 
 _NORM = jax.ShapeDtypeStruct((), np.float32)  # gradsync_jax.clip_by_global_norm's norm
 _FIX = (
@@ -54,12 +57,17 @@ class Soundness:
         extra_args: dict[str, Any],
         *,
         with_params: bool = True,
+        where: str = "",
     ) -> None:
         self.inner, self.space = inner, space
         self.arrays, self.others = split_extra_args(extra_args)
         self.with_params = with_params
-        self.where = ""  # " (on a sample tree)" when not the user's parameters
+        self.where = where  # " (on a sample tree ...)" when not the user's parameters
         self.analyser = Analyser()
+        # Each layout's problem, by exactly what ``_greedy_problem`` / ``_flat_problem`` read
+        # of the layout (the rest they read is this object's): planning "greedy", "flat" and
+        # "auto" for one optimizer (one cached analysis, ``analysed``) traces each layout once.
+        self._problems: dict[Hashable, str | None] = {}
         self.specs = [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in space.specs]
         state = jax.eval_shape(inner.init, params)
         roles = [Role(leaf.param, self._label_of(k)) for k, leaf in enumerate(space.leaves)]
@@ -142,6 +150,13 @@ class Soundness:
 
     def greedy_problem(self, layout: GreedyLayout) -> str | None:
         """Why running ``inner`` on each device's owned subtree is not exact, or None."""
+        key = ("greedy", tuple(tuple(owned) for owned in layout.owned))
+        key += tuple(device.sources for device in layout.devices)
+        if key not in self._problems:
+            self._problems[key] = self._greedy_problem(layout)
+        return self._problems[key]
+
+    def _greedy_problem(self, layout: GreedyLayout) -> str | None:
         problem = self.coupling()
         if problem:
             return problem
@@ -177,6 +192,20 @@ class Soundness:
         """Why running ``inner`` on 1-D bucket chunks (``by_param``: on each parameter's
         element range, in a parameter-shaped tree) is not exact (a ``not_elementwise``
         reason), or None. Call ``coupling`` first."""
+        if layout.by_param:
+            key: Hashable = ("by_param", *(layout.segment_shape(i) for i in range(len(self.specs))))
+        else:
+            chunks = tuple(
+                (layout.chunk(b), str(bucket.dtype))
+                for b, bucket in enumerate(layout.buckets.buckets)
+            )
+            elements = tuple(sorted(layout.element_leaves.items()))
+            key = ("buckets", chunks, layout.sources, layout.slots, elements)
+        if key not in self._problems:
+            self._problems[key] = self._flat_problem(layout)
+        return self._problems[key]
+
+    def _flat_problem(self, layout: FlatLayout) -> str | None:
         if layout.by_param:
             return self._by_param_problem(layout)
         chunks = [
@@ -272,26 +301,103 @@ def _keys(tree: dict[str, Any]) -> Any:
     return {k: jax.tree.map(lambda _, k=k: k, v) for k, v in tree.items()}
 
 
+class _Same:
+    """A key part equal only to the very object it holds. Holding it keeps the object alive,
+    so its ``id`` cannot be reused by another; an equal rebuilt object is another key."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Same) and other.obj is self.obj
+
+
+# The last analyses: ``shard_optimizer`` plans per partition and per call, and the same
+# optimizer is often planned several times (partition "auto" after a refused "flat", a rebuilt
+# step); the whole-tree trace and every layout's trace then run once. Bounded: each entry holds
+# its transformation (a few closures) and the Nodes of its traces.
+_CAPACITY = 32
+_ANALYSES: OrderedDict[Hashable, Soundness | None] = OrderedDict()
+_LOCK = threading.Lock()
+
+
+def analysed(
+    given: Any,
+    inner: optax.GradientTransformationExtraArgs,
+    space: ModelSpace,
+    params: Any,
+    probe: dict[str, Any],
+    *,
+    where: str = "",
+) -> Soundness | None:
+    """``Soundness(inner, space, params, probe, where=where)``, or ``None`` if the update
+    cannot be traced so (it raises); the last ``_CAPACITY`` answers are kept.
+
+    ``given`` is the transformation ``inner`` wraps (``optax.with_extra_args_support``
+    builds a new wrapper on every call): keyed by that very object, held, so the answer is
+    for the same ``init`` and ``update`` functions (JAX's own trace caches key on the
+    function in the same way), plus everything else the analysis reads: the parameter
+    tree's structure, shapes and dtypes (``space`` follows from it and ``inner``), the
+    probe's shapes and dtypes (arrays only) and ``where``."""
+    arrays, others = split_extra_args(probe)
+    if others:  # a value_fn: not a key (the analysis closes over it); not cached
+        return _analysis(inner, space, params, probe, where)
+    key = (_Same(given), signature(params), signature(arrays), where)
+    with _LOCK:
+        if key in _ANALYSES:
+            _ANALYSES.move_to_end(key)
+            return _ANALYSES[key]
+    soundness = _analysis(inner, space, params, probe, where)
+    with _LOCK:
+        _ANALYSES[key] = soundness
+        while len(_ANALYSES) > _CAPACITY:
+            _ANALYSES.popitem(last=False)
+    return soundness
+
+
+def _analysis(
+    inner: optax.GradientTransformationExtraArgs,
+    space: ModelSpace,
+    params: Any,
+    probe: dict[str, Any],
+    where: str,
+) -> Soundness | None:
+    try:
+        return Soundness(inner, space, params, probe, where=where)
+    except Exception:  # needs the real tree (a label tree) or other extra arguments
+        return None
+
+
 # A small tree to refuse a coupling (or, for "flat", non-elementwise) optimizer already when
 # shard_optimizer is called; init repeats the analysis on the real tree.
 _SAMPLE = {
     "w": jax.ShapeDtypeStruct((5, 4), np.float32),
     "b": jax.ShapeDtypeStruct((7,), np.float32),
 }
+_ON_SAMPLE = " (on a sample tree of two tensors 'w' and 'b')"
 
 
-def check_on_sample(inner: optax.GradientTransformationExtraArgs, partition: str) -> None:
+def check_on_sample(
+    given: Any, inner: optax.GradientTransformationExtraArgs, partition: str
+) -> None:
     """Refuse ``inner`` early if it couples tensors (or, for ``"flat"``, is not elementwise)
     on a small sample tree; one it cannot run on is left to ``init`` on the real tree.
-    ``"auto"`` and ``"gathered"`` refuse nothing: a coupled update runs gathered."""
+    ``"auto"`` and ``"gathered"`` refuse nothing: a coupled update runs gathered.
+    ``given``: the transformation ``inner`` wraps (the analysis cache's key; ``analysed``)."""
     if partition not in ("greedy", "flat"):
         return
     try:
         space = model_space(inner, _SAMPLE)
-        soundness = Soundness(inner, space, _SAMPLE, {})
-    except Exception:  # needs the real tree (a label tree) or extra arguments
+    except Exception:  # needs the real tree (a label tree)
         return
-    soundness.where = " (on a sample tree of two tensors 'w' and 'b')"
+    soundness = analysed(given, inner, space, _SAMPLE, {}, where=_ON_SAMPLE)
+    if soundness is None:
+        return
     if problem := soundness.coupling():
         raise ValueError(problem)
     if partition == "flat":

@@ -31,7 +31,13 @@ from gradsync_jax.zero.gathered import GatheredLayout, build_gathered
 from gradsync_jax.zero.greedy import build_greedy
 from gradsync_jax.zero.layout import Collective, Layout, UpdateInputs, UpdateResult, ZeroState
 from gradsync_jax.zero.model_space import abstract, model_space, pure, signature
-from gradsync_jax.zero.soundness import Soundness, check_on_sample, flat_layout, split_extra_args
+from gradsync_jax.zero.soundness import (
+    Soundness,
+    analysed,
+    check_on_sample,
+    flat_layout,
+    split_extra_args,
+)
 
 PARTITIONS = ("auto", "greedy", "flat", "gathered")
 
@@ -41,6 +47,9 @@ class ZeroSettings:
     """The arguments of ``shard_optimizer``, checked and normalised."""
 
     inner: optax.GradientTransformationExtraArgs
+    # The transformation as given, before ``optax.with_extra_args_support`` wrapped it (a
+    # new wrapper per call): what the analysis cache keys on (``soundness.analysed``).
+    given: Any
     mesh: Mesh
     axis_name: AxisName
     partition: str
@@ -100,7 +109,7 @@ class _LayoutCache:
         ordered = {"order": s.order, "modules": None if s.modules is None else dict(s.modules)}
         if s.partition == "gathered":
             return build_gathered(space, s.world_size, **ordered)
-        soundness, probe = _analyse(s.inner, space, params)
+        soundness, probe = _analyse(s, space, params)
         coupled = None if soundness is None else soundness.coupling()
         if coupled and s.partition != "auto":
             raise ValueError(coupled)
@@ -200,16 +209,16 @@ _VALUE_PROBE = {"value": jax.ShapeDtypeStruct((), np.float32)}
 
 
 def _analyse(
-    inner: optax.GradientTransformationExtraArgs, space: Any, params: Any
+    settings: ZeroSettings, space: Any, params: Any
 ) -> tuple[Soundness | None, dict[str, Any]]:
     """The whole-tree analysis without extra arguments, else with ``value=``; ``None`` if
     the update cannot be traced either way (it needs a ``value_fn``, or it raises: e.g.
-    ``gradsync_jax.clip_by_global_norm`` behind another transformation)."""
+    ``gradsync_jax.clip_by_global_norm`` behind another transformation). Cached per
+    optimizer and tree: planning each partition, or again, does not trace it again."""
     for probe in ({}, _VALUE_PROBE):
-        try:
-            return Soundness(inner, space, params, probe), probe
-        except Exception:  # analysed at the first update instead
-            continue
+        soundness = analysed(settings.given, settings.inner, space, params, probe)
+        if soundness is not None:  # else analysed at the first update instead
+            return soundness, probe
     return None, {}
 
 
@@ -458,10 +467,11 @@ def shard_optimizer(
     missing = [a for a in axes if a not in mesh.axis_names]
     if missing:
         raise ValueError(f"axis {missing[0]!r} is not an axis of the mesh {mesh.axis_names}")
-    inner = optax.with_extra_args_support(inner)
-    check_on_sample(inner, partition)
+    given, inner = inner, optax.with_extra_args_support(inner)
+    check_on_sample(given, inner, partition)
     settings = ZeroSettings(
         inner=inner,
+        given=given,
         mesh=mesh,
         axis_name=axis_name,
         partition=partition,

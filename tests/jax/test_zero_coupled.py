@@ -6,7 +6,10 @@ must match the same transformation unsharded, fed the mean of the same local gra
 parameters and the gathered state, rtol 1e-5. All cases of one device count run in one
 ``shard_map`` program (one compilation), the per-parameter rules of ``test_zero_rules.py``
 included. Both programs compile at LLVM's optimization level 0 (``FAST_COMPILE``, as the
-sweep's: the arithmetic compared is the same, the machine code unoptimized).
+sweep's: the arithmetic compared is the same, the machine code unoptimized). The unsharded
+program does not depend on the device count (it is fed the mean gradient, of the parameters'
+shapes): the cases and that program are built once for the three counts (module fixture), and
+each count's transformations are the same objects, so planning reuses their analysis.
 """
 
 from __future__ import annotations
@@ -101,23 +104,41 @@ def loss_value(step: int) -> jax.Array:
     return jnp.float32(2.0 / (1 + step))
 
 
-def reference(cases: list[tuple[Any, bool]], params: dict, n: int) -> list[tuple[Any, Any]]:
-    txs = [optax.with_extra_args_support(tx) for tx, _ in cases]
+class Reference:
+    """The unsharded run of every case: one jitted step, compiled once for all device counts
+    (only the mean gradients it is fed differ)."""
 
-    @jax.jit(compiler_options=FAST_COMPILE)
-    def step(all_params, states, grads, value):
+    def __init__(self, cases: list[tuple[Any, bool]]) -> None:
+        self.txs = [optax.with_extra_args_support(tx) for tx, _ in cases]
+        self.needs = [needs for _, needs in cases]
+        self.step = jax.jit(self._step, compiler_options=FAST_COMPILE)
+
+    def _step(self, all_params: Any, states: Any, grads: Any, value: Any) -> Any:
         out_p, out_s = [], []
-        for tx, (_, needs), p, s in zip(txs, cases, all_params, states, strict=True):
+        for tx, needs, p, s in zip(self.txs, self.needs, all_params, states, strict=True):
             updates, s = tx.update(grads, s, p, **({"value": value} if needs else {}))
             out_p.append(optax.apply_updates(p, updates))
             out_s.append(s)
         return out_p, out_s
 
-    all_params, states = [params] * len(txs), [tx.init(params) for tx in txs]
-    for k in range(STEPS):
-        grads = mean_in_device_order(local_grads(k, n), n)
-        all_params, states = step(all_params, states, grads, loss_value(k))
-    return list(zip(all_params, states, strict=True))
+    def run(self, params: dict, n: int) -> list[tuple[Any, Any]]:
+        all_params, states = [params] * len(self.txs), [tx.init(params) for tx in self.txs]
+        for k in range(STEPS):
+            grads = mean_in_device_order(local_grads(k, n), n)
+            all_params, states = self.step(all_params, states, grads, loss_value(k))
+        return list(zip(all_params, states, strict=True))
+
+
+@pytest.fixture(scope="module")
+def every_case() -> tuple[dict[str, tuple[Any, bool]], dict[str, Any], Reference]:
+    """(name -> (transformation, takes value=), the rule cases, the unsharded program)."""
+    # The per-parameter rules of test_zero_rules.py run in the same program (one compilation
+    # per device count instead of two); they must take flat by parameter (issue 26 item 2).
+    from tests.jax.test_zero_rules import rule_cases
+
+    rules = rule_cases()
+    cases = {**_cases(), **{name: (tx, False) for name, tx in rules.items()}}
+    return cases, rules, Reference(list(cases.values()))
 
 
 def sharded(runs: list[tuple[Any, bool]], params: dict, mesh: Any, n: int) -> list[Any]:
@@ -146,20 +167,15 @@ def sharded(runs: list[tuple[Any, bool]], params: dict, mesh: Any, n: int) -> li
 
 
 @pytest.mark.parametrize("n", [2, 4, 8], ids=lambda n: f"n{n}")
-def test_coupled_optimizers_match_unsharded(n: int) -> None:
-    # The per-parameter rules of test_zero_rules.py run in the same program (one compilation
-    # per device count instead of two); they must take flat by parameter (issue 26 item 2).
-    from tests.jax.test_zero_rules import rule_cases
-
+def test_coupled_optimizers_match_unsharded(n: int, every_case: Any) -> None:
+    cases, rules, reference = every_case
     mesh = mesh_from_topology(Topology.create(n), devices=jax.devices()[:n])
     params = make_params()
-    rules = rule_cases()
-    cases = {**_cases(), **{name: (tx, False) for name, tx in rules.items()}}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         runs = [(shard_optimizer(tx, mesh), needs) for tx, needs in cases.values()]
         got = sharded(runs, params, mesh, n)
-        want = [(p, key_data(s)) for p, s in reference(list(cases.values()), params, n)]
+        want = [(p, key_data(s)) for p, s in reference.run(params, n)]
     for name, (tx, _), (p, s), (ref_p, ref_s) in zip(cases, runs, got, want, strict=True):
         if name in COUPLED:  # auto must not take a per-tensor partition for these
             assert isinstance(tx.layout(params), GatheredLayout), name

@@ -6,6 +6,15 @@ in rank order. A worker's exception is re-raised in the parent with the worker's
 a worker that hangs is killed after ``timeout`` seconds. Spawns cost seconds, so run many
 checks inside one worker rather than one spawn per assertion.
 
+Ranks start from a fork server (``multiprocessing``'s "forkserver": a fresh interpreter, not
+a copy of this one, which has imported torch and gradsync_torch once; each rank is a fork of
+it). Spawning each rank cold paid those imports, ~2 s of CPU, per rank, on 2 cores shared
+by every rank (test_agreement.py and test_resumable_sampler.py, -n 0: 60 s -> 13 s). A rank
+is still a clean process: the server never ran a test or initialized a process group; it
+has the environment of this process when its first ``run_workers`` started the server
+(tests/conftest.py's settings, set at import), and each rank takes this process's working
+directory and ``sys.path`` as under "spawn".
+
 Fault tests pass ``pg_timeout_s`` (the process group's collective timeout, so a rank waiting
 for a dead peer fails in seconds instead of torch's default 30 minutes) and call
 ``run_workers_outcomes``, which expects ranks to die and reports how each one ended.
@@ -27,6 +36,17 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+# Imported once in the fork server, so every rank starts with them (a module missing here is
+# imported by the rank itself, as under "spawn").
+_PRELOAD = ["torch", "torch.distributed", "torch.multiprocessing", "gradsync_torch"]
+
+
+def _context() -> Any:
+    """The multiprocessing context the ranks start in: a fork server with torch imported."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)  # effective until the server first starts
+    return ctx
 
 
 def _entry(
@@ -117,7 +137,7 @@ def run_workers(
     pg_timeout_s: float | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; results by rank."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         procs = _start(ctx, fn, world_size, tmp, results, args, pg_timeout_s)
@@ -169,7 +189,7 @@ def run_workers_outcomes(
     returns each rank's ``Outcome`` instead of raising: a rank that called ``os._exit`` has
     its exit code and no value.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     reported: dict[int, tuple[str | None, Any]] = {}
 
