@@ -186,15 +186,16 @@ class Gatherer:
         return whole
 
     def _ordering(self, chunk: jax.Array, after: Sequence[Any]) -> tuple[jax.Array, ...]:
-        """The first of ``after`` the chunks can be read through, without a gradient: a real
-        non-empty array no more varying than the (cast) chunks, so reading through it changes
-        neither their types nor their cotangents. None: the gather is unordered."""
+        """The first of ``after`` the chunks can be read through, without a gradient: a
+        non-empty real, integer or boolean array (not a PRNG key) no more varying than the
+        (cast) chunks, so reading through it changes neither their types nor their
+        cotangents. None: the gather is unordered."""
         allowed = varying(chunk) | set(self.replicate)
         for a in after:
             if (
                 isinstance(a, jax.Array)
                 and a.size
-                and not jnp.issubdtype(a.dtype, jnp.complexfloating)
+                and any(jnp.issubdtype(a.dtype, t) for t in (jnp.floating, jnp.integer, jnp.bool_))
                 and varying(a) <= allowed
             ):
                 return (lax.stop_gradient(a),)
