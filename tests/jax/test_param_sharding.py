@@ -438,13 +438,14 @@ def _jitted_block(x: jax.Array, w: jax.Array) -> jax.Array:
 
 def _structured_loss(params, batch):
     """A parameter read inside a ``jax.jit`` call, stacked layers in a ``lax.scan``, custom-JVP
-    and custom-VJP functions of parameters, a parameter used by two equations and one seen
-    through ``stop_gradient`` (no gradient from that read)."""
+    and custom-VJP functions of parameters, a parameter used by two equations, one seen
+    through ``stop_gradient`` (no gradient from that read) and one in a ``jax.checkpoint``."""
     x, y = batch
     h = _jitted_block(x, params["inp"]["w"])
     h, _ = jax.lax.scan(lambda c, w: (jnp.tanh(c @ w), None), h, params["stack"]["w"])
     h = h * _gate(params["gate"]["v"]) + params["gate"]["v"]
     h = h + jnp.sum(jax.lax.stop_gradient(params["inp"]["w"]))
+    h = jax.checkpoint(lambda a, m: jnp.tanh(a @ m))(h, params["remat"]["w"])
     return jnp.mean((h @ _halved_gradient(params["out"]["w"]) - y) ** 2)
 
 
@@ -452,8 +453,8 @@ def _structured_loss(params, batch):
 def test_loss_structure_is_followed_exactly(reshard: bool) -> None:
     """The step gathers each parameter where the loss's jaxpr computes with it: inside a jit
     call, a scan over stacked layers (gathered for the whole scan), custom-JVP and custom-VJP
-    calls, two reads of one parameter, a ``stop_gradient``. 3 AdamW steps at 4 devices equal
-    one device's."""
+    calls, two reads of one parameter, a ``stop_gradient``, a ``jax.checkpoint``. 3 AdamW steps
+    at 4 devices equal one device's."""
     rng = np.random.default_rng(3)
 
     def w(*shape):
@@ -463,10 +464,11 @@ def test_loss_structure_is_followed_exactly(reshard: bool) -> None:
         "inp": {"w": w(6, 5)},
         "stack": {"w": w(3, 6, 6)},
         "gate": {"v": w(6)},
+        "remat": {"w": w(6, 6)},
         "out": {"w": w(6, 2)},
     }
     batch = (w(16, 5), w(16, 2))
-    layout = param_layout(params, world_size=4, units=["inp", "stack", "gate", "out"])
+    layout = param_layout(params, world_size=4, units=["inp", "stack", "gate", "remat", "out"])
     mesh = mesh_of(4)
     step = zero3_step(_structured_loss, adamw(), mesh, layout, reshard_after_forward=reshard)
     sharded = shard_params(params, mesh, layout)
