@@ -77,17 +77,20 @@ def _folded(eqn: JaxprEqn, values: list[Any], k: int) -> _Derived:
 
 
 class _Interpreter:
-    def __init__(
-        self, chunks: Sequence[jax.Array], units: Sequence[int], gather: Gatherer, reshard: bool
-    ) -> None:
-        self.chunks, self.units, self.gather, self.reshard = chunks, units, gather, reshard
+    def __init__(self, chunks: Sequence[jax.Array], gather: Gatherer, reshard: bool) -> None:
+        self.chunks, self.gather, self.reshard = chunks, gather, reshard
+        self.units = [leaf.unit for leaf in gather.layout.leaves]
         self.kept: dict[int, jax.Array] = {}  # without resharding: gathered once, kept
 
     def run(self, jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
         env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts, strict=True))
         env.update(zip(jaxpr.invars, args, strict=True))
+
+        def read(v: Any) -> Any:
+            return v.val if isinstance(v, Literal) else env[v]
+
         for eqn in jaxpr.eqns:
-            values = [v.val if isinstance(v, Literal) else env[v] for v in eqn.invars]
+            values = [read(v) for v in eqn.invars]
             derived = [k for k, v in enumerate(values) if isinstance(v, _Derived)]
             arrays = [k for k, v in enumerate(values) if isinstance(v, jax.Array)]
             if not derived:
@@ -103,8 +106,7 @@ class _Interpreter:
             else:
                 outs = _bind(eqn, self.kept_values(values))
             env.update(zip(eqn.outvars, outs, strict=True))
-        outs = [v.val if isinstance(v, Literal) else env[v] for v in jaxpr.outvars]
-        return self.kept_values(outs)
+        return self.kept_values([read(v) for v in jaxpr.outvars])
 
     def kept_values(self, values: list[Any]) -> list[Any]:
         """``values`` with the derived ones computed from kept gathered units (each unit
@@ -152,14 +154,13 @@ class _Interpreter:
 def call_gathering_on_first_read(
     fn: Callable[[list[jax.Array], Any], Any],
     chunks: Sequence[jax.Array],
-    units: Sequence[int],
     gather: Gatherer,
     batch: Any,
     *,
     reshard: bool,
 ) -> Any:
-    """``fn(whole, batch)``, where ``whole[i]`` is the parameter of ``chunks[i]`` gathered
-    (by ``gather``) where the computation first computes with it; ``units[i]`` is its unit.
+    """``fn(whole, batch)``, where ``whole[i]`` is the parameter of ``chunks[i]`` (leaf ``i``
+    of ``gather``'s layout) gathered where the computation first computes with it.
 
     ``reshard``: gather again for each equation's backward and keep only the chunks between
     (FSDP2's ``reshard_after_forward``); otherwise each unit is gathered whole at its first
@@ -172,6 +173,6 @@ def call_gathering_on_first_read(
         lambda w, b: fn(w, jax.tree.unflatten(batch_tree, b)), return_shape=True
     )(list(avals), batch_leaves)
     unread = [_Derived(frozenset((i,)), lambda whole, i=i: whole[i]) for i in indices]
-    interpreter = _Interpreter(chunks, units, gather, reshard)
+    interpreter = _Interpreter(chunks, gather, reshard)
     outs = interpreter.run(closed.jaxpr, closed.consts, unread + batch_leaves)
     return jax.tree.unflatten(jax.tree.structure(out_shape), outs)

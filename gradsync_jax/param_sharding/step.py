@@ -104,7 +104,6 @@ def _local_step(
     micro-steps, each reduce-scattering its gradients to the chunks), update the chunks."""
 
     gather = Gatherer(layout, axes, precision=precision, replicate=replicate)
-    units = [leaf.unit for leaf in layout.leaves]
 
     def loss_of(trainable: Any, frozen: Any, batch: Any) -> jax.Array:
         chunks = [
@@ -116,7 +115,6 @@ def _local_step(
         return call_gathering_on_first_read(
             lambda whole, b: loss_fn(jax.tree_util.tree_unflatten(layout.treedef, whole), b),
             chunks,
-            units,
             gather,
             batch,
             reshard=reshard,
