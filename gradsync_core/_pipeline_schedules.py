@@ -342,12 +342,7 @@ def add_unshard_reshard(ops: Sequence[Action], max_active_stages: int = 3) -> li
     # iteration order of a set of ints, which is deterministic, and torch's order is the goal.
     active: set[int] = set()
     out: list[Action] = []
-    for i, action in enumerate(ops):
-        upcoming: list[int] = []
-        for later in ops[i:]:
-            upcoming += [leaf.stage for leaf in later.leaves if leaf.stage not in upcoming]
-            if len(upcoming) >= max_active_stages:
-                break
+    for action, upcoming in zip(ops, _next_stages(ops, max_active_stages), strict=True):
         fetch = [s for s in upcoming if s not in active]
         for stage in [s for s in active if s not in upcoming]:
             active.remove(stage)
@@ -357,6 +352,21 @@ def add_unshard_reshard(ops: Sequence[Action], max_active_stages: int = 3) -> li
             out.append(Action(stage, UNSHARD))
         out.append(action)
     out += [Action(stage, RESHARD) for stage in list(active)]
+    return out
+
+
+def _next_stages(ops: Sequence[Action], count: int) -> list[list[int]]:
+    """For each position, the distinct stages computed from there on, in order of first
+    appearance, through the action that brings them to ``count`` (torch's
+    ``next_stage_indices``: an overlapped pair may bring one more). Built from the end, so
+    the walk is linear even where a rank has fewer than ``count`` stages."""
+    out: list[list[int]] = [[] for _ in ops]
+    firsts: list[tuple[int, int]] = []  # (stage, where it first appears from here on)
+    for i in range(len(ops) - 1, -1, -1):
+        here = list(dict.fromkeys(leaf.stage for leaf in ops[i].leaves))
+        firsts = [(s, i) for s in here] + [(s, j) for s, j in firsts if s not in here]
+        cut = firsts[count - 1][1] if len(firsts) >= count else len(ops)
+        out[i] = [s for s, j in firsts if j <= cut]
     return out
 
 
