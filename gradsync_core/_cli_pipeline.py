@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from gradsync_core._cli_json import report_header
 from gradsync_core._cli_table import table
 from gradsync_core._pipeline import PipelinePlan, plan_pipeline
-from gradsync_core._pipeline_schedules import SCHEDULES
+from gradsync_core._pipeline_schedules import SCHEDULES, default_stages_per_rank, schedule_name
 from gradsync_core._pipeline_sim import PipelineSimulation, simulate_pipeline
 from gradsync_core._specs import ParamSpec
 from gradsync_core._topology import Topology
@@ -70,7 +70,9 @@ def pipeline_command(args: argparse.Namespace, specs: Sequence[ParamSpec], topo:
             raise ValueError(f"--{name} must be a positive int, got {value}")
     if topo.pp > MAX_PIPELINE_RANKS:
         raise ValueError(f"--pp must be at most {MAX_PIPELINE_RANKS:,} with --schedule")
-    work = topo.pp * (v or 2) * args.microbatches
+    work = (
+        topo.pp * (v or default_stages_per_rank(schedule_name(args.schedule))) * args.microbatches
+    )
     if work > MAX_STAGE_MICROBATCHES:
         raise ValueError(
             f"pp x stages per rank x microbatches = {work:,} is more than "
@@ -120,12 +122,12 @@ def pipeline_text(plan: PipelinePlan, sim: PipelineSimulation, source: str) -> s
     ticks = ", ".join(f"{k} {t}" for k, t in TICKS.items())
     chart = f"Timeline ({ticks} ticks; p2p 0; '.' idle):\n" + chart_text(plan, sim)
     per_rank = table(
-        ["pp rank", "idle ticks", "peak stash"],
+        ["pp rank", "idle ticks", "peak stash (microbatches)"],
         [[r, _number(sim.idle[r]), sim.peak_stash[r]] for r in range(plan.pp)],
     )
     bubble = (
         f"Step {_number(sim.step_time)} ticks; bubble {100 * sim.bubble:.1f}% "
-        f"(idle / (ranks x step)); peak stash = microbatch activations held at once\n" + per_rank
+        "(idle / (ranks x step))\n" + per_rank
     )
     prints = f"fingerprints: pipeline {plan.fingerprint[:16]}  topology {topo.fingerprint[:16]}"
     return "\n\n".join([head, stages, chart, bubble, prints])

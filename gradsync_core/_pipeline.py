@@ -99,6 +99,15 @@ class PipelinePlan:
                     f"stage {stage.index} is placed on pipeline rank {stage.rank}, but pp = {pp} "
                     f"has ranks 0 to {pp - 1}"
                 )
+        if self.placement != CUSTOM and (
+            self.placement not in ("loop", "v")
+            or self.num_stages % pp
+            or self.stage_ranks != stage_ranks(pp, self.num_stages, self.placement)
+        ):
+            raise ValueError(
+                f"placement {self.placement!r} does not match the stages' ranks "
+                f"{self.stage_ranks}; placement is 'loop', 'v' (torch's) or 'custom'"
+            )
         if not isinstance(self.microbatches, int) or self.microbatches < 1:
             raise ValueError(f"microbatches must be a positive int, got {self.microbatches!r}")
         check_actions(self.actions, self.stage_ranks, self.microbatches, zero3=self.zero3)

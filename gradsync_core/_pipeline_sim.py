@@ -35,8 +35,9 @@ from gradsync_core._pipeline_actions import (
 Times = float | Sequence[float]  # one time for every stage, or one per stage
 
 
-class _Plan(Protocol):
-    """What the simulator reads of a ``PipelinePlan`` (which imports this module)."""
+class PipelineLike(Protocol):
+    """What the simulator reads of a plan: a ``PipelinePlan`` (which imports this module, so
+    this module names it by its shape)."""
 
     @property
     def actions(self) -> tuple[tuple[Action, ...], ...]: ...
@@ -83,7 +84,7 @@ class PipelineSimulation:
 
 
 def simulate_pipeline(
-    plan: _Plan,
+    plan: PipelineLike,
     *,
     forward: Times = 1.0,
     backward: Times = 2.0,

@@ -365,3 +365,10 @@ def test_zero3_computes_only_unsharded_stages():
 
 def test_every_schedule_is_planned():
     assert {plan_of(*case).schedule for case in EXAMPLES} == set(SCHEDULES)
+
+
+def test_a_placement_that_does_not_match_the_ranks_is_refused():
+    obj = plan_of("ZBV", 2, 4, 2).to_json()
+    obj["placement"] = "loop"
+    with pytest.raises(ValueError, match="placement 'loop' does not match"):
+        PipelinePlan.from_json(obj)

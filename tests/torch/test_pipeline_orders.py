@@ -13,6 +13,7 @@ either matches torch's order action for action, or both refuse it.
 
 import itertools
 import types
+from pathlib import Path
 
 import pytest
 from torch.distributed.pipelining import schedules as torch_schedules
@@ -179,3 +180,10 @@ def test_torchs_own_simulator_finds_no_deadlock_in_our_plans(name, pp, m, v):
     assert sum(a is not None for row in timeline.values() for a in row) == sum(
         len(row) for row in order.values()
     )
+
+
+def test_the_docs_state_the_sweeps_size():
+    doc = " ".join((Path(__file__).parents[2] / "docs" / "pipeline.md").read_text().split())
+    matched = sum(m for m, _ in EXPECTED.values())
+    refused = sum(r for _, r in EXPECTED.values())
+    assert f"{matched} cases equal to torch's, action for action, and {refused} that" in doc
