@@ -99,6 +99,12 @@ class PipelinePlan:
                     f"stage {stage.index} is placed on pipeline rank {stage.rank}, but pp = {pp} "
                     f"has ranks 0 to {pp - 1}"
                 )
+        held = [self.stage_ranks.count(rank) for rank in range(pp)]
+        if len(set(held)) != 1:
+            raise ValueError(
+                f"pipeline ranks hold {held} stages; every rank holds the same number of "
+                "stages (pp x stages per rank in all)"
+            )
         if self.placement != CUSTOM and (
             self.placement not in ("loop", "v")
             or self.num_stages % pp

@@ -184,10 +184,6 @@ def _per_stage(name: str, times: Times, n: int) -> list[float]:
     return [float(t) for t in values]
 
 
-class _Invalid(ValueError):
-    pass
-
-
 def _walk(
     actions: Sequence[Sequence[Action]],
     ranks: tuple[int, ...],
@@ -214,7 +210,10 @@ def _walk(
             waits = "; ".join(
                 f"rank {r} waits at {a} for {state.waiting_for(r, a)}" for r, a in blocked
             )
-            raise ValueError(f"deadlock: {waits}; reorder the actions so each send comes first")
+            raise ValueError(
+                f"deadlock: {waits}; reorder the actions so that each input is sent before "
+                "its receiver waits on it"
+            )
     state.finish()
     step = max(state.clock, default=0.0)
     return PipelineSimulation(
@@ -269,16 +268,18 @@ class _State:
             return self._from(r, leaf, s - 1, FORWARD, (FORWARD,), RECV_F, SEND_F)
         if leaf.kind in (FULL_BACKWARD, BACKWARD_INPUT):
             if (s, mb) not in self.done[FORWARD]:
-                raise _Invalid(f"rank {r} runs {leaf} before the forward {s}F{mb}")
+                raise ValueError(f"rank {r} runs {leaf} before the forward {s}F{mb}")
             if s == self.n - 1:
                 return 0.0  # the loss is computed with the last forward
             return self._from(
                 r, leaf, s + 1, "backward", (FULL_BACKWARD, BACKWARD_INPUT), RECV_B, SEND_B
             )
         if (s, mb) in self.done[FULL_BACKWARD]:
-            raise _Invalid(f"rank {r} runs {leaf} after the full backward {s}B{mb} already did it")
+            raise ValueError(
+                f"rank {r} runs {leaf} after the full backward {s}B{mb} already did it"
+            )
         if (s, mb) not in self.done[BACKWARD_INPUT]:
-            raise _Invalid(f"rank {r} runs {leaf} before the input gradient {s}I{mb}")
+            raise ValueError(f"rank {r} runs {leaf} before the input gradient {s}I{mb}")
         return 0.0
 
     def _from(
@@ -297,12 +298,12 @@ class _State:
             for kind in kinds:
                 if (peer, mb) in self.done[kind]:
                     return self.done[kind][peer, mb]
-            raise _Invalid(
+            raise ValueError(
                 f"rank {r} runs {leaf} before the {what} of stage {peer} on microbatch {mb}, "
                 "which feeds it on the same rank"
             )
         if (recv, s, mb) not in self.posted or (recv, s, mb) in self.consumed:
-            raise _Invalid(
+            raise ValueError(
                 f"rank {r} runs {leaf} without receiving its input first: put {s}{recv}{mb} "
                 "before it"
             )
@@ -323,23 +324,20 @@ class _State:
 
     def run(self, r: int, action: Action) -> bool:
         """Run ``action`` on rank r if its inputs are there; ``False`` if it must wait."""
-        try:
-            for leaf in action.leaves:
-                self._check_place(r, leaf)
-            if action.is_compute:
-                return self._compute(r, action)
-            self._other(r, action)
-            return True
-        except _Invalid as err:
-            raise ValueError(str(err)) from None
+        for leaf in action.leaves:
+            self._check_place(r, leaf)
+        if action.is_compute:
+            return self._compute(r, action)
+        self._other(r, action)
+        return True
 
     def _check_place(self, r: int, leaf: Action) -> None:
         if leaf.stage >= self.n:
-            raise _Invalid(f"rank {r} has {leaf}, but there are only {self.n} stages")
+            raise ValueError(f"rank {r} has {leaf}, but there are only {self.n} stages")
         if leaf.microbatch is not None and leaf.microbatch >= self.m:
-            raise _Invalid(f"rank {r} has {leaf}, but the step runs {self.m} microbatches")
+            raise ValueError(f"rank {r} has {leaf}, but the step runs {self.m} microbatches")
         if self.ranks[leaf.stage] != r:
-            raise _Invalid(
+            raise ValueError(
                 f"rank {r} has {leaf}, but stage {leaf.stage} runs on rank {self.ranks[leaf.stage]}"
             )
 
@@ -347,7 +345,7 @@ class _State:
         ready = []
         for leaf in action.leaves:
             if self.zero3 and leaf.stage not in self.unsharded:
-                raise _Invalid(
+                raise ValueError(
                     f"rank {r} runs {leaf} while stage {leaf.stage} is sharded: UNSHARD it first"
                 )
             key = (leaf.stage, leaf.microbatch)
@@ -356,7 +354,7 @@ class _State:
                 and key
                 in self.done[FULL_BACKWARD if leaf.kind == BACKWARD_INPUT else BACKWARD_INPUT]
             ):
-                raise _Invalid(f"rank {r} runs {leaf} twice")
+                raise ValueError(f"rank {r} runs {leaf} twice")
             at = self._input(r, leaf)
             if at is None:
                 return False
@@ -390,24 +388,24 @@ class _State:
             self._comm(r, action, s, mb)
         elif kind == REDUCE_GRAD:
             if s in self.reduced:
-                raise _Invalid(f"rank {r} reduces the gradients of stage {s} twice")
+                raise ValueError(f"rank {r} reduces the gradients of stage {s} twice")
             if self.finished[s] != self.m:
-                raise _Invalid(
+                raise ValueError(
                     f"rank {r} reduces the gradients of stage {s} after {self.finished[s]} of "
                     f"{self.m} backwards: put {action} after its last backward"
                 )
             self.reduced.add(s)
         elif not self.zero3:
-            raise _Invalid(
+            raise ValueError(
                 f"rank {r} has {action}, but the plan does not shard parameters (zero3=False)"
             )
         elif kind == UNSHARD:
             if s in self.unsharded:
-                raise _Invalid(f"rank {r} unshards stage {s} twice without a RESHARD between")
+                raise ValueError(f"rank {r} unshards stage {s} twice without a RESHARD between")
             self.unsharded.add(s)
         else:
             if s not in self.unsharded:
-                raise _Invalid(f"rank {r} reshards stage {s}, which is not unsharded")
+                raise ValueError(f"rank {r} reshards stage {s}, which is not unsharded")
             self.unsharded.remove(s)
         self.timeline[r].append(TimedAction(action=action, start=self.clock[r], end=self.clock[r]))
 
@@ -415,18 +413,18 @@ class _State:
         kind = action.kind
         peer = s + 1 if kind in (SEND_F, RECV_B) else s - 1
         if not 0 <= peer < self.n or self.ranks[peer] == r:
-            raise _Invalid(
+            raise ValueError(
                 f"rank {r} has {action}, but stage {s} has no neighbour on another rank that way"
             )
         if kind == SEND_F and (s, mb) not in self.done[FORWARD]:
-            raise _Invalid(f"rank {r} sends {action} before computing the forward {s}F{mb}")
+            raise ValueError(f"rank {r} sends {action} before computing the forward {s}F{mb}")
         if kind == SEND_B and not (
             (s, mb) in self.done[FULL_BACKWARD] or (s, mb) in self.done[BACKWARD_INPUT]
         ):
-            raise _Invalid(f"rank {r} sends {action} before computing the backward {s}B{mb}")
+            raise ValueError(f"rank {r} sends {action} before computing the backward {s}B{mb}")
         key = (kind, s, mb)
         if key in self.sent or key in self.posted:
-            raise _Invalid(f"rank {r} has {action} twice")
+            raise ValueError(f"rank {r} has {action} twice")
         if kind in (SEND_F, SEND_B):
             self.sent[key] = self.clock[r]
             # (rank from, rank to, side) -> the messages in the order that side posts them

@@ -5,6 +5,8 @@ torch's in tests/torch/test_pipeline_orders.py."""
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gradsync_core import (
     SCHEDULES,
@@ -16,6 +18,7 @@ from gradsync_core import (
     parse_layout,
     partition_layers,
     plan_pipeline,
+    simulate_pipeline,
 )
 from gradsync_core._pipeline_schedules import stage_ranks
 
@@ -372,3 +375,30 @@ def test_a_placement_that_does_not_match_the_ranks_is_refused():
     obj["placement"] = "loop"
     with pytest.raises(ValueError, match="placement 'loop' does not match"):
         PipelinePlan.from_json(obj)
+
+
+def test_ranks_holding_different_numbers_of_stages_are_refused():
+    text = "0F0,1F0,1B0,0B0\n2F0,2B0\n"
+    with pytest.raises(ValueError, match=r"pipeline ranks hold \[2, 1\] stages"):
+        PipelinePlan.from_csv(text, topology=Topology(pp=2))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    schedule=st.sampled_from(SCHEDULES),
+    pp=st.integers(1, 5),
+    m=st.integers(1, 10),
+    v=st.integers(1, 3),
+    zero3=st.booleans(),
+)
+def test_any_accepted_plan_round_trips_and_does_all_its_work(schedule, pp, m, v, zero3):
+    try:
+        plan = plan_of(schedule, pp, m, v, zero3=zero3)
+    except ValueError:
+        return  # a combination torch refuses (the tables above name each rule)
+    assert PipelinePlan.from_json(json.loads(json.dumps(plan.to_json()))) == plan
+    again = PipelinePlan.from_csv(plan.to_csv("compute_only"), topology=plan.topology, zero3=zero3)
+    assert again.actions == plan.actions
+    sim = simulate_pipeline(plan, forward=1, backward=3, weight=1)
+    assert sim.busy == (v * m * 4,) * pp  # every stage of the rank, every microbatch, once
+    assert max(sim.peak_stash) <= v * m and sim.peak_stash == plan.peak_stash
