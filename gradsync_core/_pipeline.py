@@ -4,7 +4,8 @@ Pipeline parallelism as data, like every gradsync plan: computed once in pure Py
 model's layers, a ``Topology`` and a schedule name, checked at construction (``check_actions``),
 fingerprinted so ranks can agree on it, and executed action by action. The actions are torch's
 (``_pipeline_actions``); the schedules compute the order torch computes
-(``_pipeline_schedules``); a plan writes torch's CSV and reads it back.
+(``_pipeline_schedules``) and torch's passes add the rest (``_pipeline_lower``); a plan writes
+torch's CSV and reads it back.
 """
 
 from __future__ import annotations
@@ -25,10 +26,10 @@ from gradsync_core._pipeline_layout import (
     partition_layers,
     partition_specs,
 )
+from gradsync_core._pipeline_lower import lower
 from gradsync_core._pipeline_schedules import (
     compute_orders,
     default_stages_per_rank,
-    lower,
     placement_of,
     schedule_name,
     stage_ranks,
