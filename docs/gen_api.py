@@ -31,7 +31,13 @@ PACKAGES = {
 # Where a package's names are explained, searched in this order (design.md last: it is the
 # reference of record, the guides are where a user starts).
 GUIDES = {
-    "gradsync_core": ["cli.md", "data-position.md", "checkpoints.md", "model-parallel.md"],
+    "gradsync_core": [
+        "cli.md",
+        "data-position.md",
+        "checkpoints.md",
+        "model-parallel.md",
+        "pipeline.md",
+    ],
     "gradsync_core.checkpoint": ["checkpoints.md"],
     "gradsync_torch": [
         "torch-data-parallel.md",

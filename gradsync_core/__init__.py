@@ -42,6 +42,16 @@ from gradsync_core._param_shards import (
     plan_param_shards,
 )
 from gradsync_core._param_units import block_prefixes
+from gradsync_core._pipeline import PipelinePlan, Stage, plan_pipeline
+from gradsync_core._pipeline_actions import Action
+from gradsync_core._pipeline_layout import parse_layout, partition_layers
+from gradsync_core._pipeline_schedules import SCHEDULES
+from gradsync_core._pipeline_sim import (
+    PipelineSimulation,
+    TimedAction,
+    check_actions,
+    simulate_pipeline,
+)
 from gradsync_core._rank_generator import RankGenerator
 from gradsync_core._reductions import (
     MODEL_AXES,
@@ -88,7 +98,9 @@ __all__ = [
     "MODEL_AXES",
     "OPTIMIZER_STATE_BYTES",
     "PLAN_VERSION",
+    "SCHEDULES",
     "STANDARD_GROUPS",
+    "Action",
     "Bucket",
     "BucketPlan",
     "CheckpointError",
@@ -98,6 +110,8 @@ __all__ = [
     "ParamChunk",
     "ParamShardPlan",
     "ParamSpec",
+    "PipelinePlan",
+    "PipelineSimulation",
     "RankGenerator",
     "RankMemory",
     "ReductionPlan",
@@ -107,12 +121,15 @@ __all__ = [
     "ShardedParam",
     "SharedReduction",
     "Slot",
+    "Stage",
+    "TimedAction",
     "Topology",
     "Unit",
     "block_prefixes",
     "bucket_caps",
     "builtin_model",
     "canonical_json",
+    "check_actions",
     "chunk_rows",
     "describe_difference",
     "estimate_ddp",
@@ -123,16 +140,20 @@ __all__ = [
     "fingerprint",
     "itemsize",
     "optimizer_state_bytes",
+    "parse_layout",
+    "partition_layers",
     "plan_buckets",
     "plan_flat_shards",
     "plan_greedy_shards",
     "plan_legacy_buckets",
     "plan_param_shards",
+    "plan_pipeline",
     "plan_shared_reductions",
     "read_manifest",
     "rebuild_buckets",
     "reduction_group",
     "replicated_axes",
+    "simulate_pipeline",
     "split_expert_specs",
     "split_shapes",
     "with_replicated_over",

@@ -40,6 +40,7 @@ from gradsync_core._buckets import (
 )
 from gradsync_core._cli_checkpoint import add_checkpoint_parser
 from gradsync_core._cli_json import plan_report, report_header
+from gradsync_core._cli_pipeline import add_pipeline_arguments, pipeline_command, pipeline_requested
 from gradsync_core._cli_table import mib as _mib
 from gradsync_core._cli_table import shown as _shown
 from gradsync_core._cli_table import table as _table
@@ -368,6 +369,8 @@ def _plan(args: argparse.Namespace) -> int:
         etp=args.etp,
     )
     check_zero_arguments(args, topo.dp)
+    if pipeline_requested(args):
+        return pipeline_command(args, specs, topo)
     if args.zero is not None:
         return _zero(args, specs, topo)
     # Expert parameters (ParamSpec.expert) are owned over edp, the rest over dp (design §6).
@@ -498,6 +501,7 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"round bucket lengths up to a multiple of this, 1 to {MAX_PAD_TO:,}",
     )
     add_zero_arguments(plan)
+    add_pipeline_arguments(plan)
     plan.add_argument("--json", action="store_true", help="emit the plans as JSON")
     plan.set_defaults(run=_plan)
     add_checkpoint_parser(sub)

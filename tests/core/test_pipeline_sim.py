@@ -1,0 +1,149 @@
+"""The pipeline simulator against the closed forms of the papers (docs/pipeline.md, "Simulator").
+
+With the same forward, backward and weight times on every stage and free point-to-point:
+
+- GPipe and 1F1B idle ``(p-1)(F+B)`` per rank, a bubble of ``(p-1)/(m+p-1)`` of the step
+  (GPipe, arXiv:1811.06965; PipeDream-Flush, arXiv:2006.09503);
+- interleaved 1F1B with v stages per rank idles ``(p-1)(F+B)`` per rank while computing
+  ``v*m*(F+B)``: ``(p-1)/(v*m)`` of the ideal time (Megatron-LM, arXiv:2104.04473);
+- interleaved zero bubble (ZB1P) idles ``(p-1)(F+B-2W)`` per rank, B the full backward, so
+  ``(p-1)(T_F + T_B - T_W)`` in arXiv:2401.10241's terms where ``T_B`` is the input half.
+
+The interleaved forms hold from m >= p microbatches (torch's schedules warm up for a full
+round of p), the zero-bubble one where a weight gradient is no longer than a forward
+(W <= F: it fills the gap a forward leaves).
+"""
+
+import itertools
+from fractions import Fraction
+
+import pytest
+
+from gradsync_core import Topology, plan_pipeline, simulate_pipeline
+
+PP = (2, 3, 4, 8)
+# (F, B, W): B is the full backward, W its weight-gradient part, W <= F throughout.
+TIMES = [(1, 2, 1), (2, 3, 1), (3, 4, 1), (2, 5, 2), (1, 1, 0), (1, 5, 1)]
+SOME_TIMES = [(1, 2, 1), (2, 5, 2), (1, 5, 1)]  # for the long sweeps: F+B-2W = 1, 3, 4
+
+
+def plan(schedule, pp, m, v=1):
+    return plan_pipeline(
+        schedule=schedule,
+        microbatches=m,
+        topology=Topology(pp=pp),
+        stages_per_rank=v,
+        layers=2 * pp * v,
+    )
+
+
+def accepted(schedule, pp, ms, v):
+    for m in ms:
+        try:
+            yield m, plan(schedule, pp, m, v)
+        except ValueError:  # a combination torch refuses (tests/core/test_pipeline.py)
+            continue
+
+
+@pytest.mark.parametrize("schedule", ["GPipe", "1F1B"])
+@pytest.mark.parametrize("pp", PP)
+def test_gpipe_and_1f1b_bubble_is_p_minus_1_over_m_plus_p_minus_1(schedule, pp):
+    for m, p in accepted(schedule, pp, range(1, 17), 1):
+        for f, b, w in TIMES:
+            sim = simulate_pipeline(p, forward=f, backward=b, weight=w)
+            assert sim.step_time == (m + pp - 1) * (f + b)
+            assert sim.idle == ((pp - 1) * (f + b),) * pp
+            assert Fraction(sim.bubble).limit_denominator(10**6) == Fraction(pp - 1, m + pp - 1)
+
+
+@pytest.mark.parametrize(("pp", "v"), list(itertools.product(PP, (1, 2, 3, 4))))
+def test_interleaved_1f1b_bubble_is_p_minus_1_over_v_m_of_the_ideal(pp, v):
+    checked = 0
+    for m, p in accepted("Interleaved1F1B", pp, range(pp, 17), v):
+        for f, b, w in SOME_TIMES:
+            sim = simulate_pipeline(p, forward=f, backward=b, weight=w)
+            ideal = v * m * (f + b)
+            assert sim.busy == (ideal,) * pp
+            assert all(Fraction(i) / ideal == Fraction(pp - 1, v * m) for i in sim.idle)
+        checked += 1
+    assert checked
+
+
+@pytest.mark.parametrize(("pp", "v"), list(itertools.product(PP, (1, 2, 3, 4))))
+def test_zb1p_idles_p_minus_1_times_f_plus_b_minus_2w(pp, v):
+    checked = 0
+    for _, p in accepted("ZB1P", pp, range(pp, 17), v):
+        for f, b, w in SOME_TIMES:
+            sim = simulate_pipeline(p, forward=f, backward=b, weight=w)
+            assert sim.idle == ((pp - 1) * (f + b - 2 * w),) * pp
+        checked += 1
+    assert checked
+
+
+def test_zb1p_form_needs_the_weight_gradient_to_fit_a_forward():
+    # W > F: the deferred weight gradients no longer fit, the closed form undercounts.
+    sim = simulate_pipeline(plan("ZB1P", 4, 8), forward=1, backward=3, weight=2)
+    assert sim.idle[0] > (4 - 1) * (1 + 3 - 2 * 2)
+
+
+def test_p2p_latency_adds_two_hops_per_stage_boundary_to_gpipe():
+    pp, m, f, b, c = 4, 6, 2, 3, 0.5
+    sim = simulate_pipeline(plan("GPipe", pp, m), forward=f, backward=b, p2p=c)
+    # the last microbatch's forward crosses pp-1 links down, its gradient pp-1 links back up
+    assert sim.step_time == (m + pp - 1) * (f + b) + 2 * (pp - 1) * c
+
+
+def test_every_action_has_its_start_and_end():
+    sim = simulate_pipeline(plan("GPipe", 3, 2), forward=1, backward=2)
+    rank1 = [(str(t.action), t.start, t.end) for t in sim.actions[1]]
+    assert rank1 == [
+        ("1RECV_F0", 0.0, 0.0),
+        ("1F0", 1.0, 2.0),
+        ("1SEND_F0", 2.0, 2.0),
+        ("1RECV_F1", 2.0, 2.0),
+        ("1F1", 2.0, 3.0),
+        ("1SEND_F1", 3.0, 3.0),
+        ("1RECV_B0", 3.0, 3.0),
+        ("1B0", 6.0, 8.0),  # after rank 2's B0 (4 to 6), which follows its F1 (3 to 4)
+        ("1SEND_B0", 8.0, 8.0),
+        ("1RECV_B1", 8.0, 8.0),
+        ("1B1", 8.0, 10.0),
+        ("1SEND_B1", 10.0, 10.0),
+        ("1REDUCE_GRAD", 10.0, 10.0),
+    ]
+
+
+def test_per_stage_times_slow_the_pipeline_to_its_slowest_stage():
+    # GPipe with one slow stage: the steady state runs at the slow stage's pace.
+    p = plan("GPipe", 3, 8)
+    sim = simulate_pipeline(p, forward=[1, 3, 1], backward=[2, 6, 2])
+    assert sim.busy == (24.0, 72.0, 24.0)
+    assert sim.step_time == 1 + 8 * 3 + 1 + 2 + 8 * 6 + 2  # fill, slow stage, drain
+
+
+def test_overlapped_pairs_run_their_two_halves_back_to_back():
+    sim = simulate_pipeline(plan("DualPipeV", 2, 4, 2), forward=1, backward=2, weight=1)
+    busy = 4 * 2 * (1 + 2)  # every rank: 4 microbatches through its 2 stages
+    assert sim.busy == (busy, busy)
+    assert len([t for t in sim.actions[0] if t.action.kind == "F"]) == 8
+
+
+def test_peak_stash_of_the_simulation_is_the_plans():
+    for schedule, v in [("1F1B", 1), ("Interleaved1F1B", 2), ("ZBV", 2), ("DualPipeV", 2)]:
+        p = plan(schedule, 4, 8, v)
+        assert simulate_pipeline(p).peak_stash == p.peak_stash
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"weight": 3.0}, "exceeds the full backward"),
+        ({"forward": -1.0}, "finite numbers >= 0"),
+        ({"forward": float("nan")}, "finite numbers >= 0"),
+        ({"backward": [1.0, 2.0]}, "2 times for 4 stages"),
+        ({"p2p": -0.5}, "p2p must be"),
+    ],
+)
+def test_bad_times_are_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        simulate_pipeline(plan("1F1B", 4, 4), **kwargs)
