@@ -26,6 +26,7 @@ from gradsync_torch.checkpoint import zero as checkpoint
 from gradsync_torch.checkpoint.model_state import copy_weights
 from gradsync_torch.data_parallel import DataParallel
 from gradsync_torch.zero.broadcast import Broadcaster, Piece
+from gradsync_torch.zero.clip import check_norm_type, clip_sharded_
 from gradsync_torch.zero.flat import FlatLayout
 from gradsync_torch.zero.join import ZeroJoinHook
 from gradsync_torch.zero.layout import Layout, make_layout
@@ -240,9 +241,63 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the gradients of every parameter (owned or not) and any gradient shard."""
-        super().zero_grad(set_to_none)
         if isinstance(self.layout, FlatLayout):
-            self.layout.drop_gradients()
+            self.layout.drop_gradients()  # ZeRO-2's placeholders first: they have no values
+        super().zero_grad(set_to_none)
+
+    @torch.no_grad()
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, *, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
+        """Clip the gradients of this optimizer's parameters by their global norm, as
+        ``torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)`` does after DDP (and
+        FSDP1's ``clip_grad_norm_``); a collective: call it on every rank, after backward and
+        before ``step``.
+
+        ZeRO-1 holds whole, averaged gradients, so this is torch's function on them. Under
+        ZeRO-2 no rank holds a whole gradient (``param.grad`` is a placeholder that refuses
+        torch's function): every rank takes the norm of its shards, one all-reduce combines
+        them, and each rank scales its shards by torch's coefficient
+        ``min(max_norm / (total + 1e-6), 1)``. The ``inf`` norm is bitwise DDP's; a finite
+        ``p`` sums over other pieces than whole tensors, so its last bits may differ
+        (docs/torch-zero.md, "Clipping the gradient norm").
+
+        Args:
+            max_norm: the largest norm left unscaled.
+            norm_type: ``p`` of the p-norm (positive), or ``float("inf")``.
+            error_if_nonfinite: raise instead of scaling by a NaN or infinite norm.
+
+        Returns:
+            The total norm before clipping (a 0-d tensor in the gradients' dtype), equal on
+            every rank and to the one DDP + ``clip_grad_norm_`` returns.
+
+        Raises:
+            ValueError: if ``norm_type`` is not positive.
+            RuntimeError: with ``error_if_nonfinite``, if the norm is NaN or infinite.
+
+        Example:
+            >>> model(x).sum().backward()  # doctest: +SKIP
+            >>> norm = opt.clip_grad_norm_(1.0); opt.step(); opt.zero_grad()
+        """
+        norm_type = check_norm_type(norm_type)
+        params = self._params()
+        if not isinstance(self.layout, FlatLayout):
+            return torch.nn.utils.clip_grad_norm_(
+                params, max_norm, norm_type, error_if_nonfinite=error_if_nonfinite
+            )
+        trainable = [p for p in params if p.requires_grad] or params
+        dtype = trainable[0].dtype
+        for p in trainable[1:]:
+            dtype = torch.promote_types(dtype, p.dtype)
+        return clip_sharded_(
+            self.layout.local_gradients(),
+            max_norm,
+            norm_type,
+            dtype=dtype,
+            device=trainable[0].device,
+            group=self.process_group,
+            error_if_nonfinite=error_if_nonfinite,
+        )
 
     def reduce_scatter_gradients(self) -> None:
         """ZeRO-2: reduce-scatter the local gradients now (``step`` does it otherwise).
