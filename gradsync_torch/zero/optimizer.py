@@ -9,6 +9,7 @@ size (docs/design.md §9; torch's cannot, pytorch issue 65650).
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -135,6 +136,21 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self.optim: Optimizer
         self._rebuild()
         self._initialized = True
+        self._warn_if_unnamed()
+
+    def _warn_if_unnamed(self) -> None:
+        """Say now, not at the first save after hours of training, that saving needs names."""
+        try:
+            self.param_names()
+        except ValueError:
+            warnings.warn(
+                "ZeroRedundancyOptimizer was given parameters without names "
+                "(model.parameters()), so opt.save() and opt.load() will need model=<the "
+                "module> to name them; build it from model.named_parameters() instead to make "
+                "its checkpoints self-describing",
+                UserWarning,
+                stacklevel=3,
+            )
 
     # -- parameters, names, plans -------------------------------------------------------
 
@@ -146,11 +162,14 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     def param_names(self, model: nn.Module | None = None) -> list[str]:
         """One name per parameter (global index order): the names given with
-        ``named_parameters()``, else looked up in ``model``.
+        ``named_parameters()``, else looked up in ``model`` (by default the module of the
+        ``data_parallel`` wrapper given to the constructor, if any).
 
         Raises:
             ValueError: if neither is available, or ``model`` lacks a parameter.
         """
+        if model is None and self._data_parallel is not None:
+            model = self._data_parallel.module
         return parameter_names(self.param_groups, model)
 
     def _specs(self, names: list[str] | None = None) -> list[ParamSpec]:
