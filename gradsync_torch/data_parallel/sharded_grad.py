@@ -24,9 +24,13 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-# Metadata that reads no values: allowed, so code that only looks at shapes keeps working.
+# Metadata that reads no values: allowed, so code that only looks at shapes keeps working
+# (and a placeholder can be a dict key or printed).
 _METADATA = frozenset(
     {
+        torch.Tensor.__hash__,
+        torch.Tensor.__len__,
+        torch.Tensor.__format__,
         torch.Tensor.size,
         torch.Tensor.dim,
         torch.Tensor.numel,
@@ -53,8 +57,11 @@ def refusal(name: str, op: str) -> RuntimeError:
 
 
 def _op_name(func: Callable[..., Any]) -> str:
-    name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or str(func)
-    return str(name)
+    name = str(getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or func)
+    for inner, public in (("_VariableFunctionsClass.", "torch."), ("TensorBase.", "Tensor.")):
+        if name.startswith(inner):
+            return public + name[len(inner) :]
+    return name
 
 
 class ShardedGradient(torch.Tensor):

@@ -255,8 +255,6 @@ class FlatLayout:
     def drop_gradients(self) -> None:
         for piece in self.pieces:
             piece.tensor.grad = None
-        if self.sharder is not None:
-            self.sharder.drop_placeholders()
         self.reduced = False
 
     @property

@@ -261,7 +261,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the gradients of every parameter (owned or not) and any gradient shard."""
         if isinstance(self.layout, FlatLayout):
-            self.layout.drop_gradients()  # ZeRO-2's placeholders first: they have no values
+            self.layout.drop_gradients()
+        if not set_to_none and self._sharder is not None:
+            # ZeRO-2's placeholders have no values to zero: torch's zero_() would refuse.
+            self._sharder.drop_placeholders()
         super().zero_grad(set_to_none)
 
     @torch.no_grad()
