@@ -17,7 +17,8 @@ resulting coefficient (``same(..., exact=False)``: rtol 1e-5, atol 1e-6). At 4 r
 gradients themselves differ from DDP's in the last bits (gloo sums four terms in an order that
 depends on the bucket, and DDP's buckets are not DataParallel's), so that floor applies
 throughout. ZeRO-1 (whole, averaged gradients on every rank) clips with torch's own function:
-bitwise at 2 ranks.
+bitwise at 2 ranks. ZeRO-2 without ``DataParallel`` reduce-scatters the local gradients in
+``clip_grad_norm_`` (``step`` then finds them there): the same results.
 """
 
 from __future__ import annotations
@@ -62,23 +63,30 @@ def _check_state(
                 same(got[index][key], value, exact, f"{what}: state {index} {key}")
 
 
-def _run(shard: bool, norm_type: float, exact: bool, ws: int, rank: int) -> None:
-    """``STEPS`` clipped AdamW steps, ZeRO (``shard``: ZeRO-2 through DataParallel, else
-    ZeRO-1 after DataParallel's all-reduce) against DDP + torch's clip."""
-    what = f"ZeRO-{2 if shard else 1} norm_type={norm_type}"
+def _run(mode: str, norm_type: float, exact: bool, ws: int, rank: int) -> None:
+    """``STEPS`` clipped AdamW steps, ZeRO against DDP + torch's clip. ``mode``: "zero2" (ZeRO-2
+    through ``DataParallel(shard_gradients=True)``), "zero2-alone" (ZeRO-2 reduce-scattering
+    local gradients itself) or "zero1" (ZeRO-1 after DataParallel's all-reduce)."""
+    what = f"{mode} norm_type={norm_type}"
+    shard = mode != "zero1"
     model = make_model()
     ddp, ref = _reference(model)
-    wrapper = DataParallel(model, shard_gradients=shard, bucket_cap_mb=0.002)
+    wrapper = (
+        model
+        if mode == "zero2-alone"
+        else DataParallel(model, shard_gradients=shard, bucket_cap_mb=0.002)
+    )
     opt = ZeroRedundancyOptimizer(
         model.named_parameters(),
         torch.optim.AdamW,
         lr=LR,
         weight_decay=0.1,
         shard_gradients=shard,
-        data_parallel=wrapper if shard else None,
+        data_parallel=wrapper if mode == "zero2" else None,
+        bucket_cap_mb=0.002,
     )
     if shard:
-        assert len(wrapper.bucket_plan.buckets) > 1, "the pieces must cut parameters"
+        assert len(opt.plan().buckets.buckets) > 1, "the pieces must cut parameters"
     for step in range(STEPS):
         x, y = batch(step, ws, rank)
         for m, o in ((wrapper, opt), (ddp, ref)):
@@ -100,15 +108,20 @@ def _run(shard: bool, norm_type: float, exact: bool, ws: int, rank: int) -> None
 
 
 def check_zero2_inf_norm(ws: int, rank: int) -> None:
-    _run(True, math.inf, ws <= 2, ws, rank)
+    _run("zero2", math.inf, ws <= 2, ws, rank)
 
 
 def check_zero2_two_norm(ws: int, rank: int) -> None:
-    _run(True, 2.0, False, ws, rank)
+    _run("zero2", 2.0, False, ws, rank)
+
+
+def check_zero2_alone(ws: int, rank: int) -> None:
+    _run("zero2-alone", math.inf, ws <= 2, ws, rank)
+    _run("zero2-alone", 2.0, False, ws, rank)
 
 
 def check_zero1_two_norm(ws: int, rank: int) -> None:
-    _run(False, 2.0, ws <= 2, ws, rank)
+    _run("zero1", 2.0, ws <= 2, ws, rank)
 
 
 def check_plain_clip_refuses(ws: int, rank: int) -> None:
@@ -169,6 +182,7 @@ def _worker(rank: int, ws: int) -> dict[str, str | None]:
         [
             ("zero2 inf norm", lambda: check_zero2_inf_norm(ws, rank)),
             ("zero2 two norm", lambda: check_zero2_two_norm(ws, rank)),
+            ("zero2 without DataParallel", lambda: check_zero2_alone(ws, rank)),
             ("zero1 two norm", lambda: check_zero1_two_norm(ws, rank)),
             ("plain clip refuses", lambda: check_plain_clip_refuses(ws, rank)),
             ("bad norm_type", lambda: check_bad_norm_type(ws, rank)),
