@@ -103,9 +103,10 @@ class FlatLayout:
             # Stepped before the bucket's first broadcast, which precedes this rank's own.
             jobs[0].owned = [piece.tensor for piece in self.pieces[first_piece:]]
             self.jobs += jobs
-        # This step's gradients are attached to the pieces (reduce-scattered by the optimizer
-        # on its own, or read from the sharder's shards): until sync_params or drop_gradients.
-        self.reduced = False
+        # Whether this step's gradients are attached to the pieces (reduce-scattered by the
+        # optimizer on its own, or read from the sharder's shards): until sync_params or
+        # drop_gradients.
+        self.attached = False
         self.consumed = sharder.sync_count if sharder is not None else 0
 
     def _sync_jobs(
@@ -208,7 +209,7 @@ class FlatLayout:
         for i in self.trainable:
             self.params[i].grad = None  # each rank keeps only its shard (ZeRO-2)
         self._attach_grads(lambda index: index in stepped, self.grad_shards)
-        self.reduced = True
+        self.attached = True
 
     def _attach_grads(self, used: Any, shards: Any) -> None:
         for piece, (b, lo, hi) in zip(self.pieces, self.grad_ranges, strict=True):
@@ -220,10 +221,10 @@ class FlatLayout:
         ``drop_gradients``), so ``clip_grad_norm_`` may attach them before ``step`` does."""
         sharder = self.sharder
         if sharder is None:
-            if not self.reduced:
+            if not self.attached:
                 self.reduce_scatter_gradients()
             return
-        if self.reduced and sharder.sync_count == self.consumed:
+        if self.attached and sharder.sync_count == self.consumed:
             return  # attached already, and no sync since
         if sharder.sync_count == self.consumed:  # no synced backward since the last step
             self._attach_grads(lambda index: False, None)
@@ -238,7 +239,7 @@ class FlatLayout:
                 lambda index: used.get(id(self.params[index]), False), sharder.shards
             )
             self.consumed = sharder.sync_count
-        self.reduced = True
+        self.attached = True
 
     def local_gradients(self) -> list[torch.Tensor]:
         """This step's gradients of this rank's pieces (attached first if need be): together
@@ -250,12 +251,12 @@ class FlatLayout:
         """Broadcast every rank's range of every bucket; with ``step``, step this rank's
         pieces of each bucket (``job.owned``) right before the bucket's broadcasts."""
         self.broadcaster.run(self.jobs, step)
-        self.reduced = False
+        self.attached = False
 
     def drop_gradients(self) -> None:
         for piece in self.pieces:
             piece.tensor.grad = None
-        self.reduced = False
+        self.attached = False
 
     @property
     def grad_nbytes(self) -> int:
