@@ -46,7 +46,8 @@ class GradMemory:
 
     def sample(self) -> None:
         storages: dict[int, int] = {}
-        tensors = [p.grad for p in self.params if p.grad is not None]
+        # A ZeRO-2 placeholder (ShardedGradient) holds no storage: its gradient is a shard.
+        tensors = [p.grad for p in self.params if type(p.grad) is torch.Tensor]
         for t in [*tensors, *self.buffers()]:
             storage = t.untyped_storage()
             storages[storage.data_ptr()] = storage.nbytes()

@@ -8,7 +8,7 @@ from gradsync_torch.checkpoint import (
     save_fully_sharded,
 )
 from gradsync_torch.checkpoint.dcp import export_dcp, import_dcp
-from gradsync_torch.data_parallel import DataParallel
+from gradsync_torch.data_parallel import DataParallel, ShardedGradient
 from gradsync_torch.data_parallel.comm_hooks import (
     GradBucket,
     allreduce_hook,
@@ -55,6 +55,7 @@ __all__: list[str] = [
     "ProcessGroups",
     "ResumableSampler",
     "RowParallelLinear",
+    "ShardedGradient",
     "ShardedModule",
     "SharedReducer",
     "ZeroRedundancyOptimizer",

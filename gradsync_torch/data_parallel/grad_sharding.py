@@ -10,7 +10,9 @@ Rank ``r`` receives elements ``[r * chunk, (r + 1) * chunk)`` of every bucket, e
 their gradients there. The link to the optimizer is explicit: the user passes the wrapper
 (``ZeroRedundancyOptimizer(..., shard_gradients=True, data_parallel=model)``), and the
 optimizer ``claim``s ``model.gradient_sharder``. A sharder nobody claimed refuses to finish a
-sync, so gradients are never dropped silently.
+sync, so gradients are never dropped silently. After a sync ``param.grad`` of every parameter
+some rank computed a gradient for is a ``ShardedGradient`` (``sharded_grad.py``): reading it
+raises, naming ``opt.clip_grad_norm_``, where ``None`` would read as "no gradient".
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from torch import nn
 from gradsync_core import Bucket, BucketPlan
 from gradsync_torch._collectives import reduce_scatter_into
 from gradsync_torch.data_parallel.buckets import BucketBuffers, GradSlots
+from gradsync_torch.data_parallel.sharded_grad import ShardedGradient
 
 UNCLAIMED_MESSAGE = (
     "DataParallel(shard_gradients=True) keeps only each rank's gradient shard, and no "
@@ -161,7 +164,8 @@ class ReduceScatter:
     What the optimizer reads: ``world_size``, ``shards`` (bucket index -> this rank's summed
     chunk), ``last_sync_buckets`` (the buckets of the last completed sync), ``used``
     (``id(param)`` -> some rank had a gradient for it), ``sync_count`` (completed syncs) and
-    ``params_by_name()``.
+    ``params_by_name()``. After a sync ``param.grad`` is a ``ShardedGradient`` where ``used``
+    (``None`` elsewhere, as after DDP's sync); ``drop_placeholders()`` clears them.
 
     Args:
         group: the data-parallel process group.
@@ -192,6 +196,8 @@ class ReduceScatter:
         self.mean = mean
         self.pool = BucketPool() if overlap else None
         self._module_params = dict(module_params)
+        self._names = {id(p): name for name, p in self._module_params.items()}
+        self._placeholders: dict[int, ShardedGradient] = {}
         self.shards: dict[int, torch.Tensor] = {}
         self.last_sync_buckets: tuple[Bucket, ...] = ()
         self._launched: list[Bucket] = []
@@ -225,6 +231,12 @@ class ReduceScatter:
     @property
     def claimed(self) -> bool:
         return self._consumer is not None and self._consumer() is not None
+
+    def drop_placeholders(self) -> None:
+        """Set ``param.grad`` to ``None`` where it holds this sharder's placeholder."""
+        for param in self._module_params.values():
+            if isinstance(param.grad, ShardedGradient):
+                param.grad = None
 
     def params_by_name(self) -> dict[str, torch.Tensor]:
         """Every parameter of the wrapped module by name (the names in the bucket plan)."""
@@ -302,9 +314,16 @@ class ReduceScatter:
         # ZeRO-2: this rank's shard of the sum is in ``shards``; only the used-map is kept.
         slot, param = bucket.slot_ids[i], bucket.params[i]
         used = self.slots.has_grad(slot, param)
-        self.used[id(param)] = used or (global_used is not None and global_used[slot] > 0)
-        param.grad = None
+        used = self.used[id(param)] = used or (global_used is not None and global_used[slot] > 0)
+        param.grad = self._placeholder(param) if used else None
         self.slots.preset[slot] = False
+
+    def _placeholder(self, param: nn.Parameter) -> ShardedGradient:
+        placeholder = self._placeholders.get(id(param))
+        if placeholder is None:
+            name = self._names.get(id(param), "a parameter")
+            placeholder = self._placeholders[id(param)] = ShardedGradient(param, name)
+        return placeholder
 
     def reset(self) -> None:
         if self.pool is not None:

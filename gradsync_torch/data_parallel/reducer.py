@@ -41,12 +41,9 @@ from gradsync_torch.data_parallel.buckets import (
     build_buckets,
 )
 from gradsync_torch.data_parallel.finite_check import FiniteCheck
+from gradsync_torch.data_parallel.peer_failures import naming_peer_failures
 from gradsync_torch.data_parallel.readiness import BucketReadiness
-from gradsync_torch.data_parallel.sync_agreement import (
-    SyncHistory,
-    layout_fingerprint,
-    stalled_sync_error,
-)
+from gradsync_torch.data_parallel.sync_agreement import SyncHistory, layout_fingerprint
 from gradsync_torch.data_parallel.used_map import UsedMap
 from gradsync_torch.data_parallel.used_map import bookkeeping_group as make_bookkeeping_group
 
@@ -262,13 +259,16 @@ class Reducer:
                     "backward (reentrant checkpointing?); use "
                     "torch.utils.checkpoint(..., use_reentrant=False)"
                 )
-            fired[slot] = True
-            bucket = bucket_of[slot]
-            bucket.pending -= 1
-            if bucket.pending == 0:
-                self._stage(bucket)
-                self.readiness.completed(bucket.spec.index, slot)
-        self._launch_complete()
+        # Staging may wait for an earlier bucket's collective (ZeRO-2's pooled buffer).
+        with naming_peer_failures(f"gradient sync #{self.sync_count}"):
+            for slot in slots:
+                fired[slot] = True
+                bucket = bucket_of[slot]
+                bucket.pending -= 1
+                if bucket.pending == 0:
+                    self._stage(bucket)
+                    self.readiness.completed(bucket.spec.index, slot)
+            self._launch_complete()
 
     def _stage(self, bucket: BucketBuffers) -> None:
         """Put every gradient of ``bucket`` into its slot, divided where that is due; the
@@ -336,25 +336,22 @@ class Reducer:
             record = self._history.record(
                 sync=self.sync_count, layout=self.layout, backwards=backwards
             )
-        try:
+        what = f"gradient sync #{self.sync_count}"
+        with naming_peer_failures(what):
             if self.overlap:
                 self._sync_overlap(record)
             else:
                 self._sync_legacy(record)
-        except RuntimeError as e:
-            stalled = stalled_sync_error(self.sync_count, e)
-            if stalled is None:
-                raise
-            raise stalled from e
-        if self.shared is not None:
-            # The model-parallel sums (docs/design.md §6) commute with the dp mean and with
-            # accumulation, so one pass after the mean covers every no_sync step too.
-            self.shared.reduce()
+            if self.shared is not None:
+                # The model-parallel sums (docs/design.md §6) commute with the dp mean and
+                # with accumulation, so one pass after the mean covers every no_sync step too.
+                self.shared.reduce()
         self._dirty = False
         self.sync_count += 1
         self._history.synced()
         if from_backward:
-            self.rebuild()  # once: DDP's rebuild from the observed ready order
+            with naming_peer_failures(what):
+                self.rebuild()  # once: DDP's rebuild from the observed ready order
         if self.finite_check is not None:
             self.finite_check.verify(self.sync_count - 1)  # raises alike on every rank
 

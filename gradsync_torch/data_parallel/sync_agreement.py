@@ -106,31 +106,6 @@ def disagreement_error(
     )
 
 
-# How torch's backends report a collective that a peer never joined or left: gloo raises a
-# plain RuntimeError ("Timed out waiting 10000ms for recv operation", "Connection closed by
-# peer"), NCCL a DistBackendError.
-_PEER_FAILURES = ("Timed out", "timed out", "Connection closed", "Connection reset")
-
-
-def stalled_sync_error(sync: int, cause: RuntimeError) -> RuntimeError | None:
-    """The one sentence for a gradient sync whose collective a peer never completed, or
-    ``None`` if ``cause`` is not such a failure (then it propagates unchanged).
-
-    The runtime agreement above cannot catch this case: its check rides in the sync's own
-    collective, which the other rank never issues (it ran out of batches and went on to a
-    barrier, a save or the end of the script), so the backend's timeout is the only signal.
-    """
-    if not isinstance(cause, dist.DistError) and not any(m in str(cause) for m in _PEER_FAILURES):
-        return None
-    return RuntimeError(
-        f"DataParallel: gradient sync #{sync} did not complete within the process group's "
-        "timeout because another rank of the group never reached it (most often that rank ran "
-        "out of batches and left its loop, or took fewer steps); give every rank the same "
-        "number of steps, or wrap the loop in `with model.join():` for uneven inputs "
-        f"(backend: {str(cause).strip().splitlines()[0][-160:]})"
-    )
-
-
 class SyncHistory:
     """What this rank did since its previous sync: the wrapper's side of a ``SyncRecord``.
 

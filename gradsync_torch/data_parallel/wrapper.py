@@ -39,6 +39,7 @@ from gradsync_torch.data_parallel.options import (
     check_module,
     comm_device,
 )
+from gradsync_torch.data_parallel.peer_failures import naming_peer_failures
 from gradsync_torch.data_parallel.reducer import Reducer
 from gradsync_torch.data_parallel.setup import (
     Layout,
@@ -295,15 +296,21 @@ class DataParallel(nn.Module, Joinable):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         training = torch.is_grad_enabled()
         sync = self.require_backward_grad_sync
+        before = f"at the start of a forward (before gradient sync #{self._reducer.sync_count})"
         if training:
             check_still_frozen(self._frozen, self.module)
             if sync and self.options.param_broadcast_period:
-                self._maybe_broadcast_params()
+                with naming_peer_failures(f"the parameter broadcast {before}"):
+                    self._maybe_broadcast_params()
         self._reducer.prepare_for_forward(training=training, sync=sync)
         buffers = self._buffers_to_broadcast()
-        source = self._join_step(sync=training and sync, buffers=bool(buffers))
+        with naming_peer_failures(f"the Join status exchange {before}"):
+            source = self._join_step(sync=training and sync, buffers=bool(buffers))
         if buffers:
-            broadcast_tensors(buffers, self.process_group, group_src=source)
+            # A rank that runs one step more than another stops here first (a causal mask,
+            # BatchNorm statistics): its peer is in a collective of its own.
+            with naming_peer_failures(f"the buffer broadcast {before}"):
+                broadcast_tensors(buffers, self.process_group, group_src=source)
         self._sync_buffers_next = training and sync
         output = self.module(*args, **kwargs)
         reducer = self._reducer

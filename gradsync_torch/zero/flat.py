@@ -103,7 +103,10 @@ class FlatLayout:
             # Stepped before the bucket's first broadcast, which precedes this rank's own.
             jobs[0].owned = [piece.tensor for piece in self.pieces[first_piece:]]
             self.jobs += jobs
-        self.reduced = False
+        # Whether this step's gradients are attached to the pieces (reduce-scattered by the
+        # optimizer on its own, or read from the sharder's shards): until sync_params or
+        # drop_gradients.
+        self.attached = False
         self.consumed = sharder.sync_count if sharder is not None else 0
 
     def _sync_jobs(
@@ -206,7 +209,7 @@ class FlatLayout:
         for i in self.trainable:
             self.params[i].grad = None  # each rank keeps only its shard (ZeRO-2)
         self._attach_grads(lambda index: index in stepped, self.grad_shards)
-        self.reduced = True
+        self.attached = True
 
     def _attach_grads(self, used: Any, shards: Any) -> None:
         for piece, (b, lo, hi) in zip(self.pieces, self.grad_ranges, strict=True):
@@ -214,35 +217,46 @@ class FlatLayout:
 
     def before_step(self) -> None:
         """Attach this step's gradient shards to the pieces (reduce-scattering first if the
-        optimizer runs on its own)."""
+        optimizer runs on its own). Idempotent until the step's ``sync_params`` (or
+        ``drop_gradients``), so ``clip_grad_norm_`` may attach them before ``step`` does."""
         sharder = self.sharder
-        if sharder is not None:
-            if sharder.sync_count == self.consumed:  # no synced backward since the last step
-                self._attach_grads(lambda index: False, None)
-            else:
-                if sharder.last_sync_buckets != tuple(self.buckets):
-                    raise RuntimeError(
-                        "DataParallel reduced gradients with another bucket layout than the "
-                        "optimizer was built for; build the optimizer after wrapping the model"
-                    )
-                used = sharder.used
-                self._attach_grads(
-                    lambda index: used.get(id(self.params[index]), False), sharder.shards
+        if sharder is None:
+            if not self.attached:
+                self.reduce_scatter_gradients()
+            return
+        if self.attached and sharder.sync_count == self.consumed:
+            return  # attached already, and no sync since
+        if sharder.sync_count == self.consumed:  # no synced backward since the last step
+            self._attach_grads(lambda index: False, None)
+        else:
+            if sharder.last_sync_buckets != tuple(self.buckets):
+                raise RuntimeError(
+                    "DataParallel reduced gradients with another bucket layout than the "
+                    "optimizer was built for; build the optimizer after wrapping the model"
                 )
-                self.consumed = sharder.sync_count
-        elif not self.reduced:
-            self.reduce_scatter_gradients()
+            used = sharder.used
+            self._attach_grads(
+                lambda index: used.get(id(self.params[index]), False), sharder.shards
+            )
+            self.consumed = sharder.sync_count
+        self.attached = True
+
+    def local_gradients(self) -> list[torch.Tensor]:
+        """This step's gradients of this rank's pieces (attached first if need be): together
+        with every other rank's, each element of every stepped gradient exactly once."""
+        self.before_step()
+        return [piece.tensor.grad for piece in self.pieces if piece.tensor.grad is not None]
 
     def sync_params(self, step: Callable[[Job], None] | None = None) -> None:
         """Broadcast every rank's range of every bucket; with ``step``, step this rank's
         pieces of each bucket (``job.owned``) right before the bucket's broadcasts."""
         self.broadcaster.run(self.jobs, step)
-        self.reduced = False
+        self.attached = False
 
     def drop_gradients(self) -> None:
         for piece in self.pieces:
             piece.tensor.grad = None
-        self.reduced = False
+        self.attached = False
 
     @property
     def grad_nbytes(self) -> int:

@@ -9,6 +9,7 @@ size (docs/design.md §9; torch's cannot, pytorch issue 65650).
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -26,6 +27,7 @@ from gradsync_torch.checkpoint import zero as checkpoint
 from gradsync_torch.checkpoint.model_state import copy_weights
 from gradsync_torch.data_parallel import DataParallel
 from gradsync_torch.zero.broadcast import Broadcaster, Piece
+from gradsync_torch.zero.clip import check_norm_type, clip_sharded_
 from gradsync_torch.zero.flat import FlatLayout
 from gradsync_torch.zero.join import ZeroJoinHook
 from gradsync_torch.zero.layout import Layout, make_layout
@@ -134,6 +136,21 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self.optim: Optimizer
         self._rebuild()
         self._initialized = True
+        self._warn_if_unnamed()
+
+    def _warn_if_unnamed(self) -> None:
+        """Say now, not at the first save after hours of training, that saving needs names."""
+        try:
+            self.param_names()
+        except ValueError:
+            warnings.warn(
+                "ZeroRedundancyOptimizer was given parameters without names "
+                "(model.parameters()), so opt.save() and opt.load() will need model=<the "
+                "module> to name them; build it from model.named_parameters() instead to make "
+                "its checkpoints self-describing",
+                UserWarning,
+                stacklevel=3,
+            )
 
     # -- parameters, names, plans -------------------------------------------------------
 
@@ -145,11 +162,14 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     def param_names(self, model: nn.Module | None = None) -> list[str]:
         """One name per parameter (global index order): the names given with
-        ``named_parameters()``, else looked up in ``model``.
+        ``named_parameters()``, else looked up in ``model`` (by default the module of the
+        ``data_parallel`` wrapper given to the constructor, if any).
 
         Raises:
             ValueError: if neither is available, or ``model`` lacks a parameter.
         """
+        if model is None and self._data_parallel is not None:
+            model = self._data_parallel.module
         return parameter_names(self.param_groups, model)
 
     def _specs(self, names: list[str] | None = None) -> list[ParamSpec]:
@@ -240,9 +260,66 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the gradients of every parameter (owned or not) and any gradient shard."""
-        super().zero_grad(set_to_none)
         if isinstance(self.layout, FlatLayout):
             self.layout.drop_gradients()
+        if not set_to_none and self._sharder is not None:
+            # ZeRO-2's placeholders have no values to zero: torch's zero_() would refuse.
+            self._sharder.drop_placeholders()
+        super().zero_grad(set_to_none)
+
+    @torch.no_grad()
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, *, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
+        """Clip the gradients of this optimizer's parameters by their global norm, as
+        ``torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)`` does after DDP (and
+        FSDP1's ``clip_grad_norm_``); a collective: call it on every rank, after backward and
+        before ``step``.
+
+        ZeRO-1 holds whole, averaged gradients, so this is torch's function on them. Under
+        ZeRO-2 no rank holds a whole gradient (``param.grad`` is a placeholder that refuses
+        torch's function): every rank takes the norm of its shards, one all-reduce combines
+        them, and each rank scales its shards by torch's coefficient
+        ``min(max_norm / (total + 1e-6), 1)``. The ``inf`` norm is bitwise DDP's; a finite
+        ``p`` sums over other pieces than whole tensors, so its last bits may differ
+        (docs/torch-zero.md, "Clipping the gradient norm").
+
+        Args:
+            max_norm: the largest norm left unscaled.
+            norm_type: ``p`` of the p-norm (positive), or ``float("inf")``.
+            error_if_nonfinite: raise instead of scaling by a NaN or infinite norm.
+
+        Returns:
+            The total norm before clipping (a 0-d tensor in the gradients' dtype), equal on
+            every rank and to the one DDP + ``clip_grad_norm_`` returns.
+
+        Raises:
+            ValueError: if ``norm_type`` is not positive.
+            RuntimeError: with ``error_if_nonfinite``, if the norm is NaN or infinite.
+
+        Example:
+            >>> model(x).sum().backward()  # doctest: +SKIP
+            >>> norm = opt.clip_grad_norm_(1.0); opt.step(); opt.zero_grad()
+        """
+        norm_type = check_norm_type(norm_type)
+        params = self._params()
+        if not isinstance(self.layout, FlatLayout):
+            return torch.nn.utils.clip_grad_norm_(
+                params, max_norm, norm_type, error_if_nonfinite=error_if_nonfinite
+            )
+        trainable = [p for p in params if p.requires_grad] or params
+        dtype = trainable[0].dtype
+        for p in trainable[1:]:
+            dtype = torch.promote_types(dtype, p.dtype)
+        return clip_sharded_(
+            self.layout.local_gradients(),
+            max_norm,
+            norm_type,
+            dtype=dtype,
+            device=trainable[0].device,
+            group=self.process_group,
+            error_if_nonfinite=error_if_nonfinite,
+        )
 
     def reduce_scatter_gradients(self) -> None:
         """ZeRO-2: reduce-scatter the local gradients now (``step`` does it otherwise).

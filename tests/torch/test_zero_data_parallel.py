@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gradsync_core import ParamSpec, plan_buckets
-from gradsync_torch import DataParallel, ZeroRedundancyOptimizer
+from gradsync_torch import DataParallel, ShardedGradient, ZeroRedundancyOptimizer
 from gradsync_torch.data_parallel.grad_sharding import POOL_BUFFERS, pad_for_sharding
 from tests.torch.harness import run_workers
 from tests.torch.zero_helpers import Pair, batch, make_model, same
@@ -69,7 +69,9 @@ def check_data_parallel(world_size: int, directory: str) -> None:
                         F.mse_loss(wrapper(x), y).backward()
                 else:
                     F.mse_loss(wrapper(x), y).backward()
-        assert all(p.grad is None for p in model.parameters()), "ZeRO-2 keeps only shards"
+        assert all(isinstance(p.grad, ShardedGradient) for p in model.parameters()), (
+            "ZeRO-2 keeps only shards"
+        )
         assert 0 < opt.grad_nbytes() <= 4 * sum(p.numel() for p in model.parameters())
         check_pool_memory(sharded)
         opt.step()
