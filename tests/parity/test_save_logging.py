@@ -19,6 +19,7 @@ import textwrap
 import jax
 import jax.numpy as jnp
 import optax
+import pytest
 import torch
 
 from gradsync_core import Topology, read_manifest
@@ -73,6 +74,7 @@ def test_a_jax_save_logs_its_progress_at_info(tmp_path, caplog) -> None:
     _check(_messages(caplog), path, "jax (adamw), step 7, world size 2")
 
 
+@pytest.mark.slow  # a fresh interpreter importing torch: about 10 s
 def test_saves_are_silent_by_default(tmp_path) -> None:
     """No logging configured, as in a script: nothing on stderr (INFO is below the default
     WARNING threshold and gradsync adds no handler)."""
