@@ -10,7 +10,10 @@ Every input is bounded, so a typo cannot make the planner allocate for minutes:
 - ``--partition flat``: at most 131,072 (2**17) shard pieces, about buckets x dp ranks;
   beyond that, raise ``--bucket-cap-mb`` or use the greedy partition.
 - ``--params``: a JSON file of at most 64 MiB, nested at most a few hundred levels, each entry
-  a parameter of the right types (see ``ParamSpec.from_json``).
+  a parameter of the right types (see ``ParamSpec.from_json``); the object form may name the
+  tied weights (``"tied"``).
+- ``--model MODULE:FUNCTION``: a live model, read by its framework's executor
+  (``_cli_model``).
 
 - ``--zero``: at most 65,536 (2**16) data-parallel ranks, each listed in ``--json``;
   ``--shard-size`` divides the data-parallel size (``_cli_zero``).
@@ -40,13 +43,16 @@ from gradsync_core._buckets import (
 )
 from gradsync_core._cli_checkpoint import add_checkpoint_parser
 from gradsync_core._cli_json import plan_report, report_header
+from gradsync_core._cli_model import is_live_model, live_model
 from gradsync_core._cli_pipeline import add_pipeline_arguments, pipeline_command, pipeline_requested
 from gradsync_core._cli_table import mib as _mib
 from gradsync_core._cli_table import shown as _shown
 from gradsync_core._cli_table import table as _table
 from gradsync_core._cli_zero import (
+    BUILTIN_TIED,
     add_zero_arguments,
     check_zero_arguments,
+    tied_names,
     zero_estimate,
     zero_json,
     zero_text,
@@ -115,7 +121,11 @@ def _unrecognized(
     return f"{message} (see '{sub.prog} --help')"
 
 
-def _load_params(path: str) -> list[ParamSpec]:
+_PARAMS_FILE_KEYS = ("params", "tied")
+
+
+def _load_params(path: str) -> tuple[list[ParamSpec], tuple[str, ...]]:
+    """The parameters a ``--params`` file lists and the names of its tied weights."""
     try:
         with open(path, "rb") as f:
             # Read one byte past the cap to tell "at the cap" from "over it" without
@@ -151,7 +161,32 @@ def _load_params(path: str) -> list[ParamSpec]:
         check_unique_names(specs)
     except (ValueError, TypeError) as e:
         raise UsageError(f"{path!r}: {e}") from None
-    return specs
+    return specs, _tied(path, data, specs) if isinstance(data, dict) else ()
+
+
+def _tied(path: str, data: dict[str, Any], specs: Sequence[ParamSpec]) -> tuple[str, ...]:
+    """The file's ``"tied"`` list: parameters used under more than one name (a head tied to
+    the embedding), each named as listed; refuses a key the file format does not have."""
+    unknown = sorted(set(data) - set(_PARAMS_FILE_KEYS))
+    if unknown:
+        raise UsageError(
+            f"{path!r} has the key {unknown[0]!r}; a parameter file object holds "
+            f"{' and '.join(map(repr, _PARAMS_FILE_KEYS))} only"
+        )
+    tied = data.get("tied", [])
+    if not isinstance(tied, list) or not all(isinstance(name, str) for name in tied):
+        raise UsageError(
+            f"{path!r}: 'tied' must be a list of parameter names, e.g. "
+            f'["transformer.wte.weight"], got {json.dumps(tied)[:60]}'
+        )
+    names = {spec.name for spec in specs}
+    for name in tied:
+        if name not in names:
+            raise UsageError(
+                f"{path!r}: tied parameter {name!r} is not in 'params'; name a tied weight "
+                "as it is listed there (once, under its first name)"
+            )
+    return tuple(dict.fromkeys(tied))
 
 
 def _check_bounds(args: argparse.Namespace) -> None:
@@ -356,9 +391,19 @@ def _summary(source: str, specs: Sequence[ParamSpec], topo: Topology) -> str:
     return line if note is None else f"{line}\n{note}"
 
 
+def _source(args: argparse.Namespace) -> tuple[list[ParamSpec], tuple[str, ...]]:
+    """The parameters to plan and the names of the tied ones: a ``--params`` file, a live
+    model (``--model MODULE:FUNCTION``) or a built-in model."""
+    if args.params:
+        return _load_params(args.params)
+    if is_live_model(args.model):
+        return live_model(args.model)
+    return builtin_model(args.model, args.dtype), BUILTIN_TIED.get(args.model, ())
+
+
 def _plan(args: argparse.Namespace) -> int:
     _check_bounds(args)
-    specs = _load_params(args.params) if args.params else builtin_model(args.model, args.dtype)
+    specs, tied = _source(args)
     topo = Topology.create(
         args.world_size,
         tp=args.tp,
@@ -372,7 +417,7 @@ def _plan(args: argparse.Namespace) -> int:
     if pipeline_requested(args):
         return pipeline_command(args, specs, topo)
     if args.zero is not None:
-        return _zero(args, specs, topo)
+        return _zero(args, specs, tied, topo)
     # Expert parameters (ParamSpec.expert) are owned over edp, the rest over dp (design §6).
     dense, experts = split_expert_specs(specs)
     partition = _partition(args)
@@ -396,8 +441,11 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _zero(args: argparse.Namespace, specs: list[ParamSpec], topo: Topology) -> int:
-    """``--zero``: per-rank memory of model states over the data-parallel ranks."""
+def _zero(
+    args: argparse.Namespace, specs: list[ParamSpec], tied: Sequence[str], topo: Topology
+) -> int:
+    """``--zero``: per-rank memory of model states over the data-parallel ranks; ``tied``
+    names the tied weights of the source (``--tied`` overrides it)."""
     if any(s.expert for s in specs):
         raise UsageError(
             "--zero does not estimate expert parameters (ParamSpec.expert) yet; "
@@ -407,7 +455,8 @@ def _zero(args: argparse.Namespace, specs: list[ParamSpec], topo: Topology) -> i
     if args.zero != 3:  # ZeRO-2 cuts gradients by element ranges: flat whatever the default
         partition = "flat" if args.zero == 2 else _partition(args)
         plans = _owners(specs, args, topo.dp, partition)
-    estimate, plan = zero_estimate(specs, args, topo.dp, plans)
+    tied = tied_names(args, tied)
+    estimate, plan = zero_estimate(specs, args, topo.dp, plans, tied)
     if args.json:
         out = report_header() | zero_json(estimate, plan) | {"topology": topo.to_json()}
         out.setdefault("fingerprints", {})["topology"] = topo.fingerprint
@@ -421,20 +470,26 @@ def _zero(args: argparse.Namespace, specs: list[ParamSpec], topo: Topology) -> i
         f"{topo.world_size}"
     )
     print()
-    print(zero_text(estimate, plan))
+    print(zero_text(estimate, plan, tied))
     return 0
 
 
 def _add_source_arguments(plan: argparse.ArgumentParser) -> None:
-    """Where the parameters come from: a built-in model or a JSON file."""
+    """Where the parameters come from: a built-in model, a live one or a JSON file."""
     source = plan.add_mutually_exclusive_group()
     source.add_argument(
-        "--model", default=DEFAULT_MODEL, help=f"built-in model: {', '.join(MODELS)}"
+        "--model",
+        default=DEFAULT_MODEL,
+        help=f"built-in model: {', '.join(MODELS)}; or MODULE:FUNCTION, a function taking no "
+        "arguments that returns a torch nn.Module, a Flax NNX module or a JAX parameter tree "
+        "(MODULE: a module on the Python path or in the current directory, or a .py file; "
+        "imports that framework)",
     )
     source.add_argument(
         "--params",
         metavar="FILE",
-        help='JSON list of parameters, e.g. [{"name": "fc.weight", "shape": [10, 4]}]; '
+        help='JSON list of parameters, e.g. [{"name": "fc.weight", "shape": [10, 4]}], or '
+        '{"params": [...], "tied": ["wte.weight"]}; '
         f"at most {MAX_PARAMS_FILE_BYTES >> 20} MiB",
     )
     plan.add_argument(

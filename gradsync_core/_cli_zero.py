@@ -70,7 +70,8 @@ def add_zero_arguments(plan: argparse.ArgumentParser) -> None:
         default=None,
         metavar="NAMES",
         help="--zero 3: comma-separated parameters used twice (tied weights), listed by the "
-        "name they have in the model; default: gpt2-small's embedding, none otherwise",
+        "name they have in the model; default: gpt2-small's embedding, a torch --model's "
+        '(found by identity), the --params file\'s "tied" list; none otherwise',
     )
     plan.add_argument(
         "--optimizer",
@@ -82,6 +83,12 @@ def add_zero_arguments(plan: argparse.ArgumentParser) -> None:
 
 def _names(value: str) -> list[str]:
     return [name.strip() for name in value.split(",") if name.strip()]
+
+
+def tied_names(args: argparse.Namespace, source: Sequence[str]) -> tuple[str, ...]:
+    """The tied weights ZeRO-3 counts: ``--tied`` if given, else the source's (gpt2-small's
+    embedding, a torch model's found by identity, a parameter file's ``"tied"`` list)."""
+    return tuple(source) if args.tied is None else tuple(_names(args.tied))
 
 
 def _optimizer(value: str) -> str | int:
@@ -116,14 +123,13 @@ def zero_estimate(
     args: argparse.Namespace,
     dp: int,
     plans: tuple[BucketPlan, ShardPlan] | None,
+    tied: Sequence[str] = (),
 ) -> tuple[MemoryEstimate, ParamShardPlan | None]:
     """The estimate for ``args.zero`` over ``dp`` ranks; ``plans`` are ZeRO-0/1/2's buckets and
-    shards, ``None`` for ZeRO-3, which plans its own units."""
+    shards, ``None`` for ZeRO-3, which plans its own units; ``tied``: ``tied_names``."""
     optimizer = _optimizer(args.optimizer)
     if args.zero == 3:
         units = block_prefixes(specs) if args.units is None else _names(args.units)
-        builtin = () if args.params else BUILTIN_TIED.get(args.model, ())
-        tied = builtin if args.tied is None else _names(args.tied)
         replicate = dp // (args.shard_size or dp)
         plan = plan_param_shards(specs, world_size=dp, units=units, replicate_size=replicate)
         return estimate_zero3(plan, optimizer=optimizer, tied=tied), plan
@@ -167,8 +173,11 @@ def _units_section(plan: ParamShardPlan) -> str:
     return head + "\n" + table(headers, rows)
 
 
-def zero_text(estimate: MemoryEstimate, plan: ParamShardPlan | None) -> str:
-    """The text report: ZeRO-3's units, then per-rank MiB and the fullest rank."""
+def zero_text(
+    estimate: MemoryEstimate, plan: ParamShardPlan | None, tied: Sequence[str] = ()
+) -> str:
+    """The text report: ZeRO-3's units and tied weights, then per-rank MiB and the fullest
+    rank."""
     what = "shard rank" if estimate.zero == 3 else "dp rank"
     rows: list[Sequence[Any]] = [
         [
@@ -191,6 +200,11 @@ def zero_text(estimate: MemoryEstimate, plan: ParamShardPlan | None) -> str:
     ]
     if plan is not None:
         lines += [_units_section(plan), ""]
+        lines += [
+            "tied weights (their gradient accumulated from two uses): "
+            + (", ".join(tied) if tied else "none (name them with --tied)"),
+            "",
+        ]
     headers = [what, "params MiB", "grads MiB", "state MiB", "transient MiB", "peak MiB"]
     lines += [
         "Per-rank memory of model states (activations not counted; transient: bucket "

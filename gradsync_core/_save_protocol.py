@@ -21,12 +21,19 @@ on the failing rank the original exception is its ``__cause__``.
 
 Fault injection: ``save_hook(point, action)`` runs ``action`` at one of ``SAVE_POINTS``, so
 the fault tests kill or fail a save at a named step instead of patching private functions.
+
+Progress: the leader logs each save's start, its steps and its end (files, bytes, elapsed) at
+INFO through ``logging`` (this module's logger, under ``gradsync_core``). No handler is
+configured, so saves are silent unless the program asks, e.g.
+``logging.basicConfig(level=logging.INFO)``.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
@@ -43,6 +50,7 @@ from gradsync_core._checkpoint import Manifest, write_atomic, write_manifest
 from gradsync_core._save_hooks import run_hook
 
 P = TypeVar("P")
+_log = logging.getLogger(__name__)
 
 
 class CheckpointError(ValueError, RuntimeError):
@@ -154,6 +162,9 @@ def run_save(
         CheckpointError: on every rank when any rank failed any step; ``path`` then still
             names the previous checkpoint.
     """
+    start = time.monotonic()
+    if agreement.leader:
+        _log.info("saving checkpoint %s", os.fspath(path))
     step = _Step(agreement, what)
     prepared = step(steps.prepare)  # nothing on disk has changed yet
 
@@ -165,8 +176,15 @@ def run_save(
     # Also orders the staging directory's creation before any rank writes into it.
     token = step(open_staging, run=agreement.leader)
     staging = _staging_directory(path, agreement.share_token(token))
+    if agreement.leader:
+        _log.info(
+            "checkpoint %s: state prepared in %.2f s; writing into %s",
+            os.fspath(path),
+            time.monotonic() - start,
+            staging,
+        )
     try:
-        return _write_and_commit(path, staging, agreement, steps, prepared, step)
+        return _write_and_commit(path, staging, agreement, steps, prepared, step, start)
     finally:
         # Whatever happened (a collective broken by a dead rank included), this save is over:
         # what it left behind is abandoned now, and a later save removes it.
@@ -181,8 +199,10 @@ def _write_and_commit(
     steps: SaveSteps[P],
     prepared: P,
     step: _Step,
+    start: float,
 ) -> Manifest:
-    """Steps 3 and 4 of ``run_save``: write and hash, gather, write the manifest and switch."""
+    """Steps 3 and 4 of ``run_save``: write and hash, gather, write the manifest and switch;
+    ``start`` is the save's ``time.monotonic()`` at its start, for the log."""
     try:
         written = step(
             lambda: dict(steps.write_files(prepared, staging)),
@@ -196,6 +216,15 @@ def _write_and_commit(
             discard_save(staging)
         raise
     gathered = agreement.gather({"files": written, "record": steps.record(prepared)})
+    nbytes = 0
+    if agreement.leader:  # every rank's files are complete in ``staging`` now, and only they
+        nbytes = sum(entry.stat().st_size for entry in os.scandir(staging) if entry.is_file())
+        _log.info(
+            "checkpoint %s: every rank wrote its files, %d bytes, in %.2f s",
+            os.fspath(path),
+            nbytes,
+            time.monotonic() - start,
+        )
     files = {int(rank): digest for g in gathered for rank, digest in g["files"].items()}
     records: Sequence[Any] = [g["record"] for g in gathered]
 
@@ -212,4 +241,18 @@ def _write_and_commit(
             raise
         return manifest
 
-    return step(commit)  # nobody returns before the checkpoint is complete
+    manifest = step(commit)  # nobody returns before the checkpoint is complete
+    if agreement.leader:
+        _log.info(
+            "saved checkpoint %s: %s (%s), step %d, world size %d, %d rank files, %d bytes, "
+            "in %.2f s",
+            os.fspath(path),
+            manifest.framework,
+            manifest.optimizer,
+            manifest.step,
+            manifest.world_size,
+            len(manifest.files),
+            nbytes,
+            time.monotonic() - start,
+        )
+    return manifest

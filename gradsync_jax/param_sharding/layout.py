@@ -90,20 +90,39 @@ def _perms(params: Any, modules: Mapping[str, str] | None) -> list[tuple[int, ..
     return [tuple(_PROBE_DIMS.index(d) for d in torch_state[n].shape) for n in names]
 
 
-def _matches(name: str, prefix: str) -> bool:
-    return name == prefix or name.startswith(prefix + "/")
+def _matches(name: str, prefix: str, sep: str = "/") -> bool:
+    return name == prefix or name.startswith(prefix + sep)
 
 
-def _torch_prefix(prefix: str, flax_names: Sequence[str], modules: Any, what: str) -> str:
-    """The torch module path of a Flax module path (``layers/0`` -> ``layers.0``)."""
-    prefix = prefix.strip("/")
-    if not any(_matches(n, prefix) for n in flax_names):
+def _torch_path(
+    path: str, flax_names: Sequence[str], names: Sequence[str], modules: Any, what: str
+) -> tuple[str, bool]:
+    """The torch path a unit or frozen path names, and whether it was spelled the Flax way.
+
+    Either spelling works: Flax's (``transformer/h_0``, ``Dense_0/kernel``; renamed by
+    ``modules``) or torch's dotted one (``transformer.h.0``, ``fc1.weight``), the one
+    ``fully_shard``, the checkpoint and the ``gradsync`` CLI use. A path that reads as both but
+    names different torch modules is refused.
+    """
+    path = path.strip("/")
+    as_flax = None
+    if any(_matches(n, path) for n in flax_names):
+        # the torch module path of a Flax module path (``layers/0`` -> ``layers.0``)
+        as_flax = torch_name(path + "/_", modules=modules).removesuffix("._").removesuffix("_")
+    as_torch = path if any(_matches(n, path, ".") for n in names) else None
+    if as_flax is not None and as_torch is not None and as_flax != as_torch:
+        raise ValueError(
+            f"{what} {path!r} is both the Flax path of torch module {as_flax!r} and the torch "
+            f"path {as_torch!r}; spell it the other way to say which (Flax: '/', torch: '.')"
+        )
+    if as_flax is None and as_torch is None:
         top = sorted({n.split("/")[0] for n in flax_names})[:5]
         raise ValueError(
-            f"{what} {prefix!r} matches no parameter; give a Flax module path such as "
-            f"'layers/0' or a parameter path such as 'Dense_0/kernel' (top level: {top})"
+            f"{what} {path!r} matches no parameter; give a Flax module path such as 'layers/0' "
+            f"or a parameter path such as 'Dense_0/kernel', or the torch spelling "
+            f"('layers.0', 'fc1.weight') (top level: {top})"
         )
-    return torch_name(prefix + "/_", modules=modules).removesuffix("._").removesuffix("_")
+    return (as_flax, True) if as_flax is not None else (path, False)
 
 
 def param_layout(
@@ -122,13 +141,18 @@ def param_layout(
         params: linen ``variables``/``params`` or ``nnx.state(model, nnx.Param)``; arrays or
             ``jax.ShapeDtypeStruct`` leaves.
         world_size: data-parallel devices: the shard axis's size, times ``replicate_size``.
-        units: Flax module paths gathered together, one per block (``"layers/0"``,
-            ``"Dense_3"``); the root unit holds every other parameter (FSDP2's
-            ``fully_shard`` per block and on the root).
-        frozen: Flax parameter or module paths that do not train (torch's
-            ``requires_grad=False``): sharded and gathered, never reduced or updated.
+        units: module paths gathered together, one per block, spelled the Flax way
+            (``"layers/0"``, ``"Dense_3"``) or torch's (``"transformer.h.0"``, as
+            ``fully_shard`` and the ``gradsync`` CLI take them); the root unit holds every
+            other parameter (FSDP2's ``fully_shard`` per block and on the root).
+        frozen: parameter or module paths that do not train (torch's
+            ``requires_grad=False``), in either spelling: sharded and gathered, never
+            reduced or updated.
         modules: Flax -> torch module renames (``gradsync_jax.torch_specs``).
-        order: torch names in registration order (``gradsync_jax.torch_specs``).
+        order: torch names in registration order (``gradsync_jax.torch_specs``); the
+            fingerprint equals torch's only when the twin registers its parameters in this
+            order (by default the natural order: modules by index, ``weight`` before
+            ``bias``; pass ``[n for n, _ in torch_model.named_parameters()]`` otherwise).
         replicate_size: hybrid sharding (HSDP): cut over ``world_size // replicate_size``
             devices and replicate across ``replicate_size`` groups (``zero3_step(...,
             replicate_axis=)``), as FSDP2's 2-D mesh and the plan's ``replicate_size``.
@@ -137,26 +161,34 @@ def param_layout(
         A ``ParamLayout`` whose ``plan.fingerprint`` equals the torch plan of the twin model.
 
     Raises:
-        ValueError: a unit or frozen path that names no parameter, or what
+        ValueError: a unit or frozen path that names no parameter (or reads as two different
+            modules in the two spellings), or what
             ``plan_param_shards`` refuses (a 0-d parameter, a repeated unit).
 
     Example:
         >>> layout = param_layout(params, world_size=8, units=["Dense_0", "Dense_1"])
+        >>> layout = param_layout(params, world_size=8, units=["h.0", "h.1"])  # torch's
     """
     paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
     fnames = [flax_name(path) for path, _ in paths_leaves]
     names = torch_names(params, modules=modules)
     frozen = [f.strip("/") for f in ([frozen] if isinstance(frozen, str) else frozen)]
-    for f in frozen:
-        _torch_prefix(f, fnames, modules, "frozen path")
-    is_frozen = {n: any(_matches(f, p) for p in frozen) for n, f in zip(names, fnames, strict=True)}
+    # A Flax path matches the Flax names (a module renamed in part still matches), a torch
+    # path the torch names.
+    flax_frozen = [f for f in frozen if _torch_path(f, fnames, names, modules, "frozen path")[1]]
+    torch_frozen = [f for f in frozen if f not in flax_frozen]
+    is_frozen = {
+        n: any(_matches(f, p) for p in flax_frozen)
+        or any(_matches(n, p, ".") for p in torch_frozen)
+        for n, f in zip(names, fnames, strict=True)
+    }
     specs = [
         dataclasses.replace(s, requires_grad=not is_frozen[s.name])
         for s in torch_specs(params, modules=modules, order=order)
     ]
     if isinstance(units, str):
-        raise TypeError(f"units must be a sequence of Flax module paths, not the string {units!r}")
-    torch_units = [_torch_prefix(u, fnames, modules, "unit") for u in units]
+        raise TypeError(f"units must be a sequence of module paths, not the string {units!r}")
+    torch_units = [_torch_path(u, fnames, names, modules, "unit")[0] for u in units]
     plan = plan_param_shards(
         specs, world_size=world_size, units=torch_units, replicate_size=replicate_size
     )

@@ -120,5 +120,11 @@ def test_torch_tp_train_matches_the_serial_model():
 
 @pytest.mark.slow
 def test_cross_framework_continues_the_torch_run():
-    done = run(["cross_framework.py", "--steps", "2"])
-    assert number("largest relative loss difference after the switch:", done.stdout) < TOLERANCE
+    """The README's two statements: below 1e-6 with the example's Adam b2 = 0.99, and more
+    (Optax's float32 bias correction ``1 - b2**t``) with torch's default 0.999, still within
+    the examples' tolerance. 5 steps a side: 4.4e-7 and 2.7e-6 when measured."""
+    close = run(["cross_framework.py", "--steps", "5", "--b2", "0.99"])
+    default = run(["cross_framework.py", "--steps", "5", "--b2", "0.999"])
+    line = "largest relative loss difference after the switch:"
+    assert number(line, close.stdout) < 1e-6
+    assert 1e-6 < number(line, default.stdout) < TOLERANCE

@@ -86,3 +86,94 @@ def test_each_device_holds_torch_rank_rs_rows() -> None:
             held = np.asarray(shard.data)[: chunk.stop - chunk.start]
             np.testing.assert_array_equal(held, state[leaf.name][chunk.start : chunk.stop])
             assert shard.data.shape == chunk.padded_shape
+
+
+class TorchGPTBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln_1 = torch.nn.LayerNorm(4)
+        self.attn = torch.nn.Linear(4, 12)
+        self.mlp = torch.nn.Linear(4, 7)
+
+
+class TorchGPT(torch.nn.Module):
+    """GPT-2's names (``transformer.h.0.ln_1``) registered in an order that is not the natural
+    one (``wte`` first and ``ln_1`` before ``attn``; the natural order puts ``wte`` last and
+    ``attn`` first), the head tied to the embedding, the final LayerNorm frozen."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.transformer = torch.nn.ModuleDict(
+            {
+                "wte": torch.nn.Embedding(9, 4),
+                "h": torch.nn.ModuleList(TorchGPTBlock() for _ in range(2)),
+                "ln_f": torch.nn.LayerNorm(4),
+            }
+        )
+        self.lm_head = torch.nn.Linear(4, 9, bias=False)
+        self.lm_head.weight = self.transformer["wte"].weight
+        self.transformer["ln_f"].requires_grad_(False)
+
+
+class FlaxGPTBlock(fnn.Module):
+    @fnn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = fnn.LayerNorm(name="ln_1")(x)
+        return x + fnn.Dense(12, name="attn")(h)[..., :4] + fnn.Dense(7, name="mlp")(h)[..., :4]
+
+
+class FlaxTransformer(fnn.Module):
+    @fnn.compact
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        wte = fnn.Embed(9, 4, name="wte")
+        x = wte(tokens)
+        for i in range(2):
+            x = FlaxGPTBlock(name=f"h_{i}")(x)
+        return wte.attend(fnn.LayerNorm(name="ln_f")(x))
+
+
+class FlaxGPT(fnn.Module):
+    @fnn.compact
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        return FlaxTransformer(name="transformer")(tokens)
+
+
+GPT_RENAMES = {f"transformer/h_{i}": f"transformer.h.{i}" for i in range(2)}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_units_and_frozen_in_torchs_spelling_make_torchs_plan(world_size: int) -> None:
+    """``units=["transformer.h.0", ...]`` (the spelling of ``fully_shard`` and the CLI) plans
+    what the Flax spelling plans, and with ``order=`` torch's registration order, torch's plan."""
+    params = jax.eval_shape(FlaxGPT().init, jax.random.key(0), jnp.zeros((2, 3), jnp.int32))
+    twin = TorchGPT()
+    torch_units = ["transformer.h.0", "transformer.h.1"]
+    torch_plan = plan_param_shards(
+        torch_param_specs(twin), world_size=world_size, units=torch_units
+    )
+    order = [name for name, _ in twin.named_parameters()]
+    common = {"world_size": world_size, "modules": GPT_RENAMES, "order": order}
+    dotted = param_layout(params, units=torch_units, frozen=["transformer.ln_f"], **common)
+    slashed = param_layout(
+        params, units=["transformer/h_0", "transformer/h_1"], frozen=["transformer/ln_f"], **common
+    )
+    assert dotted.plan.to_json() == slashed.plan.to_json() == torch_plan.to_json()
+    assert dotted.plan.fingerprint == torch_plan.fingerprint
+    # Without order= the natural order (attn before ln_1, wte last) is not torch's: the
+    # fingerprint differs, as docs/jax-zero3.md says.
+    natural = param_layout(
+        params, units=torch_units, frozen=["transformer.ln_f"], **common | {"order": None}
+    )
+    assert natural.plan.fingerprint != torch_plan.fingerprint
+
+
+def test_a_path_in_neither_or_both_spellings_is_refused() -> None:
+    params = jax.eval_shape(FlaxGPT().init, jax.random.key(0), jnp.zeros((2, 3), jnp.int32))
+    with pytest.raises(
+        ValueError, match=r"'transformer\.h\.7' matches no parameter.*torch spelling"
+    ):
+        param_layout(params, world_size=2, units=["transformer.h.7"], modules=GPT_RENAMES)
+    # Flax's "a" is torch's "b" and Flax's "b" torch's "a": "a" could mean either module.
+    swapped = {"params": {"a": {"kernel": jnp.zeros((2, 3))}, "b": {"kernel": jnp.zeros((2, 5))}}}
+    with pytest.raises(ValueError, match="unit 'a' is both the Flax path of torch module 'b'"):
+        param_layout(swapped, world_size=2, units=["a"], modules={"a": "b", "b": "a"})
