@@ -19,6 +19,18 @@ all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+# How torch's backends report a collective that a peer never joined or left: gloo raises a
+# plain RuntimeError ("Timed out waiting 10000ms for recv operation", "Connection closed by
+# peer"), NCCL a DistBackendError.
+_PEER_FAILURES = ("Timed out", "timed out", "Connection closed", "Connection reset")
+
+
+def peer_failed(cause: BaseException) -> bool:
+    """Whether ``cause`` is a backend's report that a peer never completed a collective (a
+    timeout, a closed connection), rather than an error of the call itself."""
+    return isinstance(cause, dist.DistError) or any(m in str(cause) for m in _PEER_FAILURES)
+
+
 def global_rank(group: Any, group_rank: int) -> int:
     """The global rank of ``group_rank`` inside ``group`` (``None`` or WORLD: the same)."""
     if group is None or group is dist.group.WORLD:
