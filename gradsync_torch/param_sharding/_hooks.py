@@ -186,7 +186,6 @@ class ShardUnit:
         group = self.params.group if group is None else group
         return self.step.agreement.check(op, self.prefix, names, group, wire)
 
-
     def _grouped(self) -> bool:
         """Whether this call is one of a list unit's modules inside the root's forward."""
         return len(self.modules) > 1 and self.step.in_forward

@@ -5,10 +5,11 @@ The runtime agreement (``_agreement.py``) needs every rank at a collective. A ra
 the training loop (fewer batches, an early ``break``, a crash) is at none, so the others wait
 until the process group's timeout, and the backend's error names neither the collective nor
 the missing rank (gloo: "Timed out waiting 30000ms for recv operation to complete"). Then,
-and only then, each rank that gave up writes what it waited in to the process group's store
-and reads what the others wrote for ``GRACE_S`` seconds: the ranks that wrote nothing never
-reached a ``fully_shard`` collective, and the ranks that wrote something else were elsewhere.
-Nothing of this runs while the collectives complete.
+and only then, each rank that gave up writes what it waited in to the default process group's
+store and reads what the group's other ranks wrote for ``GRACE_S`` seconds: the ranks that
+wrote nothing never reached a ``fully_shard`` collective, and the ranks that wrote something
+else were elsewhere (under HSDP, perhaps in a collective of another group). Nothing of this
+runs while the collectives complete.
 """
 
 from __future__ import annotations
@@ -87,11 +88,12 @@ def _describe(what: str, ranks: list[int], reports: dict[int, str]) -> str:
 
 def _reports(what: str, group: Any, ranks: list[int]) -> dict[int, str] | None:
     """What each rank of ``group`` that gave up waited in, by global rank (this one's
-    included), as the process group's store holds them after ``GRACE_S`` seconds or once all
+    included), as the default group's store holds them after ``GRACE_S`` seconds or once all
     reported; ``None`` if the store is not reachable."""
     try:
-        # torch keeps each group's store here (private, but the only way to reach it).
-        store = dist.distributed_c10d._get_process_group_store(group)
+        # torch keeps the store init_process_group made here (private, but the only way to
+        # reach it); one store for every group, so a rank waiting elsewhere is seen too.
+        store = dist.distributed_c10d._get_default_store()
         stall = next(_STALLS)
         keys = {r: f"{_KEY}/{stall}/{r}" for r in ranks}
         store.set(keys[dist.get_rank()], what)

@@ -194,7 +194,7 @@ class UnitParameters:
         send = torch.cat([p.padded.to(dtype) for p in self.params])
         recv = send.new_empty(self.world_size * send.numel())
         work = all_gather_single(recv, send, group=self.group, async_op=True)
-        self._gathering = (work, recv, send, label)
+        self._gathering = (work, recv, send, label, self._shard_versions())
 
     def _check(self, op: str, names: list[str], **kwargs: Any) -> str:
         """Agree on collective ``op`` (``self.check``); its label for a stalled-wait error."""
@@ -213,9 +213,9 @@ class UnitParameters:
 
     def gather(self) -> None:
         """Gather the unit (or finish the gather ``start_gather`` began) and swap it in. A
-        unit still gathered whose shards changed since (an optimizer step after
-        ``set_reshard_after_backward(False)`` or ``unshard()``) is gathered again: its
-        gathered copy is stale."""
+        unit still gathered, or a prefetch still in flight, whose shards changed since (an
+        optimizer step after ``set_reshard_after_backward(False)``, ``unshard()`` or a
+        prefetch) is gathered again: its copy is stale."""
         if self.is_gathered:
             if not self.params or self._versions == self._shard_versions():
                 return
@@ -225,9 +225,13 @@ class UnitParameters:
             return
         self.start_gather()
         assert self._gathering is not None
-        work, recv, send, label = self._gathering
+        work, recv, send, label, versions = self._gathering
         self._gathering = None
         self._wait(work, label, self.group)
+        if versions != self._shard_versions():  # a prefetch from before the shards changed
+            _release(recv, send)
+            self.gather()
+            return
         pieces = recv.view(self.world_size, -1).split(
             [p.chunk.padded_numel for p in self.params], 1
         )
@@ -241,7 +245,7 @@ class UnitParameters:
                 p.unsharded.requires_grad_(p.sharded.requires_grad)
             _swap(p.places, p.unsharded)
         _release(recv, send)
-        self._versions = self._shard_versions()
+        self._versions = versions
         self.is_gathered = True
 
     @property
@@ -252,7 +256,7 @@ class UnitParameters:
     def free(self) -> None:
         """Point the modules back at the shards and release the gathered storage."""
         if self._gathering is not None:  # a prefetch nobody used: complete it, then drop it
-            work, recv, send, label = self._gathering
+            work, recv, send, label, _ = self._gathering
             self._gathering = None
             self._wait(work, label, self.group)
             _release(recv, send)

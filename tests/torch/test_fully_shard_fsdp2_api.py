@@ -86,6 +86,8 @@ def _train(model, rank, *, setup=None, before=None, micro=1, optimizer=torch.opt
         opt.step()
         if step < STEPS - 1:  # keep the last gradients to compare
             opt.zero_grad()
+    for module in _fsdp_modules(model):  # a unit kept gathered registers its gathered tensors
+        module.reshard()
     return _locals(model, opt)
 
 
@@ -243,12 +245,40 @@ def _setters(rank: int, world_size: int) -> dict:
             ),
         ),
         ("Adam", _equal_to_fsdp2(rank, ours={"optimizer": torch.optim.Adam})),
+        ("a unit kept gathered across an optimizer step gathers again", lambda: _stale(rank)),
         ("the other FSDPModule methods raise a sentence", _unimplemented),
         ("sharding the root before its blocks", _root_first),
         ("a list unit must be inside a root", lambda: _list_alone(rank)),
         ("Muon is refused before its first step changes anything", lambda: _muon(rank)),
     ]
     return run_checks(cases)
+
+
+def _stale(rank: int) -> None:
+    """A unit still gathered (set_reshard_after_backward(False) through the optimizer step,
+    where FSDP2 computes the next forward with the old gathered values) or still gathering
+    (an unshard(async_op=True) issued before the step) when the optimizer changes its shards
+    gathers them again: both runs equal the plain one."""
+    from gradsync_torch import fully_shard
+
+    def train(model: nn.Module, *, early: bool) -> dict:
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        for step in range(STEPS):
+            model(_tokens(rank, step, 0)).square().mean().backward()
+            if early:  # an all-gather in flight across the step, finished by the next forward
+                assert model.layers[1].unshard(async_op=True) is not None
+            opt.step()
+            opt.zero_grad()
+        model(_tokens(rank, STEPS, 0)).square().mean().backward()
+        return _locals(model, opt)
+
+    plain = _train(_titan(fully_shard), rank)
+    kept = _train(_titan(fully_shard), rank, setup=lambda m: m.set_reshard_after_backward(False))
+    _bitwise(plain, kept)
+    model = _titan(fully_shard)
+    model.layers[1].unshard()
+    model.layers[1].reshard()  # unshard/reshard by hand leave nothing behind
+    _bitwise(train(_titan(fully_shard), early=False), train(model, early=True))
 
 
 # What gradsync implements of FSDPModule's public methods; every other one raises a sentence.
