@@ -207,8 +207,9 @@ def _places(
             if ref is not None and ref() is param:
                 raise NotImplementedError(
                     f"parameter {name!r} is tied to a parameter that fully_shard({prefix!r}) "
-                    "already sharded; wrap both users of a tied weight in one unit (shard the "
-                    "common parent only)"
+                    "already sharded; wrap both users of a tied weight in one unit: both in one "
+                    "fully_shard([embedding, head]) call (FSDP2's list form), or neither and "
+                    "shard their common parent"
                 )
         aliases = by_id[id(param)]
         for alias in aliases:
@@ -216,7 +217,7 @@ def _places(
             if unit_of is not None:
                 raise NotImplementedError(
                     f"parameter {name!r} is tied to {alias!r} inside unit {unit_of!r}; wrap "
-                    "both users of a tied weight in one unit"
+                    "both users of a tied weight in one unit (fully_shard([embedding, head]))"
                 )
         out[name] = tuple(
             (module.get_submodule(a.rpartition(".")[0]), a.rpartition(".")[2]) for a in aliases

@@ -56,8 +56,10 @@ _NO_STREAMS = "gradsync issues its own collectives on the default stream; remove
 
 
 class ShardedModule(FSDPModule):
-    """Mixed into a module's class by ``fully_shard``: an ``FSDPModule`` (FSDP2's), whose
-    methods act on gradsync's units. Implemented as FSDP2's: ``unshard``, ``reshard``,
+    """Mixed into a module's class by ``fully_shard``: FSDP2's ``FSDPModule``, its methods
+    acting on gradsync's units.
+
+    Implemented as FSDP2's: ``unshard``, ``reshard``,
     ``set_requires_gradient_sync``, ``set_requires_all_reduce``, ``set_reshard_after_forward``,
     ``set_reshard_after_backward``, ``set_is_last_backward``, ``set_gradient_divide_factor``
     (and its deprecated ``set_reduce_scatter_divide_factor``),
