@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 import gradsync_core
+from gradsync_torch._collectives import peer_failed
 
 FIELD_LIMIT = 1 << 20
 
@@ -106,12 +107,6 @@ def disagreement_error(
     )
 
 
-# How torch's backends report a collective that a peer never joined or left: gloo raises a
-# plain RuntimeError ("Timed out waiting 10000ms for recv operation", "Connection closed by
-# peer"), NCCL a DistBackendError.
-_PEER_FAILURES = ("Timed out", "timed out", "Connection closed", "Connection reset")
-
-
 def stalled_sync_error(sync: int, cause: RuntimeError) -> RuntimeError | None:
     """The one sentence for a gradient sync whose collective a peer never completed, or
     ``None`` if ``cause`` is not such a failure (then it propagates unchanged).
@@ -120,7 +115,7 @@ def stalled_sync_error(sync: int, cause: RuntimeError) -> RuntimeError | None:
     collective, which the other rank never issues (it ran out of batches and went on to a
     barrier, a save or the end of the script), so the backend's timeout is the only signal.
     """
-    if not isinstance(cause, dist.DistError) and not any(m in str(cause) for m in _PEER_FAILURES):
+    if not peer_failed(cause):  # the rule fully_shard's stalled waits use too
         return None
     return RuntimeError(
         f"DataParallel: gradient sync #{sync} did not complete within the process group's "
