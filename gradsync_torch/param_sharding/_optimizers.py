@@ -3,14 +3,15 @@ first step (docs/torch-zero3.md, "Optimizers").
 
 Each rank steps its own rows of every parameter, so an optimizer gives the unsharded result
 only if it is elementwise (``gradsync_torch._optim_rules``). ``torch.optim.Muon`` is not: it
-orthogonalizes each rank's rows instead of the matrix, and after 2 steps differs from one
-process by 4.6e-3. FSDP2 has no optimizer wrapper, and neither has gradsync's ``fully_shard``:
-the user builds ``torch.optim.X(model.parameters())`` on the sharded parameters, so the
-optimizer is visible only when it steps. torch's one public place for that is a global step
-pre-hook (``register_optimizer_step_pre_hook``), which runs before any parameter or state
-changes; ``fully_shard`` registers it once per process. It costs one set lookup per step for
-an elementwise optimizer, and reads the parameters of any other (it refuses those holding rows
-``fully_shard`` cut over more than one rank, and lets the rest step).
+orthogonalizes each rank's rows instead of the matrix (a 16-32-8 MLP at 2 ranks differed from
+one process by 1.9e-3 after 2 steps). FSDP2 has no optimizer wrapper, and neither has
+gradsync's ``fully_shard``: the user builds ``torch.optim.X(model.parameters())`` on the
+sharded parameters, so the optimizer is visible only when it steps. torch's one public place
+for that is a global step pre-hook (``register_optimizer_step_pre_hook``), which runs before
+any parameter or state changes; ``fully_shard`` registers it once per process. It costs one
+set lookup per step for an elementwise optimizer, and reads the parameters of any other (it
+refuses those holding rows ``fully_shard`` cut over more than one rank, and lets the rest
+step).
 """
 
 from __future__ import annotations
