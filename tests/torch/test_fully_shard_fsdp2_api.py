@@ -315,6 +315,9 @@ def _unimplemented() -> None:
     assert IMPLEMENTED <= public, IMPLEMENTED - public
     model = fully_shard(nn.Linear(4, 4))
     assert isinstance(model, FSDPModule) and isinstance(model, ShardedModule)
+    assert model.float() is model  # nn.Module's _apply, not FSDP2's (which reads its state)
+    sliced = fully_shard(nn.Sequential(nn.Linear(2, 2), nn.ReLU()))[0:1]
+    assert type(sliced) is nn.Sequential  # a sharded class builds its original, as FSDP2's
     for name in [*sorted(public - IMPLEMENTED), "_get_fsdp_state", "_set_unshard_async_op"]:
         with pytest.raises(NotImplementedError, match=rf"{name}\b.*gradsync") as error:
             getattr(model, name)()
