@@ -388,6 +388,7 @@ def _muon(rank: int) -> None:
     assert not torch.equal(weight, plain[0].weight)
 
 
+@pytest.mark.slow
 def test_fsdp2_surface():
     for results in run_workers(_setters, 2, timeout=300):
         failures = {name: error for name, error in results.items() if error is not None}
