@@ -19,6 +19,30 @@ all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+# How torch's backends report a collective whose peer left: gloo raises a plain RuntimeError
+# ("Connection closed by peer [127.0.0.1]:port", "Read error ...: Connection reset by peer",
+# "Socket closed"; "Timed out waiting 5000ms for recv operation to complete", or "Application
+# timeout caused pair closure" when the peer's own collective timed out first), NCCL a
+# DistBackendError (for both).
+_CLOSED = ("Connection closed", "Connection reset", "connection reset", "Socket closed")
+_TIMED_OUT = ("Timed out", "timed out", "timeout caused pair closure")
+
+
+def peer_closed(cause: BaseException) -> bool:
+    """Whether ``cause`` reports that a peer closed or reset its connection (it died or ended)."""
+    return any(m in str(cause) for m in _CLOSED)
+
+
+def peer_failed(cause: BaseException) -> bool:
+    """Whether ``cause`` is a backend's report that a peer never completed a collective (a
+    timeout, a closed connection), rather than an error of the call itself."""
+    return (
+        isinstance(cause, dist.DistError)
+        or peer_closed(cause)
+        or any(m in str(cause) for m in _TIMED_OUT)
+    )
+
+
 def global_rank(group: Any, group_rank: int) -> int:
     """The global rank of ``group_rank`` inside ``group`` (``None`` or WORLD: the same)."""
     if group is None or group is dist.group.WORLD:

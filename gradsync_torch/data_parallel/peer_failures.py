@@ -20,15 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-import torch.distributed as dist
-
-# How torch's backends report a collective whose peer left: gloo raises a plain RuntimeError
-# ("Connection closed by peer [127.0.0.1]:port", "Read error ...: Connection reset by peer",
-# "Socket closed"; "Timed out waiting 5000ms for recv operation to complete", or "Application
-# timeout caused pair closure" when the peer's own collective timed out first), NCCL a
-# DistBackendError.
-_CLOSED = ("Connection closed", "Connection reset", "connection reset", "Socket closed")
-_TIMED_OUT = ("Timed out", "timed out", "timeout caused pair closure")
+from gradsync_torch._collectives import peer_closed, peer_failed
 
 
 def peer_failure_error(what: str, cause: BaseException) -> RuntimeError | None:
@@ -36,7 +28,7 @@ def peer_failure_error(what: str, cause: BaseException) -> RuntimeError | None:
     ``None`` if ``cause`` is not such a failure (it then propagates unchanged)."""
     text = str(cause).strip()
     first_line = text.splitlines()[0] if text else type(cause).__name__
-    if any(m in text for m in _CLOSED):
+    if peer_closed(cause):
         return RuntimeError(
             f"DataParallel: {what} failed because another rank of the group closed its "
             "connection: that process died or ended; look for the first error in its log (a "
@@ -44,7 +36,7 @@ def peer_failure_error(what: str, cause: BaseException) -> RuntimeError | None:
             "too: give every rank the same number of steps, or wrap the loop in "
             f"`with model.join():`) (backend: {first_line})"
         )
-    if isinstance(cause, dist.DistError) or any(m in text for m in _TIMED_OUT):
+    if peer_failed(cause):
         return RuntimeError(
             f"DataParallel: {what} did not complete within the process group's timeout "
             "because another rank of the group never reached it (most often that rank ran out "

@@ -39,6 +39,7 @@ import torch.distributed as dist
 import gradsync_core
 from gradsync_torch._collectives import all_gather_single, global_rank, reduce_scatter_single
 from gradsync_torch.agreement import Disagreement, agree_on
+from gradsync_torch.param_sharding._stall import naming_stalls
 
 _CAP = 1024  # a phase with more collectives (an evaluation loop) is checked one by one
 
@@ -53,15 +54,17 @@ class Wire(NamedTuple):
     device: torch.device
     reduce_op: Any = None
 
-    def stand_in(self) -> None:
-        """Issue this collective with zeros (a rank that left the schedule)."""
+    def stand_in(self, label: str) -> None:
+        """Issue this collective with zeros (a rank that left the schedule); ``label``: the
+        scheduled collective it stands in for."""
         send = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
         size = dist.get_world_size(self.group)
-        if self.op == "all-gather":
-            all_gather_single(send.new_empty(size * self.numel), send, group=self.group)
-        else:
-            out = send.new_empty(self.numel // size)
-            reduce_scatter_single(out, send, op=self.reduce_op, group=self.group)
+        with naming_stalls(f"{label} (issued with zeros: this rank left the schedule)", self.group):
+            if self.op == "all-gather":
+                all_gather_single(send.new_empty(size * self.numel), send, group=self.group)
+            else:
+                out = send.new_empty(self.numel // size)
+                reduce_scatter_single(out, send, op=self.reduce_op, group=self.group)
 
 
 def _what(op: dict[str, Any] | None, phase: str) -> str:
@@ -129,17 +132,19 @@ def _sentence(details: list[dict[str, Any]], ranks: list[int]) -> str:
     )
 
 
-def _agree(payload: dict[str, Any], detail: dict[str, Any], group: Any) -> None:
+def _agree(payload: dict[str, Any], detail: dict[str, Any], group: Any, label: str) -> None:
     """``agree_on`` the payload; on a mismatch gather every rank's ``detail`` (all of them:
-    the sentence names each rank's side) and raise the same sentence on every rank."""
-    try:
-        agree_on(payload, group, describe=lambda d: "", detail=0)
-    except ValueError:
-        size = dist.get_world_size(group)
-        details: list[Any] = [None] * size
-        dist.all_gather_object(details, detail, group=group)
-        ranks = [global_rank(group, r) for r in range(size)]
-        raise ValueError(_sentence(details, ranks)) from None
+    the sentence names each rank's side) and raise the same sentence on every rank.
+    ``label``: the check, for the sentence if a rank never reaches it."""
+    with naming_stalls(label, group):
+        try:
+            agree_on(payload, group, describe=lambda d: "", detail=0)
+        except ValueError:
+            size = dist.get_world_size(group)
+            details: list[Any] = [None] * size
+            dist.all_gather_object(details, detail, group=group)
+            ranks = [global_rank(group, r) for r in range(size)]
+            raise ValueError(_sentence(details, ranks)) from None
 
 
 def _key(entry: dict[str, Any]) -> tuple:
@@ -181,40 +186,47 @@ class StepAgreement:
 
     def check(
         self, op: str, unit: str, params: list[str], group: Any, wire: Wire | None = None
-    ) -> None:
+    ) -> str:
         """Before collective ``op`` for ``unit`` over ``params``: raise the same
-        ``ValueError`` on every rank of ``group`` unless all are about to run it."""
+        ``ValueError`` on every rank of ``group`` unless all are about to run it. Returns the
+        collective's label, e.g. ``"all-gather #5 of unit 'b' (4 parameters)"``."""
         self.seq += 1
         entry = {"op": op, "seq": self.seq, "unit": unit or "<root>", "params": params}
+        label = _what(entry, "")
+        check = f"the agreement check before {label}"
         if not self.scheduled:  # each collective on its own; no log to keep
-            _agree(*self._payload(entry, None), group)
-            return
+            _agree(*self._payload(entry, None), group, check)
+            return label
         if self._phase == "forward" and not torch.is_grad_enabled():
             self._learnable = False  # an evaluation forward: no schedule for the training one
         schedule = self._schedule
         if schedule is None:
-            _agree(*self._payload(entry, None), group)
+            _agree(*self._payload(entry, None), group, check)
         elif len(self._log) >= len(schedule) or schedule[len(self._log)][0] != _key(entry):
-            self._leave(len(self._log), group, entry)
+            self._leave(len(self._log), group, entry, label=check)
         self._record(entry, wire)
+        return label
 
-    def _leave(self, done: int, group: Any, entry: Any, nxt: Any = None) -> None:
+    def _leave(self, done: int, group: Any, entry: Any, nxt: Any = None, *, label: str) -> None:
         """This rank left the schedule after ``done`` collectives: stand in for the rest,
         then compare with the peers (who stood in alike, or reach the phase's end check)."""
         assert self._schedule is not None
-        for _, wire in self._schedule[done:]:
-            wire.stand_in()
+        for (op, unit, params), wire in self._schedule[done:]:
+            wire.stand_in(f"{op} of unit {unit!r} ({len(params)} parameters)")
         self._schedule = None
-        _agree(*self._payload(entry, nxt), group)
+        _agree(*self._payload(entry, nxt), group, label)
 
     def end_phase(self, nxt: Any, group: Any) -> None:
         """The phase ended (the backward starts: ``nxt`` is ``("backward", sync flags)``; or
         it ended: ``"forward"``). Check the phase with the peers and learn it as a schedule."""
         if self.scheduled:
+            phase = "forward" if self._phase == "forward" else "backward"
+            after = f" (after {_what(self._log[-1], phase)})" if self._log else ""
+            label = f"the agreement check at the end of the {phase}{after}"
             if self._schedule is not None and len(self._log) < len(self._schedule):
-                self._leave(len(self._log), group, None, _jsonable(nxt))
+                self._leave(len(self._log), group, None, _jsonable(nxt), label=label)
             else:
-                _agree(*self._payload(None, _jsonable(nxt)), group)
+                _agree(*self._payload(None, _jsonable(nxt)), group, label)
             if self._learnable and self._start == 0:
                 self._schedules[self._phase] = [
                     (_key(e), w) for e, w in zip(self._log, self._wires, strict=True)

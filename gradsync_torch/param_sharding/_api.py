@@ -8,49 +8,23 @@ thing, and cuts the call's own parameters exactly where the plan's chunks say.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import Placement, Replicate, Shard
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from gradsync_core import ParamShardPlan, plan_param_shards
 from gradsync_torch._specs import param_specs
 from gradsync_torch.agreement import Disagreement, agree_ok, agree_on
 from gradsync_torch.param_sharding._hooks import ShardUnit, Step
+from gradsync_torch.param_sharding._module import PLAN, UNIT, sharded_class, unit_of
+from gradsync_torch.param_sharding._optimizers import refuse_non_elementwise
 from gradsync_torch.param_sharding._policy import MixedPrecisionPolicy
-from gradsync_torch.param_sharding._unit import UnitParameters, shard_parameter
-
-_UNIT = "_gradsync_shard_unit"  # the attribute a sharded module keeps its ShardUnit in
-
-
-class ShardedModule:
-    """Mixed into a module's class by ``fully_shard``, like FSDP2's ``FSDPModule``."""
-
-    def _units(self, recurse: bool) -> list[ShardUnit]:
-        modules = self.modules() if recurse else [self]  # type: ignore[attr-defined]
-        return [unit for m in modules if (unit := getattr(m, _UNIT, None)) is not None]
-
-    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True):
-        """Turn the reduce-scatter after backward off (micro-steps of gradient accumulation:
-        gradients then accumulate unsharded) or back on, for this unit and, with ``recurse``,
-        every unit inside it. FSDP2's method of the same name."""
-        for unit in self._units(recurse):
-            unit.requires_gradient_sync = requires_gradient_sync
-
-    def unshard(self) -> None:
-        """Gather this module's unit now (it stays gathered until ``reshard``)."""
-        getattr(self, _UNIT).params.gather()
-
-    def reshard(self) -> None:
-        """Free this module's gathered parameters, back to the shards."""
-        getattr(self, _UNIT).params.free()
-
-    @property
-    def shard_plan(self) -> ParamShardPlan:
-        """The plan this call was cut from (module paths relative to this module)."""
-        return self._gradsync_shard_plan  # type: ignore[attr-defined]
+from gradsync_torch.param_sharding._stall import naming_stalls
+from gradsync_torch.param_sharding._unit import ROWS, UnitParameters, shard_parameter
 
 
 def _mesh(mesh: DeviceMesh | None, process_group: Any, device_type: str) -> DeviceMesh:
@@ -108,16 +82,20 @@ def _agree_plan(plan: ParamShardPlan, layout: _Layout, where: str) -> None:
     hears it) before the replicas compare their plans, so no rank walks on alone.
     """
     describe = _describe(where)
+    label = f"the plan agreement of fully_shard({where})"
     if layout.replicate_group is None:
-        agree_on(plan.to_json(), layout.group, describe=describe)
+        with naming_stalls(label, layout.group):
+            agree_on(plan.to_json(), layout.group, describe=describe)
         return
     try:
-        agree_on(plan.to_json(), layout.group, describe=describe)
+        with naming_stalls(label, layout.group):
+            agree_on(plan.to_json(), layout.group, describe=describe)
         error = None
     except ValueError as exc:
         error = str(exc)
-    agree_ok(error, layout.replicate_group, what=f"fully_shard({where})")
-    agree_on(plan.to_json(), layout.replicate_group, describe=describe)
+    with naming_stalls(label, layout.replicate_group):
+        agree_ok(error, layout.replicate_group, what=f"fully_shard({where})")
+        agree_on(plan.to_json(), layout.replicate_group, describe=describe)
 
 
 def _describe(where: str) -> Any:
@@ -146,11 +124,68 @@ def _describe(where: str) -> Any:
     return describe
 
 
-def _check_module(module: nn.Module) -> None:
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"fully_shard takes an nn.Module, got {type(module).__name__}")
-    if getattr(module, _UNIT, None) is not None:
-        raise ValueError(f"fully_shard was already applied to this {type(module).__name__}")
+def _modules(module: nn.Module | Sequence[nn.Module]) -> tuple[nn.Module, ...]:
+    """The modules one call shards as one unit: ``module``, or a list's modules (FSDP2's
+    list form) without those inside another of them, in the list's order."""
+    listed = tuple(module) if isinstance(module, (list, tuple)) else (module,)
+    if not listed:
+        raise ValueError("fully_shard takes a module or a list of at least one module, got []")
+    for m in listed:
+        if not isinstance(m, nn.Module):
+            raise TypeError(
+                f"fully_shard takes an nn.Module or a list of them, got {type(m).__name__}"
+            )
+        if unit_of(m) is not None:
+            raise ValueError(f"fully_shard was already applied to this {type(m).__name__}")
+    inside = {id(sub) for m in listed for sub in m.modules() if sub is not m}
+    roots: dict[int, nn.Module] = {}
+    for m in listed:
+        if id(m) not in inside:
+            roots.setdefault(id(m), m)
+    return tuple(roots.values())
+
+
+def _unit_prefixes(inner: dict[str, ShardUnit], names: list[str]) -> list[str]:
+    """The plan's block prefixes: every inner unit's, less the modules of a list unit that
+    list no parameter of their own (a head whose weight is the embedding's, listed under the
+    embedding's name): the unit is planned under its other modules' prefixes."""
+
+    def holds(prefix: str) -> bool:
+        return any(name.startswith(prefix + ".") for name in names)
+
+    return [
+        prefix
+        for prefix, unit in inner.items()
+        if len(unit.modules) == 1
+        or holds(prefix)
+        or not any(holds(p) for p, u in inner.items() if u is unit)
+    ]
+
+
+def _check_unsharded(module: nn.Module, names: Sequence[str], where: str) -> None:
+    """The parameters this call shards are plain tensors, or a sentence.
+
+    Raises:
+        ValueError: one is already a row shard of an earlier call on a module containing
+            this one (the root sharded before its blocks), or another DTensor.
+    """
+    for name in names:
+        param = module.get_parameter(name)
+        if not isinstance(param, DTensor):
+            continue
+        rows = getattr(param, ROWS, None)
+        if rows is not None:
+            raise ValueError(
+                f"fully_shard({where}): parameter {name!r} is already sharded by "
+                f"{rows.owner}, an earlier call on a module that contains this one; call "
+                "fully_shard bottom-up, each block first, then the root (as FSDP2 requires)"
+            )
+        raise ValueError(
+            f"fully_shard({where}): parameter {name!r} is already a DTensor placed "
+            f"{tuple(param.placements)} (sharded by torch's fully_shard or tensor parallelism); "
+            "gradsync's fully_shard shards plain parameters: build the model without torch's "
+            "sharding"
+        )
 
 
 def _places(
@@ -172,8 +207,9 @@ def _places(
             if ref is not None and ref() is param:
                 raise NotImplementedError(
                     f"parameter {name!r} is tied to a parameter that fully_shard({prefix!r}) "
-                    "already sharded; wrap both users of a tied weight in one unit (shard the "
-                    "common parent only)"
+                    "already sharded; wrap both users of a tied weight in one unit: both in one "
+                    "fully_shard([embedding, head]) call (FSDP2's list form), or neither and "
+                    "shard their common parent"
                 )
         aliases = by_id[id(param)]
         for alias in aliases:
@@ -181,7 +217,7 @@ def _places(
             if unit_of is not None:
                 raise NotImplementedError(
                     f"parameter {name!r} is tied to {alias!r} inside unit {unit_of!r}; wrap "
-                    "both users of a tied weight in one unit"
+                    "both users of a tied weight in one unit (fully_shard([embedding, head]))"
                 )
         out[name] = tuple(
             (module.get_submodule(a.rpartition(".")[0]), a.rpartition(".")[2]) for a in aliases
@@ -189,21 +225,11 @@ def _places(
     return out
 
 
-def _sharded_class(cls: type) -> type:
-    if issubclass(cls, ShardedModule):
-        return cls
-    cached = _CLASSES.get(cls)
-    if cached is None:
-        cached = _CLASSES[cls] = type(f"Sharded{cls.__name__}", (ShardedModule, cls), {})
-    return cached
-
-
-_CLASSES: dict[type, type] = {}
 _NO_MIXED_PRECISION = MixedPrecisionPolicy()  # frozen, so one shared default is safe
 
 
 def fully_shard(
-    module: nn.Module,
+    module: nn.Module | Sequence[nn.Module],
     *,
     mesh: DeviceMesh | None = None,
     process_group: dist.ProcessGroup | None = None,
@@ -213,7 +239,10 @@ def fully_shard(
     """Shard ``module``'s parameters over the data-parallel ranks (ZeRO-3), as FSDP2 does.
 
     Call it on each block, then on the root, exactly as ``torch.distributed.fsdp.fully_shard``:
-    each call manages the parameters of ``module`` that no earlier call inside it manages.
+    each call manages the parameters of ``module`` that no earlier call inside it manages. A
+    list (``fully_shard([model.norm, model.output])``, FSDP2's list form) makes one unit of
+    several modules: one all-gather and one reduce-scatter for all of them, as for a weight
+    tied between the embedding and the head.
     Afterwards those parameters are ``DTensor``s sharded on dim 0 (``Shard(0)``), cut where the
     ``gradsync_core`` plan says, so ``torch.optim.*(model.parameters())``,
     ``clip_grad_norm_`` and ``state_dict()`` work on them as on FSDP2's. The forward gathers a
@@ -223,7 +252,8 @@ def fully_shard(
     arithmetic) as soon as its backward is done, and frees it.
 
     Args:
-        module: the block or the root model; its parameters on one device, not yet sharded.
+        module: the block or the root model, or a list of modules sharded as one unit; their
+            parameters on one device, not yet sharded.
         mesh: a 1-D ``DeviceMesh`` of the data-parallel ranks (default: the world), or a 2-D
             one ``(replicate, shard)`` for hybrid sharding (HSDP; ``hsdp_mesh`` builds it
             from a ``Topology``): shard over dim 1, all-reduce gradients over dim 0.
@@ -233,13 +263,18 @@ def fully_shard(
         mp_policy: gather in ``param_dtype``, reduce in ``reduce_dtype``.
 
     Returns:
-        ``module`` itself, its class now also a ``ShardedModule``
-        (``set_requires_gradient_sync``, ``unshard``, ``reshard``).
+        ``module`` itself (the list, for the list form), each module's class now also a
+        ``ShardedModule``, which is FSDP2's ``FSDPModule`` (its methods act on gradsync's units;
+        docs/torch-zero3.md lists which FSDP2 methods are implemented).
 
     Raises:
         ValueError: the plan differs across ranks (the same sentence on every rank), the module
-            is already sharded, options conflict, or the mesh is not 1-D or 2-D. At run time,
-            ranks that run the model differently (``_agreement.py``).
+            is already sharded, a parameter is already a DTensor (the root sharded before its
+            blocks), options conflict, or the mesh is not 1-D or 2-D. At run time, ranks that
+            run the model differently (``_agreement.py``), and a non-elementwise optimizer's
+            first step on the rows (``_optimizers.py``).
+        RuntimeError: at run time, a collective a rank never reached, naming that rank
+            (``_stall.py``).
         NotImplementedError: a weight tied across units.
 
     Example:
@@ -247,24 +282,35 @@ def fully_shard(
         ...     fully_shard(block)
         >>> fully_shard(model)  # doctest: +SKIP
     """
-    _check_module(module)
+    modules = _modules(module)
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {mp_policy!r}")
-    first = next(module.parameters(), None)
+    # The list form plans its modules as the children "0", "1", ... of one container (which
+    # registers them without changing them), so its parameters follow FSDP2's order.
+    planned = modules[0] if len(modules) == 1 else nn.ModuleList(modules)
+    where = (
+        type(planned).__name__
+        if len(modules) == 1
+        else f"[{', '.join(type(m).__name__ for m in modules)}]"
+    )
+    first = next(planned.parameters(), None)
     mesh = _mesh(mesh, process_group, first.device.type if first is not None else "cpu")
     layout = _layout(mesh)
     world_size = layout.shard_size
-    inner = {p: u for p, m in module.named_modules() if p and (u := getattr(m, _UNIT, None))}
+    inner = {p: u for p, m in planned.named_modules() if p and (u := unit_of(m)) is not None}
+    specs = param_specs(planned)
     plan = plan_param_shards(
-        param_specs(module),
+        specs,
         world_size=world_size * layout.replicate_size,
-        units=list(inner),
+        units=_unit_prefixes(inner, [s.name for s in specs]),
         replicate_size=layout.replicate_size,
     )
-    _agree_plan(plan, layout, type(module).__name__)
+    _check_unsharded(planned, plan.units[0].params, where)
+    _agree_plan(plan, layout, where)
+    refuse_non_elementwise()
     params = []
-    places = _places(module, plan.units[0].params, inner)
-    originals = [module.get_parameter(name) for name in plan.units[0].params]
+    places = _places(planned, plan.units[0].params, inner)
+    originals = [planned.get_parameter(name) for name in plan.units[0].params]
     for name in plan.units[0].params:  # the root unit: what no inner call manages
         chunks = tuple(plan.chunk(name, r) for r in range(world_size))
         params.append(
@@ -276,6 +322,7 @@ def fully_shard(
                 mesh,
                 mp_policy.param_dtype,
                 layout.placements,
+                owner=f"fully_shard({where})",
             )
         )
     unit_params = UnitParameters(
@@ -286,17 +333,22 @@ def fully_shard(
         replicate_group=layout.replicate_group,
     )
     unit = ShardUnit(
-        module, "", unit_params, reshard_after_forward=reshard_after_forward, policy=mp_policy
+        modules, "", unit_params, reshard_after_forward=reshard_after_forward, policy=mp_policy
     )
     step = Step([unit])
     for u in plan.units[1:]:
         child = inner[u.prefix]
-        child.prefix, child.is_root, child.step = u.prefix, False, step
+        if child in step.units:  # a list unit's other module
+            continue
+        # A list unit is named by all its modules' paths, as FSDP2's _module_fqn.
+        child.prefix = ", ".join(p for p, c in inner.items() if c is child)
+        child.is_root, child.step = False, step
         step.units.append(child)
     unit.step = step
     step.agreement.scheduled = step.can_schedule()
     unit.originals = {id(p): weakref.ref(p) for p in originals}
-    module.__class__ = _sharded_class(type(module))
-    object.__setattr__(module, _UNIT, unit)
-    object.__setattr__(module, "_gradsync_shard_plan", plan)
+    for m in modules:
+        m.__class__ = sharded_class(type(m))
+        object.__setattr__(m, UNIT, unit)
+        object.__setattr__(m, PLAN, plan)
     return module

@@ -1,16 +1,21 @@
 """When a unit gathers, frees and reduces: forward and backward hooks, as FSDP2 places them.
 
 - forward pre-hook: gather the unit (or wait for its prefetch) and start gathering the unit
-  that ran next in the previous step's forward; wrap the inputs that need gradients in
-  ``_PostBackward``, whose backward runs once autograd is done with this call of the unit;
+  that ran next in the previous step's forward (or the units ``set_modules_to_forward_prefetch``
+  named); wrap the inputs that need gradients in ``_PostBackward``, whose backward runs once
+  autograd is done with this call of the unit;
 - forward hook: free the unit if ``reshard_after_forward`` (never the root, which backward
-  needs first); hook the outputs so the unit is gathered again before its backward starts;
+  needs first); hook the outputs so the unit is gathered again before its backward starts.
+  A unit of several modules (FSDP2's list form, ``fully_shard([norm, output])``) does this
+  once per forward of the root: its pre-hook work when its first module starts, its forward
+  hook's when its last one ends (or, for a module the forward skipped, when the root's ends);
 - pre-backward (the first gradient at a call's outputs): gather, and prefetch the unit whose
   backward comes next (this step's post-forward order reversed, FSDP2's implicit prefetch);
 - post-backward: once no call of the unit is still in its backward, reduce-scatter its
   gradients at once (unless gradient sync is off, in which case autograd keeps accumulating
-  into the gathered parameters' ``.grad``) and free it; a module called twice per step is
-  gathered again for its earlier call and reduce-scatters again, as in FSDP2;
+  into the gathered parameters' ``.grad``) and free it (unless ``reshard_after_backward`` is
+  off); a module called twice per step is gathered again for its earlier call and
+  reduce-scatters again, as in FSDP2;
 - a callback queued on autograd's engine at the first pre-backward finishes every unit whose
   post-backward did not fire (the root, whose inputs are token ids; a unit without a gradient
   path) when the whole backward is done, and waits for every collective.
@@ -46,6 +51,10 @@ class Step:
         self.callback_queued = False
         self.in_flight: ShardUnit | None = None
         self.agreement = StepAgreement()
+        self.in_forward = False  # the root's forward is running (a list unit's modules may)
+        # FSDPModule.set_is_last_backward: FSDP2 then skips waiting for its reductions at the
+        # end of backward; gradsync always waits (every gradient is in place, the same bits).
+        self.is_last_backward = True
         # Forward prefetch follows the previous step's forward order (FSDP2 needs it spelled
         # out with set_modules_to_forward_prefetch); backward prefetch this step's reversed
         # post-forward order, as FSDP2's implicit backward prefetch.
@@ -81,8 +90,10 @@ class Step:
         self.agreement.end_phase("forward", self.units[0].params.group)
         for unit in self.units:  # the ranks agreed on the step: store its gradients
             unit.params.store_gradients()
-            unit.params.free()
+            if unit.reshard_after_backward:
+                unit.params.free()
             unit.state = IDLE
+            unit.pending.clear()
             unit.open_calls.clear()
             unit.seen_calls.clear()
         self.callback_queued = False
@@ -109,25 +120,45 @@ class Step:
         if nxt.state == state and not nxt.params.is_gathered:
             nxt.params.start_gather()
 
+    def complete_forwards(self, output: Any) -> Any:
+        """The root's forward ends: a list unit whose forward skipped some of its modules
+        finishes its forward now, its backward hooked on the root's ``output`` (FSDP2's
+        ``_force_complete_incomplete_states``)."""
+        for unit in reversed(self.units):
+            if unit.pending:
+                unit.pending.clear()
+                output = unit.finish_forward(output)
+        self.in_forward = False
+        return output
+
 
 class ShardUnit:
     """One ``fully_shard`` call at run time: its module, parameters, options and state."""
 
     def __init__(
         self,
-        module: nn.Module,
+        modules: tuple[nn.Module, ...],
         prefix: str,
         params: UnitParameters,
         *,
         reshard_after_forward: bool,
         policy: MixedPrecisionPolicy,
     ) -> None:
-        self.module = module
+        self.modules = modules  # one, or several for FSDP2's list form
+        # How sentences name the call: fully_shard(Block), fully_shard([LayerNorm, Linear]).
+        names = ", ".join(type(m).__name__ for m in modules)
+        self.name = f"fully_shard([{names}])" if len(modules) > 1 else f"fully_shard({names})"
         self.policy = policy
         self.prefix = prefix  # the module path inside the model, "" for the root
         self.params = params
         self.reshard_after_forward = reshard_after_forward
+        self.reshard_after_backward = True  # FSDPModule.set_reshard_after_backward
         self.requires_gradient_sync = True
+        # FSDPModule.set_modules_to_{forward,backward}_prefetch: the units to start gathering
+        # instead of the learnt next one (None: learnt).
+        self.forward_prefetch: list[ShardUnit] | None = None
+        self.backward_prefetch: list[ShardUnit] | None = None
+        self.pending: set[nn.Module] = set()  # a list unit's modules yet to run this forward
         self.is_root = True  # until an outer fully_shard claims it
         # id -> weakref of the parameters this call replaced: an outer call refuses a weight
         # tied to one of them (its users would be in two units).
@@ -139,32 +170,73 @@ class ShardUnit:
         self.step = Step([self])
         self.params.check = self.check
         self.handles = [
-            module.register_forward_pre_hook(self.pre_forward, prepend=True, with_kwargs=True),
-            module.register_forward_hook(self.post_forward, with_kwargs=True),
+            handle
+            for module in modules
+            for handle in (
+                module.register_forward_pre_hook(self.pre_forward, prepend=True, with_kwargs=True),
+                module.register_forward_hook(self.post_forward, with_kwargs=True),
+            )
         ]
 
-    def check(self, op: str, names: list[str], *, group: Any = None, wire: Any = None) -> None:
+    def check(self, op: str, names: list[str], *, group: Any = None, wire: Any = None) -> str:
         """Agree with the peers before collective ``op`` over ``names`` (``_agreement.py``);
         ``group``: the replicate group of an HSDP all-reduce, else the shard group;
-        ``wire``: the collective's shape, what a rank leaving the schedule issues instead."""
+        ``wire``: the collective's shape, what a rank leaving the schedule issues instead.
+        Returns the collective's label (for a stalled wait's sentence)."""
         group = self.params.group if group is None else group
-        self.step.agreement.check(op, self.prefix, names, group, wire)
+        return self.step.agreement.check(op, self.prefix, names, group, wire)
+
+    def _grouped(self) -> bool:
+        """Whether this call is one of a list unit's modules inside the root's forward."""
+        return len(self.modules) > 1 and self.step.in_forward
+
+    def _check_list_call(self) -> None:
+        if self.is_root:
+            raise ValueError(
+                f"{self.name} made a unit of several modules but no fully_shard call on a "
+                "module containing them followed, so there is no root to run them in; call "
+                "fully_shard on the model last, as FSDP2 requires"
+            )
+        raise ValueError(
+            f"{self.name}: one of its modules ran with gradients outside the model's forward "
+            "(a chunked loss calling the head on its own); gradsync runs a unit of several "
+            "modules within one forward of the root: call them inside the model's forward, "
+            "or shard the head in its own fully_shard call"
+        )
+
+    def _prefetch_forward(self) -> None:
+        if self.forward_prefetch is None:
+            self.step.prefetch_after(self, self.step.last_forward_order, IDLE)
+            return
+        for unit in self.forward_prefetch:
+            if not unit.params.is_gathered:
+                unit.params.start_gather()
 
     def pre_forward(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         grad = torch.is_grad_enabled()
+        if self.is_root and len(self.modules) == 1:
+            self.step.in_forward = True
+            for unit in self.step.units:  # a forward that raised may have left some
+                unit.pending.clear()
+        if grad and len(self.modules) > 1 and not self.step.in_forward:
+            self._check_list_call()
+        # A list unit's later modules in the same forward: already gathered and hooked.
+        first = not (self._grouped() and self.pending)
+        if self._grouped():
+            self.pending = self.pending or set(self.modules)
         self.params.gather()
-        if grad:  # a forward under no_grad (evaluation) leaves the step's state alone
+        if grad and first:  # a forward under no_grad (evaluation) leaves the step's state alone
             if self not in self.step.forward_order:
                 self.step.forward_order.append(self)
-            self.step.prefetch_after(self, self.step.last_forward_order, IDLE)
+            self._prefetch_forward()
             self.state = FORWARD
             self.calls += 1
         leaves, spec = tree_flatten((args, kwargs))
         if self.policy.cast_forward_inputs and self.policy.param_dtype is not None:
             leaves = [cast_floats(x, self.policy.param_dtype) for x in leaves]
-        if not grad:
+        if not grad or not first:
             return tree_unflatten(leaves, spec)
         needs = [i for i, x in enumerate(leaves) if torch.is_tensor(x) and x.requires_grad]
         if needs:
@@ -176,6 +248,18 @@ class ShardUnit:
     def post_forward(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
     ) -> Any:
+        if self._grouped():
+            self.pending.discard(module)
+            if self.pending:  # more of the list's modules to run: stay gathered
+                return self._cast_output(output)
+        output = self.finish_forward(output)
+        if self.is_root and len(self.modules) == 1:
+            output = self.step.complete_forwards(output)
+        return output
+
+    def finish_forward(self, output: Any) -> Any:
+        """The unit's forward is done: free it (``reshard_after_forward``, never the root) and
+        hook ``output`` so that its backward gathers it again."""
         grad = torch.is_grad_enabled()
         if not grad or (self.reshard_after_forward and not self.is_root):
             self.params.free()
@@ -187,6 +271,9 @@ class ShardUnit:
             for tensor in leaves:
                 if torch.is_tensor(tensor) and tensor.requires_grad:
                     tensor.register_hook(hook)
+        return self._cast_output(output)
+
+    def _cast_output(self, output: Any) -> Any:
         if self.policy.output_dtype is None:
             return output
         leaves, spec = tree_flatten(output)
@@ -203,7 +290,12 @@ class ShardUnit:
         self.step.queue_callback()
         self.params.gather()
         self.state = PRE_BACKWARD
-        self.step.prefetch_after(self, self.step.post_forward_order[::-1], FORWARD)
+        if self.backward_prefetch is None:
+            self.step.prefetch_after(self, self.step.post_forward_order[::-1], FORWARD)
+        else:
+            for unit in self.backward_prefetch:
+                if not unit.params.is_gathered:
+                    unit.params.start_gather()
         return grad
 
     def post_backward(self, call: int | None) -> None:
@@ -217,7 +309,8 @@ class ShardUnit:
             self.step.start_reduce(self)
         else:
             self.params.keep_gradients()
-        self.params.free()
+        if self.reshard_after_backward:
+            self.params.free()
 
 
 class _PostBackward(torch.autograd.Function):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -23,6 +24,18 @@ from gradsync_torch._collectives import all_gather_single, reduce_scatter_single
 from gradsync_torch.param_sharding._agreement import Wire
 from gradsync_torch.param_sharding._divide import gradient_divide
 from gradsync_torch.param_sharding._policy import MixedPrecisionPolicy
+from gradsync_torch.param_sharding._stall import naming_stalls
+
+ROWS = "_gradsync_rows"  # the attribute a sharded parameter carries: its Rows
+
+
+class Rows(NamedTuple):
+    """What a parameter ``fully_shard`` cut into rows says about itself (``ROWS``): who cut
+    it and over how many ranks. Read by the checks that must tell gradsync's row shards apart
+    from other tensors: an optimizer that reads whole tensors, a call on a parent first."""
+
+    owner: str  # "fully_shard(Sequential)"
+    shard_size: int
 
 
 @dataclass(slots=True, kw_only=True)
@@ -85,10 +98,12 @@ def shard_parameter(
     mesh: DeviceMesh,
     gather_dtype: torch.dtype | None,
     placements: tuple[Placement, ...] = (Shard(0),),
+    owner: str = "fully_shard",
 ) -> ShardedParameter:
     """Replace the parameter at ``places`` by this rank's rows (``chunks[shard_rank]``) as a
     ``DTensor`` on ``mesh`` with ``placements`` (``(Replicate(), Shard(0))`` under HSDP, as
-    FSDP2's); a tied parameter is held at several places and swapped at all of them."""
+    FSDP2's); a tied parameter is held at several places and swapped at all of them. The new
+    parameter carries ``Rows(owner, len(chunks))`` as ``ROWS``."""
     chunk = chunks[shard_rank]
     module, attr = places[0]
     full = module._parameters[attr]
@@ -109,6 +124,7 @@ def shard_parameter(
         ),
         requires_grad=full.requires_grad,
     )
+    setattr(sharded, ROWS, Rows(owner, len(chunks)))
     _free(gathered)
     _swap(places, sharded)
     return ShardedParameter(
@@ -146,15 +162,25 @@ class UnitParameters:
         same = policy.reduce_dtype == policy.param_dtype
         self.reduce_dtype = None if same else policy.reduce_dtype
         self.is_gathered = False
+        # The shards' version counters when the unit was gathered: a gathered unit whose
+        # shards changed since (an optimizer step while it stayed gathered) gathers again.
+        self._versions: tuple[tuple[int, int], ...] = ()
         self._gathering: tuple | None = None  # an all-gather in flight (a prefetch)
         self._pending: tuple | None = None  # a reduce-scatter in flight
         self._all_reducing: tuple | None = None  # HSDP: its all-reduce over the replicas
+        # FSDPModule's reduction settings (docs/torch-zero3.md, "FSDP2's FSDPModule"):
+        self.divide_factor: float | None = None  # set_gradient_divide_factor
+        self.force_sum = False  # set_force_sum_reduction_for_comms
+        self.all_reduce_grads = True  # set_requires_all_reduce (HSDP)
+        # HSDP without the all-reduce: the reduce-scattered sum waiting for the next one,
+        # with the members it holds (FSDP2's partial_reduce_output).
+        self._partial: tuple[torch.Tensor, tuple[int, ...]] | None = None
         # Reduced gradients waiting for the end-of-backward agreement check before they are
         # stored (store_gradients): a step the ranks ran differently changes no gradient.
         self._reduced: list[tuple[ShardedParameter, torch.Tensor]] = []
         # Called with (collective, member names) before each collective: the hooks' runtime
         # agreement (_agreement.py), so ranks that diverge get a sentence, not a hang.
-        self.check: Callable[..., None] | None = None
+        self.check: Callable[..., str] | None = None
 
     def start_gather(self) -> None:
         """Start all-gathering every member (frozen ones too) in one collective, in the
@@ -162,26 +188,50 @@ class UnitParameters:
         if self.is_gathered or self._gathering is not None or not self.params:
             return
         dtype = self.params[0].gathered.dtype
-        if self.check is not None:
-            numel = sum(p.chunk.padded_numel for p in self.params)
-            device = self.params[0].padded.device
-            wire = Wire("all-gather", self.group, numel, dtype, device)
-            self.check("all-gather", [p.name for p in self.params], wire=wire)
+        numel = sum(p.chunk.padded_numel for p in self.params)
+        wire = Wire("all-gather", self.group, numel, dtype, self.params[0].padded.device)
+        label = self._check("all-gather", [p.name for p in self.params], wire=wire)
         send = torch.cat([p.padded.to(dtype) for p in self.params])
         recv = send.new_empty(self.world_size * send.numel())
         work = all_gather_single(recv, send, group=self.group, async_op=True)
-        self._gathering = (work, recv, send)
+        self._gathering = (work, recv, send, label, self._shard_versions())
+
+    def _check(self, op: str, names: list[str], **kwargs: Any) -> str:
+        """Agree on collective ``op`` (``self.check``); its label for a stalled-wait error."""
+        if self.check is None:
+            return f"{op} of {len(names)} parameters"
+        return self.check(op, names, **kwargs)
+
+    def _wait(self, work: Any, label: str, group: Any) -> None:
+        with naming_stalls(label, group):
+            work.wait()
+
+    def _shard_versions(self) -> tuple[tuple[int, int], ...]:
+        # An optimizer's in-place step bumps the DTensor's counter (it runs below autograd on
+        # the local tensor, whose counter stays); a checkpoint load writes the padded storage.
+        return tuple((p.sharded._version, p.padded._version) for p in self.params)
 
     def gather(self) -> None:
-        """Gather the unit (or finish the gather ``start_gather`` began) and swap it in."""
-        if self.is_gathered or not self.params:
+        """Gather the unit (or finish the gather ``start_gather`` began) and swap it in. A
+        unit still gathered, or a prefetch still in flight, whose shards changed since (an
+        optimizer step after ``set_reshard_after_backward(False)``, ``unshard()`` or a
+        prefetch) is gathered again: its copy is stale."""
+        if self.is_gathered:
+            if not self.params or self._versions == self._shard_versions():
+                return
+            self.free()
+        if not self.params:
             self.is_gathered = True
             return
         self.start_gather()
         assert self._gathering is not None
-        work, recv, send = self._gathering
+        work, recv, send, label, versions = self._gathering
         self._gathering = None
-        work.wait()
+        self._wait(work, label, self.group)
+        if versions != self._shard_versions():  # a prefetch from before the shards changed
+            _release(recv, send)
+            self.gather()
+            return
         pieces = recv.view(self.world_size, -1).split(
             [p.chunk.padded_numel for p in self.params], 1
         )
@@ -195,6 +245,7 @@ class UnitParameters:
                 p.unsharded.requires_grad_(p.sharded.requires_grad)
             _swap(p.places, p.unsharded)
         _release(recv, send)
+        self._versions = versions
         self.is_gathered = True
 
     @property
@@ -205,10 +256,10 @@ class UnitParameters:
     def free(self) -> None:
         """Point the modules back at the shards and release the gathered storage."""
         if self._gathering is not None:  # a prefetch nobody used: complete it, then drop it
-            work, *buffers = self._gathering
-            work.wait()
-            _release(*buffers)
+            work, recv, send, label, _ = self._gathering
             self._gathering = None
+            self._wait(work, label, self.group)
+            _release(recv, send)
         if not self.is_gathered:
             return
         for p in self.params:
@@ -234,50 +285,86 @@ class UnitParameters:
         reduce_dtype = self.reduce_dtype or _gradient(ready[0]).dtype
         send = _send_buffer(ready, self.world_size, reduce_dtype)
         out = send.new_empty(send.shape[1])
-        divide = gradient_divide(reduce_dtype, self.world_size * self.replicate_size)
+        divide = gradient_divide(
+            reduce_dtype,
+            self.world_size * self.replicate_size,
+            shard_size=self.world_size,
+            factor=self.divide_factor,
+            force_sum=self.force_sum,
+        )
         if divide.pre not in (None, 1):
             send.div_(divide.pre)
+        op = divide.op
+        if divide.scale is not None and not _has_premul_sum(self.group):
+            # gloo has no PREMUL_SUM (FSDP2 raises there): scale each rank's input, then sum,
+            # which is the operation's definition (on NCCL FSDP2's own op runs).
+            send.mul_(divide.scale)
+            op = dist.ReduceOp.SUM
         work = None
-        if self.check is not None:
-            wire = Wire("reduce-scatter", self.group, send.numel(), reduce_dtype, send.device)
-            self.check(
-                "reduce-scatter", [p.name for p in ready], wire=wire._replace(reduce_op=divide.op)
-            )
+        wire = Wire("reduce-scatter", self.group, send.numel(), reduce_dtype, send.device, op)
+        label = self._check("reduce-scatter", [p.name for p in ready], wire=wire)
         if self.world_size > 1:
             # FSDP2's own collective and op (AVG for float32/bfloat16), not the executor's
             # SUM-only reduce_scatter_into: bitwise parity with FSDP2 needs the same reduction.
-            work = reduce_scatter_single(
-                out, send.view(-1), op=divide.op, group=self.group, async_op=True
-            )
+            work = reduce_scatter_single(out, send.view(-1), op=op, group=self.group, async_op=True)
+        elif self.divide_factor is not None and divide.post is None:
+            # FSDP2's one-rank path divides by the factor here. (FSDP2 also does when ``post``
+            # divides by it again, with force-sum or a float16 reduction: twice. gradsync
+            # divides once.)
+            out.copy_(send.view(-1) / self.divide_factor)
         else:
             out.copy_(send.view(-1))
-        self._pending = (work, send, out, ready, divide)
+        self._pending = (work, send, out, ready, divide, label)
 
     def finish_reduce(self) -> None:
         """Wait for the reduce-scatter ``reduce_gradients`` started; store the gradients, or
         under HSDP start their all-reduce over the replicas (``finish_all_reduce`` ends it)."""
         if self._pending is None:
             return
-        work, send, out, ready, divide = self._pending
+        work, send, out, ready, divide, label = self._pending
         self._pending = None
         if work is not None:
-            work.wait()
+            self._wait(work, label, self.group)
         _release(send)  # before the gradients' views are made: the peak is one unit's, not two
         if self.replicate_size > 1:
-            if self.check is not None:
-                self.check("all-reduce", [p.name for p in ready], group=self.replicate_group)
-            work = dist.all_reduce(out, op=divide.op, group=self.replicate_group, async_op=True)
-            self._all_reducing = (work, out, ready, divide.post)
+            members = tuple(id(p) for p in ready)
+            if not self.all_reduce_grads:  # FSDP2's partial_reduce_output: sum, reduce later
+                if self._partial is None:
+                    self._partial = (out, members)
+                else:
+                    self._add_partial(out, members)
+                return
+            if self._partial is not None:
+                out = self._add_partial(out, members)
+                self._partial = None
+            label = self._check("all-reduce", [p.name for p in ready], group=self.replicate_group)
+            work = dist.all_reduce(
+                out, op=divide.all_reduce_op, group=self.replicate_group, async_op=True
+            )
+            self._all_reducing = (work, out, ready, divide.post, label)
             return
         self._reduced += _reduced(ready, out, divide.post)
+
+    def _add_partial(self, out: torch.Tensor, members: tuple[int, ...]) -> torch.Tensor:
+        """``out`` added into the partial sum (the same members, so the same layout)."""
+        assert self._partial is not None
+        partial, held = self._partial
+        if held != members:
+            raise ValueError(
+                "fully_shard: under set_requires_all_reduce(False) a unit's reduce-scatters "
+                "are summed before one all-reduce, but this backward gave gradients to other "
+                f"parameters of the unit ({len(members)} vs {len(held)}); use the same "
+                "parameters in every micro-step"
+            )
+        return partial.add_(out)
 
     def finish_all_reduce(self) -> None:
         """Wait for the HSDP all-reduce ``finish_reduce`` started; store the gradients."""
         if self._all_reducing is None:
             return
-        work, out, ready, post = self._all_reducing
+        work, out, ready, post, label = self._all_reducing
         self._all_reducing = None
-        work.wait()
+        self._wait(work, label, self.replicate_group)
         self._reduced += _reduced(ready, out, post)
 
     def store_gradients(self) -> None:
@@ -318,6 +405,11 @@ class UnitParameters:
             if p.accumulated is not None and p.unsharded.grad is not None:
                 p.accumulated += p.unsharded.grad
                 p.unsharded.grad = None
+
+
+def _has_premul_sum(group: dist.ProcessGroup) -> bool:
+    # c10d implements ReduceOp.PREMUL_SUM on NCCL only.
+    return "nccl" in str(dist.get_backend(group))
 
 
 def _gradient(p: ShardedParameter) -> torch.Tensor:

@@ -1,8 +1,8 @@
 """``ZeroRedundancyOptimizer``'s options: the checks that refuse a combination which cannot
 work, and the ZeRO-2 link to a sharding ``DataParallel`` (docs/torch-zero.md).
 
-The ZeRO-2 allow-list lives here because it is an option rule (which optimizers may cut
-parameters into element ranges), read by the option check and by the local step.
+The ZeRO-2 allow-list is ``gradsync_torch._optim_rules``' (``fully_shard`` applies the same
+rule to its rows); ``ELEMENTWISE`` is re-exported here for the local step.
 """
 
 from __future__ import annotations
@@ -12,36 +12,19 @@ from typing import Any
 import torch.distributed as dist
 from torch.optim import Optimizer
 
+from gradsync_torch._optim_rules import ELEMENTWISE as ELEMENTWISE  # for local_step.py
+from gradsync_torch._optim_rules import elementwise_names, is_elementwise, qualified_name
 from gradsync_torch.data_parallel import DataParallel, ReduceScatter
-
-# Optimizers whose update of one element reads only that element's gradient and state
-# (plus per-tensor scalars such as the step count), so stepping a slice equals stepping the
-# whole tensor. Adafactor (factored moments), LBFGS, SparseAdam and Muon are not.
-ELEMENTWISE = frozenset(
-    {
-        "SGD",
-        "Adam",
-        "AdamW",
-        "Adamax",
-        "NAdam",
-        "RAdam",
-        "RMSprop",
-        "Adagrad",
-        "Adadelta",
-        "Rprop",
-        "ASGD",
-    }
-)
 
 
 def check_elementwise(optimizer_class: type) -> None:
-    """Raise ``ValueError`` unless ``optimizer_class`` is one of torch's elementwise ones."""
-    is_torch = optimizer_class.__module__.startswith("torch.optim")
-    if not (is_torch and optimizer_class.__name__ in ELEMENTWISE):
+    """Raise ``ValueError`` unless ``optimizer_class`` is one of torch's elementwise ones
+    (``gradsync_torch._optim_rules``, the rule ``fully_shard`` applies too)."""
+    if not is_elementwise(optimizer_class):
         raise ValueError(
             f"gradient sharding (ZeRO-2) cuts parameters into element ranges, which is exact "
-            f"only for elementwise optimizers ({', '.join(sorted(ELEMENTWISE))} from "
-            f"torch.optim); {optimizer_class.__module__}.{optimizer_class.__qualname__} may "
+            f"only for elementwise optimizers ({elementwise_names()} from "
+            f"torch.optim); {qualified_name(optimizer_class)} may "
             "read a whole tensor (a norm, factored moments), so use ZeRO-1 "
             "(shard_gradients=False), which shards whole parameters"
         )

@@ -6,10 +6,15 @@ twice, a parameter unused) and checks that every rank raises the same ``ValueErr
 the unit and the ranks on each side. The process group's timeout is short, so a regression
 that hangs fails in seconds. A module called twice on *every* rank is legal (as in FSDP2):
 that case trains and equals FSDP2. (A plan that differs across ranks is caught at
-construction: test_fully_shard.py's "plan differs across ranks".)
+construction: test_fully_shard.py's "plan differs across ranks".) A rank that leaves the loop
+cannot be caught by the agreement, which needs every rank at a collective: the others' wait
+ends at the process group's timeout, and the error names the collective, its unit and the
+ranks that never came.
 """
 
 from __future__ import annotations
+
+import time
 
 import pytest
 import torch
@@ -148,3 +153,37 @@ def test_divergent_ranks_raise_one_sentence():
     for results in run_workers(_checks, 2, timeout=240, pg_timeout_s=30):
         failures = {name: error for name, error in results.items() if error is not None}
         assert not failures, "\n".join(f"{name}: {error}" for name, error in failures.items())
+
+
+STALL_TIMEOUT_S = 4  # the process group's timeout in the stall test
+STALL_GRACE_S = 2  # how long the ranks that gave up wait for the others' reports
+
+
+def _stalls(rank: int, world_size: int) -> str | None:
+    """The last rank leaves the loop after one step; the others' next step stalls in its first
+    collective and raises one sentence naming it, its unit and the rank that never came."""
+    from gradsync_torch.param_sharding import _stall
+
+    _stall.GRACE_S = STALL_GRACE_S  # 10 s by default; the ranks here give up together
+    model = _sharded()
+    _step(model, rank, ("a", "b", "c"))
+    if rank == world_size - 1:
+        time.sleep(STALL_TIMEOUT_S + STALL_GRACE_S + 3)  # gone until the others reported
+        return None
+    with pytest.raises(RuntimeError) as error:
+        _step(model, rank, ("a", "b", "c"))
+    return str(error.value)
+
+
+@pytest.mark.slow
+def test_a_rank_that_leaves_is_named():
+    world_size = 3
+    messages = run_workers(_stalls, world_size, timeout=120, pg_timeout_s=STALL_TIMEOUT_S)[
+        : world_size - 1
+    ]
+    for message in messages:
+        assert message.startswith(
+            "fully_shard: all-gather #1 of unit 'a' (4 parameters) did not complete"
+        ), message
+        assert "ranks [2] of its group [0, 1, 2] never reached it" in message, message
+        assert "ranks [0, 1] waited in it" in message, message

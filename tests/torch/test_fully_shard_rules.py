@@ -20,8 +20,27 @@ class _Group:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4, 6, 8, 16, 24])
 def test_divide_factors_are_fsdp2s(dtype, world_size):
-    pre, post, op, _ = _get_gradient_divide_factors(_Group(world_size), None, dtype, "cpu")
-    assert gradient_divide(dtype, world_size) == (pre, post, op)
+    theirs = _get_gradient_divide_factors(_Group(world_size), None, dtype, "cpu")
+    assert gradient_divide(dtype, world_size)[:4] == theirs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shard, replicate", [(1, 2), (2, 1), (2, 2), (3, 1), (4, 2), (8, 1)])
+@pytest.mark.parametrize("factor", [None, 0.5, 1.0, 2.0, 3.0, 4.0])
+@pytest.mark.parametrize("force_sum", [False, True], ids=["avg", "force-sum"])
+def test_divide_factor_and_force_sum_are_fsdp2s(dtype, shard, replicate, factor, force_sum):
+    """set_gradient_divide_factor / set_force_sum_reduction_for_comms: FSDP2's factors and
+    ops, HSDP's all-reduce op included; PREMUL_SUM's scale is 1 / factor."""
+    theirs = _get_gradient_divide_factors(
+        _Group(shard), _Group(replicate) if replicate > 1 else None, dtype, "cpu", factor, force_sum
+    )
+    ours = gradient_divide(
+        dtype, shard * replicate, shard_size=shard, factor=factor, force_sum=force_sum
+    )
+    assert ours[:4] == theirs
+    # ReduceOp.PREMUL_SUM(a) == ReduceOp.PREMUL_SUM(b) for any a, b: compare the scale itself.
+    premul = factor is not None and factor != shard and not force_sum and dtype != torch.float16
+    assert ours.scale == (1 / factor if premul else None)
 
 
 def test_policy_refuses_a_non_float_dtype():
