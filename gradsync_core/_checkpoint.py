@@ -13,13 +13,14 @@ executors; this module holds everything that is plain data.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
 import os
 import re
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
@@ -393,15 +394,44 @@ def read_manifest(directory: str | os.PathLike[str], *, verify_files: bool = Tru
 _VERSION_DIR_RE = re.compile(r".+\.v-[0-9a-f]{16}")
 
 
+def _removed(directory: str | os.PathLike[str]) -> bool:
+    """Whether ``directory`` is a version of a switching save that is gone (a later save
+    removed it: renamed to a ``.tmp-`` name, then deleted)."""
+    name = os.path.basename(os.fspath(directory))
+    return bool(_VERSION_DIR_RE.fullmatch(name)) and not os.path.isdir(directory)
+
+
+def _removed_sentence(directory: str | os.PathLike[str]) -> str:
+    return (
+        f"checkpoint {os.fspath(directory)} was removed by a later save while it was being "
+        "read; load again"
+    )
+
+
 def _refuse_if_removed(directory: str | os.PathLike[str]) -> None:
     """A version directory that vanished while it was read was removed by a later save
     (docs/design.md §9): say so, instead of calling the checkpoint incomplete."""
-    name = os.path.basename(os.fspath(directory))
-    if _VERSION_DIR_RE.fullmatch(name) and not os.path.isdir(directory):
-        raise ValueError(
-            f"checkpoint {os.fspath(directory)} was removed by a later save while it was being "
-            "read; load again"
-        ) from None
+    if _removed(directory):
+        raise ValueError(_removed_sentence(directory)) from None
+
+
+@contextlib.contextmanager
+def reading_version(directory: str | os.PathLike[str]) -> Iterator[None]:
+    """Wrap every read of a resolved version ``directory`` (``resolve_checkpoint``): a failure
+    while a later save removed that version, whatever a reader raised for its vanished files
+    (``FileNotFoundError``, safetensors' ``unable to open file``, a missing manifest), becomes
+    the one documented sentence, ``checkpoint PATH.v-... was removed by a later save while it
+    was being read; load again`` (docs/design.md §9). Any other failure passes unchanged.
+
+    Raises:
+        ValueError: that sentence, with the reader's error as its cause.
+    """
+    try:
+        yield
+    except Exception as err:
+        if _removed(directory):
+            raise ValueError(_removed_sentence(directory)) from err
+        raise
 
 
 def verify_file_hashes(

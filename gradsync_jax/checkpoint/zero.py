@@ -33,6 +33,7 @@ from gradsync_core.checkpoint import (
     counterpart_keys,
     data_extra,
     rank_file,
+    reading_version,
     resolve_checkpoint,
     restore_data,
     run_save,
@@ -340,15 +341,16 @@ def load_optimizer_state(
         >>> opt_state, manifest = load_optimizer_state("ckpt/opt", tx, params)
     """
     directory = resolve_checkpoint(directory)  # one version, even while a save switches it
-    manifest = read_manifest(directory)
     if isinstance(tx, ShardedOptimizer):
         layout: Layout | None = tx.layout(params)
         space = layout.space
     else:  # a plain Optax transformation: its whole state, unsharded
         layout, space = None, model_space(tx, abstract(pure(params)))
     optimizer = optimizer or optimizer_name(space.state_types)
-    names = _check_loadable(directory, manifest, space, optimizer, modules)
-    tensors = assemble(manifest, read_rank_files(directory, manifest))
+    with reading_version(directory):  # a later save that removes it: a sentence, load again
+        manifest = read_manifest(directory)
+        names = _check_loadable(directory, manifest, space, optimizer, modules)
+        tensors = assemble(manifest, read_rank_files(directory, manifest))
     values = _state_values(manifest, space, names, tensors)
     if not allow_nonfinite:
         check_finite(tensors)

@@ -34,6 +34,7 @@ from gradsync_core.checkpoint import (
     error_message,
     model_owners,
     rank_file,
+    reading_version,
     resolve_checkpoint,
     run_save,
     tensor_key,
@@ -337,7 +338,13 @@ def _read_pieces(
 
 
 def _read(path: str, target: LoadTarget, ranks: RankGroup) -> Loaded:
-    """Validate the checkpoint and read this rank's state; touches nothing."""
+    """Validate the checkpoint and read this rank's state; touches nothing. A version a later
+    save removes meanwhile is refused with the sentence of ``reading_version``."""
+    with reading_version(path):
+        return _read_version(path, target, ranks)
+
+
+def _read_version(path: str, target: LoadTarget, ranks: RankGroup) -> Loaded:
     manifest = _check_manifest(path, target)
     reads = _reads(manifest, target)
     # Every file is hashed by some rank (and every file a rank reads, by that rank), so a
