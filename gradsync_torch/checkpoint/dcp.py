@@ -131,12 +131,16 @@ def import_dcp(
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+    from gradsync_torch.checkpoint.dcp_reader import TensorReader, read_dcp_metadata
+
     model = unwrapped(model)
     _check_no_gradients(optimizer)
+    # Before anything else: DCP's own reader unpickles .metadata, which can run code.
+    reader = TensorReader(src, read_dcp_metadata(src))
     model_sd, optim_sd = get_state_dict(model, optimizer)
     tensors = {"model": model_sd, "optim": {"state": optim_sd["state"]}}
     try:
-        dcp.load(tensors, checkpoint_id=os.fspath(src), no_dist=True)
+        dcp.load(tensors, storage_reader=reader, no_dist=True)
     except (Exception, CheckpointException) as err:  # the latter is a BaseException
         # DCP's text is every rank's traceback; its last line is the reason.
         first = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
