@@ -27,6 +27,7 @@ from typing import Any, NoReturn
 from gradsync_core._canonical import fingerprint
 from gradsync_core._data_position import DATA_KEY, check_data_position
 from gradsync_core._files import open_checkpoint_file
+from gradsync_core._safetensors import read_metadata
 from gradsync_core._shards import ShardPlan
 from gradsync_core._specs import ParamSpec, check_unique_names
 
@@ -46,7 +47,7 @@ _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
 
 # Matches every name ``rank_file`` produces (and nothing else a save writes).
-RANK_FILE_RE = re.compile(r"rank-\d{5}-of-\d{5}\.safetensors")
+RANK_FILE_RE = re.compile(r"rank-(\d{5})-of-(\d{5})\.safetensors")
 
 
 def rank_file(rank: int, world_size: int) -> str:
@@ -463,3 +464,40 @@ def verify_file_hashes(
                 f"checkpoint file {file_path} does not match its manifest hash: corrupt or "
                 "from another save"
             )
+        check_rank_file(directory, name)
+
+
+def rank_file_metadata(rank: int, world_size: int) -> dict[str, str]:
+    """What a rank file records about itself in its safetensors metadata (both executors
+    write it; ``check_rank_file`` reads it back)."""
+    return {"rank": str(rank), "world": str(world_size)}
+
+
+def check_rank_file(directory: str | os.PathLike[str], name: str) -> None:
+    """Refuse a rank file whose recorded rank and world size are not those of its name.
+
+    Hashes alone cannot tell two rank files that trade places with the manifest's hashes
+    redone (a copy gone wrong, a "repaired" download): under a flat or dim-0 plan their slices
+    are often equally long, and every rank would silently take another's rows. A rank file
+    records neither only if JAX wrote it before rank files recorded them; it is read as named
+    (docs/design.md §9).
+
+    Raises:
+        ValueError: naming the file, what it records and what to do.
+    """
+    match = RANK_FILE_RE.fullmatch(name)
+    if match is None:
+        raise ValueError(f"checkpoint file {name!r} is not a rank file's name")
+    path = os.path.join(directory, name)
+    metadata = read_metadata(path)
+    recorded = (metadata.get("rank"), metadata.get("world"))
+    if recorded == (None, None):
+        return
+    named = rank_file_metadata(int(match.group(1)), int(match.group(2)))
+    if recorded != (named["rank"], named["world"]):
+        rank, world = (v if isinstance(v, str) and v.isdigit() else repr(v) for v in recorded)
+        raise ValueError(
+            f"checkpoint file {path} records rank {rank} of {world} but is named for rank "
+            f"{named['rank']} of {named['world']}: rank files were swapped or renamed; restore "
+            "them or save again"
+        )

@@ -33,6 +33,7 @@ from gradsync_core.checkpoint import (
     counterpart_keys,
     data_extra,
     rank_file,
+    rank_file_metadata,
     reading_version,
     resolve_checkpoint,
     restore_data,
@@ -156,9 +157,7 @@ def save_rank_files(
 
     def write_files(prepared: _Prepared, staging: str) -> dict[int, str]:
         return {
-            rank: write_rank_file(
-                staging, rank_file(rank, n), save_bytes(prepared.files[rank], metadata=_META)
-            )
+            rank: write_rank_file(staging, rank_file(rank, n), _file_bytes(prepared, rank, n))
             for rank in mine
         }
 
@@ -182,7 +181,10 @@ class _Prepared(NamedTuple):
     manifest: Manifest
 
 
-_META = {"framework": "jax"}
+def _file_bytes(prepared: _Prepared, rank: int, n: int) -> bytes:
+    """Rank ``rank``'s file, recording its rank and world size (checked on every load)."""
+    metadata = {"framework": "jax", **rank_file_metadata(rank, n)}
+    return save_bytes(prepared.files[rank], metadata=metadata)
 
 
 class _ModelSpaceState(NamedTuple):

@@ -34,6 +34,7 @@ from gradsync_core.checkpoint import (
     error_message,
     model_owners,
     rank_file,
+    rank_file_metadata,
     reading_version,
     resolve_checkpoint,
     run_save,
@@ -158,7 +159,7 @@ def _prepare(snapshot: Snapshot, rank: int) -> _Prepared:
 
 
 def _write_files(prepared: _Prepared, staging: str, ranks: RankGroup) -> dict[int, str]:
-    metadata = {"rank": str(ranks.rank), "world": str(ranks.world_size)}
+    metadata = rank_file_metadata(ranks.rank, ranks.world_size)
     data = safetensors.torch.save(prepared.tensors, metadata=metadata)
     name = rank_file(ranks.rank, ranks.world_size)
     return {ranks.rank: write_rank_file(staging, name, data)}
