@@ -273,6 +273,12 @@ def _extra(value: Any, state_keys: Mapping[str, Sequence[str]], world_size: int)
     global_keys = value.get("global_keys", [])
     if not isinstance(global_keys, list) or not all(isinstance(k, str) for k in global_keys):
         _refuse("extra.global_keys", global_keys, "a list of state paths")
+    hyperparams = value.get("hyperparams", {})  # what a JAX save's Optax computes
+    if not isinstance(hyperparams, Mapping):
+        _refuse("extra.hyperparams", hyperparams, "an object of hyper-parameters")
+    for key, hyper in hyperparams.items():
+        if not _is_hyper(hyper):
+            _refuse(f"extra.hyperparams.{key}", hyper, "a number, bool or null; numbers finite")
     if DATA_KEY in value:
         check_data_position(value[DATA_KEY])  # the sampler's cursor (_data_position.py)
     model = value.get("model", {})

@@ -37,6 +37,7 @@ from gradsync_core._checkpoint import (
 )
 from gradsync_core._data_position import data_extra, restore_data
 from gradsync_core._files import open_checkpoint_file
+from gradsync_core._hyperparams import HYPERPARAMETERS, hyperparameter_warning
 from gradsync_core._model_weights import (
     MODEL_PARAM,
     WRAPPER_PREFIX,
@@ -73,6 +74,7 @@ __all__ = [
     "COUNTERPARTS",
     "DIM0",
     "FORMAT_VERSION",
+    "HYPERPARAMETERS",
     "LEGACY_OPTIMIZER_NAMES",
     "MANIFEST",
     "MAX_HEADER_BYTES",
@@ -100,6 +102,7 @@ __all__ = [
     "discard_save",
     "error_message",
     "fsync_directory",
+    "hyperparameter_warning",
     "is_wrapped",
     "model_key",
     "model_owners",
