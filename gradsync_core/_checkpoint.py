@@ -424,11 +424,13 @@ def _refuse_if_removed(directory: str | os.PathLike[str]) -> None:
 
 @contextlib.contextmanager
 def reading_version(directory: str | os.PathLike[str]) -> Iterator[None]:
-    """Wrap every read of a resolved version ``directory`` (``resolve_checkpoint``): a failure
+    """Where a load reads a resolved version: a version removed meanwhile is one sentence.
+
+    Every read of a version ``directory`` (``resolve_checkpoint``) runs inside it. A failure
     while a later save removed that version, whatever a reader raised for its vanished files
     (``FileNotFoundError``, safetensors' ``unable to open file``, a missing manifest), becomes
-    the one documented sentence, ``checkpoint PATH.v-... was removed by a later save while it
-    was being read; load again`` (docs/design.md §9). Any other failure passes unchanged.
+    the documented sentence ``checkpoint PATH.v-... was removed by a later save while it was
+    being read; load again`` (docs/design.md §9). Any other failure passes unchanged.
 
     Raises:
         ValueError: that sentence, with the reader's error as its cause.

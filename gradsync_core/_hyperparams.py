@@ -95,9 +95,10 @@ def hyperparameter_warning(
     *,
     keeps: str,
 ) -> str | None:
-    """The message of a ``HyperparameterWarning`` for loading ``path`` (saved by
-    ``saved_optimizer`` with the param groups ``saved``) into an optimizer whose groups are
-    ``here`` (canonical ``optimizer``); ``None`` when nothing differs. A side with one group
+    """The message of a ``HyperparameterWarning``, or ``None`` when nothing differs.
+
+    For loading ``path`` (saved by ``saved_optimizer`` with the param groups ``saved``) into an
+    optimizer whose groups are ``here`` (canonical ``optimizer``). A side with one group
     (Optax's transformation) is compared with every group of the other.
 
     Args:
