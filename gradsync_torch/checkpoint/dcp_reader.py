@@ -68,6 +68,10 @@ _ALLOWED = {
 READ_PREFIXES = ("model.", "optim.state.")
 
 
+class _Refused(ValueError):
+    """A global outside ``_ALLOWED``: refused before it is resolved."""
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     """``pickle.Unpickler`` that resolves only ``_ALLOWED`` globals and torch dtypes."""
 
@@ -80,7 +84,7 @@ class _MetadataUnpickler(pickle.Unpickler):
             module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
         ):
             return super().find_class(module, name)
-        raise ValueError(
+        raise _Refused(
             f"DCP checkpoint file {self.shown} refers to {module}.{name}, which is not DCP "
             "metadata: gradsync never runs code from a checkpoint; import only DCP checkpoints "
             "written by torch.distributed.checkpoint.save"
@@ -95,8 +99,8 @@ def _unpickle(directory: str, name: str) -> Metadata:
         raise ValueError(f"DCP checkpoint file {shown} is larger than any DCP metadata read here")
     try:
         metadata = _MetadataUnpickler(io.BytesIO(raw), shown).load()
-    except ValueError:
-        raise
+    except _Refused as refused:
+        raise ValueError(str(refused)) from None
     except Exception as e:  # truncated, or a constructor given arguments it refuses
         raise ValueError(f"DCP checkpoint file {shown} is corrupt ({e!r})") from None
     if not isinstance(metadata, Metadata):
