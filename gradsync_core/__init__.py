@@ -22,6 +22,7 @@ from gradsync_core._buckets import (
 )
 from gradsync_core._canonical import PLAN_VERSION, canonical_json, fingerprint
 from gradsync_core._checkpoint import FORMAT_VERSION, Manifest, read_manifest
+from gradsync_core._hyperparams import HyperparameterWarning
 from gradsync_core._memory import (
     OPTIMIZER_STATE_BYTES,
     MemoryEstimate,
@@ -105,6 +106,7 @@ __all__ = [
     "BucketPlan",
     "CheckpointError",
     "DataCursor",
+    "HyperparameterWarning",
     "Manifest",
     "MemoryEstimate",
     "ParamChunk",

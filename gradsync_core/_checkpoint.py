@@ -13,19 +13,21 @@ executors; this module holds everything that is plain data.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
 import os
 import re
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from gradsync_core._canonical import fingerprint
 from gradsync_core._data_position import DATA_KEY, check_data_position
 from gradsync_core._files import open_checkpoint_file
+from gradsync_core._safetensors import read_metadata
 from gradsync_core._shards import ShardPlan
 from gradsync_core._specs import ParamSpec, check_unique_names
 
@@ -45,7 +47,7 @@ _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
 
 # Matches every name ``rank_file`` produces (and nothing else a save writes).
-RANK_FILE_RE = re.compile(r"rank-\d{5}-of-\d{5}\.safetensors")
+RANK_FILE_RE = re.compile(r"rank-(\d{5})-of-(\d{5})\.safetensors")
 
 
 def rank_file(rank: int, world_size: int) -> str:
@@ -271,6 +273,12 @@ def _extra(value: Any, state_keys: Mapping[str, Sequence[str]], world_size: int)
     global_keys = value.get("global_keys", [])
     if not isinstance(global_keys, list) or not all(isinstance(k, str) for k in global_keys):
         _refuse("extra.global_keys", global_keys, "a list of state paths")
+    hyperparams = value.get("hyperparams", {})  # what a JAX save's Optax computes
+    if not isinstance(hyperparams, Mapping):
+        _refuse("extra.hyperparams", hyperparams, "an object of hyper-parameters")
+    for key, hyper in hyperparams.items():
+        if not _is_hyper(hyper):
+            _refuse(f"extra.hyperparams.{key}", hyper, "a number, bool or null; numbers finite")
     if DATA_KEY in value:
         check_data_position(value[DATA_KEY])  # the sampler's cursor (_data_position.py)
     model = value.get("model", {})
@@ -393,15 +401,46 @@ def read_manifest(directory: str | os.PathLike[str], *, verify_files: bool = Tru
 _VERSION_DIR_RE = re.compile(r".+\.v-[0-9a-f]{16}")
 
 
+def _removed(directory: str | os.PathLike[str]) -> bool:
+    """Whether ``directory`` is a version of a switching save that is gone (a later save
+    removed it: renamed to a ``.tmp-`` name, then deleted)."""
+    name = os.path.basename(os.fspath(directory))
+    return bool(_VERSION_DIR_RE.fullmatch(name)) and not os.path.isdir(directory)
+
+
+def _removed_sentence(directory: str | os.PathLike[str]) -> str:
+    return (
+        f"checkpoint {os.fspath(directory)} was removed by a later save while it was being "
+        "read; load again"
+    )
+
+
 def _refuse_if_removed(directory: str | os.PathLike[str]) -> None:
     """A version directory that vanished while it was read was removed by a later save
     (docs/design.md §9): say so, instead of calling the checkpoint incomplete."""
-    name = os.path.basename(os.fspath(directory))
-    if _VERSION_DIR_RE.fullmatch(name) and not os.path.isdir(directory):
-        raise ValueError(
-            f"checkpoint {os.fspath(directory)} was removed by a later save while it was being "
-            "read; load again"
-        ) from None
+    if _removed(directory):
+        raise ValueError(_removed_sentence(directory)) from None
+
+
+@contextlib.contextmanager
+def reading_version(directory: str | os.PathLike[str]) -> Iterator[None]:
+    """Where a load reads a resolved version: a version removed meanwhile is one sentence.
+
+    Every read of a version ``directory`` (``resolve_checkpoint``) runs inside it. A failure
+    while a later save removed that version, whatever a reader raised for its vanished files
+    (``FileNotFoundError``, safetensors' ``unable to open file``, a missing manifest), becomes
+    the documented sentence ``checkpoint PATH.v-... was removed by a later save while it was
+    being read; load again`` (docs/design.md §9). Any other failure passes unchanged.
+
+    Raises:
+        ValueError: that sentence, with the reader's error as its cause.
+    """
+    try:
+        yield
+    except Exception as err:
+        if _removed(directory):
+            raise ValueError(_removed_sentence(directory)) from err
+        raise
 
 
 def verify_file_hashes(
@@ -433,3 +472,40 @@ def verify_file_hashes(
                 f"checkpoint file {file_path} does not match its manifest hash: corrupt or "
                 "from another save"
             )
+        check_rank_file(directory, name)
+
+
+def rank_file_metadata(rank: int, world_size: int) -> dict[str, str]:
+    """What a rank file records about itself in its safetensors metadata (both executors
+    write it; ``check_rank_file`` reads it back)."""
+    return {"rank": str(rank), "world": str(world_size)}
+
+
+def check_rank_file(directory: str | os.PathLike[str], name: str) -> None:
+    """Refuse a rank file whose recorded rank and world size are not those of its name.
+
+    Hashes alone cannot tell two rank files that trade places with the manifest's hashes
+    redone (a copy gone wrong, a "repaired" download): under a flat or dim-0 plan their slices
+    are often equally long, and every rank would silently take another's rows. A rank file
+    records neither only if JAX wrote it before rank files recorded them; it is read as named
+    (docs/design.md §9).
+
+    Raises:
+        ValueError: naming the file, what it records and what to do.
+    """
+    match = RANK_FILE_RE.fullmatch(name)
+    if match is None:
+        raise ValueError(f"checkpoint file {name!r} is not a rank file's name")
+    path = os.path.join(directory, name)
+    metadata = read_metadata(path)
+    recorded = (metadata.get("rank"), metadata.get("world"))
+    if recorded == (None, None):
+        return
+    named = rank_file_metadata(int(match.group(1)), int(match.group(2)))
+    if recorded != (named["rank"], named["world"]):
+        rank, world = (v if isinstance(v, str) and v.isdigit() else repr(v) for v in recorded)
+        raise ValueError(
+            f"checkpoint file {path} records rank {rank} of {world} but is named for rank "
+            f"{named['rank']} of {named['world']}: rank files were swapped or renamed; restore "
+            "them or save again"
+        )

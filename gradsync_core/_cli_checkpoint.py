@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from gradsync_core._atomic import resolve_checkpoint
-from gradsync_core._checkpoint import Manifest, rank_file, read_manifest
+from gradsync_core._checkpoint import Manifest, rank_file, read_manifest, reading_version
 from gradsync_core._cli_interchange import add_interchange_parsers
 from gradsync_core._model_weights import MODEL_PARAM
 from gradsync_core._safetensors import read_header
@@ -107,9 +107,10 @@ def _inspect(args: argparse.Namespace) -> int:
     path = resolve_checkpoint(args.path)  # every file from one version, even mid-save
     if not os.path.isdir(path):
         raise ValueError(f"{path!r} is not a directory; pass a gradsync checkpoint directory")
-    manifest = read_manifest(path)  # checks the manifest's checksum and every file's sha256
     try:
-        info = summary(path, manifest)
+        with reading_version(path):  # a later save that removes it: a sentence, load again
+            manifest = read_manifest(path)  # the manifest's checksum and every file's sha256
+            info = summary(path, manifest)
     except OSError as e:
         raise ValueError(f"cannot read checkpoint {path!r}: {e.strerror}") from None
     print(json.dumps(info, indent=1) if args.json else _text(info))

@@ -29,6 +29,26 @@ def read_header(path: str | os.PathLike[str]) -> tuple[dict[str, Any], int]:
         ValueError: if the file is truncated, its header length exceeds the file or
             ``MAX_HEADER_BYTES``, or the header is not a JSON object.
     """
+    header, start = _read_whole_header(path)
+    header.pop("__metadata__", None)
+    return header, start
+
+
+def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The ``__metadata__`` of a safetensors file's header (``{}`` when it has none): what a
+    gradsync rank file records about itself (``rank``, ``world``, ``framework``).
+
+    Raises:
+        ValueError: as ``read_header``, or if the metadata is not a JSON object.
+    """
+    header, _ = _read_whole_header(path)
+    metadata = header.get("__metadata__", {})
+    if not isinstance(metadata, dict):
+        raise ValueError(f"checkpoint file {os.fspath(path)} has metadata that is not an object")
+    return metadata
+
+
+def _read_whole_header(path: str | os.PathLike[str]) -> tuple[dict[str, Any], int]:
     path = os.fspath(path)
     directory, name = os.path.split(path)
     with open_checkpoint_file(directory or ".", name) as f:
@@ -47,7 +67,6 @@ def read_header(path: str | os.PathLike[str]) -> tuple[dict[str, Any], int]:
             raise ValueError(f"checkpoint file {path} has a corrupt header ({e})") from None
     if not isinstance(header, dict):
         raise ValueError(f"checkpoint file {path} has a header that is not a JSON object")
-    header.pop("__metadata__", None)
     return header, 8 + length
 
 

@@ -28,6 +28,7 @@ from gradsync_core._canonical import PLAN_VERSION, check_header
 
 LAST_BATCH = ("drop", "pad")
 _MAX_SEED = 2**64
+_MAX_EPOCH = 2**64  # the order packs the epoch into 8 bytes (``_Permutation``)
 # Luby-Rackoff: four Feistel rounds of a pseudo-random function give a pseudo-random
 # permutation; BLAKE2b (RFC 7693) is the round function, personalised so the stream is ours.
 _ROUNDS = 4
@@ -103,7 +104,7 @@ class DataCursor:
     shuffle: bool = True
 
     def __post_init__(self) -> None:
-        _check_int("epoch", self.epoch, low=0)
+        _check_int("epoch", self.epoch, low=0, high=_MAX_EPOCH)
         _check_int("consumed", self.consumed, low=0)
         _check_int("seed", self.seed, low=0, high=_MAX_SEED)
         _check_int("dataset_size", self.dataset_size, low=1)
@@ -125,13 +126,28 @@ class DataCursor:
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> DataCursor:
-        """The cursor ``to_json`` wrote; ``ValueError`` for another kind or version."""
+        """The cursor ``to_json`` wrote (a checkpoint's ``extra["data"]``, a sampler's
+        ``state_dict()``).
+
+        Raises:
+            ValueError: another kind or version, a field out of range, or a position past
+                the end of its epoch (``consumed >= dataset_size``), which no sampler saves:
+                ``SamplerPlan.advance`` moves such a position to the next epoch, so a stored
+                one was edited or corrupted, and resuming it would skip the rest of an epoch.
+        """
         check_header(obj, "data_cursor")
         fields = ("epoch", "consumed", "seed", "dataset_size", "shuffle")
         missing = [f for f in fields if f not in obj]
         if missing:
             raise ValueError(f"data_cursor JSON lacks {missing}: write it with to_json()")
-        return cls(**{f: obj[f] for f in fields})
+        cursor = cls(**{f: obj[f] for f in fields})
+        if cursor.consumed >= cursor.dataset_size:
+            raise ValueError(
+                f"data cursor consumed {cursor.consumed} is not below its dataset_size "
+                f"{cursor.dataset_size}: past the end of its epoch, which no sampler saves; "
+                "restore the checkpoint or save again"
+            )
+        return cursor
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -278,7 +294,7 @@ class SamplerPlan:
     def order(self, epoch: int) -> Sequence[int]:
         """Epoch ``epoch``'s order: ``order[position]`` is a sample index (a permutation of
         ``range(dataset_size)``; ``range`` itself when ``shuffle`` is off)."""
-        _check_int("epoch", epoch, low=0)
+        _check_int("epoch", epoch, low=0, high=_MAX_EPOCH)
         if not self.shuffle:
             return range(self.dataset_size)
         return _Permutation(dataset_size=self.dataset_size, seed=self.seed, epoch=epoch)

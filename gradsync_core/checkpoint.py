@@ -24,8 +24,11 @@ from gradsync_core._checkpoint import (
     MAX_MANIFEST_BYTES,
     RANK_FILE_RE,
     Manifest,
+    check_rank_file,
     rank_file,
+    rank_file_metadata,
     read_manifest,
+    reading_version,
     sha256_file,
     tensor_key,
     verify_file_hashes,
@@ -34,6 +37,7 @@ from gradsync_core._checkpoint import (
 )
 from gradsync_core._data_position import data_extra, restore_data
 from gradsync_core._files import open_checkpoint_file
+from gradsync_core._hyperparams import HYPERPARAMETERS, hyperparameter_warning
 from gradsync_core._model_weights import (
     MODEL_PARAM,
     WRAPPER_PREFIX,
@@ -70,6 +74,7 @@ __all__ = [
     "COUNTERPARTS",
     "DIM0",
     "FORMAT_VERSION",
+    "HYPERPARAMETERS",
     "LEGACY_OPTIMIZER_NAMES",
     "MANIFEST",
     "MAX_HEADER_BYTES",
@@ -87,6 +92,7 @@ __all__ = [
     "canonical_optimizer",
     "check_compatible",
     "check_optimizer",
+    "check_rank_file",
     "check_state_keys",
     "check_weight_names",
     "commit_save",
@@ -96,6 +102,7 @@ __all__ = [
     "discard_save",
     "error_message",
     "fsync_directory",
+    "hyperparameter_warning",
     "is_wrapped",
     "model_key",
     "model_owners",
@@ -103,8 +110,10 @@ __all__ = [
     "open_checkpoint_file",
     "plan_dim0_shards",
     "rank_file",
+    "rank_file_metadata",
     "read_header",
     "read_manifest",
+    "reading_version",
     "resolve_checkpoint",
     "restore_data",
     "run_save",

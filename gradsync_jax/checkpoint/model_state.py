@@ -24,6 +24,7 @@ from gradsync_core.checkpoint import (
     model_key,
     model_owners,
     rank_file,
+    reading_version,
     resolve_checkpoint,
     weight_owners,
 )
@@ -98,19 +99,8 @@ def load_params(
         >>> params = load_params("ckpt", variables, modules={"Dense_0": "fc1"})  # doctest: +SKIP
     """
     directory = resolve_checkpoint(directory)  # one version, even while a save switches it
-    manifest = read_manifest(directory)  # hashes every file
-    owners = weight_owners(directory, manifest)
-    stored: dict[str, np.ndarray] = {}
-    for rank in sorted(set(owners.values())):
-        name = rank_file(rank, manifest.world_size)
-        try:
-            tensors = read_safetensors(os.path.join(directory, name))
-        except Exception as err:  # a malformed header or a dtype this reader does not know
-            raise ValueError(f"checkpoint file {name} cannot be read ({err})") from None
-        for param in (p for p, r in owners.items() if r == rank):
-            if model_key(param) not in tensors:
-                raise ValueError(f"checkpoint file {name} lacks the weight of {param!r}")
-            stored[param] = tensors[model_key(param)]
+    with reading_version(directory):  # a later save that removes it: a sentence, load again
+        stored = _stored_weights(directory)
     paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(like)
     names = torch_names(like, modules=modules)
     check_weight_names(stored, names, fix=_names_fix(stored, names))
@@ -121,6 +111,25 @@ def load_params(
         for (path, leaf), name in zip(paths_leaves, names, strict=True)
     ]
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _stored_weights(directory: str) -> dict[str, np.ndarray]:
+    """Every model weight of the checkpoint version ``directory``, by parameter name, every
+    file's hash checked first."""
+    manifest = read_manifest(directory)  # hashes every file
+    owners = weight_owners(directory, manifest)
+    stored: dict[str, np.ndarray] = {}
+    for rank in sorted(set(owners.values())):
+        name = rank_file(rank, manifest.world_size)
+        try:
+            tensors = read_safetensors(os.path.join(directory, name))
+        except Exception as err:  # a malformed header or a dtype this reader does not know
+            raise ValueError(f"checkpoint file {name} cannot be read ({err})") from err
+        for param in (p for p, r in owners.items() if r == rank):
+            if model_key(param) not in tensors:
+                raise ValueError(f"checkpoint file {name} lacks the weight of {param!r}")
+            stored[param] = tensors[model_key(param)]
+    return stored
 
 
 def _names_fix(stored: Mapping[str, Any], names: list[str]) -> str:

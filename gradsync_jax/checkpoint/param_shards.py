@@ -139,7 +139,9 @@ def save_param_shards(
 
     return save_rank_files(
         directory,
-        lambda: _prepare(rows, rows, host_state, None, step, optimizer, layout.modules, model),
+        lambda: _prepare(
+            rows, rows, host_state, None, step, optimizer, layout.modules, model, inner=zero3.tx
+        ),
         mine=mine,
         n=n,
         extra={**position, "param_shard_plan": layout.plan.to_json()},

@@ -16,6 +16,7 @@ own devices' rank files and process 0 the manifest (``gradsync_jax.checkpoint.pr
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, NamedTuple
@@ -25,14 +26,18 @@ import numpy as np
 import optax
 from safetensors.numpy import save as save_bytes
 
-from gradsync_core import Manifest, ParamSpec, read_manifest
+from gradsync_core import HyperparameterWarning, Manifest, ParamSpec, read_manifest
 from gradsync_core.checkpoint import (
     SaveSteps,
+    canonical_optimizer,
     check_compatible,
     check_state_keys,
     counterpart_keys,
     data_extra,
+    hyperparameter_warning,
     rank_file,
+    rank_file_metadata,
+    reading_version,
     resolve_checkpoint,
     restore_data,
     run_save,
@@ -40,6 +45,7 @@ from gradsync_core.checkpoint import (
     write_rank_file,
 )
 from gradsync_jax._naming import from_torch_layout, to_torch_layout, torch_name, torch_plan
+from gradsync_jax.checkpoint.hyperparams import measure_hyperparams
 from gradsync_jax.checkpoint.model_state import weights_by_rank
 from gradsync_jax.checkpoint.optimizers import canonical_key, optimizer_name
 from gradsync_jax.checkpoint.processes import ProcessSaveAgreement, local_ranks, local_view, place
@@ -132,7 +138,9 @@ def save_optimizer_state(
 
     return save_rank_files(
         directory,
-        lambda: _prepare(tx, layout, local, params, step, optimizer, modules, model),
+        lambda: _prepare(
+            tx, layout, local, params, step, optimizer, modules, model, inner=tx.settings.inner
+        ),
         mine=mine,
         n=n,
         extra=position,
@@ -155,9 +163,7 @@ def save_rank_files(
 
     def write_files(prepared: _Prepared, staging: str) -> dict[int, str]:
         return {
-            rank: write_rank_file(
-                staging, rank_file(rank, n), save_bytes(prepared.files[rank], metadata=_META)
-            )
+            rank: write_rank_file(staging, rank_file(rank, n), _file_bytes(prepared, rank, n))
             for rank in mine
         }
 
@@ -181,7 +187,10 @@ class _Prepared(NamedTuple):
     manifest: Manifest
 
 
-_META = {"framework": "jax"}
+def _file_bytes(prepared: _Prepared, rank: int, n: int) -> bytes:
+    """Rank ``rank``'s file, recording its rank and world size (checked on every load)."""
+    metadata = {"framework": "jax", **rank_file_metadata(rank, n)}
+    return save_bytes(prepared.files[rank], metadata=metadata)
 
 
 class _ModelSpaceState(NamedTuple):
@@ -229,9 +238,12 @@ def _prepare(
     optimizer: str | None,
     modules: Mapping[str, str] | None,
     model: Any,
+    *,
+    inner: optax.GradientTransformation,
 ) -> _Prepared:
     """The tensors of every rank file and the manifest without the files' hashes, from the
-    host ``state`` of ``local_view``."""
+    host ``state`` of ``local_view``; ``inner``, the plain Optax transformation, gives the
+    hyper-parameters the manifest records for a torch load to compare."""
     space = layout.space
     specs = _canonical(space, modules)
     plan = torch_plan(tx.plan(params), modules=modules)
@@ -251,9 +263,13 @@ def _prepare(
         weights, owners = weights_by_rank(model, plan, modules=modules)
         for rank, tensors in weights.items():
             files[rank].update(tensors)
+    name = optimizer or optimizer_name(space.state_types)
+    canonical = canonical_optimizer(name)
+    count = next(iter(held.scalars.values()), int(step))
+    hyperparams = None if canonical is None else measure_hyperparams(inner, canonical, count)
     manifest = Manifest(
         framework="jax",
-        optimizer=optimizer or optimizer_name(space.state_types),
+        optimizer=name,
         world_size=tx.world_size,
         step=int(step),
         params=tuple(specs),
@@ -265,6 +281,7 @@ def _prepare(
             "global_keys": held.global_keys,
             "scalars": held.scalars,
             **({"model": owners} if owners is not None else {}),
+            **({"hyperparams": hyperparams} if hyperparams else {}),
         },
     )
     return _Prepared(files, manifest)
@@ -339,19 +356,22 @@ def load_optimizer_state(
     Example:
         >>> opt_state, manifest = load_optimizer_state("ckpt/opt", tx, params)
     """
+    shown = os.fspath(directory)
     directory = resolve_checkpoint(directory)  # one version, even while a save switches it
-    manifest = read_manifest(directory)
     if isinstance(tx, ShardedOptimizer):
         layout: Layout | None = tx.layout(params)
         space = layout.space
     else:  # a plain Optax transformation: its whole state, unsharded
         layout, space = None, model_space(tx, abstract(pure(params)))
     optimizer = optimizer or optimizer_name(space.state_types)
-    names = _check_loadable(directory, manifest, space, optimizer, modules)
-    tensors = assemble(manifest, read_rank_files(directory, manifest))
+    with reading_version(directory):  # a later save that removes it: a sentence, load again
+        manifest = read_manifest(directory)
+        names = _check_loadable(directory, manifest, space, optimizer, modules)
+        tensors = assemble(manifest, read_rank_files(directory, manifest))
     values = _state_values(manifest, space, names, tensors)
     if not allow_nonfinite:
         check_finite(tensors)
+    _warn_hyperparams(shown, manifest, tx, optimizer)
     restore_data(manifest.extra, data, os.fspath(directory))  # the load can no longer fail
     if layout is None:
         return space.state_treedef.unflatten(values), manifest
@@ -361,6 +381,28 @@ def load_optimizer_state(
     else:  # every process read every file; each fills its own devices' shards
         state = place(layout.scatter(values), tx.state_shardings(params))
     return state, manifest
+
+
+def _warn_hyperparams(
+    shown: str, manifest: Manifest, tx: optax.GradientTransformation, optimizer: str
+) -> None:
+    """Warn (``HyperparameterWarning``) naming each hyper-parameter of a torch checkpoint
+    that ``tx``'s Optax transformation does not compute with: it keeps its own."""
+    canonical = canonical_optimizer(optimizer)
+    if manifest.framework != "torch" or manifest.version < 2 or canonical is None:
+        return
+    saved = manifest.extra.get("param_groups", [])
+    inner = tx.settings.inner if isinstance(tx, ShardedOptimizer) else tx
+    eps = saved[0].get("eps", 1e-8) if saved else 1e-8
+    here = measure_hyperparams(inner, canonical, _common_step(manifest) or 0, eps)
+    if here is None:
+        return
+    keeps = "Optax keeps the hyper-parameters in the transformation, which a load cannot change"
+    message = hyperparameter_warning(
+        shown, manifest.optimizer, saved, [here], canonical, keeps=keeps
+    )
+    if message:
+        warnings.warn(message, HyperparameterWarning, stacklevel=3)
 
 
 def _check_loadable(

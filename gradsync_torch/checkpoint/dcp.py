@@ -17,7 +17,9 @@ A fresh optimizer has no state, and ``dcp.load`` fills only the keys of the stat
 given, so loading into ``optimizer.state_dict()`` silently leaves the moments out.
 ``get_state_dict`` creates the state first; ``import_dcp`` and the documented recipe use it,
 and ``import_dcp`` reads only the tensors (never unpickles ``param_groups``: the
-hyper-parameters are the given optimizer's).
+hyper-parameters are the given optimizer's). DCP's own reader unpickles ``.metadata``, which a
+downloaded checkpoint could make run code; ``import_dcp`` reads it through ``dcp_reader``'s
+restricted unpickler instead.
 """
 
 from __future__ import annotations
@@ -122,7 +124,9 @@ def import_dcp(
     keeps ``param_groups`` pickled and gradsync never unpickles.
 
     Raises:
-        ValueError: one sentence, if ``src`` lacks a tensor the model or optimizer has.
+        ValueError: one sentence, if ``src`` lacks a tensor the model or optimizer has, or
+            its ``.metadata`` names anything but DCP's metadata classes, or it stores a
+            tensor this reads as pickled bytes (nothing of it is run: ``dcp_reader``).
 
     Example:
         >>> import_dcp("ckpt_dcp", "ckpt", net, opt)  # doctest: +SKIP
@@ -131,12 +135,16 @@ def import_dcp(
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+    from gradsync_torch.checkpoint.dcp_reader import TensorReader, read_dcp_metadata
+
     model = unwrapped(model)
     _check_no_gradients(optimizer)
+    # Before anything else: DCP's own reader unpickles .metadata, which can run code.
+    reader = TensorReader(src, read_dcp_metadata(src))
     model_sd, optim_sd = get_state_dict(model, optimizer)
     tensors = {"model": model_sd, "optim": {"state": optim_sd["state"]}}
     try:
-        dcp.load(tensors, checkpoint_id=os.fspath(src), no_dist=True)
+        dcp.load(tensors, storage_reader=reader, no_dist=True)
     except (Exception, CheckpointException) as err:  # the latter is a BaseException
         # DCP's text is every rank's traceback; its last line is the reason.
         first = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__

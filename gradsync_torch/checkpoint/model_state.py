@@ -26,6 +26,7 @@ from gradsync_core.checkpoint import (
     check_weight_names,
     model_key,
     rank_file,
+    reading_version,
     resolve_checkpoint,
     weight_owners,
 )
@@ -64,10 +65,8 @@ def read_weights(path: str | os.PathLike[str], manifest: Manifest) -> dict[str, 
         file = os.path.join(path, rank_file(rank, manifest.world_size))
         try:
             handle = safe_open(file, framework="pt")
-        except OSError as e:  # e.g. a save removed this version while it was read
-            raise ValueError(
-                f"checkpoint file {file} cannot be read ({e.strerror or e}); load again"
-            ) from None
+        except OSError as e:  # a removed version is named by the caller's reading_version
+            raise ValueError(f"checkpoint file {file} cannot be read ({e.strerror or e})") from e
         with handle:
             stored = set(handle.keys())
             for name in sorted(n for n, r in owners.items() if r == rank):
@@ -163,8 +162,9 @@ def load_model_weights(
     """
     module = unwrapped(module)  # a wrapper's weights are its model's: never "module." names
     path = resolve_checkpoint(path)  # one version, even while a save switches it
-    manifest = read_manifest(path)  # hashes every file
-    weights = read_weights(path, manifest)
+    with reading_version(path):  # a later save that removes it: a sentence, load again
+        manifest = read_manifest(path)  # hashes every file
+        weights = read_weights(path, manifest)
     check_weights(weights, module, cast=cast)
     check_finite_weights(weights, ValuePolicy(allow_nonfinite=allow_nonfinite))
     copy_weights(module, weights)

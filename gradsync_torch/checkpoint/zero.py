@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import warnings
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -26,14 +27,25 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from gradsync_core import Manifest, ParamSpec, Shard, ShardPlan, read_manifest
+from gradsync_core import (
+    HyperparameterWarning,
+    Manifest,
+    ParamSpec,
+    Shard,
+    ShardPlan,
+    read_manifest,
+)
 from gradsync_core.checkpoint import (
     MANIFEST,
     SaveSteps,
+    canonical_optimizer,
     check_compatible,
     error_message,
+    hyperparameter_warning,
     model_owners,
     rank_file,
+    rank_file_metadata,
+    reading_version,
     resolve_checkpoint,
     run_save,
     tensor_key,
@@ -106,6 +118,9 @@ class Loaded(NamedTuple):
     param_groups: list[dict[str, Any]]  # saved hyper-parameters with the current params
     model: dict[str, torch.Tensor] | None = None  # checked weights for ``LoadTarget.model``
     extra: dict[str, Any] | None = None  # the manifest's extra (its data position)
+    # A checkpoint of the other framework saved with other hyper-parameters than the groups
+    # kept here: the ``HyperparameterWarning`` given once the load is agreed.
+    hyper_warning: str | None = None
 
 
 class _Prepared(NamedTuple):
@@ -157,7 +172,7 @@ def _prepare(snapshot: Snapshot, rank: int) -> _Prepared:
 
 
 def _write_files(prepared: _Prepared, staging: str, ranks: RankGroup) -> dict[int, str]:
-    metadata = {"rank": str(ranks.rank), "world": str(ranks.world_size)}
+    metadata = rank_file_metadata(ranks.rank, ranks.world_size)
     data = safetensors.torch.save(prepared.tensors, metadata=metadata)
     name = rank_file(ranks.rank, ranks.world_size)
     return {ranks.rank: write_rank_file(staging, name, data)}
@@ -336,8 +351,15 @@ def _read_pieces(
     return pieces
 
 
-def _read(path: str, target: LoadTarget, ranks: RankGroup) -> Loaded:
-    """Validate the checkpoint and read this rank's state; touches nothing."""
+def _read(path: str, target: LoadTarget, ranks: RankGroup, shown: str) -> Loaded:
+    """Validate the checkpoint version ``path`` (``shown``: the path the user gave) and read
+    this rank's state; touches nothing. A version a later save removes meanwhile is refused
+    with the sentence of ``reading_version``."""
+    with reading_version(path):
+        return _read_version(path, target, ranks, shown)
+
+
+def _read_version(path: str, target: LoadTarget, ranks: RankGroup, shown: str) -> Loaded:
     manifest = _check_manifest(path, target)
     reads = _reads(manifest, target)
     # Every file is hashed by some rank (and every file a rank reads, by that rank), so a
@@ -360,13 +382,29 @@ def _read(path: str, target: LoadTarget, ranks: RankGroup) -> Loaded:
         check_finite_weights(weights, target.policy)
     if manifest.framework != "torch":
         groups = [dict(g) for g in target.param_groups]
-        return Loaded(manifest.step, full, groups, weights, dict(manifest.extra))
+        hyper = _hyper_warning(shown, manifest, target)
+        return Loaded(manifest.step, full, groups, weights, dict(manifest.extra), hyper)
     groups = []
     saved_groups = manifest.extra.get("param_groups", [])
     for saved, current in zip(saved_groups, target.param_groups, strict=True):
         hyper = {k: from_json(v, current.get(k)) for k, v in saved.items() if k != "params"}
         groups.append({**hyper, "params": current["params"]})
     return Loaded(manifest.step, full, groups, weights, dict(manifest.extra))
+
+
+def _hyper_warning(shown: str, manifest: Manifest, target: LoadTarget) -> str | None:
+    """What the JAX checkpoint's Optax computed with (``extra["hyperparams"]``) that the
+    param groups kept here do not, as a ``HyperparameterWarning``; ``None`` if nothing."""
+    canonical = canonical_optimizer(manifest.optimizer)
+    saved = manifest.extra.get("hyperparams")
+    if canonical is None or not isinstance(saved, dict):
+        return None
+    here = [
+        {k: v.item() if torch.is_tensor(v) else v for k, v in g.items() if k != "params"}
+        for g in target.param_groups
+    ]
+    keeps = "a JAX checkpoint has no param groups to restore"
+    return hyperparameter_warning(shown, manifest.optimizer, [saved], here, canonical, keeps=keeps)
 
 
 def load(path: str | os.PathLike[str], target: LoadTarget, ranks: RankGroup) -> Loaded:
@@ -383,9 +421,11 @@ def load(path: str | os.PathLike[str], target: LoadTarget, ranks: RankGroup) -> 
     version = agreement.share_token(resolve_checkpoint(path) if agreement.leader else None)
     error: str | None = None
     try:
-        loaded = _read(version, target, ranks)
+        loaded = _read(version, target, ranks, os.fspath(path))
     except Exception as e:  # any failure must reach the other ranks, or they would load
         error = error_message(e)
     what = f"cannot load optimizer checkpoint {os.fspath(path)}"
     agreement.all_ok(error, what)
+    if loaded.hyper_warning:  # agreed: every rank loads, and says so
+        warnings.warn(loaded.hyper_warning, HyperparameterWarning, stacklevel=3)
     return loaded

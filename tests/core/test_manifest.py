@@ -4,10 +4,11 @@ import copy
 import hashlib
 import json
 import os
+import struct
 
 import pytest
 
-from gradsync_core import Manifest, ParamSpec, plan_greedy_shards, read_manifest
+from gradsync_core import DataCursor, Manifest, ParamSpec, plan_greedy_shards, read_manifest
 from gradsync_core._checkpoint import manifest_checksum
 from gradsync_core.checkpoint import MANIFEST, rank_file, write_manifest
 
@@ -23,7 +24,9 @@ def _manifest(directory) -> Manifest:
     """A two-rank torch-style manifest whose rank files exist in ``directory``."""
     files = {}
     for rank in range(2):
-        data = f"rank {rank}".encode()
+        # A safetensors file of no tensors, recording its rank as every gradsync rank file does.
+        header = json.dumps({"__metadata__": {"rank": str(rank), "world": "2"}}).encode()
+        data = struct.pack("<Q", len(header)) + header
         with open(os.path.join(directory, rank_file(rank, 2)), "wb") as f:
             f.write(data)
         files[rank_file(rank, 2)] = hashlib.sha256(data).hexdigest()
@@ -126,6 +129,11 @@ def _drop(path: str):
     return apply
 
 
+def _cursor(**fields):
+    """A data cursor's JSON (a dataset of 40 samples) with ``fields`` replaced."""
+    return DataCursor(epoch=1, consumed=16, seed=3, dataset_size=40).to_json() | fields
+
+
 FAULTS = [
     ("framework", _set("framework", "tensorflow"), "'framework' is 'tensorflow', expected one"),
     ("optimizer-number", _set("optimizer", 3), "'optimizer' is 3, expected a class name"),
@@ -167,6 +175,11 @@ FAULTS = [
     ("shard-gradients", _set("extra|shard_gradients", "yes"), "expected true or false"),
     ("partition", _set("extra|partition", 2), "'extra.partition' is 2"),
     ("global-keys", _set("extra|global_keys", "count"), "'extra.global_keys' is 'count'"),
+    ("data-negative", _set("extra|data", _cursor(consumed=-1)), "consumed must be >= 0"),
+    # Issue 33, item 6: past its dataset, a cursor loaded and then skipped the rest of the
+    # epoch; at epoch 2**64 the first batch died in struct.pack.
+    ("data-past-end", _set("extra|data", _cursor(consumed=40)), "consumed 40 is not below"),
+    ("data-epoch", _set("extra|data", _cursor(epoch=2**64)), "in [0, 18446744073709551616)"),
 ]
 
 

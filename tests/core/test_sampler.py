@@ -149,6 +149,19 @@ def test_cursor_json_is_checked():
         DataCursor.from_json({**obj, "version": 99})
     with pytest.raises(ValueError, match=r"lacks \['consumed'\]"):
         DataCursor.from_json({k: v for k, v in obj.items() if k != "consumed"})
+    with pytest.raises(ValueError, match="consumed must be >= 0"):
+        DataCursor.from_json({**obj, "consumed": -1})
+    # Issue 33, item 6: refused like a negative one. Past its dataset, a stored cursor was
+    # taken and resumed at the next epoch (the rest of this one skipped); no sampler writes
+    # one (``advance`` keeps consumed below the size). At epoch 2**64 the order's
+    # struct.pack failed at the first batch.
+    with pytest.raises(ValueError, match="consumed 40 is not below its dataset_size 40"):
+        DataCursor.from_json({**obj, "consumed": 40})
+    with pytest.raises(ValueError, match=r"epoch must be in \[0, 18446744073709551616\)"):
+        DataCursor.from_json({**obj, "epoch": 2**64})
+    plan = SamplerPlan(dataset_size=40, global_batch_size=8, seed=5, shuffle=False)
+    last = plan.advance(plan.start(2), plan.steps_per_epoch - 1)  # the furthest a save can be
+    assert last.consumed == 32 and DataCursor.from_json(last.to_json()) == last
 
 
 plans = st.builds(
@@ -245,6 +258,7 @@ def test_a_new_global_batch_continues_at_the_same_sample(plan, steps, new_batch)
     shuffle=st.booleans(),
 )
 def test_cursor_json_round_trip_is_identity(epoch, consumed, seed, size, shuffle):
+    consumed %= size  # a stored cursor is inside its epoch (``from_json`` refuses others)
     cursor = DataCursor(
         epoch=epoch, consumed=consumed, seed=seed, dataset_size=size, shuffle=shuffle
     )

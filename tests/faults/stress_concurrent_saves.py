@@ -86,8 +86,7 @@ def _load_once(path: str, tx: Any, params: Any, which: int) -> str:
         state, manifest = load_optimizer_state(path, tx, params)
     except ValueError as err:
         # The version being read was removed by a save: a sentence, load again.
-        message = str(err)
-        if "load again" in message or ("cannot be read" in message and "No such" in message):
+        if str(err).endswith("was removed by a later save while it was being read; load again"):
             return "retried"
         raise
     values = _one_value(jax.tree.leaves(state))

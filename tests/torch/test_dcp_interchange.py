@@ -9,6 +9,8 @@ exports as the state a first step creates (a plain ``dcp.load`` into a fresh Ada
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -165,3 +167,94 @@ def test_import_refuses_an_optimizer_that_would_load_no_state(tmp_path) -> None:
     opt.zero_grad(set_to_none=True)
     import_dcp(tmp_path / "dcp", tmp_path / "x", model, opt)
     assert_same(trained, (model, opt))
+
+
+class _Marker:
+    """A pickle that, unpickled, creates the file ``path``: what a downloaded DCP checkpoint
+    could run instead (issue 33, item 1)."""
+
+    def __init__(self, path) -> None:
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def _forge_metadata(directory, edit) -> None:
+    """Rewrite ``directory/.metadata`` (a DCP checkpoint's pickled ``Metadata``) as ``edit``
+    returns it, read here with plain pickle from a file this test wrote."""
+    import pickle
+
+    path = directory / ".metadata"
+    path.write_bytes(pickle.dumps(edit(pickle.loads(path.read_bytes()))))
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """A DCP checkpoint ``export_dcp`` wrote, to forge copies of."""
+    tmp = tmp_path_factory.mktemp("dcp")
+    trained = make()
+    train(*trained, steps=1)
+    save_plain(tmp / "src", *trained)
+    export_dcp(tmp / "src", tmp / "dcp", *make())
+    return tmp / "dcp"
+
+
+def _copy(exported, tmp_path):
+    import shutil
+
+    return shutil.copytree(exported, tmp_path / "forged")
+
+
+def test_import_never_runs_code_from_the_metadata(exported, tmp_path, capsys) -> None:
+    from gradsync_core._cli import main
+
+    forged, marker = _copy(exported, tmp_path), tmp_path / "ran"
+    _forge_metadata(forged, lambda metadata: [metadata, _Marker(marker)])
+    model, opt = make()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError) as refused:
+        import_dcp(forged, tmp_path / "x", model, opt)
+    assert not marker.exists(), "importing a DCP checkpoint ran code from its .metadata"
+    assert re.search(
+        r"\.metadata refers to \w+\.open, which is not DCP metadata", str(refused.value)
+    )
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+    assert not (tmp_path / "x").exists()
+
+    (tmp_path / "build.py").write_text(BUILD)  # the command: exit 2, one line, nothing run
+    build = f"{tmp_path / 'build.py'}:build"
+    args = ["checkpoint", "import", "--from", "dcp", str(forged), str(tmp_path / "y")]
+    assert main([*args, "--model", build]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not DCP metadata" in err, err
+    assert not marker.exists()
+
+
+def test_import_never_unpickles_a_tensor(exported, tmp_path) -> None:
+    # Metadata of DCP's own classes only, which says a weight is pickled bytes
+    # (BytesStorageMetadata, what DCP uses for param_groups): DCP would read those bytes with
+    # torch.load(weights_only=False). The import reads tensors only, so it refuses first.
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    forged, marker = _copy(exported, tmp_path), tmp_path / "ran"
+    import pickle
+
+    payload = pickle.dumps(_Marker(marker))
+    (forged / "evil.distcp").write_bytes(payload)
+
+    def as_bytes(metadata):
+        metadata.state_dict_metadata["model.embed.weight"] = BytesStorageMetadata()
+        metadata.storage_data[MetadataIndex("model.embed.weight")] = _StorageInfo(
+            relative_path="evil.distcp", offset=0, length=len(payload)
+        )
+        return metadata
+
+    _forge_metadata(forged, as_bytes)
+    model, opt = make()
+    with pytest.raises(ValueError) as refused:
+        import_dcp(forged, tmp_path / "x", model, opt)
+    assert not marker.exists(), "importing a DCP checkpoint unpickled a stored object"
+    assert re.search(r"'model\.embed\.weight' .* pickled", str(refused.value))
+    import_dcp(exported, tmp_path / "x", model, opt)  # the real one imports
