@@ -5,6 +5,7 @@ loop (``os._exit``) while rank 0 trains on."""
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -22,11 +23,17 @@ def _ended(e: RuntimeError) -> tuple[str, str]:
     return str(e), str(cause).strip().splitlines()[0]
 
 
-def extra_sync(rank: int, ws: int, after: str, buffers: bool = False) -> tuple[str, str]:
+def extra_sync(
+    rank: int, ws: int, after: str, buffers: bool = False, linger_s: float = 0.0
+) -> tuple[str, str]:
     """Returns the error this rank ended with and the backend's first line under it (one error
     per rank is expected). ``buffers``: the model
     has a buffer (a causal mask, BatchNorm statistics), so each training forward after a synced
-    one starts with DataParallel's buffer broadcast, the extra step's first collective."""
+    one starts with DataParallel's buffer broadcast, the extra step's first collective.
+    ``linger_s``: how long the rank that stopped early keeps its process (and so its
+    connections) alive after its own error, so the other rank's wait ends in its own timeout
+    rather than in the closed connection of a process that exited first (which a loaded
+    machine's scheduling can otherwise produce)."""
     net = mlp(seed=0)
     if buffers:
         net.register_buffer("mask", torch.ones(3))
@@ -41,6 +48,8 @@ def extra_sync(rank: int, ws: int, after: str, buffers: bool = False) -> tuple[s
         else:
             dist.all_reduce(torch.zeros(3))
     except RuntimeError as e:
+        if rank == 0:
+            time.sleep(linger_s)
         return _ended(e)
     return "no error", ""
 

@@ -19,7 +19,7 @@ PG_TIMEOUT_S = 5.0
 def test_extra_sync_names_the_cause(buffers: bool) -> None:
     start = time.monotonic()
     short, extra = run_workers_outcomes(
-        extra_sync, 2, "barrier", buffers, timeout=90, pg_timeout_s=PG_TIMEOUT_S
+        extra_sync, 2, "barrier", buffers, PG_TIMEOUT_S + 2, timeout=90, pg_timeout_s=PG_TIMEOUT_S
     )
     assert time.monotonic() - start < 90
     assert extra.exitcode == 0 and extra.error is None, extra
