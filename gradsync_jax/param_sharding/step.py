@@ -15,6 +15,7 @@ kept from its first use to the backward.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
@@ -28,12 +29,15 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from gradsync_jax._axes import AxisName, axis_tuple, psum_mean
+from gradsync_jax._compile_log import CompileLog
 from gradsync_jax.data_parallel.accumulate import split_microbatches
 from gradsync_jax.param_sharding.gather import Gatherer, Precision
 from gradsync_jax.param_sharding.layout import ParamLayout
 from gradsync_jax.param_sharding.order import call_gathering_on_first_read
 from gradsync_jax.param_sharding.placement import axis_size, check_mesh, flat_leaves
 from gradsync_jax.param_sharding.update import RowsUpdate, rows_tree
+
+_LOG = logging.getLogger(__name__)
 
 
 def _split(tree: Any, layout: ParamLayout) -> tuple[Any, Any]:
@@ -193,8 +197,12 @@ class Zero3Step:
             out_specs=(spec, self.state_specs, P()),
         )
         explicit = all(t == AxisType.Explicit for t in mesh.axis_types)
+        self._step_log = CompileLog(_LOG, "zero3_step")
+        self._init_log = CompileLog(_LOG, "zero3_step's optimizer init")
+        whole = [jax.ShapeDtypeStruct(leaf.shape, np.dtype(leaf.dtype)) for leaf in layout.leaves]
 
         def step(params: Any, opt_state: Any, batch: Any) -> Any:
+            self._step_log.tracing(whole)  # the parameters' shapes, not the padded chunks
             if explicit:  # Explicit axes: shard_map inputs must already carry its in_specs
                 batch = jax.reshard(batch, NamedSharding(mesh, batch_spec))
             trainable, frozen = _split(params, layout)
@@ -207,7 +215,12 @@ class Zero3Step:
         init = jax.shard_map(
             lambda t: update.init(t, axes), mesh=mesh, in_specs=(spec,), out_specs=self.state_specs
         )
-        self._init = jax.jit(lambda params: init(_split(params, layout)[0]))
+
+        def init_state(params: Any) -> Any:
+            self._init_log.tracing(whole)
+            return init(_split(params, layout)[0])
+
+        self._init = jax.jit(init_state)
 
     def check_batch(self, batch: Any) -> None:
         """Refuse a batch whose leading dimension does not split over devices and micro-steps."""
@@ -223,11 +236,11 @@ class Zero3Step:
 
     def init(self, params: Any) -> Any:
         """The optimizer state of the sharded ``params``: each device its chunks' state."""
-        return self._init(params)
+        return self._init_log.call(self._init, params)
 
     def __call__(self, params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, jax.Array]:
         self.check_batch(batch)
-        return self._step(params, opt_state, batch)
+        return self._step_log.call(self._step, params, opt_state, batch)
 
     def lower(self, params: Any, opt_state: Any, batch: Any) -> Any:
         """The jitted step lowered for these arguments (``.as_text()``, ``.compile()``)."""
