@@ -104,6 +104,9 @@ def data_parallel_step(
     Returns:
         ``step``; ``batch`` is a pytree whose leaves share a leading dimension divisible by
         ``dp_size * accumulate_steps``; ``loss`` is the mean over the global batch.
+        Parameters or state not yet on the mesh (host or one-device arrays, as
+        ``model.init`` and ``tx.init`` make them) are placed as the step returns them, so
+        a loop compiles once; each compilation logs at INFO (``logging``, silent by default).
 
     Raises:
         ValueError: if ``axis_name`` is not a mesh axis, ``batch_spec`` does not start with

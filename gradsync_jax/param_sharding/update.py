@@ -132,7 +132,13 @@ class RowsUpdate:
             return self.tx.update(grads, state, params)
         return self._run(self.tx.update, (grads, state, params), self.roles, axes)
 
-    def _run(self, fn: Callable[..., Any], args: tuple[Any, ...], roles: list[Role], axes):
+    def _run(
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        roles: list[Role],
+        axes: tuple[str, ...],
+    ) -> Any:
         """``fn(*args)`` traced here, its totals found again and completed (module doc)."""
         leaves, treedef = jax.tree.flatten(args)
 
@@ -230,13 +236,13 @@ class _Run:
 
     def total(self, eqn: Any, operand: Any, deps: frozenset[int]) -> _Total:
         """This device's part of the reduction, its padding masked; all-reduced on read."""
-        rows = {self.geometry[t] for t in deps}
+        rows = {self.geometry[t] for t in deps}  # one: RowsUpdate checked it
         size = int(np.prod(np.shape(operand), dtype=np.int64))
-        (geometry,) = rows  # equal for every tensor it reads (RowsUpdate checked)
-        if size != geometry.chunk_rows * geometry.row_numel:
+        geometry = next(iter(rows))
+        if len(rows) != 1 or size != geometry.chunk_rows * geometry.row_numel:
             raise ValueError(
                 "gradsync internal error: a whole-tensor reduction of the optimizer has "
-                f"{size} elements on a device, its parameter's rows {geometry}"
+                f"{size} elements on a device and reads parameters cut as {sorted(map(str, rows))}"
             )
         name = eqn.primitive.name
         n = lax.axis_size(self.axes)
