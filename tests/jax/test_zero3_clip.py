@@ -99,14 +99,14 @@ def reference(problem: str, clip: str) -> tuple[Any, Any, float]:
     eighth of the first gradient's norm, and the clip active at every step."""
     params, loss_fn, batch, _ = PROBLEMS[problem]()
     grad_fn = jax.jit(jax.grad(loss_fn), compiler_options=FAST_COMPILE)
-    max_norm = float(optax.global_norm(grad_fn(params, batch))) / 8
+    max_norm = float(optax.tree.norm(grad_fn(params, batch))) / 8
     tx = optax.chain(CLIPS[clip](max_norm), optax.adam(1e-2))
 
     @jax.jit(compiler_options=FAST_COMPILE)
     def step(params: Any, state: Any) -> tuple[Any, Any, jax.Array]:
         grads = jax.grad(loss_fn)(params, batch)
         updates, state = tx.update(grads, state, params)
-        return optax.apply_updates(params, updates), state, optax.global_norm(grads)
+        return optax.apply_updates(params, updates), state, optax.tree.norm(grads)
 
     state = tx.init(params)
     for _ in range(STEPS):
