@@ -11,6 +11,7 @@ gradient is refused by the sync, and a second bucketed pass only costs time).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +23,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from gradsync_jax._axes import AxisName, axis_tuple, display_axis, spec_entry_axes
+from gradsync_jax._compile_log import CompileLog
 from gradsync_jax.data_parallel.accumulate import accumulate_local_grads
 from gradsync_jax.data_parallel.synced import SyncedState
 from gradsync_jax.shared_reductions import check_plan_mesh, make_shared_local
@@ -29,6 +31,7 @@ from gradsync_jax.zero.layout import ZeroState
 from gradsync_jax.zero.transform import ShardedOptimizer
 
 StepFn = Callable[[Any, Any, Any], tuple[Any, Any, jax.Array]]
+_LOG = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -101,6 +104,9 @@ def data_parallel_step(
     Returns:
         ``step``; ``batch`` is a pytree whose leaves share a leading dimension divisible by
         ``dp_size * accumulate_steps``; ``loss`` is the mean over the global batch.
+        Parameters or state not yet on the mesh (host or one-device arrays, as
+        ``model.init`` and ``tx.init`` make them) are placed as the step returns them, so
+        a loop compiles once; each compilation logs at INFO (``logging``, silent by default).
 
     Raises:
         ValueError: if ``axis_name`` is not a mesh axis, ``batch_spec`` does not start with
@@ -146,13 +152,26 @@ def data_parallel_step(
         derive_state_specs=param_specs is not None,
         default_sync=SyncedState(axis_name=axis_name),
     )
-    mapped = _mapped_step(parts)
+    compile_log = CompileLog(_LOG, "data_parallel_step")
+    mapped = _mapped_step(parts, compile_log)
 
     def step(params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, jax.Array]:
         parts.check_batch(batch)
-        return mapped(params, opt_state, batch)
+        if _unplaced((params, opt_state)):
+            # jit compiles once per input sharding: host or one-device inputs (the first
+            # step after model.init and tx.init) are placed as the step returns them, so
+            # the first step and the rest share one compilation.
+            params, opt_state = parts.place(params, opt_state)
+        return compile_log.call(mapped, params, opt_state, batch)
 
     return step
+
+
+def _unplaced(tree: Any) -> bool:
+    """Whether a leaf of ``tree`` is not placed on a mesh (NumPy, one device)."""
+    return any(
+        not isinstance(getattr(x, "sharding", None), NamedSharding) for x in jax.tree.leaves(tree)
+    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -178,6 +197,23 @@ class _Step:
                     f"multiple of dp size {self.placement.dp_size} x accumulate_steps "
                     f"{self.accumulate_steps} = {multiple}"
                 )
+
+    def state_specs(self, params: Any, opt_state: Any) -> Any:
+        """The optimizer state's ``PartitionSpec``s (a prefix of its tree)."""
+        if isinstance(self.tx, ShardedOptimizer):
+            return self.tx.state_specs(params)
+        if self.derive_state_specs:
+            return _state_specs(self.tx, opt_state, self.placement.param_specs)
+        return P()
+
+    def place(self, params: Any, opt_state: Any) -> tuple[Any, Any]:
+        """``params`` and ``opt_state`` on the mesh with the shardings the step returns."""
+        to_sharding = lambda spec: NamedSharding(self.mesh, spec)  # noqa: E731
+        is_spec = lambda x: isinstance(x, P)  # noqa: E731
+        param_shardings = jax.tree.map(to_sharding, self.placement.param_specs, is_leaf=is_spec)
+        specs = self.state_specs(params, opt_state)
+        state_shardings = jax.tree.map(to_sharding, specs, is_leaf=is_spec)
+        return jax.device_put(params, param_shardings), jax.device_put(opt_state, state_shardings)
 
     def sync_of(self, opt_state: Any) -> _Sync:
         """The one sync ``tx`` holds (found in its state), or the default ``synced``."""
@@ -305,23 +341,19 @@ def _check_sharded_optimizer(
         )
 
 
-def _mapped_step(parts: _Step) -> StepFn:
+def _mapped_step(parts: _Step, compile_log: CompileLog) -> StepFn:
     """The local step in one ``shard_map`` over the mesh, jitted. The sync is found in the
     optimizer state while tracing: jit traces once per state structure, so a call costs
     nothing beyond jit's own dispatch."""
-    tx, mesh, placement = parts.tx, parts.mesh, parts.placement
+    mesh, placement = parts.mesh, parts.placement
     explicit = all(t == AxisType.Explicit for t in mesh.axis_types)
     specs = placement.param_specs
 
     @jax.jit
     def mapped(params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, jax.Array]:
+        compile_log.tracing(params)
         local_step = parts.local_step(parts.sync_of(opt_state))
-        if isinstance(tx, ShardedOptimizer):
-            state_specs = tx.state_specs(params)
-        elif parts.derive_state_specs:
-            state_specs = _state_specs(tx, opt_state, specs)
-        else:
-            state_specs = P()
+        state_specs = parts.state_specs(params, opt_state)
         if explicit:  # Explicit axes: shard_map inputs must already carry its in_specs
             to_sharding = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
             params = jax.reshard(params, jax.tree.map(to_sharding, specs))

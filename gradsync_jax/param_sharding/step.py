@@ -3,9 +3,11 @@
 Each step runs in one ``jax.shard_map`` over the data-parallel axis: each parameter is
 gathered where the loss first computes with it (``call_gathering_on_first_read``, order.py),
 the backward reduce-scatters its gradient to the devices' chunks, and the Optax
-transformation runs on the chunks, so its state is 1/N too. That is exact only for an update
-that treats every element on its own (SGD, Adam, AdamW, Lion, ...): the same condition as
-``shard_optimizer(partition="flat")``, whose analysis decides it here. With
+transformation runs on the chunks, so its state is 1/N too. That is exact for an update made
+of elementwise steps (SGD, Adam, AdamW, Lion, ...) and whole-tensor reductions, which
+``RowsUpdate`` completes across the devices (global-norm clipping in either spelling, LAMB's
+and LARS's trust ratios, ``apply_if_finite``; update.py); the jaxpr analysis of
+``shard_optimizer`` proves it or the step is refused. With
 ``reshard_after_forward`` a gathered parameter is dropped after the equation that uses it and
 gathered again for that equation's backward, as FSDP2's default; without it each unit is
 kept from its first use to the backward.
@@ -13,6 +15,7 @@ kept from its first use to the backward.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
@@ -26,12 +29,15 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from gradsync_jax._axes import AxisName, axis_tuple, psum_mean
+from gradsync_jax._compile_log import CompileLog
 from gradsync_jax.data_parallel.accumulate import split_microbatches
 from gradsync_jax.param_sharding.gather import Gatherer, Precision
 from gradsync_jax.param_sharding.layout import ParamLayout
 from gradsync_jax.param_sharding.order import call_gathering_on_first_read
 from gradsync_jax.param_sharding.placement import axis_size, check_mesh, flat_leaves
-from gradsync_jax.zero import NotElementwiseError, shard_optimizer
+from gradsync_jax.param_sharding.update import RowsUpdate, rows_tree
+
+_LOG = logging.getLogger(__name__)
 
 
 def _split(tree: Any, layout: ParamLayout) -> tuple[Any, Any]:
@@ -53,45 +59,22 @@ def _join(trainable: Any, frozen: Any, layout: ParamLayout) -> Any:
     )
 
 
-def _abstract(layout: ParamLayout, rows: Callable[[int], int]) -> Any:
-    """The trainable tree as ShapeDtypeStructs with ``rows(padded_rows)`` rows."""
-    leaves = [
-        jax.ShapeDtypeStruct((rows(leaf.padded_rows), *leaf.torch_shape[1:]), np.dtype(leaf.dtype))
-        if leaf.trainable
-        else None
-        for leaf in layout.leaves
-    ]
-    return jax.tree_util.tree_unflatten(layout.treedef, leaves)
-
-
-def _check_elementwise(tx: Any, mesh: Mesh, axis_name: AxisName, layout: ParamLayout) -> None:
-    """Refuse an update that reads across the elements of a tensor, with one sentence."""
-    whole = _abstract(layout, lambda c: c * layout.world_size)
-    try:
-        jax.eval_shape(shard_optimizer(tx, mesh, axis_name=axis_name, partition="flat").init, whole)
-    except (NotElementwiseError, ValueError) as err:
-        raise ValueError(
-            "zero3_step runs the optimizer on each device's rows of every parameter, which is "
-            "exact only for an update that treats every element on its own (SGD, Adam, AdamW, "
-            "Lion, RMSProp); this one does not (" + str(err).split("; use ")[0] + "); train it "
-            "with data_parallel_step and shard_optimizer(partition='greedy') instead"
-        ) from err
-
-
 def _state_specs(tx: Any, layout: ParamLayout, axes: tuple[str, ...]) -> Any:
     """``P(axes)`` for the state leaves shaped like the chunks, ``P()`` for the rest (counts).
 
     Found by initializing on the chunks and on the whole padded parameters: a leaf whose shape
     follows the parameters' rows is per-parameter and stays sharded.
     """
-    local = jax.eval_shape(tx.init, _abstract(layout, lambda c: c))
-    whole = jax.eval_shape(tx.init, _abstract(layout, lambda c: c * layout.world_size + 1))
+    local = jax.eval_shape(tx.init, rows_tree(layout, lambda leaf: leaf.padded_rows))
+    whole = jax.eval_shape(
+        tx.init, rows_tree(layout, lambda leaf: leaf.padded_rows * layout.world_size + 1)
+    )
     return jax.tree.map(lambda a, b: P() if a.shape == b.shape else P(axes), local, whole)
 
 
 def _local_step(
     loss_fn,
-    tx,
+    update: RowsUpdate,
     layout: ParamLayout,
     axes,
     *,
@@ -142,7 +125,7 @@ def _local_step(
 
     def body(trainable: Any, frozen: Any, opt_state: Any, batch: Any) -> Any:
         loss, grads = grads_of(trainable, frozen, batch)
-        updates, opt_state = tx.update(grads, opt_state, trainable)
+        updates, opt_state = update(grads, opt_state, trainable, axes)
         trainable = optax.apply_updates(trainable, updates)
         return trainable, opt_state, psum_mean(loss, replicate + axes, mean=True)
 
@@ -179,6 +162,7 @@ class Zero3Step:
         self,
         loss_fn,
         tx,
+        update,
         mesh,
         layout,
         axes,
@@ -192,12 +176,13 @@ class Zero3Step:
         compiler_options=None,
     ):
         self.layout, self.mesh, self.tx, self.axes = layout, mesh, tx, axes
+        self.rows_update = update  # tx.update on the rows, its whole-tensor sums completed
         self.accumulate_steps = accumulate
         spec = P(axes)
         self.state_specs = _state_specs(tx, layout, axes)
         body = _local_step(
             loss_fn,
-            tx,
+            update,
             layout,
             axes,
             reshard=reshard,
@@ -212,8 +197,12 @@ class Zero3Step:
             out_specs=(spec, self.state_specs, P()),
         )
         explicit = all(t == AxisType.Explicit for t in mesh.axis_types)
+        self._step_log = CompileLog(_LOG, "zero3_step")
+        self._init_log = CompileLog(_LOG, "zero3_step's optimizer init")
+        whole = [jax.ShapeDtypeStruct(leaf.shape, np.dtype(leaf.dtype)) for leaf in layout.leaves]
 
         def step(params: Any, opt_state: Any, batch: Any) -> Any:
+            self._step_log.tracing(whole)  # the parameters' shapes, not the padded chunks
             if explicit:  # Explicit axes: shard_map inputs must already carry its in_specs
                 batch = jax.reshard(batch, NamedSharding(mesh, batch_spec))
             trainable, frozen = _split(params, layout)
@@ -224,9 +213,14 @@ class Zero3Step:
             step, donate_argnums=(0, 1) if donate else (), compiler_options=compiler_options
         )
         init = jax.shard_map(
-            lambda t: tx.init(t), mesh=mesh, in_specs=(spec,), out_specs=self.state_specs
+            lambda t: update.init(t, axes), mesh=mesh, in_specs=(spec,), out_specs=self.state_specs
         )
-        self._init = jax.jit(lambda params: init(_split(params, layout)[0]))
+
+        def init_state(params: Any) -> Any:
+            self._init_log.tracing(whole)
+            return init(_split(params, layout)[0])
+
+        self._init = jax.jit(init_state)
 
     def check_batch(self, batch: Any) -> None:
         """Refuse a batch whose leading dimension does not split over devices and micro-steps."""
@@ -242,11 +236,11 @@ class Zero3Step:
 
     def init(self, params: Any) -> Any:
         """The optimizer state of the sharded ``params``: each device its chunks' state."""
-        return self._init(params)
+        return self._init_log.call(self._init, params)
 
     def __call__(self, params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, jax.Array]:
         self.check_batch(batch)
-        return self._step(params, opt_state, batch)
+        return self._step_log.call(self._step, params, opt_state, batch)
 
     def lower(self, params: Any, opt_state: Any, batch: Any) -> Any:
         """The jitted step lowered for these arguments (``.as_text()``, ``.compile()``)."""
@@ -274,8 +268,10 @@ def zero3_step(
     Args:
         loss_fn: ``loss_fn(params, batch) -> scalar``, the mean loss of a (local) batch, with
             ``params`` the whole Flax tree, exactly as for one device.
-        tx: an elementwise Optax transformation (``optax.adamw``, ``optax.sgd``, chains of
-            elementwise pieces); it runs on each device's chunks.
+        tx: an Optax transformation made of elementwise steps and whole-tensor reductions
+            (``optax.adamw``, ``optax.sgd``, ``optax.lamb``, ``optax.chain(
+            optax.clip_by_global_norm(1.0), optax.adamw(...))``); it runs on each device's
+            chunks, each whole-tensor reduction completed across the devices.
         mesh: the mesh; ``shard_params(params, mesh, layout)`` placed the parameters on it.
         layout: from ``param_layout``.
         axis_name: the data-parallel axis (or tuple of axes); gradients are averaged over it.
@@ -308,8 +304,10 @@ def zero3_step(
         over devices.
 
     Raises:
-        ValueError: a mesh of another size than the layout's, or an update that is not
-            elementwise (``optax.clip_by_global_norm``, Adafactor's factored moments).
+        ValueError: a mesh of another size than the layout's, or an update that reads
+            across a tensor's elements other than by whole-tensor reductions, or across
+            tensors (Adafactor's factored moments, Muon, Prodigy): one sentence that points
+            to ``data_parallel_step`` with ``shard_optimizer(tx, mesh)``.
 
     Example:
         >>> step = zero3_step(loss_fn, optax.adamw(1e-3), mesh, layout)
@@ -321,11 +319,12 @@ def zero3_step(
     if not isinstance(accumulate_steps, int) or accumulate_steps < 1:
         raise ValueError(f"accumulate_steps must be a positive int, got {accumulate_steps!r}")
     tx = optax.with_extra_args_support(tx)
-    _check_elementwise(tx, mesh, axis_name, layout)
+    update = RowsUpdate(tx, layout)  # refuses what it cannot run exactly on rows
     spec = P(replicate + axes) if batch_spec is None else batch_spec
     return Zero3Step(
         loss_fn,
         tx,
+        update,
         mesh,
         layout,
         axes,

@@ -12,6 +12,13 @@ reads (``deps``), whether it is elementwise in them (``kind``), and a structural
 (``sig``) that is equal for two values exactly when they are computed the same way from inputs
 playing the same role. Sub-jaxprs of calls are inlined; ``cond`` is followed branch by branch;
 loops (``while``, ``scan``) are treated as opaque, reading all of their inputs.
+
+``Analyser(totals=True)`` is the analysis of an update run on each device's rows of every
+tensor with its whole-tensor reductions completed across the devices (``zero3_step``,
+``param_sharding/update.py``): a reduction over every axis of one tensor's elementwise values
+(``jnp.sum(g * g)`` of a global norm, LAMB's trust ratio, an all-finite test) then reads no
+tensor and is the same on every device, a *total*; the walk records each one and the tensors
+it reads, so the executor knows which equations to all-reduce and which padding to mask.
 """
 
 from __future__ import annotations
@@ -38,8 +45,11 @@ ELEMENTWISE = frozenset(
     sin sinh sqrt square stop_gradient sub tan tanh xor shift_left shift_right_logical
     shift_right_arithmetic population_count clz""".split()
 )
-# Primitives that keep the row-major order of the elements: the identity for the analysis.
-ORDER_PRESERVING = frozenset({"reshape", "squeeze", "expand_dims"})
+# Primitives that keep the row-major order of the elements: the identity for the analysis
+# (``pvary``: shard_map's variance cast, in an update traced inside ``shard_map``).
+ORDER_PRESERVING = frozenset({"reshape", "squeeze", "expand_dims", "pvary"})
+# Reductions a total can be (``Analyser(totals=True)``): each has a cross-device twin.
+TOTALS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_and", "reduce_or"})
 # Parameters that only restate shapes or placements (they differ between a tensor and a chunk).
 _SHAPE_PARAMS = frozenset(
     {"shape", "sharding", "out_sharding", "broadcast_dimensions", "new_sizes", "dimensions"}
@@ -63,6 +73,9 @@ class Role:
 
     tensor: int | None
     label: Hashable
+    # False for a tensor's input that is not laid out like the tensor's rows (a factored
+    # moment): it varies with the device but not position by position, so it mixes.
+    aligned: bool = True
 
 
 class _Interner:
@@ -96,8 +109,11 @@ def _shape(atom: Any) -> tuple[int, ...]:
 class _Walker:
     """Evaluates a jaxpr on ``Node``s instead of arrays."""
 
-    def __init__(self) -> None:
+    def __init__(self, totals: bool = False) -> None:
         self.intern = _Interner()
+        self.totals_mode = totals
+        self.totals: dict[int, frozenset[int]] = {}  # id(equation) -> the tensors it reduces
+        self._in_cond = 0  # inside a cond branch a reduction cannot be all-reduced
 
     def literal(self, value: Any, aval: Any) -> Node:
         array = np.asarray(value)
@@ -132,7 +148,7 @@ class _Walker:
         deps = frozenset().union(*(n.deps for n in nodes))
         if name == "cond":
             return self._cond(eqn, nodes)
-        call = _call_jaxpr(eqn)
+        call = call_jaxpr(eqn)
         if call is not None:
             jaxpr, consts = call
             return self.run(jaxpr, consts, nodes)
@@ -143,6 +159,9 @@ class _Walker:
             return [Node(deps, kind, self.intern(key), culprit)]
         if name in ORDER_PRESERVING:
             return [nodes[0]]
+        if self.totals_mode and name in TOTALS and self._is_total(eqn, nodes[0]):
+            self.totals[id(eqn)] = nodes[0].deps
+            return [Node(frozenset(), UNIFORM, self.intern(("total", name, nodes[0].sig)))]
         if name == "broadcast_in_dim":
             (src,) = nodes[:1]
             in_shape, out_shape = _shape(eqn.invars[0]), _shape(eqn.outvars[0])
@@ -168,11 +187,21 @@ class _Walker:
             )
         return outs
 
+    def _is_total(self, eqn: Any, src: Node) -> bool:
+        """A reduction over every axis of tensors' values, position by position."""
+        ndim = len(_shape(eqn.invars[0]))
+        every_axis = sorted(eqn.params.get("axes", ())) == list(range(ndim))
+        return every_axis and src.kind == ELEMENT and bool(src.deps) and not self._in_cond
+
     def _cond(self, eqn: Any, nodes: list[Node]) -> list[Node]:
         index, operands = nodes[0], nodes[1:]
-        per_branch = [
-            self.run(branch.jaxpr, branch.consts, operands) for branch in eqn.params["branches"]
-        ]
+        self._in_cond += 1
+        try:
+            per_branch = [
+                self.run(branch.jaxpr, branch.consts, operands) for branch in eqn.params["branches"]
+            ]
+        finally:
+            self._in_cond -= 1
         outs = []
         for k in range(len(eqn.outvars)):
             results = [branch[k] for branch in per_branch]
@@ -188,7 +217,7 @@ class _Walker:
         return outs
 
 
-def _call_jaxpr(eqn: Any) -> tuple[Any, Sequence[Any]] | None:
+def call_jaxpr(eqn: Any) -> tuple[Any, Sequence[Any]] | None:
     """The body of a call-like equation (``jit``, ``custom_jvp_call``, ``remat``, ...) whose
     inputs and outputs are the equation's own, else None."""
     if eqn.primitive.name in ("while", "scan"):
@@ -223,10 +252,18 @@ def _combine(
 
 
 class Analyser:
-    """Traces updates to ``Node``s; signatures are comparable across one analyser's traces."""
+    """Traces updates to ``Node``s; signatures are comparable across one analyser's traces.
 
-    def __init__(self) -> None:
-        self._walker = _Walker()
+    ``totals``: whole-tensor reductions are totals (module docstring); ``totals`` then maps
+    each one of the last trace (``id`` of its equation) to the tensors it reduces.
+    """
+
+    def __init__(self, *, totals: bool = False) -> None:
+        self._walker = _Walker(totals)
+
+    @property
+    def totals(self) -> dict[int, frozenset[int]]:
+        return self._walker.totals
 
     def trace(
         self, fn: Callable[..., Any], args: Sequence[Any], roles: Sequence[Role]
@@ -241,14 +278,21 @@ class Analyser:
             return fn(*jax.tree.unflatten(treedef, flat))
 
         closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*leaves)
+        return self.walk(closed, roles), jax.tree.structure(out_shape)
+
+    def walk(self, closed: Any, roles: Sequence[Role]) -> list[Node]:
+        """A ``Node`` per output of the traced ``closed`` jaxpr; ``roles``: one per input."""
         intern = self._walker.intern
+        self._walker.totals = {}
         inputs = []
-        for leaf, role in zip(leaves, roles, strict=True):
-            key = ("in", role.label, str(leaf.dtype))
-            if role.tensor is not None:
+        for var, role in zip(closed.jaxpr.invars, roles, strict=True):
+            key = ("in", role.label, str(var.aval.dtype))
+            if role.tensor is not None and not role.aligned:
+                culprit = "a state leaf not laid out like its parameter's rows"
+                inputs.append(Node(frozenset({role.tensor}), MIXED, intern(key), culprit))
+            elif role.tensor is not None:
                 inputs.append(Node(frozenset({role.tensor}), ELEMENT, intern(key)))
             else:  # shared by every device: a count, a hyper-parameter, a PRNG key, a loss
-                kind = UNIFORM if np.prod(leaf.shape, dtype=np.int64) <= 1 else POSITION
+                kind = UNIFORM if np.prod(var.aval.shape, dtype=np.int64) <= 1 else POSITION
                 inputs.append(Node(frozenset(), kind, intern(key)))
-        outs = self._walker.run(closed.jaxpr, closed.consts, inputs)
-        return outs, jax.tree.structure(out_shape)
+        return self._walker.run(closed.jaxpr, closed.consts, inputs)

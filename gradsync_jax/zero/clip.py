@@ -5,7 +5,9 @@ gradient only, so ``optax.clip_by_global_norm`` would clip each share by that sh
 ``clip_by_global_norm`` here takes the norm across all devices, which ``shard_optimizer``
 computes once (one scalar ``psum``) and passes to the inner update as the Optax extra argument
 ``global_norm`` (a ``GlobalNorm``); without ``shard_optimizer`` it is exactly
-``optax.clip_by_global_norm``.
+``optax.clip_by_global_norm``. Under ``zero3_step`` no ``global_norm`` is passed: the step
+completes the norm's per-tensor sums across the devices, as it does Optax's
+(``param_sharding/update.py``).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import jax
@@ -58,12 +58,16 @@ class Soundness:
         *,
         with_params: bool = True,
         where: str = "",
+        totals: bool = False,
     ) -> None:
-        self.inner, self.space = inner, space
+        self.inner, self.space, self.params = inner, space, params
         self.arrays, self.others = split_extra_args(extra_args)
         self.with_params = with_params
         self.where = where  # " (on a sample tree ...)" when not the user's parameters
-        self.analyser = Analyser()
+        # totals: the update runs on rows with its whole-tensor reductions all-reduced
+        # (zero3_step): no global_norm= is passed, the reductions are (analysis.Analyser).
+        self.totals = totals
+        self.analyser = Analyser(totals=totals)
         # Each layout's problem, by exactly what ``_greedy_problem`` / ``_flat_problem`` read
         # of the layout (the rest they read is this object's): planning "greedy", "flat" and
         # "auto" for one optimizer (one cached analysis, ``analysed``) traces each layout once.
@@ -101,7 +105,7 @@ class Soundness:
                 for i, x in zip(present, p, strict=True):
                     p_full[i] = x
                 p_tree = treedef.unflatten(p_full)
-            norm_args = global_norm_args(g_tree, norm)
+            norm_args = {} if self.totals else global_norm_args(g_tree, norm)
             u, s = self.inner.update(g_tree, s, p_tree, **extra, **self.others, **norm_args)
             u_leaves = treedef.flatten_up_to(u)
             return [u_leaves[i] for i in present], s
@@ -126,6 +130,18 @@ class Soundness:
 
     def coupling(self) -> str | None:
         """Outputs that read another tensor than their own (any partition)."""
+        reason = self.coupled_reason()
+        if reason is None:
+            return None
+        return (
+            f"shard_optimizer cannot shard this optimizer exactly: its {reason}, i.e. it "
+            "combines all parameters (a global norm, an all-finite test or a shared step-size "
+            f"estimate) while each device holds only its share; {_FIX}"
+        )
+
+    def coupled_reason(self) -> str | None:
+        """``"update of 'b' reads parameter 'w'"``: the first output that reads another
+        tensor than its own, or None."""
         for i, node in enumerate(self.updates):
             if node.deps - {i}:
                 return self._coupled(f"update of {self._name(i)!r}", node, {i})
@@ -141,12 +157,7 @@ class Soundness:
 
     def _coupled(self, what: str, node: Node, allowed: set[int]) -> str:
         other = self._name(min(node.deps - allowed))
-        return (
-            "shard_optimizer cannot shard this optimizer exactly: its "
-            f"{what}{self.where} reads parameter {other!r}, i.e. it combines all parameters "
-            "(a global norm, an all-finite test or "
-            f"a shared step-size estimate) while each device holds only its share; {_FIX}"
-        )
+        return f"{what}{self.where} reads parameter {other!r}"
 
     def greedy_problem(self, layout: GreedyLayout) -> str | None:
         """Why running ``inner`` on each device's owned subtree is not exact, or None."""
@@ -247,13 +258,78 @@ class Soundness:
         state = jax.eval_shape(self.inner.init, self.space.param_treedef.unflatten(segments))
         roles = [Role(leaf.param, self._label_of(k)) for k, leaf in enumerate(self.space.leaves)]
         updates, new_state = self._trace(segments, state, roles)
+        return self._per_tensor_problem(updates, new_state, "a flat chunk")
+
+    def rows_problem(
+        self, local: Any, aligned: Sequence[bool], geometry: Sequence[Hashable]
+    ) -> str | None:
+        """Why running ``inner`` on each device's rows of every tensor, with its whole-tensor
+        reductions all-reduced (``zero3_step``), is not exact (a ``not_elementwise``
+        reason), or None. Needs ``totals=True``; call ``coupled_reason`` first.
+
+        Args:
+            local: the parameter tree of one device's rows (``ShapeDtypeStruct`` leaves).
+            aligned: per state leaf, whether it is laid out like its parameter's rows.
+            geometry: per tensor, what decides where its rows are padding: a total may
+                reduce several tensors together only where these are equal.
+        """
+        leaves = self.space.param_treedef.flatten_up_to(local)
+        state = jax.eval_shape(self.inner.init, local)
+        roles = [
+            Role(leaf.param, self._label_of(k), aligned=ok)
+            for k, (leaf, ok) in enumerate(zip(self.space.leaves, aligned, strict=True))
+        ]
+        updates, new_state = self._trace(leaves, state, roles)
+        if reason := self._mixed_rows(geometry):
+            return reason
+        return self._per_tensor_problem(updates, new_state, "a device's rows")
+
+    def init_rows_problem(self, local: Any, geometry: Sequence[Hashable]) -> str | None:
+        """As ``rows_problem`` for ``inner.init`` run on each device's rows (``local``)."""
+        whole = self._init_trace(self.params)
+        state = self._init_trace(local)
+        if reason := self._mixed_rows(geometry):
+            return reason
+        for k, node in enumerate(state):
+            what = f"initial state leaf {self._leaf(k)!r}"
+            own = self.space.leaves[k].param
+            reason = self._flat_reason(node, own, whole[k], what, "a device's rows")
+            if reason:
+                return reason
+        return None
+
+    def _init_trace(self, params: Any) -> list[Node]:
+        treedef = self.space.param_treedef
+        leaves = treedef.flatten_up_to(params)
+        roles = [Role(i, "param") for i in range(len(leaves))]
+        nodes, _ = self.analyser.trace(
+            lambda p: self.inner.init(treedef.unflatten(p)), (leaves,), roles
+        )
+        return nodes
+
+    def _mixed_rows(self, geometry: Sequence[Hashable]) -> str | None:
+        """A total of the last trace that reduces tensors padded differently together."""
+        for deps in self.analyser.totals.values():
+            if len({geometry[t] for t in deps}) > 1:
+                names = sorted(self._name(t) for t in deps)[:2]
+                return (
+                    f"reduces parameters {names[0]!r} and {names[1]!r} together, whose rows "
+                    "are padded differently on the devices"
+                )
+        return None
+
+    def _per_tensor_problem(self, updates: list[Node], new_state: list[Node], piece: str) -> Any:
+        """The first output of a per-tensor trace that is not elementwise in its own tensor
+        or not computed as on the whole tree (``piece``: what the trace ran on)."""
         for i, node in enumerate(updates):
-            reason = self._flat_reason(node, i, self.updates[i], f"update of {self._name(i)!r}")
+            what = f"update of {self._name(i)!r}"
+            reason = self._flat_reason(node, i, self.updates[i], what, piece)
             if reason:
                 return reason
         for k, node in enumerate(new_state):
             what = f"state leaf {self._leaf(k)!r}"
-            reason = self._flat_reason(node, self.space.leaves[k].param, self.state[k], what)
+            own = self.space.leaves[k].param
+            reason = self._flat_reason(node, own, self.state[k], what, piece)
             if reason:
                 return reason
         return None
@@ -276,13 +352,15 @@ class Soundness:
         nodes, _ = self.analyser.trace(update, (g, state, p, self.arrays, _NORM), roles)
         return nodes[: len(chunks)], nodes[len(chunks) :]
 
-    def _flat_reason(self, node: Node, own: int | None, whole: Node, what: str) -> str | None:
+    def _flat_reason(
+        self, node: Node, own: int | None, whole: Node, what: str, piece: str = "a flat chunk"
+    ) -> str | None:
         if node.deps - ({own} if own is not None else set()) or node.kind not in (ELEMENT, UNIFORM):
             culprit = node.culprit or "an operation across elements"
             return f"computes the {what}{self.where} with {culprit}, which is not elementwise"
         if node.sig != whole.sig:
             return (
-                f"computes the {what}{self.where} differently on a flat chunk than on the "
+                f"computes the {what}{self.where} differently on {piece} than on the "
                 "tensor itself (a mask, label, hyper-parameter or rule chosen per tensor)"
             )
         return None

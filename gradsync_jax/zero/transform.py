@@ -11,6 +11,7 @@ The partitions live in ``greedy`` (whole tensors) and ``flat`` (element ranges),
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from gradsync_core import MIB, ShardPlan
 from gradsync_jax._axes import AxisName, axis_tuple, display_axis
+from gradsync_jax._compile_log import CompileLog
 from gradsync_jax.zero.checks import check_grads, check_inside, check_state
 from gradsync_jax.zero.clip import GLOBAL_NORM
 from gradsync_jax.zero.flat import FlatLayout, not_elementwise
@@ -40,6 +42,7 @@ from gradsync_jax.zero.soundness import (
 )
 
 PARTITIONS = ("auto", "greedy", "flat", "gathered")
+_LOG = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -227,7 +230,9 @@ def _explicit(mesh: Mesh) -> bool:
 
 
 def _build_init(settings: ZeroSettings, layout: Layout) -> Any:
+    """The jitted init of ``layout`` (parameter leaves in, the sharded state out), logged."""
     mesh = settings.mesh
+    compile_log = CompileLog(_LOG, "shard_optimizer's init")
     in_spec = P(settings.spec_entry) if layout.init_sharded() else P()
 
     def local(inputs: list[Any]) -> ZeroState:
@@ -237,6 +242,7 @@ def _build_init(settings: ZeroSettings, layout: Layout) -> Any:
     mapped = jax.shard_map(local, mesh=mesh, in_specs=(in_spec,), out_specs=specs)
 
     def run(leaves: list[Any]) -> ZeroState:
+        compile_log.tracing(leaves)
         if _explicit(mesh):  # Explicit axes: shard_map inputs must carry its in_specs
             leaves = jax.reshard(leaves, NamedSharding(mesh, P()))
         inputs = layout.init_inputs(leaves)
@@ -244,7 +250,8 @@ def _build_init(settings: ZeroSettings, layout: Layout) -> Any:
             inputs = jax.reshard(inputs, NamedSharding(mesh, in_spec))
         return mapped(inputs)
 
-    return jax.jit(run)
+    jitted = jax.jit(run)
+    return lambda leaves: compile_log.call(jitted, leaves)
 
 
 class _ZeroTransform:

@@ -213,12 +213,24 @@ def test_each_unit_is_gathered_where_the_model_reads_it() -> None:
         assert not order.startswith("G" * 7), (reshard, order)
 
 
-def test_not_elementwise_is_refused() -> None:
+def test_not_elementwise_is_refused_with_advice_that_works() -> None:
+    """Adafactor's factored moment reads across a tensor's rows: refused, and the advice
+    (``data_parallel_step`` with ``shard_optimizer(tx, mesh)``) runs it."""
+    from gradsync_jax import data_parallel_step, shard_optimizer
+
     params = init_params()
     layout = param_layout(params, world_size=4, units=UNITS)
-    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3))
-    with pytest.raises(ValueError, match="exact only for an update that treats every element"):
+    tx = optax.adafactor(1e-2)
+    with pytest.raises(
+        ValueError, match=r"cannot run this optimizer exactly on each device's rows"
+    ) as err:
         zero3_step(loss_fn, tx, mesh_of(4), layout)
+    assert "data_parallel_step(loss_fn, shard_optimizer(tx, mesh), mesh)" in str(err.value)
+    mesh = mesh_of(4)
+    sharded_tx = shard_optimizer(tx, mesh)
+    step = data_parallel_step(loss_fn, sharded_tx, mesh)
+    _, _, loss = step(params, sharded_tx.init(params), data())
+    assert np.isfinite(float(loss))
 
 
 def test_bad_input_is_refused_with_a_sentence() -> None:

@@ -8,6 +8,8 @@ largest magnitude (the mean of 8 shard means is the full-batch mean up to roundi
 
 from __future__ import annotations
 
+import logging
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,6 +24,7 @@ from gradsync_jax import (
     local_grad,
     mesh_from_topology,
     param_specs,
+    shard_optimizer,
     sync_gradients,
     synced,
     value_and_local_grad,
@@ -53,6 +56,68 @@ def test_step_equals_single_device_full_batch(name: str) -> None:
     # Replicated outputs: every device holds the same parameters.
     leaf = jax.tree.leaves(params)[0]
     assert leaf.sharding.is_fully_replicated and len(leaf.addressable_shards) == DP
+
+
+COMPILE_CASES = {
+    "plain": lambda: optax.adam(1e-2),
+    "synced": lambda: optax.chain(synced("dp"), optax.adam(1e-2)),
+    "shard_optimizer": lambda: shard_optimizer(optax.adam(1e-2), MESH),
+}
+
+
+@pytest.mark.parametrize("name", list(COMPILE_CASES))
+def test_a_loop_from_unplaced_parameters_compiles_once(name: str, caplog) -> None:
+    """The README's loop: parameters from ``model.init`` and a state from ``tx.init`` (one
+    device), then 3 steps: one compilation, not one for the first step and another for the
+    placed outputs (issue 33 item 8)."""
+    tx = COMPILE_CASES[name]()
+    step = data_parallel_step(LOSS, tx, MESH)
+    params, state = PARAMS, tx.init(PARAMS)
+    batch = jax.tree.map(np.asarray, BATCH)  # host arrays, as the README's loop makes them
+    assert not isinstance(jax.tree.leaves(params)[0].sharding, jax.sharding.NamedSharding)
+    with jax.log_compiles(True), caplog.at_level(logging.WARNING):
+        for _ in range(3):
+            params, state, _ = step(params, state, batch)
+    compiles = [r.getMessage() for r in caplog.records if "Compiling" in r.getMessage()]
+    assert len(compiles) == 1, [c[:90] for c in compiles]
+    assert_tree_close(params, reference_training(optax.adam(1e-2), 3)[0])
+
+
+def test_compilations_log_at_info_and_are_silent_by_default(caplog) -> None:
+    """Issue 33 item 9: each step's compilation logs ``compiling ...`` and ``compiled ... in``
+    through its module's logger at INFO; gradsync adds no handler and sets no level."""
+    from gradsync_jax import param_layout, shard_params, zero3_step
+
+    names = ("data_parallel.step", "param_sharding.step", "zero.transform")
+    loggers = [logging.getLogger(f"gradsync_jax.{n}") for n in names]
+    assert all(not lg.handlers and lg.level == logging.NOTSET for lg in loggers)
+
+    def train() -> None:  # new steps: each compiles on its first call
+        tx = shard_optimizer(optax.adam(1e-2), MESH)
+        step = data_parallel_step(LOSS, tx, MESH)
+        step(PARAMS, tx.init(PARAMS), BATCH)
+        layout = param_layout(PARAMS, world_size=DP)
+        zero3 = zero3_step(LOSS, optax.adam(1e-2), MESH, layout)
+        sharded = shard_params(PARAMS, MESH, layout)
+        zero3(sharded, zero3.init(sharded), BATCH)
+
+    train()
+    assert not [r for r in caplog.records if r.name.startswith("gradsync_jax")]
+    with caplog.at_level(logging.INFO, logger="gradsync_jax"):
+        train()
+    got = [(r.name, r.levelno, r.getMessage()) for r in caplog.records]
+    elements = sum(x.size for x in jax.tree.leaves(PARAMS))
+    count = len(jax.tree.leaves(PARAMS))
+    for logger, what in [
+        ("zero.transform", "shard_optimizer's init"),
+        ("data_parallel.step", "data_parallel_step"),
+        ("param_sharding.step", "zero3_step's optimizer init"),
+        ("param_sharding.step", "zero3_step"),
+    ]:
+        name = f"gradsync_jax.{logger}"
+        start = f"compiling {what} for {count} parameters ({elements:,} elements)"
+        assert (name, logging.INFO, start) in got, (start, got)
+        assert any(n == name and m.startswith(f"compiled {what} in ") for n, _, m in got), what
 
 
 def test_auto_axis_mesh() -> None:
