@@ -28,6 +28,8 @@ LONGEST_FIRST = (
     "tests/parity/test_cross_checkpoint.py",
     "tests/jax/test_zero.py",
     "tests/jax/test_zero_coupled.py",
+    "tests/jax/test_zero3_clip.py",
+    "tests/jax/test_zero3_sweep.py",
     "tests/torch/test_fully_shard.py",
     "tests/torch/test_zero.py",
     "tests/torch/test_agreement.py",
