@@ -2,6 +2,6 @@
 
 import sys
 
-from gradsync_core._cli import main
+from gradsync_core.cli import main
 
 sys.exit(main())

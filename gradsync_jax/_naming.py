@@ -30,6 +30,7 @@ the torch names in registration order.
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
@@ -290,3 +291,25 @@ def torch_plan(plan: ShardPlan, *, modules: Mapping[str, str] | None = None) -> 
         else {slot.name: _torch_shape(slot.name, slot.shape) for slot in plan.buckets.slots}
     )
     return plan.renamed(names, shapes=shapes)
+
+
+def read_model(model: object) -> tuple[list[ParamSpec], tuple[str, ...]] | None:
+    """Torch-named specs of a Flax model, for the command line's ``gradsync plan --model``
+    (its ``gradsync.model_readers`` entry point): an NNX module's ``Param`` state, linen's
+    ``params`` collection (not ``batch_stats`` and the like), or a parameter tree as given;
+    ``None`` for anything else. A Flax tree holds a tied weight once, so none is listed.
+
+    Raises:
+        ValueError: a tree with a leaf that is not an array.
+    """
+    nnx = sys.modules.get("flax.nnx")  # an NNX module exists only where flax.nnx is imported
+    if nnx is not None and isinstance(model, nnx.Module):
+        tree: Any = nnx.state(model, nnx.Param)
+    elif isinstance(model, Mapping):
+        tree = {"params": model["params"]} if "params" in model else model
+    else:
+        return None
+    try:
+        return torch_specs(tree), ()
+    except (AttributeError, TypeError) as err:  # a leaf without a shape or dtype
+        raise ValueError(f"a tree with a leaf that is not an array ({err})") from None

@@ -69,6 +69,25 @@ def param_specs(
     ]
 
 
+def read_model(model: object) -> tuple[list[ParamSpec], tuple[str, ...]] | None:
+    """The specs of a torch module and the names of its tied weights, for the command line's
+    ``gradsync plan --model`` (its ``gradsync.model_readers`` entry point); ``None`` for
+    anything that is not an ``nn.Module``.
+
+    A tied weight (one parameter under two names) is listed under its first name, as
+    ``param_specs`` lists it.
+    """
+    if not isinstance(model, nn.Module):
+        return None
+    first: dict[int, str] = {}
+    tied: dict[str, None] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            tied[first[id(param)]] = None
+        first.setdefault(id(param), name)
+    return param_specs(model), tuple(tied)
+
+
 EXPERT_AXIS = "ep"
 
 

@@ -1,5 +1,9 @@
-"""No module of gradsync_core, gradsync_torch or gradsync_jax imports itself back
-(docs/design.md §1).
+"""The packages' layers, read from their import statements (docs/design.md §1, §14).
+
+No module of gradsync_core, gradsync_torch or gradsync_jax imports itself back, and no
+subpackage imports another that imports it back; the core's layers stand in order (plan, then
+checkpoint, then the command line), the core names no executor, and the executors import only
+the core's public modules.
 
 A cycle hidden behind a function-level import still couples the modules, so every ``import``
 statement counts, wherever it stands. The graph is built from the source text alone: nothing
@@ -11,6 +15,7 @@ from __future__ import annotations
 import ast
 import itertools
 import pathlib
+import re
 
 import pytest
 
@@ -85,6 +90,80 @@ def test_the_packages_have_no_import_cycle() -> None:
     assert len(graph) > 40  # the walk found the packages
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def subpackage(module: str) -> str:
+    """``gradsync_torch.zero.flat`` -> ``gradsync_torch.zero``; a top-level module is itself."""
+    parts = module.split(".")
+    package = ROOT.joinpath(*parts[:2])
+    return ".".join(parts[:2]) if len(parts) > 1 and package.is_dir() else module
+
+
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The import graph between the subpackages of each top-level package (modules at a
+    package's top level stand for themselves)."""
+    packages: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        mine = subpackage(module)
+        edges = packages.setdefault(mine, set())
+        edges.update(t for t in map(subpackage, targets) if t != mine and "." in t)
+    return packages
+
+
+def test_the_subpackages_have_no_import_cycle() -> None:
+    graph = package_graph(import_graph())
+    assert {"gradsync_torch.zero", "gradsync_torch.checkpoint", "gradsync_core.plan"} <= set(graph)
+    cycle = find_cycle(graph)
+    assert cycle is None, "package cycle: " + " -> ".join(cycle or [])
+
+
+# The core's layers, lowest first: each imports only the ones before it.
+CORE_LAYERS = ("gradsync_core.plan", "gradsync_core.checkpoint", "gradsync_core.cli")
+
+
+def test_the_core_layers_stand_in_order() -> None:
+    graph = package_graph(import_graph())
+    for i, layer in enumerate(CORE_LAYERS):
+        above = set(CORE_LAYERS[i + 1 :])
+        assert not graph[layer] & above, f"{layer} imports {sorted(graph[layer] & above)}"
+
+
+def _names(source: str) -> list[tuple[int, str]]:
+    """Every module an import names (absolute imports) and every string that is a dotted
+    module path, with its line."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            module = node.module or ""
+            found += [(node.lineno, module)]
+            found += [(node.lineno, f"{module}.{alias.name}") for alias in node.names]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            if re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+(:\w+)?", node.value):
+                found.append((node.lineno, node.value))
+    return found
+
+
+def test_the_core_names_no_executor() -> None:
+    """Not in an import, not as a module path held as data (the command line finds the
+    executors through their entry points)."""
+    for path in sorted((ROOT / "gradsync_core").rglob("*.py")):
+        for line, name in _names(path.read_text()):
+            assert not re.match(r"gradsync_(torch|jax)\b", name), (
+                f"{path.relative_to(ROOT)}:{line} names {name}"
+            )
+
+
+def test_the_executors_import_only_the_public_core() -> None:
+    for package in ("gradsync_torch", "gradsync_jax"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            for line, name in _names(path.read_text()):
+                parts = name.split(".")
+                private = [p for p in parts[1:] if p.startswith("_") and p != "__init__"]
+                assert parts[0] != "gradsync_core" or not private, (
+                    f"{path.relative_to(ROOT)}:{line} imports the private {name}"
+                )
 
 
 # Executors whose data_parallel package is already the base layer (docs/design.md §14);

@@ -2,11 +2,11 @@
 
 Optax keeps an optimizer's hyper-parameters in the closures of its transformation
 (``optax.adamw(1e-3)``), where no public API reads them. A checkpoint that crosses frameworks
-compares them with torch's param groups (``gradsync_core._hyperparams``), so they are measured
-the way the optimizer is named: by what it computes (``optimizers.py``). Two updates of a
-three-element probe parameter, from the state ``inner.init`` makes with its step counts set
-to ``count``, the loaded step (Adam's bias correction depends on it; a schedule would give
-that step's learning rate, as torch's param group holds the current one):
+compares them with torch's param groups (``HYPERPARAMETERS`` of ``gradsync_core.checkpoint``),
+so they are measured the way the optimizer is named: by what it computes (``optimizers.py``).
+Two updates of a three-element probe parameter, from the state ``inner.init`` makes with its
+step counts set to ``count``, the loaded step (Adam's bias correction depends on it; a
+schedule would give that step's learning rate, as torch's param group holds the current one):
 
 - step 1, gradient ``(G, 0, eps)``, parameter ``(0, 1, 0)``: the first element's update is
   ``-lr`` times Adam's bias-corrected ratio, the second's is the decoupled decay

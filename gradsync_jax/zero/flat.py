@@ -35,7 +35,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from gradsync_core import BucketPlan, ShardPlan, plan_buckets, plan_flat_shards
-from gradsync_core._buckets import plan_param_buckets
+from gradsync_core.plan import plan_param_buckets
 from gradsync_jax._axes import cast_varying, tracks_variance, varying
 from gradsync_jax._naming import registration_order
 from gradsync_jax.zero import wire

@@ -9,7 +9,7 @@ import tracemalloc
 import pytest
 
 from gradsync_core import BucketPlan, ShardPlan, Topology
-from gradsync_core._cli import main
+from gradsync_core.cli._main import main
 
 
 def gradsync(*args, cwd=None):
@@ -193,7 +193,7 @@ def test_bad_parameter_files(tmp_path, content, message):
 
 
 def test_parameter_file_over_the_size_cap(tmp_path, monkeypatch, capsys):
-    import gradsync_core._cli as cli
+    import gradsync_core.cli._main as cli
 
     monkeypatch.setattr(cli, "MAX_PARAMS_FILE_BYTES", 100)  # writing 64 MiB would be slow
     path = tmp_path / "params.json"

@@ -6,9 +6,9 @@ import json
 import pytest
 
 from gradsync_core import ShardPlan, __version__, plan_flat_shards
-from gradsync_core._buckets import plan_param_buckets
-from gradsync_core._cli import main
-from gradsync_core._models import builtin_model
+from gradsync_core.cli._main import main
+from gradsync_core.plan._buckets import plan_param_buckets
+from gradsync_core.plan._models import builtin_model
 
 
 def run(capsys, *argv):

@@ -16,8 +16,8 @@ from gradsync_core import (
     plan_buckets,
     plan_param_shards,
 )
-from gradsync_core._buckets import bucket_caps
-from gradsync_core._cli import main
+from gradsync_core.cli._main import main
+from gradsync_core.plan._buckets import bucket_caps
 
 TORCH_MODEL = textwrap.dedent(
     """

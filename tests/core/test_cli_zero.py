@@ -13,7 +13,7 @@ from gradsync_core import (
     estimate_zero3,
     plan_param_shards,
 )
-from gradsync_core._cli import main
+from gradsync_core.cli._main import main
 
 
 def run(capsys, *args):

@@ -9,9 +9,9 @@ import pytest
 import gradsync_core
 
 MODULES = [
-    f"gradsync_core.{m.name}"
-    for m in pkgutil.iter_modules(gradsync_core.__path__)
-    if m.name != "__main__"
+    m.name
+    for m in pkgutil.walk_packages(gradsync_core.__path__, "gradsync_core.")
+    if m.name != "gradsync_core.__main__"
 ]
 
 

@@ -11,7 +11,7 @@ SCRIPT = textwrap.dedent(
     import sys
     for name in ("torch", "jax", "orbax"):
         sys.modules[name] = None  # every import of them fails, importlib's too
-    from gradsync_core._cli import main
+    from gradsync_core.cli._main import main
     assert main(["checkpoint", "export", "--to", "dcp", "a", "b", "--model", "m:f"]) == 2
     assert main(["checkpoint", "import", "--from", "orbax", "a", "b", "--model", "m:f"]) == 2
     """

@@ -9,8 +9,8 @@ import struct
 import pytest
 
 from gradsync_core import DataCursor, Manifest, ParamSpec, plan_greedy_shards, read_manifest
-from gradsync_core._checkpoint import manifest_checksum
 from gradsync_core.checkpoint import MANIFEST, rank_file, write_manifest
+from gradsync_core.checkpoint._format import manifest_checksum
 
 SPECS = (
     ParamSpec(name="fc.weight", shape=(4, 3)),

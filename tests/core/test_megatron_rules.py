@@ -17,7 +17,7 @@ import warnings
 import pytest
 
 from gradsync_core import EXPERT_GROUPS, Topology
-from gradsync_core._rank_generator import complete_order
+from gradsync_core.plan._rank_generator import complete_order
 
 with warnings.catch_warnings():  # megatron warns that Apex / Transformer Engine are absent
     warnings.simplefilter("ignore")

@@ -20,7 +20,7 @@ from gradsync_core import (
     plan_pipeline,
     simulate_pipeline,
 )
-from gradsync_core._pipeline_schedules import stage_ranks
+from gradsync_core.plan.pipeline._schedules import stage_ranks
 
 # (schedule, pp, microbatches, stages per rank): one accepted case of each schedule.
 EXAMPLES = [

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from gradsync_core import PipelinePlan, Topology, builtin_model, plan_pipeline, simulate_pipeline
-from gradsync_core._cli import main
+from gradsync_core.cli._main import main
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "pipeline.md"

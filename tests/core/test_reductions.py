@@ -19,7 +19,7 @@ from gradsync_core import (
     replicated_axes,
     with_replicated_over,
 )
-from gradsync_core._reductions import split_expert_specs
+from gradsync_core.plan._reductions import split_expert_specs
 
 # (sharded_over, data_sharded_over, expected): the reference block's parameters.
 RULES = {
@@ -270,7 +270,7 @@ def test_cli_plans_expert_owners_over_edp(tmp_path, capsys) -> None:
     """``gradsync plan`` with expert parameters: dense buckets and owners over dp, expert
     owners over edp (a second shard table); without experts the JSON has no expert key."""
     from gradsync_core import BucketPlan, ShardPlan
-    from gradsync_core._cli import main
+    from gradsync_core.cli._main import main
 
     entries = [
         {"name": "router", "shape": [8, 4]},

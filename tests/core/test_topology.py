@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gradsync_core import STANDARD_GROUPS, Topology, split_shapes
-from gradsync_core._rank_generator import RankGenerator
+from gradsync_core.plan._rank_generator import RankGenerator
 
 
 def megatron_groups(world_size, parallel_size, mask):
@@ -420,7 +420,7 @@ def test_expert_mesh_fibres_are_the_expert_groups():
 
 
 def test_cli_plan_prints_dense_and_expert_groups(capsys):
-    from gradsync_core._cli import main
+    from gradsync_core.cli._main import main
 
     assert main(["plan", "--world-size", "16", "--tp", "2", "--ep", "4", "--etp", "1"]) == 0
     out = capsys.readouterr().out

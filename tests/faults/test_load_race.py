@@ -17,10 +17,10 @@ import jax.numpy as jnp
 import pytest
 import torch
 
-import gradsync_core._cli_checkpoint as cli_checkpoint
+import gradsync_core.cli._checkpoint as cli_checkpoint
 import gradsync_jax.checkpoint.model_state as jax_model_state
 import gradsync_torch.checkpoint.model_state as torch_model_state
-from gradsync_core._cli import main as cli_main
+from gradsync_core.cli._main import main as cli_main
 from gradsync_jax import load_params, save_optimizer_state
 from gradsync_torch import load_model_weights
 from tests.faults import jax_save_worker as worker

@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import gradsync_core._atomic as atomic
+import gradsync_core.checkpoint._atomic as atomic
 from gradsync_core.checkpoint import save_hook
 from gradsync_torch import ZeroRedundancyOptimizer
 from tests.torch.zero_helpers import Pair, make_model, plain, zero

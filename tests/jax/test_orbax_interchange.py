@@ -135,7 +135,7 @@ def build():
 
 
 def test_cli_export_and_import(tmp_path) -> None:
-    from gradsync_core._cli import main
+    from gradsync_core.cli._main import main
 
     model, opt = trained_torch()
     save_plain(tmp_path / "src", model, opt)

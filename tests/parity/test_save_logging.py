@@ -1,6 +1,6 @@
 """Every gradsync save logs its progress at INFO through ``logging`` and is silent by default
-(``gradsync_core._save_protocol``, the one save every executor runs; README, "One checkpoint,
-both frameworks").
+(``gradsync_core.checkpoint._save_protocol``, the one save every executor runs; README,
+"One checkpoint, both frameworks").
 
 torch: a plain ``AdamW`` saved with ``save_plain`` (the save ``ZeroRedundancyOptimizer.save``
 and ``save_fully_sharded`` run too); JAX: ``save_optimizer_state`` of a ZeRO-1
@@ -26,7 +26,7 @@ from gradsync_core import Topology, read_manifest
 from gradsync_jax import mesh_from_topology, save_optimizer_state, shard_optimizer
 from gradsync_torch.checkpoint.plain_save import save_plain
 
-LOGGER = "gradsync_core._save_protocol"
+LOGGER = "gradsync_core.checkpoint._save_protocol"
 
 
 def _torch_save(path: str) -> None:

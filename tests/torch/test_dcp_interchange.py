@@ -134,7 +134,7 @@ def build():
 
 
 def test_cli_export_and_import(tmp_path, capsys) -> None:
-    from gradsync_core._cli import main
+    from gradsync_core.cli._main import main
 
     trained = make()
     train(*trained, steps=2)
@@ -207,7 +207,7 @@ def _copy(exported, tmp_path):
 
 
 def test_import_never_runs_code_from_the_metadata(exported, tmp_path, capsys) -> None:
-    from gradsync_core._cli import main
+    from gradsync_core.cli._main import main
 
     forged, marker = _copy(exported, tmp_path), tmp_path / "ran"
     _forge_metadata(forged, lambda metadata: [metadata, _Marker(marker)])

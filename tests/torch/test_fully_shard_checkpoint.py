@@ -299,8 +299,8 @@ def _check_inspect(path: str, at_save: dict[str, Any], capsys) -> None:
     """The same format: ``inspect`` reads it, each rank owns its rows of every trainable
     parameter, the weights are stored (frozen ones too, the tied one once)."""
     from gradsync_core import read_manifest
-    from gradsync_core._cli import main
     from gradsync_core.checkpoint import resolve_checkpoint
+    from gradsync_core.cli._main import main
 
     assert main(["checkpoint", "inspect", path]) == 0
     text = capsys.readouterr().out

@@ -1,0 +1,137 @@
+"""The checkpoint format and save protocol, for executors (docs/design.md §9).
+
+``gradsync_core``'s top level holds what users call (``Manifest``, ``read_manifest``,
+``CheckpointError``, ``COUNTERPARTS``); this module holds what an executor needs to read and
+write the format: the switching save (``run_save`` behind ``SaveAgreement``, or its steps
+``begin_save`` / ``commit_save`` / ``discard_save``), file and tensor names, the manifest
+writer, the key and optimizer checks, the bounded safetensors header reader and the fault
+points of a save. ``gradsync_torch`` and ``gradsync_jax`` import from here; a new executor
+would too. Standard library only, like the rest of the core.
+"""
+
+from gradsync_core.checkpoint._atomic import (
+    begin_save,
+    commit_save,
+    discard_save,
+    fsync_directory,
+    new_save_token,
+    resolve_checkpoint,
+    staging_directory,
+)
+from gradsync_core.checkpoint._data_position import data_extra, restore_data
+from gradsync_core.checkpoint._files import open_checkpoint_file
+from gradsync_core.checkpoint._format import (
+    FORMAT_VERSION,
+    MANIFEST,
+    MAX_MANIFEST_BYTES,
+    RANK_FILE_RE,
+    Manifest,
+    rank_file,
+    rank_file_metadata,
+    tensor_key,
+)
+from gradsync_core.checkpoint._hyperparams import (
+    HYPERPARAMETERS,
+    HyperparameterWarning,
+    hyperparameter_warning,
+)
+from gradsync_core.checkpoint._model_weights import (
+    MODEL_PARAM,
+    WRAPPER_PREFIX,
+    check_weight_names,
+    is_wrapped,
+    model_key,
+    model_owners,
+    unwrapped_names,
+    weight_owners,
+)
+from gradsync_core.checkpoint._param_shard_state import DIM0, plan_dim0_shards
+from gradsync_core.checkpoint._safetensors import MAX_HEADER_BYTES, data_range, read_header
+from gradsync_core.checkpoint._save_hooks import SAVE_POINTS, save_hook
+from gradsync_core.checkpoint._save_protocol import (
+    CheckpointError,
+    SaveAgreement,
+    SaveSteps,
+    error_message,
+    run_save,
+    write_rank_file,
+)
+from gradsync_core.checkpoint._state_keys import (
+    COUNTERPARTS,
+    LEGACY_OPTIMIZER_NAMES,
+    OPTIMIZER_STATE_KEYS,
+    canonical_optimizer,
+    check_compatible,
+    check_optimizer,
+    check_state_keys,
+    counterpart_keys,
+)
+from gradsync_core.checkpoint._storage import (
+    check_rank_file,
+    read_manifest,
+    reading_version,
+    sha256_file,
+    verify_file_hashes,
+    write_atomic,
+    write_manifest,
+)
+
+__all__ = [
+    "COUNTERPARTS",
+    "DIM0",
+    "FORMAT_VERSION",
+    "HYPERPARAMETERS",
+    "LEGACY_OPTIMIZER_NAMES",
+    "MANIFEST",
+    "MAX_HEADER_BYTES",
+    "MAX_MANIFEST_BYTES",
+    "MODEL_PARAM",
+    "OPTIMIZER_STATE_KEYS",
+    "RANK_FILE_RE",
+    "SAVE_POINTS",
+    "WRAPPER_PREFIX",
+    "CheckpointError",
+    "HyperparameterWarning",
+    "Manifest",
+    "SaveAgreement",
+    "SaveSteps",
+    "begin_save",
+    "canonical_optimizer",
+    "check_compatible",
+    "check_optimizer",
+    "check_rank_file",
+    "check_state_keys",
+    "check_weight_names",
+    "commit_save",
+    "counterpart_keys",
+    "data_extra",
+    "data_range",
+    "discard_save",
+    "error_message",
+    "fsync_directory",
+    "hyperparameter_warning",
+    "is_wrapped",
+    "model_key",
+    "model_owners",
+    "new_save_token",
+    "open_checkpoint_file",
+    "plan_dim0_shards",
+    "rank_file",
+    "rank_file_metadata",
+    "read_header",
+    "read_manifest",
+    "reading_version",
+    "resolve_checkpoint",
+    "restore_data",
+    "run_save",
+    "save_hook",
+    "sha256_file",
+    "staging_directory",
+    "tensor_key",
+    "unwrapped_names",
+    "verify_file_hashes",
+    "weight_owners",
+    "write_atomic",
+    "write_manifest",
+    "write_rank_file",
+]

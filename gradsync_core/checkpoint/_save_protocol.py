@@ -1,0 +1,259 @@
+"""The switching save, written once for every executor (docs/design.md §9).
+
+A checkpoint save is a collective: every rank (torch) or process (JAX) writes its own rank
+files, one leader writes the manifest and switches ``PATH`` to the new version. Whatever the
+framework, the steps are the same, and so are the hazards: a rank that fails while the others
+walk on into the next collective hangs the job, and a manifest written before every file is
+complete loses data. ``run_save`` takes the ranks through the steps together:
+
+1. every rank prepares its files (a failure is held, not raised);
+2. all agree that every rank prepared; the leader opens ``PATH.tmp-<token>`` (``begin_save``)
+   and its token is shared;
+3. every rank writes and hashes its files there; all agree that every write worked, and every
+   rank's digests and record (what the manifest needs from it) are gathered;
+4. the leader writes the manifest and switches ``PATH`` (``commit_save``), or removes the
+   staging directory (``discard_save``) on failure; all agree on the outcome.
+
+Each executor implements ``SaveAgreement`` on its own collectives (torch: a process group,
+JAX: ``jax.distributed`` processes) and gives ``SaveSteps``, its framework part. A failed save
+raises ``CheckpointError`` on every rank, with the same sentence, naming the rank that failed;
+on the failing rank the original exception is its ``__cause__``.
+
+Fault injection: ``save_hook(point, action)`` runs ``action`` at one of ``SAVE_POINTS``, so
+the fault tests kill or fail a save at a named step instead of patching private functions.
+
+Progress: the leader logs each save's start, its steps and its end (files, bytes, elapsed) at
+INFO through ``logging`` (this module's logger, under ``gradsync_core``). No handler is
+configured, so saves are silent unless the program asks, e.g.
+``logging.basicConfig(level=logging.INFO)``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar
+
+from gradsync_core.checkpoint._atomic import (
+    begin_save,
+    commit_save,
+    discard_save,
+    new_save_token,
+    release_save,
+)
+from gradsync_core.checkpoint._atomic import staging_directory as _staging_directory
+from gradsync_core.checkpoint._format import Manifest
+from gradsync_core.checkpoint._save_hooks import run_hook
+from gradsync_core.checkpoint._storage import write_atomic, write_manifest
+
+P = TypeVar("P")
+_log = logging.getLogger(__name__)
+
+
+class CheckpointError(ValueError, RuntimeError):
+    """A checkpoint save or load failed; raised alike on every rank or process.
+
+    Subclasses both ``ValueError`` (what ``gradsync_torch`` raised before) and ``RuntimeError``
+    (what ``gradsync_jax`` raised on the processes that did not fail), so existing handlers
+    of either keep working.
+    """
+
+
+class SaveAgreement(Protocol):
+    """The collectives one save needs; each executor implements them on its own group."""
+
+    @property
+    def leader(self) -> bool:
+        """Whether this rank opens the staging directory and writes the manifest."""
+        ...
+
+    @property
+    def who(self) -> str:
+        """This rank as a sentence names it: ``"rank 1"``, ``"process 0"``."""
+        ...
+
+    def all_ok(self, error: str | None, what: str) -> None:
+        """Raise ``CheckpointError("{what} (<who failed>): {error}")`` on every rank unless no
+        rank failed (``error`` is this rank's failure, ``None`` when its step worked)."""
+        ...
+
+    def share_token(self, token: str | None) -> str:
+        """The leader's save token, on every rank."""
+        ...
+
+    def gather(self, record: Any) -> list[Any]:
+        """Every rank's JSON-able ``record``, in rank order, on every rank."""
+        ...
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SaveSteps(Generic[P]):
+    """An executor's framework part of one save.
+
+    ``prepare()`` builds this rank's tensors (anything ``P``); ``write_files(prepared,
+    staging)`` writes this rank's rank files into ``staging`` and returns ``{rank: sha256}``
+    for each (``write_rank_file`` does one); ``record(prepared)`` is the JSON-able data the
+    manifest needs from this rank; ``manifest(prepared, files, records)`` builds the manifest
+    from every rank file's digest and every rank's record.
+    """
+
+    prepare: Callable[[], P]
+    write_files: Callable[[P, str], Mapping[int, str]]
+    manifest: Callable[[P, dict[int, str], list[Any]], Manifest]
+    record: Callable[[P], Any] = lambda prepared: None
+
+
+def error_message(error: BaseException) -> str:
+    """One sentence for a failure: a ``ValueError``'s own words, else ``"Type: words"``."""
+    return f"{error}" if isinstance(error, ValueError) else f"{type(error).__name__}: {error}"
+
+
+def write_rank_file(staging: str, name: str, data: bytes) -> str:
+    """Write one rank file atomically into ``staging``; return its sha256 (hex)."""
+    run_hook("before_file")
+    write_atomic(os.path.join(staging, name), data)
+    run_hook("after_file")
+    return hashlib.sha256(data).hexdigest()
+
+
+class _Step:
+    """Runs one step of a save: holds a local failure until every rank has been asked."""
+
+    def __init__(self, agreement: SaveAgreement, what: str) -> None:
+        self.agreement, self.what = agreement, what
+
+    def __call__(self, action: Callable[[], Any], *, run: bool = True, label: str = "") -> Any:
+        result, error = None, None
+        if run:
+            try:
+                result = action()
+            # Held until every rank knows; a KeyboardInterrupt too: raised at once, it would
+            # leave the other ranks waiting for this one until the process-group timeout.
+            except BaseException as e:
+                error = e
+        message = None if error is None else f"{label}{error_message(error)}"
+        try:
+            self.agreement.all_ok(message, self.what)
+        except CheckpointError as failure:
+            if error is not None and not isinstance(error, Exception):
+                raise error from None  # the others know now: an interrupt stays one here
+            raise failure from error
+        return result
+
+
+def run_save(
+    path: str | os.PathLike[str], agreement: SaveAgreement, steps: SaveSteps[P], *, what: str
+) -> Manifest:
+    """Save a checkpoint at ``path`` with the switching protocol (a collective).
+
+    Args:
+        path: the checkpoint path (a link to the newest complete version once saved).
+        agreement: the executor's collectives over the ranks that save together.
+        steps: the executor's framework part.
+        what: the failure's subject, e.g. ``"cannot save optimizer checkpoint ckpt/opt"``.
+
+    Returns:
+        The manifest written, on every rank.
+
+    Raises:
+        CheckpointError: on every rank when any rank failed any step; ``path`` then still
+            names the previous checkpoint.
+    """
+    start = time.monotonic()
+    if agreement.leader:
+        _log.info("saving checkpoint %s", os.fspath(path))
+    step = _Step(agreement, what)
+    prepared = step(steps.prepare)  # nothing on disk has changed yet
+
+    def open_staging() -> str:
+        token = new_save_token()
+        begin_save(path, token)
+        return token
+
+    # Also orders the staging directory's creation before any rank writes into it.
+    token = step(open_staging, run=agreement.leader)
+    staging = _staging_directory(path, agreement.share_token(token))
+    if agreement.leader:
+        _log.info(
+            "checkpoint %s: state prepared in %.2f s; writing into %s",
+            os.fspath(path),
+            time.monotonic() - start,
+            staging,
+        )
+    try:
+        return _write_and_commit(path, staging, agreement, steps, prepared, step, start)
+    finally:
+        # Whatever happened (a collective broken by a dead rank included), this save is over:
+        # what it left behind is abandoned now, and a later save removes it.
+        if agreement.leader:
+            release_save(staging)
+
+
+def _write_and_commit(
+    path: str | os.PathLike[str],
+    staging: str,
+    agreement: SaveAgreement,
+    steps: SaveSteps[P],
+    prepared: P,
+    step: _Step,
+    start: float,
+) -> Manifest:
+    """Steps 3 and 4 of ``run_save``: write and hash, gather, write the manifest and switch;
+    ``start`` is the save's ``time.monotonic()`` at its start, for the log."""
+    try:
+        written = step(
+            lambda: dict(steps.write_files(prepared, staging)),
+            label=f"{agreement.who} could not write its file: ",
+        )
+    except CheckpointError:
+        # Every rank knows the save failed: the leader removes what it staged. When a
+        # collective itself breaks (a rank died), the staging directory stays: it is never
+        # read, and once ``run_save`` dropped its save lock a later save removes it.
+        if agreement.leader:
+            discard_save(staging)
+        raise
+    gathered = agreement.gather({"files": written, "record": steps.record(prepared)})
+    nbytes = 0
+    if agreement.leader:  # every rank's files are complete in ``staging`` now, and only they
+        nbytes = sum(entry.stat().st_size for entry in os.scandir(staging) if entry.is_file())
+        _log.info(
+            "checkpoint %s: every rank wrote its files, %d bytes, in %.2f s",
+            os.fspath(path),
+            nbytes,
+            time.monotonic() - start,
+        )
+    files = {int(rank): digest for g in gathered for rank, digest in g["files"].items()}
+    records: Sequence[Any] = [g["record"] for g in gathered]
+
+    def commit() -> Manifest:
+        try:
+            manifest = steps.manifest(prepared, files, list(records))
+            if agreement.leader:
+                run_hook("before_manifest")
+                write_manifest(staging, manifest)
+                commit_save(path, staging)
+        except BaseException:
+            if agreement.leader:
+                discard_save(staging)
+            raise
+        return manifest
+
+    manifest = step(commit)  # nobody returns before the checkpoint is complete
+    if agreement.leader:
+        _log.info(
+            "saved checkpoint %s: %s (%s), step %d, world size %d, %d rank files, %d bytes, "
+            "in %.2f s",
+            os.fspath(path),
+            manifest.framework,
+            manifest.optimizer,
+            manifest.step,
+            manifest.world_size,
+            len(manifest.files),
+            nbytes,
+            time.monotonic() - start,
+        )
+    return manifest

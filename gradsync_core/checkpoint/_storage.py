@@ -1,0 +1,238 @@
+"""Reading and writing a checkpoint directory (docs/design.md §9).
+
+The manifest is written atomically with a checksum over its fields and read back bounded and
+checked; rank files are hashed against the manifest and their recorded rank and world size
+against their names; a version that a later save removed while it was being read is one
+sentence (``reading_version``). The format itself, plain data, is ``_format``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
+
+from gradsync_core.checkpoint._files import open_checkpoint_file
+from gradsync_core.checkpoint._format import (
+    MANIFEST,
+    MAX_MANIFEST_BYTES,
+    RANK_FILE_RE,
+    Manifest,
+    manifest_checksum,
+    rank_file_metadata,
+)
+from gradsync_core.checkpoint._safetensors import read_metadata
+
+
+def sha256_file(path: str | os.PathLike[str]) -> str:
+    """sha256 (hex) of a checkpoint file, which must be a regular file (``_files``)."""
+    directory, name = os.path.split(os.fspath(path))
+    digest = hashlib.sha256()
+    with open_checkpoint_file(directory or ".", name) as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def current_umask() -> int:
+    """The process's umask, read without changing it where Linux shows it (``os.umask`` can
+    only be read by setting it, which races with other threads creating files)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def write_atomic(path: str | os.PathLike[str], data: bytes) -> None:
+    """Write ``data`` to a temp file beside ``path`` and rename it into place, so a reader
+    sees the old file or the new one, never half of one."""
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=os.path.basename(path))
+    try:
+        # mkstemp creates the file 0600; a checkpoint file gets open()'s mode, 0666 less the
+        # umask, as torch.save's and safetensors' files do, so a shared group can read it.
+        if hasattr(os, "fchmod"):
+            os.fchmod(fd, 0o666 & ~current_umask())
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def write_manifest(directory: str | os.PathLike[str], manifest: Manifest) -> None:
+    """Write ``manifest.json`` atomically, with a ``"checksum"`` over its other fields."""
+    # Through JSON and back first, so the checksum covers exactly what a reader will parse
+    # (tuples become lists, int keys strings).
+    obj = json.loads(json.dumps(manifest.to_json()))
+    obj["checksum"] = manifest_checksum(obj)
+    text = json.dumps(obj, indent=1, sort_keys=True)
+    write_atomic(os.path.join(directory, MANIFEST), text.encode("utf-8"))
+
+
+def read_manifest(directory: str | os.PathLike[str], *, verify_files: bool = True) -> Manifest:
+    """Read and check a checkpoint's manifest (and, by default, every rank file's hash).
+
+    The manifest's own checksum and every field are checked before anything is loaded.
+
+    Raises:
+        ValueError: if the manifest is missing, unreadable, edited, holds a field of the
+            wrong type, or a file is missing or corrupt.
+    """
+    path = os.path.join(directory, MANIFEST)
+    try:
+        with open_checkpoint_file(directory, MANIFEST) as f:
+            raw = f.read(MAX_MANIFEST_BYTES + 1)
+        if len(raw) > MAX_MANIFEST_BYTES:
+            raise ValueError(
+                f"{path} is larger than {MAX_MANIFEST_BYTES >> 20} MiB, which no gradsync "
+                "manifest is; restore it or save again"
+            )
+        obj = json.loads(raw.decode("utf-8"))
+    except FileNotFoundError:
+        _refuse_if_removed(directory)
+        raise ValueError(
+            f"{directory!s} has no {MANIFEST}: not a gradsync checkpoint, or its save did "
+            "not finish"
+        ) from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise ValueError(f"{path} is corrupt ({e}); restore it or save again") from None
+    # Manifests written before the checksum existed have none; they are accepted, and still
+    # get every field check below. A manifest that has one must match it.
+    if isinstance(obj, Mapping) and "checksum" in obj:
+        if obj["checksum"] != manifest_checksum(obj):
+            raise ValueError(
+                f"{path} does not match its own checksum: edited by hand or corrupt; "
+                "restore it or save again"
+            )
+    try:
+        manifest = Manifest.from_json(obj)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+    except (KeyError, TypeError) as e:  # a shape the field checks did not foresee
+        raise ValueError(f"{path} is corrupt ({e!r}); restore it or save again") from None
+    if verify_files:
+        verify_file_hashes(directory, manifest)
+    return manifest
+
+
+# A version directory of a switching save (``PATH.v-<16 hex>``, _atomic.py).
+_VERSION_DIR_RE = re.compile(r".+\.v-[0-9a-f]{16}")
+
+
+def _removed(directory: str | os.PathLike[str]) -> bool:
+    """Whether ``directory`` is a version of a switching save that is gone (a later save
+    removed it: renamed to a ``.tmp-`` name, then deleted)."""
+    name = os.path.basename(os.fspath(directory))
+    return bool(_VERSION_DIR_RE.fullmatch(name)) and not os.path.isdir(directory)
+
+
+def _removed_sentence(directory: str | os.PathLike[str]) -> str:
+    return (
+        f"checkpoint {os.fspath(directory)} was removed by a later save while it was being "
+        "read; load again"
+    )
+
+
+def _refuse_if_removed(directory: str | os.PathLike[str]) -> None:
+    """A version directory that vanished while it was read was removed by a later save
+    (docs/design.md §9): say so, instead of calling the checkpoint incomplete."""
+    if _removed(directory):
+        raise ValueError(_removed_sentence(directory)) from None
+
+
+@contextlib.contextmanager
+def reading_version(directory: str | os.PathLike[str]) -> Iterator[None]:
+    """Where a load reads a resolved version: a version removed meanwhile is one sentence.
+
+    Every read of a version ``directory`` (``resolve_checkpoint``) runs inside it. A failure
+    while a later save removed that version, whatever a reader raised for its vanished files
+    (``FileNotFoundError``, safetensors' ``unable to open file``, a missing manifest), becomes
+    the documented sentence ``checkpoint PATH.v-... was removed by a later save while it was
+    being read; load again`` (docs/design.md §9). Any other failure passes unchanged.
+
+    Raises:
+        ValueError: that sentence, with the reader's error as its cause.
+    """
+    try:
+        yield
+    except Exception as err:
+        if _removed(directory):
+            raise ValueError(_removed_sentence(directory)) from err
+        raise
+
+
+def verify_file_hashes(
+    directory: str | os.PathLike[str], manifest: Manifest, files: Sequence[str] | None = None
+) -> None:
+    """Check rank files against the sha256 the manifest recorded for them.
+
+    Args:
+        directory: the checkpoint directory.
+        manifest: its manifest, as returned by ``read_manifest``.
+        files: the rank files to check (default: every file the manifest lists). A rank that
+            reads only some files can check those plus its share of the rest, so that together
+            the ranks check every file once.
+
+    Raises:
+        ValueError: naming the first file that is missing, unlisted or does not match.
+    """
+    for name in manifest.files if files is None else files:
+        file_path = os.path.join(directory, name)
+        if name not in manifest.files:
+            raise ValueError(f"checkpoint file {file_path} is not listed in its manifest")
+        try:
+            digest = sha256_file(file_path)  # refuses a FIFO, device or link out, unread
+        except FileNotFoundError:
+            _refuse_if_removed(directory)
+            raise ValueError(f"checkpoint file {file_path} is missing") from None
+        if digest != manifest.files[name]:
+            raise ValueError(
+                f"checkpoint file {file_path} does not match its manifest hash: corrupt or "
+                "from another save"
+            )
+        check_rank_file(directory, name)
+
+
+def check_rank_file(directory: str | os.PathLike[str], name: str) -> None:
+    """Refuse a rank file whose recorded rank and world size are not those of its name.
+
+    Hashes alone cannot tell two rank files that trade places with the manifest's hashes
+    redone (a copy gone wrong, a "repaired" download): under a flat or dim-0 plan their slices
+    are often equally long, and every rank would silently take another's rows. A rank file
+    records neither only if JAX wrote it before rank files recorded them; it is read as named
+    (docs/design.md §9).
+
+    Raises:
+        ValueError: naming the file, what it records and what to do.
+    """
+    match = RANK_FILE_RE.fullmatch(name)
+    if match is None:
+        raise ValueError(f"checkpoint file {name!r} is not a rank file's name")
+    path = os.path.join(directory, name)
+    metadata = read_metadata(path)
+    recorded = (metadata.get("rank"), metadata.get("world"))
+    if recorded == (None, None):
+        return
+    named = rank_file_metadata(int(match.group(1)), int(match.group(2)))
+    if recorded != (named["rank"], named["world"]):
+        rank, world = (v if isinstance(v, str) and v.isdigit() else repr(v) for v in recorded)
+        raise ValueError(
+            f"checkpoint file {path} records rank {rank} of {world} but is named for rank "
+            f"{named['rank']} of {named['world']}: rank files were swapped or renamed; restore "
+            "them or save again"
+        )

@@ -1,0 +1,218 @@
+"""``gradsync plan --zero 0|1|2|3``: per-rank bytes of parameters, gradients and optimizer
+state, and the peak, as DeepSpeed's memory estimator prints them (docs/design.md §16).
+
+ZeRO-0 is DDP (everything replicated), 1 shards optimizer state, 2 gradients too, 3 the
+parameters as well (``plan_param_shards``: FSDP2's units and dim-0 chunks).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from typing import Any
+
+from gradsync_core.cli._table import mib, shown, table
+from gradsync_core.plan._buckets import BucketPlan
+from gradsync_core.plan._memory import (
+    OPTIMIZER_STATE_BYTES,
+    MemoryEstimate,
+    estimate_ddp,
+    estimate_zero1,
+    estimate_zero2,
+    estimate_zero3,
+)
+from gradsync_core.plan._param_shards import ParamShardPlan, plan_param_shards
+from gradsync_core.plan._param_units import block_prefixes
+from gradsync_core.plan._shards import ShardPlan
+from gradsync_core.plan._specs import ParamSpec
+
+# --zero lists every data-parallel rank in --json: bounded so the output stays a few MiB.
+MAX_ZERO_RANKS = 1 << 16
+_SHOWN_RANKS = 16
+# Built-in models' tied weights (gpt2_small lists lm_head's weight once, as wte's): autograd
+# accumulates their gradients, which the ZeRO-3 estimate counts (estimate_zero3's ``tied``).
+BUILTIN_TIED = {"gpt2-small": ("transformer.wte.weight",)}
+_STAGE = {
+    0: "ZeRO-0 (DDP: all replicated)",
+    1: "ZeRO-1 (optimizer state sharded)",
+    2: "ZeRO-2 (gradients and state sharded)",
+    3: "ZeRO-3 (parameters, gradients and state sharded, FSDP2's cut)",
+}
+
+
+def add_zero_arguments(plan: argparse.ArgumentParser) -> None:
+    """The ``--zero`` options of ``gradsync plan``."""
+    plan.add_argument(
+        "--zero",
+        type=int,
+        choices=(0, 1, 2, 3),
+        default=None,
+        help="print per-rank memory of parameters, gradients and optimizer state under this "
+        f"ZeRO stage (0 = DDP) instead of the plans; at most {MAX_ZERO_RANKS:,} dp ranks",
+    )
+    plan.add_argument(
+        "--units",
+        default=None,
+        metavar="PREFIXES",
+        help="--zero 3: comma-separated module prefixes gathered as units (one fully_shard "
+        "each, the root implied); default: the first numbered module of each parameter, "
+        "e.g. transformer.h.0, transformer.h.1, ...",
+    )
+    plan.add_argument(
+        "--shard-size",
+        type=int,
+        default=None,
+        help="--zero 3: shard over groups of this many dp ranks and replicate across groups "
+        "(HSDP); default: all dp ranks",
+    )
+    plan.add_argument(
+        "--tied",
+        default=None,
+        metavar="NAMES",
+        help="--zero 3: comma-separated parameters used twice (tied weights), listed by the "
+        "name they have in the model; default: gpt2-small's embedding, a torch --model's "
+        '(found by identity), the --params file\'s "tied" list; none otherwise',
+    )
+    plan.add_argument(
+        "--optimizer",
+        default="adam",
+        help=f"optimizer state per element: {', '.join(OPTIMIZER_STATE_BYTES)}, or a number "
+        "of bytes per element (default adam: two fp32 moments, 8 bytes)",
+    )
+
+
+def _names(value: str) -> list[str]:
+    return [name.strip() for name in value.split(",") if name.strip()]
+
+
+def tied_names(args: argparse.Namespace, source: Sequence[str]) -> tuple[str, ...]:
+    """The tied weights ZeRO-3 counts: ``--tied`` if given, else the source's (gpt2-small's
+    embedding, a torch model's found by identity, a parameter file's ``"tied"`` list)."""
+    return tuple(source) if args.tied is None else tuple(_names(args.tied))
+
+
+def _optimizer(value: str) -> str | int:
+    return int(value) if value.isdigit() else value
+
+
+def check_zero_arguments(args: argparse.Namespace, dp: int) -> None:
+    """Refuse options that do not apply to the chosen stage, before anything is planned."""
+    if args.zero is None:
+        for flag in ("units", "shard_size", "tied"):
+            if getattr(args, flag) is not None:
+                raise ValueError(f"--{flag.replace('_', '-')} applies to --zero 3 only")
+        return
+    if args.zero != 3 and (args.units, args.shard_size, args.tied) != (None, None, None):
+        raise ValueError("--units, --shard-size and --tied apply to --zero 3 only")
+    if args.zero == 2 and args.partition == "greedy":
+        raise ValueError("ZeRO-2 cuts gradients into flat element ranges; drop --partition greedy")
+    if dp > MAX_ZERO_RANKS:
+        raise ValueError(
+            f"--zero lists every data-parallel rank; {dp:,} is more than {MAX_ZERO_RANKS:,}"
+        )
+    if args.shard_size is not None and not (
+        1 <= args.shard_size <= dp and dp % args.shard_size == 0
+    ):
+        raise ValueError(
+            f"--shard-size must divide the data-parallel size {dp}, got {args.shard_size}"
+        )
+
+
+def zero_estimate(
+    specs: Sequence[ParamSpec],
+    args: argparse.Namespace,
+    dp: int,
+    plans: tuple[BucketPlan, ShardPlan] | None,
+    tied: Sequence[str] = (),
+) -> tuple[MemoryEstimate, ParamShardPlan | None]:
+    """The estimate for ``args.zero`` over ``dp`` ranks; ``plans`` are ZeRO-0/1/2's buckets and
+    shards, ``None`` for ZeRO-3, which plans its own units; ``tied``: ``tied_names``."""
+    optimizer = _optimizer(args.optimizer)
+    if args.zero == 3:
+        units = block_prefixes(specs) if args.units is None else _names(args.units)
+        replicate = dp // (args.shard_size or dp)
+        plan = plan_param_shards(specs, world_size=dp, units=units, replicate_size=replicate)
+        return estimate_zero3(plan, optimizer=optimizer, tied=tied), plan
+    assert plans is not None  # the caller plans buckets and shards for stages 0-2
+    buckets, shards = plans
+    if args.zero == 0:
+        return estimate_ddp(specs, buckets, world_size=dp, optimizer=optimizer), None
+    if args.zero == 1:
+        return estimate_zero1(specs, buckets, shards, optimizer=optimizer), None
+    return estimate_zero2(specs, shards, optimizer=optimizer), None
+
+
+def zero_json(estimate: MemoryEstimate, plan: ParamShardPlan | None) -> dict[str, Any]:
+    """``--json``: the estimate, and for ZeRO-3 the parameter-shard plan and its fingerprint."""
+    out: dict[str, Any] = {"memory": estimate.to_json()}
+    if plan is not None:
+        out["param_shards"] = plan.to_json()
+        out["fingerprints"] = {"param_shards": plan.fingerprint}
+    return out
+
+
+def _units_section(plan: ParamShardPlan) -> str:
+    rows = []
+    for unit in plan.units:
+        local = plan.unit_padded_nbytes(unit.index)
+        rows.append(
+            [
+                unit.index,
+                repr(unit.prefix),
+                len(unit.params),
+                f"{sum(plan.chunk(n, 0).padded_numel for n in unit.params) * plan.shard_size:,}",
+                mib(local * plan.shard_size),
+                mib(local),
+            ]
+        )
+    head = (
+        f"Units: {len(plan.units)} (root first, then module order; sharded over "
+        f"{plan.shard_size} ranks x {plan.replicate_size} replicas)"
+    )
+    headers = ["unit", "prefix", "params", "gathered elements", "gathered MiB", "MiB/rank"]
+    return head + "\n" + table(headers, rows)
+
+
+def zero_text(
+    estimate: MemoryEstimate, plan: ParamShardPlan | None, tied: Sequence[str] = ()
+) -> str:
+    """The text report: ZeRO-3's units and tied weights, then per-rank MiB and the fullest
+    rank."""
+    what = "shard rank" if estimate.zero == 3 else "dp rank"
+    rows: list[Sequence[Any]] = [
+        [
+            r.rank,
+            mib(r.parameter_bytes),
+            mib(r.gradient_bytes),
+            mib(r.optimizer_state_bytes),
+            mib(r.transient_bytes),
+            mib(r.peak_bytes),
+        ]
+        for r in (estimate.ranks[i] for i in shown(len(estimate.ranks), _SHOWN_RANKS))
+    ]
+    if len(estimate.ranks) > _SHOWN_RANKS:
+        rows.insert(_SHOWN_RANKS // 2, ["..."] * 6)
+    fullest = estimate.max
+    lines = [
+        f"{_STAGE[estimate.zero]} over {estimate.world_size} dp ranks; optimizer state "
+        f"{estimate.state_bytes_per_element} bytes per trainable element",
+        "",
+    ]
+    if plan is not None:
+        lines += [_units_section(plan), ""]
+        lines += [
+            "tied weights (their gradient accumulated from two uses): "
+            + (", ".join(tied) if tied else "none (name them with --tied)"),
+            "",
+        ]
+    headers = [what, "params MiB", "grads MiB", "state MiB", "transient MiB", "peak MiB"]
+    lines += [
+        "Per-rank memory of model states (activations not counted; transient: bucket "
+        "buffers, or gathered units and one unit's full gradients)",
+        table(headers, rows, max_rows=_SHOWN_RANKS + 1),
+        "",
+        f"fullest: {what} {fullest.rank}, peak {mib(fullest.peak_bytes)} MiB",
+    ]
+    if plan is not None:
+        lines.append(f"fingerprint: param_shards {plan.fingerprint[:16]}")
+    return "\n".join(lines)

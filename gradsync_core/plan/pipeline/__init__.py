@@ -1,0 +1,43 @@
+"""Pipeline parallelism as planner data (docs/pipeline.md).
+
+One module per concept: torch's action grammar (``_actions``), the schedules' compute orders
+(``_schedules``), torch's lowering passes that add communication and ZeRO-3 points
+(``_lower``), the layer partition and Megatron-core's layout strings (``_layout``), the plan
+value (``_plan``), and the validator and simulator that walk a plan (``_sim``).
+"""
+
+from gradsync_core.plan.pipeline._actions import (
+    Action,
+)
+from gradsync_core.plan.pipeline._layout import (
+    parse_layout,
+    partition_layers,
+)
+from gradsync_core.plan.pipeline._plan import (
+    PipelinePlan,
+    Stage,
+    plan_pipeline,
+)
+from gradsync_core.plan.pipeline._schedules import (
+    SCHEDULES,
+)
+from gradsync_core.plan.pipeline._sim import (
+    PipelineSimulation,
+    TimedAction,
+    check_actions,
+    simulate_pipeline,
+)
+
+__all__ = [
+    "SCHEDULES",
+    "Action",
+    "PipelinePlan",
+    "PipelineSimulation",
+    "Stage",
+    "TimedAction",
+    "check_actions",
+    "parse_layout",
+    "partition_layers",
+    "plan_pipeline",
+    "simulate_pipeline",
+]

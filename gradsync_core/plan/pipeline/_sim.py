@@ -1,0 +1,468 @@
+"""Pipeline validator and simulator: run every rank's actions against the others (docs/pipeline.md).
+
+One walk does both. Each rank takes its actions in order; a forward waits for its input (the
+previous stage's output, local or received), a backward for its output gradient; a send is
+asynchronous (torch's ``isend``) and its data lands ``p2p`` later; a receive is posted where
+it stands and waited on by the compute that consumes it (torch's runtime). Anything that no
+timing could make right (a backward before its forward, a receive nobody sends, a weight
+gradient before its input gradient, a stage computed while sharded) is refused with a
+sentence; ranks that all wait on each other are a deadlock, refused the same way. With
+durations the same walk is the simulator: step time, idle time per rank (the bubble) and the
+peak number of stashed microbatches per rank.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from gradsync_core.plan.pipeline._actions import (
+    BACKWARD_INPUT,
+    BACKWARD_WEIGHT,
+    FORWARD,
+    FULL_BACKWARD,
+    RECV_B,
+    RECV_F,
+    REDUCE_GRAD,
+    SEND_B,
+    SEND_F,
+    UNSHARD,
+    Action,
+)
+
+Times = float | Sequence[float]  # one time for every stage, or one per stage
+
+
+class PipelineLike(Protocol):
+    """What the simulator reads of a plan: a ``PipelinePlan`` (which imports this module, so
+    this module names it by its shape)."""
+
+    @property
+    def actions(self) -> tuple[tuple[Action, ...], ...]: ...
+    @property
+    def stage_ranks(self) -> tuple[int, ...]: ...
+    @property
+    def microbatches(self) -> int: ...
+    @property
+    def zero3(self) -> bool: ...
+
+
+_Key = tuple[int, int]  # (stage, microbatch)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TimedAction:
+    """One action a rank ran, and when (an ``OVERLAP_F_B`` appears as its two parts)."""
+
+    action: Action
+    start: float
+    end: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PipelineSimulation:
+    """What one step of a pipeline plan costs, rank by rank.
+
+    ``idle[r]`` is ``step_time - busy[r]``: the bubble of rank r, its waits included.
+    ``peak_stash[r]`` is the most (stage, microbatch) activations rank r holds at once: a
+    forward stashes one, its full backward (or, split, its weight gradient) frees it.
+    """
+
+    step_time: float
+    busy: tuple[float, ...]
+    idle: tuple[float, ...]
+    peak_stash: tuple[int, ...]
+    actions: tuple[tuple[TimedAction, ...], ...]
+
+    @property
+    def bubble(self) -> float:
+        """Idle time over all ranks' time: ``sum(idle) / (ranks * step_time)``."""
+        total = len(self.idle) * self.step_time
+        return sum(self.idle) / total if total else 0.0
+
+
+def simulate_pipeline(
+    plan: PipelineLike,
+    *,
+    forward: Times = 1.0,
+    backward: Times = 2.0,
+    weight: Times = 1.0,
+    p2p: float = 0.0,
+) -> PipelineSimulation:
+    """Run ``plan`` with these durations and report its step (docs/pipeline.md, "Simulator").
+
+    Args:
+        plan: the pipeline plan.
+        forward: a stage's forward time on one microbatch (one number, or one per stage).
+        backward: a stage's full backward time (input and weight gradients together).
+        weight: the weight-gradient half of ``backward``; the input-gradient half (``I``)
+            takes ``backward - weight``. Only split schedules (zero bubble) use it.
+        p2p: the time from a send to its data at the receiver.
+
+    Returns:
+        The step time, per-rank busy and idle time, per-rank peak stash and every action's
+        start and end.
+
+    Raises:
+        ValueError: on negative or non-finite times, ``weight > backward``, or a time list
+            whose length is not the number of stages.
+
+    Example:
+        >>> plan = plan_pipeline(schedule="GPipe", microbatches=4, topology=Topology(pp=4),
+        ...                      layers=8)
+        >>> sim = simulate_pipeline(plan, forward=1, backward=2)
+        >>> sim.step_time, round(sim.bubble, 4) == round(3 / 7, 4)
+        (21.0, True)
+    """
+    n = len(plan.stage_ranks)
+    f, b, w = (
+        _per_stage(name, t, n)
+        for name, t in (("forward", forward), ("backward", backward), ("weight", weight))
+    )
+    for s in range(n):
+        if w[s] > b[s]:
+            raise ValueError(
+                f"weight time {w[s]} exceeds the full backward time {b[s]} of stage {s}; the "
+                "weight gradient is a part of the backward: give weight <= backward"
+            )
+    if not (isinstance(p2p, int | float) and math.isfinite(p2p) and p2p >= 0):
+        raise ValueError(f"p2p must be a finite time >= 0, got {p2p!r}")
+    durations = {FORWARD: f, FULL_BACKWARD: b, BACKWARD_WEIGHT: w}
+    durations[BACKWARD_INPUT] = [b[s] - w[s] for s in range(n)]
+    return _walk(
+        plan.actions,
+        plan.stage_ranks,
+        plan.microbatches,
+        zero3=plan.zero3,
+        durations=durations,
+        p2p=float(p2p),
+    )
+
+
+def check_actions(
+    actions: Sequence[Sequence[Action]],
+    ranks: Sequence[int],
+    microbatches: int,
+    *,
+    zero3: bool,
+) -> tuple[int, ...]:
+    """Refuse actions that cannot run as one step: the pipeline validator.
+
+    Every stage runs a forward and a backward (full, or input then weight gradient) of every
+    microbatch on its own rank, each after its inputs; every send has its receive, posted in
+    the same order on both ranks of a pair; each stage reduces its gradients once, after its
+    last backward; with ``zero3`` a stage is computed only while unsharded, and ends
+    resharded; and the ranks never all wait on each other.
+
+    Args:
+        actions: each pipeline rank's actions, in order.
+        ranks: the pipeline rank of each stage.
+        microbatches: how many microbatches the step runs.
+        zero3: whether the stages' parameters are sharded (``UNSHARD``/``RESHARD`` expected).
+
+    Returns:
+        The peak number of stashed microbatches per rank.
+
+    Raises:
+        ValueError: naming the first rule broken, the rank and the action.
+    """
+    zeros = [0.0] * len(ranks)
+    durations = {k: zeros for k in (FORWARD, FULL_BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)}
+    sim = _walk(actions, tuple(ranks), microbatches, zero3=zero3, durations=durations, p2p=0.0)
+    return sim.peak_stash
+
+
+def _per_stage(name: str, times: Times, n: int) -> list[float]:
+    values = [times] * n if isinstance(times, int | float) else list(times)
+    if len(values) != n:
+        raise ValueError(f"{name} has {len(values)} times for {n} stages; give one per stage")
+    for t in values:
+        if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or t < 0:
+            raise ValueError(f"{name} times must be finite numbers >= 0, got {t!r}")
+    return [float(t) for t in values]
+
+
+def _walk(
+    actions: Sequence[Sequence[Action]],
+    ranks: tuple[int, ...],
+    m: int,
+    *,
+    zero3: bool,
+    durations: dict[str, list[float]],
+    p2p: float,
+) -> PipelineSimulation:
+    """Run every rank as far as its inputs allow, round after round, until all are done."""
+    p, n = len(actions), len(ranks)
+    state = _State(p, n, m, ranks, zero3, durations, p2p)
+    pos = [0] * p
+    while any(pos[r] < len(actions[r]) for r in range(p)):
+        progress = False
+        for r in range(p):
+            while pos[r] < len(actions[r]):
+                if not state.run(r, actions[r][pos[r]]):
+                    break
+                pos[r] += 1
+                progress = True
+        if not progress:
+            blocked = [(r, actions[r][pos[r]]) for r in range(p) if pos[r] < len(actions[r])]
+            waits = "; ".join(
+                f"rank {r} waits at {a} for {state.waiting_for(r, a)}" for r, a in blocked
+            )
+            raise ValueError(
+                f"deadlock: {waits}; reorder the actions so that each input is sent before "
+                "its receiver waits on it"
+            )
+    state.finish()
+    step = max(state.clock, default=0.0)
+    return PipelineSimulation(
+        step_time=step,
+        busy=tuple(state.busy),
+        idle=tuple(step - busy for busy in state.busy),
+        peak_stash=tuple(state.peak),
+        actions=tuple(tuple(timed) for timed in state.timeline),
+    )
+
+
+class _State:
+    """Everything the walk has seen: what ran where and when, sends, receives, shards."""
+
+    def __init__(
+        self,
+        p: int,
+        n: int,
+        m: int,
+        ranks: tuple[int, ...],
+        zero3: bool,
+        durations: dict[str, list[float]],
+        p2p: float,
+    ) -> None:
+        self.p, self.n, self.m, self.ranks, self.zero3 = p, n, m, ranks, zero3
+        self.durations, self.p2p = durations, p2p
+        self.clock = [0.0] * p
+        self.busy = [0.0] * p
+        self.stash = [0] * p
+        self.peak = [0] * p
+        self.timeline: list[list[TimedAction]] = [[] for _ in range(p)]
+        self.done: dict[str, dict[_Key, float]] = {
+            k: {} for k in (FORWARD, FULL_BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)
+        }
+        self.sent: dict[tuple[str, int, int], float] = {}  # (SEND_F/SEND_B, stage, mb) -> time
+        self.posted: set[tuple[str, int, int]] = set()
+        self.consumed: set[tuple[str, int, int]] = set()
+        self.pairs: dict[tuple[int, int, str], list[tuple[str, int, int]]] = {}
+        self.unsharded: set[int] = set()
+        self.finished = [0] * n  # backwards that completed a microbatch's gradient, per stage
+        self.reduced: set[int] = set()
+
+    # -- readiness -------------------------------------------------------------------------
+
+    def _input(self, r: int, leaf: Action) -> float | None:
+        """When ``leaf``'s input is on rank r; ``None`` while a peer has yet to send it."""
+        s, mb = leaf.stage, leaf.microbatch
+        assert mb is not None
+        if leaf.kind == FORWARD:
+            if s == 0:
+                return 0.0
+            return self._from(r, leaf, s - 1, FORWARD, (FORWARD,), RECV_F, SEND_F)
+        if leaf.kind in (FULL_BACKWARD, BACKWARD_INPUT):
+            if (s, mb) not in self.done[FORWARD]:
+                raise ValueError(f"rank {r} runs {leaf} before the forward {s}F{mb}")
+            if s == self.n - 1:
+                return 0.0  # the loss is computed with the last forward
+            return self._from(
+                r, leaf, s + 1, "backward", (FULL_BACKWARD, BACKWARD_INPUT), RECV_B, SEND_B
+            )
+        if (s, mb) in self.done[FULL_BACKWARD]:
+            raise ValueError(
+                f"rank {r} runs {leaf} after the full backward {s}B{mb} already did it"
+            )
+        if (s, mb) not in self.done[BACKWARD_INPUT]:
+            raise ValueError(f"rank {r} runs {leaf} before the input gradient {s}I{mb}")
+        return 0.0
+
+    def _from(
+        self,
+        r: int,
+        leaf: Action,
+        peer: int,
+        what: str,
+        kinds: tuple[str, ...],
+        recv: str,
+        send: str,
+    ) -> float | None:
+        s, mb = leaf.stage, leaf.microbatch
+        assert mb is not None
+        if self.ranks[peer] == r:  # neighbouring stages on one rank: a local hand-over
+            for kind in kinds:
+                if (peer, mb) in self.done[kind]:
+                    return self.done[kind][peer, mb]
+            raise ValueError(
+                f"rank {r} runs {leaf} before the {what} of stage {peer} on microbatch {mb}, "
+                "which feeds it on the same rank"
+            )
+        if (recv, s, mb) not in self.posted or (recv, s, mb) in self.consumed:
+            raise ValueError(
+                f"rank {r} runs {leaf} without receiving its input first: put {s}{recv}{mb} "
+                "before it"
+            )
+        sent = self.sent.get((send, peer, mb))
+        return None if sent is None else sent + self.p2p
+
+    def waiting_for(self, r: int, action: Action) -> str:
+        for leaf in action.leaves:
+            if leaf.kind == BACKWARD_WEIGHT or self._input(r, leaf) is not None:
+                continue
+            peer, send = (
+                (leaf.stage - 1, SEND_F) if leaf.kind == FORWARD else (leaf.stage + 1, SEND_B)
+            )
+            return f"{peer}{send}{leaf.microbatch} on rank {self.ranks[peer]}"
+        return "nothing"  # pragma: no cover - only blocked actions are asked about
+
+    # -- running one action ----------------------------------------------------------------
+
+    def run(self, r: int, action: Action) -> bool:
+        """Run ``action`` on rank r if its inputs are there; ``False`` if it must wait."""
+        for leaf in action.leaves:
+            self._check_place(r, leaf)
+        if action.is_compute:
+            return self._compute(r, action)
+        self._other(r, action)
+        return True
+
+    def _check_place(self, r: int, leaf: Action) -> None:
+        if leaf.stage >= self.n:
+            raise ValueError(f"rank {r} has {leaf}, but there are only {self.n} stages")
+        if leaf.microbatch is not None and leaf.microbatch >= self.m:
+            raise ValueError(f"rank {r} has {leaf}, but the step runs {self.m} microbatches")
+        if self.ranks[leaf.stage] != r:
+            raise ValueError(
+                f"rank {r} has {leaf}, but stage {leaf.stage} runs on rank {self.ranks[leaf.stage]}"
+            )
+
+    def _compute(self, r: int, action: Action) -> bool:
+        ready = []
+        for leaf in action.leaves:
+            if self.zero3 and leaf.stage not in self.unsharded:
+                raise ValueError(
+                    f"rank {r} runs {leaf} while stage {leaf.stage} is sharded: UNSHARD it first"
+                )
+            key = (leaf.stage, leaf.microbatch)
+            if key in self.done[leaf.kind] or (
+                leaf.kind in (FULL_BACKWARD, BACKWARD_INPUT)
+                and key
+                in self.done[FULL_BACKWARD if leaf.kind == BACKWARD_INPUT else BACKWARD_INPUT]
+            ):
+                raise ValueError(f"rank {r} runs {leaf} twice")
+            at = self._input(r, leaf)
+            if at is None:
+                return False
+            ready.append(at)
+        for leaf, at in zip(action.leaves, ready, strict=True):
+            s, mb = leaf.stage, leaf.microbatch
+            assert mb is not None
+            if leaf.kind != BACKWARD_WEIGHT and leaf.kind != FORWARD and s != self.n - 1:
+                if self.ranks[s + 1] != r:
+                    self.consumed.add((RECV_B, s, mb))
+            if leaf.kind == FORWARD and s != 0 and self.ranks[s - 1] != r:
+                self.consumed.add((RECV_F, s, mb))
+            start = max(self.clock[r], at)
+            end = start + self.durations[leaf.kind][s]
+            self.clock[r] = end
+            self.busy[r] += end - start
+            self.done[leaf.kind][s, mb] = end
+            self.timeline[r].append(TimedAction(action=leaf, start=start, end=end))
+            if leaf.kind == FORWARD:
+                self.stash[r] += 1
+                self.peak[r] = max(self.peak[r], self.stash[r])
+            elif leaf.kind in (FULL_BACKWARD, BACKWARD_WEIGHT):
+                self.stash[r] -= 1
+                self.finished[s] += 1
+        return True
+
+    def _other(self, r: int, action: Action) -> None:
+        s, mb, kind = action.stage, action.microbatch, action.kind
+        if kind in (SEND_F, SEND_B, RECV_F, RECV_B):
+            assert mb is not None
+            self._comm(r, action, s, mb)
+        elif kind == REDUCE_GRAD:
+            if s in self.reduced:
+                raise ValueError(f"rank {r} reduces the gradients of stage {s} twice")
+            if self.finished[s] != self.m:
+                raise ValueError(
+                    f"rank {r} reduces the gradients of stage {s} after {self.finished[s]} of "
+                    f"{self.m} backwards: put {action} after its last backward"
+                )
+            self.reduced.add(s)
+        elif not self.zero3:
+            raise ValueError(
+                f"rank {r} has {action}, but the plan does not shard parameters (zero3=False)"
+            )
+        elif kind == UNSHARD:
+            if s in self.unsharded:
+                raise ValueError(f"rank {r} unshards stage {s} twice without a RESHARD between")
+            self.unsharded.add(s)
+        else:
+            if s not in self.unsharded:
+                raise ValueError(f"rank {r} reshards stage {s}, which is not unsharded")
+            self.unsharded.remove(s)
+        self.timeline[r].append(TimedAction(action=action, start=self.clock[r], end=self.clock[r]))
+
+    def _comm(self, r: int, action: Action, s: int, mb: int) -> None:
+        kind = action.kind
+        peer = s + 1 if kind in (SEND_F, RECV_B) else s - 1
+        if not 0 <= peer < self.n or self.ranks[peer] == r:
+            raise ValueError(
+                f"rank {r} has {action}, but stage {s} has no neighbour on another rank that way"
+            )
+        if kind == SEND_F and (s, mb) not in self.done[FORWARD]:
+            raise ValueError(f"rank {r} sends {action} before computing the forward {s}F{mb}")
+        if kind == SEND_B and not (
+            (s, mb) in self.done[FULL_BACKWARD] or (s, mb) in self.done[BACKWARD_INPUT]
+        ):
+            raise ValueError(f"rank {r} sends {action} before computing the backward {s}B{mb}")
+        key = (kind, s, mb)
+        if key in self.sent or key in self.posted:
+            raise ValueError(f"rank {r} has {action} twice")
+        if kind in (SEND_F, SEND_B):
+            self.sent[key] = self.clock[r]
+            # (rank from, rank to, side) -> the messages in the order that side posts them
+            self.pairs.setdefault((r, self.ranks[peer], "send"), []).append((kind[-1], s, mb))
+        else:
+            self.posted.add(key)
+            # a receive for stage s matches the peer's send from stage ``peer``
+            self.pairs.setdefault((self.ranks[peer], r, "recv"), []).append((kind[-1], peer, mb))
+
+    # -- the end of the step ---------------------------------------------------------------
+
+    def finish(self) -> None:
+        for s in range(self.n):
+            for mb in range(self.m):
+                key = (s, mb)
+                if key not in self.done[FORWARD]:
+                    raise ValueError(f"stage {s} never runs the forward {s}F{mb}")
+                split = key in self.done[BACKWARD_INPUT]
+                if not split and key not in self.done[FULL_BACKWARD]:
+                    raise ValueError(f"stage {s} runs no backward of microbatch {mb}")
+                if split and key not in self.done[BACKWARD_WEIGHT]:
+                    raise ValueError(f"stage {s} never runs the weight gradient {s}W{mb}")
+            if s not in self.reduced:
+                raise ValueError(
+                    f"stage {s} never reduces its gradients: add {s}{REDUCE_GRAD} after its "
+                    "last backward"
+                )
+        if self.unsharded:
+            left = ", ".join(map(str, sorted(self.unsharded)))
+            raise ValueError(f"stages {left} end the step unsharded: RESHARD them")
+        unread = self.posted - self.consumed
+        if unread:
+            kind, s, mb = min(unread)
+            raise ValueError(f"the receive {s}{kind}{mb} is posted but no compute consumes it")
+        for (src, dst, side), order in self.pairs.items():
+            if side == "send" and order != self.pairs.get((src, dst, "recv"), []):
+                raise ValueError(
+                    f"rank {src} sends to rank {dst} in another order than rank {dst} posts "
+                    "its receives; point-to-point messages match in order, so put the "
+                    "receives in the order of the sends"
+                )
