@@ -55,7 +55,6 @@ def data_parallel_step(
     param_specs: Any = None,
     batch_spec: P | None = None,
     loss_as: str | None = None,
-    param_layout: Any = None,
 ) -> StepFn:
     """Build ``step(params, opt_state, batch) -> (params, opt_state, loss)``, jitted.
 
@@ -95,12 +94,6 @@ def data_parallel_step(
         loss_as: pass the global mean loss to ``tx.update`` as this keyword argument of an
             ``optax.GradientTransformationExtraArgs``: ``"value"`` for ``optax.polyak_sgd``
             and ``optax.contrib.reduce_on_plateau``. Default: no extra argument.
-        param_layout: ZeRO-3: a ``param_layout(...)``; the parameters are then sharded
-            (``shard_params``) and the step is ``zero3_step(loss_fn, tx, mesh, param_layout,
-            axis_name=, batch_spec=, accumulate_steps=)``, whose ``init(params)`` makes the
-            optimizer state (docs/jax-zero3.md). ``tx`` is a plain elementwise Optax
-            transformation (no ``synced``/``shard_optimizer``: the gather's backward syncs).
-
     Returns:
         ``step``; ``batch`` is a pytree whose leaves share a leading dimension divisible by
         ``dp_size * accumulate_steps``; ``loss`` is the mean over the global batch.
@@ -132,13 +125,6 @@ def data_parallel_step(
         )
     if not isinstance(accumulate_steps, int) or accumulate_steps < 1:
         raise ValueError(f"accumulate_steps must be a positive int, got {accumulate_steps!r}")
-    if param_layout is not None:
-        if param_specs is not None or loss_as is not None:
-            raise ValueError(
-                "param_layout (ZeRO-3) shards every parameter over axis_name; it takes "
-                "neither param_specs nor loss_as: leave them out"
-            )
-        return _zero3(loss_fn, tx, mesh, axis_name, batch_spec, accumulate_steps, param_layout)
     if isinstance(tx, ShardedOptimizer):
         _check_sharded_optimizer(tx, mesh, axes, param_specs)
     parts = _Step(
@@ -302,31 +288,6 @@ def _placement(
         batch_spec=batch_spec,
         token_axes=tuple(a for entry in batch_spec[1:] for a in spec_entry_axes(entry)),
         param_specs=P() if param_specs is None else param_specs,
-    )
-
-
-def _zero3(loss_fn, tx, mesh, axis_name, batch_spec, accumulate_steps, layout) -> StepFn:
-    """``data_parallel_step(param_layout=)``: the ZeRO-3 step, after refusing a ``tx`` that
-    syncs (the gather's backward already reduce-scatters the gradients)."""
-    from gradsync_jax.param_sharding.step import zero3_step  # it imports data_parallel
-
-    probe = jax.eval_shape(tx.init, {})
-    is_sync = lambda x: isinstance(x, (SyncedState, ZeroState))  # noqa: E731
-    if isinstance(tx, ShardedOptimizer) or any(
-        is_sync(x) for x in jax.tree.leaves(probe, is_leaf=is_sync)
-    ):
-        raise ValueError(
-            "with param_layout the step reduce-scatters the gradients itself; pass the plain "
-            "Optax transformation (optax.adamw(...)) without synced(...) or shard_optimizer"
-        )
-    return zero3_step(
-        loss_fn,
-        tx,
-        mesh,
-        layout,
-        axis_name=axis_name,
-        batch_spec=batch_spec,
-        accumulate_steps=accumulate_steps,
     )
 
 

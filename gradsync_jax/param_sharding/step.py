@@ -31,11 +31,14 @@ from jax.sharding import PartitionSpec as P
 from gradsync_jax._axes import AxisName, axis_tuple, psum_mean
 from gradsync_jax._compile_log import CompileLog
 from gradsync_jax.data_parallel.accumulate import split_microbatches
+from gradsync_jax.data_parallel.synced import SyncedState
 from gradsync_jax.param_sharding.gather import Gatherer, Precision
 from gradsync_jax.param_sharding.layout import ParamLayout
 from gradsync_jax.param_sharding.order import call_gathering_on_first_read
 from gradsync_jax.param_sharding.placement import axis_size, check_mesh, flat_leaves
 from gradsync_jax.param_sharding.update import RowsUpdate, rows_tree
+from gradsync_jax.zero.layout import ZeroState
+from gradsync_jax.zero.transform import ShardedOptimizer
 
 _LOG = logging.getLogger(__name__)
 
@@ -247,6 +250,20 @@ class Zero3Step:
         return self._step.lower(params, opt_state, batch)
 
 
+def _refuse_syncing(tx: optax.GradientTransformation) -> None:
+    """The gather's backward already reduce-scatters the gradients: a ``tx`` that syncs them
+    again (``synced``, ``shard_optimizer``) would reduce twice."""
+    probe = jax.eval_shape(tx.init, {})
+    is_sync = lambda x: isinstance(x, (SyncedState, ZeroState))  # noqa: E731
+    if isinstance(tx, ShardedOptimizer) or any(
+        is_sync(x) for x in jax.tree.leaves(probe, is_leaf=is_sync)
+    ):
+        raise ValueError(
+            "zero3_step reduce-scatters the gradients itself; pass the plain Optax "
+            "transformation (optax.adamw(...)) without synced(...) or shard_optimizer"
+        )
+
+
 def zero3_step(
     loss_fn: Callable[[Any, Any], jax.Array],
     tx: optax.GradientTransformation,
@@ -307,7 +324,8 @@ def zero3_step(
         ValueError: a mesh of another size than the layout's, or an update that reads
             across a tensor's elements other than by whole-tensor reductions, or across
             tensors (Adafactor's factored moments, Muon, Prodigy): one sentence that points
-            to ``data_parallel_step`` with ``shard_optimizer(tx, mesh)``.
+            to ``data_parallel_step`` with ``shard_optimizer(tx, mesh)``; a ``tx`` that syncs
+            (``synced``, ``shard_optimizer``): the step reduce-scatters the gradients itself.
 
     Example:
         >>> step = zero3_step(loss_fn, optax.adamw(1e-3), mesh, layout)
@@ -318,6 +336,7 @@ def zero3_step(
     replicate = _check_replicate(layout, mesh, replicate_axis)
     if not isinstance(accumulate_steps, int) or accumulate_steps < 1:
         raise ValueError(f"accumulate_steps must be a positive int, got {accumulate_steps!r}")
+    _refuse_syncing(tx)
     tx = optax.with_extra_args_support(tx)
     update = RowsUpdate(tx, layout)  # refuses what it cannot run exactly on rows
     spec = P(replicate + axes) if batch_spec is None else batch_spec

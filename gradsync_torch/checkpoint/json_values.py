@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from gradsync_torch.zero.state import NOT_HYPER
+from gradsync_torch._optim_state import NOT_HYPER
 
 
 def to_json(value: Any, what: str) -> Any:

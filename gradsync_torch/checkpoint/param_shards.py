@@ -24,6 +24,14 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from gradsync_core.checkpoint import data_extra, plan_dim0_shards, restore_data
+from gradsync_torch._optim_state import (
+    OwnsShardedState,
+    RankGroup,
+    StatePiece,
+    optimizer_name,
+    param_specs_of,
+    parameter_names,
+)
 from gradsync_torch._specs import unwrapped
 from gradsync_torch.agreement import agree_ok
 from gradsync_torch.checkpoint import zero as checkpoint
@@ -36,17 +44,13 @@ from gradsync_torch.param_sharding._rows import (
     shard_dim,
     shard_mesh,
 )
-from gradsync_torch.zero.plans import param_specs_of, parameter_names
-from gradsync_torch.zero.state import RankGroup, StatePiece, optimizer_name
 
 
 class _Sharded:
     """A sharded model and its optimizer as the savers see them: names, ranks, parameters."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        from gradsync_torch.zero.optimizer import ZeroRedundancyOptimizer  # it imports us
-
-        if isinstance(optimizer, ZeroRedundancyOptimizer):
+        if isinstance(optimizer, OwnsShardedState):
             raise ValueError(
                 "a fully_shard-ed model's parameters are already sharded: build a plain torch "
                 "optimizer on them (torch.optim.AdamW(model.parameters())), not a "

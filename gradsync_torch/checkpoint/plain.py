@@ -16,9 +16,14 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from gradsync_torch._optim_state import (
+    OwnsShardedState,
+    RankGroup,
+    hyper_parameters,
+    param_specs_of,
+    parameter_names,
+)
 from gradsync_torch.checkpoint import zero as checkpoint
-from gradsync_torch.zero.plans import param_specs_of, parameter_names
-from gradsync_torch.zero.state import RankGroup, hyper_parameters
 
 
 def load_optimizer_state_dict(
@@ -50,11 +55,7 @@ def load_optimizer_state_dict(
         >>> opt = torch.optim.AdamW(net.parameters(), lr=1e-3)  # doctest: +SKIP
         >>> load_optimizer_state_dict("ckpt", opt, net)  # doctest: +SKIP
     """
-    # Imported here: zero.optimizer imports this package (its checkpoint), so at import
-    # time the class may not exist yet.
-    from gradsync_torch.zero.optimizer import ZeroRedundancyOptimizer
-
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
+    if isinstance(optimizer, OwnsShardedState):
         raise ValueError(
             "load_optimizer_state_dict is for plain torch optimizers and was given a "
             "ZeroRedundancyOptimizer; call its load(path, model=...) on every rank instead"

@@ -14,9 +14,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from gradsync_core import plan_greedy_shards
+from gradsync_torch._optim_state import (
+    RankGroup,
+    StatePiece,
+    optimizer_name,
+    param_specs_of,
+    parameter_names,
+)
 from gradsync_torch.checkpoint import zero as checkpoint
-from gradsync_torch.zero.plans import param_specs_of, parameter_names, plan_shards
-from gradsync_torch.zero.state import RankGroup, StatePiece, optimizer_name
 
 
 def save_plain(
@@ -37,15 +43,11 @@ def save_plain(
     params = [p for group in groups for p in group["params"]]
     names = parameter_names(groups, model)
     specs = param_specs_of(names, params, set())
-    plan = plan_shards(
-        specs,
-        [g for g, group in enumerate(groups) for _ in group["params"]],
-        group_count=len(groups),
-        segment_starts=[0],
-        world_size=1,
-        flat=False,
-        cap_bytes=0,
-    )
+    per_group, start = [], 0
+    for group in groups:  # torch's greedy partition per param group, here over one rank
+        per_group.append(specs[start : start + len(group["params"])])
+        start += len(group["params"])
+    plan = plan_greedy_shards(per_group, world_size=1)
     pieces = [
         StatePiece(i, 0, p.numel(), True, optimizer.state[p])
         for i, p in enumerate(params)

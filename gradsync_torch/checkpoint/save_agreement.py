@@ -14,8 +14,8 @@ import torch.distributed as dist
 
 from gradsync_core.checkpoint import CheckpointError
 from gradsync_torch._collectives import global_rank
+from gradsync_torch._optim_state import RankGroup
 from gradsync_torch.agreement import agree_ok
-from gradsync_torch.zero.state import RankGroup
 
 
 class RankSaveAgreement:

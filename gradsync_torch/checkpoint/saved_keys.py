@@ -20,8 +20,8 @@ import torch
 
 from gradsync_core import Manifest
 from gradsync_core.checkpoint import check_state_keys, counterpart_keys
+from gradsync_torch._optim_state import NOT_HYPER
 from gradsync_torch.checkpoint.json_values import from_json
-from gradsync_torch.zero.state import NOT_HYPER
 
 
 def probe_state_keys(

@@ -12,15 +12,13 @@ changes. Scalars (``step``, hyper-parameters) are checked by range in the manife
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
 from gradsync_core import ParamSpec
+from gradsync_torch._optim_state import StatePiece
 from gradsync_torch._specs import dtype_name
-
-if TYPE_CHECKING:  # a hint only: importing it would cycle through gradsync_torch.zero
-    from gradsync_torch.zero.state import StatePiece
 
 
 class ValuePolicy(NamedTuple):

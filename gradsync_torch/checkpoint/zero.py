@@ -52,6 +52,7 @@ from gradsync_core.checkpoint import (
     verify_file_hashes,
     write_rank_file,
 )
+from gradsync_torch._optim_state import RankGroup, StatePiece, assemble, optimizer_name
 from gradsync_torch.checkpoint.json_values import from_json, groups_json, to_json
 from gradsync_torch.checkpoint.model_state import (
     check_weights,
@@ -68,7 +69,6 @@ from gradsync_torch.checkpoint.state_values import (
     check_slice_lengths,
     check_state_values,
 )
-from gradsync_torch.zero.state import RankGroup, StatePiece, assemble, optimizer_name
 
 
 class Snapshot(NamedTuple):

@@ -22,6 +22,14 @@ from torch.optim import Optimizer
 import gradsync_core
 from gradsync_core import ParamSpec, ShardPlan
 from gradsync_core.checkpoint import data_extra, restore_data
+from gradsync_torch._optim_state import (
+    OwnsShardedState,
+    RankGroup,
+    hyper_parameters,
+    optimizer_name,
+    param_specs_of,
+    parameter_names,
+)
 from gradsync_torch._specs import unwrapped
 from gradsync_torch.checkpoint import zero as checkpoint
 from gradsync_torch.checkpoint.model_state import copy_weights
@@ -37,25 +45,20 @@ from gradsync_torch.zero.plans import (
     check_same_plan,
     check_same_settings,
     optimizer_settings,
-    param_specs_of,
-    parameter_names,
     plan_over_buckets,
     plan_shards,
 )
 from gradsync_torch.zero.state import (
-    RankGroup,
     carry_state,
     consolidate,
     copy_hyper,
-    hyper_parameters,
     local_pieces,
     local_state_dict,
-    optimizer_name,
     state_nbytes,
 )
 
 
-class ZeroRedundancyOptimizer(Optimizer, Joinable):
+class ZeroRedundancyOptimizer(Optimizer, Joinable, OwnsShardedState):
     """Wrap an optimizer so each rank keeps the state of about ``1/world_size`` of the
     parameters (ZeRO-1), and optionally only that share of the gradients (ZeRO-2).
 

@@ -15,7 +15,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch import nn
 
 from gradsync_core import (
     BucketPlan,
@@ -25,79 +24,8 @@ from gradsync_core import (
     plan_flat_shards,
     plan_greedy_shards,
 )
-from gradsync_core.checkpoint import unwrapped_names
-from gradsync_torch._specs import dtype_name, is_expert, unwrapped
+from gradsync_torch._optim_state import hyper_parameters, optimizer_name
 from gradsync_torch.agreement import Disagreement, agree_on
-from gradsync_torch.zero.state import hyper_parameters, optimizer_name
-
-
-def parameter_names(
-    param_groups: Sequence[dict[str, Any]], model: nn.Module | None = None
-) -> list[str]:
-    """One name per parameter of ``param_groups`` (global index order): the names given
-    with ``named_parameters()``, else looked up in ``model``.
-
-    Raises:
-        ValueError: if neither is available, or ``model`` lacks a parameter.
-    """
-    if all("param_names" in g for g in param_groups):
-        names = [n for group in param_groups for n in group["param_names"]]
-        # A wrapper's named_parameters() (DDP's, DataParallel's): store the model's own names,
-        # the ones the model given has inside its wrappers (a child may be called "module").
-        bare = unwrapped_names(names)
-        if model is None:
-            return bare
-        inner = {name for name, _ in unwrapped(model).named_parameters()}
-        return names if set(names) <= inner or not set(bare) <= inner else bare
-    if model is None:
-        raise ValueError(
-            "this optimizer has no parameter names: build it from "
-            "model.named_parameters() or pass model=<the module> to save/load"
-        )
-    params = [p for group in param_groups for p in group["params"]]
-    by_id = {id(p): name for name, p in unwrapped(model).named_parameters()}
-    names = [by_id.get(id(p)) for p in params]
-    if None in names:
-        i = names.index(None)
-        raise ValueError(
-            f"parameter #{i} ({tuple(params[i].shape)}) is not a parameter of the "
-            "given model; pass the model this optimizer trains"
-        )
-    return names  # type: ignore[return-value]
-
-
-def param_specs_of(
-    names: Sequence[str], params: Sequence[torch.Tensor], planned: set[int]
-) -> list[ParamSpec]:
-    """The specs the plans are made of; ``planned`` are the indices planned before.
-
-    Raises:
-        ValueError: if expert parameters (declared split over ``"ep"`` by their layer, e.g.
-            ``ExpertMLPs``: ``is_expert``) and dense ones share this optimizer: their owners must be
-            planned over different groups (``edp`` and ``dp``, docs/design.md §6).
-    """
-    specs = [
-        ParamSpec(
-            name=name,
-            shape=tuple(p.shape),
-            dtype=dtype_name(p.dtype),
-            # Once planned, a parameter keeps its owner (and state) when frozen again.
-            requires_grad=p.requires_grad or i in planned,
-            device=p.device.type,
-            expert=is_expert(p),
-        )
-        for i, (name, p) in enumerate(zip(names, params, strict=True))
-    ]
-    experts = [s.name for s in specs if s.expert]
-    if experts and len(experts) < len(specs):
-        dense = next(s.name for s in specs if not s.expert)
-        raise ValueError(
-            f"this optimizer holds expert parameters ({experts[0]!r}, ...) and dense ones "
-            f"({dense!r}, ...): a ZeroRedundancyOptimizer plans owners over one group, but "
-            "expert weights are replicated over edp and dense ones over dp; build two, "
-            "dense over groups['dp'].process_group and experts over groups['edp'].process_group"
-        )
-    return specs
 
 
 def plan_shards(

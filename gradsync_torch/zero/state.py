@@ -13,49 +13,16 @@ writes its own fields.
 from __future__ import annotations
 
 import math
-from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from gradsync_core import ShardPlan
 from gradsync_torch._collectives import global_rank
+from gradsync_torch._optim_state import RankGroup, StatePiece, assemble, hyper_parameters
 from gradsync_torch.zero.broadcast import Piece
-
-# Param-group keys that are not hyper-parameters.
-NOT_HYPER = ("params", "param_names")
-
-
-class StatePiece(NamedTuple):
-    """A piece of one parameter's optimizer state in model space."""
-
-    index: int  # global parameter index (param groups flattened, as torch's state_dict)
-    start: int  # element range of the flattened parameter
-    stop: int
-    whole: bool  # the state of the whole parameter, tensors in its shape
-    state: dict[str, Any]
-
-
-class RankGroup(NamedTuple):
-    """The data-parallel group the optimizer shards over, and this rank's place in it."""
-
-    process_group: Any  # None: the world
-    rank: int  # group rank
-    world_size: int
-
-
-def hyper_parameters(group: Mapping[str, Any]) -> dict[str, Any]:
-    """A param group's hyper-parameters (lr, betas, ...), without its parameters."""
-    return {k: v for k, v in group.items() if k not in NOT_HYPER}
-
-
-def optimizer_name(optimizer_class: type) -> str:
-    """``torch.optim.Adam`` for torch's optimizers (their public path), else module.qualname."""
-    if getattr(torch.optim, optimizer_class.__name__, None) is optimizer_class:
-        return f"torch.optim.{optimizer_class.__name__}"
-    return f"{optimizer_class.__module__}.{optimizer_class.__qualname__}"
 
 
 def copy_hyper(src: list[dict[str, Any]], dst: list[dict[str, Any]]) -> None:
@@ -72,44 +39,6 @@ def state_nbytes(state: Mapping[Any, Mapping[str, Any]]) -> int:
         for v in per_param.values()
         if isinstance(v, torch.Tensor)
     )
-
-
-def assemble(pieces: Sequence[StatePiece], shapes: Sequence[tuple[int, ...]]) -> dict[int, Any]:
-    """Per-parameter state from pieces: whole ones as they are; flat slices concatenated in
-    element order and reshaped to the parameter (0-d entries taken from the first slice).
-
-    Raises:
-        ValueError: if the slices of a parameter do not cover it exactly once.
-    """
-    by_index: dict[int, list[StatePiece]] = defaultdict(list)
-    for piece in pieces:
-        by_index[piece.index].append(piece)
-    full: dict[int, Any] = {}
-    for index, parts in by_index.items():
-        if len(parts) == 1 and parts[0].whole:
-            full[index] = parts[0].state
-            continue
-        parts.sort(key=lambda part: part.start)
-        numel, cursor = math.prod(shapes[index]), 0
-        for part in parts:
-            if part.start != cursor:
-                break
-            cursor = part.stop
-        if cursor != numel:
-            raise ValueError(
-                f"the state slices of parameter #{index} cover elements up to {cursor} of "
-                f"{numel} without a gap or overlap: the pieces put together (gathered from the "
-                "ranks, or read from a checkpoint's rank files) do not tile the parameter"
-            )
-        state = {}
-        for key, first in parts[0].state.items():
-            if torch.is_tensor(first) and first.dim() >= 1:
-                joined = torch.cat([part.state[key].reshape(-1) for part in parts])
-                state[key] = joined.view(shapes[index])
-            else:
-                state[key] = first
-        full[index] = state
-    return full
 
 
 def slice_state(state: dict[str, Any], piece: Piece, shape: tuple[int, ...]) -> dict[str, Any]:

@@ -287,17 +287,17 @@ def assert_trained_like(sharded, opt_state, layout, want_params, want_state) -> 
         assert_close(got_m, getattr(want_state[0], moment), RTOL["state"], moment)
 
 
-def test_data_parallel_step_option_with_accumulation_equals_one_device() -> None:
-    """``data_parallel_step(param_layout=)`` is the ZeRO-3 step; 3 micro-steps, each
-    reduce-scattering, equal one step on the whole batch; an Explicit-axes mesh (the
-    default of ``mesh_from_topology``) takes a batch placed anywhere."""
+def test_accumulation_on_an_explicit_mesh_equals_one_device() -> None:
+    """3 micro-steps, each reduce-scattering, equal one step on the whole batch; an
+    Explicit-axes mesh (the default of ``mesh_from_topology``) takes a batch placed anywhere;
+    a ``tx`` that syncs again is refused."""
     from gradsync_core import Topology
-    from gradsync_jax import data_parallel_step, mesh_from_topology, synced
+    from gradsync_jax import mesh_from_topology, shard_optimizer, synced
 
     params = init_params()
     layout = param_layout(params, world_size=4, units=UNITS, frozen=FROZEN)
     mesh = mesh_from_topology(Topology.create(4), jax.devices()[:4])
-    step = data_parallel_step(loss_fn, adamw(), mesh, param_layout=layout, accumulate_steps=3)
+    step = zero3_step(loss_fn, adamw(), mesh, layout, accumulate_steps=3)
     assert step.accumulate_steps == 3
     sharded = shard_params(params, mesh, layout)
     opt_state = step.init(sharded)
@@ -307,8 +307,9 @@ def test_data_parallel_step_option_with_accumulation_equals_one_device() -> None
         sharded, opt_state, _ = step(sharded, opt_state, data())
     want_params, want_state = reference(adamw(), init_params())
     assert_trained_like(sharded, opt_state, layout, want_params, want_state)
-    with pytest.raises(ValueError, match="without synced"):
-        data_parallel_step(loss_fn, optax.chain(synced("dp"), adamw()), mesh, param_layout=layout)
+    for syncing in (optax.chain(synced("dp"), adamw()), shard_optimizer(adamw(), mesh)):
+        with pytest.raises(ValueError, match="without synced"):
+            zero3_step(loss_fn, syncing, mesh, layout)
 
 
 def _tied_reads_apart(params, tokens, e_in, e_out):

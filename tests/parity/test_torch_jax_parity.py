@@ -108,7 +108,8 @@ def _torch_flat_plans(world_sizes: list[int]) -> dict[int, ShardPlan]:
     import torch
 
     from gradsync_torch import ZeroRedundancyOptimizer
-    from gradsync_torch.zero.plans import param_specs_of, plan_shards
+    from gradsync_torch._optim_state import param_specs_of
+    from gradsync_torch.zero.plans import plan_shards
 
     model = TorchMLP(WIDTHS)
     opt = ZeroRedundancyOptimizer(

@@ -10,9 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gradsync_torch._optim_state import StatePiece, assemble
 from gradsync_torch.checkpoint.saved_keys import probe_state_keys
 from gradsync_torch.zero.broadcast import Piece
-from gradsync_torch.zero.state import StatePiece, assemble, slice_state
+from gradsync_torch.zero.state import slice_state
 
 
 def test_assemble_joins_flat_slices_and_keeps_whole_state() -> None:
