@@ -222,6 +222,7 @@ class Pipeline:
         tied = tuple((a, b) for a, b in tied)
         agree_on_plan(plan, tied, scale_grads, self._check)
         self.plan = plan
+        self.tied = tied
         self.loss_fn = loss_fn
         self.scale_grads = scale_grads
         self.pp_rank = groups.group_rank("pp")

@@ -443,3 +443,118 @@ def check_failures(rank: int, ws: int) -> None:
         "stage 0's output for microbatch 0 is (2, 16, 16) float32 but stage 1 receives "
         "(2, 8, 16) float32",
     )
+
+
+# ---- checkpoints -----------------------------------------------------------------------------
+
+
+def _everything(pipe: Pipeline, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """Every stage's weights and optimizer state by model name, on every rank."""
+    mine = {}
+    for module in pipe.stages.values():
+        inner = module.module if isinstance(module, DataParallel) else module
+        for name, p in inner.named_parameters():
+            state = {
+                k: v.full_tensor() if hasattr(v, "full_tensor") else v
+                for k, v in opt.state.get(p, {}).items()
+            }
+            mine[name] = (p.full_tensor() if hasattr(p, "full_tensor") else p.detach(), state)
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return {k: v for part in every for k, v in part.items()}
+
+
+def _same(got: dict[str, Any], want: dict[str, Any], alias: dict[str, str], what: str) -> None:
+    for name, (weight, state) in got.items():
+        ref_weight, ref_state = want[alias.get(name, name)]
+        assert torch.equal(weight, ref_weight), f"{what}: weight {name}"
+        assert state.keys() == ref_state.keys(), (what, name, state.keys(), ref_state.keys())
+        for key, value in state.items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(ref_state[key])), (
+                f"{what}: {key} of {name}"
+            )
+
+
+def _adamw(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+def check_checkpoint(rank: int, ws: int, directory: str) -> None:
+    """A checkpoint saved at dp 2 x pp 2 (a tied embedding; AdamW) loads, weights and
+    optimizer state bitwise, at pp 4 and into the unpipelined model (pp 1) on every rank; one
+    saved without the tie loads into ZeRO-3 x pp 2 stages. ``test_pipeline.py`` then loads
+    the first in JAX."""
+    from gradsync_torch import load_model_weights, load_optimizer_state_dict
+    from gradsync_torch.pipeline import load_pipeline, save_pipeline
+
+    topology = Topology.create(ws, pp=2)
+    groups = ProcessGroups(topology)
+    mine_data, _ = _dp_data(topology.dp, groups.group_rank("dp"))
+    for tied in (True, False):
+        blocks = gpt_blocks(tied=tied)
+        plan = plan_for("1F1B", topology, 2)
+        split = split_model(blocks, plan, groups.group_rank("pp"))
+        dp = groups["dp"].process_group
+        stages = {
+            s: DataParallel(m, process_group=dp, overlap=False) for s, m in split.stages.items()
+        }
+        pipe = Pipeline(plan, stages, groups=groups, loss_fn=lm_loss, tied=split.tied)
+        opt = _adamw(pipe.parameters())
+        for x, y in mine_data[:2]:
+            pipe.step(x, target=y)
+            opt.step()
+            opt.zero_grad()
+        saved = _everything(pipe, opt)
+        path = f"{directory}/{'tied' if tied else 'untied'}"
+        save_pipeline(path, pipe, opt)
+        alias = {b: a for a, b in split.tied}
+        fresh = gpt_blocks(tied=tied, seed=1)  # other weights: the load must replace them
+        if tied:
+            # pp 4 (dp 1), interleaved: other stages on other ranks.
+            wide = Topology.create(ws, pp=4)
+            wide_groups = ProcessGroups(wide)
+            wide_plan = plan_for("Interleaved1F1B", wide, 4)
+            wide_split = split_model(fresh, wide_plan, wide_groups.group_rank("pp"))
+            other = Pipeline(
+                wide_plan,
+                wide_split.stages,
+                groups=wide_groups,
+                loss_fn=lm_loss,
+                tied=wide_split.tied,
+            )
+            other_opt = _adamw(other.parameters())
+            load_pipeline(path, other, other_opt)
+            _same(_everything(other, other_opt), saved, alias, "pp 4")
+            # pp 1: the unpipelined model and a plain optimizer, on every rank.
+            model = copy.deepcopy(fresh)
+            plain = _adamw(model.parameters())
+            load_model_weights(path, model)
+            load_optimizer_state_dict(path, plain, model)
+            for name, p in model.named_parameters():
+                assert torch.equal(p, saved[name][0]), f"pp 1: {name}"
+                for key, value in plain.state[p].items():
+                    assert torch.equal(torch.as_tensor(value), torch.as_tensor(saved[name][1][key]))
+        else:
+            zplan = plan_for("1F1B", topology, 2, zero3=True)
+            zsplit = split_model(fresh, zplan, groups.group_rank("pp"))
+            for stage in zsplit.stages.values():
+                fully_shard(stage, process_group=dp)
+            other = Pipeline(zplan, zsplit.stages, groups=groups, loss_fn=lm_loss)
+            other_opt = _adamw(other.parameters())
+            for x, y in mine_data[:1]:  # states exist before the load, as in a resumed run
+                other.step(x, target=y)
+                other_opt.step()
+                other_opt.zero_grad()
+            load_pipeline(path, other, other_opt)
+            _same(_everything(other, other_opt), saved, {}, "ZeRO-3 x pp 2")
+    # A checkpoint of another model is refused on every rank, nothing loaded.
+    small = split_model(gpt_blocks(layers=8, width=8), plan, groups.group_rank("pp"))
+    pipe = Pipeline(plan, small.stages, groups=groups, loss_fn=lm_loss)
+    before = {k: v.clone() for k, v in held(small.stages).items()}
+    _raises(
+        ValueError,
+        lambda: load_pipeline(f"{directory}/untied", pipe),
+        "cannot load",
+        "another model?",
+    )
+    assert_bitwise(held(small.stages), before, "a refused load changes nothing")
