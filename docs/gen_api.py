@@ -43,6 +43,7 @@ GUIDES = {
         "torch-data-parallel.md",
         "torch-zero.md",
         "model-parallel.md",
+        "pipeline.md",
         "checkpoints.md",
         "data-position.md",
         "interchange.md",

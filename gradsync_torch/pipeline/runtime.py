@@ -20,6 +20,7 @@ tp rank sends to the tp rank of the next stage, its peer in the pipeline group.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -27,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gradsync_core import PipelinePlan
+from gradsync_core import PipelinePlan, TimedAction
 from gradsync_core._pipeline_actions import (
     BACKWARD_INPUT,
     BACKWARD_WEIGHT,
@@ -239,6 +240,13 @@ class Pipeline:
         self._live = 0
         self._mb_args: list[tuple[Any, ...]] | None = None
         self._mb_targets: list[Any] | None = None
+        # Set to [] to record each step's computes (seconds from the step's start, from the
+        # moment a compute's input is here): what benchmarks/torch_pipeline.py compares with
+        # simulate_pipeline. step_seconds: the last step's actions, end to end.
+        self.timeline: list[TimedAction] | None = None
+        self.step_seconds = 0.0
+        self._step_began = 0.0
+        self._began: float | None = None
 
     # ---- construction ------------------------------------------------------------------
 
@@ -360,6 +368,9 @@ class Pipeline:
         tied gradients summed; a compute that raises is recorded, not raised."""
         self._failure = None
         self._live = self.peak_stash = 0
+        self._step_began = time.perf_counter()
+        if self.timeline is not None:
+            self.timeline = []
         for stage in self._stages.values():
             stage.reset()
         self._split_batch(inputs, target)
@@ -377,6 +388,7 @@ class Pipeline:
         if self._messages is not None:
             self._messages.finish()
         self._sum_ties()
+        self.step_seconds = time.perf_counter() - self._step_began
 
     def _fail(self, message: str, *, cause: bool = True) -> None:
         if self._failure is None:
@@ -429,6 +441,7 @@ class Pipeline:
                 BACKWARD_INPUT: "input gradient",
                 BACKWARD_WEIGHT: "weight gradient",
             }[kind]
+            self._began = None
             try:
                 if kind == FORWARD:
                     self._forward(stage, mb)
@@ -436,6 +449,9 @@ class Pipeline:
                     self._weight(stage, mb)
                 else:
                     self._backward(stage, mb, full=kind == FULL_BACKWARD)
+                if self.timeline is not None and self._began is not None:
+                    end = time.perf_counter() - self._step_began
+                    self.timeline.append(TimedAction(action=action, start=self._began, end=end))
             except Exception as e:  # every rank must hear it: the step ends in one sentence
                 self._fail(
                     f"stage {stage.index}'s {what} of microbatch {mb} raised "
@@ -469,6 +485,11 @@ class Pipeline:
         elif kind == RECV_B:
             messages.post_backward(stage.index, mb)
 
+    def _begin(self) -> None:
+        """The compute starts: its input is here (what came before was waiting)."""
+        if self.timeline is not None:
+            self._began = time.perf_counter() - self._step_began
+
     def _forward(self, stage: _Stage, mb: int) -> None:
         if stage.first:
             assert self._mb_args is not None
@@ -482,6 +503,7 @@ class Pipeline:
                 self._fail(f"stage {stage.index} received no input", cause=False)
                 return
             args = tuple(got)
+        self._begin()
         out = stage.module(*args)
         outputs = out if isinstance(out, tuple) else (out,)
         if not all(isinstance(t, torch.Tensor) for t in outputs):
@@ -522,6 +544,7 @@ class Pipeline:
                 self._fail(f"stage {stage.index} received no output gradient", cause=False)
                 return
             outs = outputs
+        self._begin()
         del stage.fwd[mb]
         if full:
             self._set_sync(stage)
@@ -542,6 +565,7 @@ class Pipeline:
 
     def _weight(self, stage: _Stage, mb: int) -> None:
         split = stage.split.pop(mb)
+        self._begin()
         with stage.order.microbatch(mb):
             split.weight_half()
         stage.backwards += 1
