@@ -43,10 +43,10 @@ GUIDES = {
         "torch-data-parallel.md",
         "torch-zero.md",
         "model-parallel.md",
-        "pipeline.md",
         "checkpoints.md",
         "data-position.md",
         "interchange.md",
+        "pipeline.md",
     ],
     "gradsync_jax": [
         "jax.md",
