@@ -232,6 +232,11 @@ class Pipeline:
         first = next((p for m in stages.values() for p in m.parameters()), None)
         self.device = first.device if first is not None else torch.device("cpu")
         self._messages = self._make_messages(groups)
+        pp = groups["pp"]
+        if pp.size > 1 and "nccl" in str(dist.get_backend(pp.process_group)):
+            # NCCL: the first batch_isend_irecv on a group must involve all its ranks, so
+            # the communicator starts here, once, with every rank of the pipeline group.
+            dist.all_reduce(torch.zeros(1, device=self.device), group=pp.process_group)
         self._ties = self._make_ties(groups, tied)
         self.steps = 0
         self.peak_stash = 0  # the most (stage, microbatch) activations held at once, last step
@@ -584,8 +589,8 @@ class Pipeline:
         if stage.kind == "dp":
             try:
                 stage.module.sync_gradients()  # type: ignore[operator]
-            except Exception as e:
-                self._fail(f"stage {stage.index}'s data-parallel reduction raised {e}")
+            except Exception as e:  # second to a stage that raised: its peers then differ
+                self._fail(f"stage {stage.index}'s data-parallel reduction raised {e}", cause=False)
         if self.scale_grads and self.plan.microbatches != 1:
             with torch.no_grad():
                 for p in stage.module.parameters():

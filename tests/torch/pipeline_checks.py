@@ -240,6 +240,22 @@ def check_data_parallel(rank: int, ws: int) -> None:
         pipe = Pipeline(plan, stages, groups=groups, loss_fn=lm_loss)
         train_pipeline(pipe, mine_data)
         assert_close(held(stages), reference, f"dp 2 x pp 2, {name}")
+    # A stage that raises on rank 3 (pipeline 1, stage 1): its pipeline peer and its
+    # data-parallel peer (rank 1, whose reduction now sees another history) end the step with
+    # rank 3's sentence, and so does the other pipeline.
+    plan = plan_for("1F1B", topology, 4)
+    split = split_model(blocks, plan, groups.group_rank("pp"))
+    if rank == 3:
+        make_unlucky(split.stages[1].get_submodule(split.stages[1].block_names[0]), 2)
+    dp = groups["dp"].process_group
+    stages = {s: DataParallel(m, process_group=dp, overlap=False) for s, m in split.stages.items()}
+    pipe = Pipeline(plan, stages, groups=groups, loss_fn=lm_loss)
+    x, y = mine_data[0]
+    _raises(
+        RuntimeError,
+        lambda: pipe.step(x, target=y),
+        "failed on rank 3: stage 1's forward of microbatch 1 raised FloatingPointError",
+    )
 
 
 def check_zero3(rank: int, ws: int) -> None:
@@ -384,18 +400,16 @@ def check_refusals(rank: int, ws: int) -> None:
     )
 
 
-class _Unlucky(nn.Module):
-    """A block that raises on its ``fail_at``-th call."""
+def make_unlucky(block: nn.Module, fail_at: int) -> None:
+    """Make ``block`` raise on its ``fail_at``-th call (its names and weights unchanged)."""
+    calls = [0]
 
-    def __init__(self, block: nn.Module, fail_at: int) -> None:
-        super().__init__()
-        self.block, self.fail_at, self.calls = block, fail_at, 0
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
-        if self.calls == self.fail_at:
+    def hook(module: nn.Module, args: Any) -> None:
+        calls[0] += 1
+        if calls[0] == fail_at:
             raise FloatingPointError("the block's activations overflowed")
-        return self.block(x)
+
+    block.register_forward_pre_hook(hook)
 
 
 def check_failures(rank: int, ws: int) -> None:
@@ -410,9 +424,7 @@ def check_failures(rank: int, ws: int) -> None:
         split = split_model(blocks, plan, pp_rank)
         if rank == 1:  # raise in the middle of the step on rank 1 (the 2nd step for GPipe)
             stage = split.stages[min(split.stages)]
-            first = stage.block_names[0]
-            setattr(stage, first, _Unlucky(stage.get_submodule(first), fail_at))
-            stage.block_names = (first, *stage.block_names[1:])
+            make_unlucky(stage.get_submodule(stage.block_names[0]), fail_at)
         pipe = Pipeline(plan, split.stages, groups=groups, loss_fn=lm_loss)
         data = batches(8)
         if fail_at > 4:
@@ -428,6 +440,16 @@ def check_failures(rank: int, ws: int) -> None:
             lambda p=pipe, d=data: p.step(d[2][0], target=d[2][1]),
             "failed in an earlier step",
         )
+    # A rank that gets no batch.
+    plan = plan_for("GPipe", topology, 4)
+    pipe = Pipeline(
+        plan, split_model(gpt_blocks(), plan, pp_rank).stages, groups=groups, loss_fn=lm_loss
+    )
+    _raises(
+        RuntimeError,
+        lambda: pipe.step(),
+        "failed on rank 0: the rank holding stage 0 got no inputs",
+    )
     # The same pipeline given longer sequences at its second step: stage 0's output is not
     # the shape stage 1 agreed to receive.
     plan = plan_for("1F1B", topology, 4)
