@@ -440,6 +440,19 @@ def check_failures(rank: int, ws: int) -> None:
             lambda p=pipe, d=data: p.step(d[2][0], target=d[2][1]),
             "failed in an earlier step",
         )
+    # Stage 1 built for width 8 receives stage 0's width 16: its forward raises, once.
+    from examples.pipeline_models import Layer
+
+    plan = plan_for("1F1B", topology, 4)
+    blocks = gpt_blocks()
+    blocks[5] = Layer(8, 2)  # the first block of stage 1 ('Et*4|t*4L')
+    pipe = Pipeline(plan, split_model(blocks, plan, pp_rank).stages, groups=groups, loss_fn=lm_loss)
+    x, y = token_batch(8, SEQ, VOCAB, seed=0)
+    _raises(
+        RuntimeError,
+        lambda: pipe.step(x, target=y),
+        "failed on rank 1: stage 1's forward of microbatch 0 raised RuntimeError",
+    )
     # A rank that gets no batch.
     plan = plan_for("GPipe", topology, 4)
     pipe = Pipeline(
