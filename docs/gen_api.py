@@ -46,6 +46,7 @@ GUIDES = {
         "checkpoints.md",
         "data-position.md",
         "interchange.md",
+        "pipeline.md",
     ],
     "gradsync_jax": [
         "jax.md",

@@ -36,6 +36,14 @@ from gradsync_torch.param_sharding import (
     fully_shard,
     hsdp_mesh,
 )
+from gradsync_torch.pipeline import (
+    Pipeline,
+    StageModule,
+    StageSplit,
+    load_pipeline,
+    save_pipeline,
+    split_model,
+)
 from gradsync_torch.sampler import ResumableSampler
 from gradsync_torch.shared_reductions import (
     SharedReducer,
@@ -52,12 +60,15 @@ __all__: list[str] = [
     "Group",
     "MixedPrecisionPolicy",
     "MoE",
+    "Pipeline",
     "ProcessGroups",
     "ResumableSampler",
     "RowParallelLinear",
     "ShardedGradient",
     "ShardedModule",
     "SharedReducer",
+    "StageModule",
+    "StageSplit",
     "ZeroRedundancyOptimizer",
     "all_gather_from",
     "allreduce_hook",
@@ -74,6 +85,7 @@ __all__: list[str] = [
     "load_fully_sharded",
     "load_model_weights",
     "load_optimizer_state_dict",
+    "load_pipeline",
     "local_state",
     "param_specs",
     "reduce_from",
@@ -81,6 +93,8 @@ __all__: list[str] = [
     "reduce_shared_gradients",
     "replicated_over",
     "save_fully_sharded",
+    "save_pipeline",
     "scatter_to",
     "shared_param_specs",
+    "split_model",
 ]

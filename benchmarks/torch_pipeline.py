@@ -1,0 +1,361 @@
+"""Pipeline step time, memory and bubble: gradsync's executor vs torch.distributed.pipelining.
+
+docs/design.md §11: both run in the same process tree on 4 gloo ranks, alternating step by
+step, on copies of the same stage modules (``split_model`` of one GPT, examples/
+pipeline_models.py) with the same schedule and data; each time is the median over the timed
+rounds of the slowest rank's step (the pipeline step, SGD's step, zero_grad). Layouts:
+
+    pp 4           4 pipeline ranks (1 stage each for GPipe and 1F1B, 2 for the others)
+    pp 2 x dp 2    2 pipelines of 2; gradsync's stages in DataParallel(overlap=False),
+                   reduced at the plan's REDUCE_GRAD; torch's reduced after the step by one
+                   all-reduce of the flattened gradients
+
+Schedules: GPipe, 1F1B, Interleaved1F1B, InterleavedZeroBubble (ZB1P). For each layout and
+schedule it reports the step-time ratio (gradsync / torch), the peak of live CPU bytes during
+one step per rank (torch's profiler), gradsync's peak stash (microbatch activations held at
+once) beside the plan's, whether the two ended with bitwise equal weights, and the **bubble**:
+each rank's idle time in gradsync's steps (the step minus its computes, measured from the
+moment a compute's input is there) beside ``simulate_pipeline``'s prediction for the stage
+times measured in the same run (each stage's median forward, backward, input and weight
+gradient times; a message takes half the measured round trip of one activation between two
+pipeline ranks). torch's pipelining with DDP stages fails here at dp 2 (torch
+2.13, GPipe: "rebuilt parameter indices size is not same as original model parameters size"
+in DDP's reducer, and its split weight gradients bypass DDP's hooks), so torch's side reduces
+the gradients itself.
+
+    python benchmarks/torch_pipeline.py --repeat 3        # GPT 8 x 256, 8 microbatches
+    python benchmarks/torch_pipeline.py --quick
+
+The last line is one JSON object: {"bench": "torch_pipeline", "ratio_vs_anchor": the median
+of the step-time ratios over every layout and schedule, "<layout>/<schedule>": {...}, ...};
+the anchor is torch's pipelining.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining import schedules as torch_schedules
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from _report import add_repeat_arg, finish, run_repeats
+from _spawn import spawn_ranks
+from zero3_memory import peak_live_bytes
+
+from examples.pipeline_models import gpt_blocks, lm_loss, token_batch
+from gradsync_core import Topology, plan_pipeline, simulate_pipeline
+from gradsync_torch import DataParallel, Pipeline, ProcessGroups, split_model
+
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble")
+LAYOUTS = {"pp 4": 4, "pp 2 x dp 2": 2}  # name: pp, at 4 ranks
+TORCH = {
+    "GPipe": torch_schedules.ScheduleGPipe,
+    "1F1B": torch_schedules.Schedule1F1B,
+    "Interleaved1F1B": torch_schedules.ScheduleInterleaved1F1B,
+    "InterleavedZeroBubble": torch_schedules.ScheduleInterleavedZeroBubble,
+}
+SINGLE = ("GPipe", "1F1B")
+MIB = 1024 * 1024
+LR = 1e-3
+
+
+class _Torch:
+    """torch's schedule over copies of the stages; with dp > 1, one all-reduce (mean) of the
+    flattened gradients after the step (torch's pipelining leaves data parallelism to the
+    user, and its DDP path fails here: see the module docstring)."""
+
+    def __init__(self, name: str, plan: Any, stages: dict[int, nn.Module], groups: Any) -> None:
+        dp = groups["dp"]
+        self.dp = dp.process_group if dp.size > 1 else None
+        self.dp_size = dp.size
+        self.stages = stages
+        built = [
+            PipelineStage(
+                m, s, plan.num_stages, torch.device("cpu"), group=groups["pp"].process_group
+            )
+            for s, m in sorted(stages.items())
+        ]
+        cls = TORCH[name]
+        self.schedule = cls(
+            built[0] if name in SINGLE else built, plan.microbatches, loss_fn=lm_loss
+        )
+        self.opt = torch.optim.SGD([p for m in stages.values() for p in m.parameters()], lr=LR)
+        self.first, self.last = 0 in stages, plan.num_stages - 1 in stages
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        args = (x,) if self.first else ()
+        kwargs = {"target": y} if self.last else {}
+        self.schedule.step(*args, **kwargs)
+        if self.dp is not None:
+            grads = [p.grad for m in self.stages.values() for p in m.parameters()]
+            flat = _flatten_dense_tensors(grads).div_(self.dp_size)
+            dist.all_reduce(flat, group=self.dp)
+            for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
+                grad.copy_(reduced)
+        self.opt.step()
+        self.opt.zero_grad()
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for m in self.stages.values():
+            out.update({n: p.detach() for n, p in m.named_parameters()})
+        return out
+
+
+class _Ours:
+    """gradsync's Pipeline over the same stages (in DataParallel when dp > 1)."""
+
+    def __init__(self, plan: Any, stages: dict[int, nn.Module], groups: Any) -> None:
+        dp = groups["dp"]
+        if dp.size > 1:
+            stages = {
+                s: DataParallel(m, process_group=dp.process_group, overlap=False)
+                for s, m in stages.items()
+            }
+        self.pipe = Pipeline(plan, stages, groups=groups, loss_fn=lm_loss)
+        self.opt = torch.optim.SGD(self.pipe.parameters(), lr=LR)
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.pipe.step(x, target=y)
+        self.opt.step()
+        self.opt.zero_grad()
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for m in self.pipe.stages.values():
+            inner = m.module if isinstance(m, DataParallel) else m
+            out.update({n: p.detach() for n, p in inner.named_parameters()})
+        return out
+
+
+def _slowest(seconds: float) -> float:
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def _peak_bytes(runner: Any, x: torch.Tensor, y: torch.Tensor) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        runner.step(x, y)
+    return peak_live_bytes(prof)
+
+
+def _stage_times(records: list[list[Any]]) -> dict[tuple[int, str], float]:
+    """Each (stage, kind)'s median compute time over the recorded steps."""
+    times: dict[tuple[int, str], list[float]] = {}
+    for timeline in records:
+        for timed in timeline:
+            key = (timed.action.stage, timed.action.kind)
+            times.setdefault(key, []).append(timed.end - timed.start)
+    return {key: statistics.median(v) for key, v in times.items()}
+
+
+def _p2p_seconds(groups: Any, shape: tuple[int, ...], rounds: int = 8) -> float:
+    """One activation's trip between two pipeline ranks: half the median round trip of pp
+    ranks 0 and 1 (the others wait), the largest over the pipeline groups."""
+    pp = groups["pp"]
+    mine = pp.group_rank
+    buffer = torch.zeros(shape)
+    trips = []
+    if mine in (0, 1):
+        peer = 1 - mine
+        for _ in range(rounds):
+            start = time.perf_counter()
+            if mine == 0:
+                dist.send(buffer, group=pp.process_group, group_dst=peer)
+                dist.recv(buffer, group=pp.process_group, group_src=peer)
+            else:
+                dist.recv(buffer, group=pp.process_group, group_src=peer)
+                dist.send(buffer, group=pp.process_group, group_dst=peer)
+            trips.append(time.perf_counter() - start)
+    one_way = statistics.median(trips) / 2 if trips else 0.0
+    return _slowest(one_way)
+
+
+def _predicted_idle(
+    plan: Any, times: dict[tuple[int, str], float], p2p: float
+) -> tuple[float, ...]:
+    n = plan.num_stages
+    forward = [times[(s, "F")] for s in range(n)]
+    if (0, "W") in times:  # split backwards: B = I + W
+        weight = [times[(s, "W")] for s in range(n)]
+        backward = [times[(s, "I")] + weight[s] for s in range(n)]
+    else:
+        backward = [times[(s, "B")] for s in range(n)]
+        weight = [0.0] * n
+    sim = simulate_pipeline(plan, forward=forward, backward=backward, weight=weight, p2p=p2p)
+    return sim.idle
+
+
+def _case(layout: str, name: str, args: argparse.Namespace, rank: int) -> dict[str, Any]:
+    pp = LAYOUTS[layout]
+    topology = Topology.create(4, pp=pp)
+    groups = ProcessGroups(topology)
+    v = 1 if name in SINGLE else 2
+    plan = plan_pipeline(
+        schedule=name,
+        microbatches=args.microbatches,
+        topology=topology,
+        layers=args.layers,
+        stages_per_rank=v,
+    )
+    blocks = gpt_blocks(args.layers, args.width, args.heads, args.vocab, args.seq)
+    split = split_model(blocks, plan, groups.group_rank("pp"))
+    theirs = {s: copy.deepcopy(m) for s, m in split.stages.items()}
+    ours = _Ours(plan, split.stages, groups)
+    anchor = _Torch(name, plan, theirs, groups)
+    dp_rank = groups.group_rank("dp")
+    data = [
+        token_batch(args.batch, args.seq, args.vocab, seed=1000 * r + dp_rank)
+        for r in range(args.warmup + args.steps)
+    ]
+    runners = {"gradsync": ours, "torch": anchor}
+    times: dict[str, list[float]] = {k: [] for k in runners}
+    records, idle = [], []
+    for r, (x, y) in enumerate(data):
+        order = list(runners) if r % 2 == 0 else list(runners)[::-1]
+        timed = r >= args.warmup
+        for key in order:
+            if key == "gradsync":
+                ours.pipe.timeline = [] if timed else None
+            dist.barrier()
+            start = time.perf_counter()
+            runners[key].step(x, y)
+            elapsed = _slowest(time.perf_counter() - start)
+            if timed:
+                times[key].append(elapsed)
+                if key == "gradsync":
+                    timeline = ours.pipe.timeline
+                    records.append(timeline)
+                    busy = sum(t.end - t.start for t in timeline)
+                    idle.append(ours.pipe.step_seconds - busy)
+    ours.pipe.timeline = None
+    mine, other = ours.weights(), anchor.weights()
+    flag = torch.tensor([int(all(torch.equal(p, other[n]) for n, p in mine.items()))])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    equal = bool(flag.item())
+    x, y = data[0]
+    peaks = {key: _peak_bytes(runner, x, y) for key, runner in runners.items()}
+    stage_times: list[Any] = [None] * 4
+    dist.all_gather_object(stage_times, _stage_times(records))
+    merged = {k: v for part in stage_times for k, v in part.items()}
+    everyone: list[Any] = [None] * 4
+    mine = {
+        "idle": statistics.median(idle),
+        "peaks": peaks,
+        "stash": ours.pipe.peak_stash,
+        "pp_rank": groups.group_rank("pp"),
+    }
+    dist.all_gather_object(everyone, mine)
+    microbatch = (args.batch // args.microbatches, args.seq, args.width)
+    p2p = _p2p_seconds(groups, microbatch)
+    predicted = _predicted_idle(plan, merged, p2p)
+    step = {k: statistics.median(t) for k, t in times.items()}
+    return {
+        "step_s": step,
+        "ratio": step["gradsync"] / step["torch"] if "torch" in step else None,
+        "bitwise_equal": equal,
+        "peak_bytes": {k: [row["peaks"][k] for row in everyone] for k in runners},
+        "stash": [row["stash"] for row in everyone],
+        "plan_stash": [plan.peak_stash[row["pp_rank"]] for row in everyone],
+        "idle_s": [row["idle"] for row in everyone],
+        "predicted_idle_s": [predicted[row["pp_rank"]] for row in everyone],
+        "p2p_s": p2p,
+        "idle_vs_simulated": sum(row["idle"] for row in everyone) / max(sum(predicted), 1e-12),
+    }
+
+
+def worker(rank: int, world_size: int, store_path: str, args: argparse.Namespace, out: Any):
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(store_path, world_size), rank=rank, world_size=world_size
+    )
+    try:
+        results = {}
+        for layout in LAYOUTS:
+            for name in SCHEDULES:
+                results[f"{layout}/{name}"] = _case(layout, name, args, rank)
+        if rank == 0:
+            out.put(results)
+    finally:
+        dist.destroy_process_group()
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """One whole run: spawn the ranks, print the table, return the figures."""
+    results = spawn_ranks(worker, args)
+    print(
+        f"GPT {args.layers} x {args.width} ({args.heads} heads, vocab {args.vocab}, seq "
+        f"{args.seq}), batch {args.batch} per pipeline in {args.microbatches} microbatches, "
+        f"4 gloo ranks, SGD"
+    )
+    print(
+        f"{'layout / schedule':<34}{'gradsync ms':>12}{'torch ms':>10}{'ratio':>8}  bitwise  "
+        "stash (plan)   idle ms per rank: measured / simulated (all)   peak MiB gradsync / torch"
+    )
+    figures: dict[str, Any] = {"bench": "torch_pipeline"}
+    ratios = []
+    for key, r in results.items():
+        step = r["step_s"]
+        theirs = f"{step['torch'] * 1e3:>10.1f}" if "torch" in step else f"{'-':>10}"
+        ratio = f"{r['ratio']:>7.3f}x" if r["ratio"] is not None else f"{'n/a':>8}"
+        idle = "  ".join(
+            f"{m * 1e3:.1f}/{p * 1e3:.1f}"
+            for m, p in zip(r["idle_s"], r["predicted_idle_s"], strict=True)
+        )
+        peaks = "  ".join(
+            "/".join(f"{r['peak_bytes'][k][i] / MIB:.1f}" for k in r["peak_bytes"])
+            for i in range(4)
+        )
+        stash = ",".join(map(str, r["stash"])) + f" ({','.join(map(str, r['plan_stash']))})"
+        equal = {True: "yes", False: "NO", None: "-"}[r["bitwise_equal"]]
+        print(
+            f"{key:<34}{step['gradsync'] * 1e3:>12.1f}{theirs}{ratio}  {equal:<7}  "
+            f"{stash:<14} {idle} ({r['idle_vs_simulated']:.2f}x)   {peaks}"
+        )
+        if r["ratio"] is not None:
+            ratios.append(r["ratio"])
+        figures[key] = r
+    figures["ratio_vs_anchor"] = statistics.median(ratios)
+    figures["stash_equals_plan"] = all(r["stash"] == r["plan_stash"] for r in results.values())
+    return figures
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a small model, few rounds")
+    parser.add_argument("--steps", type=int, default=None, help="timed rounds (default 10)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--width", type=int, default=None, help="default 256 (--quick: 64)")
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=1024)
+    parser.add_argument("--seq", type=int, default=None, help="default 128 (--quick: 32)")
+    parser.add_argument("--batch", type=int, default=16, help="sequences per pipeline")
+    parser.add_argument("--microbatches", type=int, default=8)
+    add_repeat_arg(parser)
+    args = parser.parse_args()
+    args.world_size = 4
+    args.width = args.width or (64 if args.quick else 256)
+    args.seq = args.seq or (32 if args.quick else 128)
+    args.steps = args.steps or (3 if args.quick else 10)
+    args.warmup = 1 if args.quick else args.warmup
+    runs = run_repeats(lambda index: measure(args), args.repeat)
+    finish(runs, ratio_keys=("ratio_vs_anchor",))
+
+
+if __name__ == "__main__":
+    main()
