@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gradsync_core import PipelinePlan, TimedAction
-from gradsync_core._pipeline_actions import (
+from gradsync_core.plan.pipeline import (
     BACKWARD_INPUT,
     BACKWARD_WEIGHT,
     COMMS,

@@ -7,6 +7,22 @@ value (``_plan``), and the validator and simulator that walk a plan (``_sim``).
 """
 
 from gradsync_core.plan.pipeline._actions import (
+    BACKWARD_INPUT,
+    BACKWARD_WEIGHT,
+    COMMS,
+    COMPUTE,
+    FORWARD,
+    FULL_BACKWARD,
+    KINDS,
+    OVERLAP_F_B,
+    RECV_B,
+    RECV_F,
+    REDUCE_GRAD,
+    RESHARD,
+    SEND_B,
+    SEND_F,
+    STAGE_ONLY,
+    UNSHARD,
     Action,
 )
 from gradsync_core.plan.pipeline._layout import (
@@ -29,7 +45,23 @@ from gradsync_core.plan.pipeline._sim import (
 )
 
 __all__ = [
+    "BACKWARD_INPUT",
+    "BACKWARD_WEIGHT",
+    "COMMS",
+    "COMPUTE",
+    "FORWARD",
+    "FULL_BACKWARD",
+    "KINDS",
+    "OVERLAP_F_B",
+    "RECV_B",
+    "RECV_F",
+    "REDUCE_GRAD",
+    "RESHARD",
     "SCHEDULES",
+    "SEND_B",
+    "SEND_F",
+    "STAGE_ONLY",
+    "UNSHARD",
     "Action",
     "PipelinePlan",
     "PipelineSimulation",
