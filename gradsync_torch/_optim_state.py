@@ -1,5 +1,7 @@
-"""The optimizer state every torch saver and loader shares: pieces in model space, the group
-they are sharded over, names and specs of an optimizer's parameters.
+"""The optimizer state every torch saver and loader shares, in model space.
+
+Pieces in model space, the group they are sharded over, names and specs of an optimizer's
+parameters.
 
 ``StatePiece`` is a piece of one parameter's state: the whole parameter's (ZeRO-1, a plain
 optimizer) or that of elements ``[start, stop)`` of the flattened parameter (ZeRO-2, ZeRO-3

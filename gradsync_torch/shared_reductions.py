@@ -1,5 +1,6 @@
-"""Shared-parameter gradient sums: a ``ReductionPlan`` executed over ``ProcessGroups``
-(docs/design.md §6).
+"""Shared-parameter gradient sums: a ``ReductionPlan`` executed over ``ProcessGroups``.
+
+See docs/design.md §6.
 
 A parameter replicated over a model-parallel axis (a norm under tensor or context
 parallelism) gets a partial gradient on each member of that axis; the plan's buckets sum them

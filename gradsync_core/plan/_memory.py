@@ -1,5 +1,6 @@
-"""Per-rank memory of model states under DDP and ZeRO-1/2/3, predicted from the plans
-(DeepSpeed's estimator style; formulas in docs/design.md §16).
+"""Per-rank memory of model states under DDP and ZeRO-1/2/3, predicted from the plans.
+
+DeepSpeed's estimator style; formulas in docs/design.md §16.
 
 Model states only: parameters, gradients, optimizer state and the communication buffers or
 gathered units that live next to them. Activations depend on the batch and are not counted.

@@ -1,5 +1,7 @@
-"""Reading safetensors files into NumPy, bfloat16 and float8 included (gradsync_core reads
-the header, bounded)."""
+"""Reading safetensors files into NumPy, bfloat16 and float8 included.
+
+gradsync_core reads the header, bounded.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""``DataParallel``'s arguments: the options every rank must agree on, and the checks that
-run before any collective (docs/design.md §8).
+"""``DataParallel``'s options every rank must agree on, checked before any collective.
+
+See docs/design.md §8.
 
 Every check here is local, so a mistake on one rank cannot leave the others waiting; what
 must also be *equal* across ranks is the frozen ``DataParallelOptions`` record, compared by

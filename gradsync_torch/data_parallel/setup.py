@@ -1,6 +1,7 @@
-"""``DataParallel``'s construction, in the order it runs: read the module's parameters once,
-resolve the groups, plan the layout, agree across ranks and only then start from rank 0's
-state (docs/design.md §6, §8, §15).
+"""``DataParallel``'s construction steps, in the order they run.
+
+Read the module's parameters once, resolve the groups, plan the layout, agree across ranks
+and only then start from rank 0's state (docs/design.md §6, §8, §15).
 
 Each step is a function of what it needs and returns a value; the wrapper only stores the
 results. No collective runs before ``verify_same_everywhere`` (the agreement on the plan

@@ -1,5 +1,6 @@
-"""The class ``fully_shard`` gives a sharded module: FSDP2's ``FSDPModule``, answered by gradsync
-(docs/torch-zero3.md, "FSDP2's FSDPModule").
+"""``FSDPModule``: the class ``fully_shard`` gives a sharded module, answered by gradsync.
+
+See docs/torch-zero3.md, "FSDP2's FSDPModule".
 
 FSDP2 swaps a sharded module's class for ``FSDP<Cls>``, a subclass of ``FSDPModule`` and the
 module's own class; torchtitan finds its units with ``isinstance(m, FSDPModule)`` and sets them

@@ -1,5 +1,6 @@
-"""One unit's parameters: sharded at rest, gathered around its use, gradients reduce-scattered
-(ZeRO-3, arXiv:1910.02054 §5.3). The hooks (``_hooks.py``) decide *when*; this owns *what*.
+"""One unit's parameters: sharded at rest, gathered around use, gradients reduce-scattered.
+
+ZeRO-3, arXiv:1910.02054 §5.3. The hooks (``_hooks.py``) decide *when*; this owns *what*.
 
 The representation is FSDP2's (torch 2.13 ``_fsdp_param.py``), so torch's tools work on it:
 each parameter is an ``nn.Parameter`` holding a ``DTensor`` with ``Shard(0)`` whose local

@@ -1,6 +1,8 @@
-"""ZeRO-1's layout: each rank owns whole parameters (``plan_greedy_shards``, ZeRO
-arXiv:1910.02054 §5.1); its local optimizer steps the real parameters, and afterwards every
-rank's parameters are broadcast from their owner (the ``Layout`` protocol is in ``layout``).
+"""ZeRO-1's layout: each rank owns whole parameters and broadcasts them after its step.
+
+Owners from ``plan_greedy_shards`` (ZeRO arXiv:1910.02054 §5.1); the local optimizer steps the
+real parameters, and afterwards every rank's parameters are broadcast from their owner (the
+``Layout`` protocol is in ``layout``).
 """
 
 from __future__ import annotations
