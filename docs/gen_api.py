@@ -47,6 +47,7 @@ GUIDES = {
         "data-position.md",
         "interchange.md",
         "pipeline.md",
+        "torch-zero3.md",
     ],
     "gradsync_jax": [
         "jax.md",
@@ -55,6 +56,7 @@ GUIDES = {
         "checkpoints.md",
         "data-position.md",
         "interchange.md",
+        "jax-zero3.md",
     ],
 }
 COMMON_TAIL = [
