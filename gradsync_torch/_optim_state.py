@@ -30,7 +30,8 @@ NOT_HYPER = ("params", "param_names")
 class StatePiece(NamedTuple):
     """A piece of one parameter's optimizer state in model space."""
 
-    index: int  # global parameter index (param groups flattened, as torch's state_dict)
+    index: int  # type: ignore[assignment]  # the global parameter index (param groups flattened,
+    # as torch's state_dict); the field shadows tuple.index, as a NamedTuple field may
     start: int  # element range of the flattened parameter
     stop: int
     whole: bool  # the state of the whole parameter, tensors in its shape
@@ -133,7 +134,7 @@ def parameter_names(
             f"parameter #{i} ({tuple(params[i].shape)}) is not a parameter of the "
             "given model; pass the model this optimizer trains"
         )
-    return names  # type: ignore[return-value]
+    return names
 
 
 def param_specs_of(

@@ -103,7 +103,8 @@ def check_group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup:
             "the environment for it)"
         )
     group = dist.group.WORLD if process_group is None else process_group
-    if group is None or group == dist.GroupMember.NON_GROUP_MEMBER or dist.get_rank(group) < 0:
+    non_member = dist.GroupMember.NON_GROUP_MEMBER  # what new_group returns to non-members
+    if group is None or group == non_member or dist.get_rank(group) < 0:  # type: ignore[comparison-overlap]
         raise ValueError(
             f"rank {dist.get_rank()} is not a member of the process_group passed to "
             "DataParallel; every rank that wraps the model must belong to its data-parallel "

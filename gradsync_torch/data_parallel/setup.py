@@ -249,7 +249,7 @@ def broadcast_state(
     if params.experts and groups is not None and groups.size("edp") > 1:
         experts = [p for name, p in params.named if name in params.experts]
         broadcast_tensors(experts, groups.group("edp").process_group)
-    tensors = [p for _, p in params.dense]
+    tensors: list[torch.Tensor] = [p for _, p in params.dense]
     tensors += [b for _, b in module.named_buffers()]
     broadcast_tensors(tensors, group)
 

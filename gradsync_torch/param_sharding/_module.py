@@ -82,7 +82,7 @@ class ShardedModule(FSDPModule):
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         # nn.Module's own (.to(), .float()), not FSDPModule's, which reads FSDP2's state.
-        return super(FSDPModule, self)._apply(*args, **kwargs)
+        return super(FSDPModule, self)._apply(*args, **kwargs)  # type: ignore[misc]
 
     def _units(self, recurse: bool) -> list[ShardUnit]:
         """This module's unit and, with ``recurse``, every unit inside it (each once)."""

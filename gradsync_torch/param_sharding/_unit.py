@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 import torch.distributed as dist
@@ -373,14 +373,15 @@ class UnitParameters:
         as FSDP2 accumulates across steps); called once the step's collectives agreed."""
         reduced, self._reduced = self._reduced, []
         for p, local in reduced:
-            grad = p.sharded.grad
+            sharded = cast(DTensor, p.sharded)
+            grad = sharded.grad
             if grad is not None:
-                grad._local_tensor += local
+                cast(DTensor, grad)._local_tensor += local
             else:
                 p.sharded.grad = DTensor.from_local(
                     local,
-                    p.sharded.device_mesh,
-                    p.sharded.placements,
+                    sharded.device_mesh,
+                    sharded.placements,
                     run_check=False,
                     shape=p.sharded.shape,
                     stride=p.sharded.stride(),
