@@ -1,7 +1,8 @@
 """Pipeline parallelism in one SPMD program: a ``PipelinePlan`` run by ``shard_map``
 (docs/pipeline.md, "The JAX executor")."""
 
-from gradsync_jax.pipeline.model import PipelineModel, natural_params, pipeline_params
+from gradsync_jax.pipeline.layout import natural_params, pipeline_params
+from gradsync_jax.pipeline.model import PipelineModel
 from gradsync_jax.pipeline.step import PipelineStep, pipeline_step
 from gradsync_jax.pipeline.ticks import TickProgram, compile_ticks
 

@@ -35,7 +35,7 @@ import jax.core
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.extend.core import Jaxpr, Literal, Var
+from jax.extend.core import DebugInfo, Jaxpr, Literal, Var
 
 from gradsync_jax.pipeline.ticks import FIRST, LAST, ONLY
 
@@ -228,15 +228,26 @@ def split_stage(
     consts = tuple(closed.consts)
     constvars = list(jaxpr.constvars)
 
-    def make(eqns: list[Any], ins: list[Var], outs: list[Any]) -> Jaxpr:
-        return Jaxpr(constvars, ins, outs, eqns)
+    def make(name: str, eqns: list[Any], ins: list[Var], outs: list[Any]) -> Jaxpr:
+        info = DebugInfo(
+            f"pipeline {stage_type} stage: {name}",
+            None,
+            tuple(f"in{i}" for i in range(len(ins))),
+            tuple(f"out{i}" for i in range(len(outs))),
+        )
+        return Jaxpr(constvars, ins, outs, eqns, debug_info=info)
 
     return StageCells(
         stage_type=stage_type,
         consts=consts,
-        forward=make(f_eqns, param_vars + data_vars + x_vars, y_out + stash_vars),
-        input_grad=make(i_eqns, param_vars + data_vars + stash_vars + g_vars, dx_out + cross_vars),
-        weight_grad=make(w_eqns, param_vars + data_vars + cross_vars, grads_out),
+        forward=make("forward", f_eqns, param_vars + data_vars + x_vars, y_out + stash_vars),
+        input_grad=make(
+            "input gradient",
+            i_eqns,
+            param_vars + data_vars + stash_vars + g_vars,
+            dx_out + cross_vars,
+        ),
+        weight_grad=make("weight gradient", w_eqns, param_vars + data_vars + cross_vars, grads_out),
         stash=RowLayout.of([v.aval for v in stash_vars]),
         cross=RowLayout.of([v.aval for v in cross_vars]),
         grads_tree=jax.tree.structure(shapes[2]),

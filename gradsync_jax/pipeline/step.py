@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 from gradsync_core import PipelinePlan
 from gradsync_jax._axes import AxisName, axis_tuple, cast_varying, psum_mean
 from gradsync_jax.data_parallel.accumulate import split_microbatches
+from gradsync_jax.pipeline.layout import natural_state, pipeline_state
 from gradsync_jax.pipeline.loop import run_pipeline
 from gradsync_jax.pipeline.model import PARTS, PipelineModel
 from gradsync_jax.pipeline.split import STASH_MODES
@@ -87,8 +88,40 @@ class PipelineStep:
         Raises:
             ValueError: if the update reads across elements (``check_elementwise``).
         """
+        self.check_params(params)
         self.check_elementwise(params)
-        states = [self.tx.init(self._local(params, r)) for r in range(self.plan.pp)]
+        return self._place(
+            [self.tx.init(self._local(params, r)) for r in range(self.plan.pp)], params
+        )
+
+    @property
+    def inner(self) -> optax.GradientTransformation:
+        """The Optax transformation the state belongs to (a ``shard_optimizer``'s inner)."""
+        return self.tx.settings.given if isinstance(self.tx, ShardedOptimizer) else self.tx
+
+    def natural_state(self, opt_state: Any, params: Any) -> Any:
+        """The state ``inner.init(natural_params(params, plan))`` would hold: what the
+        unpipelined step's optimizer holds, on the host (NumPy); save it beside
+        ``natural_params`` and continue with any pp (``pipeline_state``)."""
+        per_rank = [
+            jax.tree.map(lambda x, r=r: np.asarray(x)[r], opt_state) for r in range(self.plan.pp)
+        ]
+        if isinstance(self.tx, ShardedOptimizer):
+            local = self._abstract_local(params)
+            per_rank = [self.tx.gather_state(s, local) for s in per_rank]
+        return natural_state(self.inner, per_rank, params, self.plan)
+
+    def pipeline_state(self, state: Any, params: Any) -> Any:
+        """``natural_state``'s inverse: the step's optimizer state from the unpipelined one
+        (``inner.init(natural)``'s structure), placed on the mesh."""
+        self.check_params(params)
+        per_rank = pipeline_state(self.inner, state, params, self.plan, _blocks_per_stage(params))
+        if isinstance(self.tx, ShardedOptimizer):
+            local = self._abstract_local(params)
+            per_rank = [self.tx.scatter_state(s, local) for s in per_rank]
+        return self._place(per_rank, params)
+
+    def _place(self, states: list[Any], params: Any) -> Any:
         stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *states)
         specs = self.state_specs(params)
         return jax.device_put(
