@@ -325,7 +325,7 @@ def pipeline_step(
     """
     if PP not in mesh.axis_names or mesh.shape[PP] != plan.pp:
         raise ValueError(
-            f"the plan runs pp = {plan.pp} stages ranks but the mesh has axes "
+            f"the plan runs pp = {plan.pp} pipeline ranks but the mesh has axes "
             f"{dict(mesh.shape)}; build it with mesh_from_topology(plan.topology)"
         )
     if stash not in STASH_MODES:

@@ -255,3 +255,79 @@ def test_ticks_hold_the_plans_stash(schedule: str, pp: int) -> None:
         assert slots == [pp] * 3
     if schedule == "GPipe":
         assert slots == [2 * pp, 4 * pp, 8 * pp]
+
+
+def temp_bytes(schedule: str, m: int, stash: str, pp: int = 4) -> int:
+    """The compiled step's temporary bytes (``memory_analysis()``), pp 4 x dp 2."""
+    topology = Topology.create(8, pp=pp)
+    mesh = mesh_from_topology(topology)
+    plan = plan_pipeline(
+        schedule=schedule,
+        microbatches=m,
+        topology=topology,
+        layers=2 * pp,
+        input_weight=0,
+        output_weight=0,
+    )
+    step = pipeline_step(MODEL, optax.adam(1e-2), mesh, plan, stash=stash)
+    params = pipeline_params(init_params(2 * pp), plan, mesh)
+    lowered = step.lower(params, step.init(params), make_batch(topology.dp, m, 0))
+    return lowered.compile(compiler_options=FAST_COMPILE).memory_analysis().temp_size_in_bytes
+
+
+def test_memory_1f1b_flat_gpipe_grows() -> None:
+    """Issue 36 item 4: 1F1B stashes at most pp microbatches per rank, GPipe all m of them."""
+    assert temp_bytes("1F1B", 8, "residuals") == temp_bytes("1F1B", 16, "residuals")
+    assert temp_bytes("GPipe", 8, "residuals") < temp_bytes("GPipe", 16, "residuals")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stash", ["residuals", "input"])
+def test_memory_in_m(stash: str) -> None:
+    """At m = 8, 16, 32: 1F1B's temporaries do not change, GPipe's grow linearly in m (the
+    same bytes per microbatch, within XLA's 64-byte alignment)."""
+    one = [temp_bytes("1F1B", m, stash) for m in (8, 16, 32)]
+    gpipe = [temp_bytes("GPipe", m, stash) for m in (8, 16, 32)]
+    assert one[0] == one[1] == one[2]
+    assert gpipe[0] < gpipe[1] < gpipe[2]
+    per_microbatch = (gpipe[1] - gpipe[0]) / 8, (gpipe[2] - gpipe[1]) / 16
+    assert per_microbatch[1] == pytest.approx(per_microbatch[0], rel=0.01)
+    assert one[0] <= gpipe[0]
+
+
+def small_plan(schedule: str = "1F1B", **kw: Any) -> Any:
+    kw = {"layers": 4, "input_weight": 0, "output_weight": 0} | kw
+    return plan_pipeline(schedule=schedule, microbatches=4, topology=Topology.create(8, pp=2), **kw)
+
+
+def test_refuses_what_it_cannot_run_exactly() -> None:
+    mesh = mesh_from_topology(Topology.create(8, pp=2))
+    plan = small_plan()
+    params = pipeline_params(init_params(4), plan, mesh)
+    clipped = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))
+    with pytest.raises(ValueError, match="treats every element on its own"):
+        pipeline_step(MODEL, clipped, mesh, plan).init(params)
+    with pytest.raises(ValueError, match="zero3=False"):
+        pipeline_step(MODEL, optax.adam(1e-2), mesh, small_plan(zero3=True))
+    with pytest.raises(ValueError, match="the plan runs pp = 2 pipeline ranks"):
+        pipeline_step(MODEL, optax.adam(1e-2), mesh_from_topology(Topology.create(8, pp=4)), plan)
+    with pytest.raises(ValueError, match="stash must be one of"):
+        pipeline_step(MODEL, optax.adam(1e-2), mesh, plan, stash="all")
+    step = pipeline_step(MODEL, optax.adam(1e-2), mesh, plan)
+    state = step.init(params)
+    with pytest.raises(ValueError, match="pipeline_params"):
+        step(init_params(4), state, make_batch(4, 4, 0))
+    with pytest.raises(ValueError, match="multiple of dp size 4 x microbatches 4"):
+        tokens, targets = make_batch(4, 4, 0)
+        step(params, state, (tokens[:-2], targets[:-2]))
+
+
+def test_refuses_unequal_stages() -> None:
+    """torchtitan's default spread gives the first and last stages fewer blocks; one SPMD
+    program needs the same number on every stage."""
+    plan = plan_pipeline(
+        schedule="1F1B", microbatches=4, topology=Topology.create(8, pp=4), layers=8
+    )
+    assert plan.layout == "Et*2|t*3|t*2|tL"
+    with pytest.raises(ValueError, match="input_weight=0, output_weight=0"):
+        pipeline_params(init_params(8), plan)
