@@ -1,6 +1,7 @@
 """Pipeline parallelism in one SPMD program: a ``PipelinePlan`` run by ``shard_map``
 (docs/pipeline.md, "The JAX executor")."""
 
+from gradsync_jax.pipeline.flax_models import linen_model, nnx_model, nnx_state
 from gradsync_jax.pipeline.layout import natural_params, pipeline_params
 from gradsync_jax.pipeline.model import PipelineModel
 from gradsync_jax.pipeline.step import PipelineStep, pipeline_step
@@ -11,7 +12,10 @@ __all__: list[str] = [
     "PipelineStep",
     "TickProgram",
     "compile_ticks",
+    "linen_model",
     "natural_params",
+    "nnx_model",
+    "nnx_state",
     "pipeline_params",
     "pipeline_step",
 ]

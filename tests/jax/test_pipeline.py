@@ -112,10 +112,16 @@ def backward_order(plan: Any) -> list[int]:
 
 
 def reference(
-    natural: Any, batches: list[Any], plan: Any, dp: int, tx: optax.GradientTransformation
+    natural: Any,
+    batches: list[Any],
+    plan: Any,
+    dp: int,
+    tx: optax.GradientTransformation,
+    grad_fn: Any = _GRAD,
 ) -> tuple[Any, Any, list[float]]:
-    """The unpipelined steps: per dp replica the microbatches' gradients summed in the plan's
-    order and divided by m, then the mean over replicas, then ``tx``."""
+    """The unpipelined steps: per dp replica the microbatches' gradients (``grad_fn(params,
+    tokens, targets) -> (loss, grads)``) summed in the plan's order and divided by m, then
+    the mean over replicas, then ``tx``."""
     m = plan.microbatches
     order = backward_order(plan)
     params = jax.tree.map(jnp.asarray, natural)
@@ -128,7 +134,7 @@ def reference(
             total = loss_sum = None
             for i in order:  # float32 sums on the host: the same IEEE additions, no dispatch
                 rows = slice(d * share + i * ROWS, d * share + (i + 1) * ROWS)
-                loss, grads = jax.device_get(_GRAD(params, tokens[rows], targets[rows]))
+                loss, grads = jax.device_get(grad_fn(params, tokens[rows], targets[rows]))
                 total = grads if total is None else jax.tree.map(np.add, total, grads)
                 loss_sum = loss if loss_sum is None else loss_sum + loss
             replica_grads.append(jax.tree.map(lambda g: g / np.float32(m), total))
