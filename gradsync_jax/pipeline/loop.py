@@ -48,15 +48,14 @@ from gradsync_jax.pipeline.ticks import (
 class _Out:
     """What every branch of the switch returns (zeros where a cell makes nothing)."""
 
-    send: jax.Array
+    send: jax.Array  # the forward's output or the input gradient, for the neighbour
     loss: jax.Array
-    stash: dict[RowKey, jax.Array]
-    cross: dict[RowKey, jax.Array]
+    kept: dict[RowKey, jax.Array]  # what a forward or an input gradient leaves for later
     grads: tuple[Any, Any, Any]
 
 
 jax.tree_util.register_dataclass(
-    _Out, data_fields=["send", "loss", "stash", "cross", "grads"], meta_fields=[]
+    _Out, data_fields=["send", "loss", "kept", "grads"], meta_fields=[]
 )
 
 
@@ -125,29 +124,27 @@ def run_pipeline(
         p_t = _stage_params(t, embed, _index(blocks, 0), head)
         cells[t] = split_stage(t, joint, p_t, zero_data, x, g, stash=stash)
 
-    stash_rows = _rows([c.stash for c in cells.values()], axes)
-    cross_rows = _rows([c.cross for c in cells.values()], axes)
+    rows = _rows([layout for c in cells.values() for layout in (c.stash, c.cross)])
     grads_zero = _cast(jax.tree.map(jnp.zeros_like, (embed, _index(blocks, 0), head)), axes)
 
     def branch(kind: int, t: str) -> Callable[..., _Out]:
         c = cells[t]
         first, last = t in (FIRST, ONLY), t in (LAST, ONLY)
 
-        def run(p: Any, data: Any, x: Any, g: Any, stash_in: Any, cross_in: Any) -> _Out:
+        def run(p: Any, data: Any, x: Any, g: Any, kept_in: Any) -> _Out:
             p_t = _stage_params(t, *p)
             flat_p, flat_d = jax.tree.leaves(p_t), jax.tree.leaves(data)
-            out = _Out(act_zero, loss_zero, _zeros(stash_rows), _zeros(cross_rows), grads_zero)
             if kind == FORWARD:
                 y, *kept = c.run(c.forward, *flat_p, *flat_d, *([] if first else [x]))
                 send, lost = (act_zero, y) if last else (y, loss_zero)
-                return _Out(send, lost, c.stash.pack(kept, out.stash), out.cross, out.grads)
+                return _Out(send, lost, c.stash.pack(kept, rows), grads_zero)
             if kind == INPUT:
                 seed = jnp.ones_like(loss_zero) if last else g
-                outs = c.run(c.input_grad, *flat_p, *flat_d, *c.stash.unpack(stash_in), seed)
+                outs = c.run(c.input_grad, *flat_p, *flat_d, *c.stash.unpack(kept_in), seed)
                 dx, kept = (act_zero, outs) if first else (outs[0], outs[1:])
-                return _Out(dx, loss_zero, out.stash, c.cross.pack(kept, out.cross), out.grads)
+                return _Out(dx, loss_zero, c.cross.pack(kept, rows), grads_zero)
             grads = c.grads_tree.unflatten(
-                c.run(c.weight_grad, *flat_p, *flat_d, *c.cross.unpack(cross_in))
+                c.run(c.weight_grad, *flat_p, *flat_d, *c.cross.unpack(kept_in))
             )
             d_embed, d_blocks, d_head = grads
             full = (
@@ -155,12 +152,12 @@ def run_pipeline(
                 d_blocks,
                 grads_zero[2] if d_head is None else d_head,
             )
-            return _Out(out.send, loss_zero, out.stash, out.cross, _cast(full, axes))
+            return _Out(act_zero, loss_zero, dict(rows), _cast(full, axes))
 
         return run
 
     def idle(*_: Any) -> _Out:
-        return _Out(act_zero, loss_zero, _zeros(stash_rows), _zeros(cross_rows), grads_zero)
+        return _Out(act_zero, loss_zero, dict(rows), grads_zero)
 
     branches = [idle] + [branch(kind, t) for kind, t in program.branches]
     p = program.pp
@@ -170,23 +167,21 @@ def run_pipeline(
     table = jnp.asarray(program.table)
 
     def tick(carry: Any, row_all: jax.Array) -> tuple[Any, None]:
-        bufs, stashed, crossed, sums, loss_sum = carry
+        bufs, kept, sums, loss_sum = carry
         row = row_all[me]
         col = lambda name: row[COL[name]]  # noqa: E731
         local, mb = col("local"), col("mb")
         p_local = (embed, _index(blocks, local), head)
         data = _cast((_index(inputs, mb), _index(targets, mb)), axes)
-        x = _read(bufs["act"], col("act_read"))
-        g = _read(bufs["grad"], col("grad_read"))
-        stash_in = {k: _read(b, col("stash_read")) for k, b in stashed.items()}
-        cross_in = {k: _read(b, col("cross_read")) for k, b in crossed.items()}
-        out = lax.switch(col("branch"), branches, p_local, data, x, g, stash_in, cross_in)
-        stashed = {k: _write(b, col("stash_write"), out.stash[k]) for k, b in stashed.items()}
-        crossed = {k: _write(b, col("cross_write"), out.cross[k]) for k, b in crossed.items()}
+        x = _index(bufs["act"], col("act_read"))
+        g = _index(bufs["grad"], col("grad_read"))
+        kept_in = {k: _index(b, col("kept_read")) for k, b in kept.items()}
+        out = lax.switch(col("branch"), branches, p_local, data, x, g, kept_in)
+        kept = {k: _write(b, col("kept_write"), out.kept[k]) for k, b in kept.items()}
         d_embed, d_blocks, d_head = out.grads
         sums = (
             jax.tree.map(jnp.add, sums[0], d_embed),
-            jax.tree.map(lambda s, d: _add_at(s, local, d), sums[1], d_blocks),
+            jax.tree.map(lambda s, d: s.at[local].add(d), sums[1], d_blocks),
             jax.tree.map(jnp.add, sums[2], d_head),
         )
         from_left = lax.ppermute(out.send, "pp", right)
@@ -195,20 +190,19 @@ def run_pipeline(
         bufs = dict(bufs)
         for buf, src in program.sources:
             bufs[buf] = _write(bufs[buf], col(f"{buf}_from_{src}"), arriving[src])
-        return (bufs, stashed, crossed, sums, loss_sum + out.loss), None
+        return (bufs, kept, sums, loss_sum + out.loss), None
 
-    slots = program.slots
+    spare = {buf: n + 1 for buf, n in program.slots.items()}  # the last slot takes "none"
     carry = (
         {
-            "act": _cast(jnp.zeros((slots["act"], *act.shape), act.dtype), axes),
-            "grad": _cast(jnp.zeros((slots["grad"], *act.shape), act.dtype), axes),
+            "act": _cast(jnp.zeros((spare["act"], *act.shape), act.dtype), axes),
+            "grad": _cast(jnp.zeros((spare["grad"], *act.shape), act.dtype), axes),
         },
-        {k: _slotted(r, slots["stash"]) for k, r in stash_rows.items()},
-        {k: _slotted(r, slots["cross"]) for k, r in cross_rows.items()},
+        {k: _slotted(r, spare["kept"]) for k, r in rows.items()},
         _cast(jax.tree.map(jnp.zeros_like, (embed, blocks, head)), axes),
         loss_zero,
     )
-    (_, _, _, sums, loss_sum), _ = lax.scan(tick, carry, table)
+    (_, _, sums, loss_sum), _ = lax.scan(tick, carry, table)
     return loss_sum, sums
 
 
@@ -226,7 +220,7 @@ def _cast(tree: Any, axes: tuple[str, ...]) -> Any:
     return cast_varying(tree, axes)
 
 
-def _rows(layouts: list[RowLayout], axes: tuple[str, ...]) -> dict[RowKey, jax.Array]:
+def _rows(layouts: list[RowLayout]) -> dict[RowKey, jax.Array]:
     """One zero row per (dtype, varying axes), as long as the longest stage type needs."""
     sizes: dict[RowKey, int] = {}
     for layout in layouts:
@@ -239,10 +233,6 @@ def _rows(layouts: list[RowLayout], axes: tuple[str, ...]) -> dict[RowKey, jax.A
     return rows
 
 
-def _zeros(rows: dict[RowKey, jax.Array]) -> dict[RowKey, jax.Array]:
-    return dict(rows)
-
-
 def _slotted(row: jax.Array, slots: int) -> jax.Array:
     return _vary(jnp.zeros((slots, *row.shape), row.dtype), aval_varying(jax.typeof(row)))
 
@@ -251,17 +241,6 @@ def _vary(x: jax.Array, axes: frozenset[str]) -> jax.Array:
     return cast_varying(x, tuple(sorted(axes))) if axes else x
 
 
-def _read(buf: jax.Array, slot: jax.Array) -> jax.Array:
-    return lax.dynamic_index_in_dim(buf, jnp.maximum(slot, 0), keepdims=False)
-
-
 def _write(buf: jax.Array, slot: jax.Array, value: jax.Array) -> jax.Array:
-    """``buf[slot] = value`` where ``slot >= 0``; unchanged for -1 (no write this tick)."""
-    at = jnp.maximum(slot, 0)
-    old = lax.dynamic_index_in_dim(buf, at, keepdims=False)
-    return lax.dynamic_update_index_in_dim(buf, jnp.where(slot >= 0, value, old), at, 0)
-
-
-def _add_at(total: jax.Array, i: jax.Array, value: jax.Array) -> jax.Array:
-    row = lax.dynamic_index_in_dim(total, i, keepdims=False)
-    return lax.dynamic_update_index_in_dim(total, row + value, i, 0)
+    """``buf[slot] = value``, in place: a tick that keeps nothing writes the spare slot."""
+    return lax.dynamic_update_index_in_dim(buf, value, slot, 0)

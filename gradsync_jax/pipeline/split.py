@@ -78,18 +78,18 @@ class RowLayout:
             out[key] = max(out.get(key, 0), offset + math.prod(shape))
         return out
 
-    def pack(self, values: Sequence[Any], rows: dict[RowKey, jax.Array]) -> dict[RowKey, Any]:
-        """``values`` written into zero rows shaped like ``rows``."""
+    def pack(self, values: Sequence[Any], rows: dict[RowKey, Any]) -> dict[RowKey, jax.Array]:
+        """``values`` laid out in rows shaped like ``rows`` (zeros past them): one
+        concatenation per row, so the row is written once."""
         parts: dict[RowKey, list[Any]] = {key: [] for key in rows}
         for (key, _, _), value in zip(self.places, values, strict=True):
             parts[key].append(jnp.ravel(value))
         out = {}
         for key, row in rows.items():
-            if not parts[key]:
-                out[key] = row
-                continue
-            flat = jnp.concatenate(parts[key]) if len(parts[key]) > 1 else parts[key][0]
-            out[key] = lax.dynamic_update_slice_in_dim(row, flat.astype(row.dtype), 0, 0)
+            used = sum(p.size for p in parts[key])
+            if used < row.shape[0]:
+                parts[key].append(row[used:])  # the zero row's tail: its type (and axes)
+            out[key] = jnp.concatenate(parts[key]) if len(parts[key]) > 1 else parts[key][0]
         return out
 
     def unpack(self, rows: dict[RowKey, jax.Array]) -> list[jax.Array]:

@@ -13,10 +13,13 @@ its data.
 
 The values a cell leaves for a later one wait in fixed-size buffers, a slot each, held from
 the tick after the write through the read: the stage inputs that have arrived (``act``), the
-output gradients that have arrived (``grad``), what a forward leaves its input gradient
-(``stash``) and what an input gradient leaves its weight gradient (``cross``). Slots are
-assigned per rank by interval colouring (optimal for intervals), and a buffer has the most
-slots any rank needs. Everything here is plain Python and NumPy: the tables are static data
+output gradients that have arrived (``grad``), and what a microbatch's forward leaves its
+input gradient and that one its weight gradient (``kept``: one slot from the forward to the
+weight gradient, so a rank needs the plan's peak stash of them). Slots are assigned per rank
+by interval colouring (optimal for intervals), and a buffer has the most slots any rank
+needs, plus one spare slot that the ticks which keep nothing write to (a write to a computed
+slot keeps XLA's update in place; a masked write would read the slot back and copy the whole
+buffer every tick). Everything here is plain Python and NumPy: the tables are static data
 that the step indexes with ``lax.axis_index("pp")``.
 """
 
@@ -31,10 +34,11 @@ from gradsync_core import Action, PipelinePlan, simulate_pipeline
 
 IDLE, FORWARD, INPUT, WEIGHT = 0, 1, 2, 3  # the cell kinds
 KIND_NAMES = {FORWARD: "F", INPUT: "I", WEIGHT: "W"}
-BUFFERS = ("act", "grad", "stash", "cross")
+BUFFERS = ("act", "grad", "kept")
 SOURCES = ("left", "right", "local")  # from rank r-1, from rank r+1, this rank's own output
 
-# Columns of the per-tick table; a slot of -1 means "none" (reads use slot 0, writes skip).
+# Columns of the per-tick table. A read of "none" reads slot 0 and ignores it; a write of
+# "none" goes to the buffer's spare last slot (``TickProgram.slots[buf]``).
 COLUMNS = (
     "branch",  # 0 idle, else 1 + the index of (kind, stage type) in TickProgram.branches
     "kind",
@@ -42,13 +46,12 @@ COLUMNS = (
     "local",  # the stage's place among this rank's stages (its row of the blocks)
     "mb",
     "act_read",  # forward: the slot of its input
-    "stash_write",  # forward
-    "stash_read",  # input gradient
-    "grad_read",  # input gradient: the slot of its output gradient (-1: the loss's seed)
-    "cross_write",  # input gradient
-    "cross_read",  # weight gradient
+    "grad_read",  # input gradient: the slot of its output gradient (none: the loss's seed)
+    "kept_read",  # input gradient: what its forward kept; weight gradient: what that kept
+    "kept_write",  # forward and input gradient
     *(f"{buf}_from_{src}" for buf in ("act", "grad") for src in SOURCES),
 )
+READS = ("act_read", "grad_read", "kept_read")
 COL = {name: i for i, name in enumerate(COLUMNS)}
 
 FIRST, MIDDLE, LAST, ONLY = "first", "middle", "last", "only"  # stage types
@@ -75,9 +78,10 @@ class TickProgram:
     """A plan compiled for one SPMD loop: ``table[t, r]`` is rank r's row at tick t.
 
     ``branches`` lists the (kind, stage type) pairs that occur (the switch's branches);
-    ``slots`` the slot count of each buffer (at least 1); ``sources`` which (buffer, source)
-    receives ever happen, so the step writes only those; ``peak`` each rank's most stashed
-    microbatches (forward done, weight gradient not yet).
+    ``slots`` the slot count of each buffer, its spare slot not counted (the step allocates
+    ``slots + 1``); ``sources`` which (buffer, source) receives ever happen, so the step
+    writes only those; ``peak`` each rank's most stashed microbatches (forward done, weight
+    gradient not yet): ``slots["kept"]`` is their maximum.
     """
 
     pp: int
@@ -145,29 +149,29 @@ def compile_ticks(plan: PipelinePlan) -> TickProgram:
                 when[cell.kind, cell.stage, cell.microbatch] = (t, rank)
 
     # Every value that waits: (buffer, rank, first tick held, read tick, key), plus where a
-    # received one comes from.
-    intervals: list[tuple[str, int, int, int, tuple[int, int]]] = []
-    arrivals: list[tuple[str, int, int, str, tuple[int, int]]] = []  # buffer, tick, rank, src
+    # received one comes from. Keys: (stage, microbatch, the cell that wrote it).
+    intervals: list[tuple[str, int, int, int, tuple[int, int, int]]] = []
+    arrivals: list[tuple[str, int, int, str, tuple[int, int, int]]] = []
     for s in range(n):
         for mb in range(m):
             tf, rank = when[FORWARD, s, mb]
             ti, _ = when[INPUT, s, mb]
             tw, _ = when[WEIGHT, s, mb]
-            assert tf < ti < tw or (tf < ti and ti < tw), (s, mb)
-            intervals.append(("stash", rank, tf + 1, ti, (s, mb)))
-            intervals.append(("cross", rank, ti + 1, tw, (s, mb)))
+            assert tf < ti < tw, (s, mb)
+            intervals.append(("kept", rank, tf + 1, ti, (s, mb, FORWARD)))
+            intervals.append(("kept", rank, ti + 1, tw, (s, mb, INPUT)))
             if s > 0:  # the previous stage's output, written at the end of its tick
                 tp, src_rank = when[FORWARD, s - 1, mb]
-                intervals.append(("act", rank, tp + 1, tf, (s, mb)))
-                arrivals.append(("act", tp, rank, _source(src_rank, rank, pp), (s, mb)))
+                intervals.append(("act", rank, tp + 1, tf, (s, mb, 0)))
+                arrivals.append(("act", tp, rank, _source(src_rank, rank, pp), (s, mb, 0)))
             if s < n - 1:  # the next stage's input gradient
                 tn, src_rank = when[INPUT, s + 1, mb]
-                intervals.append(("grad", rank, tn + 1, ti, (s, mb)))
-                arrivals.append(("grad", tn, rank, _source(src_rank, rank, pp), (s, mb)))
-    slot_of: dict[tuple[str, tuple[int, int]], int] = {}
+                intervals.append(("grad", rank, tn + 1, ti, (s, mb, 0)))
+                arrivals.append(("grad", tn, rank, _source(src_rank, rank, pp), (s, mb, 0)))
+    slot_of: dict[tuple[str, tuple[int, int, int]], int] = {}
     slots = {}
     for buf in BUFFERS:
-        most = 1
+        most = 0
         for rank in range(pp):
             mine = [(a, b, key) for name, r, a, b, key in intervals if name == buf and r == rank]
             for key, slot in _colour(mine).items():
@@ -179,8 +183,10 @@ def compile_ticks(plan: PipelinePlan) -> TickProgram:
         {(cell.kind, types[cell.stage]) for row in grid for cell in row if cell is not None}
     )
     branch_of = {b: i + 1 for i, b in enumerate(branches)}
-    table = np.full((ticks, pp, len(COLUMNS)), -1, dtype=np.int32)
-    table[:, :, [COL["branch"], COL["kind"], COL["stage"], COL["local"], COL["mb"]]] = 0
+    table = np.zeros((ticks, pp, len(COLUMNS)), dtype=np.int32)
+    for name in COLUMNS:  # writes of "none" go to the spare slot
+        if name == "kept_write" or "_from_" in name:
+            table[:, :, COL[name]] = slots[name.split("_")[0]]
     for rank in range(pp):
         for t, cell in enumerate(grid[rank]):
             if cell is None:
@@ -193,14 +199,14 @@ def compile_ticks(plan: PipelinePlan) -> TickProgram:
             row[COL["local"]] = local[s]
             row[COL["mb"]] = mb
             if cell.kind == FORWARD:
-                row[COL["act_read"]] = slot_of.get(("act", (s, mb)), -1)
-                row[COL["stash_write"]] = slot_of["stash", (s, mb)]
+                row[COL["act_read"]] = slot_of.get(("act", (s, mb, 0)), 0)
+                row[COL["kept_write"]] = slot_of["kept", (s, mb, FORWARD)]
             elif cell.kind == INPUT:
-                row[COL["stash_read"]] = slot_of["stash", (s, mb)]
-                row[COL["grad_read"]] = slot_of.get(("grad", (s, mb)), -1)
-                row[COL["cross_write"]] = slot_of["cross", (s, mb)]
+                row[COL["kept_read"]] = slot_of["kept", (s, mb, FORWARD)]
+                row[COL["grad_read"]] = slot_of.get(("grad", (s, mb, 0)), 0)
+                row[COL["kept_write"]] = slot_of["kept", (s, mb, INPUT)]
             else:
-                row[COL["cross_read"]] = slot_of["cross", (s, mb)]
+                row[COL["kept_read"]] = slot_of["kept", (s, mb, INPUT)]
     sources = set()
     for buf, t, rank, src, key in arrivals:
         table[t, rank, COL[f"{buf}_from_{src}"]] = slot_of[buf, key]
@@ -244,8 +250,8 @@ def _source(src: int, dst: int, pp: int) -> str:
 
 
 def _colour(
-    intervals: Sequence[tuple[int, int, tuple[int, int]]],
-) -> dict[tuple[int, int], int]:
+    intervals: Sequence[tuple[int, int, tuple[int, int, int]]],
+) -> dict[tuple[int, int, int], int]:
     """Slots for closed intervals [a, b]: by start, each takes the lowest free slot."""
     free_at: list[int] = []  # per slot: the first tick it is free again
     out = {}

@@ -239,7 +239,8 @@ def test_zero1_equals_unpipelined() -> None:
 )
 def test_ticks_hold_the_plans_stash(schedule: str, pp: int) -> None:
     """The tick grid keeps every microbatch from its forward to its weight gradient, so each
-    rank's peak stash is the plan's; 1F1B's stash slots do not grow with m."""
+    rank's peak stash is the plan's, and the kept buffer has exactly the largest of them:
+    1F1B's does not grow with m, GPipe's is m."""
     v = 1 if schedule in ("GPipe", "1F1B") else 2
     slots = []
     for m in (2 * pp, 4 * pp, 8 * pp):
@@ -254,9 +255,10 @@ def test_ticks_hold_the_plans_stash(schedule: str, pp: int) -> None:
         )
         program = compile_ticks(plan)
         assert program.peak == plan.peak_stash
+        assert program.slots["kept"] == max(plan.peak_stash)
         table = program.table
         assert table.shape[:2] == (program.ticks, pp)
-        slots.append(program.slots["stash"])
+        slots.append(program.slots["kept"])
     if schedule == "1F1B":
         assert slots == [pp] * 3
     if schedule == "GPipe":
