@@ -50,12 +50,13 @@ class _Out:
 
     send: jax.Array  # the forward's output or the input gradient, for the neighbour
     loss: jax.Array
-    kept: dict[RowKey, jax.Array]  # what a forward or an input gradient leaves for later
+    stash: dict[RowKey, jax.Array]  # what a forward keeps for the backward
+    cross: dict[RowKey, jax.Array]  # what an input gradient leaves the weight gradient
     grads: tuple[Any, Any, Any]
 
 
 jax.tree_util.register_dataclass(
-    _Out, data_fields=["send", "loss", "kept", "grads"], meta_fields=[]
+    _Out, data_fields=["send", "loss", "stash", "cross", "grads"], meta_fields=[]
 )
 
 
@@ -124,27 +125,30 @@ def run_pipeline(
         p_t = _stage_params(t, embed, _index(blocks, 0), head)
         cells[t] = split_stage(t, joint, p_t, zero_data, x, g, stash=stash)
 
-    rows = _rows([layout for c in cells.values() for layout in (c.stash, c.cross)])
+    stash_rows = _rows([c.stash for c in cells.values()])
+    cross_rows = _rows([c.cross for c in cells.values()])
     grads_zero = _cast(jax.tree.map(jnp.zeros_like, (embed, _index(blocks, 0), head)), axes)
 
     def branch(kind: int, t: str) -> Callable[..., _Out]:
         c = cells[t]
         first, last = t in (FIRST, ONLY), t in (LAST, ONLY)
 
-        def run(p: Any, data: Any, x: Any, g: Any, kept_in: Any) -> _Out:
+        def run(p: Any, data: Any, x: Any, g: Any, stash_in: Any, cross_in: Any) -> _Out:
             p_t = _stage_params(t, *p)
             flat_p, flat_d = jax.tree.leaves(p_t), jax.tree.leaves(data)
+            no_stash, no_cross = dict(stash_rows), dict(cross_rows)
             if kind == FORWARD:
                 y, *kept = c.run(c.forward, *flat_p, *flat_d, *([] if first else [x]))
                 send, lost = (act_zero, y) if last else (y, loss_zero)
-                return _Out(send, lost, c.stash.pack(kept, rows), grads_zero)
+                return _Out(send, lost, c.stash.pack(kept, stash_rows), no_cross, grads_zero)
+            stashed = c.stash.unpack(stash_in)
             if kind == INPUT:
                 seed = jnp.ones_like(loss_zero) if last else g
-                outs = c.run(c.input_grad, *flat_p, *flat_d, *c.stash.unpack(kept_in), seed)
+                outs = c.run(c.input_grad, *flat_p, *flat_d, *stashed, seed)
                 dx, kept = (act_zero, outs) if first else (outs[0], outs[1:])
-                return _Out(dx, loss_zero, c.cross.pack(kept, rows), grads_zero)
+                return _Out(dx, loss_zero, no_stash, c.cross.pack(kept, cross_rows), grads_zero)
             grads = c.grads_tree.unflatten(
-                c.run(c.weight_grad, *flat_p, *flat_d, *c.cross.unpack(kept_in))
+                c.run(c.weight_grad, *flat_p, *flat_d, *stashed, *c.cross.unpack(cross_in))
             )
             d_embed, d_blocks, d_head = grads
             full = (
@@ -152,12 +156,12 @@ def run_pipeline(
                 d_blocks,
                 grads_zero[2] if d_head is None else d_head,
             )
-            return _Out(act_zero, loss_zero, dict(rows), _cast(full, axes))
+            return _Out(act_zero, loss_zero, no_stash, no_cross, _cast(full, axes))
 
         return run
 
     def idle(*_: Any) -> _Out:
-        return _Out(act_zero, loss_zero, dict(rows), grads_zero)
+        return _Out(act_zero, loss_zero, dict(stash_rows), dict(cross_rows), grads_zero)
 
     branches = [idle] + [branch(kind, t) for kind, t in program.branches]
     p = program.pp
@@ -167,7 +171,7 @@ def run_pipeline(
     table = jnp.asarray(program.table)
 
     def tick(carry: Any, row_all: jax.Array) -> tuple[Any, None]:
-        bufs, kept, sums, loss_sum = carry
+        bufs, stashed, crossed, sums, loss_sum = carry
         row = row_all[me]
         col = lambda name: row[COL[name]]  # noqa: E731
         local, mb = col("local"), col("mb")
@@ -175,9 +179,11 @@ def run_pipeline(
         data = _cast((_index(inputs, mb), _index(targets, mb)), axes)
         x = _index(bufs["act"], col("act_read"))
         g = _index(bufs["grad"], col("grad_read"))
-        kept_in = {k: _index(b, col("kept_read")) for k, b in kept.items()}
-        out = lax.switch(col("branch"), branches, p_local, data, x, g, kept_in)
-        kept = {k: _write(b, col("kept_write"), out.kept[k]) for k, b in kept.items()}
+        stash_in = {k: _index(b, col("stash_read")) for k, b in stashed.items()}
+        cross_in = {k: _index(b, col("cross_read")) for k, b in crossed.items()}
+        out = lax.switch(col("branch"), branches, p_local, data, x, g, stash_in, cross_in)
+        stashed = {k: _write(b, col("stash_write"), out.stash[k]) for k, b in stashed.items()}
+        crossed = {k: _write(b, col("cross_write"), out.cross[k]) for k, b in crossed.items()}
         d_embed, d_blocks, d_head = out.grads
         sums = (
             jax.tree.map(jnp.add, sums[0], d_embed),
@@ -190,7 +196,7 @@ def run_pipeline(
         bufs = dict(bufs)
         for buf, src in program.sources:
             bufs[buf] = _write(bufs[buf], col(f"{buf}_from_{src}"), arriving[src])
-        return (bufs, kept, sums, loss_sum + out.loss), None
+        return (bufs, stashed, crossed, sums, loss_sum + out.loss), None
 
     spare = {buf: n + 1 for buf, n in program.slots.items()}  # the last slot takes "none"
     carry = (
@@ -198,11 +204,12 @@ def run_pipeline(
             "act": _cast(jnp.zeros((spare["act"], *act.shape), act.dtype), axes),
             "grad": _cast(jnp.zeros((spare["grad"], *act.shape), act.dtype), axes),
         },
-        {k: _slotted(r, spare["kept"]) for k, r in rows.items()},
+        {k: _slotted(r, spare["stash"]) for k, r in stash_rows.items()},
+        {k: _slotted(r, spare["cross"]) for k, r in cross_rows.items()},
         _cast(jax.tree.map(jnp.zeros_like, (embed, blocks, head)), axes),
         loss_zero,
     )
-    (_, _, sums, loss_sum), _ = lax.scan(tick, carry, table)
+    (_, _, _, sums, loss_sum), _ = lax.scan(tick, carry, table)
     return loss_sum, sums
 
 

@@ -16,9 +16,10 @@ So every equation of the backward runs exactly once, in the first cell that need
 full backward is I then W with nothing recomputed. What a later cell reads from an earlier
 one is the **stash**: with ``stash="residuals"`` the forward's values the backward reads (what
 ``jax.vjp`` would keep), with ``stash="input"`` only the stage input, the input-gradient cell
-recomputing the forward first. Values that depend only on the parameters and the
-microbatch's data (a transposed weight, an embedding lookup) are never stashed: each cell
-that reads them recomputes them, since parameters and data are there at every tick. The
+recomputing the forward first. Values that depend only on the parameters (a transposed or
+sliced weight) are never stashed: each cell that reads them recomputes them, since the
+parameters are there at every tick (so is the microbatch's data, but what is computed from
+it is the forward's work and is kept like any other value). The
 stash of each cell is packed into flat rows, one per (dtype, varying axes), so the stages of
 every type share fixed-size buffers.
 """
@@ -40,6 +41,16 @@ from jax.extend.core import DebugInfo, Jaxpr, Literal, Var
 from gradsync_jax.pipeline.ticks import FIRST, LAST, ONLY
 
 STASH_MODES = ("residuals", "input")
+
+# Elementwise and layout primitives: memory-bound, no reduction, no communication. A later
+# cell recomputes a forward value made by one of these rather than keep it.
+RECOMPUTED = frozenset(
+    "abs add add_any and broadcast_in_dim ceil clamp concatenate convert_element_type copy "
+    "cos cosh div eq erf erf_inv erfc exp exp2 expand_dims expm1 floor ge gt integer_pow "
+    "is_finite le log log1p logistic lt max min mul ne neg not or pad pow pvary reshape rev "
+    "round rsqrt select_n sign sin sinh slice sqrt square squeeze stop_gradient sub tan "
+    "tanh transpose".split()
+)
 
 RowKey = tuple[str, frozenset[str]]  # (dtype name, the mesh axes the values vary over)
 
@@ -105,9 +116,10 @@ class StageCells:
     microbatch's data (always there), then the cell's own inputs.
 
     ``forward(params, data, x) -> (y, *stash)``; ``input_grad(params, data, *stash, g) ->
-    (dx?, *cross)``; ``weight_grad(params, data, *cross) -> grads``. ``x`` is absent on the
-    first stage (its input is the data), ``dx`` too; ``y`` is the loss on the last stage and
-    ``g`` then the loss's seed (a scalar 1).
+    (dx?, *cross)``; ``weight_grad(params, data, *stash, *cross) -> grads``. ``x`` is absent
+    on the first stage (its input is the data), ``dx`` too; ``y`` is the loss on the last
+    stage and ``g`` then the loss's seed (a scalar 1). The stash lives from the forward to
+    the weight gradient, the cross values from the input to the weight gradient.
     """
 
     stage_type: str
@@ -207,23 +219,36 @@ def split_stage(
     dx_out = [] if first else inputs_out[-1:]
 
     always = set(param_vars) | set(data_vars) | set(jaxpr.constvars)
-    free = _free_eqns(jaxpr, always)
+    # Free: what depends on the parameters alone. Not the data: on the first stage the whole
+    # forward depends on the parameters and the inputs only, and must run once, not per cell.
+    free = _free_eqns(jaxpr, set(param_vars) | set(jaxpr.constvars))
     f_set = _needed(jaxpr, range(len(jaxpr.eqns)), y_out)
     i_set = _needed(jaxpr, range(len(jaxpr.eqns)), inputs_out) - f_set
     w_set = _needed(jaxpr, range(len(jaxpr.eqns)), grads_out) - f_set - i_set
 
-    # Each cell keeps its own equations plus the free ones it reads; what else it reads
-    # comes from an earlier cell.
-    w_eqns, w_reads = _cell(jaxpr, w_set | free, grads_out, always)
-    i_allowed = (i_set if stash == "residuals" else f_set | i_set) | free
-    i_avail = always | set(g_vars) | (set() if stash == "residuals" else set(x_vars))
-    cross_vars = _ordered(jaxpr, w_reads)
-    i_eqns, i_reads = _cell(jaxpr, i_allowed, dx_out + cross_vars, i_avail)
-    stash_vars = _ordered(jaxpr, i_reads - set(g_vars))
+    # Each cell runs its own equations plus the free ones it reads. The backward cells also
+    # recompute the forward's cheap elementwise work (a GELU, a normalisation's scaling) from
+    # what they read instead of reading its results: what the forward keeps is the stage
+    # input and the matmuls' and reductions' outputs (JAX's ``dots_saveable`` policy).
+    cheap = {i for i in f_set if jaxpr.eqns[i].primitive.name in RECOMPUTED}
+    f_made = {v for i in f_set for v in jaxpr.eqns[i].outvars} | set(x_vars)
+    w_eqns, w_reads = _cell(jaxpr, w_set | free | cheap, grads_out, always)
+    if stash == "residuals":
+        # the weight gradient reads the forward's values from the stash, the input
+        # gradient's from the cross row
+        cross_vars = _ordered(jaxpr, w_reads - f_made)
+        i_eqns, i_reads = _cell(
+            jaxpr, i_set | cheap | free, dx_out + cross_vars, always | set(g_vars)
+        )
+        stash_vars = _ordered(jaxpr, (i_reads - set(g_vars)) | (w_reads & f_made))
+    else:  # the input gradient recomputes the forward from the stage input
+        cross_vars = _ordered(jaxpr, w_reads)
+        i_eqns, _ = _cell(
+            jaxpr, f_set | i_set | free, dx_out + cross_vars, always | set(g_vars) | set(x_vars)
+        )
+        stash_vars = list(x_vars)
     f_eqns, f_reads = _cell(jaxpr, f_set | free, y_out + stash_vars, always | set(x_vars))
     assert f_reads <= set(x_vars), "a forward read something that is neither input nor data"
-    if stash == "input":
-        stash_vars = list(x_vars)  # the input-gradient cell recomputes the forward from it
 
     consts = tuple(closed.consts)
     constvars = list(jaxpr.constvars)
@@ -247,7 +272,9 @@ def split_stage(
             param_vars + data_vars + stash_vars + g_vars,
             dx_out + cross_vars,
         ),
-        weight_grad=make("weight gradient", w_eqns, param_vars + data_vars + cross_vars, grads_out),
+        weight_grad=make(
+            "weight gradient", w_eqns, param_vars + data_vars + stash_vars + cross_vars, grads_out
+        ),
         stash=RowLayout.of([v.aval for v in stash_vars]),
         cross=RowLayout.of([v.aval for v in cross_vars]),
         grads_tree=jax.tree.structure(shapes[2]),
@@ -263,8 +290,8 @@ def _split_outs(shapes: Any, outvars: list[Any]) -> tuple[list[Any], list[Any], 
 
 
 def _free_eqns(jaxpr: Jaxpr, always: set[Any]) -> set[int]:
-    """Equations whose every input is a parameter, the data, a constant or another free
-    equation's output: recomputable in any cell."""
+    """Equations whose every input is in ``always`` (the parameters, the constants) or
+    another free equation's output: recomputed by any cell that reads them."""
     known = set(always)
     free = set()
     for i, eqn in enumerate(jaxpr.eqns):

@@ -12,15 +12,15 @@ on its consumer at tick t + 1; the simulator starts a consumer no earlier, so ev
 its data.
 
 The values a cell leaves for a later one wait in fixed-size buffers, a slot each, held from
-the tick after the write through the read: the stage inputs that have arrived (``act``), the
-output gradients that have arrived (``grad``), and what a microbatch's forward leaves its
-input gradient and that one its weight gradient (``kept``: one slot from the forward to the
-weight gradient, so a rank needs the plan's peak stash of them). Slots are assigned per rank
-by interval colouring (optimal for intervals), and a buffer has the most slots any rank
-needs, plus one spare slot that the ticks which keep nothing write to (a write to a computed
-slot keeps XLA's update in place; a masked write would read the slot back and copy the whole
-buffer every tick). Everything here is plain Python and NumPy: the tables are static data
-that the step indexes with ``lax.axis_index("pp")``.
+the tick after the write through the last read: the stage inputs that have arrived (``act``),
+the output gradients that have arrived (``grad``), what a microbatch's forward keeps for its
+backward (``stash``: from the forward to the weight gradient, so a rank needs the plan's peak
+stash of slots) and what its input gradient leaves its weight gradient (``cross``). Slots
+are assigned per rank by interval colouring (optimal for intervals), and a buffer has the
+most slots any rank needs, plus one spare slot that the ticks which keep nothing write to (a
+write to a computed slot keeps XLA's update in place; a masked write would read the slot
+back and copy the whole buffer every tick). Everything here is plain Python and NumPy: the
+tables are static data that the step indexes with ``lax.axis_index("pp")``.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from gradsync_core import Action, PipelinePlan, simulate_pipeline
 
 IDLE, FORWARD, INPUT, WEIGHT = 0, 1, 2, 3  # the cell kinds
 KIND_NAMES = {FORWARD: "F", INPUT: "I", WEIGHT: "W"}
-BUFFERS = ("act", "grad", "kept")
+BUFFERS = ("act", "grad", "stash", "cross")
 SOURCES = ("left", "right", "local")  # from rank r-1, from rank r+1, this rank's own output
 
 # Columns of the per-tick table. A read of "none" reads slot 0 and ignores it; a write of
@@ -47,11 +47,12 @@ COLUMNS = (
     "mb",
     "act_read",  # forward: the slot of its input
     "grad_read",  # input gradient: the slot of its output gradient (none: the loss's seed)
-    "kept_read",  # input gradient: what its forward kept; weight gradient: what that kept
-    "kept_write",  # forward and input gradient
+    "stash_read",  # input and weight gradients
+    "stash_write",  # forward
+    "cross_read",  # weight gradient
+    "cross_write",  # input gradient
     *(f"{buf}_from_{src}" for buf in ("act", "grad") for src in SOURCES),
 )
-READS = ("act_read", "grad_read", "kept_read")
 COL = {name: i for i, name in enumerate(COLUMNS)}
 
 FIRST, MIDDLE, LAST, ONLY = "first", "middle", "last", "only"  # stage types
@@ -81,7 +82,7 @@ class TickProgram:
     ``slots`` the slot count of each buffer, its spare slot not counted (the step allocates
     ``slots + 1``); ``sources`` which (buffer, source) receives ever happen, so the step
     writes only those; ``peak`` each rank's most stashed microbatches (forward done, weight
-    gradient not yet): ``slots["kept"]`` is their maximum.
+    gradient not yet): ``slots["stash"]`` is their maximum.
     """
 
     pp: int
@@ -149,7 +150,7 @@ def compile_ticks(plan: PipelinePlan) -> TickProgram:
                 when[cell.kind, cell.stage, cell.microbatch] = (t, rank)
 
     # Every value that waits: (buffer, rank, first tick held, read tick, key), plus where a
-    # received one comes from. Keys: (stage, microbatch, the cell that wrote it).
+    # received one comes from. Keys: (stage, microbatch, 0).
     intervals: list[tuple[str, int, int, int, tuple[int, int, int]]] = []
     arrivals: list[tuple[str, int, int, str, tuple[int, int, int]]] = []
     for s in range(n):
@@ -158,8 +159,8 @@ def compile_ticks(plan: PipelinePlan) -> TickProgram:
             ti, _ = when[INPUT, s, mb]
             tw, _ = when[WEIGHT, s, mb]
             assert tf < ti < tw, (s, mb)
-            intervals.append(("kept", rank, tf + 1, ti, (s, mb, FORWARD)))
-            intervals.append(("kept", rank, ti + 1, tw, (s, mb, INPUT)))
+            intervals.append(("stash", rank, tf + 1, tw, (s, mb, 0)))
+            intervals.append(("cross", rank, ti + 1, tw, (s, mb, 0)))
             if s > 0:  # the previous stage's output, written at the end of its tick
                 tp, src_rank = when[FORWARD, s - 1, mb]
                 intervals.append(("act", rank, tp + 1, tf, (s, mb, 0)))
@@ -185,7 +186,7 @@ def compile_ticks(plan: PipelinePlan) -> TickProgram:
     branch_of = {b: i + 1 for i, b in enumerate(branches)}
     table = np.zeros((ticks, pp, len(COLUMNS)), dtype=np.int32)
     for name in COLUMNS:  # writes of "none" go to the spare slot
-        if name == "kept_write" or "_from_" in name:
+        if name.endswith("_write") or "_from_" in name:
             table[:, :, COL[name]] = slots[name.split("_")[0]]
     for rank in range(pp):
         for t, cell in enumerate(grid[rank]):
@@ -200,13 +201,14 @@ def compile_ticks(plan: PipelinePlan) -> TickProgram:
             row[COL["mb"]] = mb
             if cell.kind == FORWARD:
                 row[COL["act_read"]] = slot_of.get(("act", (s, mb, 0)), 0)
-                row[COL["kept_write"]] = slot_of["kept", (s, mb, FORWARD)]
+                row[COL["stash_write"]] = slot_of["stash", (s, mb, 0)]
             elif cell.kind == INPUT:
-                row[COL["kept_read"]] = slot_of["kept", (s, mb, FORWARD)]
+                row[COL["stash_read"]] = slot_of["stash", (s, mb, 0)]
                 row[COL["grad_read"]] = slot_of.get(("grad", (s, mb, 0)), 0)
-                row[COL["kept_write"]] = slot_of["kept", (s, mb, INPUT)]
+                row[COL["cross_write"]] = slot_of["cross", (s, mb, 0)]
             else:
-                row[COL["kept_read"]] = slot_of["kept", (s, mb, INPUT)]
+                row[COL["stash_read"]] = slot_of["stash", (s, mb, 0)]
+                row[COL["cross_read"]] = slot_of["cross", (s, mb, 0)]
     sources = set()
     for buf, t, rank, src, key in arrivals:
         table[t, rank, COL[f"{buf}_from_{src}"]] = slot_of[buf, key]

@@ -239,7 +239,7 @@ def test_zero1_equals_unpipelined() -> None:
 )
 def test_ticks_hold_the_plans_stash(schedule: str, pp: int) -> None:
     """The tick grid keeps every microbatch from its forward to its weight gradient, so each
-    rank's peak stash is the plan's, and the kept buffer has exactly the largest of them:
+    rank's peak stash is the plan's, and the stash buffer has exactly the largest of them:
     1F1B's does not grow with m, GPipe's is m."""
     v = 1 if schedule in ("GPipe", "1F1B") else 2
     slots = []
@@ -255,10 +255,10 @@ def test_ticks_hold_the_plans_stash(schedule: str, pp: int) -> None:
         )
         program = compile_ticks(plan)
         assert program.peak == plan.peak_stash
-        assert program.slots["kept"] == max(plan.peak_stash)
+        assert program.slots["stash"] == max(plan.peak_stash)
         table = program.table
         assert table.shape[:2] == (program.ticks, pp)
-        slots.append(program.slots["kept"])
+        slots.append(program.slots["stash"])
     if schedule == "1F1B":
         assert slots == [pp] * 3
     if schedule == "GPipe":
