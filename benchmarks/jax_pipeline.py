@@ -10,8 +10,8 @@ microbatches per data-parallel replica:
   the states rotate one stage with ``ppermute``; m + pp - 1 iterations in a ``lax.scan``,
   the backward is JAX's autodiff of that loop, so the order is GPipe's (all forwards, then
   all backwards) and every iteration's residuals are kept;
-- gradsync: ``pipeline_step`` on ``plan_pipeline(schedule=...)``, one stage per rank, the
-  stash ``--stash`` (default residuals).
+- gradsync: ``pipeline_step`` on ``plan_pipeline(schedule=...)``, one stage per rank, with
+  each stash mode of ``--stash`` (default both: ``GPipe/residuals``, ``GPipe/input``, ...).
 
 All steps run alternating in one process, one step each per round; the figure is the median
 step time after warm-up. For each: its ratio to the anchor, the compiled program's temporary
@@ -179,9 +179,9 @@ def build(args: Any, m: int, natural: Any, mesh: Any, topology: Any) -> dict[str
     tx = optax.adam(1e-3)
     out = {}
     batch = make_batch(args, topology.dp, m)
-    for name in (ANCHOR, *SCHEDULES):
+    for name in (ANCHOR, *variants(args)):
         plan = plan_pipeline(
-            schedule="GPipe" if name == ANCHOR else name,
+            schedule="GPipe" if name == ANCHOR else name.split("/")[0],
             microbatches=m,
             topology=topology,
             layers=args.layers,
@@ -200,7 +200,7 @@ def build(args: Any, m: int, natural: Any, mesh: Any, topology: Any) -> dict[str
             lowered = step.lower(params, state, batch)
             bubble = (plan.pp - 1) / (m + plan.pp - 1)
         else:
-            pipe = pipeline_step(MODEL, tx, mesh, plan, stash=args.stash)
+            pipe = pipeline_step(MODEL, tx, mesh, plan, stash=name.split("/")[1])
             state = pipe.init(params)
             lowered = pipe.lower(params, state, batch)
             step = pipe
@@ -211,6 +211,16 @@ def build(args: Any, m: int, natural: Any, mesh: Any, topology: Any) -> dict[str
         temp = compiled.memory_analysis().temp_size_in_bytes
         out[name] = (compiled, params, state, temp, bubble, seconds)
     return out
+
+
+def variants(args: Any) -> list[str]:
+    """``schedule/stash`` for every schedule and stash mode asked for."""
+    return [f"{s}/{stash}" for stash in args.stash.split(",") for s in SCHEDULES]
+
+
+def key_of(name: str) -> str:
+    """A variant's prefix in the JSON: ``anchor``, ``gpipe_residuals``, ``onef1b_input``."""
+    return name.split(" ")[0].lower().replace("1f1b", "onef1b").replace("/", "_")
 
 
 def make_batch(args: Any, dp: int, m: int) -> tuple[np.ndarray, np.ndarray]:
@@ -249,22 +259,23 @@ def measure(args: Any, built: dict[int, dict[str, Any]], topology: Any) -> dict[
     print(
         f"jax_pipeline: {args.layers} blocks of {args.dim} x {args.hidden}, seq {args.seq}, "
         f"{args.rows} rows per microbatch, vocab {args.vocab}; pp {topology.pp} x dp "
-        f"{topology.dp} on 8 CPU devices; Adam; stash {args.stash}; {args.rounds} rounds "
+        f"{topology.dp} on 8 CPU devices; Adam; {args.rounds} rounds "
         f"after {args.warmup} warm-up, alternating"
     )
     header = (
-        f"{'m':>3} {'variant':<28} {'step (s)':>9} {'vs anchor':>9} {'vs GPipe':>9} "
+        f"{'m':>3} {'variant':<30} {'step (s)':>9} {'vs anchor':>9} {'vs GPipe':>9} "
         f"{'temp MiB':>9} {'bubble':>7} {'predicted':>9} {'compile s':>9}"
     )
     print(header)
     for m in ms:
-        anchor, gpipe = medians[m][ANCHOR], medians[m]["GPipe"]
+        anchor = medians[m][ANCHOR]
         for name, (_, _, _, temp, predicted, seconds) in built[m].items():
             t = medians[m][name]
+            gpipe = medians[m]["GPipe/" + name.split("/")[1]] if name != ANCHOR else t
             measured = _measured_bubble(name, m, ms, medians)
-            key = name.split(" ")[0].lower().replace("1f1b", "onef1b")
+            key = key_of(name)
             print(
-                f"{m:>3} {name:<28} {t:>9.4f} {t / anchor:>9.3f} {t / gpipe:>9.3f} "
+                f"{m:>3} {name:<30} {t:>9.4f} {t / anchor:>9.3f} {t / gpipe:>9.3f} "
                 f"{temp / 2**20:>9.2f} {_fmt(measured):>7} {predicted:>9.3f} {seconds:>9.1f}"
             )
             figures[f"{key}_m{m}_step_s"] = round(t, 5)
@@ -304,7 +315,9 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=4, help="rows per microbatch")
     parser.add_argument("--vocab", type=int, default=512)
     parser.add_argument("--microbatches", default=None, help="comma list, default 2pp,4pp")
-    parser.add_argument("--stash", default="residuals", choices=("residuals", "input"))
+    parser.add_argument(
+        "--stash", default="residuals,input", help="comma list of stash modes (residuals, input)"
+    )
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--warmup", type=int, default=2)
     add_repeat_arg(parser)
@@ -325,9 +338,7 @@ def main() -> None:
     natural = init_params(args.layers, args.dim, args.hidden, args.vocab)
     built = {m: build(args, m, natural, mesh, topology) for m in ms}
     runs = run_repeats(lambda _: measure(args, built, topology), args.repeat)
-    keys = [
-        f"{s.lower().replace('1f1b', 'onef1b')}_m{m}_ratio_vs_anchor" for m in ms for s in SCHEDULES
-    ]
+    keys = [f"{key_of(name)}_m{m}_ratio_vs_anchor" for m in ms for name in variants(args)]
     finish(runs, keys)
 
 

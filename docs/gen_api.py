@@ -51,6 +51,7 @@ GUIDES = {
         "jax.md",
         "jax-zero.md",
         "model-parallel.md",
+        "pipeline.md",
         "checkpoints.md",
         "data-position.md",
         "interchange.md",

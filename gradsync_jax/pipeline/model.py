@@ -19,7 +19,7 @@ PARTS = ("embed", "blocks", "head")
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PipelineModel:
-    """The three functions a pipeline runs (``flax_model`` and ``linen_model`` build them).
+    """The three functions a pipeline runs (``nnx_model`` and ``linen_model`` build them).
 
     Args:
         embed: ``embed(params["embed"], inputs) -> activations``, on the first stage.
