@@ -118,14 +118,15 @@ def reference(
     dp: int,
     tx: optax.GradientTransformation,
     grad_fn: Any = _GRAD,
+    state: Any = None,
 ) -> tuple[Any, Any, list[float]]:
     """The unpipelined steps: per dp replica the microbatches' gradients (``grad_fn(params,
     tokens, targets) -> (loss, grads)``) summed in the plan's order and divided by m, then
-    the mean over replicas, then ``tx``."""
+    the mean over replicas, then ``tx`` (from ``state``, default ``tx.init``)."""
     m = plan.microbatches
     order = backward_order(plan)
     params = jax.tree.map(jnp.asarray, natural)
-    state = tx.init(params)
+    state = tx.init(params) if state is None else state
     losses = []
     for tokens, targets in batches:
         share = tokens.shape[0] // dp
@@ -339,3 +340,53 @@ def test_refuses_unequal_stages() -> None:
     assert plan.layout == "Et*2|t*3|t*2|tL"
     with pytest.raises(ValueError, match="input_weight=0, output_weight=0"):
         pipeline_params(init_params(8), plan)
+
+
+def make_plan(schedule: str, pp: int, v: int, m: int, layers: int) -> Any:
+    return plan_pipeline(
+        schedule=schedule,
+        microbatches=m,
+        topology=Topology.create(8, pp=pp),
+        layers=layers,
+        stages_per_rank=v,
+        input_weight=0,
+        output_weight=0,
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("direction", ["pp2-to-pp4", "pp4-to-pp2"])
+def test_continues_on_another_pipeline(direction: str) -> None:
+    """A step's parameters and optimizer state, taken to the natural layout
+    (``natural_params``, ``step.natural_state``: what a checkpoint stores), continue on
+    another pp, schedule and optimizer sharding (``step.pipeline_state``) exactly as the
+    unpipelined training continues."""
+    layers, m = 8, 4
+    plans = {
+        "pp2": (make_plan("ZB1P", 2, 2, m, layers), False),
+        "pp4": (make_plan("1F1B", 4, 1, m, layers), True),  # with ZeRO-1
+    }
+    first, second = (plans[name] for name in direction.split("-to-"))
+    inner = optax.adam(1e-2)
+    natural = init_params(layers)
+    ref_params, ref_state = natural, None
+    saved_params, saved_state = natural, None  # a checkpoint's content: the natural layout
+    for seed, (plan, zero) in enumerate((first, second)):
+        mesh = mesh_from_topology(plan.topology)
+        step = pipeline_step(MODEL, shard_optimizer(inner, mesh) if zero else inner, mesh, plan)
+        batch = make_batch(plan.topology.dp, m, seed)
+        params = pipeline_params(saved_params, plan, mesh)
+        state = (
+            step.init(params) if saved_state is None else step.pipeline_state(saved_state, params)
+        )
+        compiled = step.lower(params, state, batch).compile(compiler_options=FAST_COMPILE)
+        params, state, loss = compiled(params, state, batch)
+        saved_params, saved_state = natural_params(params, plan), step.natural_state(state, params)
+        ref_params, ref_state, ref_loss = reference(
+            ref_params, [batch], plan, plan.topology.dp, inner, state=ref_state
+        )
+        np.testing.assert_allclose(float(loss), ref_loss[0], rtol=1e-6)
+    assert_tree_close(saved_params, ref_params, rtol=1e-5, what="params")
+    assert_tree_close(saved_state[0].mu, ref_state[0].mu, rtol=1e-5, what="mu")
+    assert_tree_close(saved_state[0].nu, ref_state[0].nu, rtol=1e-5, what="nu")
+    assert int(saved_state[0].count) == 2
