@@ -2,7 +2,7 @@
 (docs/pipeline.md, "The JAX executor")."""
 
 from gradsync_jax.pipeline.flax_models import linen_model, nnx_model, nnx_state
-from gradsync_jax.pipeline.layout import natural_params, pipeline_params
+from gradsync_jax.pipeline.layout import natural_params, pipeline_params, pipeline_specs
 from gradsync_jax.pipeline.model import PipelineModel
 from gradsync_jax.pipeline.step import PipelineStep, pipeline_step
 from gradsync_jax.pipeline.ticks import TickProgram, compile_ticks
@@ -17,5 +17,6 @@ __all__: list[str] = [
     "nnx_model",
     "nnx_state",
     "pipeline_params",
+    "pipeline_specs",
     "pipeline_step",
 ]

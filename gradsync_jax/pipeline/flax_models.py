@@ -20,8 +20,8 @@ from gradsync_jax.pipeline.model import PipelineModel
 Loss = Callable[[Any, Any], jax.Array]  # loss(head outputs, targets) -> scalar mean
 
 
-def nnx_model(embed: Any, blocks: Any, head: Any, loss: Loss) -> tuple[PipelineModel, Any]:
-    """A pipeline of three NNX modules, and their parameters in natural layout.
+def nnx_model(embed: Any, blocks: Any, head: Any, loss: Loss) -> tuple[PipelineModel, Any, Any]:
+    """A pipeline of three NNX modules, their parameters in natural layout and their specs.
 
     Args:
         embed: the module applied to the inputs (``nnx.Embed``, ...).
@@ -32,20 +32,22 @@ def nnx_model(embed: Any, blocks: Any, head: Any, loss: Loss) -> tuple[PipelineM
         loss: ``loss(head(x), targets) -> scalar``, the mean over the microbatch.
 
     Returns:
-        ``(model, params)``: ``params = {"embed", "blocks", "head"}`` as pure dicts
-        (``nnx.to_pure_dict``), ready for ``pipeline_params``. After training, write them
-        back with ``nnx.update(module, nnx_state(module, natural[part]))``.
+        ``(model, params, specs)``: ``params = {"embed", "blocks", "head"}`` as pure dicts
+        (``nnx.to_pure_dict``), ready for ``pipeline_params``; ``specs`` their
+        ``PartitionSpec`` from the modules' ``out_sharding`` (``P()`` where unannotated; a
+        block's is one layer's), ``pipeline_step``'s ``param_specs`` for tensor-parallel
+        blocks. After training, write the parameters back with ``nnx.update(module,
+        nnx_state(module, natural[part]))``.
 
     Raises:
         ValueError: if a module holds state other than ``nnx.Param`` (batch statistics,
             RNG streams), which the pipeline does not carry between ticks.
 
     Example:
-        >>> model, params = nnx_model(net.embed, net.blocks, net.head, cross_entropy)
+        >>> model, params, specs = nnx_model(net.embed, net.blocks, net.head, cross_entropy)
         >>> step = pipeline_step(model, optax.adamw(1e-3), mesh, plan)
     """
-    parts = {}
-    defs = {}
+    parts, specs, defs = {}, {}, {}
     for name, module in (("embed", embed), ("blocks", blocks), ("head", head)):
         graphdef, params, rest = nnx.split(module, nnx.Param, ...)
         if jax.tree.leaves(rest):
@@ -56,6 +58,7 @@ def nnx_model(embed: Any, blocks: Any, head: Any, loss: Loss) -> tuple[PipelineM
                 "batch statistics out of the pipelined modules"
             )
         parts[name] = nnx.to_pure_dict(params)
+        specs[name] = nnx.to_pure_dict(nnx.get_partition_spec(params))
         defs[name] = graphdef
 
     def run(name: str) -> Callable[[Any, Any], Any]:
@@ -66,7 +69,7 @@ def nnx_model(embed: Any, blocks: Any, head: Any, loss: Loss) -> tuple[PipelineM
     model = PipelineModel(
         embed=embed_fn, block=block_fn, head=lambda p, x, y: loss(head_fn(p, x), y)
     )
-    return model, parts
+    return model, parts, specs
 
 
 def nnx_state(module: Any, params: Any) -> Any:

@@ -92,11 +92,39 @@ def _parts(params: Any) -> dict[str, Any]:
     return {part: jax.tree.map(lambda _, part=part: part, params[part]) for part in PARTS}
 
 
-def pipeline_params(params: Any, plan: PipelinePlan, mesh: Mesh | None = None) -> Any:
+def pipeline_specs(params: Any, specs: Any = None) -> Any:
+    """The ``PartitionSpec`` of every pipeline-layout leaf: ``pp`` first, then ``specs``.
+
+    Args:
+        params: a parameter tree ``{"embed", "blocks", "head"}`` (any layout: its structure).
+        specs: model parallelism: the same tree of ``PartitionSpec``; a block's spec is one
+            layer's (``nnx_model``'s or ``nnx_functional``'s of the stack, without the layer
+            dimension). Default: nothing sharded but the pipeline.
+    """
+
+    def spec_of(part: str, spec: P) -> P:
+        return P("pp", None, None, *spec) if part == "blocks" else P("pp", *spec)
+
+    if specs is None:
+        specs = jax.tree.map(lambda _: P(), params)
+    return {
+        part: jax.tree.map(lambda s, part=part: spec_of(part, s), specs[part], is_leaf=_is_spec)
+        for part in PARTS
+    }
+
+
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, P)
+
+
+def pipeline_params(
+    params: Any, plan: PipelinePlan, mesh: Mesh | None = None, specs: Any = None
+) -> Any:
     """Natural layout (blocks ``(L, ...)``) to pipeline layout (every leaf ``(pp, ...)``).
 
     The arrays are rearranged on the host (NumPy); with ``mesh`` they are placed sharded
-    over its ``pp`` axis, so each device receives only its own stages.
+    over its ``pp`` axis (and as ``specs`` says: ``pipeline_specs``), so each device receives
+    only its own stages.
 
     Raises:
         ValueError: as ``blocks_per_stage``.
@@ -108,7 +136,12 @@ def pipeline_params(params: Any, plan: PipelinePlan, mesh: Mesh | None = None) -
     """
     k = blocks_per_stage(params, plan)
     out = jax.tree.map(lambda leaf, part: _to_pipeline(leaf, part, plan, k), params, _parts(params))
-    return out if mesh is None else jax.device_put(out, NamedSharding(mesh, P("pp")))
+    if mesh is None:
+        return out
+    shardings = jax.tree.map(
+        lambda spec: NamedSharding(mesh, spec), pipeline_specs(params, specs), is_leaf=_is_spec
+    )
+    return jax.device_put(out, shardings)
 
 
 def natural_params(params: Any, plan: PipelinePlan) -> Any:

@@ -201,9 +201,12 @@ def split_stage(
     first = stage_type in (FIRST, ONLY)
     closed, shapes = jax.make_jaxpr(joint, return_shape=True)(params, data, x, g)
     jaxpr = closed.jaxpr
-    if jaxpr.effects:
+    # A collective's named-axis effect (a tensor-parallel psum) says which mesh axis it
+    # talks over, not an order: every device of that axis runs the same cell in the same tick.
+    ordered = [e for e in jaxpr.effects if type(e).__name__ != "NamedAxisEffect"]
+    if ordered:
         raise ValueError(
-            f"a pipeline stage's program has side effects ({jaxpr.effects}); the executor cuts "
+            f"a pipeline stage's program has side effects ({ordered}); the executor cuts "
             "it into forward, input- and weight-gradient cells, which may reorder them: "
             "remove callbacks and prints from the model"
         )
@@ -260,7 +263,8 @@ def split_stage(
             tuple(f"in{i}" for i in range(len(ins))),
             tuple(f"out{i}" for i in range(len(outs))),
         )
-        return Jaxpr(constvars, ins, outs, eqns, debug_info=info)
+        effects = frozenset().union(*(eqn.effects for eqn in eqns))
+        return Jaxpr(constvars, ins, outs, eqns, effects=effects, debug_info=info)
 
     return StageCells(
         stage_type=stage_type,

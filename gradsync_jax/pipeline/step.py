@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 from gradsync_core import PipelinePlan
 from gradsync_jax._axes import AxisName, axis_tuple, cast_varying, psum_mean
 from gradsync_jax.data_parallel.accumulate import split_microbatches
-from gradsync_jax.pipeline.layout import natural_state, pipeline_state
+from gradsync_jax.pipeline.layout import natural_state, pipeline_specs, pipeline_state
 from gradsync_jax.pipeline.loop import run_pipeline
 from gradsync_jax.pipeline.model import PARTS, PipelineModel
 from gradsync_jax.pipeline.split import STASH_MODES
@@ -47,8 +47,10 @@ class PipelineStep:
         *,
         stash: str,
         axis_name: AxisName,
+        param_specs: Any = None,
     ) -> None:
         self.model, self.tx, self.mesh, self.plan = model, tx, mesh, plan
+        self.param_specs = param_specs
         self.stash = stash
         self.axes = axis_tuple(axis_name)
         self.axis_name = axis_name
@@ -72,7 +74,17 @@ class PipelineStep:
     def _base_specs(self, local: Any, state: Any) -> Any:
         if isinstance(self.tx, ShardedOptimizer):
             return self.tx.state_specs(local)
-        return jax.tree.map(lambda _: P(), state)
+        if self.param_specs is None:
+            return jax.tree.map(lambda _: P(), state)
+        # a rank's own parameters: the pipeline specs with pp's place left to the stacking
+        own = jax.tree.map(lambda spec: P(None, *spec[1:]), self.specs(local), is_leaf=_is_spec)
+        return optax.tree_map_params(
+            self.tx, lambda _, spec: spec, state, own, transform_non_params=lambda _: P()
+        )
+
+    def specs(self, params: Any) -> Any:
+        """The ``PartitionSpec`` of every pipeline-layout parameter (``pipeline_specs``)."""
+        return pipeline_specs(params, self.param_specs)
 
     def state_specs(self, params: Any) -> Any:
         """The ``PartitionSpec`` of every optimizer-state leaf: each pipeline rank's state of
@@ -220,7 +232,7 @@ class PipelineStep:
 
     def _mapped(self, params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, jax.Array]:
         mesh = self.mesh
-        param_specs = jax.tree.map(lambda _: P(PP), params)
+        param_specs = self.specs(params)
         state_specs = self.state_specs(params)
         batch_spec = P(self.axis_name if isinstance(self.axis_name, str) else self.axes)
         if all(t == AxisType.Explicit for t in mesh.axis_types):
@@ -289,6 +301,7 @@ def pipeline_step(
     *,
     stash: str = "residuals",
     axis_name: AxisName = "dp",
+    param_specs: Any = None,
 ) -> PipelineStep:
     """Build the pipeline-parallel step of ``plan`` (docs/pipeline.md, "The JAX executor").
 
@@ -306,6 +319,11 @@ def pipeline_step(
             ``"input"`` (the stage input only; the input-gradient cell recomputes the
             forward: less memory, a third more compute).
         axis_name: the data-parallel mesh axis (or axes) the batch is split over.
+        param_specs: tensor parallelism inside a stage: a ``PartitionSpec`` tree like the
+            parameters (a block's spec is one layer's, as ``nnx_model`` returns them), for
+            blocks written with ``ColumnParallelLinear``/``RowParallelLinear`` over ``tp``.
+            Place the parameters with ``pipeline_params(params, plan, mesh, param_specs)``.
+            Default: only the pipeline shards them.
 
     Returns:
         A ``PipelineStep``: ``step(params, opt_state, batch) -> (params, opt_state, loss)``
@@ -342,4 +360,11 @@ def pipeline_step(
             "tx is a shard_optimizer(...), which reduces the gradients itself: build it on the "
             "same mesh and axis_name as pipeline_step"
         )
-    return PipelineStep(model, tx, mesh, plan, stash=stash, axis_name=axis_name)
+    if isinstance(tx, ShardedOptimizer) and param_specs is not None:
+        raise ValueError(
+            "shard_optimizer plans its shards over whole parameters, not over tensor-parallel "
+            "shards: with param_specs, pass the plain Optax transformation"
+        )
+    return PipelineStep(
+        model, tx, mesh, plan, stash=stash, axis_name=axis_name, param_specs=param_specs
+    )

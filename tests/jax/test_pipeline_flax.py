@@ -29,6 +29,7 @@ from gradsync_jax.pipeline import (
     pipeline_step,
 )
 from tests.helpers import assert_tree_close
+from tests.jax.models import MLPBlock, ParallelMLPBlock
 from tests.jax.test_pipeline import FAST_COMPILE, SEQ, VOCAB, make_batch, reference
 
 DIM, HIDDEN = 8, 16
@@ -79,8 +80,19 @@ class Net(nnx.Module):
         return self.head(run(self.embed(tokens), self.blocks))
 
 
-def run(model: Any, natural: Any, grad_fn: Any, schedule: str, pp: int, v: int, zero: bool) -> Any:
-    topology = Topology.create(8, pp=pp)
+def run(
+    model: Any,
+    natural: Any,
+    grad_fn: Any,
+    schedule: str,
+    pp: int,
+    v: int,
+    zero: bool,
+    tp: int = 1,
+    specs: Any = None,
+    inner: Any = None,
+) -> Any:
+    topology = Topology.create(8, pp=pp, tp=tp)
     mesh = mesh_from_topology(topology)
     m = 2 * pp
     plan = plan_pipeline(
@@ -92,10 +104,11 @@ def run(model: Any, natural: Any, grad_fn: Any, schedule: str, pp: int, v: int, 
         input_weight=0,
         output_weight=0,
     )
-    inner = optax.adam(1e-2)
-    step = pipeline_step(model, shard_optimizer(inner, mesh) if zero else inner, mesh, plan)
+    inner = optax.adam(1e-2) if inner is None else inner
+    tx = shard_optimizer(inner, mesh) if zero else inner
+    step = pipeline_step(model, tx, mesh, plan, param_specs=specs)
     batches = [make_batch(topology.dp, m, seed) for seed in range(2)]
-    params = pipeline_params(natural, plan, mesh)
+    params = pipeline_params(natural, plan, mesh, specs)
     state = step.init(params)
     compiled = step.lower(params, state, batches[0]).compile(compiler_options=FAST_COMPILE)
     losses = []
@@ -108,9 +121,7 @@ def run(model: Any, natural: Any, grad_fn: Any, schedule: str, pp: int, v: int, 
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
     got = natural_params(params, plan)
     assert_tree_close(got, ref_params, rtol=1e-5, what="params")
-    got_state = step.natural_state(state, params)
-    assert_tree_close(got_state[0].mu, ref_state[0].mu, rtol=1e-5, what="mu")
-    assert_tree_close(got_state[0].nu, ref_state[0].nu, rtol=1e-5, what="nu")
+    assert_tree_close(step.natural_state(state, params), ref_state, rtol=1e-5, what="state")
     return got
 
 
@@ -118,7 +129,7 @@ def run(model: Any, natural: Any, grad_fn: Any, schedule: str, pp: int, v: int, 
 def test_nnx_model() -> None:
     pp, v = 2, 2
     net = Net(2 * pp * v, nnx.Rngs(0))
-    model, natural = nnx_model(net.embed, net.blocks, net.head, cross_entropy)
+    model, natural, _ = nnx_model(net.embed, net.blocks, net.head, cross_entropy)
     graphdef, _ = nnx.split(net)
 
     @jax.jit
@@ -186,3 +197,51 @@ def test_linen_model_with_zero1() -> None:
         return jax.value_and_grad(loss)(params)
 
     run(model, natural, grad_fn, "1F1B", pp, 1, zero=True)
+
+
+class TensorParallelNet(nnx.Module):
+    """``Net`` with blocks whose MLP is column- then row-parallel over ``tp`` (or serial)."""
+
+    def __init__(self, layers: int, parallel: bool, rngs: nnx.Rngs) -> None:
+        self.embed = nnx.Embed(VOCAB, DIM, rngs=rngs)
+        make = ParallelMLPBlock if parallel else MLPBlock
+
+        @nnx.split_rngs(splits=layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def blocks(rngs: nnx.Rngs) -> Any:
+            return make(DIM, HIDDEN, rngs=rngs)
+
+        self.blocks = blocks(rngs)
+        self.head = Head(rngs)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def run(x: jax.Array, block: Any) -> jax.Array:
+            return block(x)
+
+        return self.head(run(self.embed(tokens), self.blocks))
+
+
+def test_tensor_parallel_stages() -> None:
+    """pp 2 x dp 2 x tp 2: each stage's blocks split their MLP over ``tp`` (gradsync's
+    ``ColumnParallelLinear``/``RowParallelLinear``) and train as the serial model does.
+
+    SGD with momentum: the row-parallel partial sums change the gradients' rounding (1e-6
+    relative, measured), which Adam's first steps divide by |g| and magnify where a gradient
+    is near zero; momentum SGD keeps parameters and state linear in the gradients."""
+    pp, layers = 2, 4
+    net = TensorParallelNet(layers, parallel=True, rngs=nnx.Rngs(0))
+    model, natural, specs = nnx_model(net.embed, net.blocks, net.head, cross_entropy)
+    assert specs["blocks"]["fc1"]["kernel"] == jax.sharding.PartitionSpec(None, "tp")
+    serial = TensorParallelNet(layers, parallel=False, rngs=nnx.Rngs(0))
+    graphdef, serial_params = nnx.split(serial, nnx.Param)
+    assert jax.tree.structure(nnx.to_pure_dict(serial_params)) == jax.tree.structure(natural)
+
+    @jax.jit
+    def grad_fn(params: Any, tokens: jax.Array, targets: jax.Array) -> Any:
+        return jax.value_and_grad(lambda p: cross_entropy(nnx.merge(graphdef, p)(tokens), targets))(
+            params
+        )
+
+    momentum = optax.sgd(0.1, momentum=0.9)
+    run(model, natural, grad_fn, "1F1B", pp, 1, zero=False, tp=2, specs=specs, inner=momentum)
