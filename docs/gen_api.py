@@ -53,6 +53,7 @@ GUIDES = {
         "jax.md",
         "jax-zero.md",
         "model-parallel.md",
+        "pipeline.md",
         "checkpoints.md",
         "data-position.md",
         "interchange.md",

@@ -46,6 +46,15 @@ from gradsync_jax.param_sharding import (
     unshard_params,
     zero3_step,
 )
+from gradsync_jax.pipeline import (
+    PipelineModel,
+    PipelineStep,
+    linen_model,
+    natural_params,
+    nnx_model,
+    pipeline_params,
+    pipeline_step,
+)
 from gradsync_jax.sampler import ResumableSampler
 from gradsync_jax.shared_reductions import make_shared_local, reduce_shared_gradients
 from gradsync_jax.zero import (
@@ -61,6 +70,8 @@ __all__: list[str] = [
     "MoE",
     "NotElementwiseError",
     "ParamLayout",
+    "PipelineModel",
+    "PipelineStep",
     "ResumableSampler",
     "RowParallelLinear",
     "ShardedOptimizer",
@@ -77,6 +88,7 @@ __all__: list[str] = [
     "gather_from",
     "group_axes",
     "import_orbax",
+    "linen_model",
     "load_optimizer_state",
     "load_param_shards",
     "load_params",
@@ -84,10 +96,14 @@ __all__: list[str] = [
     "make_local",
     "make_shared_local",
     "mesh_from_topology",
+    "natural_params",
     "nnx_functional",
+    "nnx_model",
     "param_layout",
     "param_specs",
     "path_name",
+    "pipeline_params",
+    "pipeline_step",
     "reduce_from",
     "reduce_scatter_to",
     "reduce_shared_gradients",

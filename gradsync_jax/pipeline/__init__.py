@@ -1,0 +1,22 @@
+"""Pipeline parallelism in one SPMD program: a ``PipelinePlan`` run by ``shard_map``
+(docs/pipeline.md, "The JAX executor")."""
+
+from gradsync_jax.pipeline.flax_models import linen_model, nnx_model, nnx_state
+from gradsync_jax.pipeline.layout import natural_params, pipeline_params, pipeline_specs
+from gradsync_jax.pipeline.model import PipelineModel
+from gradsync_jax.pipeline.step import PipelineStep, pipeline_step
+from gradsync_jax.pipeline.ticks import TickProgram, compile_ticks
+
+__all__: list[str] = [
+    "PipelineModel",
+    "PipelineStep",
+    "TickProgram",
+    "compile_ticks",
+    "linen_model",
+    "natural_params",
+    "nnx_model",
+    "nnx_state",
+    "pipeline_params",
+    "pipeline_specs",
+    "pipeline_step",
+]
