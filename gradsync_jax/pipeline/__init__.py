@@ -1,5 +1,7 @@
-"""Pipeline parallelism in one SPMD program: a ``PipelinePlan`` run by ``shard_map``
-(docs/pipeline.md, "The JAX executor")."""
+"""Pipeline parallelism in one SPMD program: a ``PipelinePlan`` run by ``shard_map``.
+
+See docs/pipeline.md, "The JAX executor".
+"""
 
 from gradsync_jax.pipeline.flax_models import linen_model, nnx_model, nnx_state
 from gradsync_jax.pipeline.layout import natural_params, pipeline_params, pipeline_specs

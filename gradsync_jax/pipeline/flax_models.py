@@ -49,7 +49,7 @@ def nnx_model(embed: Any, blocks: Any, head: Any, loss: Loss) -> tuple[PipelineM
     """
     parts, specs, defs = {}, {}, {}
     for name, module in (("embed", embed), ("blocks", blocks), ("head", head)):
-        graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+        graphdef, params, rest = nnx.split(module, nnx.Param, ...)  # type: ignore[misc]
         if jax.tree.leaves(rest):
             kinds = sorted({type(v).__name__ for v in jax.tree.leaves(rest, is_leaf=_is_var)})
             raise ValueError(

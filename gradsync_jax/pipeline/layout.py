@@ -49,6 +49,7 @@ def blocks_per_stage(params: Any, plan: PipelinePlan) -> int:
             f"{sorted(layers, key=str)}; stack the blocks (nnx.vmap, nn.scan or jax.vmap)"
         )
     (count,) = layers
+    assert count is not None  # refused above
     n = plan.num_stages
     if count % n:
         raise ValueError(

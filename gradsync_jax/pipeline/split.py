@@ -259,7 +259,7 @@ def split_stage(
     def make(name: str, eqns: list[Any], ins: list[Var], outs: list[Any]) -> Jaxpr:
         info = DebugInfo(
             f"pipeline {stage_type} stage: {name}",
-            None,
+            None,  # type: ignore[arg-type]  # no source location: the cell is cut, not traced
             tuple(f"in{i}" for i in range(len(ins))),
             tuple(f"out{i}" for i in range(len(outs))),
         )
