@@ -70,6 +70,7 @@ from gradsync_core.checkpoint._state_keys import (
 )
 from gradsync_core.checkpoint._storage import (
     check_rank_file,
+    hash_share,
     read_manifest,
     reading_version,
     sha256_file,
@@ -113,6 +114,7 @@ __all__ = [
     "discard_save",
     "error_message",
     "fsync_directory",
+    "hash_share",
     "hyperparameter_warning",
     "is_wrapped",
     "model_key",

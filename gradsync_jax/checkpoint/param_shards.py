@@ -22,24 +22,41 @@ whole model once during the save); each process writes its own devices' rank fil
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from gradsync_core import Manifest, ShardPlan
+from gradsync_core import Manifest, ShardPlan, read_manifest
 from gradsync_core.checkpoint import (
+    MODEL_PARAM,
     data_extra,
+    hash_share,
+    model_key,
     plan_dim0_shards,
+    reading_version,
+    resolve_checkpoint,
+    restore_data,
+    verify_file_hashes,
 )
-from gradsync_jax.checkpoint.model_state import load_params
-from gradsync_jax.checkpoint.processes import local_ranks, local_view, place
-from gradsync_jax.checkpoint.zero import _prepare, load_optimizer_state, save_rank_files
-from gradsync_jax.param_sharding.layout import ParamLayout
-from gradsync_jax.param_sharding.placement import padded_host, shard_params, unshard_params
+from gradsync_jax.checkpoint.model_state import check_weights
+from gradsync_jax.checkpoint.optimizers import optimizer_name
+from gradsync_jax.checkpoint.processes import agreed_read, local_ranks, local_view
+from gradsync_jax.checkpoint.stored import StoredFiles, check_finite
+from gradsync_jax.checkpoint.zero import (
+    _check_loadable,
+    _prepare,
+    _state_key,
+    _state_values,
+    _warn_hyperparams,
+    save_rank_files,
+)
+from gradsync_jax.param_sharding.layout import LeafLayout, ParamLayout
+from gradsync_jax.param_sharding.placement import unshard_params
 from gradsync_jax.param_sharding.step import Zero3Step
 from gradsync_jax.zero.model_space import ModelSpace, model_space, pure
 
@@ -165,6 +182,11 @@ def load_param_shards(
     ``zero3.tx``. Every check (hashes, names, shapes, dtypes, state keys, finite values)
     runs before anything is placed; ``data`` is positioned last.
 
+    Each process reads only the rows its devices hold, of every weight and of its state
+    (``gradsync_core.checkpoint.state_reads``), and the hashes of its share of the files;
+    with several processes they then agree, so a check that fails on one fails the load on
+    all (docs/jax-zero3.md).
+
     Args:
         directory: the checkpoint.
         zero3: the ``zero3_step`` to continue with (its layout's device count may differ
@@ -178,39 +200,143 @@ def load_param_shards(
         place them.
 
     Raises:
-        ValueError: one sentence naming what is missing, corrupt or different.
+        ValueError: one sentence naming what is missing, corrupt or different (with several
+            processes a ``CheckpointError`` naming the process, on every process).
 
     Example:
         >>> params, opt_state, _ = load_param_shards("ckpt", step_fn)  # doctest: +SKIP
     """
-    layout = zero3.layout
-    whole = load_params(directory, _whole(layout, trainable_only=False), modules=layout.modules)
-    state, manifest = load_optimizer_state(
-        directory,
-        zero3.tx,
-        _whole(layout, trainable_only=True),
-        optimizer=optimizer,
-        modules=layout.modules,
-        data=data,
-        allow_nonfinite=allow_nonfinite,
-    )
-    params = shard_params(whole, zero3.mesh, layout, axis_name=zero3.axes)
-    return params, _place_state(zero3, state), manifest
-
-
-def _place_state(zero3: Zero3Step, state: Any) -> Any:
-    """The whole Flax-layout Optax state as ``zero3.init`` places it: per-parameter leaves
-    padded in torch's layout and sharded, the others replicated."""
+    shown = os.fspath(directory)
+    version = resolve_checkpoint(directory)  # one version, even while a save switches it
     rows = _RowShards(zero3)
-    leaves = jax.tree.leaves(state)
-    # The step's own structure (an NNX state's Variables kept), which the loaded plain
-    # Optax state has leaf for leaf in the same order.
+    optimizer = optimizer or optimizer_name(rows.space.state_types)
+    held, manifest = agreed_read(
+        lambda: _read_held(version, zero3, rows, optimizer, allow_nonfinite),
+        version,
+        f"cannot load ZeRO-3 checkpoint {shown}",
+    )
+    _warn_hyperparams(shown, manifest, zero3.tx, optimizer)
+    restore_data(manifest.extra, data, version)  # the load can no longer fail
+    params = [_put(zero3, P(zero3.axes), *leaf) for leaf in held.params]
     is_spec = lambda x: isinstance(x, P)  # noqa: E731
     specs, treedef = jax.tree.flatten(zero3.state_specs, is_leaf=is_spec)
-    host, shardings = [], []
-    for leaf, value, spec in zip(rows.space.leaves, leaves, specs, strict=True):
-        if leaf.param is not None:
-            value = padded_host(rows.trainable[leaf.param], value, rows.world_size)
-        host.append(np.asarray(value))
-        shardings.append(NamedSharding(zero3.mesh, spec))
-    return jax.tree.unflatten(treedef, place(host, shardings))
+    state = [_put(zero3, spec, *leaf) for leaf, spec in zip(held.state, specs, strict=True)]
+    return (
+        jax.tree_util.tree_unflatten(zero3.layout.treedef, params),
+        jax.tree.unflatten(treedef, state),
+        manifest,
+    )
+
+
+class _Held(NamedTuple):
+    """What this process read: for each leaf (the layout's parameters, the state's leaves in
+    flattening order) its global shape and its devices' chunks by their dim-0 slice, or, for
+    a replicated leaf, the whole value (key ``None``)."""
+
+    params: list[tuple[tuple[int, ...], dict[Any, np.ndarray]]]
+    state: list[tuple[tuple[int, ...], dict[Any, np.ndarray]]]
+
+
+def _read_held(
+    version: str, zero3: Zero3Step, rows: _RowShards, optimizer: str, allow_nonfinite: bool
+) -> tuple[_Held, Manifest]:
+    """Check the checkpoint version ``version`` and read this process's rows of it."""
+    layout, n = zero3.layout, zero3.layout.world_size
+    sharded = NamedSharding(zero3.mesh, P(zero3.axes))
+    is_spec = lambda x: isinstance(x, P)  # noqa: E731
+    specs = jax.tree.leaves(zero3.state_specs, is_leaf=is_spec)
+    with reading_version(version):  # a later save that removes it: a sentence, load again
+        manifest = read_manifest(version, verify_files=False)
+        mine = hash_share(version, manifest, jax.process_index(), jax.process_count())
+        verify_file_hashes(version, manifest, mine)  # together, the processes check all
+        with StoredFiles(version, manifest) as stored:
+            like = _whole(layout, trainable_only=False)
+            names = check_weights(stored.weights(), like, modules=layout.modules)
+            state_names = _check_loadable(version, manifest, rows.space, optimizer, layout.modules)
+            shapes = stored.state()
+            values = _state_values(manifest, rows.space, state_names, shapes)  # every check
+            read: dict[str, list[np.ndarray]] = {}  # what was read, for the finite check
+            weights = []
+            for leaf, name in zip(layout.leaves, names, strict=True):
+                parts = read.setdefault(model_key(name), [])
+                window = lambda a, b, n=name: stored.weight_window(n, a, b)  # noqa: E731
+                weights.append(_chunks(sharded, leaf, n, leaf.dtype, parts, window))
+            state = []
+            for i, (leaf, value, spec) in enumerate(
+                zip(rows.space.leaves, values, specs, strict=True)
+            ):
+                key = _state_key(manifest, rows.space, state_names, i)
+                if leaf.param is None:  # a global leaf, or the count (the manifest's step)
+                    if key in shapes:
+                        value = stored.whole(key, shapes[key].shape)
+                        read[key] = [value]
+                    state.append((np.shape(value), {None: np.asarray(value)}))
+                    continue
+                part = rows.trainable[leaf.param]
+                if leaf.shape != part.shape:
+                    raise ValueError(
+                        f"the state leaf {leaf.name!r} is {leaf.shape}, not its parameter's "
+                        f"{part.shape}: ZeRO-3 keeps only state shaped like the parameters"
+                    )
+                window = _rows_of(stored, manifest, key, part, shapes[key])
+                parts = read.setdefault(key, [])
+                sharding = NamedSharding(zero3.mesh, spec)
+                state.append(_chunks(sharding, part, n, leaf.dtype, parts, window))
+    check_finite({k: v for k, v in read.items() if k.startswith(MODEL_PARAM + "/")})
+    if not allow_nonfinite:
+        check_finite({k: v for k, v in read.items() if not k.startswith(MODEL_PARAM + "/")})
+    return _Held(weights, state), manifest
+
+
+def _rows_of(
+    stored: StoredFiles, manifest: Manifest, key: str, leaf: LeafLayout, like: np.ndarray
+) -> Callable[[int, int], np.ndarray]:
+    """Elements ``[a, b)`` of state tensor ``key`` in torch's layout, flattened: read from the
+    files as they are (format version 2 stores torch's layout), or, for version 1 (Flax's
+    layout, whole tensors), cut from the whole tensor transposed."""
+    if manifest.version >= 2:
+        return lambda a, b: stored.window(key, a, b)
+    whole = np.transpose(stored.whole(key, like.shape), leaf.perm).reshape(-1)
+    return lambda a, b: whole[a:b]
+
+
+def _chunks(
+    sharding: NamedSharding,
+    leaf: LeafLayout,
+    n: int,
+    dtype: Any,
+    parts: list[np.ndarray],
+    read: Callable[[int, int], np.ndarray],
+) -> tuple[tuple[int, ...], dict[Any, np.ndarray]]:
+    """The global shape of ``leaf``'s ``n`` padded dim-0 chunks (torch layout) and the chunk of
+    each of this process's devices, by its dim-0 slice: its rows read with ``read(a, b)``
+    (elements ``[a, b)``, flattened; each row once, appended to ``parts``), then zero padding."""
+    shape = (leaf.padded_rows * n, *leaf.torch_shape[1:])
+    row = int(np.prod(leaf.torch_shape[1:], dtype=np.int64))
+    chunks: dict[Any, np.ndarray] = {}
+    for index in sharding.addressable_devices_indices_map(shape).values():
+        first, last, _ = index[0].indices(shape[0])
+        if (first, last) in chunks:  # a replica of a chunk this process holds already
+            continue
+        chunk = np.zeros((last - first, *shape[1:]), dtype)
+        held = min(last, leaf.rows) - first
+        if held > 0:
+            part = read(first * row, (first + held) * row)
+            parts.append(part)
+            chunk[:held] = part.reshape(held, *shape[1:])
+        chunks[(first, last)] = chunk
+    return shape, chunks
+
+
+def _put(zero3: Zero3Step, spec: P, shape: tuple[int, ...], chunks: dict[Any, np.ndarray]) -> Any:
+    """One global array from this process's chunks (or a replicated whole value)."""
+    sharding = NamedSharding(zero3.mesh, spec)
+    if None in chunks:
+        whole = chunks[None]
+        return jax.make_array_from_callback(whole.shape, sharding, lambda index: whole[index])
+
+    def chunk(index: Any) -> np.ndarray:
+        first, last, _ = index[0].indices(shape[0])
+        return chunks[(first, last)][(slice(None), *index[1:])]
+
+    return jax.make_array_from_callback(shape, sharding, chunk)

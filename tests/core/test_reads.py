@@ -3,17 +3,20 @@ weight_reads, docs/design.md §9): for every plan kind a checkpoint can hold (gr
 tensors, flat and dim-0 slices) at any world size and any set of windows, the reads fill each
 window exactly once and read nothing outside it. The files are simulated: each rank file's
 stored tensor is what the saver writes (the whole parameter, or its flattened slice), and the
-window is rebuilt from the reads alone."""
+window is rebuilt from the reads alone. And which files each reader hashes (``hash_share``):
+every file once, in about equal bytes."""
 
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gradsync_core import (
+    Manifest,
     ParamSpec,
     Shard,
     ShardPlan,
@@ -23,6 +26,7 @@ from gradsync_core import (
 )
 from gradsync_core.checkpoint import (
     Window,
+    hash_share,
     plan_dim0_shards,
     rank_file,
     state_reads,
@@ -187,3 +191,37 @@ def test_dim0_rows_of_a_zero3_device() -> None:
     reads = state_reads(plan, [Window(name="w", start=6, stop=12)], {"w": ["m"]})
     assert [(r.rank, r.start, r.stop, r.at) for r in reads] == [(1, 2, 4, 0), (2, 0, 4, 2)]
     assert math.prod(spec.shape) == 14
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 5000), min_size=1, max_size=9),
+    count=st.integers(1, 10),
+)
+def test_hash_shares_hash_every_file_once_in_about_equal_bytes(tmp_path_factory, sizes, count):
+    """Each reader of a load hashes its share (``hash_share``): every file by exactly one
+    reader, none with more than an equal share plus one file."""
+    directory = tmp_path_factory.mktemp("ckpt")
+    files = {}
+    for rank, size in enumerate(sizes):
+        name = rank_file(rank, len(sizes))
+        (directory / name).write_bytes(b"x" * size)
+        files[name] = "0" * 64
+    plan = plan_greedy_shards([], world_size=len(sizes))
+    manifest = Manifest(
+        framework="jax",
+        optimizer="sgd",
+        world_size=len(sizes),
+        step=0,
+        params=(),
+        plan=plan,
+        state_keys={},
+        files=files,
+    )
+    shares = [hash_share(directory, manifest, i, count) for i in range(count)]
+    assert sorted(f for share in shares for f in share) == sorted(files)
+    loads = [sum(os.path.getsize(directory / f) for f in share) for share in shares]
+    assert max(loads) <= sum(sizes) / count + max(sizes)
+    (directory / rank_file(0, len(sizes))).unlink()  # a missing file is still someone's
+    again = [hash_share(directory, manifest, i, count) for i in range(count)]
+    assert sorted(f for share in again for f in share) == sorted(files)
