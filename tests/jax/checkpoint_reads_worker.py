@@ -179,6 +179,7 @@ def main(process_id: int, num_processes: int, local_devices: int, port: int, out
         np.array_equal(a, b)
         for a, b in zip(gather((params, state)), gather(tuple(loaded)), strict=True)
     )
+    held = _held_bytes(step, state)
     version = resolve_checkpoint(path)
     manifest = read_manifest(version, verify_files=False)
     files = {}
@@ -195,12 +196,39 @@ def main(process_id: int, num_processes: int, local_devices: int, port: int, out
         "hash": dict(counts["hash"]),
         "other": dict(counts["other"]),
         "rchar": after - before,
+        "held": held,
         "files": files,
+        "manifest": os.path.getsize(os.path.join(version, "manifest.json")),
     }
     with open(os.path.join(out_dir, f"reads_{process_id}.json"), "w") as f:
         json.dump(record, f)
     multihost_utils.sync_global_devices("done")
     jax.distributed.shutdown()
+
+
+def _held_bytes(step: Any, state: Any) -> int:
+    """The bytes of the rows this process's devices hold, padding left out: of every weight
+    and of every state leaf shaped like its parameter (AdamW's two moments)."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    layout = step.layout
+    sharding = NamedSharding(step.mesh, P(step.axes))
+    moments = sum(  # per-parameter state leaves per trainable parameter
+        1 for leaf in jax.tree.leaves(state) if leaf.ndim and leaf.sharding.spec != P()
+    ) // sum(leaf.trainable for leaf in layout.leaves)
+    total = 0
+    for leaf in layout.leaves:
+        shape = (leaf.padded_rows * layout.world_size, *leaf.torch_shape[1:])
+        row = int(np.prod(leaf.torch_shape[1:])) * np.dtype(leaf.dtype).itemsize
+        slices = {
+            index[0].indices(shape[0])[:2]
+            for index in sharding.addressable_devices_indices_map(shape).values()
+        }
+        rows = sum(max(0, min(b, leaf.rows) - a) for a, b in slices)
+        total += rows * row * (1 + (moments if leaf.trainable else 0))
+    return total
 
 
 if __name__ == "__main__":
