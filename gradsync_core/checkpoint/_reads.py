@@ -72,9 +72,10 @@ def state_reads(
     Args:
         plan: the manifest's plan: which rank's file stores which elements of each parameter.
         windows: what the loader keeps; a parameter may have several windows (one per device).
-        keys: each parameter's state keys stored as tensors in its shards' files (``exp_avg``;
-            0-d state such as torch's ``step`` is in the manifest, not a file). A parameter with
-            no entry, or an empty one, has no stored state: its windows get no reads.
+        keys: each parameter's state keys (``exp_avg``), which the reads name as
+            ``tensor_key(name, key)``; a parameter without an entry has no stored state and
+            its windows get no reads. (0-d state a manifest holds as a number, torch's
+            ``step``, is in no file: a reader takes it from the manifest.)
 
     Returns:
         For each window in the order given, one read per stored piece that overlaps it, in
@@ -99,8 +100,8 @@ def state_reads(
             pieces.setdefault(shard.name, []).append((shard.rank, shard.start, shard.stop))
     out: list[WindowRead] = []
     for window in windows:
-        names = tuple(tensor_key(window.name, key) for key in keys.get(window.name, ()))
-        if names and window.name in pieces:
+        if window.name in keys and window.name in pieces:
+            names = tuple(tensor_key(window.name, key) for key in keys[window.name])
             stored = sorted(pieces[window.name], key=lambda p: p[1])
             out += _reads(window, stored, names, plan.world_size)
     return tuple(out)

@@ -146,8 +146,11 @@ def test_a_whole_stored_tensor_is_read_in_part() -> None:
 def test_parameters_without_stored_state_get_no_reads() -> None:
     plan = plan_greedy_shards([ParamSpec(name="w", shape=(4,))], world_size=2)
     windows = [Window(name="w", start=0, stop=4), Window(name="frozen", start=0, stop=2)]
-    assert state_reads(plan, windows, {"w": []}) == ()
     assert state_reads(plan, windows, {}) == ()
+    # No keys yet (a parameter that never had a gradient): the pieces, with nothing to read.
+    (read,) = state_reads(plan, windows, {"w": []})
+    assert (read.keys, read.start, read.stop) == ((), 0, 4)
+    # A parameter the plan does not list (frozen) has no stored state.
     assert len(state_reads(plan, windows, {"w": ["m"], "frozen": ["m"]})) == 1
 
 
