@@ -10,7 +10,9 @@ is wrapped here (in every module that imported it) to count the bytes each read 
 file and by reader (the hash check, ``sha256_file``; the rest). ``/proc/self/io``'s
 ``rchar`` (bytes every ``read`` system call of the process returned) is recorded around the
 same load as a check that nothing read the files another way. The load must be bitwise the
-state in memory. Each process writes ``OUT_DIR/reads_<process>.json``.
+state in memory. Then a copy with one byte changed in a file that only the last process
+hashes, but process 0 reads from, must fail to load on every process. Each process writes
+``OUT_DIR/reads_<process>.json``.
 """
 
 from __future__ import annotations
@@ -200,10 +202,44 @@ def main(process_id: int, num_processes: int, local_devices: int, port: int, out
         "files": files,
         "manifest": os.path.getsize(os.path.join(version, "manifest.json")),
     }
+    record["refused"] = _refused(path, step, out_dir, process_id, num_processes)
     with open(os.path.join(out_dir, f"reads_{process_id}.json"), "w") as f:
         json.dump(record, f)
     multihost_utils.sync_global_devices("done")
     jax.distributed.shutdown()
+
+
+def _refused(path: str, step: Any, out_dir: str, process_id: int, num_processes: int) -> str:
+    """How a copy of the checkpoint with one byte changed in a file that the last process
+    hashes and process 0 reads from (rank 1's, whose rows device 1 holds) fails to load here:
+    ``"Type: message"`` (``"loaded"`` if it did not)."""
+    import shutil
+
+    from jax.experimental import multihost_utils
+
+    from gradsync_core import read_manifest
+    from gradsync_core.checkpoint import hash_share, rank_file, resolve_checkpoint
+    from gradsync_jax import load_param_shards
+
+    version = resolve_checkpoint(path)
+    manifest = read_manifest(version, verify_files=False)
+    theirs = hash_share(version, manifest, num_processes - 1, num_processes)
+    target = rank_file(1, manifest.world_size)
+    assert target in theirs and target not in hash_share(version, manifest, 0, num_processes)
+    bad = os.path.join(out_dir, "bad")
+    if process_id == 0:
+        shutil.copytree(version, bad)
+        with open(os.path.join(bad, target), "r+b") as f:  # the last float's lowest byte
+            f.seek(-4, os.SEEK_END)
+            byte = f.read(1)[0]
+            f.seek(-4, os.SEEK_END)
+            f.write(bytes([byte ^ 1]))
+    multihost_utils.sync_global_devices("corrupted")
+    try:
+        load_param_shards(bad, step)
+    except Exception as err:
+        return f"{type(err).__name__}: {err}"
+    return "loaded"
 
 
 def _held_bytes(step: Any, state: Any) -> int:

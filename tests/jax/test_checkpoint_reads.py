@@ -7,8 +7,9 @@ share of the files, exactly: the manifest, every rank file's header (and again f
 it hashes: the rank it records), and the rows its 4 devices hold of every weight and moment.
 That is at most half the checkpoint's tensors plus one parameter (the embedding's 100 rows
 do not split evenly), plus the manifest and headers; together the processes hash every file
-once. Before, every process hashed every file twice and read every file whole, the files
-holding the weights twice: 3.4 times the checkpoint per process.
+once, and agree on the outcome: a file changed where only one process hashes it fails the
+load on both. Before, every process hashed every file twice and read every file whole, the
+files holding the weights twice: 3.4 times the checkpoint per process.
 """
 
 from __future__ import annotations
@@ -82,3 +83,9 @@ def test_each_process_reads_its_rows_and_hashes_its_share(tmp_path: Path) -> Non
         # The hash check reads each of its files whole, once.
         assert r["hash"] == {name: files[name]["size"] for name in mine}
     assert sorted(hashed) == sorted(files), "together the processes hash every file once"
+    # A byte changed in a file only process 1 hashes, of which process 0 reads rows: the
+    # processes agree, so process 0 refuses what it alone would have taken.
+    for r in records:
+        assert r["refused"].startswith("CheckpointError: cannot load ZeRO-3 checkpoint "), r
+        assert "(process 1): checkpoint file " in r["refused"], r["refused"]
+        assert "rank-00001-of-00008.safetensors does not match its manifest hash" in r["refused"]
