@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 from typing import Any, NamedTuple
 
 import jax
@@ -46,7 +47,7 @@ from gradsync_core.checkpoint import (
 from gradsync_jax.checkpoint.model_state import check_weights
 from gradsync_jax.checkpoint.optimizers import optimizer_name
 from gradsync_jax.checkpoint.processes import agreed_read, local_ranks, local_view
-from gradsync_jax.checkpoint.stored import StoredFiles, check_finite
+from gradsync_jax.checkpoint.stored import StoredFiles, nonfinite, refuse_nonfinite
 from gradsync_jax.checkpoint.zero import (
     _check_loadable,
     _prepare,
@@ -255,12 +256,11 @@ def _read_held(
             state_names = _check_loadable(version, manifest, rows.space, optimizer, layout.modules)
             shapes = stored.state()
             values = _state_values(manifest, rows.space, state_names, shapes)  # every check
-            read: dict[str, list[np.ndarray]] = {}  # what was read, for the finite check
+            bad: dict[str, int] = {}  # NaN and inf in what was read, by tensor
             weights = []
             for leaf, name in zip(layout.leaves, names, strict=True):
-                parts = read.setdefault(model_key(name), [])
-                window = lambda a, b, n=name: stored.weight_window(n, a, b)  # noqa: E731
-                weights.append(_chunks(sharded, leaf, n, leaf.dtype, parts, window))
+                weight_rows = _counted(partial(stored.weight_window, name), model_key(name), bad)
+                weights.append(_chunks(sharded, leaf, n, leaf.dtype, weight_rows))
             state = []
             for i, (leaf, value, spec) in enumerate(
                 zip(rows.space.leaves, values, specs, strict=True)
@@ -269,7 +269,7 @@ def _read_held(
                 if leaf.param is None:  # a global leaf, or the count (the manifest's step)
                     if key in shapes:
                         value = stored.whole(key, shapes[key].shape)
-                        read[key] = [value]
+                        bad[key] = nonfinite(value)
                     state.append((np.shape(value), {None: np.asarray(value)}))
                     continue
                 part = rows.trainable[leaf.param]
@@ -278,14 +278,27 @@ def _read_held(
                         f"the state leaf {leaf.name!r} is {leaf.shape}, not its parameter's "
                         f"{part.shape}: ZeRO-3 keeps only state shaped like the parameters"
                     )
-                window = _rows_of(stored, manifest, key, part, shapes[key])
-                parts = read.setdefault(key, [])
+                state_rows = _counted(_rows_of(stored, manifest, key, part, shapes[key]), key, bad)
                 sharding = NamedSharding(zero3.mesh, spec)
-                state.append(_chunks(sharding, part, n, leaf.dtype, parts, window))
-    check_finite({k: v for k, v in read.items() if k.startswith(MODEL_PARAM + "/")})
-    if not allow_nonfinite:
-        check_finite({k: v for k, v in read.items() if not k.startswith(MODEL_PARAM + "/")})
+                state.append(_chunks(sharding, part, n, leaf.dtype, state_rows))
+    for key, count in bad.items():  # the weights first; the state unless allowed
+        if not allow_nonfinite or key.startswith(MODEL_PARAM + "/"):
+            refuse_nonfinite(key, count)
     return _Held(weights, state), manifest
+
+
+def _counted(
+    read: Callable[[int, int], np.ndarray], key: str, bad: dict[str, int]
+) -> Callable[[int, int], np.ndarray]:
+    """``read``, adding the NaN and inf of what it reads to ``bad[key]``."""
+    bad.setdefault(key, 0)
+
+    def counted(a: int, b: int) -> np.ndarray:
+        part = read(a, b)
+        bad[key] += nonfinite(part)
+        return part
+
+    return counted
 
 
 def _rows_of(
@@ -305,25 +318,23 @@ def _chunks(
     leaf: LeafLayout,
     n: int,
     dtype: Any,
-    parts: list[np.ndarray],
     read: Callable[[int, int], np.ndarray],
 ) -> tuple[tuple[int, ...], dict[Any, np.ndarray]]:
     """The global shape of ``leaf``'s ``n`` padded dim-0 chunks (torch layout) and the chunk of
     each of this process's devices, by its dim-0 slice: its rows read with ``read(a, b)``
-    (elements ``[a, b)``, flattened; each row once, appended to ``parts``), then zero padding."""
+    (elements ``[a, b)``, flattened; each row once), then zero padding."""
     shape = (leaf.padded_rows * n, *leaf.torch_shape[1:])
     row = int(np.prod(leaf.torch_shape[1:], dtype=np.int64))
     chunks: dict[Any, np.ndarray] = {}
     for index in sharding.addressable_devices_indices_map(shape).values():
+        assert index is not None  # a NamedSharding gives every device its index
         first, last, _ = index[0].indices(shape[0])
         if (first, last) in chunks:  # a replica of a chunk this process holds already
             continue
         chunk = np.zeros((last - first, *shape[1:]), dtype)
         held = min(last, leaf.rows) - first
         if held > 0:
-            part = read(first * row, (first + held) * row)
-            parts.append(part)
-            chunk[:held] = part.reshape(held, *shape[1:])
+            chunk[:held] = read(first * row, (first + held) * row).reshape(held, *shape[1:])
         chunks[(first, last)] = chunk
     return shape, chunks
 

@@ -14,7 +14,7 @@ from typing import BinaryIO, NamedTuple
 import ml_dtypes
 import numpy as np
 
-from gradsync_core.checkpoint import data_range, open_checkpoint_file, read_header
+from gradsync_core.checkpoint import data_range, read_header
 
 # safetensors dtype names -> NumPy; safetensors.numpy.load has no bfloat16 (it raises
 # KeyError 'BF16'), while its save writes BF16 correctly and torch reads it.
@@ -100,18 +100,3 @@ def read_elements(
     if f.readinto(out.view(np.uint8)) != out.nbytes:
         raise ValueError(f"checkpoint file {path} is truncated in tensor {key!r}")
     return out
-
-
-def read_safetensors(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
-    """Every tensor of a safetensors file, each read at its offset into its own array.
-
-    Raises:
-        ValueError: as ``read_entries``, or if the file is truncated.
-    """
-    path = os.fspath(path)
-    entries = read_entries(path)
-    with open_checkpoint_file(*os.path.split(path)) as f:
-        return {
-            key: read_elements(f, path, key, e, 0, e.numel).reshape(e.shape)
-            for key, e in entries.items()
-        }

@@ -13,7 +13,7 @@ flattened tensor from the files that hold them (``gradsync_core.checkpoint.state
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from typing import Any, BinaryIO
 
 import numpy as np
@@ -102,7 +102,7 @@ class StoredFiles:
 
     def _slices(self, key: str, shards: list[Any], shape: tuple[int, ...]) -> np.ndarray:
         """The stand-in of a tensor stored as flat slices, each one checked."""
-        parts = []
+        parts: list[TensorEntry] = []
         for shard in sorted(shards, key=lambda s: s.start):
             file = rank_file(shard.rank, self.manifest.world_size)
             part = self.entries[file].get(key)
@@ -174,26 +174,33 @@ class StoredFiles:
         return read_elements(f, path, key, self.entries[file][key], start, stop)
 
 
-def check_finite(tensors: Mapping[str, np.ndarray | Sequence[np.ndarray]]) -> None:
+def check_finite(tensors: Mapping[str, np.ndarray]) -> None:
     """Refuse a checkpoint whose state holds NaN or inf: loaded, the parameters would be NaN
     a step or two later (``load_optimizer_state`` and ``load_params`` take them with
     ``allow_nonfinite=True``).
-
-    Args:
-        tensors: by checkpoint key, a tensor or the parts of it that were read.
 
     Raises:
         ValueError: naming the first such tensor.
     """
     for key, value in tensors.items():
-        parts = [value] if isinstance(value, np.ndarray) else list(value)
-        bad = sum(
-            int(np.size(p) - np.count_nonzero(np.isfinite(p.astype(np.float32))))
-            for p in parts
-            if p.dtype.kind not in "biu"
+        refuse_nonfinite(key, nonfinite(value))
+
+
+def nonfinite(value: np.ndarray) -> int:
+    """How many NaN or infinite values ``value`` holds (0 for integers and booleans)."""
+    if value.dtype.kind in "biu":
+        return 0
+    return int(np.size(value) - np.count_nonzero(np.isfinite(value.astype(np.float32))))
+
+
+def refuse_nonfinite(key: str, bad: int) -> None:
+    """Refuse tensor ``key`` if it holds ``bad`` > 0 NaN or infinite values.
+
+    Raises:
+        ValueError: naming the tensor and the count.
+    """
+    if bad:
+        raise ValueError(
+            f"checkpoint tensor {key!r} holds {bad} NaN or infinite value(s); load an "
+            "earlier checkpoint, or pass allow_nonfinite=True to take them as they are"
         )
-        if bad:
-            raise ValueError(
-                f"checkpoint tensor {key!r} holds {bad} NaN or infinite value(s); load an "
-                "earlier checkpoint, or pass allow_nonfinite=True to take them as they are"
-            )

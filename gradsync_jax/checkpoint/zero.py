@@ -381,7 +381,7 @@ def load_optimizer_state(
     assert isinstance(tx, ShardedOptimizer)
     if jax.process_count() == 1:
         state = tx.scatter_state(space.state_treedef.unflatten(values), params)
-    else:  # every process read every file; each fills its own devices' shards
+    else:  # every process read every state tensor; each fills its own devices' shards
         state = place(layout.scatter(values), tx.state_shardings(params))
     return state, manifest
 
