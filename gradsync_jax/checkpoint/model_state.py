@@ -115,10 +115,7 @@ def _stored_weights(directory: str) -> dict[str, np.ndarray]:
     file's hash checked first (nothing else of the files is read)."""
     manifest = read_manifest(directory)  # hashes every file
     with StoredFiles(directory, manifest) as stored:
-        return {
-            name: stored.weight_window(name, 0, like.size).reshape(like.shape)
-            for name, like in stored.weights().items()
-        }
+        return stored.read_weights()
 
 
 def check_weights(

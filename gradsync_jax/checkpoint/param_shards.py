@@ -22,10 +22,8 @@ whole model once during the save); each process writes its own devices' rank fil
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from dataclasses import replace
-from functools import partial
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import numpy as np
@@ -34,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 
 from gradsync_core import Manifest, ShardPlan, read_manifest
 from gradsync_core.checkpoint import (
-    MODEL_PARAM,
+    Window,
     data_extra,
     hash_share,
     model_key,
@@ -42,7 +40,9 @@ from gradsync_core.checkpoint import (
     reading_version,
     resolve_checkpoint,
     restore_data,
+    state_reads,
     verify_file_hashes,
+    weight_reads,
 )
 from gradsync_jax.checkpoint.model_state import check_weights
 from gradsync_jax.checkpoint.optimizers import optimizer_name
@@ -211,41 +211,69 @@ def load_param_shards(
     version = resolve_checkpoint(directory)  # one version, even while a save switches it
     rows = _RowShards(zero3)
     optimizer = optimizer or optimizer_name(rows.space.state_types)
-    held, manifest = agreed_read(
+    weights, state, manifest = agreed_read(
         lambda: _read_held(version, zero3, rows, optimizer, allow_nonfinite),
         version,
         f"cannot load ZeRO-3 checkpoint {shown}",
     )
     _warn_hyperparams(shown, manifest, zero3.tx, optimizer)
     restore_data(manifest.extra, data, version)  # the load can no longer fail
-    params = [_put(zero3, P(zero3.axes), *leaf) for leaf in held.params]
+    params = [_put(zero3, P(zero3.axes), leaf) for leaf in weights]
     is_spec = lambda x: isinstance(x, P)  # noqa: E731
     specs, treedef = jax.tree.flatten(zero3.state_specs, is_leaf=is_spec)
-    state = [_put(zero3, spec, *leaf) for leaf, spec in zip(held.state, specs, strict=True)]
+    placed = [_put(zero3, spec, leaf) for leaf, spec in zip(state, specs, strict=True)]
     return (
         jax.tree_util.tree_unflatten(zero3.layout.treedef, params),
-        jax.tree.unflatten(treedef, state),
+        jax.tree.unflatten(treedef, placed),
         manifest,
     )
 
 
-class _Held(NamedTuple):
-    """What this process read: for each leaf (the layout's parameters, the state's leaves in
-    flattening order) its global shape and its devices' chunks by their dim-0 slice, or, for
-    a replicated leaf, the whole value (key ``None``)."""
+class _Chunks:
+    """One leaf's chunks on this process's devices (``sharding``): the global shape of its
+    ``n`` padded dim-0 chunks in torch's layout, a zeroed buffer per distinct dim-0 slice (a
+    replica held twice is read once) and, per window of rows it holds, the buffer's rows."""
 
-    params: list[tuple[tuple[int, ...], dict[Any, np.ndarray]]]
-    state: list[tuple[tuple[int, ...], dict[Any, np.ndarray]]]
+    def __init__(
+        self, sharding: NamedSharding, leaf: LeafLayout, n: int, dtype: Any, name: str, key: str
+    ) -> None:
+        self.key = key  # the checkpoint tensor, as errors name it (parameter ``name``'s)
+        self.shape = (leaf.padded_rows * n, *leaf.torch_shape[1:])
+        row = int(np.prod(leaf.torch_shape[1:], dtype=np.int64))
+        self.buffers: dict[Any, np.ndarray] = {}
+        self.windows: dict[Window, np.ndarray] = {}
+        for index in sharding.addressable_devices_indices_map(self.shape).values():
+            assert index is not None  # a NamedSharding gives every device its index
+            first, last, _ = index[0].indices(self.shape[0])
+            if (first, last) in self.buffers:
+                continue
+            buffer = self.buffers[(first, last)] = np.zeros((last - first, *self.shape[1:]), dtype)
+            held = min(last, leaf.rows) - first
+            if held > 0:  # rows [first, first + held): elements [first·row, ...) flattened
+                window = Window(name=name, start=first * row, stop=(first + held) * row)
+                self.windows[window] = buffer[:held].reshape(-1)
+
+    def fill_from(self, whole: np.ndarray) -> None:
+        """Fill every window from the whole tensor (torch layout)."""
+        flat = whole.reshape(-1)
+        for window, rows in self.windows.items():
+            rows[:] = flat[window.start : window.stop]
+
+    def nonfinite(self) -> int:
+        return sum(nonfinite(buffer) for buffer in self.buffers.values())
 
 
 def _read_held(
     version: str, zero3: Zero3Step, rows: _RowShards, optimizer: str, allow_nonfinite: bool
-) -> tuple[_Held, Manifest]:
-    """Check the checkpoint version ``version`` and read this process's rows of it."""
+) -> tuple[list[Any], list[Any], Manifest]:
+    """Check the checkpoint version ``version`` and read this process's rows of it: every
+    check on the headers first, then the core's reads of the windows of its devices' rows
+    (``weight_reads``, ``state_reads``), each read into its chunk. Returns the ``_Chunks`` of
+    each parameter, and of each state leaf (a global leaf or the count: its whole value)."""
     layout, n = zero3.layout, zero3.layout.world_size
-    sharded = NamedSharding(zero3.mesh, P(zero3.axes))
     is_spec = lambda x: isinstance(x, P)  # noqa: E731
     specs = jax.tree.leaves(zero3.state_specs, is_leaf=is_spec)
+    sharded = NamedSharding(zero3.mesh, P(zero3.axes))
     with reading_version(version):  # a later save that removes it: a sentence, load again
         manifest = read_manifest(version, verify_files=False)
         mine = hash_share(version, manifest, jax.process_index(), jax.process_count())
@@ -256,21 +284,21 @@ def _read_held(
             state_names = _check_loadable(version, manifest, rows.space, optimizer, layout.modules)
             shapes = stored.state()
             values = _state_values(manifest, rows.space, state_names, shapes)  # every check
-            bad: dict[str, int] = {}  # NaN and inf in what was read, by tensor
-            weights = []
-            for leaf, name in zip(layout.leaves, names, strict=True):
-                weight_rows = _counted(partial(stored.weight_window, name), model_key(name), bad)
-                weights.append(_chunks(sharded, leaf, n, leaf.dtype, weight_rows))
-            state = []
+            weights = [
+                _Chunks(sharded, leaf, n, leaf.dtype, name, model_key(name))
+                for leaf, name in zip(layout.leaves, names, strict=True)
+            ]
+            state: list[Any] = []
+            whole: dict[str, np.ndarray] = {}  # the global leaves read
+            by_param: dict[str, dict[str, _Chunks]] = {}  # name -> state key -> chunks
             for i, (leaf, value, spec) in enumerate(
                 zip(rows.space.leaves, values, specs, strict=True)
             ):
                 key = _state_key(manifest, rows.space, state_names, i)
                 if leaf.param is None:  # a global leaf, or the count (the manifest's step)
                     if key in shapes:
-                        value = stored.whole(key, shapes[key].shape)
-                        bad[key] = nonfinite(value)
-                    state.append((np.shape(value), {None: np.asarray(value)}))
+                        value = whole[key] = stored.read_state({key: value})[key]
+                    state.append(value)
                     continue
                 part = rows.trainable[leaf.param]
                 if leaf.shape != part.shape:
@@ -278,76 +306,54 @@ def _read_held(
                         f"the state leaf {leaf.name!r} is {leaf.shape}, not its parameter's "
                         f"{part.shape}: ZeRO-3 keeps only state shaped like the parameters"
                     )
-                state_rows = _counted(_rows_of(stored, manifest, key, part, shapes[key]), key, bad)
+                name, _, state_key = key.rpartition("/")
                 sharding = NamedSharding(zero3.mesh, spec)
-                state.append(_chunks(sharding, part, n, leaf.dtype, state_rows))
-    for key, count in bad.items():  # the weights first; the state unless allowed
-        if not allow_nonfinite or key.startswith(MODEL_PARAM + "/"):
-            refuse_nonfinite(key, count)
-    return _Held(weights, state), manifest
+                chunks = _Chunks(sharding, part, n, leaf.dtype, name, key)
+                state.append(chunks)
+                if manifest.version == 1:  # Flax's layout, whole: cut from the whole tensor
+                    chunks.fill_from(np.transpose(stored.read_state({key: value})[key], part.perm))
+                else:
+                    by_param.setdefault(name, {})[state_key] = chunks
+            windows = {w: buffer for c in weights for w, buffer in c.windows.items()}
+            owners = manifest.extra["model"]
+            for read in weight_reads(owners, manifest.world_size, windows):
+                stored.read_piece(read, read.keys[0], windows[read.window])
+            _read_state(stored, manifest, by_param)
+    # NaN and inf in what was read: refused in weights always, in the state unless allowed.
+    bad = [(chunks.key, chunks.nonfinite()) for chunks in weights]
+    if not allow_nonfinite:
+        bad += [(leaf.key, leaf.nonfinite()) for leaf in state if isinstance(leaf, _Chunks)]
+        bad += [(key, nonfinite(value)) for key, value in whole.items()]
+    for key, count in bad:
+        refuse_nonfinite(key, count)
+    return weights, state, manifest
 
 
-def _counted(
-    read: Callable[[int, int], np.ndarray], key: str, bad: dict[str, int]
-) -> Callable[[int, int], np.ndarray]:
-    """``read``, adding the NaN and inf of what it reads to ``bad[key]``."""
-    bad.setdefault(key, 0)
-
-    def counted(a: int, b: int) -> np.ndarray:
-        part = read(a, b)
-        bad[key] += nonfinite(part)
-        return part
-
-    return counted
-
-
-def _rows_of(
-    stored: StoredFiles, manifest: Manifest, key: str, leaf: LeafLayout, like: np.ndarray
-) -> Callable[[int, int], np.ndarray]:
-    """Elements ``[a, b)`` of state tensor ``key`` in torch's layout, flattened: read from the
-    files as they are (format version 2 stores torch's layout), or, for version 1 (Flax's
-    layout, whole tensors), cut from the whole tensor transposed."""
-    if manifest.version >= 2:
-        return lambda a, b: stored.window(key, a, b)
-    whole = np.transpose(stored.whole(key, like.shape), leaf.perm).reshape(-1)
-    return lambda a, b: whole[a:b]
+def _read_state(
+    stored: StoredFiles, manifest: Manifest, by_param: dict[str, dict[str, _Chunks]]
+) -> None:
+    """Read the windows of every parameter's state chunks (one plan of reads for all)."""
+    keys = {name: sorted(chunks) for name, chunks in by_param.items()}
+    windows = []
+    for name, chunks in by_param.items():
+        first = chunks[keys[name][0]].windows
+        assert all(c.windows.keys() == first.keys() for c in chunks.values())  # same rows
+        windows += list(first)
+    for read in state_reads(manifest.plan, windows, keys):
+        for full_key, state_key in zip(read.keys, keys[read.window.name], strict=True):
+            rows = by_param[read.window.name][state_key].windows[read.window]
+            stored.read_piece(read, full_key, rows)
 
 
-def _chunks(
-    sharding: NamedSharding,
-    leaf: LeafLayout,
-    n: int,
-    dtype: Any,
-    read: Callable[[int, int], np.ndarray],
-) -> tuple[tuple[int, ...], dict[Any, np.ndarray]]:
-    """The global shape of ``leaf``'s ``n`` padded dim-0 chunks (torch layout) and the chunk of
-    each of this process's devices, by its dim-0 slice: its rows read with ``read(a, b)``
-    (elements ``[a, b)``, flattened; each row once), then zero padding."""
-    shape = (leaf.padded_rows * n, *leaf.torch_shape[1:])
-    row = int(np.prod(leaf.torch_shape[1:], dtype=np.int64))
-    chunks: dict[Any, np.ndarray] = {}
-    for index in sharding.addressable_devices_indices_map(shape).values():
-        assert index is not None  # a NamedSharding gives every device its index
-        first, last, _ = index[0].indices(shape[0])
-        if (first, last) in chunks:  # a replica of a chunk this process holds already
-            continue
-        chunk = np.zeros((last - first, *shape[1:]), dtype)
-        held = min(last, leaf.rows) - first
-        if held > 0:
-            chunk[:held] = read(first * row, (first + held) * row).reshape(held, *shape[1:])
-        chunks[(first, last)] = chunk
-    return shape, chunks
-
-
-def _put(zero3: Zero3Step, spec: P, shape: tuple[int, ...], chunks: dict[Any, np.ndarray]) -> Any:
-    """One global array from this process's chunks (or a replicated whole value)."""
+def _put(zero3: Zero3Step, spec: P, leaf: Any) -> Any:
+    """One global array from this process's chunks, or from a replicated whole value."""
     sharding = NamedSharding(zero3.mesh, spec)
-    if None in chunks:
-        whole = chunks[None]
+    if not isinstance(leaf, _Chunks):
+        whole = np.asarray(leaf)
         return jax.make_array_from_callback(whole.shape, sharding, lambda index: whole[index])
 
     def chunk(index: Any) -> np.ndarray:
-        first, last, _ = index[0].indices(shape[0])
-        return chunks[(first, last)][(slice(None), *index[1:])]
+        first, last, _ = index[0].indices(leaf.shape[0])
+        return leaf.buffers[(first, last)][(slice(None), *index[1:])]
 
-    return jax.make_array_from_callback(shape, sharding, chunk)
+    return jax.make_array_from_callback(leaf.shape, sharding, chunk)

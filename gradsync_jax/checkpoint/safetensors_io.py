@@ -83,9 +83,10 @@ def read_entries(path: str | os.PathLike[str]) -> dict[str, TensorEntry]:
 
 
 def read_elements(
-    f: BinaryIO, path: str, key: str, entry: TensorEntry, start: int, stop: int
-) -> np.ndarray:
-    """Elements ``[start, stop)`` of the flattened tensor ``key`` of the open file ``f``.
+    f: BinaryIO, path: str, key: str, entry: TensorEntry, start: int, stop: int, out: np.ndarray
+) -> None:
+    """Read elements ``[start, stop)`` of the flattened tensor ``key`` of the open file ``f``
+    into ``out`` (contiguous, of the tensor's dtype, ``stop - start`` elements).
 
     Raises:
         ValueError: if the range is not inside the tensor, or the file ends before it.
@@ -95,8 +96,7 @@ def read_elements(
             f"checkpoint file {path}: tensor {key!r} has {entry.numel} elements, not "
             f"[{start}, {stop})"
         )
-    out = np.empty(stop - start, entry.dtype)
+    assert out.dtype == entry.dtype and out.size == stop - start and out.flags.c_contiguous
     f.seek(entry.offset + start * entry.dtype.itemsize)
-    if f.readinto(out.view(np.uint8)) != out.nbytes:
+    if f.readinto(out.reshape(-1).view(np.uint8)) != out.nbytes:
         raise ValueError(f"checkpoint file {path} is truncated in tensor {key!r}")
-    return out

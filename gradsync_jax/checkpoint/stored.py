@@ -5,15 +5,16 @@ keeps (docs/checkpoints.md).
 ``"<name>/<key>"``: per the manifest's plan, whole in one file (greedy) or as flat slices across
 files (flat, dim0), or whole where a file holds it (version 1, Optax's global leaves). Its
 stand-ins (arrays of the shape and dtype, holding no data) let every check of shapes and
-dtypes run before any tensor is read; ``window`` then reads elements ``[start, stop)`` of a
-flattened tensor from the files that hold them (``gradsync_core.checkpoint.state_reads``,
-``weight_reads``), so a load that keeps only some rows reads only those.
+dtypes run before any tensor is read. The reads are the core's
+(``gradsync_core.checkpoint.state_reads``, ``weight_reads``: which element range of which
+stored tensor fills which part of a window), each read straight into its place in the
+caller's buffer, so a load that keeps only some rows reads only those, once.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any, BinaryIO
 
 import numpy as np
@@ -54,7 +55,7 @@ class StoredFiles:
             except Exception as err:  # a malformed header or a dtype this reader does not know
                 raise ValueError(f"checkpoint file {name} cannot be read ({err})") from err
         self._open: dict[str, BinaryIO] = {}
-        self._where: dict[str, str | None] = {}  # model-space key -> its file, or None: plan
+        self.in_file: dict[str, str] = {}  # state stored whole where a file holds it: its file
 
     def __enter__(self) -> StoredFiles:
         return self
@@ -67,7 +68,9 @@ class StoredFiles:
     def state(self) -> dict[str, np.ndarray]:
         """Stand-ins of every model-space state tensor the files hold, by ``"<name>/<key>"``:
         a whole stored tensor's shape, or for flat slices the parameter's shape (once every
-        slice was found with its length and one dtype); Optax's global leaves as stored.
+        slice was found with its length and one dtype); Optax's global leaves as stored. A
+        tensor the plan does not place (a global leaf, version 1, a parameter it lacks) is
+        read whole from its file (``in_file``); the others through the plan.
 
         Raises:
             ValueError: naming a tensor that lacks a slice in a rank file or has a slice of
@@ -75,6 +78,10 @@ class StoredFiles:
         """
         plan = self.manifest.plan
         shapes = {spec.name: spec.shape for spec in self.manifest.params}
+        shards: dict[str, list[Any]] = {}
+        for shard in plan.shards:
+            if shard.stop > shard.start:
+                shards.setdefault(shard.name, []).append(shard)
         out: dict[str, np.ndarray] = {}
         for file, entries in self.entries.items():
             for key, entry in entries.items():
@@ -82,22 +89,20 @@ class StoredFiles:
                 if key in out or pseudo == MODEL_PARAM:
                     continue
                 name = key.rpartition("/")[0]
-                shards = [s for s in plan.shards if s.name == name and s.stop > s.start]
-                if pseudo == GLOBAL_PARAM or self.manifest.version == 1 or not shards:
-                    self._where[key] = file  # whole where it is
+                if pseudo == GLOBAL_PARAM or self.manifest.version == 1 or name not in shards:
+                    self.in_file[key] = file
                     out[key] = entry.stand_in()
                 elif plan.kind == "greedy":
-                    owner = rank_file(shards[0].rank, plan.world_size)
+                    owner = rank_file(shards[name][0].rank, plan.world_size)
                     owned = self.entries[owner].get(key)
                     if owned is None:
                         raise ValueError(
                             f"checkpoint tensor {key!r} is not in {owner}, which the plan says "
                             "holds it"
                         )
-                    self._where[key] = None
                     out[key] = owned.stand_in()
                 else:
-                    out[key] = self._slices(key, shards, shapes[name])
+                    out[key] = self._slices(key, shards[name], shapes[name])
         return out
 
     def _slices(self, key: str, shards: list[Any], shape: tuple[int, ...]) -> np.ndarray:
@@ -119,7 +124,6 @@ class StoredFiles:
                     f"{parts[0].dtype} in another rank file: the files are corrupt"
                 )
             parts.append(part)
-        self._where[key] = None
         return np.broadcast_to(np.zeros((), parts[0].dtype), shape)
 
     def weights(self) -> dict[str, np.ndarray]:
@@ -137,41 +141,44 @@ class StoredFiles:
             out[param] = entry.stand_in()
         return out
 
-    def window(self, key: str, start: int, stop: int) -> np.ndarray:
-        """Elements ``[start, stop)`` of the flattened model-space state tensor ``key`` (one
-        that ``state`` located), read from the files that hold them."""
-        file = self._where[key]
-        if file is not None:  # whole in one file: element e of the tensor at e
-            return self._read(file, key, start, stop)
-        name, _, state_key = key.rpartition("/")
-        window = Window(name=name, start=start, stop=stop)
-        return self._fill(window, state_reads(self.manifest.plan, [window], {name: [state_key]}))
-
-    def weight_window(self, name: str, start: int, stop: int) -> np.ndarray:
-        """Elements ``[start, stop)`` of model weight ``name``, flattened (torch layout)."""
-        window = Window(name=name, start=start, stop=stop)
-        owners = self.manifest.extra.get("model", {})
-        return self._fill(window, weight_reads(owners, self.manifest.world_size, [window]))
-
-    def whole(self, key: str, shape: tuple[int, ...]) -> np.ndarray:
-        """The model-space state tensor ``key`` whole, as ``shape`` (its stand-in's)."""
-        return self.window(key, 0, int(np.prod(shape, dtype=np.int64))).reshape(shape)
-
-    def _fill(self, window: Window, reads: Iterable[WindowRead]) -> np.ndarray:
-        parts = [
-            (read, self._read(read.file, read.keys[0], read.start, read.stop)) for read in reads
-        ]
-        out = np.empty(window.numel, parts[0][1].dtype)
-        for read, part in parts:
-            out[read.at : read.at + read.numel] = part
+    def read_state(self, shapes: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The state tensors ``shapes`` names (stand-ins from ``state``), each read whole."""
+        out = {key: np.empty(like.shape, like.dtype) for key, like in shapes.items()}
+        by_name: dict[str, list[str]] = {}
+        for key in out:
+            if key in self.in_file:
+                self.read(self.in_file[key], key, 0, out[key].size, out[key])
+            else:
+                name, _, state_key = key.rpartition("/")
+                by_name.setdefault(name, []).append(state_key)
+        numel = {spec.name: spec.numel for spec in self.manifest.params}
+        windows = [Window(name=name, start=0, stop=numel[name]) for name in by_name]
+        for read in state_reads(self.manifest.plan, windows, by_name):
+            for key in read.keys:
+                self.read_piece(read, key, out[key].reshape(-1))
         return out
 
-    def _read(self, file: str, key: str, start: int, stop: int) -> np.ndarray:
-        path = os.path.join(self.directory, file)
+    def read_weights(self) -> dict[str, np.ndarray]:
+        """Every stored model weight, whole, by parameter name."""
+        out = {name: np.empty(like.shape, like.dtype) for name, like in self.weights().items()}
+        windows = [Window(name=name, start=0, stop=w.size) for name, w in out.items()]
+        owners = self.manifest.extra["model"]
+        for read in weight_reads(owners, self.manifest.world_size, windows):
+            self.read_piece(read, read.keys[0], out[read.window.name].reshape(-1))
+        return out
+
+    def read_piece(self, read: WindowRead, key: str, window: np.ndarray) -> None:
+        """Read ``read``'s elements of tensor ``key`` into their place in ``window`` (the
+        flattened window's buffer)."""
+        self.read(read.file, key, read.start, read.stop, window[read.at : read.at + read.numel])
+
+    def read(self, file: str, key: str, start: int, stop: int, out: np.ndarray) -> None:
+        """Read elements ``[start, stop)`` of tensor ``key`` of rank file ``file`` into ``out``."""
         f = self._open.get(file)
         if f is None:
             f = self._open[file] = open_checkpoint_file(self.directory, file)
-        return read_elements(f, path, key, self.entries[file][key], start, stop)
+        path = os.path.join(self.directory, file)
+        read_elements(f, path, key, self.entries[file][key], start, stop, out)
 
 
 def check_finite(tensors: Mapping[str, np.ndarray]) -> None:

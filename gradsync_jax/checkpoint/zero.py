@@ -370,7 +370,7 @@ def load_optimizer_state(
         with StoredFiles(directory, manifest) as stored:
             shapes = stored.state()
             _state_values(manifest, space, names, shapes)  # every check, before any read
-            tensors = {key: stored.whole(key, like.shape) for key, like in shapes.items()}
+            tensors = stored.read_state(shapes)
     values = _state_values(manifest, space, names, tensors)
     if not allow_nonfinite:
         check_finite(tensors)
