@@ -85,6 +85,7 @@ def test_each_process_reads_its_rows_and_hashes_its_share(tmp_path: Path) -> Non
     assert sorted(hashed) == sorted(files), "together the processes hash every file once"
     # A byte changed in a file only process 1 hashes, of which process 0 reads rows: the
     # processes agree, so process 0 refuses what it alone would have taken.
+    assert "rank-00001-of-00008.safetensors" in records[1]["hash"]
     for r in records:
         assert r["refused"].startswith("CheckpointError: cannot load ZeRO-3 checkpoint "), r
         assert "(process 1): checkpoint file " in r["refused"], r["refused"]
