@@ -1,23 +1,22 @@
-"""Which bytes of a checkpoint a load reads: the stored pieces behind the windows it keeps
-(docs/design.md §9).
+"""Which stored element ranges a load reads to fill the windows it keeps.
 
-A checkpoint stores a parameter's optimizer state as its manifest's ``ShardPlan`` says: whole
-tensors (greedy: the one shard spans the parameter) or 1-D element ranges ``[start, stop)`` of
-the flattened tensor (flat, dim0), each in the file of the shard's rank; model weights are
-stored whole, in the file of their owner (``extra["model"]``). A loader keeps *windows*:
-element ranges of a flattened parameter (in torch's layout, row-major) that it holds after the
-load, such as a ZeRO-3 device's rows ``[lo·k, hi·k)`` (``k`` elements per row), or
-``[0, numel)`` for a whole parameter. The reads of a window are its overlaps with the stored
+A checkpoint (docs/design-checkpoints.md) stores a parameter's optimizer state as its manifest's
+``ShardPlan`` says: whole tensors (greedy: the one shard spans the parameter) or 1-D element
+ranges ``[start, stop)`` of the flattened tensor (flat, dim0), each in the file of the shard's
+rank; model weights are stored whole, in the file of their owner (``extra["model"]``). A loader
+keeps *windows*: element ranges of a flattened parameter (in torch's layout, row-major) that it
+holds after the load, such as a ZeRO-3 device's rows ``[lo·k, hi·k)`` (``k`` elements per row),
+or ``[0, numel)`` for a whole parameter. The reads of a window are its overlaps with the stored
 pieces, each as an element range of the stored tensor (flattened), so a reader seeks to the
 tensor's data offset plus ``start`` elements and reads ``stop - start`` of them: in row-major
 order any element range of a stored tensor, whole or a slice, is one contiguous byte range.
 
-So nothing outside the windows is read, whatever the layout the checkpoint was saved with
-(whole tensors too). The one read that holds no element is the empty read an empty window
-gets (a device that holds only padding): zero elements of the parameter's first stored piece,
-so that a reader that learns dtypes from what it reads (torch's safetensors slices) still sees
-each tensor's. Both executors read through these functions: gradsync_torch with safetensors
-slices, gradsync_jax with byte ranges of the files.
+So nothing outside the windows is read, whatever the layout the checkpoint was saved with (whole
+tensors too). The one read that holds no element is the empty read an empty window gets (a
+device that holds only padding): zero elements of the parameter's first stored piece, so that a
+reader that learns dtypes from what it reads (torch's safetensors slices) still sees each
+tensor's. Both executors read through these functions: gradsync_torch with safetensors slices,
+gradsync_jax with byte ranges of the files.
 """
 
 from __future__ import annotations

@@ -70,13 +70,13 @@ class Topology:
     _typed_order: str = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if self.etp is None:
-            object.__setattr__(self, "etp", self.tp)
-        _positive("etp", self.etp)
+        etp = self.tp if self.etp is None else self.etp
+        object.__setattr__(self, "etp", etp)
+        _positive("etp", etp)
         object.__setattr__(self, "_typed_order", self.order)
         dense = self.dense  # validates sizes and order, as Megatron's RankGenerator
         object.__setattr__(self, "order", dense.order)
-        world, expert_model = dense.world_size, self.etp * self.ep * self.pp
+        world, expert_model = dense.world_size, etp * self.ep * self.pp
         if world % expert_model:
             raise ValueError(
                 f"etp*ep*pp = {self.etp}*{self.ep}*{self.pp} = {expert_model} does not divide "
@@ -340,7 +340,8 @@ class Topology:
         if axis == "edp":
             return self.edp
         if axis in AXES or axis == "etp":
-            return getattr(self, axis)
+            size: int = getattr(self, axis)
+            return size
         raise ValueError(f"unknown axis {axis!r}; axes are {(*AXES, *EXPERT_ONLY_AXES)}")
 
     def enabled(self, axis: str) -> bool:

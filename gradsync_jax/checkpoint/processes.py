@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import jax
 import numpy as np
@@ -50,7 +50,7 @@ def local_ranks(mesh: Mesh, axes: tuple[str, ...]) -> frozenset[int]:
     first: dict[int, int] = {}
     for index in np.ndindex(mesh.devices.shape):  # C order: the mesh's order
         rank = int(np.ravel_multi_index([index[p] for p in positions], sizes))
-        first.setdefault(rank, mesh.devices[index].process_index)
+        first.setdefault(rank, cast(jax.Device, mesh.devices[index]).process_index)
     return frozenset(r for r, process in first.items() if process == jax.process_index())
 
 

@@ -1,9 +1,9 @@
-"""Reading safetensors files into NumPy by element ranges, bfloat16 and float8 included
-(gradsync_core reads the header, bounded).
+"""Reading safetensors headers and element ranges into NumPy, bfloat16 and float8 included.
 
-A tensor's elements ``[start, stop)``, flattened, are one contiguous byte range of its file (the
-tensors are row-major), so a load reads just the ranges it keeps
-(``gradsync_core.checkpoint.state_reads``): a seek and a ``readinto`` of that many bytes.
+gradsync_core reads the header, bounded. A tensor's elements ``[start, stop)``, flattened, are
+one contiguous byte range of its file (the tensors are row-major), so a load reads just the
+ranges it keeps (``gradsync_core.checkpoint.state_reads``): a seek and a ``readinto`` of that
+many bytes.
 """
 
 from __future__ import annotations
@@ -98,5 +98,6 @@ def read_elements(
         )
     assert out.dtype == entry.dtype and out.size == stop - start and out.flags.c_contiguous
     f.seek(entry.offset + start * entry.dtype.itemsize)
-    if f.readinto(out.reshape(-1).view(np.uint8)) != out.nbytes:
+    # An ndarray is a buffer; NumPy's stubs declare __buffer__ from Python 3.12 only.
+    if f.readinto(out.reshape(-1).view(np.uint8)) != out.nbytes:  # type: ignore[attr-defined]
         raise ValueError(f"checkpoint file {path} is truncated in tensor {key!r}")

@@ -1,14 +1,13 @@
-"""The tensors of a checkpoint's rank files in model space, read by the element ranges a load
-keeps (docs/checkpoints.md).
+"""The model-space tensors of a checkpoint's rank files, read by the ranges a load keeps.
 
-``StoredFiles`` reads every rank file's header (bounded) and locates each model-space tensor
-``"<name>/<key>"``: per the manifest's plan, whole in one file (greedy) or as flat slices across
-files (flat, dim0), or whole where a file holds it (version 1, Optax's global leaves). Its
-stand-ins (arrays of the shape and dtype, holding no data) let every check of shapes and
-dtypes run before any tensor is read. The reads are the core's
-(``gradsync_core.checkpoint.state_reads``, ``weight_reads``: which element range of which
-stored tensor fills which part of a window), each read straight into its place in the
-caller's buffer, so a load that keeps only some rows reads only those, once.
+``StoredFiles`` (docs/checkpoints.md) reads every rank file's header (bounded) and locates each
+model-space tensor ``"<name>/<key>"``: per the manifest's plan, whole in one file (greedy) or as
+flat slices across files (flat, dim0), or whole where a file holds it (version 1, Optax's global
+leaves). Its stand-ins (arrays of the shape and dtype, holding no data) let every check of
+shapes and dtypes run before any tensor is read. The reads are the core's
+(``gradsync_core.checkpoint.state_reads``, ``weight_reads``: which element range of which stored
+tensor fills which part of a window), each read straight into its place in the caller's buffer,
+so a load that keeps only some rows reads only those, once.
 """
 
 from __future__ import annotations
