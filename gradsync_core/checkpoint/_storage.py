@@ -208,6 +208,40 @@ def verify_file_hashes(
         check_rank_file(directory, name)
 
 
+def hash_share(
+    directory: str | os.PathLike[str], manifest: Manifest, index: int, count: int
+) -> list[str]:
+    """The rank files reader ``index`` of ``count`` hashes (``verify_file_hashes(files=)``)
+    so that together the readers hash every file once, with about equal bytes each.
+
+    Largest file first, each goes to the reader with the fewest bytes so far (ties: the
+    lowest index). The sizes are the files' own, the same for every reader of one file system;
+    a file that cannot be stat-ed counts 0 bytes (its reader then finds it missing).
+
+    Args:
+        directory: the checkpoint version.
+        manifest: its manifest (``files`` names them).
+        index: this reader's index.
+        count: the number of readers.
+
+    Returns:
+        This reader's files, sorted by name.
+    """
+    sizes = {}
+    for name in sorted(manifest.files):
+        try:
+            sizes[name] = os.stat(os.path.join(directory, name)).st_size
+        except OSError:
+            sizes[name] = 0
+    loads, mine = [0] * count, []
+    for name in sorted(sizes, key=lambda n: -sizes[n]):  # stable: equal sizes in name order
+        reader = loads.index(min(loads))
+        loads[reader] += sizes[name]
+        if reader == index:
+            mine.append(name)
+    return sorted(mine)
+
+
 def check_rank_file(directory: str | os.PathLike[str], name: str) -> None:
     """Refuse a rank file whose recorded rank and world size are not those of its name.
 

@@ -23,14 +23,11 @@ from gradsync_core.checkpoint import (
     check_weight_names,
     model_key,
     model_owners,
-    rank_file,
     reading_version,
     resolve_checkpoint,
-    weight_owners,
 )
 from gradsync_jax._naming import flax_name, from_torch_layout, to_torch_state, torch_names
-from gradsync_jax.checkpoint.safetensors_io import read_safetensors
-from gradsync_jax.checkpoint.stored import check_finite
+from gradsync_jax.checkpoint.stored import StoredFiles, check_finite
 
 
 def host_copy(array: Any) -> np.ndarray:
@@ -115,21 +112,28 @@ def load_params(
 
 def _stored_weights(directory: str) -> dict[str, np.ndarray]:
     """Every model weight of the checkpoint version ``directory``, by parameter name, every
-    file's hash checked first."""
+    file's hash checked first (nothing else of the files is read)."""
     manifest = read_manifest(directory)  # hashes every file
-    owners = weight_owners(directory, manifest)
-    stored: dict[str, np.ndarray] = {}
-    for rank in sorted(set(owners.values())):
-        name = rank_file(rank, manifest.world_size)
-        try:
-            tensors = read_safetensors(os.path.join(directory, name))
-        except Exception as err:  # a malformed header or a dtype this reader does not know
-            raise ValueError(f"checkpoint file {name} cannot be read ({err})") from err
-        for param in (p for p, r in owners.items() if r == rank):
-            if model_key(param) not in tensors:
-                raise ValueError(f"checkpoint file {name} lacks the weight of {param!r}")
-            stored[param] = tensors[model_key(param)]
-    return stored
+    with StoredFiles(directory, manifest) as stored:
+        return stored.read_weights()
+
+
+def check_weights(
+    stored: Mapping[str, Any], like: Any, *, modules: Mapping[str, str] | None = None
+) -> list[str]:
+    """Every check ``load_params`` makes of the weights (names, shapes and dtypes, no cast), on
+    ``stored`` weights or their stand-ins (``StoredFiles.weights``): the checkpoint name of
+    each leaf of ``like``.
+
+    Raises:
+        ValueError: as ``load_params``, but for non-finite values (they are not read here).
+    """
+    paths_leaves, _ = jax.tree_util.tree_flatten_with_path(like)
+    names = torch_names(like, modules=modules)
+    check_weight_names(stored, names, fix=_names_fix(stored, names))
+    for (path, leaf), name in zip(paths_leaves, names, strict=True):
+        _dtype(flax_name(path), name, stored[name], leaf, cast=False)
+    return names
 
 
 def _names_fix(stored: Mapping[str, Any], names: list[str]) -> str:
@@ -149,6 +153,14 @@ def _weight(where: str, name: str, saved: np.ndarray, leaf: Any, *, cast: bool) 
     """The stored weight ``name`` in Flax layout for the leaf at ``where``, refused unless its
     shape and dtype are the leaf's (the dtype converted between floating types if ``cast``)."""
     value = from_torch_layout(where, saved)
+    dtype = _dtype(where, name, saved, leaf, cast=cast)
+    return value if value.dtype == dtype else value.astype(dtype)
+
+
+def _dtype(where: str, name: str, saved: np.ndarray, leaf: Any, *, cast: bool) -> np.dtype:
+    """The leaf's dtype, once the stored weight (or its stand-in) is checked to fit the leaf
+    at ``where``: its shape in Flax layout, and its dtype or, with ``cast``, a floating one."""
+    value = from_torch_layout(where, saved)
     shape, dtype = tuple(leaf.shape), np.dtype(leaf.dtype)
     stored = f"{saved.shape} {saved.dtype} in the checkpoint (torch layout)"
     if tuple(value.shape) != shape:
@@ -157,7 +169,7 @@ def _weight(where: str, name: str, saved: np.ndarray, leaf: Any, *, cast: bool) 
             f"{where!r}: another model?"
         )
     if value.dtype == dtype:
-        return value
+        return dtype
     if not (jnp.issubdtype(value.dtype, jnp.floating) and jnp.issubdtype(dtype, jnp.floating)):
         raise ValueError(
             f"weight {name!r} is {value.dtype} in the checkpoint but {dtype} for {where!r}: a "
@@ -168,4 +180,4 @@ def _weight(where: str, name: str, saved: np.ndarray, leaf: Any, *, cast: bool) 
             f"weight {name!r} is {value.dtype} in the checkpoint but {dtype} for {where!r} "
             f"(same shape {shape}): only the dtype differs; pass cast=True to convert it"
         )
-    return value.astype(dtype)
+    return dtype

@@ -49,7 +49,7 @@ from gradsync_jax.checkpoint.hyperparams import measure_hyperparams
 from gradsync_jax.checkpoint.model_state import weights_by_rank
 from gradsync_jax.checkpoint.optimizers import canonical_key, optimizer_name
 from gradsync_jax.checkpoint.processes import ProcessSaveAgreement, local_ranks, local_view, place
-from gradsync_jax.checkpoint.stored import GLOBAL_PARAM, assemble, check_finite, read_rank_files
+from gradsync_jax.checkpoint.stored import GLOBAL_PARAM, StoredFiles, check_finite
 from gradsync_jax.zero.flat import FlatLayout
 from gradsync_jax.zero.layout import Layout, ZeroState
 from gradsync_jax.zero.model_space import ModelSpace, abstract, model_space, pure
@@ -368,7 +368,10 @@ def load_optimizer_state(
     with reading_version(directory):  # a later save that removes it: a sentence, load again
         manifest = read_manifest(directory)
         names = _check_loadable(directory, manifest, space, optimizer, modules)
-        tensors = assemble(manifest, read_rank_files(directory, manifest))
+        with StoredFiles(directory, manifest) as stored:
+            shapes = stored.state()
+            _state_values(manifest, space, names, shapes)  # every check, before any read
+            tensors = stored.read_state(shapes)
     values = _state_values(manifest, space, names, tensors)
     if not allow_nonfinite:
         check_finite(tensors)
@@ -379,7 +382,7 @@ def load_optimizer_state(
     assert isinstance(tx, ShardedOptimizer)
     if jax.process_count() == 1:
         state = tx.scatter_state(space.state_treedef.unflatten(values), params)
-    else:  # every process read every file; each fills its own devices' shards
+    else:  # every process read every state tensor; each fills its own devices' shards
         state = place(layout.scatter(values), tx.state_shardings(params))
     return state, manifest
 
