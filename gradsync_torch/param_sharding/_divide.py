@@ -19,6 +19,7 @@ same collectives with the same operations and factors and the bytes match
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -76,6 +77,18 @@ def gradient_divide(
         1.0
     """
     dp_shard = renamed_keyword("gradient_divide", "shard_size", shard_size, "dp_shard", dp_shard)
+    return _divide(reduce_dtype, world_size, dp_shard, factor, force_sum)
+
+
+@functools.lru_cache(maxsize=256)
+def _divide(
+    reduce_dtype: torch.dtype,
+    world_size: int,
+    dp_shard: int | None,
+    factor: float | None,
+    force_sum: bool,
+) -> Divide:
+    """``gradient_divide``'s answer, once per argument set: every unit asks at every step."""
     rule = mean_divisors(
         dtype_name(reduce_dtype),
         world_size,
