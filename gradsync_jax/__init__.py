@@ -1,4 +1,4 @@
-"""gradsync_jax: executes gradsync_core plans with jax."""
+"""The JAX executor: runs gradsync_core's plans in ``jax.shard_map``, with sharded Optax."""
 
 from gradsync_jax._mesh import mesh_from_topology
 from gradsync_jax._naming import (

@@ -1,4 +1,4 @@
-"""gradsync_torch: executes gradsync_core plans with torch."""
+"""The torch executor: runs gradsync_core's plans on ``torch.distributed``."""
 
 from gradsync_torch._specs import dtype_name, param_specs, replicated_over, shared_param_specs
 from gradsync_torch.checkpoint import (

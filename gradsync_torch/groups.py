@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -126,7 +127,7 @@ class ProcessGroups:
                     if ranks in created:
                         continue
                     if len(ranks) == world:
-                        created[ranks] = dist.group.WORLD
+                        created[ranks] = cast(dist.ProcessGroup, dist.group.WORLD)
                     else:
                         created[ranks] = dist.new_group(list(ranks))
             self._groups[key] = Group(
@@ -189,6 +190,7 @@ class ProcessGroups:
         names = [a for a, size in sizes.items() if size > 1]
         mesh = torch.arange(topo.world_size).reshape([sizes[a] for a in names] or [1])
         if not names:
-            return DeviceMesh.from_group(dist.group.WORLD, device_type, mesh_dim_names=("dp",))
+            world = cast(dist.ProcessGroup, dist.group.WORLD)
+            return DeviceMesh.from_group(world, device_type, mesh_dim_names=("dp",))
         pgs = [self.group(a).process_group for a in names]
         return DeviceMesh.from_group(pgs, device_type, mesh, mesh_dim_names=tuple(names))

@@ -11,9 +11,9 @@ opened without blocking, so that a FIFO is refused instead of waited on.
 
 from __future__ import annotations
 
+import io
 import os
 import stat
-from typing import BinaryIO
 
 _KINDS = {
     stat.S_IFDIR: "a directory",
@@ -24,7 +24,7 @@ _KINDS = {
 }
 
 
-def open_checkpoint_file(directory: str | os.PathLike[str], name: str) -> BinaryIO:
+def open_checkpoint_file(directory: str | os.PathLike[str], name: str) -> io.BufferedReader:
     """Open ``directory/name`` for reading, refusing anything but a regular file inside
     ``directory``.
 

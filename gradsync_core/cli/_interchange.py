@@ -47,7 +47,8 @@ def _factory(spec: str) -> Callable[[], Any]:
     function = getattr(module, attr, None)
     if not callable(function):
         raise ValueError(f"--model {spec!r}: {module_name} has no function {attr!r}")
-    return function
+    factory: Callable[[], Any] = function
+    return factory
 
 
 def _keywords(fmt: str, convert: Callable[..., None], spec: str) -> dict[str, Any]:

@@ -88,6 +88,7 @@ class _Parser(argparse.ArgumentParser):
         self, args: Sequence[str] | None = None, namespace: Any = None
     ) -> argparse.Namespace:
         """argparse's, with an unknown flag named against the subcommand's own flags."""
+        parsed: argparse.Namespace
         parsed, extras = self.parse_known_args(args, namespace)
         if extras:
             raise UsageError(_unrecognized(self, parsed, extras))
@@ -588,7 +589,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``gradsync`` console script; returns the exit code."""
     try:
         args = build_parser().parse_args(argv)
-        return args.run(args)
+        code: int = args.run(args)
+        return code
     except (UsageError, ValueError, TypeError) as e:
         print(f"gradsync: error: {e}", file=sys.stderr)
         return 2

@@ -56,7 +56,8 @@ def converter(fmt: str, direction: str) -> Callable[..., None]:
     try:
         for module in modules:
             importlib.import_module(module)
-        return entry.load()
+        function: Callable[..., None] = entry.load()
+        return function
     except ImportError as err:
         raise ValueError(
             f"{fmt} interchange needs {needs}, and importing it failed ({err}); "

@@ -1,5 +1,7 @@
-"""``gradsync plan --zero 0|1|2|3``: per-rank bytes of parameters, gradients and optimizer
-state, and the peak, as DeepSpeed's memory estimator prints them (docs/design.md §16).
+"""``gradsync plan --zero 0|1|2|3``: per-rank model-state bytes and the peak.
+
+Parameters, gradients, optimizer state and the peak, as DeepSpeed's memory estimator prints
+them (docs/design.md §16).
 
 ZeRO-0 is DDP (everything replicated), 1 shards optimizer state, 2 gradients too, 3 the
 parameters as well (``plan_param_shards``: FSDP2's units and dim-0 chunks).

@@ -1,14 +1,8 @@
-"""The planners: pure functions from plain data (parameter specs, sizes, names) to frozen plan
-values with canonical JSON and a fingerprint (docs/design.md §2-§5).
+"""The planners: pure functions from plain data to frozen plan values.
 
-One module per concept: parameter specs (``_specs``), canonical JSON (``_canonical``), DDP's
-buckets (``_buckets``), ZeRO-1/2 owners and flat ranges (``_shards``), ZeRO-3 parameter
-chunks and units (``_param_shards``, ``_param_units``), Megatron-core's rank generator and the
-topology over it (``_rank_generator``, ``_topology``), the reductions of shared and
-replicated parameters (``_reductions``), where a gradient mean divides (``_mean``), the
-resumable sampler (``_sampler``), memory estimates (``_memory``), the built-in models
-(``_models``) and pipeline schedules (``pipeline``). Nothing here reads a file, the
-environment or a framework.
+Inputs are parameter specs, sizes and names; every plan has canonical JSON and a fingerprint
+(docs/design.md §2-§8). One module per concept (docs/design-names-and-layout.md). Nothing here
+reads a file, the environment or a framework.
 """
 
 from gradsync_core.plan._buckets import (

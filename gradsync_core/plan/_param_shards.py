@@ -1,5 +1,7 @@
-"""Parameter-shard plans: every parameter cut along dim 0 as FSDP2 cuts it, grouped into units
-gathered together (ZeRO-3, arXiv:1910.02054 §5; docs/design.md §16).
+"""Parameter-shard plans (ZeRO-3): every parameter cut along dim 0 as FSDP2 cuts it.
+
+Parameters are grouped into units gathered together (ZeRO-3, arXiv:1910.02054 §5;
+docs/design.md §16).
 
 One plan serves both executors: torch's ``fully_shard`` and JAX's ``shard_map`` read the same
 units, the same dim-0 chunks and the same padding, so their fingerprints can be compared.

@@ -82,16 +82,16 @@ class Topology:
     _typed_order: str = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if self.etp is None:
-            object.__setattr__(self, "etp", self.tp)
-        _positive("etp", self.etp)
+        etp = self.tp if self.etp is None else self.etp
+        object.__setattr__(self, "etp", etp)
+        _positive("etp", etp)
         if self.dp_shard is None:
             object.__setattr__(self, "dp_shard", self.dp)
         object.__setattr__(self, "_typed_order", self.order)
         dense = self.dense  # validates sizes and order, as Megatron's RankGenerator
         self._split_dp()  # validates dp_shard
         object.__setattr__(self, "order", dense.order)
-        world, expert_model = dense.world_size, self.etp * self.ep * self.pp
+        world, expert_model = dense.world_size, etp * self.ep * self.pp
         if world % expert_model:
             raise ValueError(
                 f"etp*ep*pp = {self.etp}*{self.ep}*{self.pp} = {expert_model} does not divide "
@@ -387,7 +387,8 @@ class Topology:
         """The size of one axis (``"tp"``, ``"dp"``, ``"ep"``, ``"edp"``, ``"etp"``,
         ``"dp_shard"``, ``"dp_replicate"`` ...)."""
         if axis in AXES or axis in EXPERT_ONLY_AXES or axis in HSDP_AXES:
-            return getattr(self, axis)
+            size: int = getattr(self, axis)
+            return size
         raise ValueError(
             f"unknown axis {axis!r}; axes are {(*AXES, *EXPERT_ONLY_AXES, *HSDP_AXES)}"
         )

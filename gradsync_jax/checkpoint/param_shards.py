@@ -140,7 +140,15 @@ def save_param_shards(
     return save_rank_files(
         directory,
         lambda: _prepare(
-            rows, rows, host_state, None, step, optimizer, layout.modules, model, inner=zero3.tx
+            rows,  # type: ignore[arg-type]  # _RowShards answers what _prepare asks of tx
+            rows,  # type: ignore[arg-type]  # and of the layout
+            host_state,
+            None,
+            step,
+            optimizer,
+            layout.modules,
+            model,
+            inner=zero3.tx,
         ),
         mine=mine,
         n=n,

@@ -19,7 +19,7 @@ must be on a file system every process sees (NFS, Lustre, a local disk for one h
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, cast
 
 import jax
 import numpy as np
@@ -44,7 +44,7 @@ def local_ranks(mesh: Mesh, axes: tuple[str, ...]) -> frozenset[int]:
     first: dict[int, int] = {}
     for index in np.ndindex(mesh.devices.shape):  # C order: the mesh's order
         rank = int(np.ravel_multi_index([index[p] for p in positions], sizes))
-        first.setdefault(rank, mesh.devices[index].process_index)
+        first.setdefault(rank, cast(jax.Device, mesh.devices[index]).process_index)
     return frozenset(r for r, process in first.items() if process == jax.process_index())
 
 

@@ -1,5 +1,7 @@
-"""Reading safetensors files into NumPy, bfloat16 and float8 included (gradsync_core reads
-the header, bounded)."""
+"""Reading safetensors files into NumPy, bfloat16 and float8 included.
+
+gradsync_core reads the header, bounded.
+"""
 
 from __future__ import annotations
 
@@ -55,7 +57,9 @@ def read_safetensors(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
                     f"{array.nbytes} bytes, its offsets span {stop - first}"
                 )
             f.seek(start + first)
-            if f.readinto(array.reshape(-1).view(np.uint8)) != array.nbytes:
+            # An ndarray is a buffer; NumPy's stubs declare __buffer__ from Python 3.12 only.
+            target = array.reshape(-1).view(np.uint8)
+            if f.readinto(target) != array.nbytes:  # type: ignore[arg-type]
                 raise ValueError(f"checkpoint file {path} is truncated in tensor {key!r}")
             out[key] = array
     return out

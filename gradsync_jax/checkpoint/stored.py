@@ -15,9 +15,11 @@ from gradsync_jax.checkpoint.safetensors_io import read_safetensors
 GLOBAL_PARAM = "__optax__"  # the pseudo-parameter that carries global leaves
 
 
-def read_rank_files(directory: str | os.PathLike[str], manifest: Manifest) -> dict[str, Any]:
+def read_rank_files(
+    directory: str | os.PathLike[str], manifest: Manifest
+) -> dict[tuple[int, str], Any]:
     """Every rank file's tensors by ``(rank, key)``."""
-    tensors: dict[str, Any] = {}
+    tensors: dict[tuple[int, str], Any] = {}
     for rank in range(manifest.world_size):
         name = rank_file(rank, manifest.world_size)
         try:
@@ -43,7 +45,7 @@ def assemble(manifest: Manifest, tensors: dict[Any, np.ndarray]) -> dict[str, np
             out[key] = tensors[(rank, key)]
             continue
         shards = [s for s in shards if s.stop > s.start]
-        parts = [tensors.get((s.rank, key)) for s in shards]
+        parts: list[Any] = [tensors.get((s.rank, key)) for s in shards]
         if any(p is None for p in parts):
             raise ValueError(f"checkpoint tensor {key!r} is missing a slice in some rank file")
         for shard, part in zip(shards, parts, strict=True):

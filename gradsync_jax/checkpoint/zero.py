@@ -358,8 +358,9 @@ def load_optimizer_state(
     """
     shown = os.fspath(directory)
     directory = resolve_checkpoint(directory)  # one version, even while a save switches it
+    layout: Layout | None
     if isinstance(tx, ShardedOptimizer):
-        layout: Layout | None = tx.layout(params)
+        layout = tx.layout(params)
         space = layout.space
     else:  # a plain Optax transformation: its whole state, unsharded
         layout, space = None, model_space(tx, abstract(pure(params)))

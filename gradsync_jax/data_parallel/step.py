@@ -1,5 +1,7 @@
-"""A jitted data-parallel training step: batch sharded over ``dp``, parameters replicated
-(or sharded over model-parallel axes, with the derived shared-parameter sums, docs/design.md §6).
+"""``data_parallel_step``: a jitted training step, batch sharded over ``dp``.
+
+Parameters replicated (or sharded over model-parallel axes, with the derived shared-parameter
+sums, docs/design.md §6).
 
 The step composes like Optax: it differentiates, and the transformation ``tx`` it is given
 owns the sync, either ``synced(...)`` first in a chain or a ``shard_optimizer(...)``, which

@@ -184,6 +184,7 @@ def shared_param_specs(
     """
     # edp is the expert mesh's share of data parallelism: like dp, the data-parallel mean's.
     data_axes = [a for entry in data_spec for a in spec_entry_axes(entry) if a != "edp"]
+    treedef: Any  # jaxlib's PyTreeDef (no type information installed)
     leaves, treedef = jax.tree_util.tree_flatten(params)
     spec_leaves = treedef.flatten_up_to(specs)
     local = treedef.unflatten(

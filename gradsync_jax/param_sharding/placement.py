@@ -96,7 +96,9 @@ def padded_host(leaf: LeafLayout, value: Any, n: int) -> np.ndarray:
     return np.pad(array, [(0, pad)] + [(0, 0)] * (array.ndim - 1))
 
 
-def shard_params(params: Any, mesh: Mesh, layout: ParamLayout, *, axis_name: AxisName = "dp"):
+def shard_params(
+    params: Any, mesh: Mesh, layout: ParamLayout, *, axis_name: AxisName = "dp"
+) -> Any:
     """Place ``params`` as each device's padded dim-0 chunk over ``axis_name``.
 
     Args:
@@ -118,7 +120,7 @@ def shard_params(params: Any, mesh: Mesh, layout: ParamLayout, *, axis_name: Axi
     out = []
     for leaf, value in zip(layout.leaves, flat_leaves(params, layout, "params"), strict=True):
         host = padded_host(leaf, value, layout.world_size)
-        out.append(jax.make_array_from_callback(host.shape, sharding, lambda i, h=host: h[i]))
+        out.append(jax.make_array_from_callback(host.shape, sharding, host.__getitem__))
     return jax.tree_util.tree_unflatten(layout.treedef, out)
 
 
@@ -131,7 +133,7 @@ def unshard_params(sharded: Any, layout: ParamLayout) -> Any:
         >>> full = unshard_params(sharded, layout)
         >>> mu = unshard_params(opt_state[0].mu, layout)
     """
-    out = []
+    out: list[np.ndarray | None] = []
     for leaf, value in zip(layout.leaves, flat_leaves(sharded, layout, "the tree"), strict=True):
         if value is None:
             out.append(None)

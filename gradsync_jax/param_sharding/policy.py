@@ -1,5 +1,8 @@
-"""Mixed precision for ZeRO-3, spelled as FSDP2's ``MixedPrecisionPolicy`` (and torch's
-``gradsync_torch.MixedPrecisionPolicy``): ``zero3_step(..., mp_policy=...)``."""
+"""Mixed precision for ZeRO-3, spelled as FSDP2's ``MixedPrecisionPolicy``.
+
+Torch's ``gradsync_torch.MixedPrecisionPolicy`` has the same name and fields;
+``zero3_step(..., mp_policy=...)`` takes it.
+"""
 
 from __future__ import annotations
 

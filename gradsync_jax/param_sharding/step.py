@@ -78,16 +78,16 @@ def _state_specs(tx: Any, layout: ParamLayout, axes: tuple[str, ...]) -> Any:
 
 
 def _local_step(
-    loss_fn,
+    loss_fn: Callable[[Any, Any], jax.Array],
     update: RowsUpdate,
     layout: ParamLayout,
-    axes,
+    axes: tuple[str, ...],
     *,
     reshard: bool,
     accumulate: int,
     mp_policy: MixedPrecisionPolicy,
     replicate: tuple[str, ...],
-):
+) -> Callable[[Any, Any, Any, Any], Any]:
     """The step of one device inside ``shard_map``: gather, differentiate (``accumulate``
     micro-steps, each reduce-scattering its gradients to the chunks), update the chunks."""
 
@@ -171,21 +171,21 @@ class Zero3Step:
 
     def __init__(
         self,
-        loss_fn,
-        tx,
-        update,
-        mesh,
-        layout,
-        axes,
+        loss_fn: Callable[[Any, Any], jax.Array],
+        tx: optax.GradientTransformation,
+        update: RowsUpdate,
+        mesh: Mesh,
+        layout: ParamLayout,
+        axes: tuple[str, ...],
         *,
-        reshard,
-        batch_spec,
-        donate,
-        accumulate,
-        mp_policy,
-        replicate,
-        compiler_options=None,
-    ):
+        reshard: bool,
+        batch_spec: Any,
+        donate: bool,
+        accumulate: int,
+        mp_policy: MixedPrecisionPolicy,
+        replicate: tuple[str, ...],
+        compiler_options: Mapping[str, Any] | None = None,
+    ) -> None:
         self.layout, self.mesh, self.tx, self.axes = layout, mesh, tx, axes
         self.rows_update = update  # tx.update on the rows, its whole-tensor sums completed
         self.accumulate_steps = accumulate
@@ -221,7 +221,9 @@ class Zero3Step:
             return _join(trainable, frozen, layout), opt_state, loss
 
         self._step = jax.jit(
-            step, donate_argnums=(0, 1) if donate else (), compiler_options=compiler_options
+            step,
+            donate_argnums=(0, 1) if donate else (),
+            compiler_options=None if compiler_options is None else dict(compiler_options),
         )
         init = jax.shard_map(
             lambda t: update.init(t, axes), mesh=mesh, in_specs=(spec,), out_specs=self.state_specs

@@ -1,12 +1,8 @@
 """Checkpoints in torch: gradsync_core's format, written and read with safetensors.
 
-``zero`` saves and loads ``ZeroRedundancyOptimizer`` state at any world size (its ``save`` and
-``load`` call it); ``model_state`` stores and loads model weights (not ZeRO's: any module);
-``plain`` loads a checkpoint into an ordinary ``torch.optim`` optimizer; ``param_shards``
-saves and loads a ``fully_shard``-ed model (ZeRO-3) and its optimizer in the same format;
-``saved_keys`` checks the state keys a checkpoint holds against what the optimizer keeps;
-``json_values`` turns hyper-parameters into manifest JSON and back; ``save_agreement`` is the
-switching save's collectives on a process group (docs/design.md §9, docs/checkpoints.md).
+ZeRO state at any world size, model weights, plain ``torch.optim`` optimizers, ``fully_shard``-ed
+models and the interchange with torch DCP, all in one format (docs/design.md §9,
+docs/checkpoints.md).
 """
 
 from gradsync_torch.checkpoint.model_state import load_model_weights

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -120,7 +120,7 @@ def _gather_weights(
     gathered parameter beyond what it writes."""
     weights = {}
     for name, param in named:
-        whole = param.detach().full_tensor()
+        whole = cast(DTensor, param.detach()).full_tensor()
         if owners[name] == rank:
             weights[name] = whole.cpu().contiguous()
     return weights

@@ -376,7 +376,7 @@ def _read_version(path: str, target: LoadTarget, ranks: RankGroup, shown: str) -
     full = assemble(pieces, shapes)
     check_state_values(full, target.specs, target.policy, shapes)
     weights = None
-    if with_weights:
+    if with_weights and target.model is not None:  # with_weights implies a model
         weights = read_weights(path, manifest)
         check_weights(weights, target.model)
         check_finite_weights(weights, target.policy)
@@ -387,8 +387,8 @@ def _read_version(path: str, target: LoadTarget, ranks: RankGroup, shown: str) -
     groups = []
     saved_groups = manifest.extra.get("param_groups", [])
     for saved, current in zip(saved_groups, target.param_groups, strict=True):
-        hyper = {k: from_json(v, current.get(k)) for k, v in saved.items() if k != "params"}
-        groups.append({**hyper, "params": current["params"]})
+        values = {k: from_json(v, current.get(k)) for k, v in saved.items() if k != "params"}
+        groups.append({**values, "params": current["params"]})
     return Loaded(manifest.step, full, groups, weights, dict(manifest.extra))
 
 

@@ -154,6 +154,7 @@ class DataParallel(nn.Module, Joinable):
         )
         group = check_group(choice.process_group)
         if choice.shared_plan is not None:
+            assert groups is not None  # resolve_groups plans sums only with groups
             check_reduction_plan(choice.shared_plan, groups)  # collective over the world, once
         self.module = module
         self.process_group = group
@@ -175,6 +176,7 @@ class DataParallel(nn.Module, Joinable):
         broadcast_state(module, params, group, groups)
         shared = None
         if choice.shared_plan is not None:
+            assert groups is not None  # resolve_groups plans sums only with groups
             shared = SharedReducer(choice.shared_plan, groups, dict(params.named))
         self._frozen = layout.frozen
         self._reducer = self._make_reducer(layout, params, shared)

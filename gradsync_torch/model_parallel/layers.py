@@ -70,7 +70,7 @@ class _ShardedLinear(nn.Module):
         self.sizes = split_shapes(full[self.split_dim], group.size)
         shape = list(full)
         shape[self.split_dim] = self.sizes[group.group_rank]
-        kw = {"device": device, "dtype": dtype}
+        kw: dict[str, Any] = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(shape, **kw))
         bias_numel = self.sizes[group.group_rank] if self.split_dim == 0 else out_features
         self.bias = nn.Parameter(torch.empty(bias_numel, **kw)) if bias else None
