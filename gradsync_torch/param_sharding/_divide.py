@@ -44,6 +44,7 @@ class Divide(NamedTuple):
 
 def _op(name: str, scale: float | None) -> object:
     if name == "premul_sum":
+        assert scale is not None  # the rule gives premul_sum with its scale
         return dist.ReduceOp.PREMUL_SUM(scale)
     return {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG}[name]
 

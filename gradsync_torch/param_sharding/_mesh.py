@@ -75,7 +75,7 @@ def hsdp_mesh(
         for ranks in topology.groups(name):
             created[name, ranks] = dist.new_group(list(ranks))
     grid = torch.tensor(topology.group_of("dp", rank)).reshape(
-        topology.dp_replicate, topology.dp_shard
+        topology.size("dp_replicate"), topology.size("dp_shard")
     )
     replicate = created["dp_replicate", topology.group_of("dp_replicate", rank)]
     shard = created["dp_shard", topology.group_of("dp_shard", rank)]

@@ -395,5 +395,6 @@ def _old_names(rank: int, world_size: int, root: str) -> None:
         assert torch.equal(value, got[key]) and torch.equal(value, want[key]), key
 
 
+@pytest.mark.slow
 def test_the_old_save_and_load_names_warn_once_and_act_alike(tmp_path) -> None:
     run_workers(_old_names, 2, str(tmp_path))
