@@ -39,6 +39,7 @@ from gradsync_jax.model_parallel import (
     shared_param_specs,
 )
 from gradsync_jax.param_sharding import (
+    MixedPrecisionPolicy,
     ParamLayout,
     Zero3Step,
     param_layout,
@@ -67,6 +68,7 @@ from gradsync_jax.zero import (
 
 __all__: list[str] = [
     "ColumnParallelLinear",
+    "MixedPrecisionPolicy",
     "MoE",
     "NotElementwiseError",
     "ParamLayout",

@@ -1,6 +1,9 @@
 """Test-wide settings that must happen before any JAX operation (docs/design.md §10)."""
 
 import os
+import warnings
+
+import pytest
 
 # 8 fake CPU devices for the JAX suites; harmless for the others.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -53,3 +56,28 @@ def pytest_collection_modifyitems(session, config, items):
     collection order stays)."""
     rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(LONGEST_FIRST)))
+
+
+class _Deprecations:
+    """``messages``: the ``DeprecationWarning``s raised so far in the test, in order."""
+
+    def __init__(self, caught: list) -> None:
+        self.caught = caught
+
+    @property
+    def messages(self) -> list[str]:
+        return [str(w.message) for w in self.caught if issubclass(w.category, DeprecationWarning)]
+
+
+@pytest.fixture
+def deprecations():
+    """The deprecation warnings a test raises, every old spelling warning again (gradsync
+    warns once per process per old name: the registry of those that warned is cleared around
+    the test)."""
+    from gradsync_core import deprecation
+
+    deprecation._warned.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield _Deprecations(caught)
+    deprecation._warned.clear()

@@ -25,6 +25,12 @@ from gradsync_core.plan._canonical import (
     canonical_json,
     fingerprint,
 )
+from gradsync_core.plan._mean import (
+    MEAN_RULES,
+    MeanDivisors,
+    divides_after,
+    mean_divisors,
+)
 from gradsync_core.plan._memory import (
     OPTIMIZER_STATE_BYTES,
     MemoryEstimate,
@@ -51,6 +57,7 @@ from gradsync_core.plan._param_units import (
     block_prefixes,
 )
 from gradsync_core.plan._rank_generator import (
+    HSDP_AXES,
     RankGenerator,
 )
 from gradsync_core.plan._reductions import (
@@ -112,7 +119,9 @@ __all__ = [
     "DTYPE_ITEMSIZE",
     "EXPERT_AXES",
     "EXPERT_GROUPS",
+    "HSDP_AXES",
     "LAST_BATCH",
+    "MEAN_RULES",
     "MIB",
     "MODELS",
     "MODEL_AXES",
@@ -124,6 +133,7 @@ __all__ = [
     "Bucket",
     "BucketPlan",
     "DataCursor",
+    "MeanDivisors",
     "MemoryEstimate",
     "ParamChunk",
     "ParamShardPlan",
@@ -150,6 +160,7 @@ __all__ = [
     "check_actions",
     "chunk_rows",
     "describe_difference",
+    "divides_after",
     "estimate_ddp",
     "estimate_zero1",
     "estimate_zero2",
@@ -157,6 +168,7 @@ __all__ = [
     "expert_reduction_group",
     "fingerprint",
     "itemsize",
+    "mean_divisors",
     "optimizer_state_bytes",
     "parse_layout",
     "partition_layers",

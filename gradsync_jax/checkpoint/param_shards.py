@@ -5,9 +5,9 @@ keys, one safetensors file per rank. A parameter-shard plan cuts every parameter
 layout along dim 0, so the rows ``[lo, hi)`` device ``r`` holds are the elements
 ``[lo·k, hi·k)`` of the flattened tensor (``k`` elements per row, ``ParamChunk.element_range``):
 a ``ShardPlan`` of kind ``"dim0"`` of those element ranges (``plan_dim0_shards``, the one
-rule torch's ``save_fully_sharded`` uses too) says exactly what each rank file holds. Every
+rule torch's ``save_param_shards`` uses too) says exactly what each rank file holds. Every
 loader of the format already reads such a plan (torch's ``ZeroRedundancyOptimizer``, plain
-optimizers and ``load_fully_sharded``, ``shard_optimizer``, plain Optax, and
+optimizers and torch's ``load_param_shards``, ``shard_optimizer``, plain Optax, and
 ``load_param_shards`` at another device count), so no new reader is needed on either side.
 
 The files are made by ``gradsync_jax.checkpoint.zero``'s preparation (one implementation of

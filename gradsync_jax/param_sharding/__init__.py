@@ -2,10 +2,12 @@
 
 from gradsync_jax.param_sharding.layout import LeafLayout, ParamLayout, param_layout
 from gradsync_jax.param_sharding.placement import shard_params, unshard_params
+from gradsync_jax.param_sharding.policy import MixedPrecisionPolicy
 from gradsync_jax.param_sharding.step import Zero3Step, zero3_step
 
 __all__: list[str] = [
     "LeafLayout",
+    "MixedPrecisionPolicy",
     "ParamLayout",
     "Zero3Step",
     "param_layout",

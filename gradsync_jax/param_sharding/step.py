@@ -28,14 +28,16 @@ from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from gradsync_core.deprecation import warn_deprecated
 from gradsync_jax._axes import AxisName, axis_tuple, psum_mean
 from gradsync_jax._compile_log import CompileLog
 from gradsync_jax.data_parallel.accumulate import split_microbatches
 from gradsync_jax.data_parallel.synced import SyncedState
-from gradsync_jax.param_sharding.gather import Gatherer, Precision
+from gradsync_jax.param_sharding.gather import Gatherer
 from gradsync_jax.param_sharding.layout import ParamLayout
 from gradsync_jax.param_sharding.order import call_gathering_on_first_read
-from gradsync_jax.param_sharding.placement import axis_size, check_mesh, flat_leaves
+from gradsync_jax.param_sharding.placement import axis_size, check_mesh, flat_leaves, split_axes
+from gradsync_jax.param_sharding.policy import MixedPrecisionPolicy
 from gradsync_jax.param_sharding.update import RowsUpdate, rows_tree
 from gradsync_jax.zero.layout import ZeroState
 from gradsync_jax.zero.transform import ShardedOptimizer
@@ -83,13 +85,13 @@ def _local_step(
     *,
     reshard: bool,
     accumulate: int,
-    precision: Precision,
+    mp_policy: MixedPrecisionPolicy,
     replicate: tuple[str, ...],
 ) -> Callable[[Any, Any, Any, Any], Any]:
     """The step of one device inside ``shard_map``: gather, differentiate (``accumulate``
     micro-steps, each reduce-scattering its gradients to the chunks), update the chunks."""
 
-    gather = Gatherer(layout, axes, precision=precision, replicate=replicate)
+    gather = Gatherer(layout, axes, mp_policy=mp_policy, replicate=replicate)
 
     def loss_of(trainable: Any, frozen: Any, batch: Any) -> jax.Array:
         chunks = [
@@ -135,26 +137,32 @@ def _local_step(
     return body
 
 
-def _check_replicate(
-    layout: ParamLayout, mesh: Mesh, replicate_axis: AxisName | None
-) -> tuple[str, ...]:
-    """The replicate axes, after checking the layout's ``replicate_size`` matches them."""
+def _data_axes(
+    layout: ParamLayout, mesh: Mesh, axis_name: AxisName, replicate_axis: AxisName | None
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(shard axes, replicate axes), after checking the layout's sizes match them; on the
+    mesh of a hybrid-sharding topology ``"dp"`` implies both (``split_axes``)."""
+    axes = check_mesh(layout, mesh, axis_name)
     want = layout.plan.replicate_size
+    if replicate_axis is None:
+        replicate_axis = split_axes(layout, mesh, axis_name)[1] or None
     if replicate_axis is None:
         if want != 1:
             raise ValueError(
                 f"the layout replicates over {want} groups (replicate_size={want}) but no "
-                "replicate_axis was given; pass zero3_step(..., replicate_axis=<mesh axis>)"
+                "replicate_axis was given; pass zero3_step(..., replicate_axis=<mesh axis>), "
+                "or run on mesh_from_topology(Topology.create(..., dp_shard=...))"
             )
-        return ()
+        return axes, ()
     have = axis_size(mesh, replicate_axis)
     if have != want:
+        shard = layout.world_size
         raise ValueError(
             f"the layout was planned with replicate_size={want} but the mesh axis "
             f"{replicate_axis!r} has {have} devices; make it with param_layout(params, "
-            f"world_size=..., replicate_size={have})"
+            f"world_size={have * shard}, dp_shard={shard})"
         )
-    return axis_tuple(replicate_axis)
+    return axes, axis_tuple(replicate_axis)
 
 
 class Zero3Step:
@@ -174,7 +182,7 @@ class Zero3Step:
         batch_spec: Any,
         donate: bool,
         accumulate: int,
-        precision: Precision,
+        mp_policy: MixedPrecisionPolicy,
         replicate: tuple[str, ...],
         compiler_options: Mapping[str, Any] | None = None,
     ) -> None:
@@ -190,7 +198,7 @@ class Zero3Step:
             axes,
             reshard=reshard,
             accumulate=accumulate,
-            precision=precision,
+            mp_policy=mp_policy,
             replicate=replicate,
         )
         mapped = jax.shard_map(
@@ -266,6 +274,26 @@ def _refuse_syncing(tx: optax.GradientTransformation) -> None:
         )
 
 
+def _policy(
+    mp_policy: MixedPrecisionPolicy | None, param_dtype: Any, reduce_dtype: Any
+) -> MixedPrecisionPolicy:
+    """``mp_policy``, or the one its deprecated spellings ``param_dtype=``/``reduce_dtype=``
+    give (warned once)."""
+    if param_dtype is None and reduce_dtype is None:
+        return MixedPrecisionPolicy() if mp_policy is None else mp_policy
+    if mp_policy is not None:
+        raise TypeError(
+            "zero3_step() got mp_policy= and its deprecated spellings param_dtype=/"
+            "reduce_dtype=; put the dtypes in the MixedPrecisionPolicy"
+        )
+    warn_deprecated(
+        "zero3_step(param_dtype=, reduce_dtype=)",
+        "zero3_step(mp_policy=MixedPrecisionPolicy(param_dtype=, reduce_dtype=))",
+        stacklevel=4,
+    )
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+
+
 def zero3_step(
     loss_fn: Callable[[Any, Any], jax.Array],
     tx: optax.GradientTransformation,
@@ -277,10 +305,11 @@ def zero3_step(
     batch_spec: Any = None,
     donate: bool = False,
     accumulate_steps: int = 1,
-    param_dtype: Any = None,
-    reduce_dtype: Any = None,
+    mp_policy: MixedPrecisionPolicy | None = None,
     replicate_axis: AxisName | None = None,
     compiler_options: Mapping[str, Any] | None = None,
+    param_dtype: Any = None,
+    reduce_dtype: Any = None,
 ) -> Zero3Step:
     """A jitted ZeRO-3 training step over ``axis_name`` executing ``layout``'s plan.
 
@@ -294,6 +323,10 @@ def zero3_step(
         mesh: the mesh; ``shard_params(params, mesh, layout)`` placed the parameters on it.
         layout: from ``param_layout``.
         axis_name: the data-parallel axis (or tuple of axes); gradients are averaged over it.
+            On the mesh of a hybrid-sharding topology (``mesh_from_topology`` of a
+            ``Topology`` with ``dp_shard``) ``"dp"`` is its ``"dp_shard"`` axis, with
+            ``"dp_replicate"`` the replicate axis, for a layout planned with that
+            ``dp_shard``.
         reshard_after_forward: drop each gathered parameter after the equation that computes
             with it and gather it again for that equation's backward (FSDP2's default);
             ``False`` keeps each unit from its first use to the backward (less
@@ -303,19 +336,23 @@ def zero3_step(
         accumulate_steps: split each device's batch into this many micro-batches; each
             micro-step reduce-scatters its gradients (the accumulator is 1/N, as FSDP2's
             default) and the step equals one step on the whole batch.
-        param_dtype: mixed precision (FSDP2's ``MixedPrecisionPolicy``): the dtype the
-            chunks are cast to before the all-gather, so the model computes in it
-            (``jnp.bfloat16``); the stored chunks and the optimizer stay in their own dtype
-            (fp32 master parameters). Default: no cast.
-        reduce_dtype: the dtype gradients are reduce-scattered in (``jnp.float32``); default
-            ``param_dtype``, as FSDP2's. The reduced gradient is cast to the stored dtype.
+        mp_policy: mixed precision, FSDP2's ``MixedPrecisionPolicy``
+            (``gradsync_jax.MixedPrecisionPolicy(param_dtype=jnp.bfloat16,
+            reduce_dtype=jnp.float32)``): the chunks are cast to ``param_dtype`` before the
+            all-gather, so the model computes in it, and the gradients reduce-scattered in
+            ``reduce_dtype`` (default ``param_dtype``) and cast back; the stored chunks and
+            the optimizer stay in their own dtype (fp32 master parameters). Default: no cast.
         replicate_axis: hybrid sharding (HSDP) on a 2-D mesh: parameters are cut over
             ``axis_name`` and replicated over this axis (a layout made with
-            ``param_layout(..., world_size=R * S, replicate_size=R)``); gradients are
-            reduce-scattered over ``axis_name``, then all-reduced over this axis. The batch
-            is split over both (default ``P((replicate_axis, axis_name))``).
+            ``param_layout(..., world_size=R * S, dp_shard=S)``); gradients are
+            reduce-scattered over ``axis_name``, then all-reduced over this axis, the mean
+            FSDP2's over both. The batch is split over both (default
+            ``P((replicate_axis, axis_name))``). Implied by ``"dp"`` on a hybrid-sharding
+            topology's mesh.
         compiler_options: XLA options for compiling the step (``jax.jit``'s), e.g.
             ``{"xla_allow_excess_precision": False}``.
+        param_dtype: deprecated: ``mp_policy=MixedPrecisionPolicy(param_dtype=...)``.
+        reduce_dtype: deprecated: ``mp_policy=MixedPrecisionPolicy(reduce_dtype=...)``.
 
     Returns:
         A ``Zero3Step``: ``opt_state = step.init(params)``, then
@@ -328,14 +365,15 @@ def zero3_step(
             tensors (Adafactor's factored moments, Muon, Prodigy): one sentence that points
             to ``data_parallel_step`` with ``shard_optimizer(tx, mesh)``; a ``tx`` that syncs
             (``synced``, ``shard_optimizer``): the step reduce-scatters the gradients itself.
+        TypeError: ``mp_policy`` together with its deprecated spellings.
 
     Example:
         >>> step = zero3_step(loss_fn, optax.adamw(1e-3), mesh, layout)
         >>> opt_state = step.init(params)
         >>> params, opt_state, loss = step(params, opt_state, batch)
     """
-    axes = check_mesh(layout, mesh, axis_name)
-    replicate = _check_replicate(layout, mesh, replicate_axis)
+    mp_policy = _policy(mp_policy, param_dtype, reduce_dtype)
+    axes, replicate = _data_axes(layout, mesh, axis_name, replicate_axis)
     if not isinstance(accumulate_steps, int) or accumulate_steps < 1:
         raise ValueError(f"accumulate_steps must be a positive int, got {accumulate_steps!r}")
     _refuse_syncing(tx)
@@ -353,7 +391,7 @@ def zero3_step(
         batch_spec=spec,
         donate=donate,
         accumulate=accumulate_steps,
-        precision=Precision(param_dtype, reduce_dtype),
+        mp_policy=mp_policy,
         replicate=replicate,
         compiler_options=compiler_options,
     )

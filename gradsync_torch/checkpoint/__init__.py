@@ -6,12 +6,21 @@ docs/checkpoints.md).
 """
 
 from gradsync_torch.checkpoint.model_state import load_model_weights
-from gradsync_torch.checkpoint.param_shards import load_fully_sharded, save_fully_sharded
+from gradsync_torch.checkpoint.param_shards import (
+    load_fully_sharded as load_fully_sharded,  # deprecated alias of load_param_shards
+)
+from gradsync_torch.checkpoint.param_shards import (
+    load_param_shards,
+    save_param_shards,
+)
+from gradsync_torch.checkpoint.param_shards import (
+    save_fully_sharded as save_fully_sharded,  # deprecated alias of save_param_shards
+)
 from gradsync_torch.checkpoint.plain import load_optimizer_state_dict
 
 __all__: list[str] = [
-    "load_fully_sharded",
     "load_model_weights",
     "load_optimizer_state_dict",
-    "save_fully_sharded",
+    "load_param_shards",
+    "save_param_shards",
 ]

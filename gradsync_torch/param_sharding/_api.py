@@ -303,7 +303,7 @@ def fully_shard(
         specs,
         world_size=world_size * layout.replicate_size,
         units=_unit_prefixes(inner, [s.name for s in specs]),
-        replicate_size=layout.replicate_size,
+        dp_shard=world_size,
     )
     _check_unsharded(planned, plan.units[0].params, where)
     _agree_plan(plan, layout, where)

@@ -289,7 +289,7 @@ class UnitParameters:
         divide = gradient_divide(
             reduce_dtype,
             self.world_size * self.replicate_size,
-            shard_size=self.world_size,
+            dp_shard=self.world_size,
             factor=self.divide_factor,
             force_sum=self.force_sum,
         )

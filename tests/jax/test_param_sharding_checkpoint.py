@@ -60,7 +60,7 @@ def test_save_on_8_continues_on_4(tmp_path) -> None:
     shards = {(s.name, s.rank): (s.start, s.stop) for s in manifest.plan.shards}
     assert shards[("layers_0.weight", 5)] == (10 * 3, 11 * 3)  # rows [10, 11) of (11, 3)
     assert ("layers_0.weight", 6) not in shards  # past the end: nothing held, nothing stored
-    assert manifest.plan.kind == "dim0"  # torch's save_fully_sharded writes the same
+    assert manifest.plan.kind == "dim0"  # torch's save_param_shards writes the same
     assert "frozen.weight" not in {s.name for s in manifest.plan.shards}
     assert manifest.extra["scalars"]["embed.weight/step"] == STEPS // 2
     saved_plan = manifest.extra["param_shard_plan"]
