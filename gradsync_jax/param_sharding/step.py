@@ -260,10 +260,14 @@ class Zero3Step:
         return self._step.lower(params, opt_state, batch)
 
 
-def _refuse_syncing(tx: optax.GradientTransformation) -> None:
+def _refuse_syncing(tx: optax.GradientTransformation, layout: ParamLayout) -> None:
     """The gather's backward already reduce-scatters the gradients: a ``tx`` that syncs them
-    again (``synced``, ``shard_optimizer``) would reduce twice."""
-    probe = jax.eval_shape(tx.init, {})
+    again (``synced``, ``shard_optimizer``) would reduce twice. Its state, initialised on the
+    parameters' shapes, shows whether it holds a sync."""
+    like = jax.tree_util.tree_unflatten(
+        layout.treedef, [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in layout.leaves]
+    )
+    probe = jax.eval_shape(tx.init, like)
     is_sync = lambda x: isinstance(x, (SyncedState, ZeroState))  # noqa: E731
     if isinstance(tx, ShardedOptimizer) or any(
         is_sync(x) for x in jax.tree.leaves(probe, is_leaf=is_sync)
@@ -376,7 +380,7 @@ def zero3_step(
     axes, replicate = _data_axes(layout, mesh, axis_name, replicate_axis)
     if not isinstance(accumulate_steps, int) or accumulate_steps < 1:
         raise ValueError(f"accumulate_steps must be a positive int, got {accumulate_steps!r}")
-    _refuse_syncing(tx)
+    _refuse_syncing(tx, layout)
     tx = optax.with_extra_args_support(tx)
     update = RowsUpdate(tx, layout)  # refuses what it cannot run exactly on rows
     spec = P(replicate + axes) if batch_spec is None else batch_spec
