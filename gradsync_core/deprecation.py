@@ -145,8 +145,9 @@ def renamed_keywords(**renames: str) -> Callable[[F], F]:
 
         @functools.wraps(func)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            for old in renames.keys() & kwargs.keys():
-                new = renames[old]
+            for old, new in renames.items():  # in declaration order: warnings in one order
+                if old not in kwargs:
+                    continue
                 if new in kwargs or len(args) > positional.get(new, len(args)):
                     raise TypeError(
                         f"{where}() got {new}= and its deprecated spelling {old}=; pass {new}="
