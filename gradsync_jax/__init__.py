@@ -41,6 +41,7 @@ from gradsync_jax.model_parallel import (
 from gradsync_jax.param_sharding import (
     MixedPrecisionPolicy,
     ParamLayout,
+    Zero3Options,
     Zero3Step,
     param_layout,
     shard_params,
@@ -78,6 +79,7 @@ __all__: list[str] = [
     "RowParallelLinear",
     "ShardedOptimizer",
     "SyncedState",
+    "Zero3Options",
     "Zero3Step",
     "ZeroState",
     "accumulate_local_grads",

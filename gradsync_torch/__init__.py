@@ -14,7 +14,7 @@ from gradsync_torch.checkpoint import (
     save_fully_sharded as save_fully_sharded,  # deprecated alias of save_param_shards
 )
 from gradsync_torch.checkpoint.dcp import export_dcp, import_dcp
-from gradsync_torch.data_parallel import DataParallel, ShardedGradient
+from gradsync_torch.data_parallel import DataParallel, DataParallelOptions, ShardedGradient
 from gradsync_torch.data_parallel.comm_hooks import (
     GradBucket,
     allreduce_hook,
@@ -61,6 +61,7 @@ from gradsync_torch.zero import ZeroRedundancyOptimizer
 __all__: list[str] = [
     "ColumnParallelLinear",
     "DataParallel",
+    "DataParallelOptions",
     "ExpertMLPs",
     "GradBucket",
     "Group",

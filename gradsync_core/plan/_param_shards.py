@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from gradsync_core.deprecation import warn_deprecated
+from gradsync_core.deprecation import deprecated_keywords, warn_deprecated
 from gradsync_core.plan._buckets import check_positive
 from gradsync_core.plan._canonical import PLAN_VERSION, check_header, fingerprint
 from gradsync_core.plan._param_units import assign_units
@@ -299,6 +299,7 @@ def _replace_param(p: ShardedParam, *, name: str) -> ShardedParam:
     )
 
 
+@deprecated_keywords(replicate_size="dp_shard=world_size // replicate_size")
 def plan_param_shards(
     specs: Sequence[ParamSpec],
     *,

@@ -26,6 +26,7 @@ from gradsync_core.checkpoint import (
     reading_version,
     resolve_checkpoint,
 )
+from gradsync_core.deprecation import renamed_keywords
 from gradsync_jax._naming import flax_name, from_torch_layout, to_torch_state, torch_names
 from gradsync_jax.checkpoint.stored import StoredFiles, check_finite
 
@@ -57,12 +58,13 @@ def weights_by_rank(
     return files, owners
 
 
+@renamed_keywords(directory="path", cast="allow_dtype_conversion")
 def load_params(
-    directory: str | os.PathLike[str],
+    path: str | os.PathLike[str],
     like: Any,
     *,
     modules: Mapping[str, str] | None = None,
-    cast: bool = False,
+    allow_dtype_conversion: bool = False,
     allow_nonfinite: bool = False,
 ) -> Any:
     """The model weights of a gradsync checkpoint (written by torch or JAX) as a tree like
@@ -73,14 +75,15 @@ def load_params(
     built.
 
     Args:
-        directory: a checkpoint saved with model weights (``ZeroRedundancyOptimizer.save(path,
+        path: a checkpoint saved with model weights (``ZeroRedundancyOptimizer.save(path,
             model=net)`` or ``save_optimizer_state(..., model=params)``).
         like: linen ``variables``/``params`` or ``nnx.state(model, nnx.Param)`` (with frozen
             weights kept in another ``Variable`` type ``Frozen``: ``nnx.state(model,
             nnx.Any(nnx.Param, Frozen))``); arrays or ``jax.ShapeDtypeStruct`` leaves.
         modules: Flax-to-torch module renames (see ``torch_name``), as given at save time.
-        cast: convert weights stored in another floating dtype (a ``bfloat16`` checkpoint
-            into ``float32`` parameters, or back) instead of refusing them.
+        allow_dtype_conversion: convert weights stored in another floating dtype (a
+            ``bfloat16`` checkpoint into ``float32`` parameters, or back) instead of refusing
+            them.
         allow_nonfinite: take weights holding NaN or inf as they are (say, to look at a
             diverged run); by default they are refused, as ``load_optimizer_state`` refuses
             them in state.
@@ -95,7 +98,7 @@ def load_params(
     Example:
         >>> params = load_params("ckpt", variables, modules={"Dense_0": "fc1"})  # doctest: +SKIP
     """
-    directory = resolve_checkpoint(directory)  # one version, even while a save switches it
+    directory = resolve_checkpoint(path)  # one version, even while a save switches it
     with reading_version(directory):  # a later save that removes it: a sentence, load again
         stored = _stored_weights(directory)
     paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(like)
@@ -104,8 +107,8 @@ def load_params(
     if not allow_nonfinite:
         check_finite({model_key(name): value for name, value in stored.items()})
     out = [
-        _weight(flax_name(path), name, stored[name], leaf, cast=cast)
-        for (path, leaf), name in zip(paths_leaves, names, strict=True)
+        _weight(flax_name(where), name, stored[name], leaf, convert=allow_dtype_conversion)
+        for (where, leaf), name in zip(paths_leaves, names, strict=True)
     ]
     return jax.tree_util.tree_unflatten(treedef, out)
 
@@ -132,7 +135,7 @@ def check_weights(
     names = torch_names(like, modules=modules)
     check_weight_names(stored, names, fix=_names_fix(stored, names))
     for (path, leaf), name in zip(paths_leaves, names, strict=True):
-        _dtype(flax_name(path), name, stored[name], leaf, cast=False)
+        _dtype(flax_name(path), name, stored[name], leaf, convert=False)
     return names
 
 
@@ -149,17 +152,19 @@ def _names_fix(stored: Mapping[str, Any], names: list[str]) -> str:
     return "pass the modules= renames used at save time, or load into the model that was saved"
 
 
-def _weight(where: str, name: str, saved: np.ndarray, leaf: Any, *, cast: bool) -> np.ndarray:
+def _weight(where: str, name: str, saved: np.ndarray, leaf: Any, *, convert: bool) -> np.ndarray:
     """The stored weight ``name`` in Flax layout for the leaf at ``where``, refused unless its
-    shape and dtype are the leaf's (the dtype converted between floating types if ``cast``)."""
+    shape and dtype are the leaf's (the dtype converted between floating types if
+    ``convert``)."""
     value = from_torch_layout(where, saved)
-    dtype = _dtype(where, name, saved, leaf, cast=cast)
+    dtype = _dtype(where, name, saved, leaf, convert=convert)
     return value if value.dtype == dtype else value.astype(dtype)
 
 
-def _dtype(where: str, name: str, saved: np.ndarray, leaf: Any, *, cast: bool) -> np.dtype:
+def _dtype(where: str, name: str, saved: np.ndarray, leaf: Any, *, convert: bool) -> np.dtype:
     """The leaf's dtype, once the stored weight (or its stand-in) is checked to fit the leaf
-    at ``where``: its shape in Flax layout, and its dtype or, with ``cast``, a floating one."""
+    at ``where``: its shape in Flax layout, and its dtype or, with ``convert``, a floating
+    one."""
     value = from_torch_layout(where, saved)
     shape, dtype = tuple(leaf.shape), np.dtype(leaf.dtype)
     stored = f"{saved.shape} {saved.dtype} in the checkpoint (torch layout)"
@@ -175,9 +180,10 @@ def _dtype(where: str, name: str, saved: np.ndarray, leaf: Any, *, cast: bool) -
             f"weight {name!r} is {value.dtype} in the checkpoint but {dtype} for {where!r}: a "
             "dtype mismatch that no cast makes exact"
         )
-    if not cast:
+    if not convert:
         raise ValueError(
             f"weight {name!r} is {value.dtype} in the checkpoint but {dtype} for {where!r} "
-            f"(same shape {shape}): only the dtype differs; pass cast=True to convert it"
+            f"(same shape {shape}): only the dtype differs; pass allow_dtype_conversion=True "
+            "to convert it"
         )
     return dtype

@@ -44,8 +44,9 @@ from gradsync_core.checkpoint import (
     verify_file_hashes,
     weight_reads,
 )
+from gradsync_core.deprecation import renamed_keywords
+from gradsync_jax.checkpoint import optimizers
 from gradsync_jax.checkpoint.model_state import check_weights
-from gradsync_jax.checkpoint.optimizers import optimizer_name
 from gradsync_jax.checkpoint.processes import agreed_read, local_ranks, local_view
 from gradsync_jax.checkpoint.stored import StoredFiles, nonfinite, refuse_nonfinite
 from gradsync_jax.checkpoint.zero import (
@@ -112,26 +113,28 @@ class _RowShards:
         return values
 
 
+@renamed_keywords(directory="path", optimizer="optimizer_name")
 def save_param_shards(
-    directory: str | os.PathLike[str],
+    path: str | os.PathLike[str],
     zero3: Zero3Step,
     params: Any,
     opt_state: Any,
     *,
     step: int,
-    optimizer: str | None = None,
+    optimizer_name: str | None = None,
     data: Any = None,
 ) -> Manifest:
-    """Write a ``zero3_step`` training state to ``directory`` (replaced only once complete).
+    """Write a ``zero3_step`` training state to the checkpoint directory ``path`` (replaced
+    only once complete).
 
     Args:
-        directory: the checkpoint directory.
+        path: the checkpoint directory.
         zero3: the ``zero3_step`` that trains ``params`` and ``opt_state``.
         params: the sharded parameters (``shard_params``), stored whole as model weights.
         opt_state: its optimizer state (``zero3.init``), stored per parameter in model space.
             With several JAX processes every process makes this call.
         step: the training step, stored in the manifest.
-        optimizer: a name checked on load (default: the canonical one, ``"adamw"``).
+        optimizer_name: a name checked on load (default: the canonical one, ``"adamw"``).
         data: a ``ResumableSampler`` whose position the manifest stores.
 
     Returns:
@@ -156,14 +159,14 @@ def save_param_shards(
     n = layout.world_size
 
     return save_rank_files(
-        directory,
+        path,
         lambda: _prepare(
             rows,  # type: ignore[arg-type]  # _RowShards answers what _prepare asks of tx
             rows,  # type: ignore[arg-type]  # and of the layout
             host_state,
             None,
             step,
-            optimizer,
+            optimizer_name,
             layout.modules,
             model,
             inner=zero3.tx,
@@ -171,15 +174,16 @@ def save_param_shards(
         mine=mine,
         n=n,
         extra={**position, "param_shard_plan": layout.plan.to_json()},
-        what=f"cannot save ZeRO-3 checkpoint {os.fspath(directory)}",
+        what=f"cannot save ZeRO-3 checkpoint {os.fspath(path)}",
     )
 
 
+@renamed_keywords(directory="path", optimizer="optimizer_name")
 def load_param_shards(
-    directory: str | os.PathLike[str],
+    path: str | os.PathLike[str],
     zero3: Zero3Step,
     *,
-    optimizer: str | None = None,
+    optimizer_name: str | None = None,
     data: Any = None,
     allow_nonfinite: bool = False,
 ) -> tuple[Any, Any, Manifest]:
@@ -197,10 +201,10 @@ def load_param_shards(
     all (docs/jax-zero3.md).
 
     Args:
-        directory: the checkpoint.
+        path: the checkpoint.
         zero3: the ``zero3_step`` to continue with (its layout's device count may differ
             from the saver's).
-        optimizer: the name given at save time, if one was.
+        optimizer_name: the name given at save time, if one was.
         data: a ``ResumableSampler`` to position where the checkpoint's data was.
         allow_nonfinite: take NaN or inf in state tensors as they are.
 
@@ -215,10 +219,10 @@ def load_param_shards(
     Example:
         >>> params, opt_state, _ = load_param_shards("ckpt", step_fn)  # doctest: +SKIP
     """
-    shown = os.fspath(directory)
-    version = resolve_checkpoint(directory)  # one version, even while a save switches it
+    shown = os.fspath(path)
+    version = resolve_checkpoint(path)  # one version, even while a save switches it
     rows = _RowShards(zero3)
-    optimizer = optimizer or optimizer_name(rows.space.state_types)
+    optimizer = optimizer_name or optimizers.optimizer_name(rows.space.state_types)
     weights, state, manifest = agreed_read(
         lambda: _read_held(version, zero3, rows, optimizer, allow_nonfinite),
         version,

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from gradsync_core import ParamShardPlan, chunk_rows, plan_param_shards
-from gradsync_core.deprecation import warn_deprecated
+from gradsync_core.deprecation import deprecated_keywords, warn_deprecated
 from gradsync_jax._naming import flax_name, to_torch_state, torch_name, torch_names, torch_specs
 
 # Distinct dim sizes of a probe array: the shape of its torch-layout copy names the transposition.
@@ -126,6 +126,7 @@ def _torch_path(
     return (as_flax, True) if as_flax is not None else (path, False)
 
 
+@deprecated_keywords(replicate_size="dp_shard=world_size // replicate_size")
 def param_layout(
     params: Any,
     *,

@@ -24,10 +24,15 @@ class DataParallelOptions:
     arithmetic, so every rank must pass the same ones (a buffer broadcast on one rank would
     meet a bucket all-reduce on another and hang). ``tests/faults`` walks the fields.
 
-    See ``DataParallel`` for each option's meaning.
+    See ``DataParallel`` for each option's meaning; it takes them as its keywords or as this
+    record (``DataParallel(module, options=DataParallelOptions(...))``), never both.
 
     Raises:
         ValueError: on a value or combination that cannot work, naming the fix.
+
+    Example:
+        >>> options = DataParallelOptions(bucket_cap_mb=50, check_finite=True)
+        >>> model = DataParallel(net, options=options)  # doctest: +SKIP
     """
 
     bucket_cap_mb: float | None = None

@@ -140,9 +140,9 @@ class RowParallelLinear(_ShardedLinear):
         group: Group,
         *,
         input_is_parallel: bool = True,
-        **options: Any,
+        **keywords: Any,
     ) -> None:
-        super().__init__(in_features, out_features, group, **options)
+        super().__init__(in_features, out_features, group, **keywords)
         self.input_is_parallel = input_is_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

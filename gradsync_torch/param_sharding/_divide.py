@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from gradsync_core.deprecation import renamed_keyword
+from gradsync_core.deprecation import deprecated_keywords, renamed_keyword
 from gradsync_core.plan import mean_divisors
 from gradsync_torch._specs import dtype_name
 
@@ -49,6 +49,7 @@ def _op(name: str, scale: float | None) -> object:
     return {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG}[name]
 
 
+@deprecated_keywords(shard_size="dp_shard=")
 def gradient_divide(
     reduce_dtype: torch.dtype,
     world_size: int,

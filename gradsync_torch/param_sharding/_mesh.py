@@ -18,9 +18,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from gradsync_core import Topology
-from gradsync_core.deprecation import warn_deprecated
+from gradsync_core.deprecation import deprecated_keywords, warn_deprecated
 
 
+@deprecated_keywords(shard_size="hsdp_mesh(Topology.create(..., dp_shard=...))")
 def hsdp_mesh(
     topology: Topology, shard_size: int | None = None, *, device_type: str = "cpu"
 ) -> DeviceMesh:

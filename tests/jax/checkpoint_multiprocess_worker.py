@@ -158,7 +158,7 @@ def _zero3(mesh: Any, directory: str, prefix: str = "zero3") -> dict[str, np.nda
         dp_shard=mesh.shape["shard"] if hybrid else None,
     )
     step = zero3_step(
-        model.loss_fn, model.adamw(), mesh, layout, axis_name=axis, replicate_axis=replicate
+        model.loss_fn, model.adamw(), mesh, layout, axis_name=axis, replicate_axis_name=replicate
     )
     params = shard_params(model.init_params(), mesh, layout, axis_name=axis)
     state = step.init(params)

@@ -423,9 +423,11 @@ def test_hybrid_sharding_equals_one_device(replicas: int, shards: int) -> None:
     assert (layout.world_size, layout.plan.replicate_size) == (shards, replicas)
     devices = np.array(jax.devices()[:n]).reshape(replicas, shards)
     mesh = Mesh(devices, ("replicate", "shard"))
-    with pytest.raises(ValueError, match="replicate_axis"):
+    with pytest.raises(ValueError, match="replicate_axis_name"):
         zero3_step(loss_fn, adamw(), mesh, layout, axis_name="shard")
-    step = zero3_step(loss_fn, adamw(), mesh, layout, axis_name="shard", replicate_axis="replicate")
+    step = zero3_step(
+        loss_fn, adamw(), mesh, layout, axis_name="shard", replicate_axis_name="replicate"
+    )
     sharded = shard_params(params, mesh, layout, axis_name="shard")
     opt_state = step.init(sharded)
     for _ in range(STEPS):
@@ -453,7 +455,7 @@ def test_hybrid_sharding_on_the_topologys_mesh() -> None:
     runs = []
     for mesh, axes in (
         (mesh_from_topology(topology, jax.devices()[:4]), {}),
-        (by_hand, {"axis_name": "shard", "replicate_axis": "replicate"}),
+        (by_hand, {"axis_name": "shard", "replicate_axis_name": "replicate"}),
     ):
         step = zero3_step(loss_fn, adamw(), mesh, layout, **axes)
         sharded = shard_params(params, mesh, layout, axis_name=axes.get("axis_name", "dp"))
