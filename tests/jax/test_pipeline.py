@@ -23,15 +23,18 @@ import optax
 import pytest
 
 from gradsync_core import SCHEDULES, Topology, plan_pipeline
-from gradsync_jax import mesh_from_topology, shard_optimizer
+from gradsync_jax import load_params, mesh_from_topology, shard_optimizer
 from gradsync_jax.pipeline import (
     PipelineModel,
     compile_ticks,
+    load_pipeline,
     natural_params,
     pipeline_params,
     pipeline_step,
+    save_pipeline,
+    sequential_params,
 )
-from tests.helpers import assert_tree_close
+from tests.helpers import assert_tree_close, assert_tree_equal
 
 DIM, HIDDEN, VOCAB, SEQ, ROWS = 8, 16, 11, 3, 2  # ROWS: rows per microbatch
 STEPS = 2
@@ -449,3 +452,35 @@ def test_continues_on_another_pipeline(direction: str) -> None:
     assert_tree_close(saved_state[0].mu, ref_state[0].mu, rtol=1e-5, what="mu")
     assert_tree_close(saved_state[0].nu, ref_state[0].nu, rtol=1e-5, what="nu")
     assert int(saved_state[0].count) == 2
+
+
+def test_checkpoint_round_trip(tmp_path: Any) -> None:
+    """``save_pipeline`` at pp 2 (ZB1P) and ``load_pipeline`` at pp 4 (1F1B, ZeRO-1): the
+    parameters and Adam state come back bit for bit, under the sequential names torch's
+    ``split_model`` gives ``nn.Sequential(embedding, *blocks, head)``; another model is
+    refused with one sentence."""
+    layers, m = 8, 4
+    inner = optax.adam(1e-2)
+    natural = init_params(layers)
+    rng = np.random.default_rng(1)
+    saved_state = jax.tree.map(
+        lambda x: rng.normal(size=np.shape(x)).astype(np.float32), inner.init(natural)
+    )
+    saved_state = (saved_state[0]._replace(count=np.int32(3)), *saved_state[1:])
+    first = make_plan("ZB1P", 2, 2, m, layers)
+    mesh = mesh_from_topology(first.topology)
+    step = pipeline_step(MODEL, inner, mesh, first)
+    params = pipeline_params(natural, first, mesh)
+    save_pipeline(tmp_path / "ckpt", step, params, step.pipeline_state(saved_state, params), step=3)
+    stored = load_params(tmp_path / "ckpt", sequential_params(natural))
+    assert sorted(stored) == [str(i) for i in range(layers + 2)]
+    assert_tree_equal(stored["1"], jax.tree.map(lambda x: x[0], natural["blocks"]))
+    second = make_plan("1F1B", 4, 1, m, layers)
+    mesh = mesh_from_topology(second.topology)
+    other = pipeline_step(MODEL, shard_optimizer(inner, mesh), mesh, second)
+    loaded, state, manifest = load_pipeline(tmp_path / "ckpt", other, natural)
+    assert (manifest.framework, manifest.step) == ("jax", 3)
+    assert_tree_equal(natural_params(loaded, second), natural)
+    assert_tree_equal(other.natural_state(state, loaded), saved_state, same_structure=True)
+    with pytest.raises(ValueError, match="do not match the model: it lacks .5.w."):
+        load_pipeline(tmp_path / "ckpt", other, init_params(4))
