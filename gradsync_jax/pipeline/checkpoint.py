@@ -49,7 +49,7 @@ def _convert(
     """``state`` with every parameter-shaped subtree converted; refused unless the result has
     ``want``'s structure (the state ``tx.init`` makes for the converted parameters)."""
     out = jax.tree.map(lambda x: convert(x) if is_params(x) else x, state, is_leaf=is_params)
-    if jax.tree.structure(out) != jax.tree.structure(want):
+    if str(jax.tree.structure(out)) != str(jax.tree.structure(want)):
         raise ValueError(
             "the optimizer state holds parameter-shaped values outside dicts like the "
             "parameters ({'embed', 'blocks', 'head'}), which a pipeline checkpoint cannot "
