@@ -10,6 +10,14 @@ over the pipeline first). The optimizer state is each rank's ``tx.init`` of its 
 parameters (leaves ``(1, ...)``), stacked on a leading ``pp`` dimension; ``natural_state``
 and ``pipeline_state`` convert it from and to the state ``tx.init`` gives the natural
 parameters, so a checkpoint continues on any pp.
+
+The **sequential** layout names the model as torch's pipeline sees it, the chain of modules
+``nn.Sequential(embedding, *blocks, head)`` that ``gradsync_torch.split_model`` cuts:
+``{"0": embed, "1": block 0, ..., "L": block L - 1, "L + 1": head}``, one entry per layer
+(``sequential_params``; ``stacked_params`` is its inverse). Through the naming rules of
+``gradsync_jax._naming`` its leaves have the torch model's names and layouts
+(``1.qkv.kernel`` is ``1.qkv.weight``, transposed): this is the one place where the stacked
+blocks meet torch's per-layer names, and what pipeline checkpoints store.
 """
 
 from __future__ import annotations
@@ -34,22 +42,7 @@ def blocks_per_stage(params: Any, plan: PipelinePlan) -> int:
             disagree on the layer count, the stages cannot hold equal shares, or the plan's
             layout gives its stages unequal numbers of layers.
     """
-    if not isinstance(params, dict) or set(params) != set(PARTS):
-        got = sorted(params) if isinstance(params, dict) else type(params).__name__
-        raise ValueError(
-            f"pipeline parameters are a dict with keys 'embed', 'blocks' and 'head' (the "
-            f"blocks' leaves stacked on a leading layer dimension); got {got}"
-        )
-    layers = {
-        np.shape(leaf)[0] if np.ndim(leaf) else None for leaf in jax.tree.leaves(params["blocks"])
-    }
-    if len(layers) != 1 or None in layers:
-        raise ValueError(
-            f"every leaf of params['blocks'] needs the same leading layer dimension, got "
-            f"{sorted(layers, key=str)}; stack the blocks (nnx.vmap, nn.scan or jax.vmap)"
-        )
-    (count,) = layers
-    assert count is not None  # refused above
+    count = _layers(params)
     n = plan.num_stages
     if count % n:
         raise ValueError(
@@ -86,6 +79,93 @@ def _to_natural(leaf: Any, part: str, plan: PipelinePlan) -> np.ndarray:
         return leaf[0]
     by_stage = leaf.reshape(plan.num_stages, *leaf.shape[2:])[np.argsort(stage_order(plan))]
     return by_stage.reshape(plan.num_stages * leaf.shape[2], *leaf.shape[3:])
+
+
+def sequential_params(params: Any) -> dict[str, Any]:
+    """Natural layout (blocks stacked ``(L, ...)``) to the sequential layout: ``{"0": embed,
+    "1": block 0, ..., str(L): block L - 1, str(L + 1): head}`` (module docstring), torch's
+    names for ``nn.Sequential(embedding, *blocks, head)`` once ``to_torch_state`` renames
+    the leaves. Array leaves become NumPy; ``jax.ShapeDtypeStruct`` leaves stay abstract.
+
+    Raises:
+        ValueError: as ``blocks_per_stage`` for a tree that is not ``{"embed", "blocks",
+            "head"}`` with blocks stacked on one leading layer dimension.
+
+    Example:
+        >>> names = to_torch_state(sequential_params(natural))  # '0.token.weight', ...
+    """
+    layers = _layers(params)
+    out = {"0": jax.tree.map(_host, params["embed"])}
+    for i in range(layers):
+        out[str(i + 1)] = jax.tree.map(lambda leaf, i=i: _host(leaf, i), params["blocks"])
+    out[str(layers + 1)] = jax.tree.map(_host, params["head"])
+    return out
+
+
+def stacked_params(sequential: Any) -> dict[str, Any]:
+    """``sequential_params``' inverse: ``{"embed", "blocks", "head"}`` with the blocks
+    stacked on a leading layer dimension (NumPy, or ``jax.ShapeDtypeStruct``).
+
+    Raises:
+        ValueError: if the keys are not ``"0"`` .. ``str(L + 1)`` for some L >= 1, or the
+            blocks differ in structure, shape or dtype.
+    """
+    keys = sorted(sequential, key=lambda k: int(k) if str(k).isdigit() else -1)
+    if len(keys) < 3 or keys != [str(i) for i in range(len(keys))]:
+        raise ValueError(
+            f"a sequential model is keyed '0' (the embedding), '1' .. 'L' (the blocks) and "
+            f"'L + 1' (the head); got keys {sorted(sequential)[:5]}"
+        )
+    blocks = [sequential[k] for k in keys[1:-1]]
+    shapes = {
+        str(jax.tree.structure(b))
+        + str([(np.shape(x), np.dtype(x.dtype)) for x in jax.tree.leaves(b)])
+        for b in blocks
+    }
+    if len(shapes) != 1:
+        raise ValueError(
+            "the blocks of a sequential model differ in structure, shape or dtype; the "
+            "pipeline stacks them, so every block must be the same module"
+        )
+    return {
+        "embed": jax.tree.map(_host, sequential[keys[0]]),
+        "blocks": jax.tree.map(_stack, *blocks),
+        "head": jax.tree.map(_host, sequential[keys[-1]]),
+    }
+
+
+def _layers(params: Any) -> int:
+    if not isinstance(params, dict) or set(params) != set(PARTS):
+        got = sorted(params) if isinstance(params, dict) else type(params).__name__
+        raise ValueError(
+            f"pipeline parameters are a dict with keys 'embed', 'blocks' and 'head' (the "
+            f"blocks' leaves stacked on a leading layer dimension); got {got}"
+        )
+    layers = {
+        np.shape(leaf)[0] if np.ndim(leaf) else None for leaf in jax.tree.leaves(params["blocks"])
+    }
+    if len(layers) != 1 or None in layers:
+        raise ValueError(
+            f"every leaf of params['blocks'] needs the same leading layer dimension, got "
+            f"{sorted(layers, key=str)}; stack the blocks (nnx.vmap, nn.scan or jax.vmap)"
+        )
+    (count,) = layers
+    assert count is not None  # refused above
+    return count
+
+
+def _host(leaf: Any, layer: int | None = None) -> Any:
+    """``leaf`` (or its ``layer``-th row) as NumPy; a ``ShapeDtypeStruct`` stays abstract."""
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        return leaf if layer is None else jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype)
+    leaf = np.asarray(leaf)
+    return leaf if layer is None else leaf[layer]
+
+
+def _stack(*leaves: Any) -> Any:
+    if isinstance(leaves[0], jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct((len(leaves), *leaves[0].shape), leaves[0].dtype)
+    return np.stack([np.asarray(leaf) for leaf in leaves])
 
 
 def _parts(params: Any) -> dict[str, Any]:

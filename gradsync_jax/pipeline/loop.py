@@ -5,6 +5,8 @@ table (``lax.axis_index("pp")``), runs its cell through ``lax.switch`` (idle, or
 input- or weight-gradient cell of its stage's type, ``split.py``), writes what the cell
 leaves into its buffer slots, adds its parameter gradients to its stage's sum, and sends its
 output one hop each way with ``ppermute``; the neighbour that the table names keeps it.
+Gradients are added in microbatch order: where the plan makes one early (looped BFS), it
+waits in the ``held`` buffer and is added at the tick the table names, or after the loop.
 
 Why ``lax.scan`` and not an unrolled loop: the program and its compile time do not grow with
 the microbatches (a tick is one body, m = 32 has ~100 ticks at pp 4), and its memory is the
@@ -170,8 +172,18 @@ def run_pipeline(
     me = lax.axis_index("pp")
     table = jnp.asarray(program.table)
 
+    holding = program.slots["held"] > 0
+
+    def add(sums: Any, local: jax.Array, grads: Any) -> Any:
+        d_embed, d_blocks, d_head = grads
+        return (
+            jax.tree.map(jnp.add, sums[0], d_embed),
+            jax.tree.map(lambda s, d: s.at[local].add(d), sums[1], d_blocks),
+            jax.tree.map(jnp.add, sums[2], d_head),
+        )
+
     def tick(carry: Any, row_all: jax.Array) -> tuple[Any, None]:
-        bufs, stashed, crossed, sums, loss_sum = carry
+        bufs, stashed, crossed, held, sums, loss_sum = carry
         row = row_all[me]
         col = lambda name: row[COL[name]]  # noqa: E731
         local, mb = col("local"), col("mb")
@@ -184,19 +196,18 @@ def run_pipeline(
         out = lax.switch(col("branch"), branches, p_local, data, x, g, stash_in, cross_in)
         stashed = {k: _write(b, col("stash_write"), out.stash[k]) for k, b in stashed.items()}
         crossed = {k: _write(b, col("cross_write"), out.cross[k]) for k, b in crossed.items()}
-        d_embed, d_blocks, d_head = out.grads
-        sums = (
-            jax.tree.map(jnp.add, sums[0], d_embed),
-            jax.tree.map(lambda s, d: s.at[local].add(d), sums[1], d_blocks),
-            jax.tree.map(jnp.add, sums[2], d_head),
-        )
+        if holding:  # every gradient passes through its held slot; the spare one is zeros
+            held = _write_tree(held, col("held_write"), out.grads)
+            sums = add(sums, col("held_local"), _index(held, col("held_read")))
+        else:  # made in microbatch order: added as made
+            sums = add(sums, local, out.grads)
         from_left = lax.ppermute(out.send, "pp", right)
         from_right = from_left if p == 2 else lax.ppermute(out.send, "pp", left)
         arriving = {"left": from_left, "right": from_right, "local": out.send}
         bufs = dict(bufs)
         for buf, src in program.sources:
             bufs[buf] = _write(bufs[buf], col(f"{buf}_from_{src}"), arriving[src])
-        return (bufs, stashed, crossed, sums, loss_sum + out.loss), None
+        return (bufs, stashed, crossed, held, sums, loss_sum + out.loss), None
 
     spare = {buf: n + 1 for buf, n in program.slots.items()}  # the last slot takes "none"
     carry = (
@@ -206,10 +217,18 @@ def run_pipeline(
         },
         {k: _slotted(r, spare["stash"]) for k, r in stash_rows.items()},
         {k: _slotted(r, spare["cross"]) for k, r in cross_rows.items()},
+        _slotted_tree(grads_zero, spare["held"] if holding else 0),
         _cast(jax.tree.map(jnp.zeros_like, (embed, blocks, head)), axes),
         loss_zero,
     )
-    (_, _, _, sums, loss_sum), _ = lax.scan(tick, carry, table)
+    (_, _, _, held, sums, loss_sum), _ = lax.scan(tick, carry, table)
+    if len(program.drain):  # the gradients still held, in microbatch order
+
+        def drain(sums: Any, row_all: jax.Array) -> tuple[Any, None]:
+            slot, local = row_all[me, 0], row_all[me, 1]
+            return add(sums, local, _index(held, slot)), None
+
+        sums, _ = lax.scan(drain, sums, jnp.asarray(program.drain))
     return loss_sum, sums
 
 
@@ -242,6 +261,18 @@ def _rows(layouts: list[RowLayout]) -> dict[RowKey, jax.Array]:
 
 def _slotted(row: jax.Array, slots: int) -> jax.Array:
     return _vary(jnp.zeros((slots, *row.shape), row.dtype), aval_varying(jax.typeof(row)))
+
+
+def _slotted_tree(tree: Any, slots: int) -> Any:
+    """``slots`` copies of ``tree``'s zeros, stacked on a leading dimension (0: none)."""
+    return jax.tree.map(
+        lambda z: _vary(jnp.zeros((slots, *z.shape), z.dtype), aval_varying(jax.typeof(z))),
+        tree,
+    )
+
+
+def _write_tree(buf: Any, slot: jax.Array, value: Any) -> Any:
+    return jax.tree.map(lambda b, v: _write(b, slot, v), buf, value)
 
 
 def _vary(x: jax.Array, axes: frozenset[str]) -> jax.Array:

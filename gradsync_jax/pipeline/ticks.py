@@ -19,8 +19,15 @@ stash of slots) and what its input gradient leaves its weight gradient (``cross`
 are assigned per rank by interval colouring (optimal for intervals), and a buffer has the
 most slots any rank needs, plus one spare slot that the ticks which keep nothing write to (a
 write to a computed slot keeps XLA's update in place; a masked write would read the slot
-back and copy the whole buffer every tick). Everything here is plain Python and NumPy: the
-tables are static data that the step indexes with ``lax.axis_index("pp")``.
+back and copy the whole buffer every tick).
+
+A stage adds its microbatches' weight gradients in microbatch order under every schedule
+(docs/design.md §17), as the torch executor does. Where a schedule runs them out of order
+(looped BFS: last microbatch first), a gradient that comes early waits in the ``held``
+buffer until every one before it is in; each rank adds at most one gradient per tick, and
+what is left when the ticks end is added after the loop (``TickProgram.drain``), in order.
+Everything here is plain Python and NumPy: the tables are static data that the step indexes
+with ``lax.axis_index("pp")``.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ from gradsync_core import Action, PipelinePlan, simulate_pipeline
 
 IDLE, FORWARD, INPUT, WEIGHT = 0, 1, 2, 3  # the cell kinds
 KIND_NAMES = {FORWARD: "F", INPUT: "I", WEIGHT: "W"}
-BUFFERS = ("act", "grad", "stash", "cross")
+BUFFERS = ("act", "grad", "stash", "cross", "held")
 SOURCES = ("left", "right", "local")  # from rank r-1, from rank r+1, this rank's own output
 
 # Columns of the per-tick table. A read of "none" reads slot 0 and ignores it; a write of
@@ -51,6 +58,9 @@ COLUMNS = (
     "stash_write",  # forward
     "cross_read",  # weight gradient
     "cross_write",  # input gradient
+    "held_write",  # weight gradient, where the gradients wait (TickProgram.slots["held"])
+    "held_read",  # the held gradient added at this tick (none: the spare slot, all zeros)
+    "held_local",  # the local stage it is added to
     *(f"{buf}_from_{src}" for buf in ("act", "grad") for src in SOURCES),
 )
 COL = {name: i for i, name in enumerate(COLUMNS)}
@@ -82,7 +92,11 @@ class TickProgram:
     ``slots`` the slot count of each buffer, its spare slot not counted (the step allocates
     ``slots + 1``); ``sources`` which (buffer, source) receives ever happen, so the step
     writes only those; ``peak`` each rank's most stashed microbatches (forward done, weight
-    gradient not yet): ``slots["stash"]`` is their maximum.
+    gradient not yet): ``slots["stash"]`` is their maximum. ``slots["held"]`` is 0 where
+    every weight gradient runs in microbatch order (added as it is made: no ``held``
+    buffer); otherwise every weight gradient goes through it, and ``drain[j, r]`` is the
+    ``(held slot, local stage)`` rank r adds in the j-th step after the loop (the spare slot,
+    all zeros, once it has nothing left).
     """
 
     pp: int
@@ -97,6 +111,7 @@ class TickProgram:
     local_index: tuple[int, ...]  # per stage: its place among its rank's stages
     peak: tuple[int, ...]
     busy: tuple[int, ...]  # cells per rank
+    drain: np.ndarray  # (steps after the loop, pp, 2) int32: held slot, local stage
 
     @property
     def bubble(self) -> float:
@@ -169,6 +184,11 @@ def compile_ticks(plan: PipelinePlan) -> TickProgram:
                 tn, src_rank = when[INPUT, s + 1, mb]
                 intervals.append(("grad", rank, tn + 1, ti, (s, mb, 0)))
                 arrivals.append(("grad", tn, rank, _source(src_rank, rank, pp), (s, mb, 0)))
+    adds = {rank: _microbatch_order(grid[rank]) for rank in range(pp)}
+    if any(t != when[WEIGHT, s, mb][0] for added in adds.values() for t, s, mb in added):
+        for rank, added in adds.items():
+            for t, s, mb in added:
+                intervals.append(("held", rank, when[WEIGHT, s, mb][0], t, (s, mb, 0)))
     slot_of: dict[tuple[str, tuple[int, int, int]], int] = {}
     slots = {}
     for buf in BUFFERS:
@@ -188,6 +208,19 @@ def compile_ticks(plan: PipelinePlan) -> TickProgram:
     for name in COLUMNS:  # writes of "none" go to the spare slot
         if name.endswith("_write") or "_from_" in name:
             table[:, :, COL[name]] = slots[name.split("_")[0]]
+    table[:, :, COL["held_read"]] = slots["held"]  # the spare slot: zeros, nothing added
+    after = max((t - ticks + 1 for added in adds.values() for t, _, _ in added), default=0)
+    drain = np.zeros((max(after, 0) if slots["held"] else 0, pp, 2), dtype=np.int32)
+    drain[:, :, 0] = slots["held"]
+    if slots["held"]:
+        for rank, added in adds.items():
+            for t, s, mb in added:
+                slot = slot_of["held", (s, mb, 0)]
+                if t < ticks:
+                    table[t, rank, COL["held_read"]] = slot
+                    table[t, rank, COL["held_local"]] = local[s]
+                else:
+                    drain[t - ticks, rank] = (slot, local[s])
     for rank in range(pp):
         for t, cell in enumerate(grid[rank]):
             if cell is None:
@@ -209,6 +242,8 @@ def compile_ticks(plan: PipelinePlan) -> TickProgram:
             else:
                 row[COL["stash_read"]] = slot_of["stash", (s, mb, 0)]
                 row[COL["cross_read"]] = slot_of["cross", (s, mb, 0)]
+                if slots["held"]:
+                    row[COL["held_write"]] = slot_of["held", (s, mb, 0)]
     sources = set()
     for buf, t, rank, src, key in arrivals:
         table[t, rank, COL[f"{buf}_from_{src}"]] = slot_of[buf, key]
@@ -234,7 +269,43 @@ def compile_ticks(plan: PipelinePlan) -> TickProgram:
         local_index=tuple(local),
         peak=tuple(peak),
         busy=tuple(sum(c is not None for c in row) for row in grid),
+        drain=drain,
     )
+
+
+def _microbatch_order(cells: Sequence[Cell | None]) -> list[tuple[int, int, int]]:
+    """When one rank adds each weight gradient, ``(tick, stage, microbatch)``: every stage's
+    in microbatch order, at most one per tick, none before it is made; a gradient made in
+    order is added at once, one that comes early waits, and what still waits when the ticks
+    end is added at ticks ``len(cells)``, ``len(cells) + 1``, ... (after the loop)."""
+    following: dict[int, int] = {}  # stage -> the microbatch it adds next
+    waiting: dict[tuple[int, int], int] = {}  # (stage, microbatch) -> the tick it was made
+    out = []
+
+    def add_waiting(t: int) -> bool:
+        ready = [key for key in waiting if following.get(key[0], 0) == key[1]]
+        if not ready:
+            return False
+        s, mb = min(ready, key=lambda key: (waiting[key], key))
+        del waiting[s, mb]
+        following[s] = mb + 1
+        out.append((t, s, mb))
+        return True
+
+    for t, cell in enumerate(cells):
+        if cell is not None and cell.kind == WEIGHT:
+            s, mb = cell.stage, cell.microbatch
+            if following.get(s, 0) == mb:
+                following[s] = mb + 1
+                out.append((t, s, mb))
+                continue
+            waiting[s, mb] = t
+        add_waiting(t)
+    t = len(cells)
+    while waiting:
+        assert add_waiting(t), waiting  # every microbatch's weight gradient runs once
+        t += 1
+    return out
 
 
 def _source(src: int, dst: int, pp: int) -> str:

@@ -4,10 +4,12 @@ Every schedule runs a small transformer-like model (an embedding table, blocks o
 and a GELU MLP with a residual, a linear head with cross-entropy) on 8 CPU devices, float32,
 at pp 2 (dp 4) and pp 4 (dp 2), for two steps of Adam; the reference is the unpipelined model
 (its blocks in a ``lax.scan``): each data-parallel replica's microbatches (contiguous rows of
-its contiguous share of the batch) differentiated one by one and summed in the order the plan
-finishes their backwards, divided by the microbatches, averaged over dp, and the same Adam.
-Loss, parameters and both Adam moments must agree within 1e-5 relative (the reduction-order
-floor: XLA fuses the stage programs otherwise than the whole model's; measured: 3e-7).
+its contiguous share of the batch) differentiated one by one and summed in microbatch order,
+divided by the microbatches, averaged over dp, and the same Adam. Loss, parameters and both
+Adam moments must agree within 1e-5 relative (the reduction-order floor: XLA fuses the stage
+programs otherwise than the whole model's; measured: 3e-7). Among themselves the schedules
+agree bit for bit: every one adds a stage's microbatch gradients in microbatch order
+(docs/design.md §17), so a change of schedule, pp or stages per rank changes no bits.
 """
 
 from __future__ import annotations
@@ -20,16 +22,19 @@ import numpy as np
 import optax
 import pytest
 
-from gradsync_core import Topology, plan_pipeline
-from gradsync_jax import mesh_from_topology, shard_optimizer
+from gradsync_core import SCHEDULES, Topology, plan_pipeline
+from gradsync_jax import load_params, mesh_from_topology, shard_optimizer
 from gradsync_jax.pipeline import (
     PipelineModel,
     compile_ticks,
+    load_pipeline,
     natural_params,
     pipeline_params,
     pipeline_step,
+    save_pipeline,
+    sequential_params,
 )
-from tests.helpers import assert_tree_close
+from tests.helpers import assert_tree_close, assert_tree_equal
 
 DIM, HIDDEN, VOCAB, SEQ, ROWS = 8, 16, 11, 3, 2  # ROWS: rows per microbatch
 STEPS = 2
@@ -95,22 +100,6 @@ def make_batch(dp: int, m: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     return tokens, rng.integers(0, VOCAB, size=(rows, SEQ)).astype(np.int32)
 
 
-def backward_order(plan: Any) -> list[int]:
-    """The order in which the plan finishes the microbatches' backwards (their ``B`` or
-    ``W``): the order the executor adds their gradients in. The same for every stage."""
-    orders = []
-    for stage in plan.stages:
-        done = [
-            a.microbatch
-            for a in plan.compute_order(stage.rank)
-            for a in a.leaves
-            if a.stage == stage.index and a.kind in ("B", "W")
-        ]
-        orders.append(done)
-    assert all(o == orders[0] for o in orders), orders
-    return orders[0]
-
-
 def reference(
     natural: Any,
     batches: list[Any],
@@ -121,10 +110,9 @@ def reference(
     state: Any = None,
 ) -> tuple[Any, Any, list[float]]:
     """The unpipelined steps: per dp replica the microbatches' gradients (``grad_fn(params,
-    tokens, targets) -> (loss, grads)``) summed in the plan's order and divided by m, then
+    tokens, targets) -> (loss, grads)``) summed in microbatch order and divided by m, then
     the mean over replicas, then ``tx`` (from ``state``, default ``tx.init``)."""
     m = plan.microbatches
-    order = backward_order(plan)
     params = jax.tree.map(jnp.asarray, natural)
     state = tx.init(params) if state is None else state
     losses = []
@@ -133,7 +121,7 @@ def reference(
         replica_grads, replica_losses = [], []
         for d in range(dp):
             total = loss_sum = None
-            for i in order:  # float32 sums on the host: the same IEEE additions, no dispatch
+            for i in range(m):  # float32 sums on the host: the same IEEE additions, no dispatch
                 rows = slice(d * share + i * ROWS, d * share + (i + 1) * ROWS)
                 loss, grads = jax.device_get(grad_fn(params, tokens[rows], targets[rows]))
                 total = grads if total is None else jax.tree.map(np.add, total, grads)
@@ -147,19 +135,21 @@ def reference(
     return params, state, losses
 
 
-def run_case(
+def train(
     schedule: str,
     pp: int,
     v: int,
     m: int,
     *,
+    layers: int | None = None,
     stash: str = "residuals",
     zero: bool = False,
-) -> None:
+) -> dict[str, Any]:
+    """``STEPS`` Adam steps of the plan on 8 devices (pp x dp): the plan, the step, the
+    trained pipeline-layout parameters and state, the losses, and what the reference needs."""
     topology = Topology.create(8, pp=pp)
-    dp = topology.dp
     mesh = mesh_from_topology(topology)
-    layers = 2 * pp * v
+    layers = 2 * pp * v if layers is None else layers
     plan = plan_pipeline(
         schedule=schedule,
         microbatches=m,
@@ -173,7 +163,7 @@ def run_case(
     tx = shard_optimizer(inner, mesh) if zero else inner
     step = pipeline_step(MODEL, tx, mesh, plan, stash=stash)
     natural = init_params(layers)
-    batches = [make_batch(dp, m, seed) for seed in range(STEPS)]
+    batches = [make_batch(topology.dp, m, seed) for seed in range(STEPS)]
     params = pipeline_params(natural, plan, mesh)
     state = step.init(params)
     compiled = step.lower(params, state, batches[0]).compile(compiler_options=FAST_COMPILE)
@@ -181,8 +171,33 @@ def run_case(
     for batch in batches:
         params, state, loss = compiled(params, state, batch)
         losses.append(float(loss))
-    ref_params, ref_state, ref_losses = reference(natural, batches, plan, dp, inner)
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
+    return {
+        "plan": plan,
+        "step": step,
+        "params": params,
+        "state": state,
+        "losses": losses,
+        "natural": natural,
+        "batches": batches,
+        "inner": inner,
+    }
+
+
+def run_case(
+    schedule: str,
+    pp: int,
+    v: int,
+    m: int,
+    *,
+    stash: str = "residuals",
+    zero: bool = False,
+) -> None:
+    run = train(schedule, pp, v, m, stash=stash, zero=zero)
+    plan, step, params, state = run["plan"], run["step"], run["params"], run["state"]
+    ref_params, ref_state, ref_losses = reference(
+        run["natural"], run["batches"], plan, plan.topology.dp, run["inner"]
+    )
+    np.testing.assert_allclose(run["losses"], ref_losses, rtol=1e-6)
     assert_tree_close(natural_params(params, plan), ref_params, rtol=1e-5, what="params")
     got = step.natural_state(state, params)
     assert_tree_close(got[0].mu, ref_state[0].mu, rtol=1e-5, what="mu")
@@ -193,6 +208,39 @@ def run_case(
         for leaf in jax.tree.leaves(params[part]):
             leaf = np.asarray(leaf)
             assert all(np.array_equal(leaf[0], leaf[r]) for r in range(pp)), part
+
+
+def assert_same_bits(schedules: list[tuple[str, int]], pp: int, m: int) -> None:
+    """Each ``(schedule, stages per rank)`` trains 8 blocks at ``pp``: the losses, the
+    parameters and both Adam moments equal the first's bit for bit."""
+    first = None
+    for schedule, v in schedules:
+        run = train(schedule, pp, v, m, layers=8)
+        plan, step = run["plan"], run["step"]
+        state = step.natural_state(run["state"], run["params"])[0]
+        got = {
+            "losses": run["losses"],
+            "params": natural_params(run["params"], plan),
+            "mu": state.mu,
+            "nu": state.nu,
+        }
+        if first is None:
+            first, name = got, schedule
+            continue
+        for what, want in first.items():
+            for path, a in jax.tree_util.tree_leaves_with_path(got[what]):
+                b = np.asarray(_at(want, path))
+                a = np.asarray(a)
+                assert np.array_equal(a, b), (
+                    f"{schedule} vs {name} at pp {pp}: {what}{jax.tree_util.keystr(path)} "
+                    f"differs by up to {float(np.abs(a - b).max()):.3g}"
+                )
+
+
+def _at(tree: Any, path: Any) -> Any:
+    for key in path:
+        tree = tree[key.idx if hasattr(key, "idx") else key.key]
+    return tree
 
 
 # (schedule, pp, stages per rank, microbatches)
@@ -221,6 +269,19 @@ def test_1f1b_equals_unpipelined() -> None:
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-pp{c[1]}-v{c[2]}-m{c[3]}")
 def test_schedule_equals_unpipelined(case: tuple[str, int, int, int]) -> None:
     run_case(*case)
+
+
+def test_looped_bfs_changes_no_bits() -> None:
+    """Issue 35 item 4: looped BFS runs a stage's backwards last microbatch first, and its
+    gradients are still added in microbatch order: the same bits as 1F1B (one stage per
+    rank) and interleaved 1F1B (two), at pp 2."""
+    assert_same_bits([("1F1B", 1), ("LoopedBFS", 2), ("Interleaved1F1B", 2)], pp=2, m=4)
+
+
+@pytest.mark.slow
+def test_every_schedule_same_bits() -> None:
+    """Every schedule at pp 4 (one stage per rank or two): the same bits."""
+    assert_same_bits([(name, 1 if name in ("GPipe", "1F1B") else 2) for name in SCHEDULES], 4, 8)
 
 
 @pytest.mark.slow
@@ -391,3 +452,35 @@ def test_continues_on_another_pipeline(direction: str) -> None:
     assert_tree_close(saved_state[0].mu, ref_state[0].mu, rtol=1e-5, what="mu")
     assert_tree_close(saved_state[0].nu, ref_state[0].nu, rtol=1e-5, what="nu")
     assert int(saved_state[0].count) == 2
+
+
+def test_checkpoint_round_trip(tmp_path: Any) -> None:
+    """``save_pipeline`` at pp 2 (ZB1P) and ``load_pipeline`` at pp 4 (1F1B, ZeRO-1): the
+    parameters and Adam state come back bit for bit, under the sequential names torch's
+    ``split_model`` gives ``nn.Sequential(embedding, *blocks, head)``; another model is
+    refused with one sentence."""
+    layers, m = 8, 4
+    inner = optax.adam(1e-2)
+    natural = init_params(layers)
+    rng = np.random.default_rng(1)
+    saved_state = jax.tree.map(
+        lambda x: rng.normal(size=np.shape(x)).astype(np.float32), inner.init(natural)
+    )
+    saved_state = (saved_state[0]._replace(count=np.int32(3)), *saved_state[1:])
+    first = make_plan("ZB1P", 2, 2, m, layers)
+    mesh = mesh_from_topology(first.topology)
+    step = pipeline_step(MODEL, inner, mesh, first)
+    params = pipeline_params(natural, first, mesh)
+    save_pipeline(tmp_path / "ckpt", step, params, step.pipeline_state(saved_state, params), step=3)
+    stored = load_params(tmp_path / "ckpt", sequential_params(natural))
+    assert sorted(stored) == [str(i) for i in range(layers + 2)]
+    assert_tree_equal(stored["1"], jax.tree.map(lambda x: x[0], natural["blocks"]))
+    second = make_plan("1F1B", 4, 1, m, layers)
+    mesh = mesh_from_topology(second.topology)
+    other = pipeline_step(MODEL, shard_optimizer(inner, mesh), mesh, second)
+    loaded, state, manifest = load_pipeline(tmp_path / "ckpt", other, natural)
+    assert (manifest.framework, manifest.step) == ("jax", 3)
+    assert_tree_equal(natural_params(loaded, second), natural)
+    assert_tree_equal(other.natural_state(state, loaded), saved_state, same_structure=True)
+    with pytest.raises(ValueError, match=r"do not match the model: it lacks '5\.w'"):
+        load_pipeline(tmp_path / "ckpt", other, init_params(4))
