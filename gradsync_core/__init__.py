@@ -12,7 +12,9 @@ from gradsync_core.checkpoint import (
     CheckpointError,
     HyperparameterWarning,
     Manifest,
+    SaveHandle,
     read_manifest,
+    wait_for_saves,
 )
 from gradsync_core.plan import (
     AXES,
@@ -125,6 +127,7 @@ __all__ = [
     "RankMemory",
     "ReductionPlan",
     "SamplerPlan",
+    "SaveHandle",
     "Shard",
     "ShardPlan",
     "ShardedParam",
@@ -165,5 +168,6 @@ __all__ = [
     "simulate_pipeline",
     "split_expert_specs",
     "split_shapes",
+    "wait_for_saves",
     "with_replicated_over",
 ]

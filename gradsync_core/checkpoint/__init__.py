@@ -4,10 +4,12 @@
 ``CheckpointError``, ``COUNTERPARTS``); this module holds what an executor needs to read and
 write the format: the switching save (``run_save`` behind ``SaveAgreement``, or its steps
 ``begin_save`` / ``commit_save`` / ``discard_save``), file and tensor names, the manifest
-writer, the key and optimizer checks, the bounded safetensors header reader, which stored
-element ranges a load reads (``state_reads``, ``weight_reads``) and the fault points of a
-save. ``gradsync_torch`` and ``gradsync_jax`` import from here; a new executor would too.
-Standard library only, like the rest of the core.
+writer, saves that do not stop training (``start_save``: the save's second half in a background
+thread, at most one in flight, ``SaveHandle``, ``wait_for_saves``), the rank-file writer that
+takes tensors' bytes uncopied (``tensor_file``), the key and optimizer checks, the bounded
+safetensors header reader, which stored element ranges a load reads (``state_reads``,
+``weight_reads``) and the fault points of a save. ``gradsync_torch`` and ``gradsync_jax`` import
+from here; a new executor would too. Standard library only, like the rest of the core.
 """
 
 from gradsync_core.checkpoint._atomic import (
@@ -19,6 +21,7 @@ from gradsync_core.checkpoint._atomic import (
     resolve_checkpoint,
     staging_directory,
 )
+from gradsync_core.checkpoint._background import SAVE_FAILED_EXIT, SaveHandle, wait_for_saves
 from gradsync_core.checkpoint._data_position import data_extra, restore_data
 from gradsync_core.checkpoint._files import open_checkpoint_file
 from gradsync_core.checkpoint._format import (
@@ -48,7 +51,14 @@ from gradsync_core.checkpoint._model_weights import (
 )
 from gradsync_core.checkpoint._param_shard_state import DIM0, plan_dim0_shards
 from gradsync_core.checkpoint._reads import Window, WindowRead, state_reads, weight_reads
-from gradsync_core.checkpoint._safetensors import MAX_HEADER_BYTES, data_range, read_header
+from gradsync_core.checkpoint._safetensors import (
+    DTYPE_BYTES,
+    MAX_HEADER_BYTES,
+    TensorBytes,
+    data_range,
+    read_header,
+    tensor_file,
+)
 from gradsync_core.checkpoint._save_hooks import SAVE_POINTS, save_hook
 from gradsync_core.checkpoint._save_protocol import (
     CheckpointError,
@@ -56,6 +66,7 @@ from gradsync_core.checkpoint._save_protocol import (
     SaveSteps,
     error_message,
     run_save,
+    start_save,
     write_rank_file,
 )
 from gradsync_core.checkpoint._state_keys import (
@@ -82,6 +93,7 @@ from gradsync_core.checkpoint._storage import (
 __all__ = [
     "COUNTERPARTS",
     "DIM0",
+    "DTYPE_BYTES",
     "FORMAT_VERSION",
     "HYPERPARAMETERS",
     "LEGACY_OPTIMIZER_NAMES",
@@ -91,13 +103,16 @@ __all__ = [
     "MODEL_PARAM",
     "OPTIMIZER_STATE_KEYS",
     "RANK_FILE_RE",
+    "SAVE_FAILED_EXIT",
     "SAVE_POINTS",
     "WRAPPER_PREFIX",
     "CheckpointError",
     "HyperparameterWarning",
     "Manifest",
     "SaveAgreement",
+    "SaveHandle",
     "SaveSteps",
+    "TensorBytes",
     "Window",
     "WindowRead",
     "begin_save",
@@ -133,10 +148,13 @@ __all__ = [
     "save_hook",
     "sha256_file",
     "staging_directory",
+    "start_save",
     "state_reads",
+    "tensor_file",
     "tensor_key",
     "unwrapped_names",
     "verify_file_hashes",
+    "wait_for_saves",
     "weight_owners",
     "weight_reads",
     "write_atomic",

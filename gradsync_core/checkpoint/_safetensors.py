@@ -6,19 +6,101 @@ the tensors' bytes. The header alone says what a file holds, so ``gradsync check
 inspect`` reads nothing else and the JAX executor reads each tensor at its offset; both read
 the header here, checked against the file's size before it is read, so a forged length can
 neither make a reader allocate gigabytes nor read past the end.
+
+Both executors write their rank files through ``tensor_file``: the header made here and each
+tensor's bytes taken as they lie in memory (a live tensor, or a save's staging buffer), never
+joined into one serialized copy, which is what a save in the background needs: safetensors'
+own ``save`` builds the whole file in one ``bytes`` while holding the GIL, and refuses
+tensors that share one buffer.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from gradsync_core.checkpoint._files import open_checkpoint_file
 
 # A header larger than this is not one gradsync wrote (it lists a few keys per parameter).
 MAX_HEADER_BYTES = 100 << 20
+
+# Bytes per element of each safetensors dtype, as the safetensors specification names them.
+DTYPE_BYTES: Mapping[str, int] = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "U16": 2,
+    "I16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "U32": 4,
+    "I32": 4,
+    "F32": 4,
+    "U64": 8,
+    "I64": 8,
+    "F64": 8,
+    "C64": 8,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class TensorBytes:
+    """One tensor of a safetensors file to write: its key, safetensors dtype (``"F32"``),
+    shape, and its bytes in C order (anything ``memoryview`` takes, C-contiguous)."""
+
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    data: Any
+
+
+def tensor_file(tensors: Sequence[TensorBytes], metadata: Mapping[str, str]) -> list[Any]:
+    """The chunks of a safetensors file holding ``tensors`` in the order given: the header,
+    then each tensor's bytes, uncopied (``write_rank_file`` writes and hashes them).
+
+    Raises:
+        ValueError: an unknown dtype, a repeated or reserved key, or a tensor whose bytes are
+            not its shape's.
+
+    Example:
+        >>> chunks = tensor_file([TensorBytes("w", "U8", (2,), b"ab")], {"rank": "0"})
+        >>> b"".join(chunks)[8:].decode().rstrip()
+        '{"__metadata__":{"rank":"0"},"w":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}}'
+    """
+    header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
+    chunks: list[Any] = []
+    offset = 0
+    for tensor in tensors:
+        if tensor.key in header:
+            raise ValueError(f"tensor key {tensor.key!r} is repeated or reserved in a rank file")
+        if tensor.dtype not in DTYPE_BYTES:
+            raise ValueError(
+                f"tensor {tensor.key!r} has dtype {tensor.dtype!r}, not a safetensors one"
+            )
+        view = memoryview(tensor.data).cast("B")
+        nbytes = math.prod(tensor.shape) * DTYPE_BYTES[tensor.dtype]
+        if len(view) != nbytes:
+            raise ValueError(
+                f"tensor {tensor.key!r} of shape {tensor.shape} {tensor.dtype} has {len(view)} "
+                f"bytes, expected {nbytes}"
+            )
+        header[tensor.key] = {
+            "dtype": tensor.dtype,
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        chunks.append(view)
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors pads it
+    return [struct.pack("<Q", len(text)) + text, *chunks]
 
 
 def read_header(path: str | os.PathLike[str]) -> tuple[dict[str, Any], int]:

@@ -22,6 +22,15 @@ on the failing rank the original exception is its ``__cause__``.
 Fault injection: ``save_hook(point, action)`` runs ``action`` at one of ``SAVE_POINTS``, so
 the fault tests kill or fail a save at a named step instead of patching private functions.
 
+Saves that do not stop training (``start_save``, an executor's ``blocking=False``): step 1
+runs in the caller's thread and copies this rank's bytes into host staging buffers; steps 2
+to 4 run in a background thread (``_background``: at most one save in flight per process,
+its failure raised at ``wait()``, the next save or exit). That thread agrees over
+collectives of its own, never the training's: the executor gives ``start_save`` an
+agreement on a separate group (torch: a gloo group made for it; JAX: the distributed
+client's key-value store), so its collectives cannot interleave with training's. A failure
+to prepare on one rank is held and becomes step 1's agreed failure, in the background.
+
 Progress: the leader logs each save's start, its steps and its end (files, bytes, elapsed) at
 INFO through ``logging`` (this module's logger, under ``gradsync_core``). No handler is
 configured, so saves are silent unless the program asks, e.g.
@@ -35,7 +44,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Generic, Protocol, TypeVar
 
 from gradsync_core.checkpoint._atomic import (
@@ -46,6 +55,12 @@ from gradsync_core.checkpoint._atomic import (
     release_save,
 )
 from gradsync_core.checkpoint._atomic import staging_directory as _staging_directory
+from gradsync_core.checkpoint._background import (
+    SaveHandle,
+    in_background,
+    start_background,
+    wait_for_saves,
+)
 from gradsync_core.checkpoint._format import Manifest
 from gradsync_core.checkpoint._save_hooks import run_hook
 from gradsync_core.checkpoint._storage import write_atomic, write_manifest
@@ -112,12 +127,16 @@ def error_message(error: BaseException) -> str:
     return f"{error}" if isinstance(error, ValueError) else f"{type(error).__name__}: {error}"
 
 
-def write_rank_file(staging: str, name: str, data: bytes) -> str:
-    """Write one rank file atomically into ``staging``; return its sha256 (hex)."""
+def write_rank_file(staging: str, name: str, data: bytes | Sequence[Any]) -> str:
+    """Write one rank file atomically into ``staging``; return its sha256 (hex).
+
+    ``data``: its bytes, or the chunks ``tensor_file`` makes (hashed as they are written).
+    """
     run_hook("before_file")
-    write_atomic(os.path.join(staging, name), data)
+    digest = hashlib.sha256()
+    write_atomic(os.path.join(staging, name), data, digest=digest)
     run_hook("after_file")
-    return hashlib.sha256(data).hexdigest()
+    return digest.hexdigest()
 
 
 class _Step:
@@ -161,8 +180,11 @@ def run_save(
 
     Raises:
         CheckpointError: on every rank when any rank failed any step; ``path`` then still
-            names the previous checkpoint.
+            names the previous checkpoint. Also a save in the background that failed before
+            this one and was not yet raised (this save then does not start).
     """
+    if not in_background():
+        wait_for_saves()  # at most one save in flight; its failure is raised here
     start = time.monotonic()
     if agreement.leader:
         _log.info("saving checkpoint %s", os.fspath(path))
@@ -257,3 +279,58 @@ def _write_and_commit(
             time.monotonic() - start,
         )
     return manifest
+
+
+def start_save(
+    path: str | os.PathLike[str], agreement: SaveAgreement, steps: SaveSteps[P], *, what: str
+) -> SaveHandle:
+    """Start a save that does not stop training (a collective, like ``run_save``).
+
+    Waits for the save in flight, if any (raising its failure); runs ``steps.prepare`` here
+    (it copies this rank's bytes into staging buffers nothing else writes until the save
+    ends), then ``run_save``'s other steps in a background thread, with ``agreement``, which
+    must not share its collectives with training. A failure of ``prepare`` is held and
+    agreed there, so it reaches every rank alike.
+
+    Args:
+        path: the checkpoint path.
+        agreement: the collectives of the background thread.
+        steps: the executor's framework part; ``prepare`` is called in this thread.
+        what: the failure's subject.
+
+    Returns:
+        The save's handle (``wait()`` returns the manifest, on every rank).
+
+    Raises:
+        CheckpointError: the previous save in the background failed and was not yet raised.
+    """
+    wait_for_saves()
+    held: BaseException | None = None
+    prepared: Any = None
+    try:
+        prepared = steps.prepare()
+    except BaseException as e:  # agreed in the background, so every rank hears of it
+        held = e
+
+    def prepare() -> Any:
+        if held is not None:
+            raise held
+        return prepared
+
+    background = replace(steps, prepare=prepare)
+
+    def wrap(error: BaseException) -> BaseException:
+        if isinstance(error, CheckpointError):
+            return error
+        # A collective that broke (a rank died, the group was destroyed) or an interrupt:
+        # still one sentence, the original its cause.
+        failure = CheckpointError(f"{what} ({agreement.who}): {error_message(error)}")
+        failure.__cause__ = error
+        return failure
+
+    handle = start_background(
+        os.fspath(path), lambda: run_save(path, agreement, background, what=what), wrap
+    )
+    if held is not None and not isinstance(held, Exception):
+        raise held  # an interrupt stays one here; the others hear of it in the background
+    return handle
