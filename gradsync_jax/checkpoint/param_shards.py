@@ -23,14 +23,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import replace
-from typing import Any
+from typing import Any, Literal, overload
 
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from gradsync_core import Manifest, ShardPlan, read_manifest
+from gradsync_core import Manifest, SaveHandle, ShardPlan, read_manifest
 from gradsync_core.checkpoint import (
     Window,
     data_extra,
@@ -113,6 +113,34 @@ class _RowShards:
         return values
 
 
+@overload
+def save_param_shards(
+    path: str | os.PathLike[str],
+    zero3: Zero3Step,
+    params: Any,
+    opt_state: Any,
+    *,
+    step: int,
+    optimizer_name: str | None = None,
+    data: Any = None,
+    blocking: Literal[True] = True,
+) -> Manifest: ...
+
+
+@overload
+def save_param_shards(
+    path: str | os.PathLike[str],
+    zero3: Zero3Step,
+    params: Any,
+    opt_state: Any,
+    *,
+    step: int,
+    optimizer_name: str | None = None,
+    data: Any = None,
+    blocking: Literal[False],
+) -> SaveHandle: ...
+
+
 @renamed_keywords(directory="path", optimizer="optimizer_name")
 def save_param_shards(
     path: str | os.PathLike[str],
@@ -123,7 +151,8 @@ def save_param_shards(
     step: int,
     optimizer_name: str | None = None,
     data: Any = None,
-) -> Manifest:
+    blocking: bool = True,
+) -> Manifest | SaveHandle:
     """Write a ``zero3_step`` training state to the checkpoint directory ``path`` (replaced
     only once complete).
 
@@ -136,10 +165,14 @@ def save_param_shards(
         step: the training step, stored in the manifest.
         optimizer_name: a name checked on load (default: the canonical one, ``"adamw"``).
         data: a ``ResumableSampler`` whose position the manifest stores.
+        blocking: ``False``: return once this process's rank files (and the weights, gathered
+            first) are copied to host staging memory; the rest runs in the background, as
+            ``save_optimizer_state(blocking=False)`` does.
 
     Returns:
         The manifest written; ``extra["partition"]`` is ``"param_shards"`` and
-        ``extra["param_shard_plan"]`` the plan (torch names) the state was sharded by.
+        ``extra["param_shard_plan"]`` the plan (torch names) the state was sharded by. With
+        ``blocking=False`` a ``SaveHandle`` whose ``wait()`` returns it.
 
     Raises:
         CheckpointError: on every process, naming the one that failed; the previous
@@ -175,6 +208,7 @@ def save_param_shards(
         n=n,
         extra={**position, "param_shard_plan": layout.plan.to_json()},
         what=f"cannot save ZeRO-3 checkpoint {os.fspath(path)}",
+        blocking=blocking,
     )
 
 

@@ -14,12 +14,20 @@ nothing half-written ever becomes the checkpoint (the steps: docs/design.md §9)
 reads only each process's part (``load_param_shards``) ends in the same agreement
 (``agreed_read``): a check that failed on one process fails the load on all.
 
+A save with ``blocking=False`` agrees in a background thread while training goes on, where
+a device collective (``process_allgather`` compiles and runs a computation over every
+device) would interleave with the training step's own on each process differently. So it
+agrees through the distributed client's key-value store instead (``KeyValueSaveAgreement``):
+each process publishes its answer under a key of its own and reads the others', blocking
+with a timeout, which releases the GIL; no device is involved.
+
 Rank files are written by different processes into one directory, so the checkpoint path
 must be on a file system every process sees (NFS, Lustre, a local disk for one host).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from collections.abc import Callable
@@ -137,6 +145,89 @@ class ProcessSaveAgreement:
         if self.count == 1:
             return [record]
         return [json.loads(r) for r in _gather_bytes(json.dumps(record).encode("utf-8"))]
+
+
+# How long a process waits for another's answer in a background save's agreement: long enough
+# for a slow peer's fsync of a large file, short enough that a lost peer ends the save.
+KEY_VALUE_TIMEOUT_S = 1800.0
+_KEY_PREFIX = "gradsync/background_save"
+_saves = itertools.count()  # background saves started by this process, the same on every one
+
+
+def _client() -> Any:
+    from jax._src import distributed  # the client jax.distributed.initialize made
+
+    client = distributed.global_state.client
+    if client is None:
+        raise RuntimeError("jax.distributed is not initialized, so there is no key-value store")
+    return client
+
+
+class KeyValueSaveAgreement:
+    """``SaveAgreement`` of a background save over the JAX processes, through the distributed
+    client's key-value store (process 0 leads).
+
+    Every verb is one round: each process sets ``<save>/<round>/<process>`` and reads every
+    process's key of that round. The saves are numbered in the order the processes make
+    them (a collective, so alike everywhere); once every process has answered a save's first
+    round, all of them are past the previous save, whose keys process 0 then deletes.
+    """
+
+    def __init__(self, timeout_s: float = KEY_VALUE_TIMEOUT_S) -> None:
+        self.count = jax.process_count()
+        self.index = jax.process_index()
+        self.client = _client()
+        self.save = next(_saves)
+        self.timeout_ms = int(timeout_s * 1000)
+        self._round = 0
+
+    @property
+    def leader(self) -> bool:
+        """Whether this process opens the staging directory and writes the manifest."""
+        return self.index == 0
+
+    @property
+    def who(self) -> str:
+        """``"process 1"``, as errors name this process."""
+        return f"process {self.index}"
+
+    def _exchange(self, value: Any) -> list[Any]:
+        """Every process's JSON-able ``value`` of this round, in process order."""
+        round_ = f"{_KEY_PREFIX}/{self.save}/{self._round}"
+        self._round += 1
+        self.client.key_value_set(f"{round_}/{self.index}", json.dumps(value))
+        values = [
+            json.loads(self.client.blocking_key_value_get(f"{round_}/{p}", self.timeout_ms))
+            for p in range(self.count)
+        ]
+        if self._round == 1 and self.leader and self.save > 0:
+            self.client.key_value_delete(f"{_KEY_PREFIX}/{self.save - 1}")
+        return values
+
+    def all_ok(self, error: str | None, what: str) -> None:
+        """Raise the first failing process's ``error`` as ``CheckpointError`` everywhere."""
+        failed = [(p, e) for p, e in enumerate(self._exchange(error)) if e is not None]
+        if failed:
+            process, message = failed[0]
+            raise CheckpointError(f"{what} (process {process}): {message}")
+
+    def share_token(self, token: str | None) -> str:
+        """Process 0's save token, on every process."""
+        shared = self._exchange(token)[0]
+        assert isinstance(shared, str)  # process 0 failed to make one: all_ok raised before
+        return shared
+
+    def gather(self, record: Any) -> list[Any]:
+        """Every process's JSON-able ``record``, in process order."""
+        return self._exchange(record)
+
+
+def background_agreement() -> ProcessSaveAgreement | KeyValueSaveAgreement:
+    """The agreement of a save in the background: none needed with one process (no
+    collectives), else the key-value store's."""
+    if jax.process_count() == 1:
+        return ProcessSaveAgreement()
+    return KeyValueSaveAgreement()
 
 
 def agreed_read(read: Callable[[], T], version: str, what: str) -> T:

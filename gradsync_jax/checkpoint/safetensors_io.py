@@ -32,6 +32,8 @@ _DTYPES = {
     "U8": np.uint8,
     "BOOL": np.bool_,
 }
+# NumPy -> safetensors dtype names, for writing (gradsync_jax/checkpoint/staging.py).
+SAFETENSORS_NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}
 
 
 class TensorEntry(NamedTuple):

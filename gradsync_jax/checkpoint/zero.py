@@ -19,15 +19,15 @@ import os
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple, overload
 
 import jax
 import numpy as np
 import optax
-from safetensors.numpy import save as save_bytes
 
 from gradsync_core import HyperparameterWarning, Manifest, ParamSpec, read_manifest
 from gradsync_core.checkpoint import (
+    SaveHandle,
     SaveSteps,
     canonical_optimizer,
     check_compatible,
@@ -41,6 +41,8 @@ from gradsync_core.checkpoint import (
     resolve_checkpoint,
     restore_data,
     run_save,
+    start_save,
+    tensor_file,
     tensor_key,
     write_rank_file,
 )
@@ -50,7 +52,14 @@ from gradsync_jax.checkpoint import optimizers
 from gradsync_jax.checkpoint.hyperparams import measure_hyperparams
 from gradsync_jax.checkpoint.model_state import weights_by_rank
 from gradsync_jax.checkpoint.optimizers import canonical_key
-from gradsync_jax.checkpoint.processes import ProcessSaveAgreement, local_ranks, local_view, place
+from gradsync_jax.checkpoint.processes import (
+    ProcessSaveAgreement,
+    background_agreement,
+    local_ranks,
+    local_view,
+    place,
+)
+from gradsync_jax.checkpoint.staging import STAGING, tensor_bytes
 from gradsync_jax.checkpoint.stored import GLOBAL_PARAM, StoredFiles, check_finite
 from gradsync_jax.zero.flat import FlatLayout
 from gradsync_jax.zero.layout import Layout, ZeroState
@@ -81,6 +90,38 @@ def _counts_as_steps(space: ModelSpace) -> bool:
     return has_count and with_state == set(range(len(space.specs)))
 
 
+@overload
+def save_optimizer_state(
+    path: str | os.PathLike[str],
+    tx: ShardedOptimizer,
+    state: ZeroState,
+    params: Any,
+    *,
+    step: int,
+    optimizer_name: str | None = None,
+    modules: Mapping[str, str] | None = None,
+    model: Any = None,
+    data: Any = None,
+    blocking: Literal[True] = True,
+) -> Manifest: ...
+
+
+@overload
+def save_optimizer_state(
+    path: str | os.PathLike[str],
+    tx: ShardedOptimizer,
+    state: ZeroState,
+    params: Any,
+    *,
+    step: int,
+    optimizer_name: str | None = None,
+    modules: Mapping[str, str] | None = None,
+    model: Any = None,
+    data: Any = None,
+    blocking: Literal[False],
+) -> SaveHandle: ...
+
+
 @renamed_keywords(directory="path", optimizer="optimizer_name")
 def save_optimizer_state(
     path: str | os.PathLike[str],
@@ -93,7 +134,8 @@ def save_optimizer_state(
     modules: Mapping[str, str] | None = None,
     model: Any = None,
     data: Any = None,
-) -> Manifest:
+    blocking: bool = True,
+) -> Manifest | SaveHandle:
     """Write ``state`` to the checkpoint directory ``path``, replacing the checkpoint there
     only once complete.
 
@@ -115,15 +157,22 @@ def save_optimizer_state(
             read back with ``load_params`` or ``ZeroRedundancyOptimizer.load(model=)``.
         data: a ``ResumableSampler`` whose position (``state_dict()``) the manifest
             stores as ``extra["data"]``; ``load_optimizer_state(..., data=)`` restores it.
+        blocking: ``False``: return once the tensors of this process's rank files are
+            copied to host staging memory (allocated at the first such save, reused); the
+            files are written, hashed and switched in in a background thread while training
+            goes on, the processes agreeing through the distributed key-value store. At most
+            one save is in flight: the next save waits for it (docs/checkpoints.md).
 
     Returns:
-        The manifest written.
+        The manifest written; with ``blocking=False`` a ``SaveHandle`` whose ``wait()``
+        returns it.
 
     Raises:
         CheckpointError: on every process, naming the process that failed its part (the
             state does not match ``params``, the path cannot hold a checkpoint, a write
             failed); the previous checkpoint is then kept. A ``ValueError`` and a
             ``RuntimeError`` both; on the failing process the original error is its cause.
+            With ``blocking=False``, at ``wait()``, the next save or, unraised, at exit.
 
     Example:
         >>> save_optimizer_state("ckpt/opt", tx, opt_state, params, step=100)
@@ -157,6 +206,7 @@ def save_optimizer_state(
         n=n,
         extra=position,
         what=f"cannot save optimizer checkpoint {os.fspath(path)}",
+        blocking=blocking,
     )
 
 
@@ -168,14 +218,17 @@ def save_rank_files(
     n: int,
     extra: Mapping[str, Any],
     what: str,
-) -> Manifest:
+    blocking: bool = True,
+) -> Manifest | SaveHandle:
     """The save of both JAX savers (ZeRO-1/2 state here, ZeRO-3 in ``param_shards``): this
     process writes the rank files ``mine`` of ``n`` from what ``prepare`` returns, and the
-    manifest gains ``extra``; one ``run_save`` agreed across the processes."""
+    manifest gains ``extra``; one ``run_save`` agreed across the processes. With
+    ``blocking=False`` those files' tensors are copied into ``STAGING`` and the rest runs in
+    the background (``start_save``, agreed by ``background_agreement``)."""
 
     def write_files(prepared: _Prepared, staging: str) -> dict[int, str]:
         return {
-            rank: write_rank_file(staging, rank_file(rank, n), _file_bytes(prepared, rank, n))
+            rank: write_rank_file(staging, rank_file(rank, n), _file_chunks(prepared, rank, n))
             for rank in mine
         }
 
@@ -188,7 +241,14 @@ def save_rank_files(
             extra={**prepared.manifest.extra, **extra},
         ),
     )
-    return run_save(path, ProcessSaveAgreement(), steps, what=what)
+    if blocking:
+        return run_save(path, ProcessSaveAgreement(), steps, what=what)
+
+    def stage() -> _Prepared:
+        prepared = prepare()  # the files of other processes' ranks are not this one's
+        return prepared._replace(files=STAGING.stage({r: prepared.files[r] for r in mine}))
+
+    return start_save(path, background_agreement(), replace(steps, prepare=stage), what=what)
 
 
 class _Prepared(NamedTuple):
@@ -199,10 +259,10 @@ class _Prepared(NamedTuple):
     manifest: Manifest
 
 
-def _file_bytes(prepared: _Prepared, rank: int, n: int) -> bytes:
+def _file_chunks(prepared: _Prepared, rank: int, n: int) -> list[Any]:
     """Rank ``rank``'s file, recording its rank and world size (checked on every load)."""
     metadata = {"framework": "jax", **rank_file_metadata(rank, n)}
-    return save_bytes(prepared.files[rank], metadata=metadata)
+    return tensor_file(tensor_bytes(prepared.files[rank]), metadata)
 
 
 class _ModelSpaceState(NamedTuple):
@@ -269,7 +329,8 @@ def _prepare(
                 continue
             if plan.kind != "greedy":
                 whole = whole.reshape(-1)[shard.start : shard.stop]
-            files[shard.rank][tensor_key(shard.name, key)] = np.array(whole, order="C")
+            # A view: the write (or a background save's staging) copies it once.
+            files[shard.rank][tensor_key(shard.name, key)] = whole
     owners = None
     if model is not None:
         weights, owners = weights_by_rank(model, plan, modules=modules)

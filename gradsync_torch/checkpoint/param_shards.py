@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import Any, Literal, cast, overload
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from gradsync_core.checkpoint import data_extra, plan_dim0_shards, restore_data
+from gradsync_core.checkpoint import SaveHandle, data_extra, plan_dim0_shards, restore_data
 from gradsync_core.deprecation import deprecated_alias
 from gradsync_torch._optim_state import (
     OwnsShardedState,
@@ -133,13 +133,36 @@ def _step(optimizer: torch.optim.Optimizer) -> int:
     return max(steps, default=0)
 
 
+@overload
 def save_param_shards(
     path: str | os.PathLike[str],
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     *,
     data: Any = None,
-) -> None:
+    blocking: Literal[True] = True,
+) -> None: ...
+
+
+@overload
+def save_param_shards(
+    path: str | os.PathLike[str],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    data: Any = None,
+    blocking: Literal[False],
+) -> SaveHandle: ...
+
+
+def save_param_shards(
+    path: str | os.PathLike[str],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    data: Any = None,
+    blocking: bool = True,
+) -> SaveHandle | None:
     """Write a resharding checkpoint of a ``fully_shard``-ed ``model`` and its ``optimizer``
     to directory ``path`` (a collective over the model's mesh; one shared filesystem).
 
@@ -153,6 +176,12 @@ def save_param_shards(
         model: the root module ``fully_shard`` was applied to (a wrapper's ``module`` is used).
         optimizer: a torch optimizer built on ``model``'s sharded parameters (``AdamW``, ...).
         data: a ``ResumableSampler`` whose position goes into the manifest.
+        blocking: ``False``: return once this rank's rows (and the weights it stores,
+            gathered first) are copied to host staging memory; the files are written in the
+            background (``ZeroRedundancyOptimizer.save`` says how). Not under HSDP.
+
+    Returns:
+        ``None``; with ``blocking=False`` the save's ``SaveHandle``.
 
     Raises:
         ValueError: a parameter not sharded by ``fully_shard``, unknown names, or any rank's
@@ -162,14 +191,25 @@ def save_param_shards(
         >>> save_param_shards("ckpt/step100", model, optimizer)  # doctest: +SKIP
     """
     sharded = _Sharded(model, optimizer)
+    if not blocking:
+        if sharded.replicate_group is not None:
+            raise ValueError(
+                "save_param_shards(blocking=False) does not support HSDP (a replicated "
+                "mesh): only replica 0 writes, and the other replicas would not hear of a "
+                "failure in the background; pass blocking=True"
+            )
+        return _save(path, sharded, optimizer, data, blocking=False)
     what = f"cannot save checkpoint {os.fspath(path)} (HSDP: written by replica 0)"
     if sharded.replica == 0:  # the other replicas hold the same rows: they wait below
         _across_replicas(sharded, lambda: _save(path, sharded, optimizer, data), what)
     else:
         _across_replicas(sharded, lambda: None, what)
+    return None
 
 
-def _save(path: Any, sharded: _Sharded, optimizer: torch.optim.Optimizer, data: Any) -> None:
+def _save(
+    path: Any, sharded: _Sharded, optimizer: torch.optim.Optimizer, data: Any, blocking: bool = True
+) -> SaveHandle | None:
     """The save of one shard group (the whole mesh without HSDP)."""
     ranks = sharded.ranks
     snapshot = checkpoint.Snapshot(
@@ -191,7 +231,7 @@ def _save(path: Any, sharded: _Sharded, optimizer: torch.optim.Optimizer, data: 
     )
     named = list(sharded.model.named_parameters())
     weights = _gather_weights(named, checkpoint.weight_owners_of(snapshot), ranks.rank)
-    checkpoint.save(path, snapshot._replace(weights=weights), ranks)
+    return checkpoint.save(path, snapshot._replace(weights=weights), ranks, blocking=blocking)
 
 
 def load_param_shards(

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradsync_core import plan_greedy_shards
+from gradsync_core import SaveHandle, plan_greedy_shards
 from gradsync_torch._optim_state import (
     RankGroup,
     StatePiece,
@@ -26,11 +26,17 @@ from gradsync_torch.checkpoint import zero as checkpoint
 
 
 def save_plain(
-    path: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.Optimizer
-) -> None:
+    path: str | os.PathLike[str],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    blocking: bool = True,
+) -> SaveHandle | None:
     """Save a plain ``torch.optim`` optimizer of ``model`` and its weights as a one-rank
     gradsync checkpoint (greedy plan, world size 1), without a process group; the manifest's
-    step is the largest ``step`` in the optimizer's state (0 before the first step).
+    step is the largest ``step`` in the optimizer's state (0 before the first step). With
+    ``blocking=False``, returns a ``SaveHandle`` once the state and weights are staged, as
+    ``ZeroRedundancyOptimizer.save`` does.
 
     Raises:
         ValueError: if a parameter of ``optimizer`` is not one of ``model``'s, or the save
@@ -65,7 +71,8 @@ def save_plain(
         pieces=pieces,
         model=model,
     )
-    checkpoint.save(path, snapshot, RankGroup(process_group=None, rank=0, world_size=1))
+    alone = RankGroup(process_group=None, rank=0, world_size=1)
+    return checkpoint.save(path, snapshot, alone, blocking=blocking)
 
 
 def _step(value: Any) -> int:

@@ -4,12 +4,23 @@
 ``SaveAgreement``; this is torch's: the failure agreement is ``gradsync_torch.agreement.
 agree_ok`` (the one cross-rank primitive), the token a broadcast from group rank 0, the
 gather an ``all_gather_object``. Every verb is a no-op without a process group.
+
+A save with ``blocking=False`` runs its agreement in a background thread while training goes
+on; collectives from two threads on one process group can pair up wrongly across ranks (rank
+0's save gather meeting rank 1's gradient all-reduce). So that thread agrees over a gloo group
+of its own (``background_ranks``), made collectively by the save's ranks at their first such
+save (``new_group(..., use_local_synchronization=True)``: only those ranks take part, as only
+they call the save) with the training group's timeout, and kept for every later one. It is
+gloo whatever the training backend (the agreement moves small host objects), as torch DCP's
+``async_save`` needs a CPU backend for the same reason.
 """
 
 from __future__ import annotations
 
+import datetime
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from gradsync_core.checkpoint import CheckpointError
@@ -46,6 +57,8 @@ class RankSaveAgreement:
             agree_ok(error, self.ranks.process_group, what=what)
         except ValueError as failure:
             raise CheckpointError(str(failure)) from None
+        except RuntimeError as failure:  # the collective itself broke
+            raise _broken(failure) from failure
 
     def share_token(self, token: str | None) -> str:
         """Group rank 0's save token, on every rank."""
@@ -63,3 +76,58 @@ class RankSaveAgreement:
         gathered: list[Any] = [None] * self.ranks.world_size
         dist.all_gather_object(gathered, record, group=self.ranks.process_group)
         return gathered
+
+
+def _broken(failure: RuntimeError) -> RuntimeError:
+    """A background save's collective that broke because the process group was destroyed
+    meanwhile says so (the fix is the user's); any other break is passed on."""
+    if dist.is_initialized():
+        return failure
+    return RuntimeError(
+        f"the process group was destroyed while the save was writing ({failure}); call "
+        "wait() on the save's handle, or gradsync_core.wait_for_saves(), before "
+        "destroy_process_group()"
+    )
+
+
+# The gloo group of the background saves of each training group, by its global ranks.
+_background_groups: dict[tuple[int, ...], Any] = {}
+
+
+def _timeout(group: Any) -> datetime.timedelta | None:
+    """The collective timeout of ``group`` (so a dead peer is noticed as fast as training
+    notices it); ``None``: torch's default."""
+    pg: Any = dist.group.WORLD if group is None else group
+    for device in ("cpu", "cuda"):
+        try:
+            timeout = pg._get_backend(torch.device(device)).options._timeout
+        except (RuntimeError, AttributeError, ValueError):
+            continue
+        if isinstance(timeout, datetime.timedelta):
+            return timeout
+    return None
+
+
+def background_ranks(ranks: RankGroup) -> RankGroup:
+    """``ranks`` over the gloo group that saves in the background agree on (a collective over
+    the group's ranks the first time, made then and kept; later calls are free)."""
+    if ranks.world_size == 1:
+        return ranks
+    members = tuple(dist.get_process_group_ranks(ranks.process_group or dist.group.WORLD))
+    group = _background_groups.get(members)
+    if group is not None:
+        try:
+            dist.get_process_group_ranks(group)  # still registered: not destroyed since
+        except (ValueError, RuntimeError):
+            group = None
+    if group is None:
+        group = dist.new_group(
+            list(members),
+            timeout=_timeout(ranks.process_group),
+            backend="gloo",
+            use_local_synchronization=True,
+            group_desc="gradsync_background_saves",
+            sort_ranks=False,  # group rank r is the training group's rank r
+        )
+        _background_groups[members] = group
+    return RankGroup(group, ranks.rank, ranks.world_size)

@@ -20,9 +20,9 @@ import math
 import os
 import warnings
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any, NamedTuple
 
-import safetensors.torch
 import torch
 from safetensors import safe_open
 from torch import nn
@@ -36,6 +36,7 @@ from gradsync_core import (
 )
 from gradsync_core.checkpoint import (
     MANIFEST,
+    SaveHandle,
     SaveSteps,
     Window,
     WindowRead,
@@ -49,7 +50,9 @@ from gradsync_core.checkpoint import (
     reading_version,
     resolve_checkpoint,
     run_save,
+    start_save,
     state_reads,
+    tensor_file,
     tensor_key,
     verify_file_hashes,
     write_rank_file,
@@ -63,8 +66,9 @@ from gradsync_torch.checkpoint.model_state import (
     read_weights,
     weight_files,
 )
-from gradsync_torch.checkpoint.save_agreement import RankSaveAgreement
+from gradsync_torch.checkpoint.save_agreement import RankSaveAgreement, background_ranks
 from gradsync_torch.checkpoint.saved_keys import check_other_framework_keys, check_torch_keys
+from gradsync_torch.checkpoint.staging import STAGING, tensor_bytes
 from gradsync_torch.checkpoint.state_values import (
     ValuePolicy,
     check_finite_weights,
@@ -126,11 +130,13 @@ class Loaded(NamedTuple):
 
 
 class _Prepared(NamedTuple):
-    """This rank's part of a save, built before anything on disk changes."""
+    """This rank's part of a save, built before anything on disk changes; values only (a
+    save in the background builds its manifest from it while training changes the rest)."""
 
     tensors: dict[str, torch.Tensor]
     record: dict[str, Any]  # what the manifest needs from this rank: state keys, scalars
     groups: list[dict[str, Any]]  # the param groups as JSON
+    owners: dict[str, int] | None  # the stored weights' ranks (None: no weights)
 
 
 def _rank_state(
@@ -165,19 +171,21 @@ def weight_owners_of(snapshot: Snapshot) -> dict[str, int]:
 def _prepare(snapshot: Snapshot, rank: int) -> _Prepared:
     groups = groups_json(snapshot.param_groups, snapshot.names)
     tensors, scalars, state_keys = _rank_state(snapshot.pieces, snapshot.names, snapshot.plan, rank)
+    owners = None
     if snapshot.model is not None:
         weights = snapshot.weights
         if weights is None:
             weights = model_weights(snapshot.model)
-        tensors.update(rank_weights(weights, weight_owners_of(snapshot), rank))
-    return _Prepared(tensors, {"state_keys": state_keys, "scalars": scalars}, groups)
+        owners = weight_owners_of(snapshot)
+        tensors.update(rank_weights(weights, owners, rank))
+    return _Prepared(tensors, {"state_keys": state_keys, "scalars": scalars}, groups, owners)
 
 
 def _write_files(prepared: _Prepared, staging: str, ranks: RankGroup) -> dict[int, str]:
     metadata = rank_file_metadata(ranks.rank, ranks.world_size)
-    data = safetensors.torch.save(prepared.tensors, metadata=metadata)
+    chunks = tensor_file(tensor_bytes(prepared.tensors), metadata)
     name = rank_file(ranks.rank, ranks.world_size)
-    return {ranks.rank: write_rank_file(staging, name, data)}
+    return {ranks.rank: write_rank_file(staging, name, chunks)}
 
 
 def _manifest(
@@ -206,31 +214,54 @@ def _manifest(
             "param_groups": prepared.groups,
             "scalars": all_scalars,
             "shard_gradients": snapshot.shard_gradients,
-            **({"model": weight_owners_of(snapshot)} if snapshot.model is not None else {}),
+            **({"model": prepared.owners} if prepared.owners is not None else {}),
             **(snapshot.data or {}),
         },
     )
 
 
-def save(path: str | os.PathLike[str], snapshot: Snapshot, ranks: RankGroup) -> None:
+def save(
+    path: str | os.PathLike[str],
+    snapshot: Snapshot,
+    ranks: RankGroup,
+    *,
+    blocking: bool = True,
+    what: str | None = None,
+) -> SaveHandle | None:
     """Write ``snapshot`` to directory ``path`` (a collective over ``ranks``).
 
     Every rank writes its file into a staging directory beside ``path``; rank 0 writes the
     manifest last, then switches ``path`` to it atomically (``gradsync_core.checkpoint.
     run_save``, docs/design.md §9). A failure on any rank (a full disk, a bad state value)
-    raises on every rank; ``path`` keeps its data.
+    raises on every rank; ``path`` keeps its data. With ``blocking=False`` this rank's
+    tensors are copied into ``STAGING`` and the rest runs in the background
+    (``gradsync_core.checkpoint.start_save``), agreed over ``background_ranks``.
+
+    Returns:
+        ``None``; with ``blocking=False`` the save's ``SaveHandle``.
 
     Raises:
-        CheckpointError: on any rank's failure, naming the rank (a ``ValueError``).
+        CheckpointError: on any rank's failure, naming the rank (a ``ValueError``); with
+            ``blocking=False``, at the handle's ``wait()`` or the next save instead.
     """
+    what = what or f"cannot save optimizer checkpoint {os.fspath(path)}"
     steps = SaveSteps(
         prepare=lambda: _prepare(snapshot, ranks.rank),
         write_files=lambda prepared, staging: _write_files(prepared, staging, ranks),
         record=lambda prepared: prepared.record,
         manifest=lambda prepared, files, records: _manifest(snapshot, prepared, files, records),
     )
-    what = f"cannot save optimizer checkpoint {os.fspath(path)}"
-    run_save(path, RankSaveAgreement(ranks), steps, what=what)
+    if blocking:
+        run_save(path, RankSaveAgreement(ranks), steps, what=what)
+        return None
+    background = background_ranks(ranks)
+
+    def stage() -> _Prepared:
+        prepared = _prepare(snapshot, ranks.rank)
+        return prepared._replace(tensors=STAGING.stage(prepared.tensors))
+
+    staged = replace(steps, prepare=stage)
+    return start_save(path, RankSaveAgreement(background), staged, what=what)
 
 
 def _check_manifest(path: str, target: LoadTarget) -> Manifest:

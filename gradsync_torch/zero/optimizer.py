@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 import torch.distributed as dist
@@ -20,7 +20,7 @@ from torch.distributed.algorithms.join import Joinable
 from torch.optim import Optimizer
 
 import gradsync_core
-from gradsync_core import ParamSpec, ShardPlan
+from gradsync_core import ParamSpec, SaveHandle, ShardPlan
 from gradsync_core.checkpoint import data_extra, restore_data
 from gradsync_torch._optim_state import (
     OwnsShardedState,
@@ -445,21 +445,59 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable, OwnsShardedState):
 
     # -- checkpoints and accounting -----------------------------------------------------------
 
+    @overload
     def save(
-        self, path: str | os.PathLike[str], *, model: nn.Module | None = None, data: Any = None
-    ) -> None:
+        self,
+        path: str | os.PathLike[str],
+        *,
+        model: nn.Module | None = None,
+        data: Any = None,
+        blocking: Literal[True] = True,
+    ) -> None: ...
+
+    @overload
+    def save(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        model: nn.Module | None = None,
+        data: Any = None,
+        blocking: Literal[False],
+    ) -> SaveHandle: ...
+
+    def save(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        model: nn.Module | None = None,
+        data: Any = None,
+        blocking: bool = True,
+    ) -> SaveHandle | None:
         """Write a resharding checkpoint to directory ``path`` (a collective; every rank
         must see the same filesystem); with ``model``, its weights are stored too; with
         ``data`` (a ``ResumableSampler``), its position (``data.state_dict()``) goes into the
         manifest (docs/data-position.md).
 
+        With ``blocking=False`` the call returns once this rank's state (and weights) are
+        copied to host staging memory, allocated at the first such save and reused; the files
+        are written, hashed and switched in in a background thread while training goes on,
+        and the ranks agree over a gloo group of their own (docs/checkpoints.md,
+        "Saves that do not stop training"). At most one save is in flight: the next save
+        waits for it.
+
+        Returns:
+            ``None``; with ``blocking=False`` a ``SaveHandle`` whose ``wait()`` returns the
+            manifest.
+
         Raises:
             ValueError: if parameter names are unknown (see ``param_names``), or on any
-                rank's failure, naming the rank.
+                rank's failure, naming the rank (``CheckpointError``; with ``blocking=False``
+                at ``wait()``, the next save or, unraised, at exit).
             TypeError: if ``data`` is not a sampler with ``state_dict()``.
 
         Example:
             >>> opt.save("ckpt/step100", model=net, data=sampler)  # doctest: +SKIP
+            >>> handle = opt.save("ckpt/step200", blocking=False)  # doctest: +SKIP
         """
         names = self.param_names(model)
         model = None if model is None else unwrapped(model)  # never store wrapper names
@@ -475,7 +513,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable, OwnsShardedState):
             model=model,
             data=data_extra(data),
         )
-        checkpoint.save(path, snapshot, self._ranks)
+        return checkpoint.save(path, snapshot, self._ranks, blocking=blocking)
 
     def load(
         self,
