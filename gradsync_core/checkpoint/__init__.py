@@ -47,6 +47,7 @@ from gradsync_core.checkpoint._model_weights import (
     model_key,
     model_owners,
     unwrapped_names,
+    weight_bytes,
     weight_owners,
 )
 from gradsync_core.checkpoint._param_shard_state import DIM0, plan_dim0_shards
@@ -155,6 +156,7 @@ __all__ = [
     "unwrapped_names",
     "verify_file_hashes",
     "wait_for_saves",
+    "weight_bytes",
     "weight_owners",
     "weight_reads",
     "write_atomic",

@@ -12,6 +12,7 @@ from collections.abc import Collection, Sequence
 from typing import Any
 
 from gradsync_core.plan._shards import ShardPlan
+from gradsync_core.plan._specs import ParamSpec
 
 # Model weights saved beside the optimizer state are named "__model__/<param name>" (no
 # parameter is called "__model__", and the key sorts apart from every state tensor).
@@ -59,6 +60,23 @@ def model_owners(plan: ShardPlan, names: Sequence[str]) -> dict[str, int]:
         if shard.stop > shard.start:
             owners.setdefault(shard.name, shard.rank)
     return {name: owners.get(name, 0) for name in names}
+
+
+def weight_bytes(plan: ShardPlan, specs: Sequence[ParamSpec]) -> list[int]:
+    """Bytes of model weights each rank's file holds when a save stores the model
+    (``model_owners``), by rank: what a save with ``blocking=False`` stages beside the state.
+
+    Example:
+        >>> from gradsync_core import ParamSpec, plan_greedy_shards
+        >>> specs = [ParamSpec(name="a", shape=(4,)), ParamSpec(name="b", shape=(2,))]
+        >>> weight_bytes(plan_greedy_shards(specs, world_size=2), specs)
+        [16, 8]
+    """
+    out = [0] * plan.world_size
+    owners = model_owners(plan, [spec.name for spec in specs])
+    for spec in specs:
+        out[owners[spec.name]] += spec.nbytes
+    return out
 
 
 def check_weight_names(saved: Collection[str], expected: Collection[str], *, fix: str) -> None:

@@ -46,6 +46,7 @@ from gradsync_core.cli._zero import (
     BUILTIN_TIED,
     add_zero_arguments,
     check_zero_arguments,
+    save_staging,
     tied_names,
     zero_estimate,
     zero_json,
@@ -471,8 +472,9 @@ def _zero(
         plans = _owners(specs, args, topo.dp, partition)
     tied = tied_names(args, tied)
     estimate, plan = zero_estimate(specs, args, topo.dp, plans, tied)
+    staging = save_staging(specs, estimate, None if plans is None else plans[1], plan)
     if args.json:
-        out = report_header() | zero_json(estimate, plan) | {"topology": topo.to_json()}
+        out = report_header() | zero_json(estimate, plan, staging) | {"topology": topo.to_json()}
         out.setdefault("fingerprints", {})["topology"] = topo.fingerprint
         print(json.dumps(out, indent=1, sort_keys=True))
         return 0
@@ -484,7 +486,7 @@ def _zero(
         f"{topo.world_size}"
     )
     print()
-    print(zero_text(estimate, plan, tied))
+    print(zero_text(estimate, plan, tied, staging))
     return 0
 
 

@@ -5,6 +5,11 @@ them (docs/design.md §16).
 
 ZeRO-0 is DDP (everything replicated), 1 shards optimizer state, 2 gradients too, 3 the
 parameters as well (``plan_param_shards``: FSDP2's units and dim-0 chunks).
+
+For ZeRO-1/2/3 it also prints each rank's save staging: the host bytes a save with
+``blocking=False`` copies before it returns (the state the rank owns, the estimate's, plus
+the model weights its file holds when the save stores them), allocated at the first such
+save and reused (docs/checkpoints.md, "Saves that do not stop training").
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from gradsync_core.checkpoint._model_weights import weight_bytes
+from gradsync_core.checkpoint._param_shard_state import plan_dim0_shards
 from gradsync_core.cli._table import mib, shown, table
 from gradsync_core.plan._buckets import BucketPlan
 from gradsync_core.plan._memory import (
@@ -165,9 +172,37 @@ def zero_estimate(
     return estimate_zero2(specs, shards, optimizer=optimizer), None
 
 
-def zero_json(estimate: MemoryEstimate, plan: ParamShardPlan | None) -> dict[str, Any]:
-    """``--json``: the estimate, and for ZeRO-3 the parameter-shard plan and its fingerprint."""
+def save_staging(
+    specs: Sequence[ParamSpec],
+    estimate: MemoryEstimate,
+    shards: ShardPlan | None,
+    plan: ParamShardPlan | None,
+) -> list[tuple[int, int]] | None:
+    """Each rank's save staging, ``(state bytes, weight bytes)``: the state it owns (the
+    estimate's) and the weights its file holds when the save stores the model (ZeRO-3: rank 0,
+    which holds every parameter's first rows); ``None`` for ZeRO-0, whose save is one rank's."""
+    if estimate.zero == 0:
+        return None
+    if plan is not None:
+        shards = plan_dim0_shards(specs, [0] * len(specs), shard_size=plan.shard_size)
+    assert shards is not None  # ZeRO-1/2: the caller's shard plan
+    weights = weight_bytes(shards, specs)
+    return [(r.optimizer_state_bytes, weights[r.rank]) for r in estimate.ranks]
+
+
+def zero_json(
+    estimate: MemoryEstimate,
+    plan: ParamShardPlan | None,
+    staging: Sequence[tuple[int, int]] | None = None,
+) -> dict[str, Any]:
+    """``--json``: the estimate, the save staging, and for ZeRO-3 the parameter-shard plan and
+    its fingerprint."""
     out: dict[str, Any] = {"memory": estimate.to_json()}
+    if staging is not None:
+        out["save_staging"] = [
+            {"rank": r, "state_bytes": state, "weight_bytes": weights}
+            for r, (state, weights) in enumerate(staging)
+        ]
     if plan is not None:
         out["param_shards"] = plan.to_json()
         out["fingerprints"] = {"param_shards": plan.fingerprint}
@@ -196,11 +231,28 @@ def _units_section(plan: ParamShardPlan) -> str:
     return head + "\n" + table(headers, rows)
 
 
+def _staging_section(what: str, staging: Sequence[tuple[int, int]]) -> str:
+    rows: list[Sequence[Any]] = [
+        [r, mib(staging[r][0]), mib(sum(staging[r]))] for r in shown(len(staging), _SHOWN_RANKS)
+    ]
+    if len(staging) > _SHOWN_RANKS:
+        rows.insert(_SHOWN_RANKS // 2, ["..."] * 3)
+    head = (
+        "Save staging per rank (blocking=False: host bytes copied before the save returns, "
+        "allocated once)"
+    )
+    headers = [what, "state MiB", "with model weights MiB"]
+    return head + "\n" + table(headers, rows, max_rows=_SHOWN_RANKS + 1)
+
+
 def zero_text(
-    estimate: MemoryEstimate, plan: ParamShardPlan | None, tied: Sequence[str] = ()
+    estimate: MemoryEstimate,
+    plan: ParamShardPlan | None,
+    tied: Sequence[str] = (),
+    staging: Sequence[tuple[int, int]] | None = None,
 ) -> str:
-    """The text report: ZeRO-3's units and tied weights, then per-rank MiB and the fullest
-    rank."""
+    """The text report: ZeRO-3's units and tied weights, then per-rank MiB, the fullest rank
+    and each rank's save staging."""
     what = "shard rank" if estimate.zero == 3 else "dp rank"
     rows: list[Sequence[Any]] = [
         [
@@ -238,4 +290,6 @@ def zero_text(
     ]
     if plan is not None:
         lines.append(f"fingerprint: param_shards {plan.fingerprint[:16]}")
+    if staging is not None:
+        lines += ["", _staging_section(what, staging)]
     return "\n".join(lines)
