@@ -51,6 +51,7 @@ class SaveHandle:
         self.path = path
         self.started = time.monotonic()
         self._done = threading.Event()
+        self._thread: threading.Thread | None = None
         self._result: Any = None
         self._error: BaseException | None = None
         self._reported = False
@@ -75,6 +76,7 @@ class SaveHandle:
         """
         if not self._done.wait(timeout):
             raise TimeoutError(f"the save of {self.path} is still writing after {timeout} s")
+        self._join()
         if self._error is not None:
             self._reported = True
             raise self._error
@@ -83,6 +85,11 @@ class SaveHandle:
     def _finish(self, result: Any, error: BaseException | None) -> None:
         self._result, self._error = result, error
         self._done.set()
+
+    def _join(self) -> None:
+        """Once done: the writer thread has ended too (it does nothing after ``_finish``)."""
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
 
 
 _lock = threading.Lock()
@@ -112,6 +119,7 @@ def wait_for_saves() -> Any:
     if handle is None:
         return None
     handle._done.wait()
+    handle._join()
     if handle._error is not None and not handle._reported:
         return handle.wait()  # raises, once
     return handle._result
@@ -136,11 +144,12 @@ def start_background(
             result = run()
         except BaseException as e:  # kept for wait(), the next save and the exit check
             error = wrap(e)
-        handle._finish(result, error)
         if error is None:
             _log.info("checkpoint %s: background save done in %.2f s", path, _elapsed(handle))
+        handle._finish(result, error)
 
     thread = threading.Thread(target=writer, name=f"gradsync save {path}", daemon=False)
+    handle._thread = thread
     with _lock:
         if _in_flight is not None:
             raise RuntimeError("a save is already in flight; wait_for_saves() first")
