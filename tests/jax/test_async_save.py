@@ -1,0 +1,193 @@
+"""Saves that do not stop training in JAX (``blocking=False``; docs/checkpoints.md).
+
+One process, 4 of its 8 CPU devices: ``save_optimizer_state`` and ``save_param_shards``
+return before their files are written, while the training step goes on donating the very
+buffers the save read; the writer is held until it has, and the checkpoint must still hold
+the state at the call, bitwise, in JAX at another device count and in torch at world size 1.
+The staging buffer is allocated once and holds exactly the bytes the rank files hold.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import torch
+from jax.sharding import PartitionSpec as P
+from torch import nn
+
+from gradsync_core import read_manifest
+from gradsync_core.checkpoint import read_header, save_hook
+from gradsync_jax import (
+    load_optimizer_state,
+    make_local,
+    save_optimizer_state,
+    shard_optimizer,
+    to_torch_state,
+)
+from gradsync_jax.checkpoint.staging import STAGING
+from gradsync_torch import load_optimizer_state_dict
+from tests.faults import jax_save_worker as problem
+from tests.jax.test_zero_checkpoint import mesh_of
+
+SAVED_STEPS, MORE_STEPS = 3, 3
+
+
+def loss_fn(params: dict, x: jax.Array, y: jax.Array) -> jax.Array:
+    h = jnp.tanh(x @ params["dense"]["kernel"] + params["dense"]["bias"])
+    return jnp.mean((h @ params["head"]["kernel"] + params["head"]["bias"] - y) ** 2)
+
+
+def batch(tx: Any, step: int) -> tuple[jax.Array, jax.Array]:
+    """Step ``step``'s batch, split over the data-parallel devices."""
+    rng = np.random.default_rng(step)
+    x = rng.normal(size=(8, 6)).astype(np.float32)
+    split = jax.sharding.NamedSharding(tx.mesh, P("dp"))
+    return jax.device_put(x, split), jax.device_put(np.sin(x[:, :3]), split)
+
+
+def train_step(tx: Any, params: Any) -> Any:
+    """One data-parallel step that donates the parameters and the state it is given."""
+    specs = tx.state_specs(params)
+
+    def body(p: Any, s: Any, x: Any, y: Any) -> Any:
+        grads = jax.grad(loss_fn)(make_local(p), x, y)
+        updates, s = tx.update(grads, s, p)
+        return optax.apply_updates(p, updates), s
+
+    mapped = jax.shard_map(
+        body, mesh=tx.mesh, in_specs=(P(), specs, P("dp"), P("dp")), out_specs=(P(), specs)
+    )
+    return jax.jit(mapped, donate_argnums=(0, 1))
+
+
+@contextlib.contextmanager
+def held_writer() -> Iterator[threading.Event]:
+    release = threading.Event()
+    with save_hook("before_file", lambda: release.wait(10)):
+        try:
+            yield release
+        finally:
+            release.set()
+
+
+def host(tree: Any) -> Any:
+    return jax.tree.map(lambda leaf: np.array(leaf, copy=True), tree)
+
+
+def torch_twin() -> nn.Module:
+    class Twin(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.dense, self.head = nn.Linear(6, 10), nn.Linear(10, 3)
+
+    return Twin()
+
+
+def torch_moments(path: str) -> dict[str, np.ndarray]:
+    """The checkpoint in a plain torch Adam at world size 1, by ``"<name>/<key>"``."""
+    model = torch_twin()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)  # the JAX save's hyper-parameters
+    state = load_optimizer_state_dict(path, opt, model)
+    names = [n for n, _ in model.named_parameters()]
+    return {
+        f"{names[i]}/{key}": s[key].numpy()
+        for i, s in state["state"].items()
+        for key in ("exp_avg", "exp_avg_sq")
+    }
+
+
+def optax_moments(adam: Any) -> dict[str, np.ndarray]:
+    out = {}
+    for key, tree in (("exp_avg", adam.mu), ("exp_avg_sq", adam.nu)):
+        out |= {f"{name}/{key}": np.asarray(v) for name, v in to_torch_state(tree).items()}
+    return out
+
+
+def staged_bytes_of(path: str) -> int:
+    """The tensor bytes of every rank file of ``path`` (their data sections)."""
+    version = os.path.realpath(path)
+    total = 0
+    for name in read_manifest(path).files:
+        _, start = read_header(os.path.join(version, name))
+        total += os.path.getsize(os.path.join(version, name)) - start
+    return total
+
+
+def test_a_save_in_the_background_holds_the_state_at_the_call(tmp_path) -> None:
+    tx, params = problem.problem()  # Adam on 4 devices, greedy
+    params = jax.device_put(params, jax.sharding.NamedSharding(tx.mesh, P()))
+    state = tx.init(params)
+    step = train_step(tx, params)
+    for i in range(SAVED_STEPS):
+        params, state = step(params, state, *batch(tx, i))
+    at_call = host(tx.gather_state(state, params))
+    weights = host(params)
+    path = str(tmp_path / "ckpt")
+    with held_writer() as release:
+        handle = save_optimizer_state(
+            path, tx, state, params, step=SAVED_STEPS, model=params, blocking=False
+        )
+        assert not handle.done()
+        for i in range(MORE_STEPS):  # donates the buffers the save was given
+            params, state = step(params, state, *batch(tx, SAVED_STEPS + i))
+        release.set()
+    assert handle.wait(timeout=60).step == SAVED_STEPS
+    assert not np.array_equal(
+        host(tx.gather_state(state, params))[0].mu["dense"]["kernel"],
+        at_call[0].mu["dense"]["kernel"],
+    )
+
+    eight = shard_optimizer(optax.adam(1e-2), mesh_of(8))
+    loaded, _ = load_optimizer_state(path, eight, weights)  # another device count
+    got = host(eight.gather_state(loaded, weights))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(at_call), strict=True):
+        assert np.array_equal(a, b)
+    want = optax_moments(at_call[0])
+    got_torch = torch_moments(path)  # the other framework, world size 1
+    assert sorted(got_torch) == sorted(want)
+    for key in want:
+        assert np.array_equal(got_torch[key], want[key]), key
+
+    # Staging: exactly the bytes the rank files hold, allocated once and reused.
+    assert STAGING.nbytes == staged_bytes_of(path)
+    buffer = STAGING._buffer
+    save_optimizer_state(path, tx, state, params, step=9, model=params, blocking=False).wait()
+    assert STAGING._buffer is buffer
+
+
+def test_a_zero3_save_in_the_background_holds_the_state_at_the_call(tmp_path) -> None:
+    from gradsync_jax import shard_params, unshard_params
+    from gradsync_jax.checkpoint.param_shards import load_param_shards, save_param_shards
+    from tests.jax.test_param_sharding import data, init_params
+    from tests.jax.test_param_sharding_checkpoint import zero3
+
+    four = zero3(4)
+    params = shard_params(init_params(), four.mesh, four.layout)
+    opt_state = four.init(params)
+    for _ in range(2):
+        params, opt_state, _ = four(params, opt_state, data())
+    at_call = host((unshard_params(params, four.layout), opt_state))
+    path = str(tmp_path / "zero3")
+    with held_writer() as release:
+        handle = save_param_shards(path, four, params, opt_state, step=2, blocking=False)
+        for _ in range(2):
+            params, opt_state, _ = four(params, opt_state, data())
+        release.set()
+    assert handle.wait(timeout=60).step == 2
+    two = zero3(2)
+    loaded, state, _ = load_param_shards(path, two)
+    got_params = host(unshard_params(loaded, two.layout))
+    for a, b in zip(jax.tree.leaves(got_params), jax.tree.leaves(at_call[0]), strict=True):
+        assert np.array_equal(a, b)
+    got_mu = host(unshard_params(state[0].mu, two.layout))
+    want_mu = host(unshard_params(at_call[1][0].mu, four.layout))
+    for a, b in zip(jax.tree.leaves(got_mu), jax.tree.leaves(want_mu), strict=True):
+        assert np.array_equal(a, b)
