@@ -9,6 +9,7 @@ implement live in the documented submodule ``gradsync_core.checkpoint``.
 from gradsync_core.checkpoint import (
     COUNTERPARTS,
     FORMAT_VERSION,
+    PREEMPTED_EXIT,
     CheckpointError,
     HyperparameterWarning,
     Manifest,
@@ -108,6 +109,7 @@ __all__ = [
     "MODEL_AXES",
     "OPTIMIZER_STATE_BYTES",
     "PLAN_VERSION",
+    "PREEMPTED_EXIT",
     "SCHEDULES",
     "STANDARD_GROUPS",
     "Action",

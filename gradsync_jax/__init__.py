@@ -10,7 +10,12 @@ from gradsync_jax._naming import (
     torch_specs,
 )
 from gradsync_jax._specs import param_specs, path_name
-from gradsync_jax.checkpoint import load_optimizer_state, load_params, save_optimizer_state
+from gradsync_jax.checkpoint import (
+    PreemptionHandler,
+    load_optimizer_state,
+    load_params,
+    save_optimizer_state,
+)
 from gradsync_jax.checkpoint.orbax import export_orbax, import_orbax
 from gradsync_jax.checkpoint.param_shards import load_param_shards, save_param_shards
 from gradsync_jax.data_parallel import (
@@ -79,6 +84,7 @@ __all__: list[str] = [
     "ParamLayout",
     "PipelineModel",
     "PipelineStep",
+    "PreemptionHandler",
     "ResumableSampler",
     "RowParallelLinear",
     "ShardedOptimizer",

@@ -5,6 +5,7 @@ from gradsync_torch.checkpoint import (
     load_fully_sharded as load_fully_sharded,  # deprecated alias of load_param_shards
 )
 from gradsync_torch.checkpoint import (
+    PreemptionHandler,
     load_model_weights,
     load_optimizer_state_dict,
     load_param_shards,
@@ -68,6 +69,7 @@ __all__: list[str] = [
     "MixedPrecisionPolicy",
     "MoE",
     "Pipeline",
+    "PreemptionHandler",
     "ProcessGroups",
     "ResumableSampler",
     "RowParallelLinear",

@@ -8,8 +8,10 @@ writer, saves that do not stop training (``start_save``: the save's second half 
 thread, at most one in flight, ``SaveHandle``, ``wait_for_saves``), the rank-file writer that
 takes tensors' bytes uncopied (``tensor_file``), the key and optimizer checks, the bounded
 safetensors header reader, which stored element ranges a load reads (``state_reads``,
-``weight_reads``) and the fault points of a save. ``gradsync_torch`` and ``gradsync_jax`` import
-from here; a new executor would too. Standard library only, like the rest of the core.
+``weight_reads``) and the fault points of a save, and the preemption handler the executors
+specialize (``PreemptionHandler``: SIGTERM, a save at the next step boundary, exit 143).
+``gradsync_torch`` and ``gradsync_jax`` import from here; a new executor would too. Standard
+library only, like the rest of the core.
 """
 
 from gradsync_core.checkpoint._atomic import (
@@ -51,6 +53,7 @@ from gradsync_core.checkpoint._model_weights import (
     weight_owners,
 )
 from gradsync_core.checkpoint._param_shard_state import DIM0, plan_dim0_shards
+from gradsync_core.checkpoint._preemption import PREEMPTED_EXIT, PreemptionHandler
 from gradsync_core.checkpoint._reads import Window, WindowRead, state_reads, weight_reads
 from gradsync_core.checkpoint._safetensors import (
     DTYPE_BYTES,
@@ -103,6 +106,7 @@ __all__ = [
     "MAX_MANIFEST_BYTES",
     "MODEL_PARAM",
     "OPTIMIZER_STATE_KEYS",
+    "PREEMPTED_EXIT",
     "RANK_FILE_RE",
     "SAVE_FAILED_EXIT",
     "SAVE_POINTS",
@@ -110,6 +114,7 @@ __all__ = [
     "CheckpointError",
     "HyperparameterWarning",
     "Manifest",
+    "PreemptionHandler",
     "SaveAgreement",
     "SaveHandle",
     "SaveSteps",

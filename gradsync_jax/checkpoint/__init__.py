@@ -5,6 +5,12 @@ state in the framework-neutral format (docs/design.md §9, docs/checkpoints.md).
 """
 
 from gradsync_jax.checkpoint.model_state import load_params
+from gradsync_jax.checkpoint.preemption import PreemptionHandler
 from gradsync_jax.checkpoint.zero import load_optimizer_state, save_optimizer_state
 
-__all__: list[str] = ["load_optimizer_state", "load_params", "save_optimizer_state"]
+__all__: list[str] = [
+    "PreemptionHandler",
+    "load_optimizer_state",
+    "load_params",
+    "save_optimizer_state",
+]

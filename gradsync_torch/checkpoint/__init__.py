@@ -17,8 +17,10 @@ from gradsync_torch.checkpoint.param_shards import (
     save_fully_sharded as save_fully_sharded,  # deprecated alias of save_param_shards
 )
 from gradsync_torch.checkpoint.plain import load_optimizer_state_dict
+from gradsync_torch.checkpoint.preemption import PreemptionHandler
 
 __all__: list[str] = [
+    "PreemptionHandler",
     "load_model_weights",
     "load_optimizer_state_dict",
     "load_param_shards",
