@@ -2,14 +2,14 @@
 
 from gradsync_torch._specs import dtype_name, param_specs, replicated_over, shared_param_specs
 from gradsync_torch.checkpoint import (
-    load_fully_sharded as load_fully_sharded,  # deprecated alias of load_param_shards
-)
-from gradsync_torch.checkpoint import (
     PreemptionHandler,
     load_model_weights,
     load_optimizer_state_dict,
     load_param_shards,
     save_param_shards,
+)
+from gradsync_torch.checkpoint import (
+    load_fully_sharded as load_fully_sharded,  # deprecated alias of load_param_shards
 )
 from gradsync_torch.checkpoint import (
     save_fully_sharded as save_fully_sharded,  # deprecated alias of save_param_shards
