@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from gradsync_core import _atomic
 from gradsync_core.checkpoint import (
     MANIFEST,
+    _atomic,
     begin_save,
     commit_save,
     discard_save,

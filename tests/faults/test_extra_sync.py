@@ -10,7 +10,7 @@ import time
 import pytest
 
 from tests.faults.extra_sync_worker import DIED, extra_sync, peer_dies
-from tests.torch.harness import run_workers_outcomes
+from tests.support.harness import run_workers_outcomes
 
 PG_TIMEOUT_S = 5.0
 

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from tests.faults import torch_save_faults as faults
-from tests.torch.harness import run_workers, run_workers_outcomes
+from tests.support.harness import run_workers, run_workers_outcomes
 
 PG_TIMEOUT_S = 5.0  # a rank waiting for a dead peer gives up after this
 WORLD = 2

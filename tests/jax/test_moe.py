@@ -30,7 +30,7 @@ from gradsync_jax import (
     synced,
 )
 from gradsync_jax.model_parallel.experts import MoE
-from tests.helpers import assert_tree_close
+from tests.support.asserts import assert_tree_close
 
 TOPO = Topology.create(8, ep=2)
 MESH = mesh_from_topology(TOPO, expert=True)

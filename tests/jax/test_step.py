@@ -29,7 +29,6 @@ from gradsync_jax import (
     synced,
     value_and_local_grad,
 )
-from tests.helpers import assert_tree_close, assert_tree_equal
 from tests.jax.hlo import collectives_in_loops
 from tests.jax.step_problem import (
     BATCH,
@@ -41,6 +40,7 @@ from tests.jax.step_problem import (
     reference_training,
     run_training,
 )
+from tests.support.asserts import assert_tree_close, assert_tree_equal
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))

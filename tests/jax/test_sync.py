@@ -22,7 +22,7 @@ from gradsync_jax import (
     torch_names,
     torch_specs,
 )
-from tests.helpers import assert_tree_close, assert_tree_equal
+from tests.support.asserts import assert_tree_close, assert_tree_equal
 
 DP = 8
 

@@ -8,7 +8,6 @@ last), so equal-sized tensors tie in another order and the greedy owners differ.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -16,17 +15,17 @@ import torch
 from flax import nnx
 from torch import nn
 
-from gradsync_core import Topology, plan_buckets, plan_greedy_shards, read_manifest
+from gradsync_core import plan_buckets, plan_greedy_shards, read_manifest
 from gradsync_jax import (
     load_optimizer_state,
-    mesh_from_topology,
     shard_optimizer,
     to_torch_state,
     torch_plan,
 )
 from gradsync_torch import ZeroRedundancyOptimizer
 from gradsync_torch import param_specs as torch_param_specs
-from tests.torch.harness import run_workers
+from tests.support.harness import run_workers
+from tests.support.meshes import mesh_of
 
 D = 8
 
@@ -55,10 +54,6 @@ class FlaxBlock(nnx.Module):
         self.gain = nnx.Param(jnp.ones(D))
         self.attn = FlaxAttention(rngs)
         self.mlp = nnx.Linear(D, D, rngs=rngs)
-
-
-def mesh_of(n: int):
-    return mesh_from_topology(Topology.create(n), sorted(jax.devices(), key=lambda d: d.id)[:n])
 
 
 def owners(plan) -> dict[str, int]:

@@ -7,7 +7,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tests.torch.harness import run_workers  # noqa: E402
+from tests.support.harness import run_workers  # noqa: E402
 
 
 def _agree_on(rank: int, world_size: int, odd_rank: int | None) -> str | None:

@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import gradsync_torch as gt
-from tests.torch.harness import run_workers
+from tests.support.harness import run_workers
 
 REF_TOL = {"rtol": 1e-5, "atol": 1e-6}
 STEPS = 3

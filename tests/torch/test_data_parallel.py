@@ -16,9 +16,9 @@ import torch
 from torch import nn
 
 import gradsync_torch as gt
+from tests.support.harness import run_checks, run_workers
 from tests.torch import dp_grad_checks as grad_checks
 from tests.torch import dp_setup_checks as setup_checks
-from tests.torch.harness import run_checks, run_workers
 
 WORLD_SIZES = (1, 2, 4)
 # name: (check, smallest world size where it means something)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tests.torch.harness import run_checks, run_workers
+from tests.support.harness import run_checks, run_workers
 
 
 def _model(compile_blocks: bool = False) -> nn.Module:

@@ -2,7 +2,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.torch.harness import run_workers
+from tests.support.harness import run_workers
 
 
 def _sum_of_ranks(rank: int, world_size: int) -> float:

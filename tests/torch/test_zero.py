@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -34,11 +33,10 @@ from gradsync_torch.zero.local_step import (
     foreach_on_cpu_groups,
     steps_per_tensor,
 )
+from tests.support.harness import run_checks, run_workers
 from tests.torch import zero_checkpoint_checks as ckpt
-from tests.torch.harness import run_workers
 from tests.torch.zero_helpers import (
     Pair,
-    batch,  # noqa: F401 (test_zero_data_parallel.py still imports it from here)
     make_model,
     plain,
     same,
@@ -269,18 +267,19 @@ def _checks(world_size: int, directory: str) -> list[tuple[str, Callable[[], Any
 
 
 def worker(rank: int, world_size: int, directory: str) -> dict[str, Any]:
-    """Run every check and report each by name (``None``: passed, else the traceback), so
-    the first failure does not hide the rest."""
-    out: dict[str, Any] = {"checks": {}}
-    for name, check in _checks(world_size, directory):
-        try:
-            result = check()
-        except Exception:
-            out["checks"][name] = traceback.format_exc()
-        else:
-            out["checks"][name] = None
-            out.update(result or {})
-    return out
+    """Run every check (``harness.run_checks``; each builds its own model, so ``keep_going``:
+    the first failure does not hide the rest) and collect what the checks return (``runs``,
+    ``state_ratio``)."""
+    values: dict[str, Any] = {}
+
+    def keeping(check: Callable[[], Any]) -> Callable[[], None]:
+        return lambda: values.update(check() or {})
+
+    checks = _checks(world_size, directory)
+    return {
+        "checks": run_checks(((name, keeping(c)) for name, c in checks), keep_going=True),
+        **values,
+    }
 
 
 def failures(results: list[dict[str, Any]]) -> list[str]:

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gradsync_torch import DataParallel, ZeroRedundancyOptimizer
-from tests.torch.harness import run_checks, run_workers
+from tests.support.harness import run_checks, run_workers
 from tests.torch.zero_helpers import batch, make_model, same
 
 STEPS = 4

@@ -21,7 +21,7 @@ from torch import nn
 from gradsync_core import ParamSpec, plan_buckets
 from gradsync_torch import DataParallel, ShardedGradient, ZeroRedundancyOptimizer
 from gradsync_torch.data_parallel.grad_sharding import POOL_BUFFERS, pad_for_sharding
-from tests.torch.harness import run_workers
+from tests.support.harness import run_workers
 from tests.torch.zero_helpers import Pair, batch, make_model, same
 
 
