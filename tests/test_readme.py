@@ -183,6 +183,17 @@ def test_every_torch_block_ends_the_way_the_readme_says():
     assert not problems, "\n".join([*problems, ENDING_RULE])
 
 
+def test_an_abort_at_exit_is_recognised():
+    """What the runner reads as an unclean end: a process killed by SIGABRT, and the line
+    gloo's threads print (torchrun keeps a rank's stderr, and exits 1 for it)."""
+    aborted = subprocess.run([sys.executable, "-c", "import os; os.abort()"], capture_output=True)
+    assert _aborted_at_exit(aborted) == "killed by SIGABRT"
+    rank = subprocess.CompletedProcess([], 1, "", "terminate called without an active exception")
+    assert _aborted_at_exit(rank) == "`terminate called`"
+    clean = subprocess.run([sys.executable, "-c", "pass"], capture_output=True, text=True)
+    assert _aborted_at_exit(clean) is None
+
+
 @pytest.mark.parametrize("group", RUNS, ids=lambda g: g[0].id)
 def test_doc_block_runs(group, tmp_path):
     head = group[0]

@@ -13,12 +13,6 @@ import pytest
 
 from gradsync_core import EXPERT_GROUPS, STANDARD_GROUPS, Topology
 
-with warnings.catch_warnings():  # megatron warns that Apex / Transformer Engine are absent
-    warnings.simplefilter("ignore")
-    parallel_state = pytest.importorskip(
-        "megatron.core.parallel_state", reason="megatron-core is not installed"
-    )
-
 # Megatron-core's names for gradsync's expert groups, asked of its expert generator.
 EXPERT_NAMES = {"ep": "ep", "etp": "tp", "edp": "dp", "etp-ep": "tp-ep", "etp-ep-pp": "tp-ep-pp"}
 DENSE_NAMES = [*(n for n in STANDARD_GROUPS if n != "ep"), "tp-dp", "cp-pp", "dp-pp"]
@@ -47,7 +41,7 @@ def _random_configs(count: int, seed: int) -> list[dict]:
     return configs
 
 
-def _megatron(topo: Topology):
+def _megatron(parallel_state, topo: Topology):
     dense = parallel_state.RankGenerator(
         tp=topo.tp, ep=1, dp=topo.dp, pp=topo.pp, cp=topo.cp, order=topo.order, rank_offset=0
     )
@@ -64,7 +58,19 @@ def _as_tuples(groups) -> tuple[tuple[int, ...], ...]:
 CONFIGS = _random_configs(300, seed=15)
 
 
-def test_every_dense_and_expert_group_matches_megatron_core():
+@pytest.fixture(scope="module", name="parallel_state")
+def _parallel_state():
+    """megatron-core's ``parallel_state``, imported by the first test that needs it rather than
+    at collection: megatron-core imports torch and probes for Apex and Transformer Engine,
+    seconds that every pytest worker would pay for every run, ``-m "not slow"`` included."""
+    with warnings.catch_warnings():  # megatron warns that Apex / Transformer Engine are absent
+        warnings.simplefilter("ignore")
+        return pytest.importorskip(
+            "megatron.core.parallel_state", reason="megatron-core is not installed"
+        )
+
+
+def test_every_dense_and_expert_group_matches_megatron_core(parallel_state):
     compared = refused = 0
     for config in CONFIGS:
         try:
@@ -86,7 +92,7 @@ def test_every_dense_and_expert_group_matches_megatron_core():
             )
             refused += 1
             continue
-        dense, expert = _megatron(topo)
+        dense, expert = _megatron(parallel_state, topo)
         for name in DENSE_NAMES:
             assert topo.groups(name) == _as_tuples(dense.get_ranks(name)), (config, name)
         for name, theirs in EXPERT_NAMES.items():
