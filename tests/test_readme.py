@@ -194,7 +194,20 @@ def test_an_abort_at_exit_is_recognised():
     assert _aborted_at_exit(clean) is None
 
 
-@pytest.mark.parametrize("group", RUNS, ids=lambda g: g[0].id)
+# A fresh interpreter that imports torch or JAX costs 5-17 s on the loaded 2-core machine (the
+# Flax and torchrun blocks most): those blocks are `slow`, outside the development loop
+# (`-m "not slow"`); the rest, and the checks of every block's code above, stay in it.
+FRAMEWORK = re.compile(
+    r"^\s*(?:import|from)\s+(?:torch|jax|flax|optax|gradsync_torch|gradsync_jax)\b", re.M
+)
+
+
+def _param(group: list[Block]) -> object:
+    slow = FRAMEWORK.search("\n".join(b.code for b in group))
+    return pytest.param(group, id=group[0].id, marks=[pytest.mark.slow] if slow else [])
+
+
+@pytest.mark.parametrize("group", [_param(g) for g in RUNS])
 def test_doc_block_runs(group, tmp_path):
     head = group[0]
     code = "\n".join(b.code for b in group)

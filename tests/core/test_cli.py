@@ -212,6 +212,7 @@ def test_help_states_the_maxima():
         assert maximum in text
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args",
     [

@@ -13,6 +13,8 @@ import pytest
 
 from gradsync_core import EXPERT_GROUPS, STANDARD_GROUPS, Topology
 
+pytestmark = pytest.mark.slow  # importing megatron-core alone takes seconds
+
 # Megatron-core's names for gradsync's expert groups, asked of its expert generator.
 EXPERT_NAMES = {"ep": "ep", "etp": "tp", "edp": "dp", "etp-ep": "tp-ep", "etp-ep-pp": "tp-ep-pp"}
 DENSE_NAMES = [*(n for n in STANDARD_GROUPS if n != "ep"), "tp-dp", "cp-pp", "dp-pp"]

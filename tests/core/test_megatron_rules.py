@@ -19,6 +19,8 @@ import pytest
 from gradsync_core import EXPERT_GROUPS, Topology
 from gradsync_core.plan._rank_generator import complete_order
 
+pytestmark = pytest.mark.slow  # importing megatron-core alone takes seconds
+
 dist = pytest.importorskip("torch.distributed")
 fake_pg = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
 

@@ -19,6 +19,8 @@ from tests.jax.distributed_start import launch
 from tests.jax.zero_checkpoint_problem import inner, params0, reference
 from tests.support.meshes import mesh_of
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> tuple[Path, dict[str, np.ndarray]]:

@@ -119,6 +119,7 @@ def test_moe_outputs_match_serial():
     np.testing.assert_allclose(out, SERIAL_APPLY(PARAMS, x), rtol=RTOL, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_moe_step_matches_serial_params_and_adam_moments():
     _, plan = _plan()
     tx = optax.adam(1e-2)

@@ -21,6 +21,8 @@ from gradsync_torch.checkpoint.plain_save import save_plain
 from tests.parity.tied_twin import RENAMES, TiedLinen, adamw, joined, random_variables, split
 from tests.parity.tied_worker import VOCAB, TiedLM
 
+pytestmark = pytest.mark.slow
+
 ocp = pytest.importorskip("orbax.checkpoint", reason="orbax-checkpoint is not installed")
 
 

@@ -41,6 +41,8 @@ from tests.jax.zero3_problem import (
 from tests.support.asserts import assert_close, rel_err
 from tests.support.meshes import dp_mesh as mesh_of  # this file's name for it
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.parametrize(("n", "reshard"), [(2, True), (4, True), (8, True), (4, False)], ids=str)
 def test_adamw_equals_one_device(n: int, reshard: bool) -> None:

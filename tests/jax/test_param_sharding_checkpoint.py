@@ -48,6 +48,7 @@ def run(step, params, opt_state, steps: int):
     return params, opt_state
 
 
+@pytest.mark.slow
 def test_save_on_8_continues_on_4(tmp_path) -> None:
     eight = zero3(8)
     params = shard_params(init_params(), eight.mesh, eight.layout)

@@ -11,11 +11,14 @@ from pathlib import Path
 import jax
 import numpy as np
 import optax
+import pytest
 
 from gradsync_core import Topology
 from gradsync_jax import data_parallel_step, mesh_from_topology
 from tests.jax import multiprocess_worker as worker
 from tests.jax.distributed_start import ROOT, TIMEOUT_S, launch
+
+pytestmark = pytest.mark.slow
 
 
 def _single_process_4_devices():

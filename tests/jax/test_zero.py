@@ -119,6 +119,7 @@ def run_sharded(txs: list, n: int, params: dict, *, steps: int = STEPS, jit: boo
     return params_list, states
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [2, 4, 8])
 def test_every_optimizer_matches_unsharded(n: int) -> None:
     params = random_params(SHAPES)
@@ -144,6 +145,7 @@ def test_every_optimizer_matches_unsharded(n: int) -> None:
         assert max(moved) > 0, what
 
 
+@pytest.mark.slow
 def test_without_jit_matches_unsharded() -> None:
     """Eager shard_map (no jax.jit): JAX compiles every primitive, so two steps, two optimizers."""
     n, params = 2, random_params(SHAPES)
@@ -165,6 +167,7 @@ def test_without_jit_matches_unsharded() -> None:
         )
 
 
+@pytest.mark.slow
 def test_chain_clip_schedule_inject_hyperparams() -> None:
     """chain(clip_by_global_norm, inject_hyperparams(adamw)(schedule)) equals optax's own."""
     n, params = 4, random_params(SHAPES)

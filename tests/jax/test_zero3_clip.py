@@ -27,7 +27,7 @@ from tests.jax.zero3_problem import RTOL
 from tests.support.asserts import assert_close
 from tests.support.meshes import dp_mesh
 
-pytestmark = pytest.mark.slow
+SLOW = [pytest.mark.slow]  # the MLP at 2 devices runs in the fast lane, both clips
 STEPS = 5
 VOCAB, DIM, SEQ = 11, 8, 6
 
@@ -117,8 +117,10 @@ def reference(problem: str, clip: str) -> tuple[Any, Any, float]:
 
 
 @pytest.mark.parametrize("clip", list(CLIPS))
-@pytest.mark.parametrize("n", [2, 4, 8])
-@pytest.mark.parametrize("problem", list(PROBLEMS))
+@pytest.mark.parametrize("n", [2, pytest.param(4, marks=SLOW), pytest.param(8, marks=SLOW)])
+@pytest.mark.parametrize(
+    "problem", [pytest.param(p, marks=[] if p == "mlp" else SLOW) for p in PROBLEMS]
+)
 def test_global_norm_clip_equals_one_device(problem: str, n: int, clip: str) -> None:
     params, loss_fn, batch, units = PROBLEMS[problem]()
     want_params, want_state, max_norm = reference(problem, clip)

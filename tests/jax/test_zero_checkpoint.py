@@ -187,6 +187,7 @@ def test_version_1_of_the_other_framework_is_refused_with_how_to_convert(saved, 
         load_optimizer_state(old, tx, params)
 
 
+@pytest.mark.slow
 def test_gathered_saved_on_8_resumes_on_4(tmp_path) -> None:
     """A coupled optimizer (auto: gathered) checkpoints like greedy: saved on 8 devices,
     loaded on 4 bitwise, the resumed training matches the unsharded reference."""

@@ -39,6 +39,8 @@ from tests.support.asserts import assert_tree_close
 from tests.support.meshes import mesh_of
 from tests.support.models import mean_in_device_order, random_params
 
+pytestmark = pytest.mark.slow
+
 STEPS = 6
 LABELS = {"a": "x", "b": "y", "c": "y"}
 COUPLED = (

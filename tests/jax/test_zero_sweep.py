@@ -61,6 +61,8 @@ from tests.support.asserts import assert_tree_close
 from tests.support.meshes import mesh_of
 from tests.support.models import random_params
 
+pytestmark = pytest.mark.slow
+
 PARTITIONS = ("greedy", "flat")
 
 

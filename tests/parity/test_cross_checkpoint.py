@@ -59,6 +59,8 @@ from tests.support.harness import run_workers
 from tests.support.meshes import mesh_of
 from tests.support.models import LinenMLP, NnxMLP
 
+pytestmark = pytest.mark.slow
+
 
 def assert_state_dicts_equal(got: dict, want: dict) -> None:
     assert got["param_groups"] == want["param_groups"]

@@ -20,6 +20,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 import torch
 
 from gradsync_jax import param_layout, shard_params, to_torch_state, unshard_params, zero3_step
@@ -39,6 +40,8 @@ from tests.support.asserts import assert_close
 from tests.support.harness import run_workers
 from tests.support.meshes import mesh_of
 from tests.support.models import LinenMLP
+
+pytestmark = pytest.mark.slow
 
 UNITS = [f"Dense_{i}" for i in range(len(WIDTHS) - 1)]
 

@@ -37,6 +37,8 @@ from tests.support.asserts import assert_close
 from tests.support.harness import run_workers
 from tests.support.meshes import mesh_of
 
+pytestmark = pytest.mark.slow
+
 
 def test_tied_frozen_torch_to_jax(tmp_path) -> None:
     """torch 2 ranks 5 steps, saved with weights -> JAX 4 devices 5 steps == torch 10 steps."""

@@ -15,6 +15,7 @@ import itertools
 
 import jax
 import jax.numpy as jnp
+import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -39,6 +40,8 @@ from tests.support.harness import run_workers
 from tests.support.meshes import mesh_of
 from tests.support.models import LinenMLP
 from tests.torch import resume_worker
+
+pytestmark = pytest.mark.slow
 
 
 def test_torch_two_ranks_then_jax_four_devices_equal_torch_one_rank(tmp_path) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 import torch
 from flax import nnx
 from torch import nn
@@ -123,6 +124,7 @@ def save_torch_block(rank: int, world_size: int, path: str, init: dict) -> dict:
     return {"fingerprint": opt.plan().fingerprint}
 
 
+@pytest.mark.slow
 def test_a_torch_checkpoint_continues_with_its_owners(tmp_path) -> None:
     """A JAX run given the checkpoint's order adopts its owners: the fingerprints agree."""
     params = nnx.as_pure(nnx.state(FlaxBlock(nnx.Rngs(0)), nnx.Param))

@@ -194,6 +194,7 @@ def _relative_error(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.abs(a - b).max() / np.abs(b).max())
 
 
+@pytest.mark.slow
 def test_torch_data_parallel_and_gradsync_jax_train_the_same() -> None:
     rng = np.random.default_rng(0)
     x = rng.normal(size=(16, WIDTHS[0])).astype(np.float32)

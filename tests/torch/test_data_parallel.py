@@ -61,7 +61,12 @@ def _outcomes(world_size: int) -> list[dict[str, str | None]]:
 
 @pytest.mark.parametrize(
     ("world_size", "check"),
-    [(ws, name) for ws in WORLD_SIZES for name, (_, min_ws) in CHECKS.items() if ws >= min_ws],
+    [
+        pytest.param(ws, name, marks=[pytest.mark.slow] if ws == 4 else [])
+        for ws in WORLD_SIZES
+        for name, (_, min_ws) in CHECKS.items()
+        if ws >= min_ws
+    ],
     ids=lambda v: f"ws{v}" if isinstance(v, int) else v,
 )
 def test_data_parallel(world_size: int, check: str) -> None:

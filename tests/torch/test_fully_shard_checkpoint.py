@@ -34,6 +34,8 @@ from tests.parity.zero3_worker import state_of as _state
 from tests.parity.zero3_worker import train as _train
 from tests.support.harness import run_workers
 
+pytestmark = pytest.mark.slow
+
 SAVE_AT, MORE = 3, 2  # save after 3 steps, continue 2 (the JAX leg: 2 more after that)
 
 

@@ -298,6 +298,7 @@ def saved_at_4(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Any], str
     return run_workers(worker, 4, directory, timeout=400), directory
 
 
+@pytest.mark.slow
 def test_world4_trajectories_partition_save_resume(saved_at_4: tuple[list[Any], str]) -> None:
     results, _ = saved_at_4
     assert failures(results) == []
@@ -306,6 +307,7 @@ def test_world4_trajectories_partition_save_resume(saved_at_4: tuple[list[Any], 
     assert [r["runs"] for r in results] == [6] * 4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 3], ids=lambda w: f"world{w}")
 def test_resharded_resume_and_more(world_size: int, saved_at_4: tuple[list[Any], str]) -> None:
     results = run_workers(worker, world_size, saved_at_4[1], timeout=400)
