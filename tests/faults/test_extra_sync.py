@@ -15,6 +15,7 @@ from tests.support.harness import run_workers_outcomes
 PG_TIMEOUT_S = 5.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("buffers", [False, True], ids=["no-buffers", "buffers"])
 def test_extra_sync_names_the_cause(buffers: bool) -> None:
     start = time.monotonic()

@@ -64,6 +64,7 @@ RAISE_POINTS = {
 }
 
 
+@pytest.mark.slow
 def test_killed_and_failing_saves_keep_the_previous_checkpoint(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
