@@ -39,6 +39,7 @@ def test_extra_sync_names_the_cause(buffers: bool) -> None:
     assert short.exitcode == 0 and short.value[0] != "no error", short
 
 
+@pytest.mark.slow
 def test_a_dead_peer_is_named() -> None:
     survivor, dead = run_workers_outcomes(peer_dies, 2, timeout=90, pg_timeout_s=PG_TIMEOUT_S)
     assert dead.exitcode == DIED, dead

@@ -109,6 +109,7 @@ def test_expert_parameters_are_declared_by_their_partition_spec():
     assert set(plan.reduction("edp").names) == {"moe/w_in", "moe/w_out"}
 
 
+@pytest.mark.slow
 def test_moe_outputs_match_serial():
     x = BATCHES[0][0]
     mapped = jax.jit(jax.shard_map(APPLY, mesh=MESH, in_specs=(SPECS, DATA), out_specs=DATA))

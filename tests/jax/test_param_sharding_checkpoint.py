@@ -81,6 +81,7 @@ def test_save_on_8_continues_on_4(tmp_path) -> None:
         assert_close(got, getattr(want_state[0], moment), RTOL["state"], moment)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_without_weights_is_refused(tmp_path) -> None:
     """ZeRO-3 needs the weights: a ZeRO-1 save without ``model=`` names what is missing."""
     from gradsync_jax import save_optimizer_state, shard_optimizer

@@ -22,7 +22,8 @@ from tests.jax.step_problem import LOSS as LOSS_FN
 from tests.support.asserts import assert_tree_close
 
 
-@pytest.mark.parametrize("partition", [pytest.param("greedy", marks=pytest.mark.slow), "flat"])
+@pytest.mark.slow
+@pytest.mark.parametrize("partition", ["greedy", "flat"])
 def test_sharded_optimizer_step_equals_single_device_full_batch(partition: str) -> None:
     inner = optax.adam(1e-2)
     tx = shard_optimizer(inner, MESH, partition=partition)

@@ -42,7 +42,7 @@ def saved(tmp_path_factory):
     return directory, params, tx8.gather_state(state, params)
 
 
-@pytest.mark.parametrize("partition", ["greedy", "flat"])
+@pytest.mark.parametrize("partition", [pytest.param("greedy", marks=pytest.mark.slow), "flat"])
 def test_saved_on_8_resumes_on_4(saved, partition: str) -> None:
     directory, params, saved_state = saved
     tx4 = shard_optimizer(inner(), mesh_of(4), partition=partition)

@@ -62,7 +62,7 @@ def _outcomes(world_size: int) -> list[dict[str, str | None]]:
 @pytest.mark.parametrize(
     ("world_size", "check"),
     [
-        pytest.param(ws, name, marks=[pytest.mark.slow] if ws == 4 else [])
+        pytest.param(ws, name, marks=[pytest.mark.slow] if ws != 2 else [])
         for ws in WORLD_SIZES
         for name, (_, min_ws) in CHECKS.items()
         if ws >= min_ws

@@ -314,6 +314,7 @@ def test_resharded_resume_and_more(world_size: int, saved_at_4: tuple[list[Any],
     assert failures(results) == []
 
 
+@pytest.mark.slow
 def test_world1(tmp_path: Any) -> None:
     results = run_workers(worker, 1, str(tmp_path))
     assert failures(results) == []
