@@ -15,8 +15,6 @@ from tests.support.harness import run_checks, run_workers
 from tests.torch.fsdp_models import UNITS, Net
 from tests.torch.fsdp_models import local_shards as _locals
 
-pytestmark = pytest.mark.slow
-
 STEPS = 5
 MICRO = 4  # micro-steps of the accumulation case
 
