@@ -6,8 +6,11 @@ another ``test_*.py``).
 - ``meshes``: the JAX meshes of the first ``n`` devices (``mesh_of``, ``dp_mesh``);
 - ``models``: the Flax MLP twins of tests/parity/torch_worker.py, random parameter trees;
 - ``batches``: a rank's slice of a batch under a ``Topology`` (any array type);
+- ``checkpoints``: a gradsync checkpoint written with the standard library;
 - ``ports``: a free TCP port on 127.0.0.1.
 
-Each module imports only the framework it is about (``batches``, ``ports`` and ``asserts``
-none at import), so a torch rank or a core test imports what it needs without JAX.
+Each module imports only the framework it is about (``batches``, ``checkpoints``, ``ports`` and
+``asserts`` none at import), so a torch rank or a core test imports what it needs without JAX.
+A problem that several test files share (a model, its data, its reference run) is a non-test
+module beside them instead: ``tests/jax/zero3_problem.py``, ``tests/parity/mlp_twin.py``, ...
 """
