@@ -70,6 +70,11 @@ def _entry(
         )
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, **timeout)
         try:
+            # Every rank connected before any runs: gloo's init returns on a rank once its side
+            # of the mesh is up, and a rank whose fn ends at once destroyed the group while a
+            # peer was still connecting ("Gloo connectFullMesh failed ... Connection closed by
+            # peer" on the peer: 3 of 60 spawns of test_harness.py's failing-rank case, load 11).
+            dist.barrier()
             results.put((rank, None, fn(rank, world_size, *args)))
         finally:
             dist.destroy_process_group()
