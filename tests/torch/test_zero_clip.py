@@ -190,7 +190,7 @@ def _worker(rank: int, ws: int) -> dict[str, str | None]:
     )
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_clip_grad_norm_matches_ddp(world_size: int) -> None:
     results = run_workers(_worker, world_size, timeout=300)
     failures = {
