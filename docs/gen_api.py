@@ -28,8 +28,8 @@ PACKAGES = {
     "gradsync_jax": "the executor on JAX collectives and sharded Optax",
 }
 
-# Where a package's names are explained, searched in this order (design.md last: it is the
-# reference of record, the guides are where a user starts).
+# Where a package's names are explained, searched in this order (the design pages last: they
+# are the reference of record, the guides are where a user starts).
 GUIDES = {
     "gradsync_core": [
         "cli.md",
@@ -47,27 +47,38 @@ GUIDES = {
         "data-position.md",
         "interchange.md",
         "pipeline.md",
+        "torch-zero3.md",
     ],
     "gradsync_jax": [
         "jax.md",
         "jax-zero.md",
         "model-parallel.md",
+        "pipeline.md",
         "checkpoints.md",
         "data-position.md",
         "interchange.md",
+        "jax-zero3.md",
     ],
 }
-COMMON_TAIL = ["design.md"]
+COMMON_TAIL = [
+    "design-semantics.md",
+    "design-checkpoints.md",
+    "design-environment.md",
+    "design-names-and-layout.md",
+    "design-faults.md",
+    "design-zero3.md",
+    "design-pipeline.md",
+]
 # A name no section mentions is linked to the section that covers its area.
 FALLBACK = {
-    "gradsync_core": "[design.md — 8. Plans are values](design.md#8-plans-are-values)",
-    "gradsync_core.checkpoint": (
-        "[design.md — 9. Checkpoints and interchange](design.md#9-checkpoints-and-interchange)"
-    ),
-    "gradsync_torch": "[design.md — 13. Names across the two executors]"
-    "(design.md#13-names-across-the-two-executors)",
-    "gradsync_jax": "[design.md — 13. Names across the two executors]"
-    "(design.md#13-names-across-the-two-executors)",
+    "gradsync_core": "[design-semantics.md — 8. Plans are values]"
+    "(design-semantics.md#8-plans-are-values)",
+    "gradsync_core.checkpoint": "[design-checkpoints.md — 9. Checkpoints and interchange]"
+    "(design-checkpoints.md#9-checkpoints-and-interchange)",
+    "gradsync_torch": "[design-names-and-layout.md — 13. Names across the two executors]"
+    "(design-names-and-layout.md#13-names-across-the-two-executors)",
+    "gradsync_jax": "[design-names-and-layout.md — 13. Names across the two executors]"
+    "(design-names-and-layout.md#13-names-across-the-two-executors)",
 }
 
 
@@ -94,7 +105,7 @@ def _sections(doc: str) -> Iterator[tuple[str, str]]:
 def _link(package: str, name: str) -> str:
     """The section that explains ``name``: one whose heading names it, else the opening of a
     guide that names it (the guide is about it), else the first section that names it; guides
-    first, design.md last."""
+    first, the design pages last."""
     pattern = re.compile(r"`(?:[\w.]*\.)?" + re.escape(name) + r"(?:[(\[][^`]*)?`")
     docs = GUIDES[package] + COMMON_TAIL
     sections = [(doc, i, h, b) for doc in docs for i, (h, b) in enumerate(_sections(doc)) if h]
@@ -150,7 +161,7 @@ def render() -> str:
         "so a change to an exported name, signature or first docstring line comes with its",
         "regenerated reference. Only these names are the API; subpackages are importable but",
         "what they export beyond this list may move",
-        "([design.md §14](design.md#14-package-layout)).",
+        "([design §14](design-names-and-layout.md#14-package-layout)).",
         "",
     ]
     for package, what in PACKAGES.items():

@@ -107,7 +107,7 @@ def main() -> None:
     model = Transformer(*dims, parallel=True, sp=sp, rngs=nnx.Rngs(0))
     apply, _, specs = nnx_functional(model)  # same tree as serial: start from its weights
     data = P("dp", ("cp", "tp")) if sp else P("dp", "cp")
-    shared = shared_param_specs(params, specs, data_spec=data, mesh=mesh)  # leaf order
+    shared = shared_param_specs(params, specs, data_axes=data, mesh=mesh)  # leaf order
     plan = plan_shared_reductions(shared, topo)
 
     def loss_fn(params, batch):  # this device's share of its replica's loss

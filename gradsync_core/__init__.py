@@ -1,4 +1,4 @@
-"""gradsync_core: the framework-free planner (bucket layouts, shard partitions, topologies).
+"""The framework-free planner: plans, topology, the checkpoint format and the command line.
 
 Standard library only. The same parameter list gives the same plan, byte for byte, whichever
 framework asks for it; the executors in ``gradsync_torch`` and ``gradsync_jax`` run the plans.

@@ -1,4 +1,4 @@
-"""gradsync_jax: executes gradsync_core plans with jax."""
+"""The JAX executor: runs gradsync_core's plans in ``jax.shard_map``, with sharded Optax."""
 
 from gradsync_jax._mesh import mesh_from_topology
 from gradsync_jax._naming import (
@@ -39,12 +39,27 @@ from gradsync_jax.model_parallel import (
     shared_param_specs,
 )
 from gradsync_jax.param_sharding import (
+    MixedPrecisionPolicy,
     ParamLayout,
+    Zero3Options,
     Zero3Step,
     param_layout,
     shard_params,
     unshard_params,
     zero3_step,
+)
+from gradsync_jax.pipeline import (
+    PipelineModel,
+    PipelineStep,
+    linen_model,
+    load_pipeline,
+    natural_params,
+    nnx_model,
+    pipeline_params,
+    pipeline_step,
+    save_pipeline,
+    sequential_params,
+    stacked_params,
 )
 from gradsync_jax.sampler import ResumableSampler
 from gradsync_jax.shared_reductions import make_shared_local, reduce_shared_gradients
@@ -58,13 +73,17 @@ from gradsync_jax.zero import (
 
 __all__: list[str] = [
     "ColumnParallelLinear",
+    "MixedPrecisionPolicy",
     "MoE",
     "NotElementwiseError",
     "ParamLayout",
+    "PipelineModel",
+    "PipelineStep",
     "ResumableSampler",
     "RowParallelLinear",
     "ShardedOptimizer",
     "SyncedState",
+    "Zero3Options",
     "Zero3Step",
     "ZeroState",
     "accumulate_local_grads",
@@ -77,28 +96,37 @@ __all__: list[str] = [
     "gather_from",
     "group_axes",
     "import_orbax",
+    "linen_model",
     "load_optimizer_state",
     "load_param_shards",
     "load_params",
+    "load_pipeline",
     "local_grad",
     "make_local",
     "make_shared_local",
     "mesh_from_topology",
+    "natural_params",
     "nnx_functional",
+    "nnx_model",
     "param_layout",
     "param_specs",
     "path_name",
+    "pipeline_params",
+    "pipeline_step",
     "reduce_from",
     "reduce_scatter_to",
     "reduce_shared_gradients",
     "registration_order",
     "save_optimizer_state",
     "save_param_shards",
+    "save_pipeline",
     "scatter_to",
+    "sequential_params",
     "shard_optimizer",
     "shard_params",
     "shared_param_specs",
     "split_microbatches",
+    "stacked_params",
     "sync_gradients",
     "synced",
     "to_torch_state",

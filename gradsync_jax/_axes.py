@@ -2,7 +2,8 @@
 
 One home for what the data-parallel sync, the training step, the sharded optimizer and the
 model-parallel mappings all need: normalising an axis argument, asking JAX which manual axes a
-value varies over, and deciding where a mean divides.
+value varies over, and taking a mean where the core's rule ``mean_divisors(dtype, n,
+"after")`` divides (gradsync_core/plan/_mean.py, the one home of the mean's rules).
 """
 
 from __future__ import annotations
@@ -13,11 +14,9 @@ import jax
 import numpy as np
 from jax import lax
 
-AxisName = str | tuple[str, ...]
+from gradsync_core.plan import divides_after, mean_divisors
 
-# float32's largest exponent: a dtype with at least this range cannot overflow in a sum of
-# up to 2**k values that each fit, for any group size a mesh can have (k < 64).
-_WIDE_MAXEXP = int(np.finfo(np.float32).maxexp)
+AxisName = str | tuple[str, ...]
 
 
 def axis_tuple(axis_name: AxisName) -> tuple[str, ...]:
@@ -87,8 +86,14 @@ def cast_varying(tree: Any, axes: tuple[str, ...]) -> Any:
     return jax.tree.map(cast, tree)
 
 
+def dtype_name(dtype: Any) -> str:
+    """``jnp.bfloat16`` -> ``"bfloat16"`` (the spelling gradsync_core uses)."""
+    return np.dtype(dtype).name
+
+
 def divide_after(dtype: Any, n: int) -> bool:
-    """True when a mean over ``n`` devices may divide the SUM instead of every summand.
+    """True when a mean over ``n`` devices may divide the SUM instead of every summand (the
+    core's ``divides_after``, the ``"after"`` rule of ``mean_divisors``).
 
     DDP divides before the sum (docs/design.md §7) so a narrow sum cannot overflow. Dividing
     after gives the same bits when both hold:
@@ -106,25 +111,24 @@ def divide_after(dtype: Any, n: int) -> bool:
         >>> divide_after(jnp.bfloat16, 8), divide_after(jnp.float16, 8), divide_after("float32", 3)
         (True, False, False)
     """
-    power_of_two = n > 0 and n & (n - 1) == 0
-    return power_of_two and int(jax.numpy.finfo(dtype).maxexp) >= _WIDE_MAXEXP
+    return divides_after(dtype_name(dtype), n)
 
 
 def psum_mean(x: jax.Array, axes: tuple[str, ...], *, mean: bool) -> jax.Array:
-    """All-reduce ``x`` over ``axes``: the sum, or with ``mean`` the mean (``divide_after``)."""
+    """All-reduce ``x`` over ``axes``: the sum, or with ``mean`` the mean (the ``"after"``
+    rule: ``divide_after``)."""
     if not mean:
         return lax.psum(x, axes)
-    n = lax.axis_size(axes)
-    if divide_after(x.dtype, n):
-        return lax.psum(x, axes) * (1.0 / n)
-    return lax.psum(x / n, axes)
+    rule = mean_divisors(dtype_name(x.dtype), lax.axis_size(axes), "after")
+    out = lax.psum(x if rule.pre is None else x / rule.pre, axes)
+    return out if rule.post is None else out * (1.0 / rule.post)
 
 
 def psum_scatter_mean(buf: jax.Array, axes: tuple[str, ...], n: int, *, mean: bool) -> jax.Array:
     """Sum ``buf`` (leading dimension a multiple of ``n``) over ``axes`` and keep this device's
-    chunk, divided by ``n`` with ``mean`` (where: ``divide_after``)."""
-    after = mean and divide_after(buf.dtype, n)
-    if mean and not after:
-        buf = buf / n
+    chunk, divided by ``n`` with ``mean`` (the ``"after"`` rule: ``divide_after``)."""
+    rule = mean_divisors(dtype_name(buf.dtype), n, "after") if mean else None
+    if rule is not None and rule.pre is not None:
+        buf = buf / rule.pre
     out = lax.psum_scatter(buf, axes, scatter_dimension=0, tiled=True)
-    return out / n if after else out
+    return out if rule is None or rule.post is None else out / rule.post

@@ -43,6 +43,9 @@ def mesh_from_topology(
 
     Axis names are ``topology.mesh_axis_names`` (all five axes, size-1 ones included, so
     every group name resolves: ``("pp", "dp", "ep", "cp", "tp")`` for the default order).
+    Under hybrid sharding (``Topology.create(..., dp_shard=S)``) dp is two axes,
+    ``("pp", "dp_replicate", "dp_shard", "ep", "cp", "tp")``: the mesh of HSDP, on which
+    ``zero3_step`` and ``shard_params`` read ``"dp"`` as the two (docs/jax-zero3.md).
     With ``expert=True`` the mesh of Megatron-core's expert generator instead: axes
     ``topology.expert_mesh_axis_names`` (``("pp", "edp", "ep", "etp")``), whose fibres are
     the expert groups (see the module docstring).
@@ -71,6 +74,9 @@ def mesh_from_topology(
         >>> moe = Topology.create(world_size=8, ep=2)
         >>> dict(mesh_from_topology(moe, expert=True).shape)
         {'pp': 1, 'edp': 4, 'ep': 2, 'etp': 1}
+        >>> hsdp = mesh_from_topology(Topology.create(world_size=8, dp_shard=4))
+        >>> hsdp.shape["dp_replicate"], hsdp.shape["dp_shard"]
+        (2, 4)
     """
     if not isinstance(topology, Topology):
         raise TypeError(f"topology must be a gradsync_core.Topology, got {type(topology)!r}")

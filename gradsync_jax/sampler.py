@@ -1,5 +1,6 @@
-"""``ResumableSampler``: this process's sample indices for each step, at a data position that
-survives a change of process or device count (docs/data-position.md).
+"""``ResumableSampler``: this process's sample indices for each step, at any process count.
+
+At a data position that survives a change of process or device count (docs/data-position.md).
 
 The rule is ``gradsync_core.SamplerPlan``'s: each step reads the next global batch of the
 epoch's order, process ``p`` of ``P`` taking the ``p``-th contiguous slice, which is what

@@ -1,14 +1,20 @@
-"""gradsync_torch: executes gradsync_core plans with torch."""
+"""The torch executor: runs gradsync_core's plans on ``torch.distributed``."""
 
 from gradsync_torch._specs import dtype_name, param_specs, replicated_over, shared_param_specs
 from gradsync_torch.checkpoint import (
-    load_fully_sharded,
+    load_fully_sharded as load_fully_sharded,  # deprecated alias of load_param_shards
+)
+from gradsync_torch.checkpoint import (
     load_model_weights,
     load_optimizer_state_dict,
-    save_fully_sharded,
+    load_param_shards,
+    save_param_shards,
+)
+from gradsync_torch.checkpoint import (
+    save_fully_sharded as save_fully_sharded,  # deprecated alias of save_param_shards
 )
 from gradsync_torch.checkpoint.dcp import export_dcp, import_dcp
-from gradsync_torch.data_parallel import DataParallel, ShardedGradient
+from gradsync_torch.data_parallel import DataParallel, DataParallelOptions, ShardedGradient
 from gradsync_torch.data_parallel.comm_hooks import (
     GradBucket,
     allreduce_hook,
@@ -55,6 +61,7 @@ from gradsync_torch.zero import ZeroRedundancyOptimizer
 __all__: list[str] = [
     "ColumnParallelLinear",
     "DataParallel",
+    "DataParallelOptions",
     "ExpertMLPs",
     "GradBucket",
     "Group",
@@ -82,9 +89,9 @@ __all__: list[str] = [
     "gather_from",
     "hsdp_mesh",
     "import_dcp",
-    "load_fully_sharded",
     "load_model_weights",
     "load_optimizer_state_dict",
+    "load_param_shards",
     "load_pipeline",
     "local_state",
     "param_specs",
@@ -92,7 +99,7 @@ __all__: list[str] = [
     "reduce_scatter_to",
     "reduce_shared_gradients",
     "replicated_over",
-    "save_fully_sharded",
+    "save_param_shards",
     "save_pipeline",
     "scatter_to",
     "shared_param_specs",

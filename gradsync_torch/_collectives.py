@@ -134,8 +134,8 @@ def broadcast_tensors(
     tensor.
     """
     by_key: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for t in tensors:
-        by_key.setdefault((t.dtype, t.device), []).append(t)
+    for tensor in tensors:
+        by_key.setdefault((tensor.dtype, tensor.device), []).append(tensor)
     for members in by_key.values():
         chunk: list[torch.Tensor] = []
         nbytes = 0

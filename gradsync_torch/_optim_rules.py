@@ -1,6 +1,7 @@
-"""Which torch optimizers may step a piece of a tensor: the one rule ZeRO-2 (element ranges of
-a bucket) and ZeRO-3 (``fully_shard``'s rows) both apply (docs/torch-zero.md,
-docs/torch-zero3.md).
+"""Which torch optimizers may step a piece of a tensor (ZeRO-2's ranges, ZeRO-3's rows).
+
+The one rule ZeRO-2 (element ranges of a bucket) and ZeRO-3 (``fully_shard``'s rows) both
+apply (docs/torch-zero.md, docs/torch-zero3.md).
 
 An optimizer that steps each rank's piece alone gives the unsharded result only if its update
 of one element reads only that element's gradient and state (plus per-tensor scalars such as

@@ -1,5 +1,7 @@
-"""The optimizer state every torch saver and loader shares: pieces in model space, the group
-they are sharded over, names and specs of an optimizer's parameters.
+"""The optimizer state every torch saver and loader shares, in model space.
+
+Pieces in model space, the group they are sharded over, names and specs of an optimizer's
+parameters.
 
 ``StatePiece`` is a piece of one parameter's state: the whole parameter's (ZeRO-1, a plain
 optimizer) or that of elements ``[start, stop)`` of the flattened parameter (ZeRO-2, ZeRO-3
@@ -28,7 +30,8 @@ NOT_HYPER = ("params", "param_names")
 class StatePiece(NamedTuple):
     """A piece of one parameter's optimizer state in model space."""
 
-    index: int  # global parameter index (param groups flattened, as torch's state_dict)
+    index: int  # type: ignore[assignment]  # the global parameter index (param groups flattened,
+    # as torch's state_dict); the field shadows tuple.index, as a NamedTuple field may
     start: int  # element range of the flattened parameter
     stop: int
     whole: bool  # the state of the whole parameter, tensors in its shape
@@ -131,7 +134,7 @@ def parameter_names(
             f"parameter #{i} ({tuple(params[i].shape)}) is not a parameter of the "
             "given model; pass the model this optimizer trains"
         )
-    return names  # type: ignore[return-value]
+    return names
 
 
 def param_specs_of(

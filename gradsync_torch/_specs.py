@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
+from typing import cast
 
 import torch
 from torch import nn
@@ -35,7 +36,7 @@ def unwrapped(module: nn.Module) -> nn.Module:
     while isinstance(getattr(module, "module", None), nn.Module) and is_wrapped(
         [name for name, _ in module.named_parameters()]
     ):
-        module = module.module
+        module = cast(nn.Module, module.module)
     return module
 
 

@@ -17,12 +17,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from gradsync_core import AXES, EXPERT_GROUPS, STANDARD_GROUPS, Topology
+from gradsync_core.plan import HSDP_AXES
 
 
 @dataclass(frozen=True, eq=False)
@@ -77,10 +79,11 @@ class ProcessGroups:
     Args:
         topology: sizes and order of the parallel axes; ``topology.world_size`` must equal
             the default group's world size.
-        names: group names to create besides the single axes (``"tp"``, ``"cp"``, ...),
-            which are always created. Default ``STANDARD_GROUPS``; add the groups of a
-            ``ReductionPlan`` with ``names=STANDARD_GROUPS + plan.group_names`` (spellings
-            are sets of axes: ``"cp-tp"`` is ``"tp-cp"``).
+        names: group names to create besides the single axes (``"tp"``, ``"cp"``, ...,
+            and under HSDP ``"dp_shard"`` and ``"dp_replicate"``), which are always
+            created. Default ``STANDARD_GROUPS``; add the groups of a ``ReductionPlan`` with
+            ``names=STANDARD_GROUPS + plan.group_names`` (spellings are sets of axes:
+            ``"cp-tp"`` is ``"tp-cp"``).
 
     Raises:
         RuntimeError: if torch.distributed is not initialized.
@@ -108,9 +111,11 @@ class ProcessGroups:
         self.rank = dist.get_rank()
         self._groups: dict[frozenset[str], Group] = {}
         created: dict[tuple[int, ...], ProcessGroup] = {}
-        # With experts, Megatron-core's expert groups too (edp reduces expert gradients).
+        # With experts, Megatron-core's expert groups too (edp reduces expert gradients);
+        # under HSDP the two parts of dp (torchtitan's dp_shard and dp_replicate).
         extra = [n for n in EXPERT_GROUPS if n not in AXES] if topology.has_experts else []
-        ordered = list(AXES) + [n for n in [*names, *extra] if n not in AXES]
+        axes = list(AXES) + (list(HSDP_AXES) if topology.hsdp else [])
+        ordered = axes + [n for n in [*names, *extra] if n not in axes]
         for name in ordered:
             key = _key(name)
             if key in self._groups:
@@ -122,7 +127,7 @@ class ProcessGroups:
                     if ranks in created:
                         continue
                     if len(ranks) == world:
-                        created[ranks] = dist.group.WORLD
+                        created[ranks] = cast(dist.ProcessGroup, dist.group.WORLD)
                     else:
                         created[ranks] = dist.new_group(list(ranks))
             self._groups[key] = Group(
@@ -170,10 +175,12 @@ class ProcessGroups:
         Dimensions follow ``topology.mesh_axis_names`` (reversed order string, so the last
         dimension varies fastest) with singleton axes dropped, as torchtitan's
         ``ParallelDims.build_mesh`` does; ``mesh[name].get_group()`` is ``group(name)``'s
-        process group. A world of one rank gives a 1-D mesh named ``"dp"``. With
-        ``expert=True``, the mesh of Megatron-core's expert generator instead: dimensions
-        from ``topology.expert_mesh_axis_names`` (``pp``, ``edp``, ``ep``, ``etp``), the same
-        ranks seen through the expert groups (two meshes, as ``gradsync_jax``'s
+        process group. Under HSDP dp is the two dimensions ``("dp_replicate", "dp_shard")``:
+        with only data parallelism the mesh is the 2-D one ``fully_shard`` takes for HSDP.
+        A world of one rank gives a 1-D mesh named ``"dp"``. With ``expert=True``, the mesh
+        of Megatron-core's expert generator instead: dimensions from
+        ``topology.expert_mesh_axis_names`` (``pp``, ``edp``, ``ep``, ``etp``), the same ranks
+        seen through the expert groups (two meshes, as ``gradsync_jax``'s
         ``mesh_from_topology(..., expert=True)``; docs/model-parallel.md).
         """
         from torch.distributed.device_mesh import DeviceMesh
@@ -183,6 +190,7 @@ class ProcessGroups:
         names = [a for a, size in sizes.items() if size > 1]
         mesh = torch.arange(topo.world_size).reshape([sizes[a] for a in names] or [1])
         if not names:
-            return DeviceMesh.from_group(dist.group.WORLD, device_type, mesh_dim_names=("dp",))
+            world = cast(dist.ProcessGroup, dist.group.WORLD)
+            return DeviceMesh.from_group(world, device_type, mesh_dim_names=("dp",))
         pgs = [self.group(a).process_group for a in names]
         return DeviceMesh.from_group(pgs, device_type, mesh, mesh_dim_names=tuple(names))

@@ -1,5 +1,6 @@
-"""``ResumableSampler``: ``DistributedSampler`` whose position survives a change of world size
-(docs/data-position.md).
+"""``ResumableSampler``: ``DistributedSampler`` with a position that survives a new world size.
+
+See docs/data-position.md.
 
 Which samples a step reads is ``gradsync_core.SamplerPlan``'s rule: the next global batch of
 the epoch's order, rank ``r`` taking the ``r``-th contiguous slice. This file only walks that

@@ -1,5 +1,6 @@
-"""Shared-parameter gradient sums: a ``ReductionPlan`` executed over ``ProcessGroups``
-(docs/design.md §6).
+"""Shared-parameter gradient sums: a ``ReductionPlan`` executed over ``ProcessGroups``.
+
+See docs/design.md §6.
 
 A parameter replicated over a model-parallel axis (a norm under tensor or context
 parallelism) gets a partial gradient on each member of that axis; the plan's buckets sum them
@@ -81,7 +82,7 @@ class _Bucket(NamedTuple):
     """One bucket of one reduction, bound to its parameters and its persistent buffer."""
 
     flat: torch.Tensor
-    params: tuple[tuple[str, nn.Parameter, torch.Tensor], ...]  # (name, param, view of flat)
+    params: tuple[tuple[str, torch.Tensor, torch.Tensor], ...]  # (name, param, view of flat)
     group: dist.ProcessGroup
     divisor: int
 
@@ -104,14 +105,14 @@ class SharedReducer:
     """
 
     def __init__(
-        self, plan: ReductionPlan, groups: ProcessGroups, params: Mapping[str, nn.Parameter]
+        self, plan: ReductionPlan, groups: ProcessGroups, params: Mapping[str, torch.Tensor]
     ) -> None:
         _check_topology(plan, groups)
         plan.check_names(params, where="a parameter of this model")
         self.plan = plan
         self._buckets: list[_Bucket] = []
         # An expert held by one rank (edp of size 1) still owes the 1/dp: divided in place.
-        self._divide_only: list[tuple[nn.Parameter, int]] = []
+        self._divide_only: list[tuple[torch.Tensor, int]] = []
         for reduction in plan.reductions:
             group = groups.group(reduction.group)
             if group.size == 1:
@@ -190,5 +191,6 @@ def reduce_shared_gradients(
         >>> loss.backward()
         >>> reduce_shared_gradients(model, groups, plan)
     """
+    pairs: Iterable[tuple[str, torch.Tensor]]
     pairs = named_parameters(module) if isinstance(module, nn.Module) else list(module)
     SharedReducer(plan, groups, dict(pairs)).reduce()

@@ -1,6 +1,9 @@
 """Test-wide settings that must happen before any JAX operation (docs/design.md §10)."""
 
 import os
+import warnings
+
+import pytest
 
 # 8 fake CPU devices for the JAX suites; harmless for the others.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -21,12 +24,13 @@ else:
 # longest-first scheduling. Measured serially (`-n 0`, junit per-test times summed per file)
 # on the shared 2-core machine under load (1-minute load average 2.7-16, median 9), so the
 # seconds are 2-4x a quiet machine's; every file of 17 s or more there. test_zero3_sweep.py
-# could not be timed (it failed on that tree) and keeps its earlier place. The fast lane
-# (`-m "not slow"`) keeps this order for what is left of each file.
+# (it failed on that tree) and test_cross_pipeline.py (newer) were not timed with them. The
+# fast lane (`-m "not slow"`) keeps this order for what is left of each file.
 LONGEST_FIRST = (
     "tests/examples/test_examples.py",  # 240 s
     "tests/jax/test_param_sharding.py",  # 210 s
     "tests/test_readme.py",  # 182 s
+    "tests/parity/test_cross_pipeline.py",  # 2.5 min at load 10 (59 s of CPU), not timed here
     "tests/jax/test_zero_coupled.py",  # 98 s
     "tests/jax/test_zero_sweep.py",  # 97 s
     "tests/jax/test_zero.py",  # 92 s
@@ -64,3 +68,28 @@ def pytest_collection_modifyitems(session, config, items):
     collection order stays)."""
     rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(LONGEST_FIRST)))
+
+
+class _Deprecations:
+    """``messages``: the ``DeprecationWarning``s raised so far in the test, in order."""
+
+    def __init__(self, caught: list) -> None:
+        self.caught = caught
+
+    @property
+    def messages(self) -> list[str]:
+        return [str(w.message) for w in self.caught if issubclass(w.category, DeprecationWarning)]
+
+
+@pytest.fixture
+def deprecations():
+    """The deprecation warnings a test raises, every old spelling warning again (gradsync
+    warns once per process per old name: the registry of those that warned is cleared around
+    the test)."""
+    from gradsync_core import deprecation
+
+    deprecation._warned.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield _Deprecations(caught)
+    deprecation._warned.clear()

@@ -4,9 +4,10 @@
 ``CheckpointError``, ``COUNTERPARTS``); this module holds what an executor needs to read and
 write the format: the switching save (``run_save`` behind ``SaveAgreement``, or its steps
 ``begin_save`` / ``commit_save`` / ``discard_save``), file and tensor names, the manifest
-writer, the key and optimizer checks, the bounded safetensors header reader and the fault
-points of a save. ``gradsync_torch`` and ``gradsync_jax`` import from here; a new executor
-would too. Standard library only, like the rest of the core.
+writer, the key and optimizer checks, the bounded safetensors header reader, which stored
+element ranges a load reads (``state_reads``, ``weight_reads``) and the fault points of a
+save. ``gradsync_torch`` and ``gradsync_jax`` import from here; a new executor would too.
+Standard library only, like the rest of the core.
 """
 
 from gradsync_core.checkpoint._atomic import (
@@ -46,6 +47,7 @@ from gradsync_core.checkpoint._model_weights import (
     weight_owners,
 )
 from gradsync_core.checkpoint._param_shard_state import DIM0, plan_dim0_shards
+from gradsync_core.checkpoint._reads import Window, WindowRead, state_reads, weight_reads
 from gradsync_core.checkpoint._safetensors import MAX_HEADER_BYTES, data_range, read_header
 from gradsync_core.checkpoint._save_hooks import SAVE_POINTS, save_hook
 from gradsync_core.checkpoint._save_protocol import (
@@ -68,6 +70,7 @@ from gradsync_core.checkpoint._state_keys import (
 )
 from gradsync_core.checkpoint._storage import (
     check_rank_file,
+    hash_share,
     read_manifest,
     reading_version,
     sha256_file,
@@ -95,6 +98,8 @@ __all__ = [
     "Manifest",
     "SaveAgreement",
     "SaveSteps",
+    "Window",
+    "WindowRead",
     "begin_save",
     "canonical_optimizer",
     "check_compatible",
@@ -109,6 +114,7 @@ __all__ = [
     "discard_save",
     "error_message",
     "fsync_directory",
+    "hash_share",
     "hyperparameter_warning",
     "is_wrapped",
     "model_key",
@@ -127,10 +133,12 @@ __all__ = [
     "save_hook",
     "sha256_file",
     "staging_directory",
+    "state_reads",
     "tensor_key",
     "unwrapped_names",
     "verify_file_hashes",
     "weight_owners",
+    "weight_reads",
     "write_atomic",
     "write_manifest",
     "write_rank_file",

@@ -11,9 +11,11 @@ opened without blocking, so that a FIFO is refused instead of waited on.
 
 from __future__ import annotations
 
+import io
 import os
 import stat
-from typing import BinaryIO
+
+from gradsync_core.deprecation import renamed_keywords
 
 _KINDS = {
     stat.S_IFDIR: "a directory",
@@ -24,17 +26,18 @@ _KINDS = {
 }
 
 
-def open_checkpoint_file(directory: str | os.PathLike[str], name: str) -> BinaryIO:
-    """Open ``directory/name`` for reading, refusing anything but a regular file inside
-    ``directory``.
+@renamed_keywords(directory="path")
+def open_checkpoint_file(path: str | os.PathLike[str], name: str) -> io.BufferedReader:
+    """Open ``path/name`` for reading, refusing anything but a regular file inside the
+    checkpoint directory ``path``.
 
     Raises:
         FileNotFoundError: if the file does not exist (callers say what that means).
         ValueError: one sentence naming the file and what it is instead (a link out of the
             checkpoint, a link loop, a directory, a FIFO, a device).
     """
-    root = os.path.realpath(os.fspath(directory))
-    shown = os.path.join(os.fspath(directory), name)
+    root = os.path.realpath(os.fspath(path))
+    shown = os.path.join(os.fspath(path), name)
     target = os.path.realpath(os.path.join(root, name))
     if os.path.commonpath([root, target]) != root:
         raise ValueError(

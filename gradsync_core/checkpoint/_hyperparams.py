@@ -76,7 +76,8 @@ def hyperparameter_differences(
     """
     out = []
     for key in HYPERPARAMETERS.get(optimizer, ()):
-        a, b = saved.get(key), here.get(key)
+        a: Any = saved.get(key)
+        b: Any = here.get(key)
         if not (_comparable(a) and _comparable(b)):
             continue
         if key == "betas" and len(a) != len(b):
@@ -109,7 +110,7 @@ def hyperparameter_warning(
     count = max(len(saved), len(here))
     if min(len(saved), len(here)) not in (1, count):
         return None  # groups that do not pair up: the loaders refuse those already
-    parts = []
+    parts: list[str] = []
     for group in range(count):
         found = hyperparameter_differences(
             saved[min(group, len(saved) - 1)], here[min(group, len(here) - 1)], optimizer

@@ -242,7 +242,7 @@ def _write_and_commit(
             raise
         return manifest
 
-    manifest = step(commit)  # nobody returns before the checkpoint is complete
+    manifest: Manifest = step(commit)  # nobody returns before the checkpoint is complete
     if agreement.leader:
         _log.info(
             "saved checkpoint %s: %s (%s), step %d, world size %d, %d rank files, %d bytes, "

@@ -26,6 +26,7 @@ from gradsync_core.checkpoint._format import (
     rank_file_metadata,
 )
 from gradsync_core.checkpoint._safetensors import read_metadata
+from gradsync_core.deprecation import renamed_keywords
 
 
 def sha256_file(path: str | os.PathLike[str]) -> str:
@@ -74,59 +75,68 @@ def write_atomic(path: str | os.PathLike[str], data: bytes) -> None:
         raise
 
 
-def write_manifest(directory: str | os.PathLike[str], manifest: Manifest) -> None:
-    """Write ``manifest.json`` atomically, with a ``"checksum"`` over its other fields."""
+@renamed_keywords(directory="path")
+def write_manifest(path: str | os.PathLike[str], manifest: Manifest) -> None:
+    """Write ``manifest.json`` into the checkpoint directory ``path`` atomically, with a
+    ``"checksum"`` over its other fields."""
     # Through JSON and back first, so the checksum covers exactly what a reader will parse
     # (tuples become lists, int keys strings).
     obj = json.loads(json.dumps(manifest.to_json()))
     obj["checksum"] = manifest_checksum(obj)
     text = json.dumps(obj, indent=1, sort_keys=True)
-    write_atomic(os.path.join(directory, MANIFEST), text.encode("utf-8"))
+    write_atomic(os.path.join(path, MANIFEST), text.encode("utf-8"))
 
 
-def read_manifest(directory: str | os.PathLike[str], *, verify_files: bool = True) -> Manifest:
+@renamed_keywords(directory="path")
+def read_manifest(path: str | os.PathLike[str], *, verify_files: bool = True) -> Manifest:
     """Read and check a checkpoint's manifest (and, by default, every rank file's hash).
 
     The manifest's own checksum and every field are checked before anything is loaded.
+
+    Args:
+        path: the checkpoint directory.
+        verify_files: also check every rank file against its recorded hash.
+
+    Returns:
+        The manifest.
 
     Raises:
         ValueError: if the manifest is missing, unreadable, edited, holds a field of the
             wrong type, or a file is missing or corrupt.
     """
-    path = os.path.join(directory, MANIFEST)
+    shown = os.path.join(path, MANIFEST)
     try:
-        with open_checkpoint_file(directory, MANIFEST) as f:
+        with open_checkpoint_file(path, MANIFEST) as f:
             raw = f.read(MAX_MANIFEST_BYTES + 1)
         if len(raw) > MAX_MANIFEST_BYTES:
             raise ValueError(
-                f"{path} is larger than {MAX_MANIFEST_BYTES >> 20} MiB, which no gradsync "
+                f"{shown} is larger than {MAX_MANIFEST_BYTES >> 20} MiB, which no gradsync "
                 "manifest is; restore it or save again"
             )
         obj = json.loads(raw.decode("utf-8"))
     except FileNotFoundError:
-        _refuse_if_removed(directory)
+        _refuse_if_removed(path)
         raise ValueError(
-            f"{directory!s} has no {MANIFEST}: not a gradsync checkpoint, or its save did "
-            "not finish"
+            f"{path!s} has no {MANIFEST}: not a gradsync checkpoint, or its save did not finish"
         ) from None
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-        raise ValueError(f"{path} is corrupt ({e}); restore it or save again") from None
+        raise ValueError(f"{shown} is corrupt ({e}); restore it or save again") from None
     # Manifests written before the checksum existed have none; they are accepted, and still
     # get every field check below. A manifest that has one must match it.
     if isinstance(obj, Mapping) and "checksum" in obj:
         if obj["checksum"] != manifest_checksum(obj):
             raise ValueError(
-                f"{path} does not match its own checksum: edited by hand or corrupt; "
+                f"{shown} does not match its own checksum: edited by hand or corrupt; "
                 "restore it or save again"
             )
     try:
         manifest = Manifest.from_json(obj)
     except ValueError as e:
-        raise ValueError(f"{path}: {e}") from None
+        raise ValueError(f"{shown}: {e}") from None
     except (KeyError, TypeError) as e:  # a shape the field checks did not foresee
-        raise ValueError(f"{path} is corrupt ({e!r}); restore it or save again") from None
+        raise ValueError(f"{shown} is corrupt ({e!r}); restore it or save again") from None
     if verify_files:
-        verify_file_hashes(directory, manifest)
+        verify_file_hashes(path, manifest)
     return manifest
 
 
@@ -155,11 +165,12 @@ def _refuse_if_removed(directory: str | os.PathLike[str]) -> None:
         raise ValueError(_removed_sentence(directory)) from None
 
 
+@renamed_keywords(directory="path")
 @contextlib.contextmanager
-def reading_version(directory: str | os.PathLike[str]) -> Iterator[None]:
+def reading_version(path: str | os.PathLike[str]) -> Iterator[None]:
     """Where a load reads a resolved version: a version removed meanwhile is one sentence.
 
-    Every read of a version ``directory`` (``resolve_checkpoint``) runs inside it. A failure
+    Every read of a version ``path`` (``resolve_checkpoint``) runs inside it. A failure
     while a later save removed that version, whatever a reader raised for its vanished files
     (``FileNotFoundError``, safetensors' ``unable to open file``, a missing manifest), becomes
     the documented sentence ``checkpoint PATH.v-... was removed by a later save while it was
@@ -171,18 +182,19 @@ def reading_version(directory: str | os.PathLike[str]) -> Iterator[None]:
     try:
         yield
     except Exception as err:
-        if _removed(directory):
-            raise ValueError(_removed_sentence(directory)) from err
+        if _removed(path):
+            raise ValueError(_removed_sentence(path)) from err
         raise
 
 
+@renamed_keywords(directory="path")
 def verify_file_hashes(
-    directory: str | os.PathLike[str], manifest: Manifest, files: Sequence[str] | None = None
+    path: str | os.PathLike[str], manifest: Manifest, files: Sequence[str] | None = None
 ) -> None:
     """Check rank files against the sha256 the manifest recorded for them.
 
     Args:
-        directory: the checkpoint directory.
+        path: the checkpoint directory.
         manifest: its manifest, as returned by ``read_manifest``.
         files: the rank files to check (default: every file the manifest lists). A rank that
             reads only some files can check those plus its share of the rest, so that together
@@ -192,23 +204,59 @@ def verify_file_hashes(
         ValueError: naming the first file that is missing, unlisted or does not match.
     """
     for name in manifest.files if files is None else files:
-        file_path = os.path.join(directory, name)
+        file_path = os.path.join(path, name)
         if name not in manifest.files:
             raise ValueError(f"checkpoint file {file_path} is not listed in its manifest")
         try:
             digest = sha256_file(file_path)  # refuses a FIFO, device or link out, unread
         except FileNotFoundError:
-            _refuse_if_removed(directory)
+            _refuse_if_removed(path)
             raise ValueError(f"checkpoint file {file_path} is missing") from None
         if digest != manifest.files[name]:
             raise ValueError(
                 f"checkpoint file {file_path} does not match its manifest hash: corrupt or "
                 "from another save"
             )
-        check_rank_file(directory, name)
+        check_rank_file(path, name)
 
 
-def check_rank_file(directory: str | os.PathLike[str], name: str) -> None:
+@renamed_keywords(directory="path")
+def hash_share(
+    path: str | os.PathLike[str], manifest: Manifest, index: int, count: int
+) -> list[str]:
+    """The rank files reader ``index`` of ``count`` hashes (``verify_file_hashes(files=)``)
+    so that together the readers hash every file once, with about equal bytes each.
+
+    Largest file first, each goes to the reader with the fewest bytes so far (ties: the
+    lowest index). The sizes are the files' own, the same for every reader of one file system;
+    a file that cannot be stat-ed counts 0 bytes (its reader then finds it missing).
+
+    Args:
+        path: the checkpoint version.
+        manifest: its manifest (``files`` names them).
+        index: this reader's index.
+        count: the number of readers.
+
+    Returns:
+        This reader's files, sorted by name.
+    """
+    sizes = {}
+    for name in sorted(manifest.files):
+        try:
+            sizes[name] = os.stat(os.path.join(path, name)).st_size
+        except OSError:
+            sizes[name] = 0
+    loads, mine = [0] * count, []
+    for name in sorted(sizes, key=lambda n: -sizes[n]):  # stable: equal sizes in name order
+        reader = loads.index(min(loads))
+        loads[reader] += sizes[name]
+        if reader == index:
+            mine.append(name)
+    return sorted(mine)
+
+
+@renamed_keywords(directory="path")
+def check_rank_file(path: str | os.PathLike[str], name: str) -> None:
     """Refuse a rank file whose recorded rank and world size are not those of its name.
 
     Hashes alone cannot tell two rank files that trade places with the manifest's hashes
@@ -223,8 +271,8 @@ def check_rank_file(directory: str | os.PathLike[str], name: str) -> None:
     match = RANK_FILE_RE.fullmatch(name)
     if match is None:
         raise ValueError(f"checkpoint file {name!r} is not a rank file's name")
-    path = os.path.join(directory, name)
-    metadata = read_metadata(path)
+    file_path = os.path.join(path, name)
+    metadata = read_metadata(file_path)
     recorded = (metadata.get("rank"), metadata.get("world"))
     if recorded == (None, None):
         return
@@ -232,7 +280,7 @@ def check_rank_file(directory: str | os.PathLike[str], name: str) -> None:
     if recorded != (named["rank"], named["world"]):
         rank, world = (v if isinstance(v, str) and v.isdigit() else repr(v) for v in recorded)
         raise ValueError(
-            f"checkpoint file {path} records rank {rank} of {world} but is named for rank "
+            f"checkpoint file {file_path} records rank {rank} of {world} but is named for rank "
             f"{named['rank']} of {named['world']}: rank files were swapped or renamed; restore "
             "them or save again"
         )

@@ -10,8 +10,8 @@ A gradsync checkpoint is named by parameter, not shaped as a program's tree: DCP
 tied weight under each of its names and the optimizer class, Orbax the Flax tree and the
 Optax chain. ``--model MODULE:FUNCTION`` names a function, taking no arguments, that builds
 them and returns the keyword arguments of the executor's function (``{"model": net,
-"optimizer": opt}`` for DCP; ``{"params": ..., "optimizer": ..., "model": ..., "modules":
-...}`` for Orbax, the last two optional).
+"optimizer": opt}`` for DCP, a torch optimizer; ``{"params": ..., "tx": ..., "model": ...,
+"modules": ...}`` for Orbax, an Optax transformation, the last two optional).
 """
 
 from __future__ import annotations
@@ -47,19 +47,22 @@ def _factory(spec: str) -> Callable[[], Any]:
     function = getattr(module, attr, None)
     if not callable(function):
         raise ValueError(f"--model {spec!r}: {module_name} has no function {attr!r}")
-    return function
+    factory: Callable[[], Any] = function
+    return factory
 
 
 def _keywords(fmt: str, convert: Callable[..., None], spec: str) -> dict[str, Any]:
     """Call the ``--model`` function and check it returned what ``convert`` takes."""
-    takes, required = keywords(convert)
+    takes, required, renamed = keywords(convert)
     built = _factory(spec)()
     if not isinstance(built, Mapping):
         raise ValueError(
             f"--model {spec!r} returned {type(built).__name__}; return a dict with the keys "
             f"{sorted(takes)} ({', '.join(sorted(required))} required)"
         )
-    unknown, missing = set(built) - takes, required - set(built)
+    # An old key (orbax's "optimizer" for "tx") is still taken: convert warns and renames it.
+    given = {renamed.get(key, key) for key in built}
+    unknown, missing = given - takes, required - given
     if unknown or missing:
         raise ValueError(
             f"--model {spec!r} returned the keys {sorted(built)}; {fmt} takes "
@@ -85,7 +88,7 @@ def _import(args: argparse.Namespace) -> int:
 _MODEL_HELP = (
     "a function taking no arguments that builds the model and optimizer and returns the "
     "keyword arguments of the conversion: {'model': net, 'optimizer': opt} for dcp; "
-    "{'params': tree, 'optimizer': optax_tx, 'model': weights_tree, 'modules': renames} for "
+    "{'params': tree, 'tx': optax_tx, 'model': weights_tree, 'modules': renames} for "
     "orbax (model and modules optional). MODULE is a module on the Python path or in the "
     "current directory, or a .py file"
 )

@@ -15,8 +15,9 @@ Every input is bounded, so a typo cannot make the planner allocate for minutes:
 - ``--model MODULE:FUNCTION``: a live model, read by its framework's executor
   (``_model``).
 
-- ``--zero``: at most 65,536 (2**16) data-parallel ranks, each listed in ``--json``;
-  ``--shard-size`` divides the data-parallel size (``_zero``).
+- ``--dp-shard`` (``--shard-size``, its deprecated spelling): an int from 1 to 1,048,576
+  that divides the data-parallel size (``_zero``).
+- ``--zero``: at most 65,536 (2**16) data-parallel ranks, each listed in ``--json``.
 
 ``gradsync checkpoint inspect PATH`` checks and summarizes a checkpoint (``_checkpoint``).
 
@@ -58,6 +59,7 @@ from gradsync_core.plan._buckets import (
     plan_param_buckets,
 )
 from gradsync_core.plan._models import MODELS, builtin_model
+from gradsync_core.plan._rank_generator import HSDP_AXES
 from gradsync_core.plan._reductions import split_expert_specs
 from gradsync_core.plan._shards import ShardPlan, plan_flat_shards, plan_greedy_shards
 from gradsync_core.plan._specs import DTYPE_ITEMSIZE, ParamSpec, check_unique_names, itemsize
@@ -86,6 +88,7 @@ class _Parser(argparse.ArgumentParser):
         self, args: Sequence[str] | None = None, namespace: Any = None
     ) -> argparse.Namespace:
         """argparse's, with an unknown flag named against the subcommand's own flags."""
+        parsed: argparse.Namespace
         parsed, extras = self.parse_known_args(args, namespace)
         if extras:
             raise UsageError(_unrecognized(self, parsed, extras))
@@ -194,8 +197,9 @@ def _check_bounds(args: argparse.Namespace) -> None:
     maxima = {name: MAX_WORLD_SIZE for name in ("world_size", "tp", "cp", "ep", "pp")}
     if args.etp is not None:
         maxima["etp"] = MAX_WORLD_SIZE
-    if args.shard_size is not None:
-        maxima["shard_size"] = MAX_WORLD_SIZE
+    for name in ("dp_shard", "shard_size"):
+        if getattr(args, name) is not None:
+            maxima[name] = MAX_WORLD_SIZE
     for name, maximum in (maxima | {"pad_to": MAX_PAD_TO}).items():
         value = getattr(args, name)
         if not 1 <= value <= maximum:
@@ -305,6 +309,9 @@ def _group_section(topo: Topology) -> str:
     rows = []
     # With experts, Megatron-core's expert groups follow the dense ones ("ep" is one of them).
     names = [n for n in STANDARD_GROUPS if n != "ep" or not topo.has_experts]
+    if topo.hsdp:  # hybrid sharding's two parts of dp, after it
+        at = names.index("dp") + 1
+        names[at:at] = list(HSDP_AXES)
     for name in names + (list(EXPERT_GROUPS) if topo.has_experts else []):
         count = topo.group_count(name)
         shown = " ".join(_group_preview(topo, name, i) for i in range(min(count, 3)))
@@ -401,10 +408,8 @@ def _source(args: argparse.Namespace) -> tuple[list[ParamSpec], tuple[str, ...]]
     return builtin_model(args.model, args.dtype), BUILTIN_TIED.get(args.model, ())
 
 
-def _plan(args: argparse.Namespace) -> int:
-    _check_bounds(args)
-    specs, tied = _source(args)
-    topo = Topology.create(
+def _topology(args: argparse.Namespace, dp_shard: int | None = None) -> Topology:
+    return Topology.create(
         args.world_size,
         tp=args.tp,
         cp=args.cp,
@@ -412,8 +417,17 @@ def _plan(args: argparse.Namespace) -> int:
         pp=args.pp,
         order=args.order,
         etp=args.etp,
+        dp_shard=dp_shard,
     )
-    check_zero_arguments(args, topo.dp)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    _check_bounds(args)
+    specs, tied = _source(args)
+    topo = _topology(args)
+    check_zero_arguments(args, topo.dp)  # checks --dp-shard against dp, in the flag's words
+    if args.dp_shard is not None:
+        topo = _topology(args, dp_shard=args.dp_shard)
     if pipeline_requested(args):
         return pipeline_command(args, specs, topo)
     if args.zero is not None:
@@ -533,6 +547,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help=f"expert tensor-parallel size, 1 to {most} (default: --tp, as Megatron-core)",
     )
+    plan.add_argument(
+        "--dp-shard",
+        type=int,
+        default=None,
+        help="hybrid sharding (HSDP): cut parameters over groups of this many consecutive dp "
+        "ranks (one node) and replicate across the groups; a divisor of dp (default: all dp "
+        "ranks). Adds the dp_shard and dp_replicate groups; --zero 3 plans with it",
+    )
     plan.add_argument("--order", default=DEFAULT_ORDER, help="rank order, first varies fastest")
     plan.add_argument(
         "--bucket-cap-mb",
@@ -567,7 +589,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``gradsync`` console script; returns the exit code."""
     try:
         args = build_parser().parse_args(argv)
-        return args.run(args)
+        code: int = args.run(args)
+        return code
     except (UsageError, ValueError, TypeError) as e:
         print(f"gradsync: error: {e}", file=sys.stderr)
         return 2

@@ -1,5 +1,7 @@
-"""``gradsync plan --pp P --microbatches M --schedule NAME``: a pipeline plan, its timeline
-rank by rank and tick by tick, the bubble and the peak stash per rank (docs/pipeline.md).
+"""``gradsync plan --pp P``: a pipeline plan, its timeline, bubble and peak stash.
+
+``--microbatches M --schedule NAME``; the timeline rank by rank and tick by tick, the peak stash
+per rank (docs/pipeline.md).
 
 The timeline is the simulator's with unit ticks: a forward takes 1, a full backward 2 (its
 input and weight halves 1 each), a point-to-point message 0. Bounded so a typo cannot plan for

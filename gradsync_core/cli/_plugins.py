@@ -7,7 +7,7 @@ command line calls when a command needs a framework:
   ``orbax``), the function that converts a gradsync checkpoint to it or from it, called as
   ``convert(src, dst, **keywords)``; the keywords it takes (and which of them it requires)
   are read from its signature, so the command line checks what ``--model`` returned against
-  the function itself.
+  the function itself (a deprecated spelling it still takes is accepted, and warns).
 - ``gradsync.model_readers``: one entry per framework, named by the framework's top-level
   module (``torch``, ``jax``), a function that returns ``(specs, tied names)`` for a model
   of its framework and ``None`` for anything else. Only frameworks the user's function
@@ -56,7 +56,8 @@ def converter(fmt: str, direction: str) -> Callable[..., None]:
     try:
         for module in modules:
             importlib.import_module(module)
-        return entry.load()
+        function: Callable[..., None] = entry.load()
+        return function
     except ImportError as err:
         raise ValueError(
             f"{fmt} interchange needs {needs}, and importing it failed ({err}); "
@@ -64,11 +65,17 @@ def converter(fmt: str, direction: str) -> Callable[..., None]:
         ) from None
 
 
-def keywords(convert: Callable[..., None]) -> tuple[set[str], set[str]]:
-    """The keyword arguments ``convert`` takes after ``src`` and ``dst``, and those it
-    requires (no default)."""
+def keywords(convert: Callable[..., None]) -> tuple[set[str], set[str], dict[str, str]]:
+    """The keyword arguments ``convert`` takes after ``src`` and ``dst``, those it requires
+    (no default), and its deprecated spellings, old to new (``gradsync_core.deprecation``'s
+    ``renamed_keywords``: ``convert`` takes them too, with a warning)."""
     params = list(inspect.signature(convert).parameters.values())[2:]
-    return {p.name for p in params}, {p.name for p in params if p.default is p.empty}
+    renamed: dict[str, str] = dict(getattr(convert, "__renamed_keywords__", {}))
+    return (
+        {p.name for p in params},
+        {p.name for p in params if p.default is p.empty},
+        renamed,
+    )
 
 
 def model_readers() -> Iterator[tuple[str, Callable[[Any], Any]]]:

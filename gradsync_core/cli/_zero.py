@@ -1,5 +1,7 @@
-"""``gradsync plan --zero 0|1|2|3``: per-rank bytes of parameters, gradients and optimizer
-state, and the peak, as DeepSpeed's memory estimator prints them (docs/design.md §16).
+"""``gradsync plan --zero 0|1|2|3``: per-rank model-state bytes and the peak.
+
+Parameters, gradients, optimizer state and the peak, as DeepSpeed's memory estimator prints
+them (docs/design.md §16).
 
 ZeRO-0 is DDP (everything replicated), 1 shards optimizer state, 2 gradients too, 3 the
 parameters as well (``plan_param_shards``: FSDP2's units and dim-0 chunks).
@@ -8,6 +10,7 @@ parameters as well (``plan_param_shards``: FSDP2's units and dim-0 chunks).
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -62,8 +65,7 @@ def add_zero_arguments(plan: argparse.ArgumentParser) -> None:
         "--shard-size",
         type=int,
         default=None,
-        help="--zero 3: shard over groups of this many dp ranks and replicate across groups "
-        "(HSDP); default: all dp ranks",
+        help="deprecated spelling of --dp-shard",
     )
     plan.add_argument(
         "--tied",
@@ -95,26 +97,48 @@ def _optimizer(value: str) -> str | int:
     return int(value) if value.isdigit() else value
 
 
+def _dp_shard(args: argparse.Namespace, dp: int) -> None:
+    """Check ``--dp-shard`` against dp; ``--shard-size``, its deprecated spelling, becomes it
+    and warns on stderr once the check passed (an error stays one line)."""
+    flag = "--dp-shard"
+    if args.shard_size is not None:
+        if args.dp_shard is not None:
+            raise ValueError("--shard-size is the deprecated spelling of --dp-shard; pass one")
+        args.dp_shard, args.shard_size, flag = args.shard_size, None, "--shard-size"
+    if args.dp_shard is not None and not (1 <= args.dp_shard <= dp and dp % args.dp_shard == 0):
+        raise ValueError(
+            f"{flag} must divide the data-parallel size {dp}, got {args.dp_shard} (hybrid "
+            "sharding cuts each data-parallel group into shard groups of that many ranks)"
+        )
+    if flag == "--shard-size":
+        print(
+            "gradsync: warning: --shard-size is deprecated and will be removed: use --dp-shard",
+            file=sys.stderr,
+        )
+
+
 def check_zero_arguments(args: argparse.Namespace, dp: int) -> None:
-    """Refuse options that do not apply to the chosen stage, before anything is planned."""
+    """Refuse options that do not apply to the chosen stage, before anything is planned;
+    ``--shard-size`` (deprecated) becomes ``--dp-shard``."""
     if args.zero is None:
         for flag in ("units", "shard_size", "tied"):
             if getattr(args, flag) is not None:
                 raise ValueError(f"--{flag.replace('_', '-')} applies to --zero 3 only")
+    elif args.zero != 3 and (args.units, args.dp_shard, args.shard_size, args.tied) != (
+        None,
+        None,
+        None,
+        None,
+    ):
+        raise ValueError("--units, --dp-shard (--shard-size) and --tied apply to --zero 3 only")
+    _dp_shard(args, dp)
+    if args.zero is None:
         return
-    if args.zero != 3 and (args.units, args.shard_size, args.tied) != (None, None, None):
-        raise ValueError("--units, --shard-size and --tied apply to --zero 3 only")
     if args.zero == 2 and args.partition == "greedy":
         raise ValueError("ZeRO-2 cuts gradients into flat element ranges; drop --partition greedy")
     if dp > MAX_ZERO_RANKS:
         raise ValueError(
             f"--zero lists every data-parallel rank; {dp:,} is more than {MAX_ZERO_RANKS:,}"
-        )
-    if args.shard_size is not None and not (
-        1 <= args.shard_size <= dp and dp % args.shard_size == 0
-    ):
-        raise ValueError(
-            f"--shard-size must divide the data-parallel size {dp}, got {args.shard_size}"
         )
 
 
@@ -130,8 +154,7 @@ def zero_estimate(
     optimizer = _optimizer(args.optimizer)
     if args.zero == 3:
         units = block_prefixes(specs) if args.units is None else _names(args.units)
-        replicate = dp // (args.shard_size or dp)
-        plan = plan_param_shards(specs, world_size=dp, units=units, replicate_size=replicate)
+        plan = plan_param_shards(specs, world_size=dp, units=units, dp_shard=args.dp_shard)
         return estimate_zero3(plan, optimizer=optimizer, tied=tied), plan
     assert plans is not None  # the caller plans buckets and shards for stages 0-2
     buckets, shards = plans

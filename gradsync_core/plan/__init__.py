@@ -1,13 +1,8 @@
-"""The planners: pure functions from plain data (parameter specs, sizes, names) to frozen plan
-values with canonical JSON and a fingerprint (docs/design.md §2-§5).
+"""The planners: pure functions from plain data to frozen plan values.
 
-One module per concept: parameter specs (``_specs``), canonical JSON (``_canonical``), DDP's
-buckets (``_buckets``), ZeRO-1/2 owners and flat ranges (``_shards``), ZeRO-3 parameter
-chunks and units (``_param_shards``, ``_param_units``), Megatron-core's rank generator and the
-topology over it (``_rank_generator``, ``_topology``), the reductions of shared and
-replicated parameters (``_reductions``), the resumable sampler (``_sampler``), memory
-estimates (``_memory``), the built-in models (``_models``) and pipeline schedules
-(``pipeline``). Nothing here reads a file, the environment or a framework.
+Inputs are parameter specs, sizes and names; every plan has canonical JSON and a fingerprint
+(docs/design.md §2-§8). One module per concept (docs/design-names-and-layout.md). Nothing here
+reads a file, the environment or a framework.
 """
 
 from gradsync_core.plan._buckets import (
@@ -29,6 +24,12 @@ from gradsync_core.plan._canonical import (
     PLAN_VERSION,
     canonical_json,
     fingerprint,
+)
+from gradsync_core.plan._mean import (
+    MEAN_RULES,
+    MeanDivisors,
+    divides_after,
+    mean_divisors,
 )
 from gradsync_core.plan._memory import (
     OPTIMIZER_STATE_BYTES,
@@ -56,6 +57,7 @@ from gradsync_core.plan._param_units import (
     block_prefixes,
 )
 from gradsync_core.plan._rank_generator import (
+    HSDP_AXES,
     RankGenerator,
 )
 from gradsync_core.plan._reductions import (
@@ -117,7 +119,9 @@ __all__ = [
     "DTYPE_ITEMSIZE",
     "EXPERT_AXES",
     "EXPERT_GROUPS",
+    "HSDP_AXES",
     "LAST_BATCH",
+    "MEAN_RULES",
     "MIB",
     "MODELS",
     "MODEL_AXES",
@@ -129,6 +133,7 @@ __all__ = [
     "Bucket",
     "BucketPlan",
     "DataCursor",
+    "MeanDivisors",
     "MemoryEstimate",
     "ParamChunk",
     "ParamShardPlan",
@@ -155,6 +160,7 @@ __all__ = [
     "check_actions",
     "chunk_rows",
     "describe_difference",
+    "divides_after",
     "estimate_ddp",
     "estimate_zero1",
     "estimate_zero2",
@@ -162,6 +168,7 @@ __all__ = [
     "expert_reduction_group",
     "fingerprint",
     "itemsize",
+    "mean_divisors",
     "optimizer_state_bytes",
     "parse_layout",
     "partition_layers",

@@ -278,7 +278,7 @@ def _group_by_limits(
     still-open ones.
     """
     # key -> [open positions, open bytes, index into limits]
-    state: dict[tuple[str, str], list] = {}
+    state: dict[tuple[str, str], list[Any]] = {}
     closed: list[tuple[list[int], int]] = []
     for position, spec in enumerate(walk):
         key = (spec.dtype, spec.device)

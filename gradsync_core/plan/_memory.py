@@ -1,5 +1,6 @@
-"""Per-rank memory of model states under DDP and ZeRO-1/2/3, predicted from the plans
-(DeepSpeed's estimator style; formulas in docs/design.md §16).
+"""Per-rank memory of model states under DDP and ZeRO-1/2/3, predicted from the plans.
+
+DeepSpeed's estimator style; formulas in docs/design.md §16.
 
 Model states only: parameters, gradients, optimizer state and the communication buffers or
 gathered units that live next to them. Activations depend on the batch and are not counted.
@@ -46,7 +47,7 @@ def optimizer_state_bytes(optimizer: str | int) -> int:
         if optimizer < 0:
             raise ValueError(f"optimizer state bytes per element must be >= 0, got {optimizer}")
         return optimizer
-    if optimizer not in OPTIMIZER_STATE_BYTES:
+    if not isinstance(optimizer, str) or optimizer not in OPTIMIZER_STATE_BYTES:
         known = ", ".join(OPTIMIZER_STATE_BYTES)
         raise ValueError(
             f"unknown optimizer {optimizer!r}; use one of {known} or give the state bytes "

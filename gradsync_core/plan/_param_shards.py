@@ -1,5 +1,7 @@
-"""Parameter-shard plans: every parameter cut along dim 0 as FSDP2 cuts it, grouped into units
-gathered together (ZeRO-3, arXiv:1910.02054 §5; docs/design.md §16).
+"""Parameter-shard plans (ZeRO-3): every parameter cut along dim 0 as FSDP2 cuts it.
+
+Parameters are grouped into units gathered together (ZeRO-3, arXiv:1910.02054 §5;
+docs/design.md §16).
 
 One plan serves both executors: torch's ``fully_shard`` and JAX's ``shard_map`` read the same
 units, the same dim-0 chunks and the same padding, so their fingerprints can be compared.
@@ -13,6 +15,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from gradsync_core.deprecation import deprecated_keywords, warn_deprecated
 from gradsync_core.plan._buckets import check_positive
 from gradsync_core.plan._canonical import PLAN_VERSION, check_header, fingerprint
 from gradsync_core.plan._param_units import assign_units
@@ -296,32 +299,38 @@ def _replace_param(p: ShardedParam, *, name: str) -> ShardedParam:
     )
 
 
+@deprecated_keywords(replicate_size="dp_shard=world_size // replicate_size")
 def plan_param_shards(
     specs: Sequence[ParamSpec],
     *,
     world_size: int,
     units: Iterable[str] = (),
-    replicate_size: int = 1,
+    dp_shard: int | None = None,
+    replicate_size: int | None = None,
 ) -> ParamShardPlan:
     """Cut every parameter along dim 0 exactly as FSDP2's ``fully_shard`` does.
 
     Each prefix in ``units`` is a block the user wraps (``fully_shard(model.layers[0])``); the
     root ``""`` is always a unit and holds every parameter no block claims. Blocks may nest, as
     ``fully_shard`` calls may (applied bottom-up): a parameter belongs to its innermost block.
-    Every parameter, trainable or frozen, is cut over the ``world_size // replicate_size``
-    ranks of a shard group by ``chunk_rows`` (``torch.chunk``: ``ceil(d / n)`` rows per rank,
+    Every parameter, trainable or frozen, is cut over the ``dp_shard`` ranks of a shard group
+    (``Topology.dp_shard``) by ``chunk_rows`` (``torch.chunk``: ``ceil(d / n)`` rows per rank,
     the last ranks short or empty, everyone padded to full). A tied parameter belongs to the
     unit of the name it is listed under (its first name in ``named_parameters()``).
 
     Args:
         specs: every parameter once, in ``named_parameters()`` order (module paths).
-        world_size: data-parallel ranks (``shard_size * replicate_size``).
+        world_size: data-parallel ranks (``Topology.dp``; HSDP: shard group x replicas).
         units: module prefixes of the blocks, e.g. ``["layers.0", "layers.1"]``.
-        replicate_size: HSDP's replica groups; 1 is plain FSDP.
+        dp_shard: hybrid sharding (HSDP): the ranks of a shard group, a divisor of
+            ``world_size``; the plan replicates over ``world_size // dp_shard`` such groups.
+            Default ``world_size`` (plain FSDP).
+        replicate_size: the deprecated spelling: ``world_size // dp_shard``.
 
     Raises:
         ValueError: a 0-d parameter (FSDP2 refuses scalars), a prefix that names no module or
-            is listed twice, or a ``replicate_size`` that does not divide ``world_size``.
+            is listed twice, or a ``dp_shard`` (``replicate_size``) that does not divide
+            ``world_size``.
 
     Example:
         >>> specs = [ParamSpec(name="emb.weight", shape=(5, 2)),
@@ -333,11 +342,30 @@ def plan_param_shards(
         >>> last.local_shape, last.padded_shape
         ((0, 2), (1, 2))
     """
-    check_positive(world_size=world_size, replicate_size=replicate_size)
-    if world_size % replicate_size:
+    check_positive(world_size=world_size)
+    if replicate_size is not None:  # the deprecated spelling counts the replicas
+        if dp_shard is not None:
+            raise TypeError(
+                "plan_param_shards() got dp_shard= and its deprecated spelling "
+                "replicate_size=; pass dp_shard="
+            )
+        warn_deprecated(
+            "plan_param_shards(replicate_size=)",
+            "plan_param_shards(dp_shard=world_size // replicate_size)",
+        )
+        check_positive(replicate_size=replicate_size)
+        if world_size % replicate_size:
+            raise ValueError(
+                f"replicate_size {replicate_size} does not divide world_size {world_size}; "
+                "HSDP needs world_size = shard_size * replicate_size"
+            )
+        dp_shard = world_size // replicate_size
+    dp_shard = world_size if dp_shard is None else dp_shard
+    check_positive(dp_shard=dp_shard)
+    if world_size % dp_shard:
         raise ValueError(
-            f"replicate_size {replicate_size} does not divide world_size {world_size}; "
-            "HSDP needs world_size = shard_size * replicate_size"
+            f"dp_shard {dp_shard} does not divide world_size {world_size}; HSDP cuts the "
+            "world_size data-parallel ranks into shard groups of dp_shard: pick a divisor"
         )
     specs = list(specs)
     check_unique_names(specs)
@@ -365,8 +393,8 @@ def plan_param_shards(
         for prefix in prefixes
     )
     return ParamShardPlan(
-        shard_size=world_size // replicate_size,
-        replicate_size=replicate_size,
+        shard_size=dp_shard,
+        replicate_size=world_size // dp_shard,
         params=params,
         units=plan_units,
     )

@@ -1,5 +1,6 @@
-"""Units of a parameter-shard plan: which parameters one ``fully_shard`` call gathers,
-found from module paths alone (docs/design.md §16).
+"""Units of a parameter-shard plan: the parameters one ``fully_shard`` call gathers.
+
+Found from module paths alone (docs/design.md §16).
 
 FSDP2 applies ``fully_shard`` bottom-up; each call manages the parameters of its module's
 subtree that no inner call already manages, collected by a children-first walk

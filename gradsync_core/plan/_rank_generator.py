@@ -4,7 +4,9 @@ Megatron-core builds its groups from two ``RankGenerator`` objects over the same
 one (ep = 1) and an expert one (cp = 1); ``Topology`` holds one of each. This module is the
 arithmetic of a single generator, written from the rule rather than from Megatron's code: the
 first token of ``order`` varies fastest, so rank = rank_offset + sum(coord[t] * stride[t]) with
-``stride[t]`` the product of the sizes of the tokens before ``t``.
+``stride[t]`` the product of the sizes of the tokens before ``t``. Hybrid sharding (HSDP) splits
+the data-parallel axis in two, as torchtitan's ``ParallelDims`` does: ``dp_shard`` consecutive
+members (the faster part) and ``dp_replicate`` groups of them (``dp = dp_shard * dp_replicate``).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import math
 from dataclasses import dataclass
 
 GENERATOR_AXES = ("tp", "cp", "ep", "dp", "pp")
+# The two parts of dp under hybrid sharding (torchtitan's names), the shard part faster.
+HSDP_AXES = ("dp_shard", "dp_replicate")
 
 
 def _offsets(sizes: list[int], strides: list[int]) -> list[int]:
@@ -80,10 +84,18 @@ class RankGenerator:
     still ends in ``pp``: Megatron-core's pp-last rule reads the order as the user typed it,
     see ``complete_order``), else at the end.
 
+    ``dp_shard`` (not Megatron-core's; torchtitan's HSDP split) cuts ``dp`` into the axes
+    ``"dp_shard"`` (``dp_shard`` consecutive data-parallel members, the faster) and
+    ``"dp_replicate"`` (``dp // dp_shard``), two more group names; ``"dp"`` stays their union.
+    ``None`` (the default) leaves ``dp`` whole.
+
     Example:
         >>> gen = RankGenerator(tp=2, ep=2, dp=2, order="tp-cp-ep-dp-pp")
         >>> gen.groups("ep"), gen.groups("dp")[:2]
         (((0, 2), (1, 3), (4, 6), (5, 7)), ((0, 4), (1, 5)))
+        >>> hsdp = RankGenerator(dp=4, dp_shard=2)
+        >>> hsdp.groups("dp_shard"), hsdp.groups("dp_replicate")
+        (((0, 1), (2, 3)), ((0, 2), (1, 3)))
     """
 
     tp: int = 1
@@ -93,6 +105,7 @@ class RankGenerator:
     pp: int = 1
     order: str = "tp-cp-ep-dp-pp"
     rank_offset: int = 0
+    dp_shard: int | None = None  # None: dp is not split (no hybrid sharding)
 
     def __post_init__(self) -> None:
         for axis in GENERATOR_AXES:
@@ -107,6 +120,15 @@ class RankGenerator:
                 f"ep = {self.ep} and cp = {self.cp} are both > 1 in one rank generator; as in "
                 "Megatron-core, cp belongs to the dense generator and ep to the expert one "
                 "(Topology builds both)"
+            )
+        shard = self.dp_shard
+        if shard is not None and (
+            not isinstance(shard, int) or isinstance(shard, bool) or shard < 1 or self.dp % shard
+        ):
+            raise ValueError(
+                f"dp_shard = {shard!r} must be a positive divisor of dp = {self.dp}: hybrid "
+                "sharding cuts each data-parallel group into shard groups of dp_shard "
+                "consecutive members; choose a divisor (e.g. the ranks of one node)"
             )
         tokens = self.order.split("-") if isinstance(self.order, str) else [None]
         if len(set(tokens)) != len(tokens) or any(t not in GENERATOR_AXES for t in tokens):
@@ -129,8 +151,48 @@ class RankGenerator:
     def world_size(self) -> int:
         return math.prod(getattr(self, a) for a in GENERATOR_AXES)
 
+    def _axes(self) -> tuple[tuple[str, int, int], ...]:
+        """``(axis, size, stride)`` of every axis in order, the first fastest; with
+        ``dp_shard`` set, ``dp`` is two axes: ``dp_shard`` then ``dp_replicate``."""
+        axes, stride = [], 1
+        for token in self.tokens:
+            size = getattr(self, token)
+            if token == "dp" and self.dp_shard is not None:
+                axes.append(("dp_shard", self.dp_shard, stride))
+                axes.append(("dp_replicate", size // self.dp_shard, stride * self.dp_shard))
+            else:
+                axes.append((token, size, stride))
+            stride *= size
+        return tuple(axes)
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        """Axis -> size in order, the first fastest (``dp`` split in two under ``dp_shard``)."""
+        return {axis: size for axis, size, _ in self._axes()}
+
+    def _members(self, name: str) -> set[str]:
+        """The axes of group ``name`` as ``_axes`` names them (``"dp"`` is both halves of a
+        split dp)."""
+        if self.dp_shard is None:
+            return set(parse_generator_name(name))
+        axes = tuple(name.split("-")) if isinstance(name, str) else ()
+        known = GENERATOR_AXES + HSDP_AXES
+        if not axes or len(set(axes)) != len(axes) or any(a not in known for a in axes):
+            raise ValueError(
+                f"group name {name!r} must join distinct axes from {known} with '-', "
+                "e.g. 'dp_shard-cp'"
+            )
+        if "dp" in axes and set(HSDP_AXES) & set(axes):
+            raise ValueError(
+                f"group name {name!r} names dp and a part of it; 'dp' is already "
+                "'dp_shard-dp_replicate': name one or the other"
+            )
+        members = set(axes) - {"dp"}
+        return members | set(HSDP_AXES) if "dp" in axes else members
+
     def group_size(self, name: str) -> int:
-        return math.prod(getattr(self, a) for a in parse_generator_name(name))
+        members = self._members(name)
+        return math.prod(size for axis, size, _ in self._axes() if axis in members)
 
     def strides(self) -> dict[str, int]:
         strides, running = {}, 1
@@ -147,14 +209,43 @@ class RankGenerator:
                 f"rank {rank!r} is outside a world of {self.world_size} (ranks {first}..{last})"
             )
 
+    def _coordinates(self, rank: int) -> dict[str, int]:
+        """The coordinate of ``rank`` on every axis of ``_axes``."""
+        self.check_rank(rank)
+        local = rank - self.rank_offset
+        return {axis: (local // stride) % size for axis, size, stride in self._axes()}
+
     def coordinates(self, rank: int) -> dict[str, int]:
-        """The coordinate of ``rank`` on every axis."""
+        """The coordinate of ``rank`` on every axis (with ``dp_shard``, on its two parts too)."""
         self.check_rank(rank)
         local, strides = rank - self.rank_offset, self.strides()
-        return {t: (local // strides[t]) % getattr(self, t) for t in self.tokens}
+        coords = {t: (local // strides[t]) % getattr(self, t) for t in self.tokens}
+        if self.dp_shard is not None:
+            fine = self._coordinates(rank)
+            coords |= {axis: fine[axis] for axis in HSDP_AXES}
+        return coords
 
     def rank_of(self, **coords: int) -> int:
-        """The rank at the given coordinates (missing axes: 0)."""
+        """The rank at the given coordinates (missing axes: 0); with ``dp_shard``, the
+        ``dp_shard`` and ``dp_replicate`` coordinates may replace ``dp`` (or, as
+        ``coordinates`` gives them, agree with it)."""
+        halves = {axis: coords.pop(axis) for axis in HSDP_AXES if axis in coords}
+        if halves:
+            if self.dp_shard is None:
+                raise ValueError(
+                    f"coordinates {sorted(halves)} name the parts of a split dp, but this "
+                    "generator has no dp_shard; give the dp coordinate"
+                )
+            sizes = self.sizes
+            for axis, c in halves.items():
+                if not _is_index(c, sizes[axis]):
+                    raise ValueError(f"coordinate {axis}={c!r} is outside this topology")
+            dp = halves.get("dp_shard", 0) + self.dp_shard * halves.get("dp_replicate", 0)
+            if coords.setdefault("dp", dp) != dp:
+                raise ValueError(
+                    f"coordinate dp={coords['dp']!r} does not match dp_shard and "
+                    f"dp_replicate {halves} (dp = dp_shard + {self.dp_shard} * dp_replicate)"
+                )
         strides = self.strides()
         for axis, c in coords.items():
             if axis not in strides or not _is_index(c, getattr(self, axis)):
@@ -163,15 +254,15 @@ class RankGenerator:
 
     def _split(self, name: str) -> tuple[list[int], list[int], list[int], list[int]]:
         """Sizes and strides of the member axes and of the other axes, in ``order``."""
-        members = set(parse_generator_name(name))
-        strides = self.strides()
-        inner = [t for t in self.tokens if t in members]
-        outer = [t for t in self.tokens if t not in members]
+        members = self._members(name)
+        axes = self._axes()
+        inner = [(size, stride) for axis, size, stride in axes if axis in members]
+        outer = [(size, stride) for axis, size, stride in axes if axis not in members]
         return (
-            [getattr(self, t) for t in inner],
-            [strides[t] for t in inner],
-            [getattr(self, t) for t in outer],
-            [strides[t] for t in outer],
+            [size for size, _ in inner],
+            [stride for _, stride in inner],
+            [size for size, _ in outer],
+            [stride for _, stride in outer],
         )
 
     def groups(self, name: str) -> tuple[tuple[int, ...], ...]:
@@ -199,19 +290,17 @@ class RankGenerator:
 
     def group_of(self, name: str, rank: int) -> tuple[int, ...]:
         """The group of ``name`` that contains ``rank``."""
-        members = set(parse_generator_name(name))
-        coords, strides = self.coordinates(rank), self.strides()
-        base = rank - sum(coords[a] * strides[a] for a in members)
+        members, coords = self._members(name), self._coordinates(rank)
+        base = rank - sum(coords[a] * stride for a, _, stride in self._axes() if a in members)
         inner_sizes, inner_strides, _, _ = self._split(name)
         return tuple(base + o for o in _offsets(inner_sizes, inner_strides))
 
     def group_rank(self, name: str, rank: int) -> int:
         """Position of ``rank`` inside its ``name`` group: the member coordinates, first
         member axis fastest (what ``.index()`` on the ascending group would find)."""
-        coords, place, scale = self.coordinates(rank), 0, 1
-        members = set(parse_generator_name(name))
-        for token in self.tokens:
-            if token in members:
-                place += coords[token] * scale
-                scale *= getattr(self, token)
+        members, coords, place, scale = self._members(name), self._coordinates(rank), 0, 1
+        for axis, size, _ in self._axes():
+            if axis in members:
+                place += coords[axis] * scale
+                scale *= size
         return place

@@ -127,7 +127,7 @@ def expert_reduction_group(replicated_over: Iterable[str], topology: Topology) -
         'etp'
     """
     reduction_group(replicated_over, topology)  # validates the names
-    return "etp" if "tp" in replicated_over and topology.etp > 1 else None
+    return "etp" if "tp" in replicated_over and topology.size("etp") > 1 else None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

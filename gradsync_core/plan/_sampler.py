@@ -1,5 +1,6 @@
-"""The data position: which samples each step reads, the same at any world size
-(docs/data-position.md).
+"""The data position: which samples each step reads, the same at any world size.
+
+See docs/data-position.md.
 
 The rule. Epoch ``e``'s order of the ``dataset_size`` sample indices is a function of
 ``(seed, epoch, dataset_size)`` only; step after step takes the next ``global_batch_size``

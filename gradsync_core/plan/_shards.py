@@ -1,5 +1,7 @@
-"""Shard partitions: which rank owns which optimizer state (docs/design.md §4; ZeRO:
-arXiv:1910.02054)."""
+"""Shard partitions: which rank owns which optimizer state (ZeRO-1/2).
+
+See docs/design.md §4; ZeRO: arXiv:1910.02054.
+"""
 
 from __future__ import annotations
 

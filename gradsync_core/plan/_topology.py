@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gradsync_core.plan._canonical import PLAN_VERSION, check_header, fingerprint
-from gradsync_core.plan._rank_generator import RankGenerator
+from gradsync_core.plan._rank_generator import HSDP_AXES, RankGenerator
 
 AXES = ("tp", "cp", "ep", "dp", "pp")
 # Axes only the expert generator has: its tensor-parallel and data-parallel sizes.
@@ -44,6 +44,14 @@ class Topology:
     and ``etp = tp`` every group, the JSON and the fingerprint are those of a topology
     without experts.
 
+    Hybrid sharding (HSDP) is part of the topology, as torchtitan's ``ParallelDims``: ``dp``
+    splits into ``dp_shard`` consecutive data-parallel members that cut the parameters (one
+    node) and ``dp_replicate = dp // dp_shard`` groups of them that replicate it. Their groups
+    are named ``"dp_shard"`` and ``"dp_replicate"`` (``"dp"`` is their union) and, under HSDP
+    (``dp_shard < dp``), the mesh has the two axes in place of ``dp``, the shard axis faster.
+    ``dp_shard`` defaults to ``dp`` (no HSDP), which keeps every group, the JSON and the
+    fingerprint of a topology without it.
+
     The first token of ``order`` varies fastest: rank = sum(coord[t] * stride[t]), where
     ``stride[t]`` is the product of the sizes of the tokens before ``t``. Groups are identical
     to Megatron-core's ``RankGenerator.get_ranks``.
@@ -55,6 +63,9 @@ class Topology:
         >>> moe = Topology.create(world_size=16, tp=2, ep=4)
         >>> moe.dp, moe.edp, moe.groups("ep")[0], moe.groups("edp")[0]
         (8, 2, (0, 2, 4, 6), (0, 8))
+        >>> hsdp = Topology.create(world_size=8, dp_shard=4)
+        >>> hsdp.dp_replicate, hsdp.groups("dp_shard"), hsdp.groups("dp_replicate")[0]
+        (2, ((0, 1, 2, 3), (4, 5, 6, 7)), (0, 4))
     """
 
     tp: int = 1
@@ -64,19 +75,23 @@ class Topology:
     pp: int = 1
     order: str = DEFAULT_ORDER
     etp: int | None = None  # None: the same as tp, Megatron-core's default
+    dp_shard: int | None = None  # None: dp, no hybrid sharding (torchtitan's dp_shard)
     # The order as typed, before the size-1 axes were added: Megatron-core's expert generator
     # refuses an order that leaves out one of its axes of size > 1 (ep, or edp where the dense
     # dp is 1), and its errors quote what the user typed.
     _typed_order: str = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if self.etp is None:
-            object.__setattr__(self, "etp", self.tp)
-        _positive("etp", self.etp)
+        etp = self.tp if self.etp is None else self.etp
+        object.__setattr__(self, "etp", etp)
+        _positive("etp", etp)
+        if self.dp_shard is None:
+            object.__setattr__(self, "dp_shard", self.dp)
         object.__setattr__(self, "_typed_order", self.order)
         dense = self.dense  # validates sizes and order, as Megatron's RankGenerator
+        self._split_dp()  # validates dp_shard
         object.__setattr__(self, "order", dense.order)
-        world, expert_model = dense.world_size, self.etp * self.ep * self.pp
+        world, expert_model = dense.world_size, etp * self.ep * self.pp
         if world % expert_model:
             raise ValueError(
                 f"etp*ep*pp = {self.etp}*{self.ep}*{self.pp} = {expert_model} does not divide "
@@ -98,19 +113,25 @@ class Topology:
         dp: int = -1,
         order: str = DEFAULT_ORDER,
         etp: int | None = None,
+        dp_shard: int | None = None,
     ) -> Topology:
         """A topology for ``world_size`` ranks, sizes inferred as Megatron-core infers them.
 
         ``dp=-1`` infers the dense data-parallel size ``world_size // (tp * cp * pp)``; the
-        expert data-parallel size is always ``world_size // (etp * ep * pp)``.
+        expert data-parallel size is always ``world_size // (etp * ep * pp)``. ``dp_shard``
+        splits dp for hybrid sharding (HSDP): parameters are cut over ``dp_shard``
+        consecutive data-parallel ranks and replicated over ``dp // dp_shard`` such groups;
+        default ``dp`` (no HSDP).
 
         Raises:
-            ValueError: if ``tp*cp*pp`` or ``etp*ep*pp`` does not divide ``world_size``, or
-                an explicit ``dp`` does not fill it.
+            ValueError: if ``tp*cp*pp`` or ``etp*ep*pp`` does not divide ``world_size``, an
+                explicit ``dp`` does not fill it, or ``dp_shard`` does not divide dp.
 
         Example:
             >>> Topology.create(world_size=16, tp=2, ep=4, etp=1).edp
             4
+            >>> Topology.create(world_size=16, tp=2, dp_shard=4).mesh_sizes()
+            {'pp': 1, 'dp_replicate': 2, 'dp_shard': 4, 'ep': 1, 'cp': 1, 'tp': 2}
         """
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be a positive int, got {world_size!r}")
@@ -129,12 +150,35 @@ class Topology:
                 f"{world_size}; pass dp=-1 to infer dp (ep is carved out of dp, as in "
                 "Megatron-core)"
             )
-        return cls(tp=tp, cp=cp, ep=ep, dp=dp, pp=pp, order=order, etp=etp)
+        return cls(tp=tp, cp=cp, ep=ep, dp=dp, pp=pp, order=order, etp=etp, dp_shard=dp_shard)
 
     @property
     def dense(self) -> RankGenerator:
-        """The dense generator: ``tp x cp x dp x pp`` with ep = 1."""
-        return RankGenerator(tp=self.tp, cp=self.cp, dp=self.dp, pp=self.pp, order=self.order)
+        """The dense generator: ``tp x cp x dp x pp`` with ep = 1; under HSDP its dp is split
+        into ``dp_shard`` and ``dp_replicate``."""
+        return self._split_dp() if self.hsdp else self._split_dp(split=False)
+
+    def _split_dp(self, *, split: bool = True) -> RankGenerator:
+        """The dense generator with dp split into ``dp_shard`` x ``dp_replicate`` (also where
+        ``dp_shard = dp``: the ``"dp_shard"`` and ``"dp_replicate"`` names always resolve)."""
+        return RankGenerator(
+            tp=self.tp,
+            cp=self.cp,
+            dp=self.dp,
+            pp=self.pp,
+            order=self.order,
+            dp_shard=self.dp_shard if split else None,
+        )
+
+    @property
+    def dp_replicate(self) -> int:
+        """HSDP's replica groups, ``dp // dp_shard`` (1 without hybrid sharding)."""
+        return self.dp // self.dp_shard  # type: ignore[operator]
+
+    @property
+    def hsdp(self) -> bool:
+        """Whether data parallelism is hybrid: ``dp_shard < dp`` (the mesh splits dp)."""
+        return self.dp_shard != self.dp
 
     @property
     def expert(self) -> RankGenerator:
@@ -209,18 +253,19 @@ class Topology:
         """The generator that owns group ``name``, the name in that generator's terms, and
         whether it is the expert generator."""
         axes = tuple(name.split("-")) if isinstance(name, str) else ()
-        known = AXES + EXPERT_ONLY_AXES
+        known = AXES + EXPERT_ONLY_AXES + HSDP_AXES
         if not axes or len(set(axes)) != len(axes) or any(a not in known for a in axes):
             raise ValueError(
                 f"group name {name!r} must join distinct axes with '-': dense groups from "
-                f"('tp', 'cp', 'dp', 'pp'), expert groups from {EXPERT_AXES}, e.g. 'dp-cp' "
-                "or 'etp-ep'"
+                f"('tp', 'cp', 'dp', 'pp') and dp's HSDP parts {HSDP_AXES}, expert groups "
+                f"from {EXPERT_AXES}, e.g. 'dp-cp' or 'etp-ep'"
             )
-        dense_only = [a for a in axes if a in ("tp", "cp", "dp")]
+        dense_only = [a for a in axes if a in ("tp", "cp", "dp", *HSDP_AXES)]
+        hsdp_parts = any(a in HSDP_AXES for a in axes)
         expert_only = [a for a in axes if a in EXPERT_ONLY_AXES]
         # Without experts ep is a size-1 axis of the dense generator, as it always was.
         if not self.has_experts and not expert_only:
-            return self.dense, name, False
+            return (self._split_dp() if hsdp_parts else self.dense), name, False
         if "ep" in axes and not expert_only and not dense_only:
             expert_only = ["ep"]
         if dense_only and (expert_only or "ep" in axes):
@@ -232,7 +277,7 @@ class Topology:
             )
         if expert_only:
             return self.expert, "-".join(_TO_GENERATOR[a] for a in axes), True
-        return self.dense, name, False
+        return (self._split_dp() if hsdp_parts else self.dense), name, False
 
     def group_size(self, name: str) -> int:
         generator, local, _ = self._resolve(name)
@@ -240,7 +285,8 @@ class Topology:
 
     def coordinates(self, rank: int) -> dict[str, int]:
         """The dense coordinate of ``rank`` on every axis; ``"ep"`` is its expert-parallel
-        coordinate (0 without experts). ``expert_coordinates`` has the expert ones."""
+        coordinate (0 without experts), and under HSDP ``"dp_shard"`` and ``"dp_replicate"``
+        split its ``"dp"``. ``expert_coordinates`` has the expert ones."""
         coords = self.dense.coordinates(rank)
         if self.ep > 1:
             coords["ep"] = self.expert.coordinates(rank)["ep"]
@@ -312,11 +358,13 @@ class Topology:
     @property
     def mesh_shape(self) -> tuple[int, ...]:
         """Shape of ``arange(world_size).reshape(shape)``, whose fibres are the dense groups."""
-        return tuple(getattr(self.dense, t) for t in reversed(self.tokens))
+        return tuple(reversed(self.dense.sizes.values()))
 
     @property
     def mesh_axis_names(self) -> tuple[str, ...]:
-        return tuple(reversed(self.tokens))
+        """The dense mesh's axes, slowest first: the order reversed, and under HSDP
+        ``("dp_replicate", "dp_shard")`` in dp's place (the shard axis faster)."""
+        return tuple(reversed(self.dense.sizes))
 
     @property
     def expert_mesh_shape(self) -> tuple[int, ...]:
@@ -336,12 +384,14 @@ class Topology:
         return dict(zip(self.mesh_axis_names, self.mesh_shape, strict=True))
 
     def size(self, axis: str) -> int:
-        """The size of one axis (``"tp"``, ``"dp"``, ``"ep"``, ``"edp"``, ``"etp"`` ...)."""
-        if axis == "edp":
-            return self.edp
-        if axis in AXES or axis == "etp":
-            return getattr(self, axis)
-        raise ValueError(f"unknown axis {axis!r}; axes are {(*AXES, *EXPERT_ONLY_AXES)}")
+        """The size of one axis (``"tp"``, ``"dp"``, ``"ep"``, ``"edp"``, ``"etp"``,
+        ``"dp_shard"``, ``"dp_replicate"`` ...)."""
+        if axis in AXES or axis in EXPERT_ONLY_AXES or axis in HSDP_AXES:
+            size: int = getattr(self, axis)
+            return size
+        raise ValueError(
+            f"unknown axis {axis!r}; axes are {(*AXES, *EXPERT_ONLY_AXES, *HSDP_AXES)}"
+        )
 
     def enabled(self, axis: str) -> bool:
         """Whether ``axis`` has more than one rank (torchtitan's ``*_enabled``)."""
@@ -351,8 +401,14 @@ class Topology:
         """The mesh axis names of group ``name``, in mesh order (``"dp-cp"`` -> ("dp", "cp")).
 
         An expert group's axes are those of the expert mesh (``"etp-ep"`` -> ("ep", "etp")).
+        Under HSDP ``"dp"`` is the mesh's two axes ``("dp_replicate", "dp_shard")``; without
+        it ``"dp_shard"`` is the ``"dp"`` axis and ``"dp_replicate"`` (one rank) has none.
         """
         members = set(name.split("-"))
+        if self.hsdp and "dp" in members:
+            members |= set(HSDP_AXES)
+        elif not self.hsdp and "dp_shard" in members:
+            members.add("dp")
         names = self.expert_mesh_axis_names if self.is_expert_group(name) else self.mesh_axis_names
         return tuple(a for a in names if a in members)
 
@@ -366,19 +422,27 @@ class Topology:
         return self._resolve(name)[2]
 
     def to_json(self) -> dict[str, Any]:
-        # etp is written only where it differs from tp, so topologies without experts keep
-        # the JSON, hence the fingerprint, of the versions before expert layouts existed.
+        # etp and dp_shard are written only where they differ from tp and dp, so topologies
+        # without experts or HSDP keep the JSON, hence the fingerprint, of the versions
+        # before expert layouts and hybrid sharding existed.
         obj = {"kind": "topology", "version": PLAN_VERSION, "order": self.order} | {
             axis: getattr(self, axis) for axis in AXES
         }
         if self.etp != self.tp:
             obj["etp"] = self.etp
+        if self.hsdp:
+            obj["dp_shard"] = self.dp_shard
         return obj
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> Topology:
         check_header(obj, "topology")
-        return cls(order=obj["order"], etp=obj.get("etp"), **{axis: obj[axis] for axis in AXES})
+        return cls(
+            order=obj["order"],
+            etp=obj.get("etp"),
+            dp_shard=obj.get("dp_shard"),
+            **{axis: obj[axis] for axis in AXES},
+        )
 
     @property
     def fingerprint(self) -> str:

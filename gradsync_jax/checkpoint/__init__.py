@@ -1,12 +1,7 @@
 """Checkpoints in JAX: gradsync_core's format, written and read with safetensors and NumPy.
 
-``zero`` saves and loads ``shard_optimizer`` (or plain Optax) state in the framework-neutral
-format; ``model_state`` stores and loads model weights (not ZeRO's: any parameter tree);
-``processes`` is the switching save's collectives over ``jax.distributed`` processes and the
-host views a save works from; ``stored`` joins rank files into model space;
-``safetensors_io`` reads tensors (bfloat16 and float8 included); ``optimizers`` maps Optax
-state types to gradsync_core's canonical optimizer names (docs/design.md §9,
-docs/checkpoints.md).
+Saves and loads ``shard_optimizer`` (or plain Optax) state, model weights and ZeRO-3 training
+state in the framework-neutral format (docs/design.md §9, docs/checkpoints.md).
 """
 
 from gradsync_jax.checkpoint.model_state import load_params

@@ -92,7 +92,7 @@ def measure_hyperparams(
             out["momentum"] = float(trace2[0] / trace1[0])
         return out
     mu1, mu2, nu1, nu2 = (_field(s, k) for k in ("mu", "nu") for s in (state1, state2))
-    if any(v is None for v in (mu1, mu2, nu1, nu2)) or not (mu1[0] and nu1[0]):
+    if mu1 is None or mu2 is None or nu1 is None or nu2 is None or not (mu1[0] and nu1[0]):
         return None
     b1, b2 = float(mu2[0] / mu1[0]), float(nu2[0] / nu1[0])
     t = int(count) + 1  # Adam's bias correction of the update after ``count`` steps

@@ -23,14 +23,12 @@ from gradsync_core.checkpoint import (
     check_weight_names,
     model_key,
     model_owners,
-    rank_file,
     reading_version,
     resolve_checkpoint,
-    weight_owners,
 )
+from gradsync_core.deprecation import renamed_keywords
 from gradsync_jax._naming import flax_name, from_torch_layout, to_torch_state, torch_names
-from gradsync_jax.checkpoint.safetensors_io import read_safetensors
-from gradsync_jax.checkpoint.stored import check_finite
+from gradsync_jax.checkpoint.stored import StoredFiles, check_finite
 
 
 def host_copy(array: Any) -> np.ndarray:
@@ -60,12 +58,13 @@ def weights_by_rank(
     return files, owners
 
 
+@renamed_keywords(directory="path", cast="allow_dtype_conversion")
 def load_params(
-    directory: str | os.PathLike[str],
+    path: str | os.PathLike[str],
     like: Any,
     *,
     modules: Mapping[str, str] | None = None,
-    cast: bool = False,
+    allow_dtype_conversion: bool = False,
     allow_nonfinite: bool = False,
 ) -> Any:
     """The model weights of a gradsync checkpoint (written by torch or JAX) as a tree like
@@ -76,14 +75,15 @@ def load_params(
     built.
 
     Args:
-        directory: a checkpoint saved with model weights (``ZeroRedundancyOptimizer.save(path,
+        path: a checkpoint saved with model weights (``ZeroRedundancyOptimizer.save(path,
             model=net)`` or ``save_optimizer_state(..., model=params)``).
         like: linen ``variables``/``params`` or ``nnx.state(model, nnx.Param)`` (with frozen
             weights kept in another ``Variable`` type ``Frozen``: ``nnx.state(model,
             nnx.Any(nnx.Param, Frozen))``); arrays or ``jax.ShapeDtypeStruct`` leaves.
         modules: Flax-to-torch module renames (see ``torch_name``), as given at save time.
-        cast: convert weights stored in another floating dtype (a ``bfloat16`` checkpoint
-            into ``float32`` parameters, or back) instead of refusing them.
+        allow_dtype_conversion: convert weights stored in another floating dtype (a
+            ``bfloat16`` checkpoint into ``float32`` parameters, or back) instead of refusing
+            them.
         allow_nonfinite: take weights holding NaN or inf as they are (say, to look at a
             diverged run); by default they are refused, as ``load_optimizer_state`` refuses
             them in state.
@@ -98,7 +98,7 @@ def load_params(
     Example:
         >>> params = load_params("ckpt", variables, modules={"Dense_0": "fc1"})  # doctest: +SKIP
     """
-    directory = resolve_checkpoint(directory)  # one version, even while a save switches it
+    directory = resolve_checkpoint(path)  # one version, even while a save switches it
     with reading_version(directory):  # a later save that removes it: a sentence, load again
         stored = _stored_weights(directory)
     paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(like)
@@ -107,29 +107,36 @@ def load_params(
     if not allow_nonfinite:
         check_finite({model_key(name): value for name, value in stored.items()})
     out = [
-        _weight(flax_name(path), name, stored[name], leaf, cast=cast)
-        for (path, leaf), name in zip(paths_leaves, names, strict=True)
+        _weight(flax_name(where), name, stored[name], leaf, convert=allow_dtype_conversion)
+        for (where, leaf), name in zip(paths_leaves, names, strict=True)
     ]
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
 def _stored_weights(directory: str) -> dict[str, np.ndarray]:
     """Every model weight of the checkpoint version ``directory``, by parameter name, every
-    file's hash checked first."""
+    file's hash checked first (nothing else of the files is read)."""
     manifest = read_manifest(directory)  # hashes every file
-    owners = weight_owners(directory, manifest)
-    stored: dict[str, np.ndarray] = {}
-    for rank in sorted(set(owners.values())):
-        name = rank_file(rank, manifest.world_size)
-        try:
-            tensors = read_safetensors(os.path.join(directory, name))
-        except Exception as err:  # a malformed header or a dtype this reader does not know
-            raise ValueError(f"checkpoint file {name} cannot be read ({err})") from err
-        for param in (p for p, r in owners.items() if r == rank):
-            if model_key(param) not in tensors:
-                raise ValueError(f"checkpoint file {name} lacks the weight of {param!r}")
-            stored[param] = tensors[model_key(param)]
-    return stored
+    with StoredFiles(directory, manifest) as stored:
+        return stored.read_weights()
+
+
+def check_weights(
+    stored: Mapping[str, Any], like: Any, *, modules: Mapping[str, str] | None = None
+) -> list[str]:
+    """Every check ``load_params`` makes of the weights (names, shapes and dtypes, no cast), on
+    ``stored`` weights or their stand-ins (``StoredFiles.weights``): the checkpoint name of
+    each leaf of ``like``.
+
+    Raises:
+        ValueError: as ``load_params``, but for non-finite values (they are not read here).
+    """
+    paths_leaves, _ = jax.tree_util.tree_flatten_with_path(like)
+    names = torch_names(like, modules=modules)
+    check_weight_names(stored, names, fix=_names_fix(stored, names))
+    for (path, leaf), name in zip(paths_leaves, names, strict=True):
+        _dtype(flax_name(path), name, stored[name], leaf, convert=False)
+    return names
 
 
 def _names_fix(stored: Mapping[str, Any], names: list[str]) -> str:
@@ -145,9 +152,19 @@ def _names_fix(stored: Mapping[str, Any], names: list[str]) -> str:
     return "pass the modules= renames used at save time, or load into the model that was saved"
 
 
-def _weight(where: str, name: str, saved: np.ndarray, leaf: Any, *, cast: bool) -> np.ndarray:
+def _weight(where: str, name: str, saved: np.ndarray, leaf: Any, *, convert: bool) -> np.ndarray:
     """The stored weight ``name`` in Flax layout for the leaf at ``where``, refused unless its
-    shape and dtype are the leaf's (the dtype converted between floating types if ``cast``)."""
+    shape and dtype are the leaf's (the dtype converted between floating types if
+    ``convert``)."""
+    value = from_torch_layout(where, saved)
+    dtype = _dtype(where, name, saved, leaf, convert=convert)
+    return value if value.dtype == dtype else value.astype(dtype)
+
+
+def _dtype(where: str, name: str, saved: np.ndarray, leaf: Any, *, convert: bool) -> np.dtype:
+    """The leaf's dtype, once the stored weight (or its stand-in) is checked to fit the leaf
+    at ``where``: its shape in Flax layout, and its dtype or, with ``convert``, a floating
+    one."""
     value = from_torch_layout(where, saved)
     shape, dtype = tuple(leaf.shape), np.dtype(leaf.dtype)
     stored = f"{saved.shape} {saved.dtype} in the checkpoint (torch layout)"
@@ -157,15 +174,16 @@ def _weight(where: str, name: str, saved: np.ndarray, leaf: Any, *, cast: bool) 
             f"{where!r}: another model?"
         )
     if value.dtype == dtype:
-        return value
+        return dtype
     if not (jnp.issubdtype(value.dtype, jnp.floating) and jnp.issubdtype(dtype, jnp.floating)):
         raise ValueError(
             f"weight {name!r} is {value.dtype} in the checkpoint but {dtype} for {where!r}: a "
             "dtype mismatch that no cast makes exact"
         )
-    if not cast:
+    if not convert:
         raise ValueError(
             f"weight {name!r} is {value.dtype} in the checkpoint but {dtype} for {where!r} "
-            f"(same shape {shape}): only the dtype differs; pass cast=True to convert it"
+            f"(same shape {shape}): only the dtype differs; pass allow_dtype_conversion=True "
+            "to convert it"
         )
-    return value.astype(dtype)
+    return dtype

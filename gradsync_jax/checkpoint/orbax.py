@@ -27,6 +27,7 @@ import numpy as np
 import optax
 
 from gradsync_core import Topology
+from gradsync_core.deprecation import renamed_keywords
 from gradsync_jax._mesh import mesh_from_topology
 from gradsync_jax.checkpoint.model_state import load_params
 from gradsync_jax.checkpoint.zero import load_optimizer_state, save_optimizer_state
@@ -44,12 +45,13 @@ def _checkpointer() -> Any:
     return ocp.StandardCheckpointer()
 
 
+@renamed_keywords(optimizer="tx")
 def export_orbax(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str],
     *,
     params: Any,
-    optimizer: optax.GradientTransformation,
+    tx: optax.GradientTransformation,
     model: Any = None,
     modules: Mapping[str, str] | None = None,
 ) -> None:
@@ -59,15 +61,15 @@ def export_orbax(
     Args:
         src: a gradsync checkpoint saved with model weights, by torch or JAX.
         dst: the Orbax checkpoint directory (must not exist).
-        params: the tree ``optimizer`` trains (arrays or ``jax.ShapeDtypeStruct``).
-        optimizer: the plain Optax transformation (``optax.adamw(...)``), the counterpart
-            of the saved optimizer.
+        params: the tree ``tx`` trains (arrays or ``jax.ShapeDtypeStruct``).
+        tx: the plain Optax transformation (``optax.adamw(...)``), the counterpart of the
+            saved optimizer.
         model: the weights tree to store as ``"params"`` when it holds more than ``params``
             (frozen parameters kept out of the optimizer); default ``params``.
         modules: the Flax-to-torch module renames (see ``torch_name``).
 
     Restore with ``orbax.checkpoint.StandardCheckpointer().restore(dst, {"params": model,
-    "opt_state": optimizer.init(params)})`` (docs/interchange.md).
+    "opt_state": tx.init(params)})`` (docs/interchange.md).
 
     Raises:
         ValueError: one sentence if ``src`` does not match the templates.
@@ -75,18 +77,19 @@ def export_orbax(
     """
     checkpointer = _checkpointer()
     weights = load_params(src, params if model is None else model, modules=modules)
-    opt_state, _ = load_optimizer_state(src, optimizer, params, modules=modules)
+    opt_state, _ = load_optimizer_state(src, tx, params, modules=modules)
     tree = {"params": weights, "opt_state": opt_state}
     checkpointer.save(os.path.abspath(dst), tree)
     checkpointer.wait_until_finished()
 
 
+@renamed_keywords(optimizer="tx")
 def import_orbax(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str],
     *,
     params: Any,
-    optimizer: optax.GradientTransformation,
+    tx: optax.GradientTransformation,
     model: Any = None,
     modules: Mapping[str, str] | None = None,
 ) -> None:
@@ -102,20 +105,20 @@ def import_orbax(
     """
     checkpointer = _checkpointer()
     weights_like = params if model is None else model
-    target = jax.eval_shape(lambda: {"params": weights_like, "opt_state": optimizer.init(params)})
+    target = jax.eval_shape(lambda: {"params": weights_like, "opt_state": tx.init(params)})
     try:
         restored = checkpointer.restore(os.path.abspath(src), target)
     except (ValueError, KeyError, FileNotFoundError) as err:
         raise ValueError(
             f"cannot restore Orbax checkpoint {os.fspath(src)!r} into these templates "
-            f"({_reason(err)}); pass the params, optimizer and model it was saved from"
+            f"({_reason(err)}); pass the params, tx and model it was saved from"
         ) from None
     mesh = mesh_from_topology(Topology.create(1), jax.devices()[:1])
-    tx = shard_optimizer(optimizer, mesh, partition="greedy", modules=modules)
-    state = tx.scatter_state(restored["opt_state"], params)
+    sharded = shard_optimizer(tx, mesh, partition="greedy", modules=modules)
+    state = sharded.scatter_state(restored["opt_state"], params)
     save_optimizer_state(
         dst,
-        tx,
+        sharded,
         state,
         params,
         step=_count(restored["opt_state"]),

@@ -10,7 +10,9 @@ another process's devices may hold: a flat save gathers the state on every proce
 
 ``ProcessSaveAgreement`` is the ``SaveAgreement`` of ``gradsync_core.checkpoint.run_save`` on
 these processes, so a failure on one process is the same ``CheckpointError`` on all and
-nothing half-written ever becomes the checkpoint (the steps: docs/design.md §9).
+nothing half-written ever becomes the checkpoint (the steps: docs/design.md §9). A load that
+reads only each process's part (``load_param_shards``) ends in the same agreement
+(``agreed_read``): a check that failed on one process fails the load on all.
 
 Rank files are written by different processes into one directory, so the checkpoint path
 must be on a file system every process sees (NFS, Lustre, a local disk for one host).
@@ -19,14 +21,18 @@ must be on a file system every process sees (NFS, Lustre, a local disk for one h
 from __future__ import annotations
 
 import json
-from typing import Any
+import os
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
 
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 
-from gradsync_core.checkpoint import CheckpointError
+from gradsync_core.checkpoint import CheckpointError, error_message
+
+T = TypeVar("T")
 
 _TOKEN_BYTES = 64  # room for a save token (16 hex digits today)
 
@@ -44,7 +50,7 @@ def local_ranks(mesh: Mesh, axes: tuple[str, ...]) -> frozenset[int]:
     first: dict[int, int] = {}
     for index in np.ndindex(mesh.devices.shape):  # C order: the mesh's order
         rank = int(np.ravel_multi_index([index[p] for p in positions], sizes))
-        first.setdefault(rank, mesh.devices[index].process_index)
+        first.setdefault(rank, cast(jax.Device, mesh.devices[index]).process_index)
     return frozenset(r for r, process in first.items() if process == jax.process_index())
 
 
@@ -131,3 +137,35 @@ class ProcessSaveAgreement:
         if self.count == 1:
             return [record]
         return [json.loads(r) for r in _gather_bytes(json.dumps(record).encode("utf-8"))]
+
+
+def agreed_read(read: Callable[[], T], version: str, what: str) -> T:
+    """``read()`` on every process, then agreed: if it failed on any process, every process
+    raises ``CheckpointError`` naming the first that failed (on that one its error is the
+    cause), so none goes on with a state another refused. Every process must have read the
+    same checkpoint version (``version``, resolved on each); a save that switched the path in
+    between fails the load the same way. With one process, ``read()`` as it is.
+
+    Raises:
+        CheckpointError: ``"{what} (process P): ..."``, on every process.
+    """
+    if jax.process_count() == 1:
+        return read()
+    caught: Exception | None = None
+    try:
+        result = read()
+    except Exception as err:  # held until every process knows
+        caught, result = err, None
+    agreement = ProcessSaveAgreement()
+    versions = agreement.gather(os.path.basename(version))
+    error = None if caught is None else error_message(caught)
+    if error is None and len(set(versions)) > 1:
+        error = (
+            f"process {agreement.index} read version {versions[agreement.index]} but process "
+            f"0 read {versions[0]}: a save switched the checkpoint during the load; load again"
+        )
+    try:
+        agreement.all_ok(error, what)
+    except CheckpointError as agreed:
+        raise agreed from caught
+    return result  # type: ignore[return-value]

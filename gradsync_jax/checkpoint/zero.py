@@ -44,12 +44,14 @@ from gradsync_core.checkpoint import (
     tensor_key,
     write_rank_file,
 )
+from gradsync_core.deprecation import renamed_keywords
 from gradsync_jax._naming import from_torch_layout, to_torch_layout, torch_name, torch_plan
+from gradsync_jax.checkpoint import optimizers
 from gradsync_jax.checkpoint.hyperparams import measure_hyperparams
 from gradsync_jax.checkpoint.model_state import weights_by_rank
-from gradsync_jax.checkpoint.optimizers import canonical_key, optimizer_name
+from gradsync_jax.checkpoint.optimizers import canonical_key
 from gradsync_jax.checkpoint.processes import ProcessSaveAgreement, local_ranks, local_view, place
-from gradsync_jax.checkpoint.stored import GLOBAL_PARAM, assemble, check_finite, read_rank_files
+from gradsync_jax.checkpoint.stored import GLOBAL_PARAM, StoredFiles, check_finite
 from gradsync_jax.zero.flat import FlatLayout
 from gradsync_jax.zero.layout import Layout, ZeroState
 from gradsync_jax.zero.model_space import ModelSpace, abstract, model_space, pure
@@ -79,29 +81,31 @@ def _counts_as_steps(space: ModelSpace) -> bool:
     return has_count and with_state == set(range(len(space.specs)))
 
 
+@renamed_keywords(directory="path", optimizer="optimizer_name")
 def save_optimizer_state(
-    directory: str | os.PathLike[str],
+    path: str | os.PathLike[str],
     tx: ShardedOptimizer,
     state: ZeroState,
     params: Any,
     *,
     step: int,
-    optimizer: str | None = None,
+    optimizer_name: str | None = None,
     modules: Mapping[str, str] | None = None,
     model: Any = None,
     data: Any = None,
 ) -> Manifest:
-    """Write ``state`` to ``directory``, replacing the checkpoint there only once complete.
+    """Write ``state`` to the checkpoint directory ``path``, replacing the checkpoint there
+    only once complete.
 
     Args:
-        directory: the checkpoint directory.
+        path: the checkpoint directory.
         tx: the ``shard_optimizer`` that made ``state``.
         state: its state. With several JAX processes every process makes this call; each
             writes the rank files of its own devices (the path must be on a file system all
             of them see) and process 0 writes the manifest once every file is written.
         params: the parameter tree (arrays or ``ShapeDtypeStruct``) the state belongs to.
         step: the training step, stored in the manifest.
-        optimizer: a name checked on load; default derived from the state's types: the
+        optimizer_name: a name checked on load; default derived from the state's types: the
             canonical name of an optimizer that crosses frameworks (``"adam"``, see
             ``gradsync_jax.checkpoint.optimizers``), else ``"optax:<state types>"``.
         modules: renames of Flax module paths to torch module names (see ``torch_name``),
@@ -137,19 +141,27 @@ def save_optimizer_state(
     n = tx.world_size
 
     return save_rank_files(
-        directory,
+        path,
         lambda: _prepare(
-            tx, layout, local, params, step, optimizer, modules, model, inner=tx.settings.inner
+            tx,
+            layout,
+            local,
+            params,
+            step,
+            optimizer_name,
+            modules,
+            model,
+            inner=tx.settings.inner,
         ),
         mine=mine,
         n=n,
         extra=position,
-        what=f"cannot save optimizer checkpoint {os.fspath(directory)}",
+        what=f"cannot save optimizer checkpoint {os.fspath(path)}",
     )
 
 
 def save_rank_files(
-    directory: str | os.PathLike[str],
+    path: str | os.PathLike[str],
     prepare: Callable[[], _Prepared],
     *,
     mine: Sequence[int],
@@ -176,7 +188,7 @@ def save_rank_files(
             extra={**prepared.manifest.extra, **extra},
         ),
     )
-    return run_save(directory, ProcessSaveAgreement(), steps, what=what)
+    return run_save(path, ProcessSaveAgreement(), steps, what=what)
 
 
 class _Prepared(NamedTuple):
@@ -235,7 +247,7 @@ def _prepare(
     state: ZeroState,
     params: Any,
     step: int,
-    optimizer: str | None,
+    optimizer_name: str | None,
     modules: Mapping[str, str] | None,
     model: Any,
     *,
@@ -263,7 +275,7 @@ def _prepare(
         weights, owners = weights_by_rank(model, plan, modules=modules)
         for rank, tensors in weights.items():
             files[rank].update(tensors)
-    name = optimizer or optimizer_name(space.state_types)
+    name = optimizer_name or optimizers.optimizer_name(space.state_types)
     canonical = canonical_optimizer(name)
     count = next(iter(held.scalars.values()), int(step))
     hyperparams = None if canonical is None else measure_hyperparams(inner, canonical, count)
@@ -310,12 +322,13 @@ def _needed_keys(manifest: Manifest, optimizer: str, space: ModelSpace) -> tuple
     return tuple(sorted(keys | ({STEP} if _counts_as_steps(space) else set())))
 
 
+@renamed_keywords(directory="path", optimizer="optimizer_name")
 def load_optimizer_state(
-    directory: str | os.PathLike[str],
+    path: str | os.PathLike[str],
     tx: optax.GradientTransformation,
     params: Any,
     *,
-    optimizer: str | None = None,
+    optimizer_name: str | None = None,
     modules: Mapping[str, str] | None = None,
     data: Any = None,
     allow_nonfinite: bool = False,
@@ -331,12 +344,12 @@ def load_optimizer_state(
     ``torch.optim.AdamW`` and ``optax.adamw`` are both ``adamw``, ...).
 
     Args:
-        directory: a checkpoint written by ``save_optimizer_state`` or by
+        path: a checkpoint written by ``save_optimizer_state`` or by
             ``gradsync_torch.ZeroRedundancyOptimizer.save``.
         tx: the ``shard_optimizer`` to load into (its mesh may differ from the saver's), or
             a plain Optax transformation.
         params: the parameter tree (arrays or ``ShapeDtypeStruct``).
-        optimizer: the name given at save time, if one was.
+        optimizer_name: the name given at save time, if one was.
         modules: the Flax-to-torch module renames given at save time (see ``torch_name``).
         data: a ``ResumableSampler`` to position where the checkpoint's data was
             (``extra["data"]``, saved by either framework with ``data=``); positioned only
@@ -356,18 +369,22 @@ def load_optimizer_state(
     Example:
         >>> opt_state, manifest = load_optimizer_state("ckpt/opt", tx, params)
     """
-    shown = os.fspath(directory)
-    directory = resolve_checkpoint(directory)  # one version, even while a save switches it
+    shown = os.fspath(path)
+    directory = resolve_checkpoint(path)  # one version, even while a save switches it
+    layout: Layout | None
     if isinstance(tx, ShardedOptimizer):
-        layout: Layout | None = tx.layout(params)
+        layout = tx.layout(params)
         space = layout.space
     else:  # a plain Optax transformation: its whole state, unsharded
         layout, space = None, model_space(tx, abstract(pure(params)))
-    optimizer = optimizer or optimizer_name(space.state_types)
+    optimizer = optimizer_name or optimizers.optimizer_name(space.state_types)
     with reading_version(directory):  # a later save that removes it: a sentence, load again
         manifest = read_manifest(directory)
         names = _check_loadable(directory, manifest, space, optimizer, modules)
-        tensors = assemble(manifest, read_rank_files(directory, manifest))
+        with StoredFiles(directory, manifest) as stored:
+            shapes = stored.state()
+            _state_values(manifest, space, names, shapes)  # every check, before any read
+            tensors = stored.read_state(shapes)
     values = _state_values(manifest, space, names, tensors)
     if not allow_nonfinite:
         check_finite(tensors)
@@ -378,7 +395,7 @@ def load_optimizer_state(
     assert isinstance(tx, ShardedOptimizer)
     if jax.process_count() == 1:
         state = tx.scatter_state(space.state_treedef.unflatten(values), params)
-    else:  # every process read every file; each fills its own devices' shards
+    else:  # every process read every state tensor; each fills its own devices' shards
         state = place(layout.scatter(values), tx.state_shardings(params))
     return state, manifest
 

@@ -1,12 +1,5 @@
 """Data parallelism in JAX: local gradients, their sync, accumulation and the training step.
 
-- ``sync.py``: ``make_local``, ``value_and_local_grad``/``local_grad`` and ``sync_gradients``,
-  the one reduction of LOCAL gradients over the data-parallel axes (docs/design.md §7).
-- ``synced.py``: ``synced``, that sync as a stateless Optax transformation.
-- ``accumulate.py``: ``accumulate_local_grads``, micro-steps without communication.
-- ``step.py``: ``data_parallel_step``, a jitted ``shard_map`` step composing the above with
-  any Optax transformation or ``shard_optimizer``.
-
 Nothing here imports ``model_parallel``: the shared-parameter sums it runs after the mean
 live one level up (``gradsync_jax.shared_reductions``).
 """

@@ -1,5 +1,7 @@
-"""A jitted data-parallel training step: batch sharded over ``dp``, parameters replicated
-(or sharded over model-parallel axes, with the derived shared-parameter sums, docs/design.md §6).
+"""``data_parallel_step``: a jitted training step, batch sharded over ``dp``.
+
+Parameters replicated (or sharded over model-parallel axes, with the derived shared-parameter
+sums, docs/design.md §6).
 
 The step composes like Optax: it differentiates, and the transformation ``tx`` it is given
 owns the sync, either ``synced(...)`` first in a chain or a ``shard_optimizer(...)``, which
@@ -73,7 +75,7 @@ def data_parallel_step(
             ``tx.state_specs(params)``). A ``tx`` without either is run after the default
             ``synced(axis_name)``, the mean over ``axis_name``. With a ``synced(...,
             shared=plan)`` (model parallelism: ``plan_shared_reductions(shared_param_specs(
-            params, param_specs, data_spec=batch_spec, mesh=mesh), topology)``) the planned
+            params, param_specs, data_axes=batch_spec, mesh=mesh), topology)``) the planned
             gradients stay partial through accumulation and are summed over their groups
             once, bucketed, after the dp mean; expert parameters (the plan's ``"edp"``
             reduction) need the expert mesh (``mesh_from_topology(topology, expert=True)``)

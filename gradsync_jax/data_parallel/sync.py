@@ -112,10 +112,10 @@ def value_and_local_grad(
     grad_fn = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)
 
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        args = list(args)
+        values = list(args)
         for i in positions:
-            args[i] = make_local(args[i], axis_name, shared=shared)
-        return grad_fn(*args, **kwargs)
+            values[i] = make_local(values[i], axis_name, shared=shared)
+        return grad_fn(*values, **kwargs)
 
     return wrapped
 

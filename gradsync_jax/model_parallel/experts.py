@@ -80,7 +80,7 @@ class MoE(nnx.Module):
         probs = jax.nn.softmax(tokens @ self.router[...], axis=-1)
         w_in, w_out = self.w_in[...], self.w_out[...]
         local = w_in.shape[0]  # experts on this device
-        first = 0
+        first: int | jax.Array = 0
         if self.axis is not None:
             count = tokens.shape[0] * lax.axis_size(self.axis)
             tokens = all_gather_from(tokens, self.axis, dim=0, size=count)

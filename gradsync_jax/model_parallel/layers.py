@@ -21,6 +21,7 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
 from gradsync_core import ParamSpec, replicated_axes
+from gradsync_core.deprecation import renamed_keywords
 from gradsync_jax._axes import spec_entry_axes
 from gradsync_jax._specs import param_specs
 from gradsync_jax.model_parallel.mappings import (
@@ -160,16 +161,19 @@ def _local_shape(shape: tuple[int, ...], spec: PartitionSpec, mesh: Mesh) -> tup
     return tuple(out)
 
 
+@renamed_keywords(data_spec="data_axes")
 def shared_param_specs(
-    params: Any, specs: Any, *, data_spec: PartitionSpec | Iterable[Any], mesh: Mesh
+    params: Any, specs: Any, *, data_axes: PartitionSpec | Iterable[Any], mesh: Mesh
 ) -> list[ParamSpec]:
     """One ``ParamSpec`` per leaf (local shapes), ``replicated_over`` derived, never marked.
 
     Args:
         params: the parameter pytree (arrays or ``jax.ShapeDtypeStruct``, global shapes).
         specs: the matching ``PartitionSpec`` tree (``nnx_functional(model)[2]``).
-        data_spec: the ``PartitionSpec`` of the model's input: every axis in it splits the
-            tokens (``P("dp", "cp")``; ``P("dp", ("cp", "tp"))`` with sequence parallelism).
+        data_axes: the mesh axes the model's input is split over, as the input's
+            ``PartitionSpec`` (``P("dp", "cp")``; ``P("dp", ("cp", "tp"))`` with sequence
+            parallelism) or a tuple of axis names (``("dp", "cp")``, torch's spelling): every
+            axis in it splits the tokens.
         mesh: the mesh the specs refer to (for the local shapes the reductions carry).
 
     Returns:
@@ -178,12 +182,13 @@ def shared_param_specs(
         of ``gradsync_jax.model_parallel.experts.MoE``) gets ``expert=True``.
 
     Example:
-        >>> specs = shared_param_specs(params, pspecs, data_spec=P("dp", "cp"), mesh=mesh)
+        >>> specs = shared_param_specs(params, pspecs, data_axes=P("dp", "cp"), mesh=mesh)
         >>> [s.replicated_over for s in specs if s.name == "norm/scale"]
         [('cp',)]
     """
     # edp is the expert mesh's share of data parallelism: like dp, the data-parallel mean's.
-    data_axes = [a for entry in data_spec for a in spec_entry_axes(entry) if a != "edp"]
+    splitting = [a for entry in data_axes for a in spec_entry_axes(entry) if a != "edp"]
+    treedef: Any  # jaxlib's PyTreeDef (no type information installed)
     leaves, treedef = jax.tree_util.tree_flatten(params)
     spec_leaves = treedef.flatten_up_to(specs)
     local = treedef.unflatten(
@@ -195,7 +200,7 @@ def shared_param_specs(
     out = []
     for spec, s in zip(param_specs(local), spec_leaves, strict=True):
         sharded = [a for entry in s for a in spec_entry_axes(entry)]
-        replicated = replicated_axes(sharded_over=sharded, data_sharded_over=data_axes)
+        replicated = replicated_axes(sharded_over=sharded, data_sharded_over=splitting)
         # Only expert weights are split over ep (gradsync_jax.model_parallel.experts): their
         # PartitionSpec is the layer's declaration that they are expert parameters.
         out.append(replace(spec, replicated_over=replicated, expert="ep" in sharded))

@@ -4,10 +4,11 @@ Each parameter's padded chunk is all-gathered along dim 0 (``tiled``: rank-major
 result is the padded whole in torch's layout), the padding rows are sliced off and the layout
 transposed back to Flax's. The backward is the transpose (ZeRO-3, arXiv:1910.02054 §5.3):
 each gradient is transposed to torch's layout, padded and ``psum_scatter``-ed along dim 0,
-divided where ``divide_after`` says (docs/design.md §7), so each device receives its chunk's
-mean gradient. A custom VJP (rather than JAX's own transpose of ``all_gather``) owns that
-division. The parameters a gather is asked for are gathered in one custom-VJP call, but with
-one collective per parameter rather than FSDP2's flattened buffer per unit: the copies in and
+divided as FSDP2 divides (the core's ``mean_divisors(dtype, n, "fsdp2")``, the rule torch's
+``fully_shard`` runs; docs/design.md §7), so each device receives its chunk's mean gradient.
+A custom VJP (rather than JAX's own transpose of ``all_gather``) owns that division. The
+parameters a gather is asked for are gathered in one custom-VJP call, but with one collective
+per parameter rather than FSDP2's flattened buffer per unit: the copies in and
 out of that buffer doubled the step's temporary bytes on XLA:CPU and its step time
 (benchmarks/jax_fsdp.py, docs/jax-zero3.md), and XLA's collective combiners may merge the
 per-parameter ones.
@@ -19,25 +20,52 @@ takes ``after``, values it must wait for, and reads its chunks through them (``_
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from gradsync_jax._axes import cast_varying, psum_mean, psum_scatter_mean, varying
+from gradsync_core.plan import mean_divisors
+from gradsync_jax._axes import (
+    cast_varying,
+    dtype_name,
+    psum_mean,
+    psum_scatter_mean,
+    varying,
+)
 from gradsync_jax.param_sharding.layout import LeafLayout, ParamLayout
+from gradsync_jax.param_sharding.policy import MixedPrecisionPolicy
 
 
 def _gather(chunks: Sequence[jax.Array], axes: tuple[str, ...]) -> list[jax.Array]:
     return [lax.all_gather(c, axes, tiled=True) for c in chunks]
 
 
-def _scatter(
-    grads: Sequence[jax.Array], axes: tuple[str, ...], n: int, mean: bool
-) -> tuple[jax.Array, ...]:
-    return tuple(psum_scatter_mean(g, axes, n, mean=mean) for g in grads)
+def reduce_gradient(
+    grad: jax.Array, axes: tuple[str, ...], n: int, replicate: tuple[str, ...], mean: bool
+) -> jax.Array:
+    """This device's chunk of ``grad`` summed over ``axes`` (``n`` devices) and, under HSDP,
+    all-reduced over ``replicate``; with ``mean``, divided as FSDP2 divides
+    (``mean_divisors(dtype, n * replicas, "fsdp2")``): float32 and bfloat16 average in each
+    collective, which JAX, without an averaging collective, divides by the ``"after"`` rule
+    (after the sum where that is exact); any other dtype (float16) divides by FSDP2's power
+    of two ``pre`` before the sums (exact) and by ``post`` after them, in float32 and rounded
+    once, as torch divides a half tensor (XLA turns a division by a constant into a product
+    with its rounded reciprocal, which rounds twice)."""
+    replicas = lax.axis_size(replicate) if replicate else 1
+    rule = mean_divisors(dtype_name(grad.dtype), n * replicas, "fsdp2", shard=n) if mean else None
+    if rule is not None and rule.op == "avg":
+        out = psum_scatter_mean(grad, axes, n, mean=True)
+        return psum_mean(out, replicate, mean=rule.replicate_op == "avg") if replicate else out
+    if rule is not None and rule.pre is not None:
+        grad = grad / rule.pre
+    out = lax.psum_scatter(grad, axes, scatter_dimension=0, tiled=True)
+    out = lax.psum(out, replicate) if replicate else out
+    if rule is None or rule.post is None:
+        return out
+    wide = jnp.promote_types(out.dtype, jnp.float32)
+    return (out.astype(wide) / rule.post).astype(out.dtype)
 
 
 def _unpadded(leaf: LeafLayout, padded: jax.Array) -> jax.Array:
@@ -70,32 +98,13 @@ def _read_after(chunks: tuple[jax.Array, ...], value: jax.Array) -> tuple[jax.Ar
     return tuple(out)
 
 
-@dataclass(frozen=True, slots=True)
-class Precision:
-    """FSDP2's ``MixedPrecisionPolicy`` for the gather: ``param_dtype`` is what the chunks are
-    cast to before the all-gather (what the model computes with), ``reduce_dtype`` what the
-    gradients are cast to before the reduce-scatter; ``None`` keeps the stored dtype, and a
-    ``None`` ``reduce_dtype`` follows ``param_dtype``, as FSDP2's does. The reduced chunk
-    gradient is cast back to the stored (master) dtype for the optimizer."""
-
-    param_dtype: Any = None
-    reduce_dtype: Any = None
-
-    def gathered(self, chunk: jax.Array) -> jax.Array:
-        return chunk if self.param_dtype is None else chunk.astype(self.param_dtype)
-
-    def reduced(self, grad: jax.Array) -> jax.Array:
-        dtype = self.param_dtype if self.reduce_dtype is None else self.reduce_dtype
-        return grad if dtype is None else grad.astype(dtype)
-
-
 def _members_gather(
     leaves: Sequence[LeafLayout],
     axes: tuple[str, ...],
     n: int,
     mean: bool,
     trainable: bool,
-    precision: Precision,
+    mp_policy: MixedPrecisionPolicy,
     replicate: tuple[str, ...] = (),
 ) -> Any:
     """``gather(chunks, after)``: the whole Flax-layout parameters of ``leaves``, all_gather
@@ -104,7 +113,7 @@ def _members_gather(
     cotangent."""
 
     def gathered(chunks: tuple[jax.Array, ...], after: tuple[jax.Array, ...]) -> list[jax.Array]:
-        chunks = tuple(precision.gathered(c) for c in chunks)
+        chunks = tuple(mp_policy.gathered(c) for c in chunks)
         # Varying over the replicas, as the batch: otherwise JAX marks it where the model
         # mixes it with the batch, and that mark's transpose sums the cotangents over the
         # replicas before the backward below sees them. The backward owns that reduction.
@@ -126,12 +135,11 @@ def _members_gather(
         if not trainable:
             return tuple(jnp.zeros_like(c) for c in chunks), None
         padded = [
-            _padded(leaf, precision.reduced(g), n)
+            _padded(leaf, mp_policy.reduced(g), n)
             for leaf, g in zip(leaves, cotangents, strict=True)
         ]
-        scattered = _scatter(padded, axes, n, mean)
-        if replicate:  # HSDP: the shard groups' chunks all-reduced across the replicas
-            scattered = tuple(psum_mean(g, replicate, mean=mean) for g in scattered)
+        # HSDP: the shard groups' chunks then all-reduced across the replicas.
+        scattered = [reduce_gradient(g, axes, n, replicate, mean) for g in padded]
         return tuple(g.astype(c.dtype) for g, c in zip(scattered, chunks, strict=True)), None
 
     gather.defvjp(fwd, bwd)
@@ -144,10 +152,10 @@ class Gatherer:
 
     One custom-VJP call per kind among them (trainable or frozen, and dtype): an all-gather
     per parameter forward and a reduce-scatter of its gradient backward, or for frozen
-    members no gradient and no collective. ``precision`` casts what is gathered and what is
+    members no gradient and no collective. ``mp_policy`` casts what is gathered and what is
     reduced (mixed precision, FSDP2's policy). With ``replicate`` axes (hybrid sharding, HSDP)
-    the reduce-scattered chunks are then all-reduced (mean) across them: the shard groups
-    hold the same chunks and step them identically.
+    the reduce-scattered chunks are then all-reduced across them (``reduce_gradient``, FSDP2's
+    mean over both): the shard groups hold the same chunks and step them identically.
     """
 
     def __init__(
@@ -156,11 +164,12 @@ class Gatherer:
         axes: tuple[str, ...],
         *,
         mean: bool = True,
-        precision: Precision = Precision(),
+        mp_policy: MixedPrecisionPolicy | None = None,
         replicate: tuple[str, ...] = (),
     ) -> None:
         self.layout, self.axes, self.mean = layout, axes, mean
-        self.precision, self.replicate = precision, replicate
+        self.mp_policy = MixedPrecisionPolicy() if mp_policy is None else mp_policy
+        self.replicate = replicate
 
     def __call__(
         self, indices: Sequence[int], chunks: Sequence[jax.Array], after: Sequence[jax.Array]
@@ -178,7 +187,7 @@ class Gatherer:
                 self.layout.world_size,
                 self.mean,
                 trainable,
-                self.precision,
+                self.mp_policy,
                 self.replicate,
             )
             for k, value in zip(ks, call(tuple(chunks[k] for k in ks), after), strict=True):

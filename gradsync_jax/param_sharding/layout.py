@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 from gradsync_core import ParamShardPlan, chunk_rows, plan_param_shards
+from gradsync_core.deprecation import deprecated_keywords, warn_deprecated
 from gradsync_jax._naming import flax_name, to_torch_state, torch_name, torch_names, torch_specs
 
 # Distinct dim sizes of a probe array: the shape of its torch-layout copy names the transposition.
@@ -125,6 +126,7 @@ def _torch_path(
     return (as_flax, True) if as_flax is not None else (path, False)
 
 
+@deprecated_keywords(replicate_size="dp_shard=world_size // replicate_size")
 def param_layout(
     params: Any,
     *,
@@ -133,14 +135,16 @@ def param_layout(
     frozen: Iterable[str] = (),
     modules: Mapping[str, str] | None = None,
     order: Sequence[str] | None = None,
-    replicate_size: int = 1,
+    dp_shard: int | None = None,
+    replicate_size: int | None = None,
 ) -> ParamLayout:
     """Plan FSDP2's dim-0 cut of a Flax parameter tree over ``world_size`` devices.
 
     Args:
         params: linen ``variables``/``params`` or ``nnx.state(model, nnx.Param)``; arrays or
             ``jax.ShapeDtypeStruct`` leaves.
-        world_size: data-parallel devices: the shard axis's size, times ``replicate_size``.
+        world_size: data-parallel devices (``Topology.dp``; under HSDP the shard axis's
+            size times the replicas).
         units: module paths gathered together, one per block, spelled the Flax way
             (``"layers/0"``, ``"Dense_3"``) or torch's (``"transformer.h.0"``, as
             ``fully_shard`` and the ``gradsync`` CLI take them); the root unit holds every
@@ -153,9 +157,11 @@ def param_layout(
             fingerprint equals torch's only when the twin registers its parameters in this
             order (by default the natural order: modules by index, ``weight`` before
             ``bias``; pass ``[n for n, _ in torch_model.named_parameters()]`` otherwise).
-        replicate_size: hybrid sharding (HSDP): cut over ``world_size // replicate_size``
-            devices and replicate across ``replicate_size`` groups (``zero3_step(...,
-            replicate_axis=)``), as FSDP2's 2-D mesh and the plan's ``replicate_size``.
+        dp_shard: hybrid sharding (HSDP, ``Topology.dp_shard``): cut over ``dp_shard``
+            devices and replicate across ``world_size // dp_shard`` groups, as FSDP2's 2-D
+            mesh; ``zero3_step`` on ``mesh_from_topology(topology)`` finds the axes. Default
+            ``world_size`` (no HSDP).
+        replicate_size: the deprecated spelling: ``world_size // dp_shard``.
 
     Returns:
         A ``ParamLayout`` whose ``plan.fingerprint`` equals the torch plan of the twin model.
@@ -189,9 +195,22 @@ def param_layout(
     if isinstance(units, str):
         raise TypeError(f"units must be a sequence of module paths, not the string {units!r}")
     torch_units = [_torch_path(u, fnames, names, modules, "unit")[0] for u in units]
-    plan = plan_param_shards(
-        specs, world_size=world_size, units=torch_units, replicate_size=replicate_size
-    )
+    if replicate_size is not None:  # the deprecated spelling counts the replicas
+        if dp_shard is not None:
+            raise TypeError(
+                "param_layout() got dp_shard= and its deprecated spelling replicate_size=; "
+                "pass dp_shard="
+            )
+        warn_deprecated(
+            "param_layout(replicate_size=)", "param_layout(dp_shard=world_size // replicate_size)"
+        )
+        if not isinstance(replicate_size, int) or replicate_size < 1 or world_size % replicate_size:
+            raise ValueError(
+                f"replicate_size {replicate_size!r} does not divide world_size {world_size}; "
+                "HSDP needs world_size = shard_size * replicate_size"
+            )
+        dp_shard = world_size // replicate_size
+    plan = plan_param_shards(specs, world_size=world_size, units=torch_units, dp_shard=dp_shard)
     perms = _perms(params, modules)
     leaves = []
     for fname, name, perm, (_, leaf) in zip(fnames, names, perms, paths_leaves, strict=True):

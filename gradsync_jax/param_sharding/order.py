@@ -24,6 +24,7 @@ unchanged.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -172,7 +173,7 @@ def call_gathering_on_first_read(
     closed, out_shape = jax.make_jaxpr(
         lambda w, b: fn(w, jax.tree.unflatten(batch_tree, b)), return_shape=True
     )(list(avals), batch_leaves)
-    unread = [_Derived(frozenset((i,)), lambda whole, i=i: whole[i]) for i in indices]
+    unread = [_Derived(frozenset((i,)), operator.itemgetter(i)) for i in indices]
     interpreter = _Interpreter(chunks, gather, reshard)
     outs = interpreter.run(closed.jaxpr, closed.consts, unread + batch_leaves)
     return jax.tree.unflatten(jax.tree.structure(out_shape), outs)

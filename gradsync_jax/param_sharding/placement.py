@@ -15,6 +15,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from gradsync_core.plan import HSDP_AXES
 from gradsync_jax._axes import AxisName, axis_tuple
 from gradsync_jax.param_sharding.layout import LeafLayout, ParamLayout
 
@@ -47,15 +48,42 @@ def axis_size(mesh: Mesh, axis_name: AxisName) -> int:
     return int(np.prod([mesh.shape[a] for a in axes]))
 
 
+def split_axes(
+    layout: ParamLayout, mesh: Mesh, axis_name: AxisName
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(the axes ``layout`` cuts the parameters over, the axes it replicates them over).
+
+    ``"dp"`` on the mesh of a hybrid-sharding topology (``mesh_from_topology`` of a
+    ``Topology`` with ``dp_shard < dp``, whose mesh has ``"dp_replicate"`` and ``"dp_shard"``
+    in place of ``"dp"``) names those two axes, as ``Topology.mesh_axes("dp")`` does: a
+    layout planned with the topology's ``dp_shard`` (``plan.replicate_size > 1``) is cut over
+    ``"dp_shard"`` and replicated over ``"dp_replicate"``, one planned without over both.
+    Any other ``axis_name`` is cut over as given, replicated over nothing.
+    """
+    axes = axis_tuple(axis_name)
+    split = "dp" not in mesh.axis_names and set(HSDP_AXES) <= set(mesh.axis_names)
+    if axes != ("dp",) or not split:
+        return axes, ()
+    replicate, shard = ("dp_replicate",), ("dp_shard",)
+    if layout.plan.replicate_size == 1:
+        return replicate + shard, ()
+    return shard, replicate
+
+
 def check_mesh(layout: ParamLayout, mesh: Mesh, axis_name: AxisName) -> tuple[str, ...]:
-    """The axes, after checking the layout was planned for this many devices."""
-    n = axis_size(mesh, axis_name)
+    """The axes the parameters are cut over (``split_axes``), after checking the layout was
+    planned for this many devices."""
+    axes = split_axes(layout, mesh, axis_name)[0]
+    n = axis_size(mesh, axes)
     if n != layout.world_size:
+        shown = axis_name if axes == axis_tuple(axis_name) else axes
+        replicas = layout.plan.replicate_size
+        fix = f"world_size={n}" if replicas == 1 else f"world_size=..., dp_shard={n}"
         raise ValueError(
             f"the layout was planned for {layout.world_size} devices but the mesh axis "
-            f"{axis_name!r} has {n}; make it with param_layout(params, world_size={n})"
+            f"{shown!r} has {n}; make it with param_layout(params, {fix})"
         )
-    return axis_tuple(axis_name)
+    return axes
 
 
 def padded_host(leaf: LeafLayout, value: Any, n: int) -> np.ndarray:
@@ -68,14 +96,17 @@ def padded_host(leaf: LeafLayout, value: Any, n: int) -> np.ndarray:
     return np.pad(array, [(0, pad)] + [(0, 0)] * (array.ndim - 1))
 
 
-def shard_params(params: Any, mesh: Mesh, layout: ParamLayout, *, axis_name: AxisName = "dp"):
+def shard_params(
+    params: Any, mesh: Mesh, layout: ParamLayout, *, axis_name: AxisName = "dp"
+) -> Any:
     """Place ``params`` as each device's padded dim-0 chunk over ``axis_name``.
 
     Args:
         params: the tree ``layout`` was made from (host or device arrays).
         mesh: the mesh the training step runs on.
         layout: from ``param_layout``.
-        axis_name: the data-parallel axis (or tuple of axes).
+        axis_name: the data-parallel axis (or tuple of axes); on the mesh of a hybrid-sharding
+            topology ``"dp"`` is cut over ``"dp_shard"`` (``split_axes``).
 
     Returns:
         A tree of the same structure whose leaves are ``(N * c, *rest)`` arrays in torch's
@@ -89,7 +120,7 @@ def shard_params(params: Any, mesh: Mesh, layout: ParamLayout, *, axis_name: Axi
     out = []
     for leaf, value in zip(layout.leaves, flat_leaves(params, layout, "params"), strict=True):
         host = padded_host(leaf, value, layout.world_size)
-        out.append(jax.make_array_from_callback(host.shape, sharding, lambda i, h=host: h[i]))
+        out.append(jax.make_array_from_callback(host.shape, sharding, host.__getitem__))
     return jax.tree_util.tree_unflatten(layout.treedef, out)
 
 
@@ -102,7 +133,7 @@ def unshard_params(sharded: Any, layout: ParamLayout) -> Any:
         >>> full = unshard_params(sharded, layout)
         >>> mu = unshard_params(opt_state[0].mu, layout)
     """
-    out = []
+    out: list[np.ndarray | None] = []
     for leaf, value in zip(layout.leaves, flat_leaves(sharded, layout, "the tree"), strict=True):
         if value is None:
             out.append(None)

@@ -28,14 +28,18 @@ from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from gradsync_core.deprecation import deprecated_keywords, renamed_keywords, warn_deprecated
+from gradsync_core.options import takes_options
 from gradsync_jax._axes import AxisName, axis_tuple, psum_mean
 from gradsync_jax._compile_log import CompileLog
 from gradsync_jax.data_parallel.accumulate import split_microbatches
 from gradsync_jax.data_parallel.synced import SyncedState
-from gradsync_jax.param_sharding.gather import Gatherer, Precision
+from gradsync_jax.param_sharding.gather import Gatherer
 from gradsync_jax.param_sharding.layout import ParamLayout
+from gradsync_jax.param_sharding.options import Zero3Options
 from gradsync_jax.param_sharding.order import call_gathering_on_first_read
-from gradsync_jax.param_sharding.placement import axis_size, check_mesh, flat_leaves
+from gradsync_jax.param_sharding.placement import axis_size, check_mesh, flat_leaves, split_axes
+from gradsync_jax.param_sharding.policy import MixedPrecisionPolicy
 from gradsync_jax.param_sharding.update import RowsUpdate, rows_tree
 from gradsync_jax.zero.layout import ZeroState
 from gradsync_jax.zero.transform import ShardedOptimizer
@@ -76,20 +80,21 @@ def _state_specs(tx: Any, layout: ParamLayout, axes: tuple[str, ...]) -> Any:
 
 
 def _local_step(
-    loss_fn,
+    loss_fn: Callable[[Any, Any], jax.Array],
     update: RowsUpdate,
     layout: ParamLayout,
-    axes,
+    axes: tuple[str, ...],
     *,
-    reshard: bool,
-    accumulate: int,
-    precision: Precision,
+    reshard_after_forward: bool,
+    accumulate_steps: int,
+    mp_policy: MixedPrecisionPolicy,
     replicate: tuple[str, ...],
-):
-    """The step of one device inside ``shard_map``: gather, differentiate (``accumulate``
-    micro-steps, each reduce-scattering its gradients to the chunks), update the chunks."""
+) -> Callable[[Any, Any, Any, Any], Any]:
+    """The step of one device inside ``shard_map``: gather, differentiate
+    (``accumulate_steps`` micro-steps, each reduce-scattering its gradients to the chunks),
+    update the chunks; ``replicate``: the replicate mesh axes (HSDP), else ``()``."""
 
-    gather = Gatherer(layout, axes, precision=precision, replicate=replicate)
+    gather = Gatherer(layout, axes, mp_policy=mp_policy, replicate=replicate)
 
     def loss_of(trainable: Any, frozen: Any, batch: Any) -> jax.Array:
         chunks = [
@@ -103,19 +108,19 @@ def _local_step(
             chunks,
             gather,
             batch,
-            reshard=reshard,
+            reshard=reshard_after_forward,
         )
 
     grad_fn = jax.value_and_grad(loss_of)
 
     def grads_of(trainable: Any, frozen: Any, batch: Any) -> tuple[jax.Array, Any]:
-        if accumulate == 1:
+        if accumulate_steps == 1:
             return grad_fn(trainable, frozen, batch)
         # Each micro-step reduce-scatters its own gradients and the chunks are summed: the
         # accumulator stays 1/N (FSDP2's default). Deferring the reduce-scatter to the last
         # micro-step would hold every unit's whole gradient across the micro-steps, the
         # memory ZeRO-3 exists to remove.
-        micro = split_microbatches(batch, accumulate)
+        micro = split_microbatches(batch, accumulate_steps)
 
         def body(carry: Any, mb: Any) -> tuple[Any, None]:
             loss, grads = grad_fn(trainable, frozen, mb)
@@ -124,7 +129,7 @@ def _local_step(
         first = grad_fn(trainable, frozen, jax.tree.map(lambda leaf: leaf[0], micro))
         rest = jax.tree.map(lambda leaf: leaf[1:], micro)
         (loss, grads), _ = lax.scan(body, first, rest)
-        return loss / accumulate, jax.tree.map(lambda g: g / accumulate, grads)
+        return loss / accumulate_steps, jax.tree.map(lambda g: g / accumulate_steps, grads)
 
     def body(trainable: Any, frozen: Any, opt_state: Any, batch: Any) -> Any:
         loss, grads = grads_of(trainable, frozen, batch)
@@ -135,62 +140,76 @@ def _local_step(
     return body
 
 
-def _check_replicate(
-    layout: ParamLayout, mesh: Mesh, replicate_axis: AxisName | None
-) -> tuple[str, ...]:
-    """The replicate axes, after checking the layout's ``replicate_size`` matches them."""
+def _data_axes(
+    layout: ParamLayout, mesh: Mesh, axis_name: AxisName, replicate_axis_name: AxisName | None
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(shard axes, replicate axes), after checking the layout's sizes match them; on the
+    mesh of a hybrid-sharding topology ``"dp"`` implies both (``split_axes``)."""
+    axes = check_mesh(layout, mesh, axis_name)
     want = layout.plan.replicate_size
-    if replicate_axis is None:
+    if replicate_axis_name is None:
+        replicate_axis_name = split_axes(layout, mesh, axis_name)[1] or None
+    if replicate_axis_name is None:
         if want != 1:
             raise ValueError(
                 f"the layout replicates over {want} groups (replicate_size={want}) but no "
-                "replicate_axis was given; pass zero3_step(..., replicate_axis=<mesh axis>)"
+                "replicate_axis_name was given; pass zero3_step(..., replicate_axis_name=<mesh "
+                "axis>), or run on mesh_from_topology(Topology.create(..., dp_shard=...))"
             )
-        return ()
-    have = axis_size(mesh, replicate_axis)
+        return axes, ()
+    have = axis_size(mesh, replicate_axis_name)
     if have != want:
+        shard = layout.world_size
         raise ValueError(
             f"the layout was planned with replicate_size={want} but the mesh axis "
-            f"{replicate_axis!r} has {have} devices; make it with param_layout(params, "
-            f"world_size=..., replicate_size={have})"
+            f"{replicate_axis_name!r} has {have} devices; make it with param_layout(params, "
+            f"world_size={have * shard}, dp_shard={shard})"
         )
-    return axis_tuple(replicate_axis)
+    return axes, axis_tuple(replicate_axis_name)
 
 
 class Zero3Step:
     """``step(params, opt_state, batch) -> (params, opt_state, loss)`` on sharded parameters;
-    ``init(params)`` makes the sharded optimizer state. Made by ``zero3_step``."""
+    ``init(params)`` makes the sharded optimizer state.
+
+    ``zero3_step`` makes one from its keywords or its ``Zero3Options``; the constructor takes
+    the record (arguments as ``zero3_step``'s).
+
+    Raises:
+        ValueError, TypeError: as ``zero3_step``.
+
+    Example:
+        >>> step = Zero3Step(loss_fn, optax.adamw(1e-3), mesh, layout, Zero3Options())
+    """
 
     def __init__(
         self,
-        loss_fn,
-        tx,
-        update,
-        mesh,
-        layout,
-        axes,
-        *,
-        reshard,
-        batch_spec,
-        donate,
-        accumulate,
-        precision,
-        replicate,
-        compiler_options=None,
-    ):
+        loss_fn: Callable[[Any, Any], jax.Array],
+        tx: optax.GradientTransformation,
+        mesh: Mesh,
+        layout: ParamLayout,
+        options: Zero3Options | None = None,
+    ) -> None:
+        options = Zero3Options() if options is None else options
+        axes, replicate = _data_axes(layout, mesh, options.axis_name, options.replicate_axis_name)
+        _refuse_syncing(tx, layout)
+        tx = optax.with_extra_args_support(tx)
+        update = RowsUpdate(tx, layout)  # refuses what it cannot run exactly on rows
+        self.options = options
         self.layout, self.mesh, self.tx, self.axes = layout, mesh, tx, axes
         self.rows_update = update  # tx.update on the rows, its whole-tensor sums completed
-        self.accumulate_steps = accumulate
+        self.accumulate_steps = options.accumulate_steps
         spec = P(axes)
+        batch_spec = P(replicate + axes) if options.batch_spec is None else options.batch_spec
         self.state_specs = _state_specs(tx, layout, axes)
         body = _local_step(
             loss_fn,
             update,
             layout,
             axes,
-            reshard=reshard,
-            accumulate=accumulate,
-            precision=precision,
+            reshard_after_forward=options.reshard_after_forward,
+            accumulate_steps=options.accumulate_steps,
+            mp_policy=options.mp_policy,
             replicate=replicate,
         )
         mapped = jax.shard_map(
@@ -212,8 +231,11 @@ class Zero3Step:
             trainable, opt_state, loss = mapped(trainable, frozen, opt_state, batch)
             return _join(trainable, frozen, layout), opt_state, loss
 
+        compiler_options = options.compiler_options
         self._step = jax.jit(
-            step, donate_argnums=(0, 1) if donate else (), compiler_options=compiler_options
+            step,
+            donate_argnums=(0, 1) if options.donate else (),
+            compiler_options=None if compiler_options is None else dict(compiler_options),
         )
         init = jax.shard_map(
             lambda t: update.init(t, axes), mesh=mesh, in_specs=(spec,), out_specs=self.state_specs
@@ -250,10 +272,14 @@ class Zero3Step:
         return self._step.lower(params, opt_state, batch)
 
 
-def _refuse_syncing(tx: optax.GradientTransformation) -> None:
+def _refuse_syncing(tx: optax.GradientTransformation, layout: ParamLayout) -> None:
     """The gather's backward already reduce-scatters the gradients: a ``tx`` that syncs them
-    again (``synced``, ``shard_optimizer``) would reduce twice."""
-    probe = jax.eval_shape(tx.init, {})
+    again (``synced``, ``shard_optimizer``) would reduce twice. Its state, initialised on the
+    parameters' shapes, shows whether it holds a sync."""
+    like = jax.tree_util.tree_unflatten(
+        layout.treedef, [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in layout.leaves]
+    )
+    probe = jax.eval_shape(tx.init, like)
     is_sync = lambda x: isinstance(x, (SyncedState, ZeroState))  # noqa: E731
     if isinstance(tx, ShardedOptimizer) or any(
         is_sync(x) for x in jax.tree.leaves(probe, is_leaf=is_sync)
@@ -264,23 +290,53 @@ def _refuse_syncing(tx: optax.GradientTransformation) -> None:
         )
 
 
+def _policy(
+    mp_policy: MixedPrecisionPolicy | None, param_dtype: Any, reduce_dtype: Any
+) -> MixedPrecisionPolicy:
+    """``mp_policy``, or the one its deprecated spellings ``param_dtype=``/``reduce_dtype=``
+    give (warned once)."""
+    if param_dtype is None and reduce_dtype is None:
+        return MixedPrecisionPolicy() if mp_policy is None else mp_policy
+    if mp_policy is not None:
+        raise TypeError(
+            "zero3_step() got mp_policy= and its deprecated spellings param_dtype=/"
+            "reduce_dtype=; put the dtypes in the MixedPrecisionPolicy"
+        )
+    warn_deprecated(
+        "zero3_step(param_dtype=, reduce_dtype=)",
+        "zero3_step(mp_policy=MixedPrecisionPolicy(param_dtype=, reduce_dtype=))",
+    )
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+
+
+@renamed_keywords(replicate_axis="replicate_axis_name")
+@deprecated_keywords(
+    param_dtype="mp_policy=MixedPrecisionPolicy(param_dtype=)",
+    reduce_dtype="mp_policy=MixedPrecisionPolicy(reduce_dtype=)",
+)
+@takes_options(Zero3Options)
 def zero3_step(
     loss_fn: Callable[[Any, Any], jax.Array],
     tx: optax.GradientTransformation,
     mesh: Mesh,
     layout: ParamLayout,
     *,
+    options: Zero3Options | None = None,
     axis_name: AxisName = "dp",
     reshard_after_forward: bool = True,
     batch_spec: Any = None,
     donate: bool = False,
     accumulate_steps: int = 1,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    replicate_axis_name: AxisName | None = None,
+    compiler_options: Mapping[str, Any] | None = None,
     param_dtype: Any = None,
     reduce_dtype: Any = None,
-    replicate_axis: AxisName | None = None,
-    compiler_options: Mapping[str, Any] | None = None,
 ) -> Zero3Step:
     """A jitted ZeRO-3 training step over ``axis_name`` executing ``layout``'s plan.
+
+    The options come as the keywords below or as one ``Zero3Options`` record (``options=``,
+    the same names), not both.
 
     Args:
         loss_fn: ``loss_fn(params, batch) -> scalar``, the mean loss of a (local) batch, with
@@ -291,7 +347,12 @@ def zero3_step(
             chunks, each whole-tensor reduction completed across the devices.
         mesh: the mesh; ``shard_params(params, mesh, layout)`` placed the parameters on it.
         layout: from ``param_layout``.
+        options: the options below as one ``Zero3Options`` (then give none of them).
         axis_name: the data-parallel axis (or tuple of axes); gradients are averaged over it.
+            On the mesh of a hybrid-sharding topology (``mesh_from_topology`` of a
+            ``Topology`` with ``dp_shard``) ``"dp"`` is its ``"dp_shard"`` axis, with
+            ``"dp_replicate"`` the replicate axis, for a layout planned with that
+            ``dp_shard``.
         reshard_after_forward: drop each gathered parameter after the equation that computes
             with it and gather it again for that equation's backward (FSDP2's default);
             ``False`` keeps each unit from its first use to the backward (less
@@ -301,19 +362,23 @@ def zero3_step(
         accumulate_steps: split each device's batch into this many micro-batches; each
             micro-step reduce-scatters its gradients (the accumulator is 1/N, as FSDP2's
             default) and the step equals one step on the whole batch.
-        param_dtype: mixed precision (FSDP2's ``MixedPrecisionPolicy``): the dtype the
-            chunks are cast to before the all-gather, so the model computes in it
-            (``jnp.bfloat16``); the stored chunks and the optimizer stay in their own dtype
-            (fp32 master parameters). Default: no cast.
-        reduce_dtype: the dtype gradients are reduce-scattered in (``jnp.float32``); default
-            ``param_dtype``, as FSDP2's. The reduced gradient is cast to the stored dtype.
-        replicate_axis: hybrid sharding (HSDP) on a 2-D mesh: parameters are cut over
-            ``axis_name`` and replicated over this axis (a layout made with
-            ``param_layout(..., world_size=R * S, replicate_size=R)``); gradients are
-            reduce-scattered over ``axis_name``, then all-reduced over this axis. The batch
-            is split over both (default ``P((replicate_axis, axis_name))``).
+        mp_policy: mixed precision, FSDP2's ``MixedPrecisionPolicy``
+            (``gradsync_jax.MixedPrecisionPolicy(param_dtype=jnp.bfloat16,
+            reduce_dtype=jnp.float32)``): the chunks are cast to ``param_dtype`` before the
+            all-gather, so the model computes in it, and the gradients reduce-scattered in
+            ``reduce_dtype`` (default ``param_dtype``) and cast back; the stored chunks and
+            the optimizer stay in their own dtype (fp32 master parameters). Default: no cast.
+        replicate_axis_name: hybrid sharding (HSDP) on a 2-D mesh: parameters are cut over
+            ``axis_name`` and replicated over this mesh axis (a layout made with
+            ``param_layout(..., world_size=R * S, dp_shard=S)``); gradients are
+            reduce-scattered over ``axis_name``, then all-reduced over this axis, the mean
+            FSDP2's over both. The batch is split over both (default
+            ``P((replicate_axis_name, axis_name))``). Implied by ``"dp"`` on a
+            hybrid-sharding topology's mesh. (Was ``replicate_axis=``, deprecated.)
         compiler_options: XLA options for compiling the step (``jax.jit``'s), e.g.
             ``{"xla_allow_excess_precision": False}``.
+        param_dtype: deprecated: ``mp_policy=MixedPrecisionPolicy(param_dtype=...)``.
+        reduce_dtype: deprecated: ``mp_policy=MixedPrecisionPolicy(reduce_dtype=...)``.
 
     Returns:
         A ``Zero3Step``: ``opt_state = step.init(params)``, then
@@ -326,32 +391,28 @@ def zero3_step(
             tensors (Adafactor's factored moments, Muon, Prodigy): one sentence that points
             to ``data_parallel_step`` with ``shard_optimizer(tx, mesh)``; a ``tx`` that syncs
             (``synced``, ``shard_optimizer``): the step reduce-scatters the gradients itself.
+        TypeError: ``options`` together with any of its fields, or ``mp_policy`` (or
+            ``options``) together with the deprecated ``param_dtype``/``reduce_dtype``.
 
     Example:
         >>> step = zero3_step(loss_fn, optax.adamw(1e-3), mesh, layout)
         >>> opt_state = step.init(params)
         >>> params, opt_state, loss = step(params, opt_state, batch)
     """
-    axes = check_mesh(layout, mesh, axis_name)
-    replicate = _check_replicate(layout, mesh, replicate_axis)
-    if not isinstance(accumulate_steps, int) or accumulate_steps < 1:
-        raise ValueError(f"accumulate_steps must be a positive int, got {accumulate_steps!r}")
-    _refuse_syncing(tx)
-    tx = optax.with_extra_args_support(tx)
-    update = RowsUpdate(tx, layout)  # refuses what it cannot run exactly on rows
-    spec = P(replicate + axes) if batch_spec is None else batch_spec
-    return Zero3Step(
-        loss_fn,
-        tx,
-        update,
-        mesh,
-        layout,
-        axes,
-        reshard=reshard_after_forward,
-        batch_spec=spec,
-        donate=donate,
-        accumulate=accumulate_steps,
-        precision=Precision(param_dtype, reduce_dtype),
-        replicate=replicate,
-        compiler_options=compiler_options,
-    )
+    if options is None:
+        options = Zero3Options(
+            axis_name=axis_name,
+            reshard_after_forward=reshard_after_forward,
+            batch_spec=batch_spec,
+            donate=donate,
+            accumulate_steps=accumulate_steps,
+            mp_policy=_policy(mp_policy, param_dtype, reduce_dtype),
+            replicate_axis_name=replicate_axis_name,
+            compiler_options=compiler_options,
+        )
+    elif param_dtype is not None or reduce_dtype is not None:
+        raise TypeError(
+            "zero3_step() got options= and the deprecated param_dtype=/reduce_dtype=; put "
+            "the dtypes in options.mp_policy"
+        )
+    return Zero3Step(loss_fn, tx, mesh, layout, options)

@@ -18,7 +18,7 @@ with the reductions completed.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -257,7 +257,7 @@ class _Run:
 
     def flush(self) -> None:
         """All-reduce every pending total: one collective per reduction and dtype."""
-        groups: dict[Hashable, list[_Total]] = {}
+        groups: dict[tuple[str, str], list[_Total]] = {}
         for total in self.pending:
             groups.setdefault((total.name, str(total.local.dtype)), []).append(total)
         self.pending = []

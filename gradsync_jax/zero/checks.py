@@ -1,5 +1,8 @@
-"""What ``shard_optimizer``'s update verifies before it traces anything: where it runs, the
-gradients it gets (LOCAL, floating) and the state (this transformation's, one row per device)."""
+"""What ``shard_optimizer``'s update verifies before it traces anything.
+
+Where it runs, the gradients it gets (LOCAL, floating) and the state (this transformation's,
+one row per device).
+"""
 
 from __future__ import annotations
 

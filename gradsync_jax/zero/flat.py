@@ -82,7 +82,8 @@ class FlatSource(NamedTuple):
     """Where one leaf of the flat inner state comes from."""
 
     kind: str  # "global" (count, hyper-parameters) or "element" (mu, nu: one bucket's chunk)
-    index: int  # "global": index into space.leaves; "element": the state prefix's id
+    index: int  # type: ignore[assignment]  # "global": index into space.leaves; "element":
+    # the state prefix's id (the field shadows tuple.index, as a NamedTuple field may)
     bucket: int  # "element": the bucket; -1 for "global"
 
 

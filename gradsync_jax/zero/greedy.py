@@ -131,9 +131,10 @@ class GreedyLayout(OwnedRows):
         a chunk's reduce-scatter while backward still runs. Its gradients are materialized
         first (``layout.materialize``), so the concatenate only copies them.
         """
-        pieces = []  # per row: (leaf, start, stop) in the leaf's elements
+        # per row: (leaf, start, stop) in the leaf's elements
+        pieces: list[list[tuple[Any, int, int]]] = []
         for d in range(self.n):
-            row = []
+            row: list[tuple[Any, int, int]] = []
             for i in self.grads.members[d][b]:
                 offset = self.grads.slots[i][1]
                 a, z = max(lo, offset), min(hi, offset + self.grads.numel[i])

@@ -47,7 +47,7 @@ class ZeroState(NamedTuple):
     """
 
     inner: Any
-    shards: dict[str, jax.Array]
+    shards: dict[str, Any]  # device arrays; host arrays or specs where a layout builds them
 
 
 class UpdateInputs(NamedTuple):

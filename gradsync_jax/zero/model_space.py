@@ -128,7 +128,7 @@ def _owners(
     """Each state leaf as ``(parts, leaf, parameter index or None, prefix parts, suffix
     parts)``; the suffix is what follows the parameter's path (SM3 keeps one accumulator per
     dimension of a tensor: ``mu/<param>/0``, ``mu/<param>/1``)."""
-    raw = []
+    raw: list[tuple[tuple[str, ...], Any, int | None, tuple[str, ...], tuple[str, ...]]] = []
     for path, leaf in flat:
         parts = path_parts(path)
         joined = "/".join(parts)
@@ -161,6 +161,7 @@ def _param_in(parts: tuple[str, ...], by_parts: dict[tuple[str, ...], int]) -> A
 def model_space(inner: optax.GradientTransformation, params: Any) -> ModelSpace:
     """Analyse ``inner``'s state for ``params`` (any arrays or ``ShapeDtypeStruct``)."""
     params = abstract(params)
+    param_treedef: Any  # jaxlib's PyTreeDef (no type information installed)
     leaves_with_paths, param_treedef = jax.tree_util.tree_flatten_with_path(params)
     specs = tuple(param_specs(params))
     by_parts = {path_parts(path): i for i, (path, _) in enumerate(leaves_with_paths)}

@@ -13,7 +13,7 @@ layouts, chosen per dtype:
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -42,7 +42,8 @@ class Rows:
     def names(self) -> list[str]:
         """Buffer names for ``ZeroState.shards``: ``"float32"`` or ``"float32/2"``."""
         dtypes = [dtype for dtype, _ in self.buffers]
-        out, seen = [], {}
+        out: list[str] = []
+        seen: dict[str, int] = {}
         for dtype in dtypes:
             seen[dtype] = seen.get(dtype, -1) + 1
             out.append(dtype if dtypes.count(dtype) == 1 else f"{dtype}/{seen[dtype]}")
@@ -53,7 +54,7 @@ class Rows:
         """Bytes of one row of every buffer: what each device holds."""
         return sum(length * np.dtype(dtype).itemsize for dtype, length in self.buffers)
 
-    def pack(self, d: int, values: dict[Hashable, jax.Array]) -> list[jax.Array]:
+    def pack(self, d: int, values: Mapping[Any, jax.Array]) -> list[jax.Array]:
         """Device ``d``'s rows (1-D, one per buffer) from its tensors ``values`` by key."""
         out = []
         for b, (dtype, length) in enumerate(self.buffers):
@@ -129,7 +130,7 @@ class StateSource(NamedTuple):
     """Where one leaf of a device's inner state is stored."""
 
     kind: str  # "global" (count, hyper-parameters: replicated) or "param" (a state row)
-    index: int  # index into space.leaves
+    index: int  # type: ignore[assignment]  # into space.leaves (shadows tuple.index)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -161,7 +162,12 @@ def map_device_state(
             continue
         index = space.param_by_path.get(joined)
         known = None if index is None else space.leaves[index]
-        if known is None or owner[known.param] != d or known.shape != tuple(leaf.shape):
+        if (
+            index is None
+            or known is None
+            or owner[known.param] != d
+            or known.shape != tuple(leaf.shape)
+        ):
             raise ValueError(
                 f"inner optimizer state leaf {joined!r} of device {d}'s share does not match "
                 "the unsharded state; the inner transformation's state must be laid out per "

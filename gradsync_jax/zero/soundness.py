@@ -92,7 +92,7 @@ class Soundness:
             roles += [Role(i, "param") for i in present]
         roles += [Role(None, ("extra", k)) for k in jax.tree.leaves(_keys(self.arrays))]
         roles.append(Role(None, "norm"))
-        state_def = jax.tree.structure(state)
+        state_def: Any = jax.tree.structure(state)  # jaxlib's PyTreeDef (no type information)
 
         def update(g: list[Any], s: Any, p: list[Any] | None, extra: Any, norm: Any) -> Any:
             full = [None] * len(grads)
@@ -161,7 +161,7 @@ class Soundness:
 
     def greedy_problem(self, layout: GreedyLayout) -> str | None:
         """Why running ``inner`` on each device's owned subtree is not exact, or None."""
-        key = ("greedy", tuple(tuple(owned) for owned in layout.owned))
+        key: tuple[Any, ...] = ("greedy", tuple(tuple(owned) for owned in layout.owned))
         key += tuple(device.sources for device in layout.devices)
         if key not in self._problems:
             self._problems[key] = self._greedy_problem(layout)

@@ -109,7 +109,10 @@ class _LayoutCache:
         s = self.settings
         space = model_space(s.inner, params)
         # Torch's registration order, when given: the owners (and flat's buckets) follow it.
-        ordered = {"order": s.order, "modules": None if s.modules is None else dict(s.modules)}
+        ordered: dict[str, Any] = {
+            "order": s.order,
+            "modules": None if s.modules is None else dict(s.modules),
+        }
         if s.partition == "gathered":
             return build_gathered(space, s.world_size, **ordered)
         soundness, probe = _analyse(s, space, params)

@@ -1,5 +1,7 @@
-"""How a flat layout's buckets travel: which share one collective, and the packed
-reduce-scatter and all-gather that carry them (docs/jax-zero.md, "Against the JAX-native way").
+"""How a flat layout's buckets travel: the small ones share one collective.
+
+Which buckets share one collective, and the packed reduce-scatter and all-gather that carry
+them (docs/jax-zero.md, "Against the JAX-native way").
 
 What a device stores is the layout's business (``flat.FlatLayout``: range ``i`` of every
 bucket on device ``i``); this module only decides how many collectives carry the buckets.

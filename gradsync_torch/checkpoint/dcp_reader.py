@@ -142,7 +142,8 @@ def read_dcp_metadata(path: str | os.PathLike[str]) -> Metadata:
                 "and optimizer with dcp.save(get_state_dict(model, optimizer))"
             )
     storage = metadata.storage_data if isinstance(metadata.storage_data, dict) else {}
-    for name in sorted({getattr(info, "relative_path", None) for info in storage.values()}):
+    names = {getattr(info, "relative_path", None) for info in storage.values()}
+    for name in sorted(names):  # type: ignore[type-var]  # str, or refused just below
         if not isinstance(name, str) or os.path.basename(name) != name or name in ("", ".", ".."):
             raise ValueError(
                 f"DCP checkpoint {directory!r} names the data file {name!r}, which is not a "

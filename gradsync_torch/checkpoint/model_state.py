@@ -30,6 +30,7 @@ from gradsync_core.checkpoint import (
     resolve_checkpoint,
     weight_owners,
 )
+from gradsync_core.deprecation import renamed_keywords
 from gradsync_torch._specs import dtype_name, unwrapped
 from gradsync_torch.checkpoint.state_values import ValuePolicy, check_finite_weights
 from gradsync_torch.param_sharding._rows import local_rows
@@ -77,11 +78,15 @@ def read_weights(path: str | os.PathLike[str], manifest: Manifest) -> dict[str, 
 
 
 def check_weights(
-    weights: Mapping[str, torch.Tensor], module: nn.Module, *, cast: bool = False
+    weights: Mapping[str, torch.Tensor],
+    module: nn.Module,
+    *,
+    allow_dtype_conversion: bool = False,
 ) -> None:
     """Refuse weights that ``module.load_state_dict(strict=True)`` would refuse; with
-    ``cast``, a floating weight stored in another floating dtype is accepted (and converted
-    by ``copy_weights``), as ``load_state_dict`` converts ``bfloat16`` to ``float32``.
+    ``allow_dtype_conversion``, a floating weight stored in another floating dtype is
+    accepted (and converted by ``copy_weights``), as ``load_state_dict`` converts
+    ``bfloat16`` to ``float32``.
 
     Raises:
         ValueError: naming the first missing, unexpected or mismatched parameter.
@@ -105,11 +110,12 @@ def check_weights(
                 f"weight {name!r} is {dtype_name(saved.dtype)} in the checkpoint but "
                 f"{dtype_name(param.dtype)} here: a dtype mismatch that no cast makes exact"
             )
-        if not cast:
+        if not allow_dtype_conversion:
             raise ValueError(
                 f"weight {name!r} is {dtype_name(saved.dtype)} in the checkpoint but "
                 f"{dtype_name(param.dtype)} here (same shape {tuple(param.shape)}): only the "
-                "dtype differs; pass cast=True to convert it, or cast the model first"
+                "dtype differs; pass allow_dtype_conversion=True to convert it, or cast the "
+                "model first"
             )
 
 
@@ -127,11 +133,12 @@ def copy_weights(module: nn.Module | None, weights: Mapping[str, torch.Tensor] |
                 param.copy_(weights[name])
 
 
+@renamed_keywords(cast="allow_dtype_conversion")
 def load_model_weights(
     path: str | os.PathLike[str],
     module: nn.Module,
     *,
-    cast: bool = False,
+    allow_dtype_conversion: bool = False,
     allow_nonfinite: bool = False,
 ) -> Manifest:
     """Load the model weights of a gradsync checkpoint into ``module`` (no process group).
@@ -143,8 +150,9 @@ def load_model_weights(
         path: a checkpoint directory saved with model weights.
         module: the model; names, shapes and dtypes must match (``load_state_dict`` strict).
             A data-parallel wrapper (DDP, ``DataParallel``) loads into its ``module``.
-        cast: convert weights stored in another floating dtype (a ``bfloat16`` checkpoint
-            into ``float32`` parameters, or back) instead of refusing them.
+        allow_dtype_conversion: convert weights stored in another floating dtype (a
+            ``bfloat16`` checkpoint into ``float32`` parameters, or back) instead of refusing
+            them.
         allow_nonfinite: take weights holding NaN or inf as they are (say, to look at a
             diverged run); by default they are refused, as ``ZeroRedundancyOptimizer.load``
             refuses them.
@@ -158,14 +166,15 @@ def load_model_weights(
 
     Example:
         >>> load_model_weights("ckpt", net)  # doctest: +SKIP
-        >>> load_model_weights("bf16_ckpt", net.float(), cast=True)  # doctest: +SKIP
+        >>> bf16 = "bf16_ckpt"  # doctest: +SKIP
+        >>> load_model_weights(bf16, net.float(), allow_dtype_conversion=True)  # doctest: +SKIP
     """
     module = unwrapped(module)  # a wrapper's weights are its model's: never "module." names
     path = resolve_checkpoint(path)  # one version, even while a save switches it
     with reading_version(path):  # a later save that removes it: a sentence, load again
         manifest = read_manifest(path)  # hashes every file
         weights = read_weights(path, manifest)
-    check_weights(weights, module, cast=cast)
+    check_weights(weights, module, allow_dtype_conversion=allow_dtype_conversion)
     check_finite_weights(weights, ValuePolicy(allow_nonfinite=allow_nonfinite))
     copy_weights(module, weights)
     return manifest

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from gradsync_core.checkpoint import data_extra, plan_dim0_shards, restore_data
+from gradsync_core.deprecation import deprecated_alias
 from gradsync_torch._optim_state import (
     OwnsShardedState,
     RankGroup,
@@ -119,7 +120,7 @@ def _gather_weights(
     gathered parameter beyond what it writes."""
     weights = {}
     for name, param in named:
-        whole = param.detach().full_tensor()
+        whole = cast(DTensor, param.detach()).full_tensor()
         if owners[name] == rank:
             weights[name] = whole.cpu().contiguous()
     return weights
@@ -132,7 +133,7 @@ def _step(optimizer: torch.optim.Optimizer) -> int:
     return max(steps, default=0)
 
 
-def save_fully_sharded(
+def save_param_shards(
     path: str | os.PathLike[str],
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -144,7 +145,7 @@ def save_fully_sharded(
 
     Every rank writes the optimizer state of the rows it holds, keyed by torch names in model
     space; the weights are gathered one parameter at a time and stored whole. The checkpoint
-    loads at any world size into ``load_fully_sharded``, ``ZeroRedundancyOptimizer.load``,
+    loads at any world size into ``load_param_shards``, ``ZeroRedundancyOptimizer.load``,
     ``load_optimizer_state_dict`` (a plain optimizer) and ``gradsync_jax``'s loaders.
 
     Args:
@@ -158,7 +159,7 @@ def save_fully_sharded(
             failure (``CheckpointError``, naming the rank); ``path`` keeps its data.
 
     Example:
-        >>> save_fully_sharded("ckpt/step100", model, optimizer)  # doctest: +SKIP
+        >>> save_param_shards("ckpt/step100", model, optimizer)  # doctest: +SKIP
     """
     sharded = _Sharded(model, optimizer)
     what = f"cannot save checkpoint {os.fspath(path)} (HSDP: written by replica 0)"
@@ -193,7 +194,7 @@ def _save(path: Any, sharded: _Sharded, optimizer: torch.optim.Optimizer, data: 
     checkpoint.save(path, snapshot._replace(weights=weights), ranks)
 
 
-def load_fully_sharded(
+def load_param_shards(
     path: str | os.PathLike[str],
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -221,7 +222,7 @@ def load_fully_sharded(
             (``CheckpointError`` on every rank).
 
     Example:
-        >>> load_fully_sharded("ckpt/step100", model, optimizer)  # doctest: +SKIP
+        >>> load_param_shards("ckpt/step100", model, optimizer)  # doctest: +SKIP
     """
     sharded = _Sharded(model, optimizer)
     target = checkpoint.LoadTarget(
@@ -248,3 +249,8 @@ def load_fully_sharded(
 
     copy_weights(sharded.model, loaded.model)
     optimizer.load_state_dict(loaded_state_dict(loaded, rows))
+
+
+# The names before the executors shared one pair (gradsync_jax's): deprecated, warn once.
+save_fully_sharded = deprecated_alias(save_param_shards, "save_fully_sharded")
+load_fully_sharded = deprecated_alias(load_param_shards, "load_fully_sharded")

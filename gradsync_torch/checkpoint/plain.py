@@ -65,7 +65,7 @@ def load_optimizer_state_dict(
     if any(isinstance(p, DTensor) for p in params):
         raise ValueError(
             "load_optimizer_state_dict is for unsharded parameters and this optimizer's are "
-            "DTensors (a fully_shard-ed model); call load_fully_sharded(path, model, optimizer) "
+            "DTensors (a fully_shard-ed model); call load_param_shards(path, model, optimizer) "
             "on every rank instead"
         )
     names = parameter_names(groups, model)

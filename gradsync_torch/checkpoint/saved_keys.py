@@ -13,7 +13,7 @@ against what the optimizer keeps before anything is loaded, on every rank:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -32,7 +32,8 @@ def probe_state_keys(
     probe = torch.zeros(1, requires_grad=True)
     probe.grad = torch.ones(1)
     try:
-        optimizer = optimizer_class([{"params": [probe], **hyper}])
+        make: Callable[..., torch.optim.Optimizer] = optimizer_class  # a subclass's signature
+        optimizer = make([{"params": [probe], **hyper}])
         optimizer.step()
     except Exception:  # the check is then left to the optimizer's own step
         return None

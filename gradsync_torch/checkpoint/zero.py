@@ -31,13 +31,14 @@ from gradsync_core import (
     HyperparameterWarning,
     Manifest,
     ParamSpec,
-    Shard,
     ShardPlan,
     read_manifest,
 )
 from gradsync_core.checkpoint import (
     MANIFEST,
     SaveSteps,
+    Window,
+    WindowRead,
     canonical_optimizer,
     check_compatible,
     error_message,
@@ -48,6 +49,7 @@ from gradsync_core.checkpoint import (
     reading_version,
     resolve_checkpoint,
     run_save,
+    state_reads,
     tensor_key,
     verify_file_hashes,
     write_rank_file,
@@ -258,35 +260,21 @@ def _check_manifest(path: str, target: LoadTarget) -> Manifest:
     return manifest
 
 
-class _Read(NamedTuple):
-    """Elements ``[start, stop)`` of a saved shard's parameter that this rank reads."""
-
-    shard: Shard
-    start: int
-    stop: int
-
-
-def _reads(manifest: Manifest, target: LoadTarget) -> list[_Read]:
-    """What this rank reads: the saved shards with state of the parameters its layout steps,
-    whole, or (``target.windows``) their overlap with its window; a parameter whose window is
-    empty reads an empty piece of its first shard, which carries its keys and dtypes."""
-    index_of = {name: i for i, name in enumerate(target.names)}
-    reads, empty = [], set()
-    for s in manifest.plan.shards:
-        index = index_of.get(s.name)
-        if index not in target.needed or s.name not in manifest.state_keys:
+def _reads(manifest: Manifest, target: LoadTarget) -> list[WindowRead]:
+    """What this rank reads (``gradsync_core.checkpoint.state_reads``): of each parameter with
+    state that its layout steps, its window (``target.windows``, ZeRO-3's rows) or the whole
+    parameter; an empty window reads an empty piece of its first shard, which carries its keys
+    and dtypes."""
+    windows, keys = [], {}
+    for index in sorted(target.needed):
+        name = target.names[index]
+        if name not in manifest.state_keys:
             continue
-        if target.windows is None:
-            reads.append(_Read(s, s.start, s.stop))
-            continue
-        first, last = target.windows[index]
-        start, stop = max(s.start, first), min(s.stop, last)
-        if start < stop:
-            reads.append(_Read(s, start, stop))
-        elif first == last and index not in empty:
-            empty.add(index)
-            reads.append(_Read(s, first, first))
-    return reads
+        whole = (0, math.prod(target.shapes[index]))
+        first, last = whole if target.windows is None else target.windows[index]
+        windows.append(Window(name=name, start=first, stop=last))
+        keys[name] = manifest.state_keys[name]
+    return list(state_reads(manifest.plan, windows, keys))
 
 
 def _kept_shapes(target: LoadTarget) -> list[tuple[int, ...]]:
@@ -302,7 +290,7 @@ def _kept_shapes(target: LoadTarget) -> list[tuple[int, ...]]:
     return out
 
 
-def _window_part(view: Any, read: _Read, whole: bool, shape: tuple[int, ...]) -> torch.Tensor:
+def _window_part(view: Any, read: WindowRead, whole: bool, shape: tuple[int, ...]) -> torch.Tensor:
     """Elements ``[read.start, read.stop)`` of a stored tensor, read from the file as a slice
     (never the whole tensor): rows of a whole one (windows are row-aligned), a range of a
     flat one."""
@@ -311,27 +299,24 @@ def _window_part(view: Any, read: _Read, whole: bool, shape: tuple[int, ...]) ->
     if whole:
         row = math.prod(shape[1:]) or 1
         return view[read.start // row : read.stop // row].reshape(-1)
-    offset = read.shard.start
-    return view[read.start - offset : read.stop - offset]
+    return view[read.start : read.stop]
 
 
 def _read_pieces(
-    path: str, manifest: Manifest, reads: Sequence[_Read], target: LoadTarget
+    path: str, manifest: Manifest, reads: Sequence[WindowRead], target: LoadTarget
 ) -> list[StatePiece]:
     """The state of ``reads`` from their rank files, as pieces in the current indices (with
     windows: flat pieces at offsets inside the window)."""
     index_of = {name: i for i, name in enumerate(target.names)}
     scalars = manifest.extra.get("scalars", {})
     whole = manifest.plan.kind == "greedy"
-    files = sorted({rank_file(r.shard.rank, manifest.world_size) for r in reads})
-    handles = {f: safe_open(os.path.join(path, f), framework="pt") for f in files}
+    handles = {f: safe_open(os.path.join(path, f), framework="pt") for f in {r.file for r in reads}}
     pieces = []
     for read in reads:
-        shard, index = read.shard, index_of[read.shard.name]
-        handle = handles[rank_file(shard.rank, manifest.world_size)]
+        name = read.window.name
+        index, handle = index_of[name], handles[read.file]
         state: dict[str, Any] = {}
-        for key in manifest.state_keys[shard.name]:
-            full_key = tensor_key(shard.name, key)
+        for key, full_key in zip(manifest.state_keys[name], read.keys, strict=True):
             if full_key in scalars:
                 state[key] = scalars[full_key]
             elif target.windows is not None:
@@ -343,11 +328,13 @@ def _read_pieces(
                 # deletes it): copy it out. Flat slices are copied when joined.
                 tensor = handle.get_tensor(full_key)
                 state[key] = tensor.clone() if whole else tensor
-        if target.windows is None:
-            pieces.append(StatePiece(index, shard.start, shard.stop, whole, state))
-        else:
-            first = target.windows[index][0]
-            pieces.append(StatePiece(index, read.start - first, read.stop - first, False, state))
+        # Whole parameters: pieces at the shards' own offsets (greedy: whole tensors); with
+        # windows (ZeRO-3's rows): flat pieces at offsets inside the window.
+        pieces.append(
+            StatePiece(
+                index, read.at, read.at + read.numel, whole and target.windows is None, state
+            )
+        )
     return pieces
 
 
@@ -364,7 +351,7 @@ def _read_version(path: str, target: LoadTarget, ranks: RankGroup, shown: str) -
     reads = _reads(manifest, target)
     # Every file is hashed by some rank (and every file a rank reads, by that rank), so a
     # corrupt file fails the load everywhere even when nobody needs its tensors.
-    to_read = {rank_file(r.shard.rank, manifest.world_size) for r in reads}
+    to_read = {r.file for r in reads}
     with_weights = target.model is not None and bool(manifest.extra.get("model"))
     if with_weights:
         to_read |= weight_files(manifest)
@@ -376,7 +363,7 @@ def _read_version(path: str, target: LoadTarget, ranks: RankGroup, shown: str) -
     full = assemble(pieces, shapes)
     check_state_values(full, target.specs, target.policy, shapes)
     weights = None
-    if with_weights:
+    if with_weights and target.model is not None:  # with_weights implies a model
         weights = read_weights(path, manifest)
         check_weights(weights, target.model)
         check_finite_weights(weights, target.policy)
@@ -387,8 +374,8 @@ def _read_version(path: str, target: LoadTarget, ranks: RankGroup, shown: str) -
     groups = []
     saved_groups = manifest.extra.get("param_groups", [])
     for saved, current in zip(saved_groups, target.param_groups, strict=True):
-        hyper = {k: from_json(v, current.get(k)) for k, v in saved.items() if k != "params"}
-        groups.append({**hyper, "params": current["params"]})
+        values = {k: from_json(v, current.get(k)) for k, v in saved.items() if k != "params"}
+        groups.append({**values, "params": current["params"]})
     return Loaded(manifest.step, full, groups, weights, dict(manifest.extra))
 
 

@@ -23,14 +23,14 @@ class BackwardSink(torch.autograd.Function):
     """Identity on ``outputs`` whose backward calls ``notify()`` first."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, notify: Callable[[], None], anchor: torch.Tensor, *outputs: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
         ctx.notify = notify
         return tuple(t.clone() for t in outputs)  # an autograd output must be a new tensor
 
     @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
         ctx.notify()
         return (None, None, *grads)
 

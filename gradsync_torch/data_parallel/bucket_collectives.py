@@ -106,7 +106,9 @@ class FullSum:
                 param.grad = view  # from now on autograd accumulates in the bucket
 
     def write_back(self, bucket: BucketBuffers, present: Sequence[bool]) -> list[int]:
-        absent, targets, sources = [], [], []
+        absent: list[int] = []
+        targets: list[torch.Tensor] = []
+        sources: list[torch.Tensor] = []
         preset = self.slots.preset
         for i, (param, view, slot) in enumerate(
             zip(bucket.params, bucket.views, bucket.slot_ids, strict=True)
@@ -116,6 +118,7 @@ class FullSum:
                 continue
             preset[slot] = False
             grad = param.grad
+            assert grad is not None  # present: this rank produced the gradient
             if grad.data_ptr() == view.data_ptr():
                 continue  # a bucket view already: the reduced value is in place
             if self.views:
@@ -132,12 +135,14 @@ class FullSum:
     ) -> None:
         slot, param, view = bucket.slot_ids[i], bucket.params[i], bucket.views[i]
         if self.slots.has_grad(slot, param):
-            if param.grad.data_ptr() == view.data_ptr():
+            grad = param.grad
+            assert grad is not None  # has_grad
+            if grad.data_ptr() == view.data_ptr():
                 pass  # a bucket view already: the reduced value is in place
             elif self.views:
                 param.grad = view
             else:
-                param.grad.copy_(view)
+                grad.copy_(view)
         elif global_used is not None and global_used[slot] > 0:
             # No gradient here but some rank had one: every rank must step the same way.
             param.grad = view if self.views else view.clone()

@@ -13,7 +13,7 @@ runs.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, cast
 
 import torch
 import torch.distributed as dist
@@ -106,7 +106,7 @@ class GradBucket:
 
 
 def _group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup:
-    return process_group if process_group is not None else dist.group.WORLD
+    return process_group if process_group is not None else cast(dist.ProcessGroup, dist.group.WORLD)
 
 
 def allreduce_hook(

@@ -1,5 +1,6 @@
-"""``DataParallel(check_finite=True)``: a non-finite gradient names its rank(s) and parameter(s)
-(issue 21, item 6; docs/torch-data-parallel.md, "Finding a NaN gradient").
+"""``DataParallel(check_finite=True)``: a non-finite gradient names its ranks and parameters.
+
+Issue 21, item 6; docs/torch-data-parallel.md, "Finding a NaN gradient".
 
 DDP averages a NaN from one rank into every rank's gradients and says nothing; the step
 after, every parameter it touched is NaN and nobody knows where it started. This check rides

@@ -1,5 +1,6 @@
-"""``DataParallel``'s arguments: the options every rank must agree on, and the checks that
-run before any collective (docs/design.md §8).
+"""``DataParallel``'s options every rank must agree on, checked before any collective.
+
+See docs/design.md §8.
 
 Every check here is local, so a mistake on one rank cannot leave the others waiting; what
 must also be *equal* across ranks is the frozen ``DataParallelOptions`` record, compared by
@@ -23,10 +24,15 @@ class DataParallelOptions:
     arithmetic, so every rank must pass the same ones (a buffer broadcast on one rank would
     meet a bucket all-reduce on another and hang). ``tests/faults`` walks the fields.
 
-    See ``DataParallel`` for each option's meaning.
+    See ``DataParallel`` for each option's meaning; it takes them as its keywords or as this
+    record (``DataParallel(module, options=DataParallelOptions(...))``), never both.
 
     Raises:
         ValueError: on a value or combination that cannot work, naming the fix.
+
+    Example:
+        >>> options = DataParallelOptions(bucket_cap_mb=50, check_finite=True)
+        >>> model = DataParallel(net, options=options)  # doctest: +SKIP
     """
 
     bucket_cap_mb: float | None = None
@@ -102,7 +108,8 @@ def check_group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup:
             "the environment for it)"
         )
     group = dist.group.WORLD if process_group is None else process_group
-    if group is None or group == dist.GroupMember.NON_GROUP_MEMBER or dist.get_rank(group) < 0:
+    non_member = dist.GroupMember.NON_GROUP_MEMBER  # what new_group returns to non-members
+    if group is None or group == non_member or dist.get_rank(group) < 0:  # type: ignore[comparison-overlap]
         raise ValueError(
             f"rank {dist.get_rank()} is not a member of the process_group passed to "
             "DataParallel; every rank that wraps the model must belong to its data-parallel "

@@ -161,6 +161,13 @@ class BucketReadiness:
         """Learn that a backward reached the model from its outputs too (``tensors``: those
         that require grad), so a backward whose flush parameters are all unused still syncs."""
         if self._grad_nodes is None:  # each parameter's AccumulateGrad node, found once
-            self._grad_nodes = [p.view_as(p).grad_fn.next_functions[0][0] for p in self._params]
+            self._grad_nodes = [_accumulate_grad(p) for p in self._params]
         for t in tensors:
             t.register_hook(self._output_hook)
+
+
+def _accumulate_grad(param: torch.Tensor) -> Any:
+    """The AccumulateGrad node of a parameter that requires grad."""
+    node = param.view_as(param).grad_fn
+    assert node is not None  # a view of a tensor that requires grad has a grad_fn
+    return node.next_functions[0][0]

@@ -1,6 +1,7 @@
-"""``DataParallel``'s construction, in the order it runs: read the module's parameters once,
-resolve the groups, plan the layout, agree across ranks and only then start from rank 0's
-state (docs/design.md §6, §8, §15).
+"""``DataParallel``'s construction steps, in the order they run.
+
+Read the module's parameters once, resolve the groups, plan the layout, agree across ranks
+and only then start from rank 0's state (docs/design.md §6, §8, §15).
 
 Each step is a function of what it needs and returns a value; the wrapper only stores the
 results. No collective runs before ``verify_same_everywhere`` (the agreement on the plan
@@ -248,7 +249,7 @@ def broadcast_state(
     if params.experts and groups is not None and groups.size("edp") > 1:
         experts = [p for name, p in params.named if name in params.experts]
         broadcast_tensors(experts, groups.group("edp").process_group)
-    tensors = [p for _, p in params.dense]
+    tensors: list[torch.Tensor] = [p for _, p in params.dense]
     tensors += [b for _, b in module.named_buffers()]
     broadcast_tensors(tensors, group)
 

@@ -103,7 +103,7 @@ class ShardedGradient(torch.Tensor):
         raise refusal(_name_in(args, kwargs), _op_name(func))
 
     @classmethod
-    def __torch_dispatch__(
+    def __torch_dispatch__(  # type: ignore[override]  # torch's documented classmethod form
         cls,
         func: Any,
         types: Any,

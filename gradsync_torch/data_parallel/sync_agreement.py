@@ -126,7 +126,7 @@ class SyncHistory:
         self._kept: torch.Tensor | None = None  # the probe's gradient as the last sync left it
 
     def _note_cleared(self) -> None:
-        if self._kept is not None and self.probe.grad is not self._kept:
+        if self._kept is not None and self.probe is not None and self.probe.grad is not self._kept:
             self._kept = None
 
     def note_forward(self) -> None:

@@ -84,7 +84,7 @@ class UsedMap:
         if self._joined:
             extra = [0] * NUM_INTS  # adds nothing to either sum of the check
         elif self._record is not None:
-            extra = encode(record)
+            extra = encode(self._record)
         # int64: the agreement ints carry squares up to 2**40 (sync_agreement.py).
         self._counts = torch.tensor([*flags, *extra], dtype=torch.int64)
         if self.world_size > 1:

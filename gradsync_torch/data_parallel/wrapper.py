@@ -25,6 +25,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
 
 import gradsync_core
+from gradsync_core.options import takes_options
 from gradsync_torch._collectives import broadcast_tensors
 from gradsync_torch.data_parallel.backward_sink import watch_backward
 from gradsync_torch.data_parallel.bucket_collectives import AllReduce, BucketCollective, CommHook
@@ -59,9 +60,22 @@ from gradsync_torch.shared_reductions import SharedReducer, check_reduction_plan
 class DataParallel(nn.Module, Joinable):
     """Data-parallel wrapper: ``forward`` passes through, gradients are averaged across ranks.
 
+    The options every rank must agree on come as DDP's keywords (``bucket_cap_mb`` to
+    ``check_finite`` below) or as one ``DataParallelOptions`` record (``options=``, the same
+    names), not both.
+
     Args:
         module: the model; every rank must build the same one (checked at construction).
-        process_group: the data-parallel group (default: the world).
+        process_group: the data-parallel group, a torch ``ProcessGroup`` (default: the
+            world).
+        groups: model parallelism (docs/design.md §6): the topology's ``ProcessGroups``. The
+            data-parallel group (``process_group``) is then ``groups["dp"]``, and after every
+            synced mean the gradients of parameters replicated over a model-parallel axis (a
+            norm under context parallelism) get their sum over that axis, derived from the
+            model (``shared_param_specs``). Construct on every rank of the world.
+        shared_plan: the ``ReductionPlan`` to use instead of the derived one
+            (``plan_shared_reductions(shared_param_specs(model, data_axes=...), topo)``).
+        options: the options below as one ``DataParallelOptions`` (then give none of them).
         bucket_cap_mb: bucket size limit in MiB. ``None`` (the default) is DDP's default:
             25 MiB buckets with a 1 MiB first bucket (the earliest layers, reduced last, so
             the tail after backward stays short). A number applies to every bucket, as in
@@ -86,13 +100,6 @@ class DataParallel(nn.Module, Joinable):
             gradient went NaN or infinite, naming the rank(s) it came from and the
             parameter(s); rides on the all-reduce (docs/torch-data-parallel.md, "Finding a
             NaN gradient"). Not with ``shard_gradients``.
-        groups: model parallelism (docs/design.md §6): the topology's ``ProcessGroups``. The
-            data-parallel group (``process_group``) is then ``groups["dp"]``, and after every
-            synced mean the gradients of parameters replicated over a model-parallel axis (a
-            norm under context parallelism) get their sum over that axis, derived from the
-            model (``shared_param_specs``). Construct on every rank of the world.
-        shared_plan: the ``ReductionPlan`` to use instead of the derived one
-            (``plan_shared_reductions(shared_param_specs(model, data_axes=...), topo)``).
 
     Every rank must reach each sync the same way (forwards, backwards, ``no_sync``, clearing
     gradients), checked at every sync at no extra collective; a rank whose forward used no
@@ -102,6 +109,7 @@ class DataParallel(nn.Module, Joinable):
         RuntimeError: if torch.distributed is not initialized.
         ValueError: on bad arguments, a group this rank is not in, or ranks whose models or
             arguments differ (naming the ranks and the first differing parameter).
+        TypeError: ``options`` together with any of its fields.
 
     Example:
         >>> model = DataParallel(nn.Linear(4, 2))  # doctest: +SKIP
@@ -110,13 +118,19 @@ class DataParallel(nn.Module, Joinable):
         ...     model(torch.randn(8, 4)).sum().backward()
         >>> groups = ProcessGroups(Topology.create(4, tp=2, cp=2))  # doctest: +SKIP
         >>> tp_cp_model = DataParallel(ParallelMLPTransformer(8, 32, 2, groups), groups=groups)
+        >>> options = DataParallelOptions(bucket_cap_mb=50, check_finite=True)
+        >>> model = DataParallel(nn.Linear(4, 2), options=options)  # the same, as a record
     """
 
+    @takes_options(DataParallelOptions)
     def __init__(
         self,
         module: nn.Module,
         *,
         process_group: dist.ProcessGroup | None = None,
+        groups: ProcessGroups | None = None,
+        shared_plan: gradsync_core.ReductionPlan | None = None,
+        options: DataParallelOptions | None = None,
         bucket_cap_mb: float | None = None,
         overlap: bool = True,
         reduce: str = "mean",
@@ -126,23 +140,25 @@ class DataParallel(nn.Module, Joinable):
         param_broadcast_period: int = 0,
         shard_gradients: bool = False,
         check_finite: bool = False,
-        groups: ProcessGroups | None = None,
-        shared_plan: gradsync_core.ReductionPlan | None = None,
     ) -> None:
         super().__init__()
         Joinable.__init__(self)
         check_module(module)
-        self.options = DataParallelOptions(
-            bucket_cap_mb=bucket_cap_mb,
-            overlap=overlap,
-            reduce=reduce,
-            reduce_dtype=reduce_dtype,
-            gradient_as_bucket_view=gradient_as_bucket_view,
-            broadcast_buffers=broadcast_buffers,
-            param_broadcast_period=param_broadcast_period,
-            shard_gradients=shard_gradients,
-            check_finite=check_finite,
-        )
+        if options is None:
+            options = DataParallelOptions(
+                bucket_cap_mb=bucket_cap_mb,
+                overlap=overlap,
+                reduce=reduce,
+                reduce_dtype=reduce_dtype,
+                gradient_as_bucket_view=gradient_as_bucket_view,
+                broadcast_buffers=broadcast_buffers,
+                param_broadcast_period=param_broadcast_period,
+                shard_gradients=shard_gradients,
+                check_finite=check_finite,
+            )
+        elif not isinstance(options, DataParallelOptions):
+            raise TypeError(f"options must be a DataParallelOptions, got {type(options).__name__}")
+        self.options = options
         params = ModuleParams.of(module)  # the one walk over the module's parameters
         choice = resolve_groups(
             module,
@@ -150,10 +166,11 @@ class DataParallel(nn.Module, Joinable):
             process_group=process_group,
             groups=groups,
             shared_plan=shared_plan,
-            shard_gradients=shard_gradients,
+            shard_gradients=options.shard_gradients,
         )
         group = check_group(choice.process_group)
         if choice.shared_plan is not None:
+            assert groups is not None  # resolve_groups plans sums only with groups
             check_reduction_plan(choice.shared_plan, groups)  # collective over the world, once
         self.module = module
         self.process_group = group
@@ -175,6 +192,7 @@ class DataParallel(nn.Module, Joinable):
         broadcast_state(module, params, group, groups)
         shared = None
         if choice.shared_plan is not None:
+            assert groups is not None  # resolve_groups plans sums only with groups
             shared = SharedReducer(choice.shared_plan, groups, dict(params.named))
         self._frozen = layout.frozen
         self._reducer = self._make_reducer(layout, params, shared)

@@ -17,6 +17,7 @@ holds the contributions of every token routed to it from the whole ``ep`` group.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -70,7 +71,7 @@ class ExpertMLPs(nn.Module):
         self.num_experts, self.group = num_experts, group
         self.local_experts = num_experts // ep
         self.first_expert = 0 if group is None else group.group_rank * self.local_experts
-        kw = {"device": device, "dtype": dtype}
+        kw: dict[str, Any] = {"device": device, "dtype": dtype}
         self.w_in = nn.Parameter(torch.empty(self.local_experts, dim, hidden, **kw))
         self.w_out = nn.Parameter(torch.empty(self.local_experts, hidden, dim, **kw))
         self._declare()
@@ -153,7 +154,7 @@ class MoE(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        kw = {"device": device, "dtype": dtype}
+        kw: dict[str, Any] = {"device": device, "dtype": dtype}
         self.group = group if group is not None and group.size > 1 else None
         self.router = nn.Linear(dim, num_experts, bias=False, **kw)
         self.experts = ExpertMLPs(dim, hidden, num_experts, group, **kw)

@@ -70,7 +70,7 @@ class _ShardedLinear(nn.Module):
         self.sizes = split_shapes(full[self.split_dim], group.size)
         shape = list(full)
         shape[self.split_dim] = self.sizes[group.group_rank]
-        kw = {"device": device, "dtype": dtype}
+        kw: dict[str, Any] = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(shape, **kw))
         bias_numel = self.sizes[group.group_rank] if self.split_dim == 0 else out_features
         self.bias = nn.Parameter(torch.empty(bias_numel, **kw)) if bias else None
@@ -140,9 +140,9 @@ class RowParallelLinear(_ShardedLinear):
         group: Group,
         *,
         input_is_parallel: bool = True,
-        **options: Any,
+        **keywords: Any,
     ) -> None:
-        super().__init__(in_features, out_features, group, **options)
+        super().__init__(in_features, out_features, group, **keywords)
         self.input_is_parallel = input_is_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

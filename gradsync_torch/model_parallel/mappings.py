@@ -236,6 +236,7 @@ def gather_from(
     pg, n, rank = _resolve(group)
     if n == 1:
         return x
+    assert pg is not None  # a group of more than one rank has its process group
     dim %= x.dim()
     sizes = _gather_sizes(x, dim, size, n, rank, pg, "gather_from")
     return _GatherFrom.apply(x, pg, dim, sizes, rank)
@@ -262,6 +263,7 @@ def all_gather_from(
     pg, n, rank = _resolve(group)
     if n == 1:
         return x
+    assert pg is not None  # a group of more than one rank has its process group
     dim %= x.dim()
     sizes = _gather_sizes(x, dim, size, n, rank, pg, "all_gather_from")
     return _AllGatherFrom.apply(x, pg, dim, sizes, rank)

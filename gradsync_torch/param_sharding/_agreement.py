@@ -1,5 +1,6 @@
-"""Runtime agreement for parameter sharding: ranks that run differently get a sentence, not a
-hang (docs/torch-zero3.md, "Never a hang").
+"""Runtime agreement for parameter sharding: ranks that diverge get a sentence, not a hang.
+
+See docs/torch-zero3.md, "Never a hang".
 
 Every collective of a sharded step pairs up by position: rank 0's third all-gather meets rank
 1's third all-gather, whatever unit each meant. If one rank gathers its units in another

@@ -303,7 +303,7 @@ def fully_shard(
         specs,
         world_size=world_size * layout.replicate_size,
         units=_unit_prefixes(inner, [s.name for s in specs]),
-        replicate_size=layout.replicate_size,
+        dp_shard=world_size,
     )
     _check_unsharded(planned, plan.units[0].params, where)
     _agree_plan(plan, layout, where)
@@ -336,8 +336,8 @@ def fully_shard(
         modules, "", unit_params, reshard_after_forward=reshard_after_forward, policy=mp_policy
     )
     step = Step([unit])
-    for u in plan.units[1:]:
-        child = inner[u.prefix]
+    for planned_unit in plan.units[1:]:
+        child = inner[planned_unit.prefix]
         if child in step.units:  # a list unit's other module
             continue
         # A list unit is named by all its modules' paths, as FSDP2's _module_fqn.
@@ -351,4 +351,4 @@ def fully_shard(
         m.__class__ = sharded_class(type(m))
         object.__setattr__(m, UNIT, unit)
         object.__setattr__(m, PLAN, plan)
-    return module
+    return module  # type: ignore[return-value]  # a list returns the list, as FSDP2's overload

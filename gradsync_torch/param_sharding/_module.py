@@ -1,5 +1,6 @@
-"""The class ``fully_shard`` gives a sharded module: FSDP2's ``FSDPModule``, answered by gradsync
-(docs/torch-zero3.md, "FSDP2's FSDPModule").
+"""``FSDPModule``: the class ``fully_shard`` gives a sharded module, answered by gradsync.
+
+See docs/torch-zero3.md, "FSDP2's FSDPModule".
 
 FSDP2 swaps a sharded module's class for ``FSDP<Cls>``, a subclass of ``FSDPModule`` and the
 module's own class; torchtitan finds its units with ``isinstance(m, FSDPModule)`` and sets them
@@ -81,7 +82,7 @@ class ShardedModule(FSDPModule):
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         # nn.Module's own (.to(), .float()), not FSDPModule's, which reads FSDP2's state.
-        return super(FSDPModule, self)._apply(*args, **kwargs)
+        return super(FSDPModule, self)._apply(*args, **kwargs)  # type: ignore[misc]
 
     def _units(self, recurse: bool) -> list[ShardUnit]:
         """This module's unit and, with ``recurse``, every unit inside it (each once)."""

@@ -1,5 +1,6 @@
-"""Optimizers on ``fully_shard``'s rows: the elementwise rule ZeRO-2 applies, applied at the
-first step (docs/torch-zero3.md, "Optimizers").
+"""Optimizers on ``fully_shard``'s rows: ZeRO-2's elementwise rule, at the first step.
+
+See docs/torch-zero3.md, "Optimizers".
 
 Each rank steps its own rows of every parameter, so an optimizer gives the unsharded result
 only if it is elementwise (``gradsync_torch._optim_rules``). ``torch.optim.Muon`` is not: it

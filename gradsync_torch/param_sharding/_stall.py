@@ -1,5 +1,6 @@
-"""A collective some rank never reached: one sentence naming the collective, its unit and that
-rank (docs/torch-zero3.md, "Never a hang").
+"""A collective some rank never reached, named in one sentence with its unit and rank.
+
+See docs/torch-zero3.md, "Never a hang".
 
 The runtime agreement (``_agreement.py``) needs every rank at a collective. A rank that left
 the training loop (fewer batches, an early ``break``, a crash) is at none, so the others wait

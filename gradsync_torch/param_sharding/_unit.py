@@ -1,5 +1,6 @@
-"""One unit's parameters: sharded at rest, gathered around its use, gradients reduce-scattered
-(ZeRO-3, arXiv:1910.02054 §5.3). The hooks (``_hooks.py``) decide *when*; this owns *what*.
+"""One unit's parameters: sharded at rest, gathered around use, gradients reduce-scattered.
+
+ZeRO-3, arXiv:1910.02054 §5.3. The hooks (``_hooks.py``) decide *when*; this owns *what*.
 
 The representation is FSDP2's (torch 2.13 ``_fsdp_param.py``), so torch's tools work on it:
 each parameter is an ``nn.Parameter`` holding a ``DTensor`` with ``Shard(0)`` whose local
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 import torch.distributed as dist
@@ -288,7 +289,7 @@ class UnitParameters:
         divide = gradient_divide(
             reduce_dtype,
             self.world_size * self.replicate_size,
-            shard_size=self.world_size,
+            dp_shard=self.world_size,
             factor=self.divide_factor,
             force_sum=self.force_sum,
         )
@@ -372,14 +373,15 @@ class UnitParameters:
         as FSDP2 accumulates across steps); called once the step's collectives agreed."""
         reduced, self._reduced = self._reduced, []
         for p, local in reduced:
-            grad = p.sharded.grad
+            sharded = cast(DTensor, p.sharded)
+            grad = sharded.grad
             if grad is not None:
-                grad._local_tensor += local
+                cast(DTensor, grad)._local_tensor += local
             else:
                 p.sharded.grad = DTensor.from_local(
                     local,
-                    p.sharded.device_mesh,
-                    p.sharded.placements,
+                    sharded.device_mesh,
+                    sharded.placements,
                     run_check=False,
                     shape=p.sharded.shape,
                     stride=p.sharded.stride(),

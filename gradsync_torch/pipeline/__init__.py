@@ -1,10 +1,8 @@
 """Pipeline parallelism: a ``gradsync_core`` pipeline plan run on torch (docs/pipeline.md).
 
-``split_model`` cuts a model's chain of blocks into the plan's stage modules (``stages``);
-``Pipeline`` runs this rank's actions of the plan on them (``runtime``), with the messages
-of ``p2p``, the backwards of ``backward`` and the agreements of ``agreement``;
-``save_pipeline``/``load_pipeline`` write and read its checkpoint in model space
-(``checkpoint``).
+``split_model`` cuts a model's chain of blocks into the plan's stage modules; ``Pipeline``
+runs this rank's actions of the plan on them; ``save_pipeline``/``load_pipeline`` write and
+read its checkpoint in model space.
 """
 
 from gradsync_torch.pipeline.checkpoint import load_pipeline, save_pipeline

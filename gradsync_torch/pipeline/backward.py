@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -81,7 +81,8 @@ class SplitBackward:
         if self.first:
             return tuple(None for _ in self.inputs)
         outputs = list(self.outputs)
-        grads = None if self.grads is None else list(self.grads)
+        # torch's runtime passes None for an output without a gradient; its annotation omits it
+        grads = None if self.grads is None else cast(list[torch.Tensor], list(self.grads))
         dinputs, self.param_groups = stage_backward_input(
             outputs, grads, list(self.inputs), self.module.parameters()
         )

@@ -16,7 +16,7 @@ problem on any rank is raised on every rank before anything changes.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -133,9 +133,8 @@ def _assemble(
     for (_, param), (_, _, _, g) in zip(params, kept, strict=True):
         if g is not None:
             by_group[g].append(param)
-    opt = optimizer_class(
-        [{**hyper, "params": ps} for hyper, ps in zip(groups, by_group, strict=True)]
-    )
+    make: Callable[..., torch.optim.Optimizer] = optimizer_class  # a subclass's signature
+    opt = make([{**hyper, "params": ps} for hyper, ps in zip(groups, by_group, strict=True)])
     for (_, param), (_, _, state, _) in zip(params, kept, strict=True):
         if state:
             opt.state[param] = state
@@ -223,6 +222,7 @@ def load_pipeline(
             else:
                 p.copy_(weight)
     if optimizer is not None:
+        assert state is not None  # read whenever there is an optimizer
         optimizer.load_state_dict(state)
     return manifest
 

@@ -276,6 +276,7 @@ class Messages:
         if not ops:
             return
         kinds = {op.op for op, _ in ops}
+        works: Sequence[dist.Work | None]
         if len(kinds) == 1:  # all sends or all receives: each on its own, as torch does
             works = [
                 dist.isend(op.tensor, group=op.group, group_dst=op.group_peer)

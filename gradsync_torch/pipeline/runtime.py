@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -157,7 +157,7 @@ def _setup_error(
             for a in row
             if a.stage == index and a.kind in (FULL_BACKWARD, BACKWARD_WEIGHT)
         ]
-        if kind == "sharded" and order != sorted(order):
+        if kind == "sharded" and order != sorted(cast(list[int], order)):  # backwards: ints
             return (
                 f"stage {index} is fully_shard-ed and {plan.schedule} runs its backwards out of "
                 "microbatch order, which sharded gradients cannot be reordered to; use a "
@@ -581,7 +581,7 @@ class Pipeline:
         (FSDP2's gradient accumulation), whose end is the plan's REDUCE_GRAD."""
         if stage.kind == "sharded":
             last = stage.backwards == self.plan.microbatches - 1
-            stage.module.set_requires_gradient_sync(last)  # type: ignore[attr-defined]
+            stage.module.set_requires_gradient_sync(last)  # type: ignore[operator]
 
     def _reduce(self, stage: _Stage) -> None:
         """``REDUCE_GRAD``: the stage's gradients are final. Data parallelism reduces them

@@ -77,6 +77,12 @@ class Job:
     owned: list[torch.Tensor] = field(default_factory=list)
 
 
+def staged(buffer: torch.Tensor | None) -> torch.Tensor:
+    """The staging buffer a job with ``staging > 0`` is handed (its one transfer's view)."""
+    assert buffer is not None  # the Broadcaster hands a buffer to every job that stages
+    return buffer
+
+
 @dataclass(eq=False)
 class Broadcaster:
     """Runs sync jobs on a process group, a few in flight, reusing staging buffers."""

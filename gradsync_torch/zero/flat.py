@@ -19,7 +19,7 @@ import torch.distributed as dist
 from gradsync_core import Bucket, ShardPlan
 from gradsync_torch._collectives import ReduceScatterWork, reduce_scatter_into
 from gradsync_torch.data_parallel import ReduceScatter
-from gradsync_torch.zero.broadcast import ALONE_BYTES, Broadcaster, Job, Piece, Transfer
+from gradsync_torch.zero.broadcast import ALONE_BYTES, Broadcaster, Job, Piece, Transfer, staged
 
 
 class FlatLayout:
@@ -125,8 +125,7 @@ class FlatLayout:
         world = self.plan.world_size
         if flat is not None:
             transfers = [
-                Transfer(r, chunk, lambda _, r=r: flat[r * chunk : (r + 1) * chunk])
-                for r in range(world)
+                Transfer(r, chunk, _fixed(flat[r * chunk : (r + 1) * chunk])) for r in range(world)
             ]
             return [Job(transfers, 0, dtype, device)]
         per_rank: list[list[Job]] = [[] for _ in range(world)]
@@ -144,7 +143,7 @@ class FlatLayout:
                 if (b - a) * itemsize < ALONE_BYTES:
                     small.append(piece)
                 else:
-                    jobs.append(Job([Transfer(r, b - a, lambda _, t=piece: t)], 0, dtype, device))
+                    jobs.append(Job([Transfer(r, b - a, _fixed(piece))], 0, dtype, device))
             if small:
                 jobs.append(self._packed_job(r, small, dtype, device))
         turns = itertools.zip_longest(*per_rank)
@@ -164,12 +163,10 @@ class FlatLayout:
             if src != me:
                 offset = 0
                 for piece in pieces:
-                    piece.copy_(buffer[offset : offset + piece.numel()])
+                    piece.copy_(staged(buffer)[offset : offset + piece.numel()])
                     offset += piece.numel()
 
-        return Job(
-            [Transfer(src, numel, lambda buffer: buffer)], numel, dtype, device, pack, unpack
-        )
+        return Job([Transfer(src, numel, staged)], numel, dtype, device, pack, unpack)
 
     def reduce_scatter_gradients(self) -> None:
         """Reduce-scatter every bucket's gradients into this rank's shard; drop ``.grad``."""
@@ -273,3 +270,8 @@ def _flat_view(param: torch.Tensor) -> torch.Tensor:
             "the optimizer"
         )
     return param.detach().view(-1)
+
+
+def _fixed(tensor: torch.Tensor) -> Callable[[torch.Tensor | None], torch.Tensor]:
+    """The view of a transfer that broadcasts ``tensor`` in place (its job stages nothing)."""
+    return lambda _: tensor

@@ -1,6 +1,8 @@
-"""ZeRO-1's layout: each rank owns whole parameters (``plan_greedy_shards``, ZeRO
-arXiv:1910.02054 §5.1); its local optimizer steps the real parameters, and afterwards every
-rank's parameters are broadcast from their owner (the ``Layout`` protocol is in ``layout``).
+"""ZeRO-1's layout: each rank owns whole parameters and broadcasts them after its step.
+
+Owners from ``plan_greedy_shards`` (ZeRO arXiv:1910.02054 §5.1); the local optimizer steps the
+real parameters, and afterwards every rank's parameters are broadcast from their owner (the
+``Layout`` protocol is in ``layout``).
 """
 
 from __future__ import annotations
@@ -11,7 +13,15 @@ from collections.abc import Callable, Sequence
 import torch
 
 from gradsync_core import ParamSpec, ShardPlan, plan_buckets
-from gradsync_torch.zero.broadcast import ALONE_BYTES, Broadcaster, Job, Piece, Transfer, flat_views
+from gradsync_torch.zero.broadcast import (
+    ALONE_BYTES,
+    Broadcaster,
+    Job,
+    Piece,
+    Transfer,
+    flat_views,
+    staged,
+)
 
 
 class GreedyLayout:
@@ -97,12 +107,10 @@ class GreedyLayout:
 
         def unpack(buffer: torch.Tensor | None) -> None:
             if src != me:
-                for p, view in zip(detached, flat_views(buffer, detached), strict=True):
+                for p, view in zip(detached, flat_views(staged(buffer), detached), strict=True):
                     p.copy_(view)
 
-        return Job(
-            [Transfer(src, numel, lambda buffer: buffer)], numel, dtype, device, pack, unpack
-        )
+        return Job([Transfer(src, numel, staged)], numel, dtype, device, pack, unpack)
 
     def before_step(self) -> None:
         """Nothing to do: the local optimizer steps the parameters themselves."""

@@ -1,5 +1,7 @@
-"""``ZeroRedundancyOptimizer``'s options: the checks that refuse a combination which cannot
-work, and the ZeRO-2 link to a sharding ``DataParallel`` (docs/torch-zero.md).
+"""``ZeroRedundancyOptimizer``'s options, their checks, and the ZeRO-2 link to ``DataParallel``.
+
+The checks refuse a combination which cannot work; the link is to a sharding ``DataParallel``
+(docs/torch-zero.md).
 
 The ZeRO-2 allow-list is ``gradsync_torch._optim_rules``' (``fully_shard`` applies the same
 rule to its rows); ``ELEMENTWISE`` is re-exported here for the local step.

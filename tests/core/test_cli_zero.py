@@ -88,9 +88,7 @@ def test_hsdp_units_optimizer_and_a_parameter_file(capsys, tmp_path):
     ]
     path.write_text(json.dumps(entries))
     args = ["--params", str(path), "--zero", "3", "--world-size", "4", "--json"]
-    code, out, _ = run(
-        capsys, *args, "--shard-size", "2", "--units", "blocks.1", "--optimizer", "4"
-    )
+    code, out, _ = run(capsys, *args, "--dp-shard", "2", "--units", "blocks.1", "--optimizer", "4")
     assert code == 0
     obj = json.loads(out)
     plan = ParamShardPlan.from_json(obj["param_shards"])
@@ -111,6 +109,9 @@ def test_hsdp_units_optimizer_and_a_parameter_file(capsys, tmp_path):
         (["--zero", "3", "--tied", "lm_head.weight"], "tied parameter 'lm_head.weight' is not"),
         (["--zero", "2", "--partition", "greedy"], "drop --partition greedy"),
         (["--zero", "3", "--shard-size", "3"], "--shard-size must divide the data-parallel size 8"),
+        (["--zero", "3", "--dp-shard", "3"], "--dp-shard must divide the data-parallel size 8"),
+        (["--zero", "2", "--dp-shard", "2"], "apply to --zero 3 only"),
+        (["--zero", "3", "--dp-shard", "2", "--shard-size", "2"], "spelling of --dp-shard"),
         (["--zero", "3", "--units", "transformer.h.99"], "'transformer.h.99' matches no parameter"),
         (["--zero", "3", "--optimizer", "shampoo"], "unknown optimizer 'shampoo'"),
         (["--zero", "4"], "invalid choice: 4"),
@@ -124,6 +125,9 @@ def test_hsdp_units_optimizer_and_a_parameter_file(capsys, tmp_path):
         "tied-unknown",
         "zero2-greedy",
         "shard-size",
+        "dp-shard",
+        "dp-shard-without-3",
+        "both-spellings",
         "unit",
         "optimizer",
         "stage",
@@ -158,3 +162,20 @@ def test_plan_without_zero_has_no_memory_section(capsys):
         *("kind", "version", "buckets", "shards", "topology", "fingerprints"),
         *("slots", "owners"),  # the plans' facts by name (version 2 of the report)
     }
+
+
+def test_shard_size_is_the_deprecated_spelling_of_dp_shard(capsys):
+    """The old flag plans the same, with one warning line on stderr; --dp-shard is the
+    topology's: its JSON and groups carry the split."""
+    args = ["--zero", "3", "--world-size", "8", "--json"]
+    code, new, err = run(capsys, *args, "--dp-shard", "2")
+    assert code == 0 and err == ""
+    code, old, err = run(capsys, *args, "--shard-size", "2")
+    assert code == 0 and old == new
+    assert (
+        err == "gradsync: warning: --shard-size is deprecated and will be removed: use --dp-shard\n"
+    )
+    obj = json.loads(new)
+    assert obj["topology"]["dp_shard"] == 2 and obj["param_shards"]["shard_size"] == 2
+    code, out, _ = run(capsys, "--world-size", "8", "--dp-shard", "4")
+    assert code == 0 and "dp_replicate" in out and "'dp_replicate', 'dp_shard'" in out

@@ -107,7 +107,7 @@ def test_members_follow_fsdp2s_children_first_walk():
 
 
 def test_hsdp_cuts_over_the_shard_group_only():
-    plan = plan_param_shards(GPT_LIKE, world_size=8, replicate_size=2)
+    plan = plan_param_shards(GPT_LIKE, world_size=8, dp_shard=4)
     assert (plan.shard_size, plan.replicate_size, plan.world_size) == (4, 2, 8)
     assert plan.chunk("wte.weight", 3).local_shape == (2, 4)  # 11 rows over 4: 3, 3, 3, 2
     with pytest.raises(ValueError, match="shard_rank must be in"):
@@ -124,7 +124,7 @@ def test_hsdp_cuts_over_the_shard_group_only():
         (GPT_LIKE, {"units": ["h.0", "h.0"]}, ValueError, "listed twice"),
         (GPT_LIKE, {"units": "h.0"}, TypeError, "not the string"),
         (GPT_LIKE, {"units": [3]}, TypeError, "must be a string"),
-        (GPT_LIKE, {"replicate_size": 3}, ValueError, "does not divide world_size 4"),
+        (GPT_LIKE, {"dp_shard": 3}, ValueError, "does not divide world_size 4"),
         (GPT_LIKE, {"world_size": 0}, ValueError, "world_size must be a positive int"),
         ([spec("a", 2), spec("a", 3)], {}, ValueError, "appears twice"),
     ],
@@ -326,6 +326,22 @@ def test_zero3_frozen_parameters_have_no_gradient_or_state():
 
 
 def test_zero3_hsdp_lists_shard_ranks():
-    plan = plan_param_shards(MLP, world_size=8, replicate_size=2)
+    plan = plan_param_shards(MLP, world_size=8, dp_shard=4)
     z3 = estimate_zero3(plan)
     assert len(z3.ranks) == 4 and (z3.world_size, z3.replicate_size) == (8, 2)
+
+
+def test_replicate_size_is_the_deprecated_spelling_of_dp_shard(deprecations):
+    """``replicate_size=R`` plans what ``dp_shard=world_size // R`` plans, and warns once."""
+    new = plan_param_shards(GPT_LIKE, world_size=8, dp_shard=4)
+    assert deprecations.messages == []
+    assert plan_param_shards(GPT_LIKE, world_size=8, replicate_size=2) == new
+    assert plan_param_shards(GPT_LIKE, world_size=8, replicate_size=2) == new
+    assert deprecations.messages == [
+        "plan_param_shards(replicate_size=) is deprecated and will be removed: use "
+        "plan_param_shards(dp_shard=world_size // replicate_size)"
+    ]
+    with pytest.raises(ValueError, match="replicate_size 3 does not divide world_size 4"):
+        plan_param_shards(GPT_LIKE, world_size=4, replicate_size=3)
+    with pytest.raises(TypeError, match="dp_shard= and its deprecated spelling replicate_size="):
+        plan_param_shards(GPT_LIKE, world_size=8, replicate_size=2, dp_shard=4)

@@ -450,3 +450,127 @@ def test_axis_sizes_and_mesh_sizes_read_one_place():
     assert topo.enabled("tp") and not topo.enabled("cp")
     with pytest.raises(ValueError, match="unknown axis 'xp'"):
         topo.size("xp")
+
+
+def today_hsdp_groups(topo: Topology, shard: int) -> tuple[list[tuple], list[tuple]]:
+    """The shard and replicate groups of gradsync_torch's ``hsdp_mesh`` before HSDP was part
+    of the topology (an independent transcription): each dp group cut into rows of ``shard``
+    consecutive members (the shard groups) and the columns of those rows (the replicas)."""
+    shards, replicas = [], []
+    for ranks in topo.groups("dp"):
+        rows = [ranks[i : i + shard] for i in range(0, len(ranks), shard)]
+        shards += rows
+        replicas += [tuple(row[c] for row in rows) for c in range(shard)]
+    return shards, replicas
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    sizes=st.tuples(axis_sizes, axis_sizes, st.sampled_from([1, 2, 4, 6]), axis_sizes),
+    order=st.permutations(["tp", "cp", "ep", "dp", "pp"]),
+    shard_index=st.integers(0, 5),
+    members=st.sets(st.sampled_from(["tp", "cp", "dp_shard", "dp_replicate", "pp"]), min_size=1),
+)
+def test_hsdp_groups_partition_the_world_and_equal_todays_hsdp_mesh(
+    sizes, order, shard_index, members
+):
+    tp, cp, dp, pp = sizes
+    divisors = [d for d in range(1, dp + 1) if dp % d == 0]
+    shard = divisors[shard_index % len(divisors)]
+    world = tp * cp * dp * pp
+    topo = Topology.create(world, tp=tp, cp=cp, pp=pp, order="-".join(order), dp_shard=shard)
+    assert (topo.dp_shard, topo.dp_replicate, topo.hsdp) == (shard, dp // shard, shard != dp)
+    shards, replicas = today_hsdp_groups(topo, shard)
+    assert sorted(topo.groups("dp_shard")) == sorted(shards)
+    assert sorted(topo.groups("dp_replicate")) == sorted(replicas)
+    assert topo.groups("dp_shard-dp_replicate") == topo.groups("dp")
+    # any group with the HSDP parts: a partition of the world, consistent by rank
+    name = "-".join(sorted(members))
+    groups = topo.groups(name)
+    assert sorted(itertools.chain.from_iterable(groups)) == list(range(world))
+    assert all(len(g) == topo.group_size(name) for g in groups)
+    for g in groups:
+        for place, rank in enumerate(g):
+            assert topo.group_of(name, rank) == g and topo.group_rank(name, rank) == place
+            assert topo.rank_at(name, groups.index(g), place) == rank
+            assert topo.rank_of(**topo.coordinates(rank)) == rank
+    # the mesh: the shard axis next to (faster than) the replicate axis, fibres are groups
+    shape, names = topo.mesh_shape, topo.mesh_axis_names
+    if topo.hsdp:
+        at = names.index("dp_replicate")
+        assert names[at + 1] == "dp_shard" and "dp" not in names
+        assert topo.mesh_axes("dp") == ("dp_replicate", "dp_shard")
+    for group_name in (name, "dp", "dp_shard", "dp_replicate"):
+        axes = [names.index(a) for a in topo.mesh_axes(group_name)]
+        index = list(_unravel(world - 1, shape))
+        fibre = []
+        for combo in itertools.product(*(range(shape[a]) for a in axes)):
+            for a, c in zip(axes, combo, strict=True):
+                index[a] = c
+            fibre.append(_ravel(index, shape))
+        assert sorted(fibre) == list(topo.group_of(group_name, world - 1))
+    assert Topology.from_json(topo.to_json()) == topo
+
+
+@pytest.mark.parametrize("case", list(EP_FREE.values()), ids=list(EP_FREE))
+def test_dp_shard_equal_to_dp_is_no_hsdp(case):
+    """dp_shard = dp (the default) changes no group, no mesh axis, no JSON, no fingerprint."""
+    kwargs, expected_fingerprint = case
+    plain = Topology.create(**kwargs)
+    topo = Topology.create(**kwargs, dp_shard=plain.dp)
+    assert topo == plain and not topo.hsdp and topo.dp_replicate == 1
+    assert topo.to_json() == plain.to_json() and "dp_shard" not in topo.to_json()
+    assert topo.fingerprint == expected_fingerprint
+    assert topo.mesh_axis_names == plain.mesh_axis_names and topo.coordinates(
+        1
+    ) == plain.coordinates(1)
+    assert topo.groups("dp_shard") == topo.groups("dp") and topo.mesh_axes("dp_shard") == ("dp",)
+    assert all(len(g) == 1 for g in topo.groups("dp_replicate"))
+
+
+def test_hsdp_topology_json_names_dp_shard():
+    topo = Topology.create(world_size=16, tp=2, dp_shard=2)
+    assert (
+        topo.to_json()["dp_shard"] == 2
+        and topo.fingerprint != Topology.create(16, tp=2).fingerprint
+    )
+    assert Topology.from_json(topo.to_json()) == topo
+    assert topo.coordinates(5) == {
+        "tp": 1,
+        "cp": 0,
+        "ep": 0,
+        "dp": 2,
+        "pp": 0,
+        "dp_shard": 0,
+        "dp_replicate": 1,
+    }
+    assert [topo.size(a) for a in ("dp", "dp_shard", "dp_replicate")] == [8, 2, 4]
+    assert topo.enabled("dp_replicate") and topo.mesh_axes("dp-cp") == (
+        "dp_replicate",
+        "dp_shard",
+        "cp",
+    )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"world_size": 8, "dp_shard": 3}, "dp_shard = 3 must be a positive divisor of dp = 8"),
+        ({"world_size": 8, "tp": 2, "dp_shard": 8}, "dp_shard = 8 must be a positive divisor"),
+        ({"world_size": 8, "dp_shard": 0}, "dp_shard = 0 must be a positive divisor"),
+    ],
+    ids=["not-a-divisor", "larger-than-dp", "zero"],
+)
+def test_bad_dp_shard(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Topology.create(**kwargs)
+
+
+def test_hsdp_group_names_refuse_dp_with_its_parts():
+    topo = Topology.create(world_size=8, dp_shard=4)
+    with pytest.raises(ValueError, match="names dp and a part of it"):
+        topo.groups("dp-dp_shard")
+    moe = Topology.create(world_size=8, ep=2, dp_shard=2)
+    with pytest.raises(ValueError, match="mixes dense axes"):
+        moe.groups("dp_shard-ep")
+    assert moe.groups("dp_shard") == ((0, 1), (2, 3), (4, 5), (6, 7))

@@ -41,6 +41,7 @@ CHECKED_ELSEWHERE = {
     "process_group": "the group the comparison runs on: a rank outside it is refused",
     "groups": "model-parallel plans are compared over the world by check_reduction_plan",
     "shared_plan": "compared over the world by check_reduction_plan, as with groups",
+    "options": "the record of the agreed options above, compared field by field however given",
 }
 
 

@@ -140,7 +140,7 @@ def test_every_load_names_a_removed_version(
     net = Net()
     opt = torch.optim.Adam(net.parameters(), lr=1e-2)
     # The ZeRO load's reader (checkpoint.zero.load, also behind ZeroRedundancyOptimizer.load
-    # and load_fully_sharded), between its hash check and its tensor reads.
+    # and load_param_shards), between its hash check and its tensor reads.
     _pause_after(monkeypatch, torch_zero, "verify_file_hashes", next_save)
     with pytest.raises(ValueError, match=REMOVED):
         load_optimizer_state_dict(path, opt, net)

@@ -53,8 +53,8 @@ def _torch_saves(rank: int, world_size: int, root: str) -> None:
     from gradsync_torch import (
         ZeroRedundancyOptimizer,
         fully_shard,
-        load_fully_sharded,
-        save_fully_sharded,
+        load_param_shards,
+        save_param_shards,
     )
 
     def sharded(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -65,7 +65,7 @@ def _torch_saves(rank: int, world_size: int, root: str) -> None:
     model, opt = sharded(0)
     model(torch.full((2, 8), float(rank + 1))).square().mean().backward()
     opt.step()
-    save_fully_sharded(os.path.join(root, "z3"), model, opt)
+    save_param_shards(os.path.join(root, "z3"), model, opt)
 
     torch.manual_seed(0)
     flat = nn.Linear(8, 8)
@@ -82,9 +82,9 @@ def _torch_saves(rank: int, world_size: int, root: str) -> None:
     dist.barrier()
     again, again_opt = sharded(1)
     with pytest.raises(ValueError, match=SWAPPED):
-        load_fully_sharded(os.path.join(root, "z3-swapped"), again, again_opt)
+        load_param_shards(os.path.join(root, "z3-swapped"), again, again_opt)
     assert again_opt.state_dict()["state"] == {}  # refused: nothing loaded
-    load_fully_sharded(os.path.join(root, "z3"), again, again_opt)  # the real one loads
+    load_param_shards(os.path.join(root, "z3"), again, again_opt)  # the real one loads
     with pytest.raises(ValueError, match=SWAPPED):
         zero2.load(os.path.join(root, "z2-swapped"), model=flat)
 

@@ -155,10 +155,10 @@ def _zero3(mesh: Any, directory: str, prefix: str = "zero3") -> dict[str, np.nda
         world_size=mesh.size,
         units=model.UNITS,
         frozen=["frozen"],
-        replicate_size=mesh.shape["replicate"] if hybrid else 1,
+        dp_shard=mesh.shape["shard"] if hybrid else None,
     )
     step = zero3_step(
-        model.loss_fn, model.adamw(), mesh, layout, axis_name=axis, replicate_axis=replicate
+        model.loss_fn, model.adamw(), mesh, layout, axis_name=axis, replicate_axis_name=replicate
     )
     params = shard_params(model.init_params(), mesh, layout, axis_name=axis)
     state = step.init(params)

@@ -18,10 +18,10 @@ ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 90
 
 
-def launch(worker: str, out_dir: Path, num_processes: int = 2) -> None:
-    """Run ``python worker PROCESS_ID NUM_PROCESSES PORT OUT_DIR`` once per process, with this
-    tree on ``PYTHONPATH`` and the worker choosing its own devices (no ``XLA_FLAGS``), and wait
-    ``TIMEOUT_S`` for all of them.
+def launch(worker: str, out_dir: Path, num_processes: int = 2, *args: str) -> None:
+    """Run ``python worker PROCESS_ID NUM_PROCESSES PORT OUT_DIR *args`` once per process, with
+    this tree on ``PYTHONPATH`` and the worker choosing its own devices (no ``XLA_FLAGS``), and
+    wait ``TIMEOUT_S`` for all of them.
 
     Raises:
         AssertionError: a process exited non-zero (its output's tail is in the message).
@@ -32,7 +32,7 @@ def launch(worker: str, out_dir: Path, num_processes: int = 2) -> None:
     port = free_port()
     procs = [
         subprocess.Popen(
-            [sys.executable, worker, str(i), str(num_processes), str(port), str(out_dir)],
+            [sys.executable, worker, str(i), str(num_processes), str(port), str(out_dir), *args],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

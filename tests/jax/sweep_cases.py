@@ -21,15 +21,11 @@ import optax.contrib
 
 from gradsync_jax import clip_by_global_norm
 from tests.support.models import mean_in_device_order
+from tests.support.xla import FAST_COMPILE
 
 N = 4
 STEPS = 8
 SHAPES = {"a": (4, 6), "b": (10,), "c": (3, 5)}
-# LLVM's optimization level 0 for the sweep's two large programs: XLA's own passes (fusion,
-# layout, collectives) run as usual and no fast-math is enabled at any level, so what is
-# compared is the same arithmetic; only the machine code is left unoptimized (the unsharded
-# reference of about 100 optimizers: 9.9 s -> 8.1 s to compile, nearly quiet 2-core machine).
-FAST_COMPILE = {"xla_backend_optimization_level": 0}
 
 
 def enumerated() -> dict[str, Any]:

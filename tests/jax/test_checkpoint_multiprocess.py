@@ -94,7 +94,7 @@ def test_zero3_saved_by_two_processes_loads_on_one(saved, name: str) -> None:
         world_size=4,
         units=model.UNITS,
         frozen=["frozen"],
-        replicate_size=replicas,
+        dp_shard=4 // replicas,
     )
     layout8 = param_layout(model.init_params(), world_size=8, units=model.UNITS, frozen=["frozen"])
     step = zero3_step(model.loss_fn, model.adamw(), dp_mesh(8), layout8)

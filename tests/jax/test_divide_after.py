@@ -8,9 +8,11 @@ float16's largest value is 65504, bfloat16 shares float32's range).
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch
 
 from gradsync_jax._axes import divide_after
 
@@ -59,3 +61,53 @@ def test_non_power_of_two_division_rounds_differently() -> None:
     before = np.asarray(_sequential_sum(values / 3))
     after = np.asarray(_sequential_sum(values) * (1.0 / 3))
     assert not np.array_equal(before, after)
+
+
+class _Group:
+    def __init__(self, size: int) -> None:
+        self._size = size
+
+    def size(self) -> int:
+        return self._size
+
+
+@pytest.mark.parametrize(("replicas", "shards"), [(1, 6), (2, 3), (1, 8)], ids=str)
+def test_zero3_float16_gradients_average_as_fsdp2_does(replicas: int, shards: int) -> None:
+    """ZeRO-3's backward (``reduce_gradient``) divides a float16 mean as torch's FSDP2 does:
+    by its power of two before the sums (reduce-scatter over the shards, all-reduce over the
+    replicas) and by the rest after, the factors torch's own function gives; not by ``n``
+    before the sum, the ``"after"`` rule's (which rounds every summand at 6 devices)."""
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
+        _get_gradient_divide_factors,
+    )
+
+    from gradsync_jax.param_sharding.gather import reduce_gradient
+
+    n = replicas * shards
+    pre, post, *_ = _get_gradient_divide_factors(
+        _Group(shards), _Group(replicas) if replicas > 1 else None, torch.float16, "cpu"
+    )
+    rng = np.random.default_rng(n)
+    # Integers over 4: every division by pre and every partial sum is exact in any order, so
+    # the only rounding is FSDP2's last division (and the old rule's first one).
+    grads = rng.integers(-8, 9, size=(n, shards * 64)).astype(np.float16)
+    mesh = Mesh(np.array(jax.devices()[:n]).reshape(replicas, shards), ("r", "s"))
+    replicate = ("r",) if replicas > 1 else ()
+
+    def local(g):
+        return reduce_gradient(g[0], ("s",), shards, replicate, mean=True)[None]
+
+    mapped = jax.shard_map(
+        local, mesh=mesh, in_specs=P(("r", "s")), out_specs=P(("r", "s")), check_vma=False
+    )
+    got = np.asarray(jax.jit(mapped)(jnp.asarray(grads))).reshape(replicas, -1)
+    want = ((grads / np.float16(pre)).sum(0, dtype=np.float16) / np.float16(post)).astype(
+        np.float16
+    )
+    for replica in got:
+        np.testing.assert_array_equal(replica, want)
+    if n == 6:  # the "after" rule's float16 mean (dividing first) rounds otherwise
+        before = _sequential_sum(jnp.asarray(grads) / n)
+        assert not np.array_equal(np.asarray(before), want)

@@ -58,9 +58,11 @@ def test_another_floating_dtype_loads_when_cast_is_asked(tmp_path, saved_dtype, 
     path, model = saved(tmp_path, saved_dtype)
     fresh = Block(nnx.Rngs(7), model_dtype)
     like = nnx.state(fresh, nnx.Any(nnx.Param, Frozen))
-    with pytest.raises(ValueError, match="only the dtype differs; pass cast=True"):
+    with pytest.raises(
+        ValueError, match="only the dtype differs; pass allow_dtype_conversion=True"
+    ):
         load_params(path, like)
-    nnx.update(fresh, load_params(path, like, cast=True))
+    nnx.update(fresh, load_params(path, like, allow_dtype_conversion=True))
     for got, want in zip(leaves(fresh), leaves(model), strict=True):
         assert got.dtype == model_dtype
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want.astype(model_dtype)))

@@ -198,7 +198,7 @@ def test_parallel_model_matches_serial_and_needs_the_derived_sums(sp: bool) -> N
     params = serial_params  # the same tree: the parallel model IS the serial one, sharded
     data = P("dp", ("cp", "tp")) if sp else P("dp", "cp")
     plan = plan_shared_reductions(
-        shared_param_specs(params, specs, data_spec=data, mesh=MESH), TOPO
+        shared_param_specs(params, specs, data_axes=data, mesh=MESH), TOPO
     )
     assert plan.group_names == (("cp", "tp-cp") if sp else ("cp",))
     assert plan.group_of("norm/scale") == ("tp-cp" if sp else "cp")
@@ -255,7 +255,7 @@ def test_already_summed_gradients_are_refused() -> None:
     apply, params, specs = nnx_functional(model)
     data = P("dp", "cp")
     plan = plan_shared_reductions(
-        shared_param_specs(params, specs, data_spec=data, mesh=MESH), TOPO
+        shared_param_specs(params, specs, data_axes=data, mesh=MESH), TOPO
     )
 
     def step(params, x):

@@ -97,7 +97,7 @@ def _parallel(tx, plan, batches=BATCHES):
 
 
 def _plan():
-    specs = shared_param_specs(PARAMS, SPECS, data_spec=DATA, mesh=MESH)
+    specs = shared_param_specs(PARAMS, SPECS, data_axes=DATA, mesh=MESH)
     return specs, plan_shared_reductions(specs, TOPO)
 
 

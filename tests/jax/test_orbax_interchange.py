@@ -58,7 +58,7 @@ def test_round_trip_through_orbax_is_bitwise(tmp_path) -> None:
     save_plain(tmp_path / "src", model, opt)
     variables = random_variables()
     trainable, _ = split(variables)
-    templates = {"params": trainable, "optimizer": adamw(), "model": variables, "modules": RENAMES}
+    templates = {"params": trainable, "tx": adamw(), "model": variables, "modules": RENAMES}
     export_orbax(tmp_path / "src", tmp_path / "orbax", **templates)
 
     # What a Flax/Optax program does, without gradsync.
@@ -103,12 +103,12 @@ def test_wrong_templates_are_one_sentence(tmp_path) -> None:
         tmp_path / "src",
         tmp_path / "orbax",
         params=trainable,
-        optimizer=adamw(),
+        tx=adamw(),
         model=variables,
         modules=RENAMES,
     )
     with pytest.raises(ValueError, match="cannot restore Orbax checkpoint"):
-        import_orbax(tmp_path / "orbax", tmp_path / "back", params=trainable, optimizer=adamw())
+        import_orbax(tmp_path / "orbax", tmp_path / "back", params=trainable, tx=adamw())
 
 
 BUILD = """
@@ -117,7 +117,7 @@ from tests.parity.tied_twin import RENAMES, adamw, random_variables, split
 
 def build():
     variables = random_variables()
-    return {"params": split(variables)[0], "optimizer": adamw(), "model": variables,
+    return {"params": split(variables)[0], "tx": adamw(), "model": variables,
             "modules": RENAMES}
 """
 
@@ -164,7 +164,7 @@ def test_a_jax_checkpoint_of_four_flat_shards_exports_to_both(tmp_path) -> None:
     want_state, _ = load_optimizer_state(src, adamw(), trainable, modules=RENAMES)
 
     export_orbax(
-        src, tmp_path / "orbax", params=trainable, optimizer=adamw(), model=model, modules=RENAMES
+        src, tmp_path / "orbax", params=trainable, tx=adamw(), model=model, modules=RENAMES
     )
     target = {"params": model, "opt_state": adamw().init(trainable)}
     restored = ocp.StandardCheckpointer().restore(str(tmp_path / "orbax"), target)

@@ -21,7 +21,13 @@ import pytest
 from flax import nnx
 from jax.sharding import Mesh
 
-from gradsync_jax import param_layout, shard_params, unshard_params, zero3_step
+from gradsync_jax import (
+    MixedPrecisionPolicy,
+    param_layout,
+    shard_params,
+    unshard_params,
+    zero3_step,
+)
 from tests.jax.zero3_problem import (
     BATCH,
     DIM,
@@ -300,7 +306,8 @@ def mixed_reference(tx, params, n: int, *, reads_apart: bool, steps: int = STEPS
 
 @pytest.mark.parametrize(("n", "reshards"), [(2, (False,)), (4, (False, True))], ids=str)
 def test_bf16_compute_fp32_master_and_reduction(n: int, reshards: tuple[bool, ...]) -> None:
-    """``param_dtype=bf16, reduce_dtype=fp32``: the parameters and state stay fp32 and equal
+    """``mp_policy=MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``: the parameters
+    and state stay fp32 and equal
     the one-device run of the same precision within the fp32 floor (measured about 1e-7),
     with and without ``reshard_after_forward``.
 
@@ -316,8 +323,7 @@ def test_bf16_compute_fp32_master_and_reduction(n: int, reshards: tuple[bool, ..
             adamw(),
             mesh,
             layout,
-            param_dtype=jnp.bfloat16,
-            reduce_dtype=jnp.float32,
+            mp_policy=MixedPrecisionPolicy(param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32),
             reshard_after_forward=reshard,
         )
         sharded = shard_params(params, mesh, layout)
@@ -340,22 +346,97 @@ def test_bf16_compute_fp32_master_and_reduction(n: int, reshards: tuple[bool, ..
 def test_hybrid_sharding_equals_one_device(replicas: int, shards: int) -> None:
     """HSDP on a 2-D mesh ``("replicate", "shard")``: cut over the shard axis, gradients
     reduce-scattered there and all-reduced across the replicas; the plan is torch's HSDP plan
-    (``replicate_size``); the result equals one device."""
+    (``dp_shard``); the result equals one device."""
     params = init_params()
     n = replicas * shards
-    layout = param_layout(params, world_size=n, units=UNITS, frozen=FROZEN, replicate_size=replicas)
+    layout = param_layout(params, world_size=n, units=UNITS, frozen=FROZEN, dp_shard=shards)
     assert (layout.world_size, layout.plan.replicate_size) == (shards, replicas)
     devices = np.array(jax.devices()[:n]).reshape(replicas, shards)
     mesh = Mesh(devices, ("replicate", "shard"))
-    with pytest.raises(ValueError, match="replicate_axis"):
+    with pytest.raises(ValueError, match="replicate_axis_name"):
         zero3_step(loss_fn, adamw(), mesh, layout, axis_name="shard")
-    step = zero3_step(loss_fn, adamw(), mesh, layout, axis_name="shard", replicate_axis="replicate")
+    step = zero3_step(
+        loss_fn, adamw(), mesh, layout, axis_name="shard", replicate_axis_name="replicate"
+    )
     sharded = shard_params(params, mesh, layout, axis_name="shard")
     opt_state = step.init(sharded)
     for _ in range(STEPS):
         sharded, opt_state, _ = step(sharded, opt_state, data())
     want_params, want_state = reference(adamw(), init_params())
     assert_trained_like(sharded, opt_state, layout, want_params, want_state)
+
+
+@pytest.mark.slow
+def test_hybrid_sharding_on_the_topologys_mesh() -> None:
+    """The topology's HSDP split is the mesh: ``mesh_from_topology(Topology.create(4,
+    dp_shard=2))`` has ``("dp_replicate", "dp_shard")`` in place of ``"dp"``, and
+    ``zero3_step``/``shard_params`` with their default ``axis_name="dp"`` cut over dp_shard and
+    replicate over dp_replicate: bitwise the run on the hand-made ``("replicate", "shard")``
+    mesh of the same devices. A layout without the split runs plain ZeRO-3 over both axes."""
+    from gradsync_core import Topology
+    from gradsync_jax import mesh_from_topology
+
+    params, batch = init_params(), data()
+    topology = Topology.create(4, dp_shard=2)
+    layout = param_layout(
+        params, world_size=topology.dp, units=UNITS, frozen=FROZEN, dp_shard=topology.dp_shard
+    )
+    by_hand = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("replicate", "shard"))
+    runs = []
+    for mesh, axes in (
+        (mesh_from_topology(topology, jax.devices()[:4]), {}),
+        (by_hand, {"axis_name": "shard", "replicate_axis_name": "replicate"}),
+    ):
+        step = zero3_step(loss_fn, adamw(), mesh, layout, **axes)
+        sharded = shard_params(params, mesh, layout, axis_name=axes.get("axis_name", "dp"))
+        opt_state = step.init(sharded)
+        for _ in range(3):
+            sharded, opt_state, _ = step(sharded, opt_state, batch)
+        runs.append(jax.tree.map(np.asarray, (unshard_params(sharded, layout), opt_state)))
+    jax.tree.map(np.testing.assert_array_equal, runs[0], runs[1])
+    # Without the split in the layout, "dp" on that mesh is both axes: plain ZeRO-3 over 4.
+    plain = param_layout(params, world_size=4, units=UNITS, frozen=FROZEN)
+    mesh = mesh_from_topology(topology, jax.devices()[:4])
+    step = zero3_step(loss_fn, adamw(), mesh, plain)
+    assert step.axes == ("dp_replicate", "dp_shard")
+    wrong = param_layout(params, world_size=4, units=UNITS, frozen=FROZEN, dp_shard=1)
+    with pytest.raises(ValueError, match=r"replicate_size=4 but .* world_size=4, dp_shard=2\)"):
+        zero3_step(loss_fn, adamw(), mesh, param_layout(params, world_size=8, dp_shard=2))
+    with pytest.raises(ValueError, match=r"planned for 1 devices but .* dp_shard=2\)"):
+        zero3_step(loss_fn, adamw(), mesh, wrong)
+
+
+def test_the_old_spellings_warn_once_and_step_alike(deprecations) -> None:
+    """``param_layout(replicate_size=)`` is ``dp_shard=world_size // replicate_size`` and
+    ``zero3_step(param_dtype=, reduce_dtype=)`` is ``mp_policy=``: the same layout, the same
+    step's bits, one warning each."""
+    params = init_params()
+    layout = param_layout(params, world_size=4, units=UNITS, frozen=FROZEN, dp_shard=2)
+    assert deprecations.messages == []
+    for _ in range(2):
+        assert param_layout(params, world_size=4, units=UNITS, frozen=FROZEN, replicate_size=2) == (
+            layout
+        )
+    mesh, dtypes = mesh_of(2), {"param_dtype": jnp.bfloat16, "reduce_dtype": jnp.float32}
+    plain = param_layout(params, world_size=2, units=UNITS, frozen=FROZEN)
+    runs = []
+    for options in ({"mp_policy": MixedPrecisionPolicy(**dtypes)}, dtypes):
+        step = zero3_step(loss_fn, adamw(), mesh, plain, **options)
+        sharded = shard_params(params, mesh, plain)
+        sharded, opt_state, _ = step(sharded, step.init(sharded), data())
+        runs.append(jax.tree.map(np.asarray, (sharded, opt_state)))
+    jax.tree.map(np.testing.assert_array_equal, runs[0], runs[1])
+    zero3_step(loss_fn, adamw(), mesh, plain, **dtypes)  # again: no second warning
+    assert deprecations.messages == [
+        "param_layout(replicate_size=) is deprecated and will be removed: use "
+        "param_layout(dp_shard=world_size // replicate_size)",
+        "zero3_step(param_dtype=, reduce_dtype=) is deprecated and will be removed: use "
+        "zero3_step(mp_policy=MixedPrecisionPolicy(param_dtype=, reduce_dtype=))",
+    ]
+    with pytest.raises(TypeError, match="mp_policy= and its deprecated spellings"):
+        zero3_step(loss_fn, adamw(), mesh, plain, mp_policy=MixedPrecisionPolicy(), **dtypes)
+    with pytest.raises(ValueError, match="param_dtype must be a floating dtype"):
+        MixedPrecisionPolicy(param_dtype=jnp.int8)
 
 
 @jax.custom_jvp

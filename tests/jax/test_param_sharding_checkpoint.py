@@ -61,7 +61,7 @@ def test_save_on_8_continues_on_4(tmp_path) -> None:
     shards = {(s.name, s.rank): (s.start, s.stop) for s in manifest.plan.shards}
     assert shards[("layers_0.weight", 5)] == (10 * 3, 11 * 3)  # rows [10, 11) of (11, 3)
     assert ("layers_0.weight", 6) not in shards  # past the end: nothing held, nothing stored
-    assert manifest.plan.kind == "dim0"  # torch's save_fully_sharded writes the same
+    assert manifest.plan.kind == "dim0"  # torch's save_param_shards writes the same
     assert "frozen.weight" not in {s.name for s in manifest.plan.shards}
     assert manifest.extra["scalars"]["embed.weight/step"] == STEPS // 2
     saved_plan = manifest.extra["param_shard_plan"]
@@ -100,3 +100,57 @@ def test_layout_keeps_the_renames() -> None:
     assert "blocks.0.weight" in {leaf.name for leaf in layout.leaves}
     assert jax.tree.structure(init_params()) == layout.treedef
     assert np.all([leaf.padded_rows >= 1 for leaf in layout.leaves])
+
+
+def _forge(source: str, target: str, key: str, value: float, rows: slice) -> int:
+    """A copy of checkpoint ``source`` with ``rows`` of tensor ``key`` set to ``value`` in
+    every rank file (the flattened elements of those rows of a dim-0 slice or a whole weight),
+    hashes and checksum redone; the number of elements changed."""
+    import dataclasses
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.numpy import load_file, save_file
+
+    from gradsync_core.checkpoint import resolve_checkpoint, sha256_file, write_manifest
+
+    shutil.copytree(resolve_checkpoint(source), target)
+    manifest = read_manifest(target)
+    files, changed = dict(manifest.files), 0
+    for name in files:
+        path = os.path.join(target, name)
+        with safe_open(path, "np") as f:
+            metadata = f.metadata()
+        tensors = load_file(path)
+        if key in tensors:
+            flat = tensors[key].reshape(-1)
+            part = flat[rows]
+            changed += part.size
+            flat[rows] = value
+            save_file(tensors, path, metadata=metadata)
+            files[name] = sha256_file(path)
+    write_manifest(target, dataclasses.replace(manifest, files=files))
+    return changed
+
+
+def test_nonfinite_values_read_in_rows_are_refused(tmp_path) -> None:
+    """NaN in the state and inf in a weight, spread over rank files: each device's rows are
+    read and checked apart, and the count is the tensor's, as a whole read gave it."""
+    eight = zero3(8)
+    params = shard_params(init_params(), eight.mesh, eight.layout)
+    source = str(tmp_path / "ckpt")
+    save_param_shards(source, eight, params, eight.init(params), step=0)
+    nan = str(tmp_path / "nan")
+    # layers_0.weight is (11, 3): ranks 0-4 hold 2 rows each, rank 5 one; elements 1-5 of
+    # each slice: 5 in each of ranks 0-4, 2 in rank 5.
+    assert _forge(source, nan, "layers_0.weight/exp_avg", np.nan, slice(1, 6)) == 27
+    four = zero3(4)
+    with pytest.raises(ValueError, match=r"'layers_0\.weight/exp_avg' holds 27 NaN or infinite"):
+        load_param_shards(nan, four)
+    _, state, _ = load_param_shards(nan, four, allow_nonfinite=True)
+    mu = unshard_params(state[0].mu, four.layout)["params"]["layers_0"]["kernel"]
+    assert int(np.isnan(mu).sum()) == 27
+    inf = str(tmp_path / "inf")
+    assert _forge(source, inf, "__model__/layers_0.weight", np.inf, slice(4, 30)) == 26
+    with pytest.raises(ValueError, match=r"'__model__/layers_0\.weight' holds 26 NaN or infinite"):
+        load_param_shards(inf, four, allow_nonfinite=True)  # weights: never

@@ -62,7 +62,7 @@ def _parallel(sp: bool):
     apply, _, specs = nnx_functional(model)
     data = P("dp", ("cp", "tp")) if sp else P("dp", "cp")
     plan = plan_shared_reductions(
-        shared_param_specs(PARAMS, specs, data_spec=data, mesh=MESH), TOPO
+        shared_param_specs(PARAMS, specs, data_axes=data, mesh=MESH), TOPO
     )
 
     def loss_fn(params, batch):  # this device's share of its replica's loss

@@ -22,10 +22,10 @@ import optax
 import pytest
 
 from gradsync_jax import clip_by_global_norm, param_layout, shard_params, unshard_params, zero3_step
-from tests.jax.sweep_cases import FAST_COMPILE
 from tests.jax.zero3_problem import RTOL
 from tests.support.asserts import assert_close
 from tests.support.meshes import dp_mesh
+from tests.support.xla import FAST_COMPILE
 
 SLOW = [pytest.mark.slow]  # the fast lane keeps one case: gradsync's clip, the MLP, 2 devices
 STEPS = 5

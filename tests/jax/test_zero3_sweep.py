@@ -30,7 +30,6 @@ from gradsync_jax.param_sharding.update import rows_tree
 from gradsync_jax.zero.model_space import model_space
 from tests.jax.sweep_cases import (
     CASES,
-    FAST_COMPILE,
     SHAPES,
     STEPS,
     N,
@@ -42,6 +41,7 @@ from tests.jax.sweep_cases import (
 from tests.support.asserts import assert_tree_close
 from tests.support.meshes import dp_mesh
 from tests.support.models import mean_in_device_order, random_params
+from tests.support.xla import FAST_COMPILE
 
 pytestmark = pytest.mark.slow
 

@@ -28,7 +28,6 @@ from gradsync_jax import clip_by_global_norm, shard_optimizer
 from gradsync_jax.zero.flat import FlatLayout
 from gradsync_jax.zero.gathered import GatheredLayout
 from tests.jax.sweep_cases import (
-    FAST_COMPILE,
     SHAPES,
     key_data,
     local_grads,
@@ -38,6 +37,7 @@ from tests.jax.sweep_cases import (
 from tests.support.asserts import assert_tree_close
 from tests.support.meshes import mesh_of
 from tests.support.models import mean_in_device_order, random_params
+from tests.support.xla import FAST_COMPILE
 
 pytestmark = pytest.mark.slow
 

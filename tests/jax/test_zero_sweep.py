@@ -47,7 +47,6 @@ from gradsync_jax.zero.gathered import GatheredLayout
 from tests.jax.sweep_cases import (
     CASES,
     COUPLED,
-    FAST_COMPILE,
     SHAPES,
     STEPS,
     N,
@@ -60,6 +59,7 @@ from tests.jax.sweep_cases import (
 from tests.support.asserts import assert_tree_close
 from tests.support.meshes import mesh_of
 from tests.support.models import random_params
+from tests.support.xla import FAST_COMPILE
 
 pytestmark = pytest.mark.slow
 

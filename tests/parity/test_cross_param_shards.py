@@ -10,7 +10,7 @@ test_cross_checkpoint.py's cross-framework floor, parameters and both moments.
 
 The other way, torch's ``fully_shard`` (zero3_worker.py's tied,
 frozen ``TiedLM``, one unit per layer, the frozen layer and the root) trains 3 steps at 2 gloo
-ranks and saves with ``save_fully_sharded``; the Flax twin's plan at 2 devices has the
+ranks and saves with ``save_param_shards``; the Flax twin's plan at 2 devices has the
 fingerprint of the plan torch executed, and ``load_param_shards`` continues it on 4 devices
 for 3 more steps, equal to torch's uninterrupted single-process run of 6 within the floor.
 """

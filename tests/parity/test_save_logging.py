@@ -3,7 +3,7 @@
 "One checkpoint, both frameworks").
 
 torch: a plain ``AdamW`` saved with ``save_plain`` (the save ``ZeroRedundancyOptimizer.save``
-and ``save_fully_sharded`` run too); JAX: ``save_optimizer_state`` of a ZeRO-1
+and ``save_param_shards`` run too); JAX: ``save_optimizer_state`` of a ZeRO-1
 ``shard_optimizer`` on 2 devices (``save_param_shards`` runs the same ``save_rank_files``).
 """
 

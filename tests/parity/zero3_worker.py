@@ -77,13 +77,13 @@ def save_zero3(
     rank: int, world_size: int, tokens: np.ndarray, labels: np.ndarray, path: str, steps: int
 ) -> dict[str, Any]:
     """Train ``TiedLM`` under ``fully_shard`` for ``steps`` steps at ``world_size`` ranks and
-    save it (``save_fully_sharded``). Returns (rank 0) the state saved, in model space, and
+    save it (``save_param_shards``). Returns (rank 0) the state saved, in model space, and
     the plan's fingerprint and JSON (the root's ``shard_plan``)."""
-    from gradsync_torch.checkpoint.param_shards import save_fully_sharded
+    from gradsync_torch.checkpoint.param_shards import save_param_shards
 
     model, opt = sharded(0)
     train(model, opt, tokens, labels, steps, rank, world_size)
-    save_fully_sharded(path, model, opt)
+    save_param_shards(path, model, opt)
     saved = state_of(model, opt)  # a collective: every rank gathers
     if rank != 0:
         return {}

@@ -62,10 +62,13 @@ def test_a_wrapper_stores_its_models_names(process_group, tmp_path, wrapped_para
 def test_dtype_only_mismatch_says_dtype_and_casts_when_asked(process_group, tmp_path):
     inner = trained(tmp_path / "c", wrapped_params=False, wrapped_model=False)
     half = net().to(torch.bfloat16)
-    with pytest.raises(ValueError, match=r"bfloat16 here .*only the dtype differs; pass cast=True"):
+    with pytest.raises(
+        ValueError,
+        match=r"bfloat16 here .*only the dtype differs; pass allow_dtype_conversion=True",
+    ):
         load_model_weights(tmp_path / "c", half)
     assert all(p.dtype == torch.bfloat16 for p in half.parameters())
-    load_model_weights(tmp_path / "c", half, cast=True)
+    load_model_weights(tmp_path / "c", half, allow_dtype_conversion=True)
     for a, b in zip(half.parameters(), inner.parameters(), strict=True):
         assert torch.equal(a, b.to(torch.bfloat16))
     # and back: the bfloat16 model saved, loaded into float32 parameters
@@ -74,12 +77,12 @@ def test_dtype_only_mismatch_says_dtype_and_casts_when_asked(process_group, tmp_
     full = net()
     with pytest.raises(ValueError, match="only the dtype differs"):
         load_model_weights(tmp_path / "h", full)
-    load_model_weights(tmp_path / "h", full, cast=True)
+    load_model_weights(tmp_path / "h", full, allow_dtype_conversion=True)
     for a, b in zip(full.parameters(), half.parameters(), strict=True):
         assert a.dtype == torch.float32 and torch.equal(a, b.float())
     other = nn.Sequential(nn.Linear(4, 9), nn.ReLU(), nn.Linear(9, 2))
     with pytest.raises(ValueError, match="another model"):
-        load_model_weights(tmp_path / "c", other, cast=True)
+        load_model_weights(tmp_path / "c", other, allow_dtype_conversion=True)
 
 
 def test_name_mismatch_names_both_sides(process_group, tmp_path):

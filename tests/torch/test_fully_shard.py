@@ -3,6 +3,7 @@ parameters, gradients and optimizer state are bitwise equal, and close to one pr
 on every rank's batch (docs/torch-zero3.md)."""
 
 import functools
+import warnings
 
 import pytest
 import torch
@@ -236,14 +237,25 @@ def _hsdp(rank: int) -> None:
     from torch.distributed.fsdp import fully_shard as fsdp2
 
     from gradsync_core import Topology
-    from gradsync_torch import fully_shard, hsdp_mesh
+    from gradsync_torch import ProcessGroups, fully_shard, hsdp_mesh
 
     theirs_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    ours_mesh = hsdp_mesh(Topology.create(world_size=4), shard_size=2)
+    topology = Topology.create(world_size=4, dp_shard=2)
+    ours_mesh = hsdp_mesh(topology)
     assert ours_mesh.mesh.tolist() == theirs_mesh.mesh.tolist()
-    for reshard in (True, False):
+    # The topology's own process groups give the same 2-D mesh, its dimensions named after
+    # the topology's axes; the second run trains on it.
+    groups_mesh = ProcessGroups(topology).device_mesh()
+    assert groups_mesh.mesh_dim_names == ("dp_replicate", "dp_shard")
+    for mesh in (ours_mesh, groups_mesh):
+        assert mesh.mesh.tolist() == theirs_mesh.mesh.tolist()
+        for dim in range(2):
+            assert dist.get_process_group_ranks(mesh.get_group(dim)) == (
+                dist.get_process_group_ranks(theirs_mesh.get_group(dim))
+            )
+    for reshard, mesh in ((True, ours_mesh), (False, groups_mesh)):
         theirs = _build(functools.partial(fsdp2, mesh=theirs_mesh), reshard=reshard)
-        ours = _build(functools.partial(fully_shard, mesh=ours_mesh), reshard=reshard)
+        ours = _build(functools.partial(fully_shard, mesh=mesh), reshard=reshard)
         opt_t, norms_t = _train(theirs, rank)
         opt_o, norms_o = _train(ours, rank)
         _bitwise(_locals(theirs, opt_t), _locals(ours, opt_o))
@@ -256,6 +268,23 @@ def _hsdp(rank: int) -> None:
     single = dict(_reference(rank, 4, 1, False).named_parameters())
     for name, p in ours.named_parameters():
         torch.testing.assert_close(p.full_tensor(), single[name], rtol=1e-5, atol=1e-5)
+    # The deprecated spelling (shard_size=) builds the same mesh and warns once.
+    from gradsync_core import deprecation
+
+    deprecation._warned.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        old = hsdp_mesh(Topology.create(world_size=4), shard_size=2)
+        hsdp_mesh(Topology.create(world_size=4), shard_size=2)
+    assert old.mesh.tolist() == theirs_mesh.mesh.tolist()
+    assert [str(w.message) for w in caught] == [
+        "hsdp_mesh(topology, shard_size) is deprecated and will be removed: use "
+        "hsdp_mesh(Topology.create(..., dp_shard=...))"
+    ]
+    for dim in range(2):
+        assert dist.get_process_group_ranks(old.get_group(dim)) == (
+            dist.get_process_group_ranks(ours_mesh.get_group(dim))
+        )
 
 
 def _tied_across_units() -> None:

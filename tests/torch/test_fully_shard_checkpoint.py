@@ -76,14 +76,14 @@ def _zero1_state(model: nn.Module, opt) -> dict[str, Any]:
 def _save_resume_bitwise(path: str, make, tokens, labels, rank: int, world_size: int):
     """Train, save at SAVE_AT, train MORE; a fresh ``make(1234)`` loads the save and trains
     MORE: both end on the same bytes (the same arithmetic). Returns the uninterrupted run."""
-    from gradsync_torch import load_fully_sharded, save_fully_sharded
+    from gradsync_torch import load_param_shards, save_param_shards
 
     model, opt = make(0)
     _train(model, opt, tokens, labels, SAVE_AT, rank, world_size)
-    save_fully_sharded(path, model, opt)
+    save_param_shards(path, model, opt)
     _train(model, opt, tokens, labels, MORE, rank, world_size)
     resumed, resumed_opt = make(1234)
-    load_fully_sharded(path, resumed, resumed_opt)
+    load_param_shards(path, resumed, resumed_opt)
     _train(resumed, resumed_opt, tokens, labels, MORE, rank, world_size)
     mine, theirs = _locals(resumed, resumed_opt), _locals(model, opt)
     assert mine.keys() == theirs.keys()
@@ -95,7 +95,7 @@ def _save_resume_bitwise(path: str, make, tokens, labels, rank: int, world_size:
 def _two_ranks(rank: int, world_size: int, tokens, labels, root: str) -> dict[str, Any]:
     """ZeRO-3 saved and resumed at 2 ranks (bitwise), ZeRO-3 -> ZeRO-1 and ZeRO-1 -> ZeRO-3;
     a refused load changes nothing. Returns (rank 0) each continued run's state."""
-    from gradsync_torch import load_fully_sharded, load_optimizer_state_dict
+    from gradsync_torch import load_optimizer_state_dict, load_param_shards
 
     z3, z1 = os.path.join(root, "z3"), os.path.join(root, "z1")
     model, opt = _save_resume_bitwise(z3, _sharded, tokens, labels, rank, world_size)
@@ -105,9 +105,9 @@ def _two_ranks(rank: int, world_size: int, tokens, labels, root: str) -> dict[st
     sgd = torch.optim.SGD(wrong.parameters(), lr=0.1, momentum=0.9)
     before = _locals(wrong, sgd)
     with pytest.raises(ValueError, match=r"cannot load optimizer checkpoint .*optimizer"):
-        load_fully_sharded(z3, wrong, sgd)
+        load_param_shards(z3, wrong, sgd)
     assert all(torch.equal(v, before[k]) for k, v in _locals(wrong, sgd).items())
-    with pytest.raises(ValueError, match=r"DTensors .*call load_fully_sharded"):
+    with pytest.raises(ValueError, match=r"DTensors .*call load_param_shards"):
         load_optimizer_state_dict(z3, sgd, wrong)  # the plain loader, on sharded parameters
 
     into1, dp, opt1 = _zero1(1234, z3)  # ZeRO-3 -> ZeRO-1 at 2 ranks
@@ -118,7 +118,7 @@ def _two_ranks(rank: int, world_size: int, tokens, labels, root: str) -> dict[st
     _train(dp, opt1, tokens, labels, SAVE_AT, rank, world_size)
     opt1.save(z1, model=from1)
     into3, opt3 = _sharded(1234)
-    load_fully_sharded(z1, into3, opt3)
+    load_param_shards(z1, into3, opt3)
     _train(into3, opt3, tokens, labels, MORE, rank, world_size)
     out["z1_to_z3"] = _state(into3, opt3)
     return out if rank == 0 else {}
@@ -127,7 +127,7 @@ def _two_ranks(rank: int, world_size: int, tokens, labels, root: str) -> dict[st
 def _empty_chunks(rank: int, root: str) -> None:
     """A layer with 2 rows over 4 ranks (ranks 2 and 3 hold none) saves and resumes bitwise,
     its step counts on the empty ranks included."""
-    from gradsync_torch import fully_shard, load_fully_sharded, save_fully_sharded
+    from gradsync_torch import fully_shard, load_param_shards, save_param_shards
 
     def build(seed: int):
         torch.manual_seed(seed)
@@ -143,9 +143,9 @@ def _empty_chunks(rank: int, root: str) -> None:
     model, opt = build(0)
     steps(model, opt, 2)
     path = os.path.join(root, "small")
-    save_fully_sharded(path, model, opt)
+    save_param_shards(path, model, opt)
     again, again_opt = build(1)
-    load_fully_sharded(path, again, again_opt)
+    load_param_shards(path, again, again_opt)
     mine, theirs = _locals(again, again_opt), _locals(model, opt)
     assert mine.keys() == theirs.keys()
     for key, value in theirs.items():
@@ -169,12 +169,12 @@ def _hsdp(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
 def _hsdp_checkpoint(rank: int, world_size: int, tokens, labels, root: str) -> dict[str, Any]:
     """HSDP 2 x 2 saved (by replica 0) and resumed by HSDP 2 x 2 (bitwise), and by 1-D ZeRO-3
     at 4 ranks; returns both continued runs' states for the floor check."""
-    from gradsync_torch import load_fully_sharded
+    from gradsync_torch import load_param_shards
 
     path = os.path.join(root, "hsdp")
     model, opt = _save_resume_bitwise(path, _hsdp, tokens, labels, rank, world_size)
     into, into_opt = _sharded(1234)
-    load_fully_sharded(path, into, into_opt)
+    load_param_shards(path, into, into_opt)
     _train(into, into_opt, tokens, labels, MORE, rank, world_size)
     return {"hsdp": _state(model, opt), "hsdp_to_1d": _state(into, into_opt)}
 
@@ -182,13 +182,13 @@ def _hsdp_checkpoint(rank: int, world_size: int, tokens, labels, root: str) -> d
 def _four_ranks(rank: int, world_size: int, tokens, labels, root: str) -> dict[str, Any]:
     """ZeRO-3 saved at 2 ranks, and JAX's save, each continued by ZeRO-3 at 4 ranks; a
     layer smaller than the world saved and resumed at 4; an HSDP 2 x 2 save."""
-    from gradsync_torch import load_fully_sharded
+    from gradsync_torch import load_param_shards
 
     _empty_chunks(rank, root)
     out = _hsdp_checkpoint(rank, world_size, tokens, labels, root)
     for name, more in (("z3", MORE), ("jax", MORE)):
         model, opt = _sharded(1234)
-        load_fully_sharded(os.path.join(root, name), model, opt)
+        load_param_shards(os.path.join(root, name), model, opt)
         _train(model, opt, tokens, labels, more, rank, world_size)
         out[name] = _state(model, opt)
     return out if rank == 0 else {}
@@ -304,3 +304,55 @@ def _check_jax(jaxside, root: str, want: dict[str, Any]) -> None:
     step = manifest.step + MORE
     out = os.path.join(root, "jax")
     save_optimizer_state(out, tx, state, trainable, step=step, modules=renames, model=model)
+
+
+def _old_names(rank: int, world_size: int, root: str) -> None:
+    """``save_fully_sharded``/``load_fully_sharded``, the deprecated names of
+    ``save_param_shards``/``load_param_shards``: each warns once and saves and loads the
+    same bytes."""
+    import warnings
+
+    from gradsync_core import deprecation
+    from gradsync_torch import (
+        fully_shard,
+        load_fully_sharded,
+        load_param_shards,
+        save_fully_sharded,
+        save_param_shards,
+    )
+
+    def build(seed: int):
+        torch.manual_seed(seed)
+        model = fully_shard(nn.Linear(3, 5))
+        return model, torch.optim.AdamW(model.parameters(), **HYPER)
+
+    model, opt = build(0)
+    for step in range(2):
+        opt.zero_grad()
+        model(torch.full((4, 3), float(rank + step))).square().mean().backward()
+        opt.step()
+    new, old = os.path.join(root, "new"), os.path.join(root, "old")
+    deprecation._warned.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        save_param_shards(new, model, opt)
+        save_fully_sharded(old, model, opt)
+        save_fully_sharded(old, model, opt)
+        by_new, by_new_opt = build(1)
+        load_param_shards(new, by_new, by_new_opt)
+        by_old, by_old_opt = build(2)
+        load_fully_sharded(old, by_old, by_old_opt)
+        load_fully_sharded(old, by_old, by_old_opt)
+    assert [str(w.message) for w in caught if w.category is DeprecationWarning] == [
+        "save_fully_sharded is deprecated and will be removed: use save_param_shards",
+        "load_fully_sharded is deprecated and will be removed: use load_param_shards",
+    ]
+    want, got = _locals(model, opt), _locals(by_new, by_new_opt)
+    assert want.keys() == got.keys() == _locals(by_old, by_old_opt).keys()
+    for key, value in _locals(by_old, by_old_opt).items():
+        assert torch.equal(value, got[key]) and torch.equal(value, want[key]), key
+
+
+@pytest.mark.slow
+def test_the_old_save_and_load_names_warn_once_and_act_alike(tmp_path) -> None:
+    run_workers(_old_names, 2, str(tmp_path))

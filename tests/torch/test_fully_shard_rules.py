@@ -35,12 +35,25 @@ def test_divide_factor_and_force_sum_are_fsdp2s(dtype, shard, replicate, factor,
         _Group(shard), _Group(replicate) if replicate > 1 else None, dtype, "cpu", factor, force_sum
     )
     ours = gradient_divide(
-        dtype, shard * replicate, shard_size=shard, factor=factor, force_sum=force_sum
+        dtype, shard * replicate, dp_shard=shard, factor=factor, force_sum=force_sum
     )
     assert ours[:4] == theirs
     # ReduceOp.PREMUL_SUM(a) == ReduceOp.PREMUL_SUM(b) for any a, b: compare the scale itself.
     premul = factor is not None and factor != shard and not force_sum and dtype != torch.float16
     assert ours.scale == (1 / factor if premul else None)
+
+
+def test_shard_size_is_the_deprecated_spelling_of_dp_shard(deprecations):
+    new = gradient_divide(torch.float32, 8, dp_shard=4, factor=4.0)
+    assert deprecations.messages == []
+    assert gradient_divide(torch.float32, 8, shard_size=4, factor=4.0)[:4] == new[:4]
+    assert gradient_divide(torch.float32, 8, shard_size=4, factor=4.0)[:4] == new[:4]
+    assert deprecations.messages == [
+        "gradient_divide(shard_size=) is deprecated and will be removed: use "
+        "gradient_divide(dp_shard=)"
+    ]
+    with pytest.raises(TypeError, match="got dp_shard= and its deprecated spelling"):
+        gradient_divide(torch.float32, 8, shard_size=4, dp_shard=4)
 
 
 def test_policy_refuses_a_non_float_dtype():

@@ -33,7 +33,8 @@ def _check(rank: int, world_size: int, replicate: int = 1) -> dict:
     model = Net()
     full = {name: p.detach().clone() for name, p in model.named_parameters()}
     specs = param_specs(model)
-    plan = plan_param_shards(specs, world_size=world_size, units=UNITS, replicate_size=replicate)
+    dp_shard = world_size // replicate
+    plan = plan_param_shards(specs, world_size=world_size, units=UNITS, dp_shard=dp_shard)
     # HSDP: FSDP2's 2-D mesh ("replicate", "shard"), so a shard group is consecutive ranks.
     if replicate == 1:
         mesh = init_device_mesh("cpu", (world_size,))

@@ -53,14 +53,14 @@ def _train(model, opt, tokens, labels, steps: int, rank: int, world_size: int) -
 
 
 def _zero3_then_save(rank: int, world_size: int, tokens, labels, path: str) -> None:
-    from gradsync_torch import fully_shard, save_fully_sharded
+    from gradsync_torch import fully_shard, save_param_shards
 
     torch.manual_seed(0)
     model = AttnLM()
     fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), **HYPER)
     _train(model, opt, tokens, labels, SAVE_AT, rank, world_size)
-    save_fully_sharded(path, model, opt)
+    save_param_shards(path, model, opt)
 
 
 def _state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, dict[str, np.ndarray]]:

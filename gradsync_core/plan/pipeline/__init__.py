@@ -1,9 +1,7 @@
 """Pipeline parallelism as planner data (docs/pipeline.md).
 
-One module per concept: torch's action grammar (``_actions``), the schedules' compute orders
-(``_schedules``), torch's lowering passes that add communication and ZeRO-3 points
-(``_lower``), the layer partition and Megatron-core's layout strings (``_layout``), the plan
-value (``_plan``), and the validator and simulator that walk a plan (``_sim``).
+One module per concept: the action grammar, the schedules, torch's lowering passes, the layer
+partition, the plan value, and the validator and simulator (docs/design-names-and-layout.md).
 """
 
 from gradsync_core.plan.pipeline._actions import (

@@ -1,0 +1,284 @@
+"""The tick loop: one pipeline step inside ``shard_map``, every device the same program.
+
+A ``lax.scan`` over the plan's ticks (``ticks.py``). At tick t the device reads its row of the
+table (``lax.axis_index("pp")``), runs its cell through ``lax.switch`` (idle, or the forward,
+input- or weight-gradient cell of its stage's type, ``split.py``), writes what the cell
+leaves into its buffer slots, adds its parameter gradients to its stage's sum, and sends its
+output one hop each way with ``ppermute``; the neighbour that the table names keeps it.
+Gradients are added in microbatch order: where the plan makes one early (looped BFS), it
+waits in the ``held`` buffer and is added at the tick the table names, or after the loop.
+
+Why ``lax.scan`` and not an unrolled loop: the program and its compile time do not grow with
+the microbatches (a tick is one body, m = 32 has ~100 ticks at pp 4), and its memory is the
+carried buffers, whose slots are the plan's stash, nothing XLA could schedule otherwise. The
+cost is a uniform body: every tick pays both ``ppermute``s and the switch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from gradsync_jax._axes import cast_varying
+from gradsync_jax.pipeline.model import PipelineModel
+from gradsync_jax.pipeline.split import (
+    RowKey,
+    RowLayout,
+    StageCells,
+    aval_varying,
+    joint_fn,
+    split_stage,
+)
+from gradsync_jax.pipeline.ticks import (
+    COL,
+    FIRST,
+    FORWARD,
+    INPUT,
+    LAST,
+    ONLY,
+    TickProgram,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class _Out:
+    """What every branch of the switch returns (zeros where a cell makes nothing)."""
+
+    send: jax.Array  # the forward's output or the input gradient, for the neighbour
+    loss: jax.Array
+    stash: dict[RowKey, jax.Array]  # what a forward keeps for the backward
+    cross: dict[RowKey, jax.Array]  # what an input gradient leaves the weight gradient
+    grads: tuple[Any, Any, Any]
+
+
+jax.tree_util.register_dataclass(
+    _Out, data_fields=["send", "loss", "stash", "cross", "grads"], meta_fields=[]
+)
+
+
+def run_pipeline(
+    model: PipelineModel,
+    program: TickProgram,
+    params: tuple[Any, Any, Any],
+    inputs: Any,
+    targets: Any,
+    *,
+    blocks_per_stage: int,
+    stash: str,
+    axes: tuple[str, ...],
+) -> tuple[jax.Array, tuple[Any, Any, Any]]:
+    """Run one step of the plan on this device: the summed loss and parameter gradients.
+
+    Call inside ``shard_map`` over a mesh with a ``pp`` axis.
+
+    Args:
+        model: the embedding, block and head functions.
+        program: the compiled plan.
+        params: this device's ``(embed, blocks (v, k, ...), head)``, varying over ``axes``.
+        inputs: the microbatches' inputs, every leaf ``(m, ...)``.
+        targets: the microbatches' targets, every leaf ``(m, ...)``.
+        blocks_per_stage: k.
+        stash: ``"residuals"`` or ``"input"`` (``split.py``).
+        axes: the mesh axes the pipeline's values vary over: ``("pp", *data axes)``.
+
+    Returns:
+        ``(loss sum, (embed, blocks, head) gradient sums)`` over this device's microbatches
+        and stages: summed over the microbatches, not divided; the embedding's and head's
+        only on the ranks that hold the first and last stage (zeros elsewhere).
+    """
+    embed, blocks, head = params
+    types = sorted({t for _, t in program.branches})
+    zero_data = _cast((_index(inputs, 0), _index(targets, 0)), axes)
+    act = jax.eval_shape(model.embed, embed, zero_data[0])
+    if not isinstance(act, jax.ShapeDtypeStruct):
+        raise ValueError(
+            f"the embedding returns {jax.tree.structure(act)}; the pipeline moves one array "
+            "between stages: return the activations as one array"
+        )
+    block0 = jax.tree.map(lambda leaf: leaf[0, 0], blocks)
+    after = jax.eval_shape(model.block, block0, jax.ShapeDtypeStruct(act.shape, act.dtype))
+    if not isinstance(after, jax.ShapeDtypeStruct) or (after.shape, after.dtype) != (
+        act.shape,
+        act.dtype,
+    ):
+        raise ValueError(
+            f"a block maps activations {act.dtype.name}{list(act.shape)} to {after}; every "
+            "block must keep the activations' shape and dtype"
+        )
+    loss = jax.eval_shape(
+        model.head, head, jax.ShapeDtypeStruct(act.shape, act.dtype), zero_data[1]
+    )
+    if not isinstance(loss, jax.ShapeDtypeStruct) or loss.shape != ():
+        raise ValueError(f"the head must return the microbatch's scalar loss, got {loss}")
+
+    act_zero = _cast(jnp.zeros(act.shape, act.dtype), axes)
+    loss_zero = _cast(jnp.zeros((), loss.dtype), axes)
+    cells: dict[str, StageCells] = {}
+    for t in types:
+        joint = joint_fn(t, model.embed, model.block, model.head, blocks_per_stage)
+        x = None if t in (FIRST, ONLY) else act_zero
+        g = loss_zero if t in (LAST, ONLY) else act_zero
+        p_t = _stage_params(t, embed, _index(blocks, 0), head)
+        cells[t] = split_stage(t, joint, p_t, zero_data, x, g, stash=stash)
+
+    stash_rows = _rows([c.stash for c in cells.values()])
+    cross_rows = _rows([c.cross for c in cells.values()])
+    grads_zero = _cast(jax.tree.map(jnp.zeros_like, (embed, _index(blocks, 0), head)), axes)
+
+    def branch(kind: int, t: str) -> Callable[..., _Out]:
+        c = cells[t]
+        first, last = t in (FIRST, ONLY), t in (LAST, ONLY)
+
+        def run(p: Any, data: Any, x: Any, g: Any, stash_in: Any, cross_in: Any) -> _Out:
+            p_t = _stage_params(t, *p)
+            flat_p, flat_d = jax.tree.leaves(p_t), jax.tree.leaves(data)
+            no_stash, no_cross = dict(stash_rows), dict(cross_rows)
+            if kind == FORWARD:
+                y, *kept = c.run(c.forward, *flat_p, *flat_d, *([] if first else [x]))
+                send, lost = (act_zero, y) if last else (y, loss_zero)
+                return _Out(send, lost, c.stash.pack(kept, stash_rows), no_cross, grads_zero)
+            stashed = c.stash.unpack(stash_in)
+            if kind == INPUT:
+                seed = jnp.ones_like(loss_zero) if last else g
+                outs = c.run(c.input_grad, *flat_p, *flat_d, *stashed, seed)
+                dx, kept = (act_zero, outs) if first else (outs[0], outs[1:])
+                return _Out(dx, loss_zero, no_stash, c.cross.pack(kept, cross_rows), grads_zero)
+            grads = c.grads_tree.unflatten(
+                c.run(c.weight_grad, *flat_p, *flat_d, *stashed, *c.cross.unpack(cross_in))
+            )
+            d_embed, d_blocks, d_head = grads
+            full = (
+                grads_zero[0] if d_embed is None else d_embed,
+                d_blocks,
+                grads_zero[2] if d_head is None else d_head,
+            )
+            return _Out(act_zero, loss_zero, no_stash, no_cross, _cast(full, axes))
+
+        return run
+
+    def idle(*_: Any) -> _Out:
+        return _Out(act_zero, loss_zero, dict(stash_rows), dict(cross_rows), grads_zero)
+
+    branches = [idle] + [branch(kind, t) for kind, t in program.branches]
+    p = program.pp
+    right = [(i, (i + 1) % p) for i in range(p)]
+    left = [(i, (i - 1) % p) for i in range(p)]
+    me = lax.axis_index("pp")
+    table = jnp.asarray(program.table)
+
+    holding = program.slots["held"] > 0
+
+    def add(sums: Any, local: jax.Array, grads: Any) -> Any:
+        d_embed, d_blocks, d_head = grads
+        return (
+            jax.tree.map(jnp.add, sums[0], d_embed),
+            jax.tree.map(lambda s, d: s.at[local].add(d), sums[1], d_blocks),
+            jax.tree.map(jnp.add, sums[2], d_head),
+        )
+
+    def tick(carry: Any, row_all: jax.Array) -> tuple[Any, None]:
+        bufs, stashed, crossed, held, sums, loss_sum = carry
+        row = row_all[me]
+        col = lambda name: row[COL[name]]  # noqa: E731
+        local, mb = col("local"), col("mb")
+        p_local = (embed, _index(blocks, local), head)
+        data = _cast((_index(inputs, mb), _index(targets, mb)), axes)
+        x = _index(bufs["act"], col("act_read"))
+        g = _index(bufs["grad"], col("grad_read"))
+        stash_in = {k: _index(b, col("stash_read")) for k, b in stashed.items()}
+        cross_in = {k: _index(b, col("cross_read")) for k, b in crossed.items()}
+        out = lax.switch(col("branch"), branches, p_local, data, x, g, stash_in, cross_in)
+        stashed = {k: _write(b, col("stash_write"), out.stash[k]) for k, b in stashed.items()}
+        crossed = {k: _write(b, col("cross_write"), out.cross[k]) for k, b in crossed.items()}
+        if holding:  # every gradient passes through its held slot; the spare one is zeros
+            held = _write_tree(held, col("held_write"), out.grads)
+            sums = add(sums, col("held_local"), _index(held, col("held_read")))
+        else:  # made in microbatch order: added as made
+            sums = add(sums, local, out.grads)
+        from_left = lax.ppermute(out.send, "pp", right)
+        from_right = from_left if p == 2 else lax.ppermute(out.send, "pp", left)
+        arriving = {"left": from_left, "right": from_right, "local": out.send}
+        bufs = dict(bufs)
+        for buf, src in program.sources:
+            bufs[buf] = _write(bufs[buf], col(f"{buf}_from_{src}"), arriving[src])
+        return (bufs, stashed, crossed, held, sums, loss_sum + out.loss), None
+
+    spare = {buf: n + 1 for buf, n in program.slots.items()}  # the last slot takes "none"
+    carry = (
+        {
+            "act": _cast(jnp.zeros((spare["act"], *act.shape), act.dtype), axes),
+            "grad": _cast(jnp.zeros((spare["grad"], *act.shape), act.dtype), axes),
+        },
+        {k: _slotted(r, spare["stash"]) for k, r in stash_rows.items()},
+        {k: _slotted(r, spare["cross"]) for k, r in cross_rows.items()},
+        _slotted_tree(grads_zero, spare["held"] if holding else 0),
+        _cast(jax.tree.map(jnp.zeros_like, (embed, blocks, head)), axes),
+        loss_zero,
+    )
+    (_, _, _, held, sums, loss_sum), _ = lax.scan(tick, carry, table)
+    if len(program.drain):  # the gradients still held, in microbatch order
+
+        def drain(sums: Any, row_all: jax.Array) -> tuple[Any, None]:
+            slot, local = row_all[me, 0], row_all[me, 1]
+            return add(sums, local, _index(held, slot)), None
+
+        sums, _ = lax.scan(drain, sums, jnp.asarray(program.drain))
+    return loss_sum, sums
+
+
+def _stage_params(t: str, embed: Any, blocks: Any, head: Any) -> tuple[Any, Any, Any]:
+    """The parameters a stage of type ``t`` reads: ``None`` for the parts it does not hold."""
+    first, last = t in (FIRST, ONLY), t in (LAST, ONLY)
+    return (embed if first else None, blocks, head if last else None)
+
+
+def _index(tree: Any, i: Any) -> Any:
+    return jax.tree.map(lambda leaf: lax.dynamic_index_in_dim(leaf, i, keepdims=False), tree)
+
+
+def _cast(tree: Any, axes: tuple[str, ...]) -> Any:
+    return cast_varying(tree, axes)
+
+
+def _rows(layouts: list[RowLayout]) -> dict[RowKey, jax.Array]:
+    """One zero row per (dtype, varying axes), as long as the longest stage type needs."""
+    sizes: dict[RowKey, int] = {}
+    for layout in layouts:
+        for key, size in layout.sizes().items():
+            sizes[key] = max(sizes.get(key, 0), size)
+    rows = {}
+    for key, size in sorted(sizes.items(), key=lambda kv: (kv[0][0], sorted(kv[0][1]))):
+        dtype, vary = key
+        rows[key] = _vary(jnp.zeros((size,), np.dtype(dtype)), vary)
+    return rows
+
+
+def _slotted(row: jax.Array, slots: int) -> jax.Array:
+    return _vary(jnp.zeros((slots, *row.shape), row.dtype), aval_varying(jax.typeof(row)))
+
+
+def _slotted_tree(tree: Any, slots: int) -> Any:
+    """``slots`` copies of ``tree``'s zeros, stacked on a leading dimension (0: none)."""
+    return jax.tree.map(
+        lambda z: _vary(jnp.zeros((slots, *z.shape), z.dtype), aval_varying(jax.typeof(z))),
+        tree,
+    )
+
+
+def _write_tree(buf: Any, slot: jax.Array, value: Any) -> Any:
+    return jax.tree.map(lambda b, v: _write(b, slot, v), buf, value)
+
+
+def _vary(x: jax.Array, axes: frozenset[str]) -> jax.Array:
+    return cast_varying(x, tuple(sorted(axes))) if axes else x
+
+
+def _write(buf: jax.Array, slot: jax.Array, value: jax.Array) -> jax.Array:
+    """``buf[slot] = value``, in place: a tick that keeps nothing writes the spare slot."""
+    return lax.dynamic_update_index_in_dim(buf, value, slot, 0)

@@ -1,0 +1,340 @@
+"""A pipeline plan as one global tick grid, with every buffer slot assigned (docs/pipeline.md).
+
+In one SPMD program every device runs the same loop; at tick t pipeline rank r runs one cell of
+its stage work (a forward, an input gradient or a weight gradient) or nothing, and at the end
+of every tick each device's output moves one hop with ``ppermute``. The grid is the
+simulator's timeline with unit cells: ``simulate_pipeline(plan, forward=1, backward=2,
+weight=1, p2p=0)``, whose compute actions start at whole ticks and never overlap on a rank. A
+full backward (``B``) takes two ticks there and runs as its two halves, the input gradient in
+the first and the weight gradient in the second, so every cell costs about one forward
+(balanced ticks: a lockstep tick is as long as its longest cell). A value made at tick t is
+on its consumer at tick t + 1; the simulator starts a consumer no earlier, so every read finds
+its data.
+
+The values a cell leaves for a later one wait in fixed-size buffers, a slot each, held from
+the tick after the write through the last read: the stage inputs that have arrived (``act``),
+the output gradients that have arrived (``grad``), what a microbatch's forward keeps for its
+backward (``stash``: from the forward to the weight gradient, so a rank needs the plan's peak
+stash of slots) and what its input gradient leaves its weight gradient (``cross``). Slots
+are assigned per rank by interval colouring (optimal for intervals), and a buffer has the
+most slots any rank needs, plus one spare slot that the ticks which keep nothing write to (a
+write to a computed slot keeps XLA's update in place; a masked write would read the slot
+back and copy the whole buffer every tick).
+
+A stage adds its microbatches' weight gradients in microbatch order under every schedule
+(docs/design.md §17), as the torch executor does. Where a schedule runs them out of order
+(looped BFS: last microbatch first), a gradient that comes early waits in the ``held``
+buffer until every one before it is in; each rank adds at most one gradient per tick, and
+what is left when the ticks end is added after the loop (``TickProgram.drain``), in order.
+Everything here is plain Python and NumPy: the tables are static data that the step indexes
+with ``lax.axis_index("pp")``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from gradsync_core import Action, PipelinePlan, simulate_pipeline
+
+IDLE, FORWARD, INPUT, WEIGHT = 0, 1, 2, 3  # the cell kinds
+KIND_NAMES = {FORWARD: "F", INPUT: "I", WEIGHT: "W"}
+BUFFERS = ("act", "grad", "stash", "cross", "held")
+SOURCES = ("left", "right", "local")  # from rank r-1, from rank r+1, this rank's own output
+
+# Columns of the per-tick table. A read of "none" reads slot 0 and ignores it; a write of
+# "none" goes to the buffer's spare last slot (``TickProgram.slots[buf]``).
+COLUMNS = (
+    "branch",  # 0 idle, else 1 + the index of (kind, stage type) in TickProgram.branches
+    "kind",
+    "stage",
+    "local",  # the stage's place among this rank's stages (its row of the blocks)
+    "mb",
+    "act_read",  # forward: the slot of its input
+    "grad_read",  # input gradient: the slot of its output gradient (none: the loss's seed)
+    "stash_read",  # input and weight gradients
+    "stash_write",  # forward
+    "cross_read",  # weight gradient
+    "cross_write",  # input gradient
+    "held_write",  # weight gradient, where the gradients wait (TickProgram.slots["held"])
+    "held_read",  # the held gradient added at this tick (none: the spare slot, all zeros)
+    "held_local",  # the local stage it is added to
+    *(f"{buf}_from_{src}" for buf in ("act", "grad") for src in SOURCES),
+)
+COL = {name: i for i, name in enumerate(COLUMNS)}
+
+FIRST, MIDDLE, LAST, ONLY = "first", "middle", "last", "only"  # stage types
+
+
+def stage_type(stage: int, num_stages: int) -> str:
+    """``"first"`` holds the embedding, ``"last"`` the head and loss, ``"only"`` both."""
+    if num_stages == 1:
+        return ONLY
+    return FIRST if stage == 0 else LAST if stage == num_stages - 1 else MIDDLE
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Cell:
+    """What one rank computes in one tick."""
+
+    kind: int
+    stage: int
+    microbatch: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TickProgram:
+    """A plan compiled for one SPMD loop: ``table[t, r]`` is rank r's row at tick t.
+
+    ``branches`` lists the (kind, stage type) pairs that occur (the switch's branches);
+    ``slots`` the slot count of each buffer, its spare slot not counted (the step allocates
+    ``slots + 1``); ``sources`` which (buffer, source) receives ever happen, so the step
+    writes only those; ``peak`` each rank's most stashed microbatches (forward done, weight
+    gradient not yet): ``slots["stash"]`` is their maximum. ``slots["held"]`` is 0 where
+    every weight gradient runs in microbatch order (added as it is made: no ``held``
+    buffer); otherwise every weight gradient goes through it, and ``drain[j, r]`` is the
+    ``(held slot, local stage)`` rank r adds in the j-th step after the loop (the spare slot,
+    all zeros, once it has nothing left).
+    """
+
+    pp: int
+    num_stages: int
+    microbatches: int
+    ticks: int
+    table: np.ndarray  # (ticks, pp, len(COLUMNS)) int32
+    branches: tuple[tuple[int, str], ...]
+    slots: dict[str, int]
+    sources: tuple[tuple[str, str], ...]
+    stage_types: tuple[str, ...]
+    local_index: tuple[int, ...]  # per stage: its place among its rank's stages
+    peak: tuple[int, ...]
+    busy: tuple[int, ...]  # cells per rank
+    drain: np.ndarray  # (steps after the loop, pp, 2) int32: held slot, local stage
+
+    @property
+    def bubble(self) -> float:
+        """Idle cells over all cells: the lockstep grid's bubble."""
+        return 1.0 - sum(self.busy) / (self.pp * self.ticks)
+
+
+def tick_grid(plan: PipelinePlan) -> list[list[Cell | None]]:
+    """Each rank's cell at each tick: the unit-time simulation, a full backward as its two
+    halves.
+
+    Raises:
+        ValueError: if the plan shards its stages (``zero3``: not supported by this executor).
+    """
+    if plan.zero3:
+        raise ValueError(
+            "the JAX pipeline executor runs plans without ZeRO-3 UNSHARD/RESHARD; plan it "
+            "with zero3=False"
+        )
+    sim = simulate_pipeline(plan, forward=1, backward=2, weight=1, p2p=0)
+    ticks = int(sim.step_time)
+    grid: list[list[Cell | None]] = [[None] * ticks for _ in range(plan.pp)]
+    for rank, timed in enumerate(sim.actions):
+        for item in timed:
+            leaf: Action = item.action
+            if not leaf.is_compute:
+                continue
+            assert leaf.microbatch is not None and item.start == int(item.start)
+            start = int(item.start)
+            kinds = {"F": (FORWARD,), "I": (INPUT,), "W": (WEIGHT,), "B": (INPUT, WEIGHT)}
+            for offset, kind in enumerate(kinds[leaf.kind]):
+                assert grid[rank][start + offset] is None, "the simulator overlapped two cells"
+                grid[rank][start + offset] = Cell(
+                    kind=kind, stage=leaf.stage, microbatch=leaf.microbatch
+                )
+    return grid
+
+
+def compile_ticks(plan: PipelinePlan) -> TickProgram:
+    """The plan as per-tick tables with every buffer slot assigned (module docstring)."""
+    grid = tick_grid(plan)
+    pp, n, m = plan.pp, plan.num_stages, plan.microbatches
+    ticks = len(grid[0])
+    ranks = plan.stage_ranks
+    local = [plan.stages_of(ranks[s]).index(plan.stages[s]) for s in range(n)]
+    types = tuple(stage_type(s, n) for s in range(n))
+    when: dict[tuple[int, int, int], tuple[int, int]] = {}  # (kind, stage, mb) -> (tick, rank)
+    for rank in range(pp):
+        for t, cell in enumerate(grid[rank]):
+            if cell is not None:
+                when[cell.kind, cell.stage, cell.microbatch] = (t, rank)
+
+    # Every value that waits: (buffer, rank, first tick held, read tick, key), plus where a
+    # received one comes from. Keys: (stage, microbatch, 0).
+    intervals: list[tuple[str, int, int, int, tuple[int, int, int]]] = []
+    arrivals: list[tuple[str, int, int, str, tuple[int, int, int]]] = []
+    for s in range(n):
+        for mb in range(m):
+            tf, rank = when[FORWARD, s, mb]
+            ti, _ = when[INPUT, s, mb]
+            tw, _ = when[WEIGHT, s, mb]
+            assert tf < ti < tw, (s, mb)
+            intervals.append(("stash", rank, tf + 1, tw, (s, mb, 0)))
+            intervals.append(("cross", rank, ti + 1, tw, (s, mb, 0)))
+            if s > 0:  # the previous stage's output, written at the end of its tick
+                tp, src_rank = when[FORWARD, s - 1, mb]
+                intervals.append(("act", rank, tp + 1, tf, (s, mb, 0)))
+                arrivals.append(("act", tp, rank, _source(src_rank, rank, pp), (s, mb, 0)))
+            if s < n - 1:  # the next stage's input gradient
+                tn, src_rank = when[INPUT, s + 1, mb]
+                intervals.append(("grad", rank, tn + 1, ti, (s, mb, 0)))
+                arrivals.append(("grad", tn, rank, _source(src_rank, rank, pp), (s, mb, 0)))
+    adds = {rank: _microbatch_order(grid[rank]) for rank in range(pp)}
+    if any(t != when[WEIGHT, s, mb][0] for added in adds.values() for t, s, mb in added):
+        for rank, added in adds.items():
+            for t, s, mb in added:
+                intervals.append(("held", rank, when[WEIGHT, s, mb][0], t, (s, mb, 0)))
+    slot_of: dict[tuple[str, tuple[int, int, int]], int] = {}
+    slots = {}
+    for buf in BUFFERS:
+        most = 0
+        for rank in range(pp):
+            mine = [(a, b, key) for name, r, a, b, key in intervals if name == buf and r == rank]
+            for key, slot in _colour(mine).items():
+                slot_of[buf, key] = slot
+                most = max(most, slot + 1)
+        slots[buf] = most
+
+    branches = sorted(
+        {(cell.kind, types[cell.stage]) for row in grid for cell in row if cell is not None}
+    )
+    branch_of = {b: i + 1 for i, b in enumerate(branches)}
+    table = np.zeros((ticks, pp, len(COLUMNS)), dtype=np.int32)
+    for name in COLUMNS:  # writes of "none" go to the spare slot
+        if name.endswith("_write") or "_from_" in name:
+            table[:, :, COL[name]] = slots[name.split("_")[0]]
+    table[:, :, COL["held_read"]] = slots["held"]  # the spare slot: zeros, nothing added
+    after = max((t - ticks + 1 for added in adds.values() for t, _, _ in added), default=0)
+    drain = np.zeros((max(after, 0) if slots["held"] else 0, pp, 2), dtype=np.int32)
+    drain[:, :, 0] = slots["held"]
+    if slots["held"]:
+        for rank, added in adds.items():
+            for t, s, mb in added:
+                slot = slot_of["held", (s, mb, 0)]
+                if t < ticks:
+                    table[t, rank, COL["held_read"]] = slot
+                    table[t, rank, COL["held_local"]] = local[s]
+                else:
+                    drain[t - ticks, rank] = (slot, local[s])
+    for rank in range(pp):
+        for t, cell in enumerate(grid[rank]):
+            if cell is None:
+                continue
+            s, mb = cell.stage, cell.microbatch
+            row = table[t, rank]
+            row[COL["branch"]] = branch_of[cell.kind, types[s]]
+            row[COL["kind"]] = cell.kind
+            row[COL["stage"]] = s
+            row[COL["local"]] = local[s]
+            row[COL["mb"]] = mb
+            if cell.kind == FORWARD:
+                row[COL["act_read"]] = slot_of.get(("act", (s, mb, 0)), 0)
+                row[COL["stash_write"]] = slot_of["stash", (s, mb, 0)]
+            elif cell.kind == INPUT:
+                row[COL["stash_read"]] = slot_of["stash", (s, mb, 0)]
+                row[COL["grad_read"]] = slot_of.get(("grad", (s, mb, 0)), 0)
+                row[COL["cross_write"]] = slot_of["cross", (s, mb, 0)]
+            else:
+                row[COL["stash_read"]] = slot_of["stash", (s, mb, 0)]
+                row[COL["cross_read"]] = slot_of["cross", (s, mb, 0)]
+                if slots["held"]:
+                    row[COL["held_write"]] = slot_of["held", (s, mb, 0)]
+    sources = set()
+    for buf, t, rank, src, key in arrivals:
+        table[t, rank, COL[f"{buf}_from_{src}"]] = slot_of[buf, key]
+        sources.add((buf, src))
+    peak = []
+    for rank in range(pp):
+        held = np.zeros(ticks + 1, dtype=np.int64)
+        for s in range(n):
+            if ranks[s] == rank:
+                for mb in range(m):
+                    held[when[FORWARD, s, mb][0] : when[WEIGHT, s, mb][0]] += 1
+        peak.append(int(held.max()))
+    return TickProgram(
+        pp=pp,
+        num_stages=n,
+        microbatches=m,
+        ticks=ticks,
+        table=table,
+        branches=tuple(branches),
+        slots=slots,
+        sources=tuple(sorted(sources)),
+        stage_types=types,
+        local_index=tuple(local),
+        peak=tuple(peak),
+        busy=tuple(sum(c is not None for c in row) for row in grid),
+        drain=drain,
+    )
+
+
+def _microbatch_order(cells: Sequence[Cell | None]) -> list[tuple[int, int, int]]:
+    """When one rank adds each weight gradient, ``(tick, stage, microbatch)``: every stage's
+    in microbatch order, at most one per tick, none before it is made; a gradient made in
+    order is added at once, one that comes early waits, and what still waits when the ticks
+    end is added at ticks ``len(cells)``, ``len(cells) + 1``, ... (after the loop)."""
+    following: dict[int, int] = {}  # stage -> the microbatch it adds next
+    waiting: dict[tuple[int, int], int] = {}  # (stage, microbatch) -> the tick it was made
+    out = []
+
+    def add_waiting(t: int) -> bool:
+        ready = [key for key in waiting if following.get(key[0], 0) == key[1]]
+        if not ready:
+            return False
+        s, mb = min(ready, key=lambda key: (waiting[key], key))
+        del waiting[s, mb]
+        following[s] = mb + 1
+        out.append((t, s, mb))
+        return True
+
+    for t, cell in enumerate(cells):
+        if cell is not None and cell.kind == WEIGHT:
+            s, mb = cell.stage, cell.microbatch
+            if following.get(s, 0) == mb:
+                following[s] = mb + 1
+                out.append((t, s, mb))
+                continue
+            waiting[s, mb] = t
+        add_waiting(t)
+    t = len(cells)
+    while waiting:
+        assert add_waiting(t), waiting  # every microbatch's weight gradient runs once
+        t += 1
+    return out
+
+
+def _source(src: int, dst: int, pp: int) -> str:
+    """Which shift brings rank ``src``'s output to rank ``dst`` (neighbours on the ring)."""
+    if src == dst:
+        return "local"
+    if dst == (src + 1) % pp:
+        return "left"  # it comes from the left neighbour: the shift to the right
+    if dst == (src - 1) % pp:
+        return "right"
+    raise ValueError(
+        f"stage data moves from pipeline rank {src} to rank {dst}, which are not neighbours; "
+        "the JAX executor moves data one hop per tick (loop or V placement)"
+    )
+
+
+def _colour(
+    intervals: Sequence[tuple[int, int, tuple[int, int, int]]],
+) -> dict[tuple[int, int, int], int]:
+    """Slots for closed intervals [a, b]: by start, each takes the lowest free slot."""
+    free_at: list[int] = []  # per slot: the first tick it is free again
+    out = {}
+    for a, b, key in sorted(intervals, key=lambda x: (x[0], x[1], x[2])):
+        for slot, free in enumerate(free_at):
+            if free <= a:
+                free_at[slot] = b + 1
+                out[key] = slot
+                break
+        else:
+            free_at.append(b + 1)
+            out[key] = len(free_at) - 1
+    return out
