@@ -27,6 +27,7 @@ else:
 # (it failed on that tree) and test_cross_pipeline.py (newer) were not timed with them. The
 # fast lane (`-m "not slow"`) keeps this order for what is left of each file.
 LONGEST_FIRST = (
+    "tests/jax/test_pipeline.py",  # 249 s (newer: timed alone at load 3-8)
     "tests/examples/test_examples.py",  # 240 s
     "tests/jax/test_param_sharding.py",  # 210 s
     "tests/test_readme.py",  # 182 s
@@ -38,6 +39,7 @@ LONGEST_FIRST = (
     "tests/jax/test_step.py",  # 71 s
     "tests/jax/test_checkpoint_multiprocess.py",  # 58 s
     "tests/jax/test_shared_reductions_step.py",  # 55 s
+    "tests/jax/test_pipeline_flax.py",  # 52 s (newer: timed alone at load 3-8)
     "tests/jax/test_zero3_clip.py",  # 50 s
     "tests/jax/test_zero3_sweep.py",
     "tests/jax/test_step_multiprocess.py",  # 43 s

@@ -179,6 +179,7 @@ def test_schedule_equals_unpipelined(case: tuple[str, int, int, int]) -> None:
     run_case(*case)
 
 
+@pytest.mark.slow
 def test_looped_bfs_changes_no_bits() -> None:
     """Issue 35 item 4: looped BFS runs a stage's backwards last microbatch first, and its
     gradients are still added in microbatch order: the same bits as 1F1B (one stage per
@@ -198,6 +199,7 @@ def test_stash_input_equals_unpipelined(case: tuple[str, int, int, int]) -> None
     run_case(*case, stash="input")
 
 
+@pytest.mark.slow
 def test_zero1_equals_unpipelined() -> None:
     """``shard_optimizer`` over dp: each device keeps 1/dp of its pipeline rank's state."""
     run_case("ZB1P", 2, 2, 4, zero=True)
@@ -253,6 +255,7 @@ def temp_bytes(schedule: str, m: int, stash: str, pp: int = 4) -> int:
     return lowered.compile(compiler_options=FAST_COMPILE).memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.slow
 def test_memory_1f1b_flat_gpipe_grows() -> None:
     """Issue 36 item 4: 1F1B stashes at most pp microbatches per rank, GPipe all m of them
     (pp 2 here, the small program; pp 4 and m up to 32 in ``test_memory_in_m``)."""

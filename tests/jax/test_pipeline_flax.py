@@ -33,6 +33,8 @@ from tests.jax.pipeline_problem import SEQ, VOCAB, make_batch, reference
 from tests.support.asserts import assert_tree_close
 from tests.support.xla import FAST_COMPILE
 
+pytestmark = pytest.mark.slow
+
 DIM, HIDDEN = 8, 16
 
 
