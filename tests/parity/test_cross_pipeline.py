@@ -243,6 +243,7 @@ def run_both(schedule: str, pp: int) -> None:
     differences(mine, theirs, f"{schedule} pp {pp}: JAX vs torch")
 
 
+@pytest.mark.slow
 def test_zero_bubble_same_in_torch_and_jax() -> None:
     """ZB1P at pp 2 (two stages per rank, the backward split): the fast representative."""
     run_both("InterleavedZeroBubble", 2)
