@@ -13,6 +13,7 @@ sharded elementwise path. See docs/matrix-optimizers.md.
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Callable
 from dataclasses import replace
@@ -121,7 +122,10 @@ class MatrixOptimizer(Optimizer, OwnsShardedState, StepsWholeTensors):
                 "torch.distributed.init_process_group() first (world_size=1 works too)"
             )
         self.inner_class = cls
-        self._local_defaults = dict(optimizer.defaults)
+        # The constructor's own arguments among the defaults (AdamW's defaults also hold
+        # decoupled_weight_decay, which its constructor does not take).
+        accepted = inspect.signature(cls.__init__).parameters
+        self._local_defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
         groups = [dict(group) for group in optimizer.param_groups]
         super().__init__(groups, optimizer.defaults)
         params = [p for group in self.param_groups for p in group["params"]]

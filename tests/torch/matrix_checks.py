@@ -207,3 +207,84 @@ def _one_process(world_size: int, order: list[int] | None) -> dict[str, torch.Te
 def largest_difference(a: dict[str, Any], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys()
     return max((torch.as_tensor(a[k]) - b[k]).abs().max().item() for k in a)
+
+
+def train(run: dict[str, Any], steps: range, rank: int, world_size: int) -> None:
+    for step in steps:
+        tokens, targets = batch(step, rank, world_size)
+        lm_loss(run["forward"](tokens), targets).backward()
+        run["muon"].step()
+        run["adamw"].step()
+        run["muon"].zero_grad()
+        run["adamw"].zero_grad()
+
+
+def snapshot(run: dict[str, Any]) -> dict[str, Any]:
+    """Parameters and Muon state (NumPy), whole, as ``reference`` returns them (a
+    collective: call it on every rank)."""
+    out = {name: whole(p).detach().numpy().copy() for name, p in run["model"].named_parameters()}
+    for name, state in run["muon"].full_state().items():
+        out[f"{name}:momentum_buffer"] = state["momentum_buffer"].numpy()
+    return out
+
+
+def save_after(rank: int, world_size: int, sharding: str, path: str, steps: int) -> Any:
+    """Train ``steps`` steps under ``sharding``, then save Muon (``MatrixOptimizer.save``)
+    and the model with AdamW (``save_param_shards`` or ``ZeroRedundancyOptimizer.save``)."""
+    from gradsync_torch import save_param_shards
+
+    run = build(sharding, world_size)
+    train(run, range(steps), rank, world_size)
+    run["muon"].save(f"{path}/muon")
+    if sharding == "zero3":
+        save_param_shards(f"{path}/rest", run["model"], run["adamw"])
+    else:
+        run["adamw"].save(f"{path}/rest", model=run["model"])
+    saved = snapshot(run)  # a collective
+    return saved if rank == 0 else None
+
+
+def load_and_continue(
+    rank: int, world_size: int, sharding: str, path: str, start: int
+) -> tuple[Any, Any]:
+    """Load what ``save_after`` wrote (any world size, any sharding) and train to ``STEPS``:
+    (the loaded snapshot, the final one) on rank 0."""
+    from gradsync_torch import load_param_shards
+
+    run = build(sharding, world_size)
+    if sharding == "zero3":
+        load_param_shards(f"{path}/rest", run["model"], run["adamw"])
+    else:
+        run["adamw"].load(f"{path}/rest", model=run["model"])
+    run["muon"].load(f"{path}/muon")
+    loaded = snapshot(run)
+    train(run, range(start, STEPS), rank, world_size)
+    final = snapshot(run)
+    return (loaded, final) if rank == 0 else (None, None)
+
+
+def refusals(rank: int, world_size: int) -> None:
+    """What ``MatrixOptimizer`` refuses, each with its sentence, on every rank alike."""
+    import pytest
+
+    from gradsync_torch import MatrixOptimizer, fully_shard
+
+    with pytest.raises(TypeError, match="wraps a torch optimizer instance"):
+        MatrixOptimizer(torch.optim.Muon)  # type: ignore[arg-type]
+    net = gpt()
+    fully_shard(net[1])  # the first layer's rows, the second layer whole
+    mixed = [p for n, p in split(net)[0]]
+    with pytest.raises(ValueError, match="partly row shards of fully_shard and partly whole"):
+        MatrixOptimizer(torch.optim.Muon(mixed))
+    rows = [p for n, p in split(net)[0] if n.startswith("1.")]
+    with pytest.raises(ValueError, match="leave process_group and shard_gradients out"):
+        MatrixOptimizer(torch.optim.Muon(rows), shard_gradients=True)
+    muon = MatrixOptimizer(torch.optim.Muon(split(gpt())[0]))
+    with pytest.raises(ValueError, match="plans its owners once"):
+        muon.add_param_group({"params": [torch.zeros(2, 2, requires_grad=True)]})
+    with pytest.raises(RuntimeError, match="consolidate_state_dict"):
+        muon.state_dict()
+    # Ranks that wrap different matrices plan different owners: the same sentence on all.
+    matrices = split(gpt())[0][: 8 - rank]
+    with pytest.raises(ValueError, match="matrix-owner plan differs across ranks"):
+        MatrixOptimizer(torch.optim.Muon(matrices))

@@ -8,11 +8,21 @@ reduction-order floor of one process on the full batch (tests/torch/matrix_check
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
 from tests.torch.harness import run_workers
-from tests.torch.matrix_checks import largest_difference, one_process, pair, reference
+from tests.torch.matrix_checks import (
+    largest_difference,
+    load_and_continue,
+    one_process,
+    pair,
+    reference,
+    refusals,
+    save_after,
+)
 
 SHARDINGS = ("zero3", "zero1", "zero2")
 
@@ -61,3 +71,24 @@ def test_matrix_optimizer_at_4_ranks_within_the_floor(
     sharded = run_workers(reference, 4, sharding, timeout=300)[0]
     worst = largest_difference(sharded, full)
     assert worst <= 2 * floor, f"{sharding}: {worst:.3g} from one process, floor {floor:.3g}"
+
+
+@pytest.mark.parametrize("resume", ["zero3", "zero1"])
+def test_checkpoint_continues_at_another_world_size(
+    resume: str, tmp_path: Any, floor_at_4: tuple[dict[str, torch.Tensor], float]
+) -> None:
+    """Saved under ZeRO-3 at 4 ranks after 3 steps, loaded at 2 ranks (ZeRO-3, or ZeRO-1 on
+    whole tensors): the state comes back bit for bit in model space (every matrix now with
+    another owner), and 2 more steps land within the floor of one process's 5."""
+    saved = run_workers(save_after, 4, "zero3", str(tmp_path), 3, timeout=300)[0]
+    loaded, final = run_workers(load_and_continue, 2, resume, str(tmp_path), 3, timeout=300)[0]
+    assert saved.keys() == loaded.keys()
+    for key in saved:
+        assert (saved[key] == loaded[key]).all(), f"{key} changed through the checkpoint"
+    full, floor = floor_at_4
+    worst = largest_difference(final, full)
+    assert worst <= 2 * floor, f"resumed under {resume}: {worst:.3g} from one process"
+
+
+def test_refusals() -> None:
+    run_workers(refusals, 2, timeout=120)
