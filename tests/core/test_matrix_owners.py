@@ -106,7 +106,8 @@ def test_shard_plan_is_the_same_owners_whole():
     shards = plan.shard_plan()
     assert shards.kind == "greedy"
     assert {s.name: s.rank for s in shards.shards} == {m.name: m.owner for m in plan.matrices}
-    assert all(s.start == 0 and s.stop == m.numel for s, m in zip(shards.shards, plan.matrices))
+    pairs = zip(shards.shards, plan.matrices, strict=True)
+    assert all(s.start == 0 and s.stop == m.numel for s, m in pairs)
 
 
 shapes = st.tuples(st.integers(1, 40), st.integers(1, 40))
