@@ -263,7 +263,10 @@ class Zero3Step:
 def _refuse_syncing(tx: optax.GradientTransformation) -> None:
     """The gather's backward already reduce-scatters the gradients: a ``tx`` that syncs them
     again (``synced``, ``shard_optimizer``) would reduce twice."""
-    probe = jax.eval_shape(tx.init, {})
+    try:
+        probe = jax.eval_shape(tx.init, {})
+    except Exception:  # an init that needs a parameter (optax.lbfgs's line search): not
+        probe = None  # probed here; RowsUpdate analyses it on the real tree (and refuses it)
     is_sync = lambda x: isinstance(x, (SyncedState, ZeroState))  # noqa: E731
     if isinstance(tx, ShardedOptimizer) or any(
         is_sync(x) for x in jax.tree.leaves(probe, is_leaf=is_sync)
