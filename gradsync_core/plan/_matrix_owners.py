@@ -80,7 +80,9 @@ class OwnerExchange:
 class MatrixOwnerPlan:
     """The owner of every matrix, balanced by ``cost`` over ``world_size`` ranks.
 
-    ``matrices`` keep the order of the specs planned; the owners do not depend on it.
+    ``matrices`` are sorted by name: neither they nor their owners depend on the order the
+    specs came in (torch's registration order, a Flax tree's sorted one), so one model gives
+    one plan, and one fingerprint, in both frameworks.
     """
 
     world_size: int
@@ -99,7 +101,7 @@ class MatrixOwnerPlan:
         raise KeyError(f"{name!r} is not a matrix of this plan (an elementwise parameter?)")
 
     def owned(self, rank: int) -> tuple[OwnedMatrix, ...]:
-        """The matrices ``rank`` steps, in plan order."""
+        """The matrices ``rank`` steps, by name."""
         return tuple(m for m in self.matrices if m.owner == rank)
 
     @property
@@ -202,7 +204,7 @@ def plan_matrix_owners(
         ...          [("qkv", (48, 16)), ("proj", (16, 16)), ("fc", (64, 16))]]
         >>> plan = plan_matrix_owners(specs, world_size=2)
         >>> [(m.name, m.owner) for m in plan.matrices], plan.rank_cost
-        ([('qkv', 1), ('proj', 1), ('fc', 0)], (16384, 16384))
+        ([('fc', 0), ('proj', 1), ('qkv', 1)], (16384, 16384))
     """
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
@@ -220,6 +222,6 @@ def plan_matrix_owners(
         cost=cost,
         matrices=tuple(
             OwnedMatrix(name=s.name, shape=s.shape, owner=owner[s.name], cost=costs[s.name])
-            for s in trainable
+            for s in sorted(trainable, key=lambda s: s.name)
         ),
     )

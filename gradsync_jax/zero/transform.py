@@ -108,7 +108,7 @@ class _LayoutCache:
         and ``"flat"`` refuse what the analysis cannot prove exact for them, unless it
         needs the update's extra arguments (then checked at the first trace)."""
         s = self.settings
-        space = model_space(s.inner, params)
+        space = _model_space(s.inner, params)
         # Torch's registration order, when given: the owners (and flat's buckets) follow it.
         ordered: dict[str, Any] = {
             "order": s.order,
@@ -218,6 +218,27 @@ class _LayoutCache:
         if id(layout) not in self._inits:
             self._inits[id(layout)] = _build_init(self.settings, layout)
         return self._inits[id(layout)]
+
+
+def _model_space(inner: optax.GradientTransformation, params: Any) -> Any:
+    """``model_space``, or one sentence where ``inner``'s init cannot run on a tree without
+    parameters (``optax.lbfgs``'s line search reads a parameter's dtype), which is how the
+    global state leaves (count, hyper-parameters) are told from the per-parameter ones.
+
+    Raises:
+        ValueError: naming the failure and the way that needs no state mapping.
+    """
+    try:
+        return model_space(inner, params)
+    except ValueError:
+        raise
+    except Exception as err:
+        first = (str(err).strip().splitlines() or [""])[0]
+        raise ValueError(
+            "shard_optimizer cannot map the inner transformation's state onto the parameters: "
+            f"its init fails on a tree without parameters ({type(err).__name__}: {first}); "
+            "keep this optimizer unsharded (data_parallel_step(loss_fn, tx, mesh))"
+        ) from err
 
 
 # An extra argument Optax optimizers commonly need before they can be traced (polyak_sgd's
@@ -369,7 +390,7 @@ class ShardedOptimizer(optax.GradientTransformationExtraArgs):
         The greedy partition steps each matrix on this plan's owner."""
         params = abstract(pure(params))
         s = self.settings
-        space = model_space(s.inner, params)
+        space = _model_space(s.inner, params)
         modules = None if s.modules is None else dict(s.modules)
         found = matrix_owner_plan(s.inner, space, params, s.world_size, modules=modules)
         return None if found is None else found[0]
