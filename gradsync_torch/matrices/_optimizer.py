@@ -254,7 +254,7 @@ class MatrixOptimizer(Optimizer, OwnsShardedState, StepsWholeTensors):
         self.local.zero_grad(set_to_none)
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], float] | None = None) -> Any:
         """Gather each matrix to its owner, step it there, hand the parts back (a collective).
 
         Args:
