@@ -90,3 +90,22 @@ def test_torch_and_jax_plan_the_same_owners() -> None:
     jax_plan = shard_optimizer(muon(), mesh).matrix_plan(gpt_params())
     assert jax_plan is not None
     assert jax_plan.to_json() == torch_json
+
+
+def torch_save(rank: int, world_size: int, path: str) -> None:
+    from tests.torch.matrix_checks import build, train
+
+    run = build("zero1", world_size)
+    train(run, range(2), rank, world_size)
+    run["muon"].save(path)
+
+
+def test_a_torch_muon_checkpoint_is_refused_by_optax_muon(tmp_path) -> None:
+    """Not counterparts (two optimizers, module docstring): JAX refuses the torch file with
+    the counterparts sentence rather than load a momentum into another algorithm."""
+    from gradsync_jax import load_optimizer_state
+
+    run_workers(torch_save, 2, str(tmp_path / "muon"), timeout=120)
+    mesh = mesh_from_topology(Topology.create(2), devices=jax.devices()[:2])
+    with pytest.raises(ValueError, match=r"'torch.optim.Muon' \(torch\) has no counterpart"):
+        load_optimizer_state(tmp_path / "muon", shard_optimizer(muon(), mesh), gpt_params())
