@@ -284,6 +284,13 @@ def refusals(rank: int, world_size: int) -> None:
         muon.add_param_group({"params": [torch.zeros(2, 2, requires_grad=True)]})
     with pytest.raises(RuntimeError, match="consolidate_state_dict"):
         muon.state_dict()
+    from gradsync_torch import save_param_shards
+
+    sharded = gpt()
+    fully_shard(sharded)
+    wrapped = MatrixOptimizer(torch.optim.Muon(split(sharded)[0]))
+    with pytest.raises(ValueError, match="a MatrixOptimizer keeps each matrix's state"):
+        save_param_shards("unused", sharded, wrapped)
     # Ranks that wrap different matrices plan different owners: the same sentence on all.
     matrices = split(gpt())[0][: 8 - rank]
     with pytest.raises(ValueError, match="matrix-owner plan differs across ranks"):
