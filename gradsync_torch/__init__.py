@@ -22,6 +22,7 @@ from gradsync_torch.data_parallel.comm_hooks import (
     fp16_compress_hook,
 )
 from gradsync_torch.groups import Group, ProcessGroups
+from gradsync_torch.matrices import MatrixOptimizer
 from gradsync_torch.model_parallel.experts import ExpertMLPs, MoE
 from gradsync_torch.model_parallel.layers import (
     ColumnParallelLinear,
@@ -65,6 +66,7 @@ __all__: list[str] = [
     "ExpertMLPs",
     "GradBucket",
     "Group",
+    "MatrixOptimizer",
     "MixedPrecisionPolicy",
     "MoE",
     "Pipeline",

@@ -65,7 +65,7 @@ RUN_EXACTLY = (
 )
 # What zero3_step must refuse: a moment factored over a tensor's dims, an update that needs an
 # extra argument zero3_step does not pass.
-REFUSED = ("optax.adafactor", "optax.polyak_sgd")
+REFUSED = ("optax.adafactor", "optax.polyak_sgd", "optax.contrib.muon")
 
 
 def padding_sensitive() -> optax.GradientTransformation:
@@ -177,6 +177,8 @@ def test_every_optax_optimizer_is_exact_or_refused_under_zero3() -> None:
         assert outcomes[name] == "matches unsharded", (name, outcomes[name])
     for name in REFUSED:
         assert outcomes[name].startswith("refused"), (name, outcomes[name])
+    # Muon's refusal names its exact path: shard_optimizer's matrix owners.
+    assert "shard_optimizer(tx, mesh) steps each matrix whole" in outcomes["optax.contrib.muon"]
     for name, _ in accepted:  # zero3_step passes no extra argument: the unsharded neither
         assert extra_args_of(all_cases[name], params) == {}, name
     references = run_reference([(n, all_cases[n], {}) for n, _ in accepted], params)
