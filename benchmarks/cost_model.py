@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from typing import Any
@@ -74,14 +75,40 @@ def _torch(args: argparse.Namespace, world: int) -> list[dict[str, Any]]:
     return rows
 
 
+def _jax(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The JAX part, in a process of its own (8 CPU devices, no torch)."""
+    options = {
+        "layers": args.layers,
+        "width": args.width,
+        "global_batch": args.global_batch,
+        "profile_steps": args.profile_steps,
+        "warmup": args.warmup,
+        "steps": args.steps,
+    }
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_cost_jax.py")
+    done = subprocess.run(
+        [sys.executable, script, json.dumps(options)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    if done.returncode != 0:
+        raise SystemExit(f"the JAX part failed:\n{done.stderr[-4000:]}")
+    rows: list[dict[str, Any]] = json.loads(done.stdout.strip().splitlines()[-1])
+    print(f"calibrate jax x8: {rows[0]['calibrate_s']:.1f} s", flush=True)
+    return rows
+
+
 def _error(predicted: float, measured: float) -> float:
     return (predicted - measured) / measured
 
 
 def report(rows: list[dict[str, Any]]) -> dict[str, Any]:
     print(
-        f"{'framework':<10} {'configuration':<32} {'compute':>8} {'pred ms':>8} {'meas ms':>8} {'err':>7} "
-        f"{'pred MiB':>9} {'meas MiB':>9} {'err':>7} plan"
+        f"{'framework':<10} {'configuration':<32} {'compute':>8} {'pred ms':>8} {'meas ms':>8} "
+        f"{'err':>7} {'pred MiB':>9} {'meas MiB':>9} {'err':>7} plan"
     )
     for row in rows:
         row["step_error"] = _error(row["predicted_step_s"], row["step_s"])
@@ -95,7 +122,9 @@ def report(rows: list[dict[str, Any]]) -> dict[str, Any]:
         )
     for group in sorted({r["framework"] for r in rows}):
         plain = next(r["compute_only_s"] for r in rows if r["framework"] == group)
-        print(f"{group}: a plain step without communication (largest microbatch) {plain * 1e3:.1f} ms")
+        print(
+            f"{group}: a plain step without communication (largest microbatch) {plain * 1e3:.1f} ms"
+        )
     steps = [abs(r["step_error"]) for r in rows]
     peaks = [abs(r["peak_error"]) for r in rows]
     out: dict[str, Any] = {
@@ -141,6 +170,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if "torch" in args.frameworks:
         for world in map(int, args.worlds.split(",")):
             rows += _torch(args, world)
+    if "jax" in args.frameworks:
+        rows += _jax(args)
     return report(rows)
 
 

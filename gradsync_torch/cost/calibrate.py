@@ -294,6 +294,8 @@ def _worker(rank: int, world: int, store_path: str, options: dict[str, Any], out
         if profile is not None:
             out.put(profile.to_json())
         dist.barrier()
+    except ValueError as err:  # what the fit refuses: one sentence in the parent, no traceback
+        out.put({"error": str(err)})
     finally:
         dist.destroy_process_group()
         gc.collect()
@@ -309,8 +311,8 @@ def calibrate_local(
     """Spawn ``world_size`` gloo ranks on this machine and calibrate them.
 
     Raises:
-        ValueError: a world below 2.
-        RuntimeError: a rank failed, or no result came within 10 minutes.
+        ValueError: a world below 2, or samples no line fits (the ranks' own sentence).
+        RuntimeError: a rank failed otherwise, or no result came within 10 minutes.
     """
     if not isinstance(world_size, int) or world_size < 2:
         raise ValueError(f"calibrate needs a world of 2 ranks or more, got {world_size!r}")
@@ -328,12 +330,15 @@ def calibrate_local(
         try:
             result = _wait(out, procs)
             for p in procs:
-                p.join()
+                if "error" not in result:
+                    p.join()
         finally:
             for p in procs:
                 if p.is_alive():
                     p.terminate()
                     p.join()
+    if "error" in result:
+        raise ValueError(result["error"])
     return MachineProfile.from_json(result)
 
 

@@ -1,0 +1,1 @@
+"""Cost-model measurements on JAX: the machine profile (``calibrate``) and the model profile."""
