@@ -104,7 +104,7 @@ def profile_model(
         params = [jax.device_put(p, NamedSharding(mesh, P())) for p in params]
     runs = []
     for step in range(warmup + steps):
-        inputs, forward_s, outputs = [x], [], []
+        inputs, forward_s = [x], []
         for fn, p in zip(forwards, params, strict=True):
             seconds, y = _timed(fn, p, inputs[-1])
             forward_s.append(seconds)
@@ -114,7 +114,6 @@ def profile_model(
         for i in reversed(range(len(blocks))):
             backward_s[i], (_, cotangent) = _timed(backwards[i], params[i], inputs[i], cotangent)
         forward_s[-1] += loss_s
-        del outputs
         if step >= warmup:
             runs.append(
                 ModelProfile(
@@ -189,11 +188,10 @@ def _fused_totals(
         step_s = statistics.median(_timed(step, params, state, x)[0] for _ in range(steps))
         stats = jax.jit(train).lower(params, state, x).compile().memory_analysis()
         grads = jax.jit(jax.grad(whole)).lower(params, x).compile().memory_analysis()
-        profile = replace(
-            profile,
-            optimizer_s=max(0.0, step_s - both_s),
-            optimizer_bytes=max(0, int(stats.temp_size_in_bytes - grads.temp_size_in_bytes)),
-        )
+        scratch = None
+        if stats is not None and grads is not None:  # XLA's analysis, where the backend has it
+            scratch = max(0, int(stats.temp_size_in_bytes - grads.temp_size_in_bytes))
+        profile = replace(profile, optimizer_s=max(0.0, step_s - both_s), optimizer_bytes=scratch)
     return replace(
         profile,
         blocks=tuple(

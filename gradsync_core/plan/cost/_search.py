@@ -78,6 +78,10 @@ class SearchResult:
         }
 
 
+def _size(nbytes: int) -> str:
+    return f"{nbytes / GIB:,.2f} GiB" if nbytes >= GIB else f"{nbytes / MIB:,.2f} MiB"
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -100,7 +104,7 @@ def configurations(
 
     Data parallelism over the whole world: each ZeRO stage 0-2 at each bucket cap (and each
     ``overlap``); ZeRO-3 with each ``reshard_after_forward`` and each HSDP shard-group size
-    (``dp_shards``, default every divisor of the world; the whole world is plain FSDP).
+    (``dp_shards``, default every divisor of the world from 2; the whole world is plain FSDP).
     Pipelines: each ``pp`` (default the divisors of the world from 2 up to the number of
     blocks) with each schedule and microbatch count (default pp, 2 pp and 4 pp), ZeRO-0 over
     the rest of the world.
@@ -108,7 +112,8 @@ def configurations(
     out: list[Configuration] = []
     for stage in zero:
         if stage == 3:
-            for shard in dp_shards if dp_shards is not None else _divisors(world_size):
+            shards = [d for d in _divisors(world_size) if d > 1] or [1]
+            for shard in dp_shards if dp_shards is not None else shards:
                 for raf in reshard_after_forward:
                     for ov in overlap:
                         out.append(
@@ -208,8 +213,8 @@ def search_configurations(
             dropped.append(
                 Dropped(
                     configuration=config,
-                    reason=f"peak {p.peak_bytes / GIB:,.2f} GiB on its fullest rank is over the "
-                    f"{memory_per_rank / GIB:,.2f} GiB per rank",
+                    reason=f"peak {_size(p.peak_bytes)} on its fullest rank is over the "
+                    f"{_size(memory_per_rank)} per rank",
                 )
             )
             continue

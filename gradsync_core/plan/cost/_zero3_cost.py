@@ -13,7 +13,7 @@ is waited for where it is issued.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from gradsync_core.plan._memory import _trainable_rows_numel, estimate_zero3
 from gradsync_core.plan._param_shards import ParamShardPlan
@@ -205,8 +205,9 @@ class _Walk:
     def run(self, model: ModelProfile, unit_of_block: Sequence[int], reshard: bool) -> None:
         """Forward then backward, in FSDP2's gather, prefetch and reduce order."""
         order = list(dict.fromkeys(u for u in unit_of_block if u not in self.roots))
-        for unit in sorted(self.roots):
-            self.use(unit, self.gather(unit, "forward"))
+        for unit in sorted(self.roots):  # a root without parameters gathers nothing
+            if self.gathered[unit]:
+                self.use(unit, self.gather(unit, "forward"))
         self._phase(model, unit_of_block, order, {}, "forward", range(len(model.blocks)))
         backward = list(reversed(order))
         again: dict[int, float] = {} if reshard else {u: -1.0 for u in order}
@@ -224,12 +225,12 @@ class _Walk:
         order: list[int],
         ready: dict[int, float],
         phase: str,
-        blocks: Sequence[int] | range | object,
+        blocks: Iterable[int],
         reduce_after: dict[int, int] | None = None,
     ) -> None:
         issued = 0
         used: set[int] = set()
-        for index in blocks:  # type: ignore[attr-defined]
+        for index in blocks:
             unit = unit_of_block[index]
             block = model.blocks[index]
             seconds = block.forward_s if phase == "forward" else block.backward_s
