@@ -172,7 +172,8 @@ def _fused_totals(
     both_s = statistics.median(_timed(both, params, x)[0] for _ in range(steps))
     backward_s = max(0.0, both_s - forward_s)
     f = forward_s / profile.forward_s if profile.forward_s else 1.0
-    b = backward_s / profile.backward_s if profile.backward_s else 1.0
+    # A model so small that its gradient costs less than the noise keeps its blocks' times.
+    b = backward_s / profile.backward_s if backward_s > 0 and profile.backward_s else 1.0
     if optimizer is not None:
         tx = optimizer
         state = tx.init(params)

@@ -22,6 +22,7 @@ from gradsync_core import (
     plan_legacy_buckets,
     plan_param_shards,
     plan_pipeline,
+    rebuild_buckets,
     simulate_pipeline,
 )
 from gradsync_core.plan import (
@@ -434,7 +435,9 @@ def test_memory_is_the_plans_estimate_plus_activations_and_the_optimizer_scratch
 def test_predict_plans_what_the_executors_plan():
     specs = layers(4)
     ddp = predict(specs, Configuration(), world_size=2, machine=machine(), model=model(4))
-    assert ddp.buckets == plan_buckets(specs, cap_bytes=25 * MIB, first_cap_bytes=MIB)
+    initial = plan_buckets(specs, cap_bytes=25 * MIB, first_cap_bytes=MIB)
+    ready = [s.name for s in reversed(specs)]  # the last block's gradient first
+    assert ddp.buckets == rebuild_buckets(initial, specs, ready)  # DDP's steady state
     legacy = predict(
         specs, Configuration(overlap=False), world_size=2, machine=machine(), model=model(4)
     )

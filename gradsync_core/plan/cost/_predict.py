@@ -2,11 +2,12 @@
 
 A ``Configuration`` says how a step runs (ZeRO stage, bucket cap, overlap,
 ``reshard_after_forward``, HSDP's shard group, pipeline size, schedule and microbatches);
-``predict`` builds the plans the executors would build for it (``plan_buckets`` with DDP's cap
-convention, ``plan_greedy_shards`` / ``plan_flat_shards``, ``plan_param_shards`` over
-``block_prefixes``, ``plan_pipeline``) and costs exactly those, so the plan a training script
-takes from a ``Prediction`` is byte for byte the one that was costed (its fingerprints are in
-the prediction).
+``predict`` builds the plans the executors would build for it: ``plan_buckets`` with DDP's cap
+convention (rebuilt from the gradient-ready order, as DDP rebuilds after its first step; the
+explicit sync's legacy layout without overlap), ``plan_greedy_shards`` / ``plan_flat_shards``,
+``plan_param_shards`` over ``block_prefixes``, ``plan_pipeline``; and costs exactly those, so
+the plan a training script takes from a ``Prediction`` is byte for byte the one that was costed
+(its fingerprints are in the prediction).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from gradsync_core.plan._buckets import (
     bucket_caps,
     plan_buckets,
     plan_legacy_buckets,
+    rebuild_buckets,
 )
 from gradsync_core.plan._param_shards import ParamShardPlan, plan_param_shards
 from gradsync_core.plan._param_units import block_prefixes
@@ -170,6 +172,14 @@ class Prediction:
         }
 
 
+def ready_order(specs: Sequence[ParamSpec], model: ModelProfile) -> list[str]:
+    """The order the backward makes the gradients ready, as the model profile has it: the
+    blocks last to first, in each the parameters in reverse registration order."""
+    trainable = [(i, s) for i, s in enumerate(specs) if s.requires_grad]
+    ordered = sorted(trainable, key=lambda item: (-model.block_of(item[1].name), -item[0]))
+    return [s.name for _, s in ordered]
+
+
 def _legacy_numel(specs: Sequence[ParamSpec], bucket_cap_mb: float | None) -> int:
     """The legacy buffer's length: 2**28 elements, or the cap in elements of the widest
     trainable dtype (gradsync_torch's ``DataParallel(overlap=False)``)."""
@@ -278,7 +288,10 @@ def predict(
     if c.zero == 2:  # reduce-scatters need buckets padded to a multiple of dp
         buckets = plan_buckets(specs, cap_bytes=cap, first_cap_bytes=first, pad_to=dp)
     elif c.overlap:
-        buckets = plan_buckets(specs, cap_bytes=cap, first_cap_bytes=first)
+        # DDP (and gradsync's DataParallel) rebuild their buckets from the gradient-ready order
+        # of the first backward; the step that repeats is the rebuilt layout's.
+        initial = plan_buckets(specs, cap_bytes=cap, first_cap_bytes=first)
+        buckets = rebuild_buckets(initial, specs, ready_order(specs, model))
     else:  # the explicit sync's layout: one reused buffer (fairseq's legacy DDP)
         buckets = plan_legacy_buckets(specs, max_numel=_legacy_numel(specs, c.bucket_cap_mb))
     shards = None
