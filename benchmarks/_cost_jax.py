@@ -38,8 +38,8 @@ from gradsync_jax import (
     synced,
     zero3_step,
 )
-from gradsync_jax.cost.calibrate import calibrate
-from gradsync_jax.cost.profile import profile_model
+from gradsync_jax.cost.machine import calibrate
+from gradsync_jax.cost.model import profile_model
 
 LR = 1e-3
 CONFIGS = [

@@ -41,8 +41,8 @@ from gradsync_torch import (
     param_specs,
     split_model,
 )
-from gradsync_torch.cost import calibrate
-from gradsync_torch.cost.profile import profile_model
+from gradsync_torch.cost import machine as calibrate
+from gradsync_torch.cost.model import profile_model
 
 LR = 1e-3
 STEP = "measured step"
@@ -182,7 +182,7 @@ class Calibrator:
             self._samples(self.issued),
             ranks_per_node=self.world,
             name="cost_model.py, between the steps",
-            source=f"gradsync_torch.cost.calibrate.measure, {len(self.copies)} rounds",
+            source=f"gradsync_torch.cost.machine.measure, {len(self.copies)} rounds",
             copy=statistics.median(self.copies),
             slowdown=statistics.median(self.slowdowns),
         )

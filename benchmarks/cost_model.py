@@ -31,7 +31,7 @@ import _cost_torch
 from _spawn import spawn_ranks
 
 from gradsync_core.plan import Configuration
-from gradsync_torch.cost.calibrate import calibrate_local
+from gradsync_torch.cost.machine import calibrate_local
 
 TORCH_CONFIGS = {
     2: [

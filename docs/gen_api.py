@@ -37,6 +37,7 @@ GUIDES = {
         "checkpoints.md",
         "model-parallel.md",
         "pipeline.md",
+        "cost-model.md",
     ],
     "gradsync_core.checkpoint": ["checkpoints.md"],
     "gradsync_torch": [
@@ -48,6 +49,7 @@ GUIDES = {
         "interchange.md",
         "pipeline.md",
         "torch-zero3.md",
+        "cost-model.md",
     ],
     "gradsync_jax": [
         "jax.md",
@@ -58,6 +60,7 @@ GUIDES = {
         "data-position.md",
         "interchange.md",
         "jax-zero3.md",
+        "cost-model.md",
     ],
 }
 COMMON_TAIL = [

@@ -9,8 +9,8 @@ import pytest
 from gradsync_core import Topology
 from gradsync_core.plan import COLLECTIVES, Configuration, MachineProfile, ModelProfile, predict
 from gradsync_jax import mesh_from_topology, param_specs
-from gradsync_jax.cost.calibrate import calibrate
-from gradsync_jax.cost.profile import profile_model
+from gradsync_jax.cost.machine import calibrate
+from gradsync_jax.cost.model import profile_model
 
 
 @pytest.mark.slow

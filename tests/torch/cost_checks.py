@@ -11,8 +11,8 @@ from torch import nn
 
 from gradsync_core.plan import Configuration, predict
 from gradsync_torch import DataParallel, param_specs
-from gradsync_torch.cost import calibrate
-from gradsync_torch.cost.profile import profile_model
+from gradsync_torch.cost import machine as calibrate
+from gradsync_torch.cost.model import profile_model
 
 LAYERS, WIDTH, ROWS = 32, 64, 8
 # Two configurations far apart: one bucket for the whole model, and one per tensor (64 of
