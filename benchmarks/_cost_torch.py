@@ -228,7 +228,8 @@ class Runner:
                 overlap=c.overlap,
                 shard_gradients=c.zero == 2,
             )
-            self.match = wrapper.bucket_plan.fingerprint == prediction.buckets.fingerprint
+            # compared after the steps: DataParallel rebuilds its buckets after the first
+            self.buckets = prediction.buckets.fingerprint
             self.model = wrapper
             if c.zero:
                 self.opt = ZeroRedundancyOptimizer(
@@ -239,9 +240,7 @@ class Runner:
                     data_parallel=wrapper if c.zero == 2 else None,
                     bucket_cap_mb=c.bucket_cap_mb or 25.0,
                 )
-                self.match = (
-                    self.match and self.opt.plan().fingerprint == prediction.shards.fingerprint
-                )
+                self.match = self.opt.plan().fingerprint == prediction.shards.fingerprint
             else:
                 self.opt = adam(net.parameters())
         self.overlap = c.overlap
@@ -261,6 +260,13 @@ class Runner:
 
     def step(self) -> None:
         self.run()
+
+    def plan_matches(self) -> bool:
+        """Whether the plans in force now are the predicted ones."""
+        buckets = getattr(self, "buckets", None)
+        if buckets is None:
+            return self.match
+        return self.match and self.model.bucket_plan.fingerprint == buckets
 
 
 def net_plan_matches(net: nn.Module, prediction: Any) -> bool:
@@ -366,7 +372,7 @@ def worker(rank: int, world: int, store_path: str, args: argparse.Namespace, out
                         "predicted_peak_bytes": p.peak_bytes,
                         "step_s": statistics.median(t),
                         "peak_bytes": peak,
-                        "plan_match": runner.match,
+                        "plan_match": runner.plan_matches(),
                     }
                     for p, alone, t, peak, runner in zip(
                         final, standalone, times, peaks, runners, strict=True
