@@ -94,7 +94,7 @@ def profile(args: dict[str, Any], params: Any, x: Any, mesh: Any) -> Any:
         lambda y: jnp.mean(jnp.square(y)),
         samples=x.shape[0] // mesh.devices.size,
         mesh=mesh,
-        optimizer=optax.adam(LR),
+        tx=optax.adam(LR),
         steps=args["profile_steps"],
     )
 

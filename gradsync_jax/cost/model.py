@@ -49,7 +49,7 @@ def profile_model(
     samples: int,
     mesh: Mesh | None = None,
     axis_name: str = "dp",
-    optimizer: optax.GradientTransformation | None = None,
+    tx: optax.GradientTransformation | None = None,
     steps: int = 5,
     warmup: int = 2,
 ) -> ModelProfile:
@@ -63,7 +63,7 @@ def profile_model(
         samples: samples per device and microbatch (``x``'s rows over the mesh's devices).
         mesh: run every program on all its devices at once (default: one device).
         axis_name: the mesh axis the batch is split over.
-        optimizer: time its update of every block's parameters (the profile's
+        tx: the optimizer: time its update of every block's parameters (the profile's
             ``optimizer_s`` and ``optimizer_bytes``).
         steps: timed runs of every program (each block's median counts).
         warmup: untimed runs first (the first compiles).
@@ -127,7 +127,7 @@ def profile_model(
             )
     devices = 1 if mesh is None else mesh.devices.size
     merged = _fused_totals(
-        median_profile(runs), blocks, params, x, loss_fn, mapped, data, steps, optimizer, mesh
+        median_profile(runs), blocks, params, x, loss_fn, mapped, data, steps, tx, mesh
     )
     saved, outputs_bytes = _activations(blocks, x, devices)
     merged = replace(
@@ -151,7 +151,7 @@ def _fused_totals(
     mapped: Callable[..., Callable[..., Any]],
     data: Any,
     steps: int,
-    optimizer: optax.GradientTransformation | None,
+    tx: optax.GradientTransformation | None,
     mesh: Mesh | None,
 ) -> ModelProfile:
     """``profile`` with its forward and backward totals those of the whole model in one
@@ -174,8 +174,7 @@ def _fused_totals(
     f = forward_s / profile.forward_s if profile.forward_s else 1.0
     # A model so small that its gradient costs less than the noise keeps its blocks' times.
     b = backward_s / profile.backward_s if backward_s > 0 and profile.backward_s else 1.0
-    if optimizer is not None:
-        tx = optimizer
+    if tx is not None:
         state = tx.init(params)
         if mesh is not None:
             state = jax.device_put(state, NamedSharding(mesh, P()))

@@ -49,7 +49,7 @@ def test_profile_model_over_the_mesh_and_a_prediction_from_it():
         lambda y: jnp.mean(y**2),
         samples=4,
         mesh=mesh,
-        optimizer=optax.adam(1e-3),
+        tx=optax.adam(1e-3),
         steps=2,
         warmup=1,
     )
