@@ -27,7 +27,8 @@ def _net() -> nn.Module:
 
 def calibrate_predict_measure(rank: int, world_size: int) -> list[tuple[float, float, bool]]:
     """``(predicted, measured, plan is the predicted)`` step seconds of each configuration."""
-    samples, issue = calibrate.measure(sizes=(4096, 65536, 1 << 20), repeats=3)
+    # Sizes far apart, so a loaded machine still shows time growing with the size.
+    samples, issue = calibrate.measure(sizes=(4096, 1 << 20, 8 << 20), repeats=5)
     machine = calibrate.profile_from(
         samples,
         issue,
