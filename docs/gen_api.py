@@ -38,6 +38,7 @@ GUIDES = {
         "model-parallel.md",
         "pipeline.md",
         "matrix-optimizers.md",
+        "cost-model.md",
     ],
     "gradsync_core.checkpoint": ["checkpoints.md"],
     "gradsync_torch": [
@@ -50,6 +51,7 @@ GUIDES = {
         "pipeline.md",
         "torch-zero3.md",
         "matrix-optimizers.md",
+        "cost-model.md",
     ],
     "gradsync_jax": [
         "jax.md",
@@ -61,6 +63,7 @@ GUIDES = {
         "interchange.md",
         "jax-zero3.md",
         "matrix-optimizers.md",
+        "cost-model.md",
     ],
 }
 COMMON_TAIL = [

@@ -13,6 +13,7 @@ from gradsync_jax._specs import param_specs, path_name
 from gradsync_jax.checkpoint import load_optimizer_state, load_params, save_optimizer_state
 from gradsync_jax.checkpoint.orbax import export_orbax, import_orbax
 from gradsync_jax.checkpoint.param_shards import load_param_shards, save_param_shards
+from gradsync_jax.cost import calibrate, profile_model
 from gradsync_jax.data_parallel import (
     SyncedState,
     accumulate_local_grads,
@@ -88,6 +89,7 @@ __all__: list[str] = [
     "ZeroState",
     "accumulate_local_grads",
     "all_gather_from",
+    "calibrate",
     "clip_by_global_norm",
     "copy_to",
     "data_parallel_step",
@@ -113,6 +115,7 @@ __all__: list[str] = [
     "path_name",
     "pipeline_params",
     "pipeline_step",
+    "profile_model",
     "reduce_from",
     "reduce_scatter_to",
     "reduce_shared_gradients",
