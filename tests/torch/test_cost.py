@@ -20,7 +20,7 @@ from torch import nn
 from gradsync_core.plan import ModelProfile
 from gradsync_torch.cost.model import profile_model
 from tests.torch import cost_checks
-from tests.torch.harness import run_workers
+from tests.support.harness import run_workers
 
 
 class Block(nn.Module):
