@@ -19,8 +19,8 @@ from torch import nn
 
 from gradsync_core.plan import ModelProfile
 from gradsync_torch.cost.model import profile_model
-from tests.torch import cost_checks
 from tests.support.harness import run_workers
+from tests.torch import cost_checks
 
 
 class Block(nn.Module):
