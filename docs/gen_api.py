@@ -37,6 +37,8 @@ GUIDES = {
         "checkpoints.md",
         "model-parallel.md",
         "pipeline.md",
+        "matrix-optimizers.md",
+        "cost-model.md",
     ],
     "gradsync_core.checkpoint": ["checkpoints.md"],
     "gradsync_torch": [
@@ -48,6 +50,8 @@ GUIDES = {
         "interchange.md",
         "pipeline.md",
         "torch-zero3.md",
+        "matrix-optimizers.md",
+        "cost-model.md",
     ],
     "gradsync_jax": [
         "jax.md",
@@ -58,6 +62,8 @@ GUIDES = {
         "data-position.md",
         "interchange.md",
         "jax-zero3.md",
+        "matrix-optimizers.md",
+        "cost-model.md",
     ],
 }
 COMMON_TAIL = [

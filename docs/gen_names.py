@@ -148,6 +148,21 @@ GLOSSARY = (
 
 # Exported signatures of more than MAX_PARAMETERS parameters that take no options record.
 LONG_SIGNATURES = {
+    "gradsync_core.Configuration": "a record itself: one configuration the cost model and the "
+    "search compare",
+    "gradsync_core.configurations": "the search space: each keyword is one dimension of it "
+    "(ZeRO stages, bucket caps, HSDP shapes, pp sizes, schedules, microbatches, overlap)",
+    "gradsync_core.predict": "a planner of plain data, every argument after the "
+    "`Configuration` record keyword-only: each is a fact of the model, the machine or the "
+    "batch, none an option to set once and pass on",
+    "gradsync_core.predict_data_parallel": "as `predict`, for one data-parallel plan: the "
+    "plans and the facts they are costed with",
+    "gradsync_core.predict_zero3": "as `predict`, for one parameter-shard plan",
+    "gradsync_core.search_configurations": "as `predict`, over the candidates: the model, the "
+    "machine, the memory limit and the batch are facts, the candidates a list of records",
+    "gradsync_jax.profile_model": "the blocks, an input and the loss to time, plus the mesh, "
+    "the optimizer and the timing's two counts; `gradsync_torch.profile_model` takes the "
+    "same, as a function of plain data",
     "gradsync_core.Manifest": "a record itself: its fields are the manifest's JSON keys",
     "gradsync_torch.DataParallelOptions": "a record itself: the options `DataParallel` takes "
     "as `options=`",
@@ -162,10 +177,12 @@ LONG_SIGNATURES = {
     "gradsync_torch.ResumableSampler": "`DistributedSampler`'s list (`num_replicas`, `rank`, "
     "`shuffle`, `seed`, `drop_last`) plus the position's three",
     "gradsync_jax.save_optimizer_state": "four things to save (path, tx, state, params) and "
-    "five optional keyword-only extras of different kinds (the step, the optimizer's name, "
-    "the module renames, the weights, the data position), as torch's `opt.save(path, "
-    "model=, data=)`; no record holds them, and one made up for a single function would "
-    "be one more import",
+    "six keyword-only extras of different kinds (the step, the optimizer's name, the module "
+    "renames, the weights, the data position, `blocking`), as torch's `opt.save(path, "
+    "model=, data=, blocking=)`; no record holds them, and one made up for a single function "
+    "would be one more import",
+    "gradsync_jax.save_pipeline": "as `save_optimizer_state`, which it calls: the pipeline, "
+    "its parameters and state, and the same keyword-only extras",
 }
 
 

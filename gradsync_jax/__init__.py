@@ -18,6 +18,7 @@ from gradsync_jax.checkpoint import (
 )
 from gradsync_jax.checkpoint.orbax import export_orbax, import_orbax
 from gradsync_jax.checkpoint.param_shards import load_param_shards, save_param_shards
+from gradsync_jax.cost import calibrate, profile_model
 from gradsync_jax.data_parallel import (
     SyncedState,
     accumulate_local_grads,
@@ -94,6 +95,7 @@ __all__: list[str] = [
     "ZeroState",
     "accumulate_local_grads",
     "all_gather_from",
+    "calibrate",
     "clip_by_global_norm",
     "copy_to",
     "data_parallel_step",
@@ -119,6 +121,7 @@ __all__: list[str] = [
     "path_name",
     "pipeline_params",
     "pipeline_step",
+    "profile_model",
     "reduce_from",
     "reduce_scatter_to",
     "reduce_shared_gradients",

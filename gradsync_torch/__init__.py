@@ -15,6 +15,7 @@ from gradsync_torch.checkpoint import (
     save_fully_sharded as save_fully_sharded,  # deprecated alias of save_param_shards
 )
 from gradsync_torch.checkpoint.dcp import export_dcp, import_dcp
+from gradsync_torch.cost import calibrate, profile_model
 from gradsync_torch.data_parallel import DataParallel, DataParallelOptions, ShardedGradient
 from gradsync_torch.data_parallel.comm_hooks import (
     GradBucket,
@@ -23,6 +24,7 @@ from gradsync_torch.data_parallel.comm_hooks import (
     fp16_compress_hook,
 )
 from gradsync_torch.groups import Group, ProcessGroups
+from gradsync_torch.matrices import MatrixOptimizer
 from gradsync_torch.model_parallel.experts import ExpertMLPs, MoE
 from gradsync_torch.model_parallel.layers import (
     ColumnParallelLinear,
@@ -66,6 +68,7 @@ __all__: list[str] = [
     "ExpertMLPs",
     "GradBucket",
     "Group",
+    "MatrixOptimizer",
     "MixedPrecisionPolicy",
     "MoE",
     "Pipeline",
@@ -82,6 +85,7 @@ __all__: list[str] = [
     "all_gather_from",
     "allreduce_hook",
     "bf16_compress_hook",
+    "calibrate",
     "check_reduction_plan",
     "copy_to",
     "dtype_name",
@@ -97,6 +101,7 @@ __all__: list[str] = [
     "load_pipeline",
     "local_state",
     "param_specs",
+    "profile_model",
     "reduce_from",
     "reduce_scatter_to",
     "reduce_shared_gradients",

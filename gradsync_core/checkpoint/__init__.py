@@ -5,7 +5,8 @@
 write the format: the switching save (``run_save`` behind ``SaveAgreement``, or its steps
 ``begin_save`` / ``commit_save`` / ``discard_save``), file and tensor names, the manifest
 writer, saves that do not stop training (``start_save``: the save's second half in a background
-thread, at most one in flight, ``SaveHandle``, ``wait_for_saves``), the rank-file writer that
+thread, at most one in flight, ``SaveHandle``, ``wait_for_saves``; ``start_agreed_save`` for a
+save that one rank writes), the rank-file writer that
 takes tensors' bytes uncopied (``tensor_file``), the key and optimizer checks, the bounded
 safetensors header reader, which stored element ranges a load reads (``state_reads``,
 ``weight_reads``) and the fault points of a save, and the preemption handler the executors
@@ -70,6 +71,7 @@ from gradsync_core.checkpoint._save_protocol import (
     SaveSteps,
     error_message,
     run_save,
+    start_agreed_save,
     start_save,
     write_rank_file,
 )
@@ -154,6 +156,7 @@ __all__ = [
     "save_hook",
     "sha256_file",
     "staging_directory",
+    "start_agreed_save",
     "start_save",
     "state_reads",
     "tensor_file",

@@ -318,19 +318,50 @@ def start_save(
         return prepared
 
     background = replace(steps, prepare=prepare)
-
-    def wrap(error: BaseException) -> BaseException:
-        if isinstance(error, CheckpointError):
-            return error
-        # A collective that broke (a rank died, the group was destroyed) or an interrupt:
-        # still one sentence, the original its cause.
-        failure = CheckpointError(f"{what} ({agreement.who}): {error_message(error)}")
-        failure.__cause__ = error
-        return failure
-
     handle = start_background(
-        os.fspath(path), lambda: run_save(path, agreement, background, what=what), wrap
+        os.fspath(path),
+        lambda: run_save(path, agreement, background, what=what),
+        _as_failure(what, agreement.who),
     )
     if held is not None and not isinstance(held, Exception):
         raise held  # an interrupt stays one here; the others hear of it in the background
     return handle
+
+
+def _as_failure(what: str, who: str) -> Callable[[BaseException], BaseException]:
+    """How a background save keeps what ended it: an agreed ``CheckpointError`` as it is;
+    anything else (a collective that broke because a rank died or the group was destroyed,
+    an interrupt) as one sentence naming this rank, the original its cause."""
+
+    def wrap(error: BaseException) -> BaseException:
+        if isinstance(error, CheckpointError):
+            return error
+        failure = CheckpointError(f"{what} ({who}): {error_message(error)}")
+        failure.__cause__ = error
+        return failure
+
+    return wrap
+
+
+def start_agreed_save(
+    path: str | os.PathLike[str], run: Callable[[], Any], *, what: str, who: str
+) -> SaveHandle:
+    """Start ``run()`` in a background thread as the save in flight, for an executor whose
+    save is not ``run_save``'s steps (one rank writes what all gathered to it): ``run``
+    writes, then agrees its outcome over collectives of its own, so that every rank's handle
+    ends alike. Waits for the save in flight first (raising its failure).
+
+    Args:
+        path: the checkpoint path (the handle's name).
+        run: the save's rest; it returns what ``wait()`` returns.
+        what: the failure's subject, ``"cannot save ... checkpoint P"``.
+        who: this rank, as errors name it (``"rank 1"``).
+
+    Returns:
+        The save's handle.
+
+    Raises:
+        CheckpointError: the previous save in the background failed and was not yet raised.
+    """
+    wait_for_saves()
+    return start_background(os.fspath(path), run, _as_failure(what, who))

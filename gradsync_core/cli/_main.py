@@ -19,7 +19,9 @@ Every input is bounded, so a typo cannot make the planner allocate for minutes:
   that divides the data-parallel size (``_zero``).
 - ``--zero``: at most 65,536 (2**16) data-parallel ranks, each listed in ``--json``.
 
-``gradsync checkpoint inspect PATH`` checks and summarizes a checkpoint (``_checkpoint``).
+``gradsync checkpoint inspect PATH`` checks and summarizes a checkpoint (``_checkpoint``);
+``gradsync calibrate`` measures the machine profile and ``gradsync plan --cost`` costs a plan
+with it (``_calibrate``, ``_cost``).
 
 Bad input prints one line on stderr and exits with code 2 (the CLI is in docs/design.md §2).
 """
@@ -35,7 +37,9 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from gradsync_core import __version__
+from gradsync_core.cli._calibrate import add_calibrate_parser
 from gradsync_core.cli._checkpoint import add_checkpoint_parser
+from gradsync_core.cli._cost import add_cost_arguments, cost_command, cost_requested
 from gradsync_core.cli._json import plan_report, report_header
 from gradsync_core.cli._model import is_live_model, live_model
 from gradsync_core.cli._pipeline import add_pipeline_arguments, pipeline_command, pipeline_requested
@@ -429,6 +433,8 @@ def _plan(args: argparse.Namespace) -> int:
     check_zero_arguments(args, topo.dp)  # checks --dp-shard against dp, in the flag's words
     if args.dp_shard is not None:
         topo = _topology(args, dp_shard=args.dp_shard)
+    if cost_requested(args):
+        return cost_command(args, specs, tied_names(args, tied))
     if pipeline_requested(args):
         return pipeline_command(args, specs, topo)
     if args.zero is not None:
@@ -581,9 +587,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_zero_arguments(plan)
     add_pipeline_arguments(plan)
+    add_cost_arguments(plan)
     plan.add_argument("--json", action="store_true", help="emit the plans as JSON")
     plan.set_defaults(run=_plan)
     add_checkpoint_parser(sub)
+    add_calibrate_parser(sub)
     return parser
 
 

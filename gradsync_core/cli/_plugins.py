@@ -8,6 +8,10 @@ command line calls when a command needs a framework:
   ``convert(src, dst, **keywords)``; the keywords it takes (and which of them it requires)
   are read from its signature, so the command line checks what ``--model`` returned against
   the function itself (a deprecated spelling it still takes is accepted, and warns).
+- ``gradsync.calibrate``: one entry per framework (``torch``, ``jax``), the function that
+  measures the machine's collectives for ``gradsync calibrate``, called as
+  ``calibrate(world_size=, sizes=, repeats=, name=)`` and returning a ``MachineProfile``
+  (``None`` on the ranks of a ``torchrun`` job other than rank 0).
 - ``gradsync.model_readers``: one entry per framework, named by the framework's top-level
   module (``torch``, ``jax``), a function that returns ``(specs, tied names)`` for a model
   of its framework and ``None`` for anything else. Only frameworks the user's function
@@ -61,6 +65,28 @@ def converter(fmt: str, direction: str) -> Callable[..., None]:
     except ImportError as err:
         raise ValueError(
             f"{fmt} interchange needs {needs}, and importing it failed ({err}); "
+            f'install it with pip install "gradsync[{extra}]"'
+        ) from None
+
+
+# What each framework's calibration imports, in words, and the extra that installs it.
+CALIBRATORS = {"torch": ("torch", "torch"), "jax": ("JAX", "jax")}
+
+
+def calibrator(framework: str) -> Callable[..., Any]:
+    """The executor's ``gradsync calibrate`` function for ``framework``.
+
+    Raises:
+        ValueError: the framework's executor does not import (with the extra to install).
+    """
+    needs, extra = CALIBRATORS[framework]
+    entry = _entry("gradsync.calibrate", framework)
+    try:
+        function: Callable[..., Any] = entry.load()
+        return function
+    except ImportError as err:
+        raise ValueError(
+            f"calibrating with {framework} needs {needs}, and importing it failed ({err}); "
             f'install it with pip install "gradsync[{extra}]"'
         ) from None
 

@@ -1,5 +1,7 @@
-"""Save before a scheduler's kill, in JAX: ``gradsync_core``'s ``PreemptionHandler`` whose
-step-boundary exchange gathers ``[signalled, step]`` from every JAX process.
+"""Save before a scheduler's kill, in JAX.
+
+``gradsync_core``'s ``PreemptionHandler`` whose step-boundary exchange gathers
+``[signalled, step]`` from every JAX process.
 
 The exchange runs in the training loop's thread between steps, so a device collective
 (``process_allgather``) meets every process in the same order as training's; with one

@@ -122,6 +122,22 @@ def save_optimizer_state(
 ) -> SaveHandle: ...
 
 
+@overload
+def save_optimizer_state(
+    path: str | os.PathLike[str],
+    tx: ShardedOptimizer,
+    state: ZeroState,
+    params: Any,
+    *,
+    step: int,
+    optimizer_name: str | None = None,
+    modules: Mapping[str, str] | None = None,
+    model: Any = None,
+    data: Any = None,
+    blocking: bool,
+) -> Manifest | SaveHandle: ...
+
+
 @renamed_keywords(directory="path", optimizer="optimizer_name")
 def save_optimizer_state(
     path: str | os.PathLike[str],
@@ -375,11 +391,15 @@ def _common_step(manifest: Manifest) -> int | None:
     return int(next(iter(saved.values())))
 
 
-def _needed_keys(manifest: Manifest, optimizer: str, space: ModelSpace) -> tuple[str, ...]:
-    """The canonical per-parameter keys this Optax state keeps."""
+def _needed_keys(
+    manifest: Manifest, optimizer: str, space: ModelSpace, param: int
+) -> tuple[str, ...]:
+    """The canonical keys this Optax state keeps for parameter ``param``: its own, since a
+    partition or a mask gives parameters different state (``optax.contrib.muon``: the
+    matrices Muon's momentum, the rest Adam's moments)."""
     if manifest.framework == "torch":
         return counterpart_keys(manifest.optimizer, optimizer) or ()
-    keys = {canonical_key(leaf.key) for leaf in space.leaves if leaf.param is not None}
+    keys = {canonical_key(leaf.key) for leaf in space.leaves if leaf.param == param}
     return tuple(sorted(keys | ({STEP} if _counts_as_steps(space) else set())))
 
 
@@ -502,9 +522,9 @@ def _check_loadable(
         return [spec.name for spec in space.specs]  # version 1: Flax names, layouts, keys
     specs = _canonical(space, modules)
     check_compatible(manifest, specs, optimizer=optimizer, framework="jax")
-    needed = _needed_keys(manifest, optimizer, space)
-    for spec in specs:
+    for i, spec in enumerate(specs):
         saved = manifest.state_keys.get(spec.name, ())
+        needed = _needed_keys(manifest, optimizer, space, i)
         check_state_keys(manifest.optimizer, optimizer, spec.name, saved, needed)
     return [spec.name for spec in specs]
 

@@ -32,6 +32,7 @@ from jax.extend import core as jcore
 from gradsync_jax._axes import cast_varying, varying
 from gradsync_jax.param_sharding.layout import LeafLayout, ParamLayout
 from gradsync_jax.zero.analysis import Analyser, Role, call_jaxpr
+from gradsync_jax.zero.matrices import keeps_muon_state
 from gradsync_jax.zero.model_space import model_space
 from gradsync_jax.zero.soundness import Soundness
 
@@ -84,6 +85,8 @@ class RowsUpdate:
         )
         whole = rows_tree(layout, lambda leaf: leaf.rows)
         local = rows_tree(layout, lambda leaf: leaf.padded_rows)
+        if keeps_muon_state(tx, whole):
+            raise _refusal(MUON_REFUSAL)
         try:
             space = model_space(tx, whole)
             soundness = Soundness(tx, space, whole, {}, totals=True)
@@ -150,6 +153,17 @@ class RowsUpdate:
         analyser.walk(closed, roles)
         outs = _Run(analyser.totals, self.geometry, axes).jaxpr(closed.jaxpr, closed.consts, leaves)
         return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+
+
+# Muon's refusal, before the analysis (whose first finding would be its Newton-Schulz
+# iterations on a row block): the exact way is the owner path of shard_optimizer.
+MUON_REFUSAL = (
+    "it orthogonalizes each matrix's momentum over the whole matrix (optax.contrib.muon's "
+    "Newton-Schulz iterations), which no device holding rows of a matrix can do; "
+    "shard_optimizer(tx, mesh) steps each matrix whole on the owner "
+    "gradsync_core.plan_matrix_owners plans by its Newton-Schulz work "
+    "(docs/matrix-optimizers.md)"
+)
 
 
 def _refusal(problem: str) -> ValueError:

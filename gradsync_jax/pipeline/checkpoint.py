@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Literal, overload
 
 import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from gradsync_core import Manifest
+from gradsync_core import Manifest, SaveHandle
 from gradsync_core.checkpoint import resolve_checkpoint, restore_data
 from gradsync_jax.checkpoint import load_optimizer_state, load_params, save_optimizer_state
 from gradsync_jax.pipeline.layout import (
@@ -59,6 +59,7 @@ def _convert(
     return out
 
 
+@overload
 def save_pipeline(
     path: str | os.PathLike[str],
     pipeline: PipelineStep,
@@ -69,7 +70,37 @@ def save_pipeline(
     optimizer_name: str | None = None,
     modules: Mapping[str, str] | None = None,
     data: Any = None,
-) -> Manifest:
+    blocking: Literal[True] = True,
+) -> Manifest: ...
+
+
+@overload
+def save_pipeline(
+    path: str | os.PathLike[str],
+    pipeline: PipelineStep,
+    params: Any,
+    opt_state: Any,
+    *,
+    step: int,
+    optimizer_name: str | None = None,
+    modules: Mapping[str, str] | None = None,
+    data: Any = None,
+    blocking: Literal[False],
+) -> SaveHandle: ...
+
+
+def save_pipeline(
+    path: str | os.PathLike[str],
+    pipeline: PipelineStep,
+    params: Any,
+    opt_state: Any,
+    *,
+    step: int,
+    optimizer_name: str | None = None,
+    modules: Mapping[str, str] | None = None,
+    data: Any = None,
+    blocking: bool = True,
+) -> Manifest | SaveHandle:
     """Save a pipeline step's parameters and optimizer state as one model's.
 
     Args:
@@ -84,9 +115,13 @@ def save_pipeline(
             e.g. ``{"0": "embedding"}``; default: torch's ``nn.Sequential(embedding,
             *blocks, head)`` names (``sequential_params``).
         data: a ``ResumableSampler`` whose position the manifest stores.
+        blocking: ``False``: return once the whole model's state is copied to host staging
+            memory; the file is written in the background (``save_optimizer_state`` says
+            how).
 
     Returns:
-        The manifest written.
+        The manifest written; with ``blocking=False`` a ``SaveHandle`` whose ``wait()``
+        returns it.
 
     Raises:
         ValueError: if the state does not mirror the parameters, and as
@@ -114,6 +149,7 @@ def save_pipeline(
         modules=modules,
         model=model,
         data=data,
+        blocking=blocking,
     )
 
 

@@ -1,7 +1,9 @@
 """Greedy partition: each device owns whole parameters (ZeRO-1 ownership, docs/design.md §4).
 
 Owners come from ``gradsync_core.plan_greedy_shards`` (torch's ``ZeroRedundancyOptimizer``
-rule), so a torch job with the same parameter list picks the same owners. Device ``d`` runs
+rule), so a torch job with the same parameter list picks the same owners; the matrices of a
+Muon (``matrices.py``) come from ``gradsync_core.plan_matrix_owners`` instead, balanced by
+Newton-Schulz work, the owners torch's ``MatrixOptimizer`` picks. Device ``d`` runs
 the inner transformation on the whole tensors it owns, so any Optax optimizer works, Adafactor
 included. The devices own different trees, so the update branches on ``lax.axis_index``
 (``lax.switch``: each device executes only its own branch), and the per-parameter state lives
@@ -25,9 +27,9 @@ import numpy as np
 import optax
 from jax import lax
 
-from gradsync_core import ShardPlan, plan_greedy_shards
+from gradsync_core import Shard, ShardPlan, plan_greedy_shards
 from gradsync_jax._axes import cast_varying, psum_scatter_mean, tracks_variance, varying
-from gradsync_jax._naming import registration_order
+from gradsync_jax._naming import registration_order, torch_name
 from gradsync_jax.zero.clip import global_norm_args
 from gradsync_jax.zero.layout import (
     Collective,
@@ -335,13 +337,31 @@ def build_greedy(
     *,
     order: Sequence[str] | None = None,
     modules: Mapping[str, str] | None = None,
+    matrix_owners: Mapping[int, int] | None = None,
 ) -> GreedyLayout:
     """Plan owners and row layouts for ``params`` (abstract) over ``n`` devices; ``order``:
-    the torch registration order (torch names, after ``modules`` renames)."""
+    the torch registration order (torch names, after ``modules`` renames);
+    ``matrix_owners``: the owners of a matrix optimizer's matrices by leaf index
+    (``matrices.matrix_owner_plan``), the rest planned greedily among themselves."""
+    fixed = dict(matrix_owners or {})
     # In torch registration order, not the tree's sorted order, so ties between equal sizes
     # go as in torch's ZeroRedundancyOptimizer: the same owners (docs/checkpoints.md).
-    specs = registration_order(space.specs, order=order, modules=modules)
+    rest = [spec for i, spec in enumerate(space.specs) if i not in fixed]
+    if fixed and order is not None:  # the order of the parameters greedy still plans
+        kept = {torch_name(spec.name, modules=modules) for spec in rest}
+        order = [name for name in order if name in kept]
+    specs = registration_order(rest, order=order, modules=modules)
     plan = plan_greedy_shards(specs, world_size=n)
+    if fixed:
+        plan = ShardPlan(
+            kind="greedy",
+            world_size=n,
+            shards=plan.shards
+            + tuple(
+                Shard(name=space.specs[i].name, rank=r, start=0, stop=space.specs[i].numel, group=0)
+                for i, r in sorted(fixed.items())
+            ),
+        )
     rank_of = {shard.name: shard.rank for shard in plan.shards}
     owner = tuple(rank_of[spec.name] for spec in space.specs)
     owned = tuple(tuple(i for i, o in enumerate(owner) if o == d) for d in range(n))

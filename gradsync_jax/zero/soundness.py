@@ -23,6 +23,7 @@ from gradsync_jax.zero.analysis import ELEMENT, UNIFORM, Analyser, Node, Role
 from gradsync_jax.zero.clip import global_norm_args
 from gradsync_jax.zero.flat import FlatLayout, NotElementwiseError, build_flat, not_elementwise
 from gradsync_jax.zero.greedy import GreedyLayout
+from gradsync_jax.zero.matrices import MUON_REASON, keeps_muon_state
 from gradsync_jax.zero.model_space import ModelSpace, model_space, path_parts, signature
 
 _NORM = jax.ShapeDtypeStruct((), np.float32)  # gradsync_jax.clip_by_global_norm's norm
@@ -479,6 +480,8 @@ def check_on_sample(
     if problem := soundness.coupling():
         raise ValueError(problem)
     if partition == "flat":
+        if keeps_muon_state(inner, _SAMPLE):
+            raise not_elementwise(MUON_REASON)
         layout, reason = flat_layout(soundness, inner, space, 2, 1 << 20)
         if layout is None:
             raise not_elementwise(reason)

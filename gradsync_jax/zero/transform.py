@@ -23,7 +23,7 @@ import optax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from gradsync_core import MIB, ShardPlan
+from gradsync_core import MIB, MatrixOwnerPlan, ShardPlan
 from gradsync_jax._axes import AxisName, axis_tuple, display_axis
 from gradsync_jax._compile_log import CompileLog
 from gradsync_jax.zero.checks import check_grads, check_inside, check_state
@@ -32,6 +32,7 @@ from gradsync_jax.zero.flat import FlatLayout, not_elementwise
 from gradsync_jax.zero.gathered import GatheredLayout, build_gathered
 from gradsync_jax.zero.greedy import build_greedy
 from gradsync_jax.zero.layout import Collective, Layout, UpdateInputs, UpdateResult, ZeroState
+from gradsync_jax.zero.matrices import MUON_REASON, keeps_muon_state, matrix_owner_plan
 from gradsync_jax.zero.model_space import abstract, model_space, pure, signature
 from gradsync_jax.zero.soundness import (
     Soundness,
@@ -107,7 +108,7 @@ class _LayoutCache:
         and ``"flat"`` refuse what the analysis cannot prove exact for them, unless it
         needs the update's extra arguments (then checked at the first trace)."""
         s = self.settings
-        space = model_space(s.inner, params)
+        space = _model_space(s.inner, params)
         # Torch's registration order, when given: the owners (and flat's buckets) follow it.
         ordered: dict[str, Any] = {
             "order": s.order,
@@ -142,10 +143,20 @@ class _LayoutCache:
                     self._verified.add(self._check_key(flat, True, probe))
                 return flat
             if s.partition == "flat":
-                raise not_elementwise(reason)
+                muon = keeps_muon_state(s.inner, params)
+                raise not_elementwise(MUON_REASON if muon else reason)
+        matrices = matrix_owner_plan(
+            s.inner, space, params, s.world_size, modules=ordered["modules"]
+        )
         try:
             greedy = build_greedy(
-                s.inner, space, params, s.world_size, s.bucket_cap_bytes, **ordered
+                s.inner,
+                space,
+                params,
+                s.world_size,
+                s.bucket_cap_bytes,
+                matrix_owners=None if matrices is None else matrices[1],
+                **ordered,
             )
         except ValueError:  # an init that cannot skip None leaves (galore)
             if s.partition != "auto":
@@ -207,6 +218,27 @@ class _LayoutCache:
         if id(layout) not in self._inits:
             self._inits[id(layout)] = _build_init(self.settings, layout)
         return self._inits[id(layout)]
+
+
+def _model_space(inner: optax.GradientTransformation, params: Any) -> Any:
+    """``model_space``, or one sentence where ``inner``'s init cannot run on a tree without
+    parameters (``optax.lbfgs``'s line search reads a parameter's dtype), which is how the
+    global state leaves (count, hyper-parameters) are told from the per-parameter ones.
+
+    Raises:
+        ValueError: naming the failure and the way that needs no state mapping.
+    """
+    try:
+        return model_space(inner, params)
+    except ValueError:
+        raise
+    except Exception as err:
+        first = (str(err).strip().splitlines() or [""])[0]
+        raise ValueError(
+            "shard_optimizer cannot map the inner transformation's state onto the parameters: "
+            f"its init fails on a tree without parameters ({type(err).__name__}: {first}); "
+            "keep this optimizer unsharded (data_parallel_step(loss_fn, tx, mesh))"
+        ) from err
 
 
 # An extra argument Optax optimizers commonly need before they can be traced (polyak_sgd's
@@ -351,6 +383,17 @@ class ShardedOptimizer(optax.GradientTransformationExtraArgs):
     def plan(self, params: Any) -> ShardPlan:
         """The ``gradsync_core.ShardPlan`` in force (owners, padding, imbalance)."""
         return self.layout(params).plan
+
+    def matrix_plan(self, params: Any) -> MatrixOwnerPlan | None:
+        """The matrix-owner plan of a Muon's matrices (torch names; the plan torch's
+        ``MatrixOptimizer`` makes for the twin model), or ``None`` for another optimizer.
+        The greedy partition steps each matrix on this plan's owner."""
+        params = abstract(pure(params))
+        s = self.settings
+        space = _model_space(s.inner, params)
+        modules = None if s.modules is None else dict(s.modules)
+        found = matrix_owner_plan(s.inner, space, params, s.world_size, modules=modules)
+        return None if found is None else found[0]
 
     def state_specs(self, params: Any) -> ZeroState:
         """The ``PartitionSpec`` of every state leaf: use as ``shard_map`` in/out specs."""

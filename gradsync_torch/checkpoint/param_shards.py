@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from gradsync_core.checkpoint import SaveHandle, data_extra, plan_dim0_shards, restore_data
 from gradsync_core.deprecation import deprecated_alias
+from gradsync_torch._optim_rules import StepsWholeTensors
 from gradsync_torch._optim_state import (
     OwnsShardedState,
     RankGroup,
@@ -51,6 +52,12 @@ class _Sharded:
     """A sharded model and its optimizer as the savers see them: names, ranks, parameters."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        if isinstance(optimizer, StepsWholeTensors):
+            raise ValueError(
+                "a MatrixOptimizer keeps each matrix's state on its owner and saves it itself: "
+                "call its save(path) / load(path) on every rank, and give this function the "
+                "model's elementwise optimizer (the AdamW of the other parameters)"
+            )
         if isinstance(optimizer, OwnsShardedState):
             raise ValueError(
                 "a fully_shard-ed model's parameters are already sharded: build a plain torch "

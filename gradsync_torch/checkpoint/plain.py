@@ -58,7 +58,8 @@ def load_optimizer_state_dict(
     if isinstance(optimizer, OwnsShardedState):
         raise ValueError(
             "load_optimizer_state_dict is for plain torch optimizers and was given a "
-            "ZeroRedundancyOptimizer; call its load(path, model=...) on every rank instead"
+            f"{type(optimizer).__name__}, which keeps its state sharded; call its "
+            "load(path, model=...) on every rank instead"
         )
     groups = optimizer.param_groups
     params = [p for group in groups for p in group["params"]]

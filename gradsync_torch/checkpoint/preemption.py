@@ -1,5 +1,7 @@
-"""Save before a scheduler's kill, in torch: ``gradsync_core``'s ``PreemptionHandler`` whose
-step-boundary exchange is an all-gather of ``[signalled, step]`` over a process group.
+"""Save before a scheduler's kill, in torch.
+
+``gradsync_core``'s ``PreemptionHandler`` whose step-boundary exchange is an all-gather of
+``[signalled, step]`` over a process group.
 
 The exchange runs in the training loop's thread, between steps, on the training group itself:
 in the same order on every rank as training's collectives, so it needs no group of its own

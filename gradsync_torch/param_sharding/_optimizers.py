@@ -5,7 +5,9 @@ See docs/torch-zero3.md, "Optimizers".
 Each rank steps its own rows of every parameter, so an optimizer gives the unsharded result
 only if it is elementwise (``gradsync_torch._optim_rules``). ``torch.optim.Muon`` is not: it
 orthogonalizes each rank's rows instead of the matrix (a 16-32-8 MLP at 2 ranks differed from
-one process by 1.9e-3 after 2 steps). FSDP2 has no optimizer wrapper, and neither has
+one process by 1.9e-3 after 2 steps); its refusal names the exact way,
+``gradsync_torch.MatrixOptimizer``, which steps each matrix whole on one owner (and is let
+through here: it never steps rows). FSDP2 has no optimizer wrapper, and neither has
 gradsync's ``fully_shard``: the user builds ``torch.optim.X(model.parameters())`` on the
 sharded parameters, so the optimizer is visible only when it steps. torch's one public place
 for that is a global step pre-hook (``register_optimizer_step_pre_hook``), which runs before
@@ -23,7 +25,12 @@ from torch.optim import Optimizer
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
-from gradsync_torch._optim_rules import elementwise_names, is_elementwise, qualified_name
+from gradsync_torch._optim_rules import (
+    StepsWholeTensors,
+    elementwise_names,
+    exact_path,
+    is_elementwise,
+)
 from gradsync_torch.param_sharding._unit import ROWS
 
 _HANDLE: list[RemovableHandle] = []  # the one registration in this process
@@ -44,7 +51,7 @@ def check_optimizer(optimizer: Optimizer, args: Any = (), kwargs: Any = None) ->
         ValueError: naming the optimizer, the elementwise ones and the alternative.
     """
     cls = type(optimizer)
-    if is_elementwise(cls):
+    if is_elementwise(cls) or isinstance(optimizer, StepsWholeTensors):
         return
     for group in optimizer.param_groups:
         for param in group["params"]:
@@ -54,8 +61,5 @@ def check_optimizer(optimizer: Optimizer, args: Any = (), kwargs: Any = None) ->
                     f"{rows.owner} cut this optimizer's parameters into rows over "
                     f"{rows.shard_size} ranks, and stepping each rank's rows alone is exact only "
                     f"for elementwise optimizers ({elementwise_names()} from torch.optim); "
-                    f"{qualified_name(cls)} may read a whole tensor (Muon orthogonalizes the "
-                    "matrix, Adafactor factors its moments), so its step would differ from one "
-                    "process: use an elementwise optimizer, or keep whole parameters on each "
-                    "rank (DataParallel with ZeroRedundancyOptimizer, ZeRO-1)"
+                    f"{exact_path(cls, 'rows')}"
                 )

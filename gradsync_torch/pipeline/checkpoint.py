@@ -8,30 +8,32 @@ and in JAX (``gradsync_jax.load_params``). A weight tied across two stages is st
 under the first stage's name, as the unpipelined model lists it.
 
 Saving gathers the first pipeline group's stages (gathered from their ``fully_shard``
-shards first) on rank 0, which writes; loading reads the weights on every rank and takes its
-stages' names (and, with ZeRO-3, its rows). Both are collectives over the world, and a
-problem on any rank is raised on every rank before anything changes.
+shards first) on rank 0, which writes (with ``blocking=False`` in a background thread, the
+gathered copies serving as the save's staging); loading reads the weights on every rank and
+takes its stages' names (and, with ZeRO-3, its rows). Both are collectives over the world,
+and a problem on any rank is raised on every rank before anything changes.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from gradsync_core import Manifest, read_manifest
-from gradsync_core.checkpoint import resolve_checkpoint
+from gradsync_core import Manifest, SaveHandle, read_manifest, wait_for_saves
+from gradsync_core.checkpoint import resolve_checkpoint, start_agreed_save
 from gradsync_torch._specs import unwrapped
 from gradsync_torch.agreement import agree_ok
 from gradsync_torch.checkpoint import zero as checkpoint
 from gradsync_torch.checkpoint.model_state import read_weights
 from gradsync_torch.checkpoint.plain import loaded_state_dict
 from gradsync_torch.checkpoint.plain_save import save_plain
+from gradsync_torch.checkpoint.save_agreement import RankSaveAgreement, background_ranks
 from gradsync_torch.param_sharding._rows import as_row_sharded, local_rows
 from gradsync_torch.pipeline.runtime import Pipeline
 from gradsync_torch.zero.state import RankGroup, hyper_parameters
@@ -71,9 +73,33 @@ def _check_local(pipe: Pipeline, optimizer: Any) -> str | None:
     return None
 
 
+@overload
 def save_pipeline(
-    path: str | os.PathLike[str], pipe: Pipeline, optimizer: torch.optim.Optimizer
-) -> None:
+    path: str | os.PathLike[str],
+    pipe: Pipeline,
+    optimizer: torch.optim.Optimizer,
+    *,
+    blocking: Literal[True] = True,
+) -> None: ...
+
+
+@overload
+def save_pipeline(
+    path: str | os.PathLike[str],
+    pipe: Pipeline,
+    optimizer: torch.optim.Optimizer,
+    *,
+    blocking: Literal[False],
+) -> SaveHandle: ...
+
+
+def save_pipeline(
+    path: str | os.PathLike[str],
+    pipe: Pipeline,
+    optimizer: torch.optim.Optimizer,
+    *,
+    blocking: bool = True,
+) -> SaveHandle | None:
     """Save the pipeline's weights and optimizer state as one model's (collective: every rank).
 
     Args:
@@ -81,14 +107,24 @@ def save_pipeline(
         pipe: the pipeline.
         optimizer: this rank's ``torch.optim`` optimizer of ``pipe.parameters()``, the same
             class and param groups (by position) on every rank.
+        blocking: ``False``: return once rank 0 holds the gathered stages (the gather copies
+            them, as a blocking save's does); rank 0 writes the file in a background thread
+            and every rank's handle ends with the agreed outcome, over a gloo group of its
+            own (``ZeroRedundancyOptimizer.save`` says how). At most one save is in flight.
+
+    Returns:
+        ``None``; with ``blocking=False`` a ``SaveHandle`` whose ``wait()`` returns the
+        manifest, on every rank.
 
     Raises:
         ValueError: on every rank, naming the first problem (tensor-parallel stages, ranks
-            whose param groups differ, a failed write).
+            whose param groups differ, a failed write; with ``blocking=False`` a failed write
+            at ``wait()``, the next save or, unraised, at exit).
 
     Example:
         >>> save_pipeline("ckpt/step100", pipe, optimizer)  # doctest: +SKIP
     """
+    wait_for_saves()  # the save in flight first, on every rank (its failure raised on all)
     group = pipe._check
     what = f"cannot save pipeline checkpoint {os.fspath(path)}"
     agree_ok(_check_local(pipe, optimizer), group, what=what)
@@ -97,15 +133,30 @@ def save_pipeline(
     writers = pipe.plan.topology.groups("pp")[0]  # one pipeline group holds the whole model
     gathered: list[Any] | None = [None] * dist.get_world_size() if rank == 0 else None
     dist.gather_object(mine if rank in writers else None, gathered, dst=0, group=group)
-    error = None
-    if rank == 0:
+
+    def write() -> str | None:
+        """Rank 0 writes the whole model's checkpoint; its failure, as one sentence."""
+        if rank != 0:
+            return None
         assert gathered is not None
         try:
             whole, opt = _assemble(gathered, pipe.tied, type(optimizer))
             save_plain(path, whole, opt)
         except Exception as e:  # every rank must hear it
-            error = str(e)
-    agree_ok(error, group, what=what)
+            return str(e)
+        return None
+
+    if blocking:
+        agree_ok(write(), group, what=what)
+        return None
+    ranks = background_ranks(RankGroup(group, dist.get_rank(group), dist.get_world_size(group)))
+    agreement = RankSaveAgreement(ranks)
+
+    def run() -> Manifest:
+        agreement.all_ok(write(), what)
+        return read_manifest(path, verify_files=False)  # written and switched: agreed above
+
+    return start_agreed_save(path, run, what=what, who=agreement.who)
 
 
 def _assemble(

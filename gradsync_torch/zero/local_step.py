@@ -24,13 +24,9 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
+from gradsync_core.plan import ELEMENTWISE, PER_TENSOR
+from gradsync_torch._optim_rules import kind_of
 from gradsync_torch.zero.broadcast import Job
-from gradsync_torch.zero.options import ELEMENTWISE
-
-# torch.optim classes whose step treats every tensor on its own. Adafactor's factored moments
-# are per tensor too; LBFGS (one flat view of all parameters) and SparseAdam are not here.
-PER_TENSOR = ELEMENTWISE | {"Adafactor"}
-
 
 # torch.optim classes whose foreach step gives the bits of their per-tensor loop on CPU
 # (torch 2.13; each checked with weight decay, momentum, nesterov, amsgrad, centered,
@@ -47,8 +43,10 @@ def _is_torch(optimizer_class: type, names: frozenset[str]) -> bool:
 
 
 def steps_per_tensor(optimizer_class: type) -> bool:
-    """Whether stepping a subset of ``optimizer_class``'s parameters at a time is exact."""
-    return _is_torch(optimizer_class, PER_TENSOR)
+    """Whether stepping a subset of ``optimizer_class``'s parameters at a time is exact: its
+    step treats every tensor on its own (the core's ``elementwise`` and ``per_tensor``
+    kinds: not LBFGS, one flat view of all parameters, nor SparseAdam)."""
+    return kind_of(optimizer_class) in (ELEMENTWISE, PER_TENSOR)
 
 
 def foreach_on_cpu_groups(optim: Optimizer) -> list[dict[str, Any]]:

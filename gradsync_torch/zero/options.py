@@ -3,8 +3,9 @@
 The checks refuse a combination which cannot work; the link is to a sharding ``DataParallel``
 (docs/torch-zero.md).
 
-The ZeRO-2 allow-list is ``gradsync_torch._optim_rules``' (``fully_shard`` applies the same
-rule to its rows); ``ELEMENTWISE`` is re-exported here for the local step.
+The optimizer rule is the core's (``gradsync_torch._optim_rules``; ``fully_shard`` applies the
+same rule to its rows): ZeRO-2 steps elementwise optimizers only, and ZeRO-1 refuses a coupled
+one (L-BFGS), which no rank can step a part of the model of.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ from typing import Any
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from gradsync_torch._optim_rules import ELEMENTWISE as ELEMENTWISE  # for local_step.py
-from gradsync_torch._optim_rules import elementwise_names, is_elementwise, qualified_name
+from gradsync_core.plan import COUPLED
+from gradsync_torch._optim_rules import elementwise_names, exact_path, is_elementwise, kind_of
 from gradsync_torch.data_parallel import DataParallel, ReduceScatter
 
 
@@ -25,10 +26,23 @@ def check_elementwise(optimizer_class: type) -> None:
     if not is_elementwise(optimizer_class):
         raise ValueError(
             f"gradient sharding (ZeRO-2) cuts parameters into element ranges, which is exact "
-            f"only for elementwise optimizers ({elementwise_names()} from "
-            f"torch.optim); {qualified_name(optimizer_class)} may "
-            "read a whole tensor (a norm, factored moments), so use ZeRO-1 "
-            "(shard_gradients=False), which shards whole parameters"
+            f"only for elementwise optimizers ({elementwise_names()} from torch.optim); "
+            f"{exact_path(optimizer_class, 'ranges')}"
+            + (
+                ", or use ZeRO-1 (shard_gradients=False), which shards whole parameters"
+                if kind_of(optimizer_class) != COUPLED
+                else ""
+            )
+        )
+
+
+def check_not_coupled(optimizer_class: type) -> None:
+    """Raise ``ValueError`` if ``optimizer_class`` couples every parameter (L-BFGS): each
+    rank would step its own parameters with a search over those alone."""
+    if kind_of(optimizer_class) == COUPLED:
+        raise ValueError(
+            "ZeroRedundancyOptimizer steps each rank's parameters with its own local "
+            f"optimizer; {exact_path(optimizer_class, 'ranges')}"
         )
 
 
@@ -44,7 +58,8 @@ def check_options(
 
     Raises:
         TypeError: if ``optimizer_class`` is not a torch optimizer class.
-        ValueError: for a non-elementwise optimizer with ZeRO-2, ``data_parallel`` without
+        ValueError: for a coupled optimizer (L-BFGS), a non-elementwise one with ZeRO-2,
+            ``data_parallel`` without
             ZeRO-2, a non-positive bucket cap or ``overlap_with_ddp``.
         RuntimeError: if torch.distributed is not initialized.
     """
@@ -58,6 +73,7 @@ def check_options(
             f"optimizer_class must be a torch.optim.Optimizer subclass such as "
             f"torch.optim.Adam, got {optimizer_class!r}"
         )
+    check_not_coupled(optimizer_class)
     if shard_gradients:
         check_elementwise(optimizer_class)
     elif data_parallel is not None:

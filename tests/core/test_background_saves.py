@@ -26,9 +26,6 @@ import pytest
 
 from gradsync_core import (
     CheckpointError,
-    Manifest,
-    ParamSpec,
-    plan_greedy_shards,
     read_manifest,
     wait_for_saves,
 )
@@ -37,7 +34,6 @@ from gradsync_core.checkpoint import (
     SaveSteps,
     TensorBytes,
     rank_file,
-    rank_file_metadata,
     read_header,
     run_save,
     save_hook,
@@ -45,56 +41,9 @@ from gradsync_core.checkpoint import (
     tensor_file,
     write_rank_file,
 )
+from tests.core.background_save_problem import Alone, value_save
 
 ROOT = Path(__file__).resolve().parents[2]
-SPEC = ParamSpec(name="w", shape=(4,))
-
-
-class Alone:
-    """The ``SaveAgreement`` of a save with one rank: nothing to agree with."""
-
-    leader = True
-    who = "rank 0"
-
-    def all_ok(self, error: str | None, what: str) -> None:
-        if error is not None:
-            raise CheckpointError(f"{what}: {error}")
-
-    def share_token(self, token: str | None) -> str:
-        assert token is not None
-        return token
-
-    def gather(self, record: Any) -> list[Any]:
-        return [record]
-
-
-def _steps(values: bytearray, step: int, *, staged: bool) -> SaveSteps[Any]:
-    """A save of ``values`` (4 float32) as parameter ``w``'s ``exp_avg``; ``staged``: copied
-    at ``prepare`` (what a background save's staging does), else written from ``values``."""
-
-    def prepare() -> Any:
-        return bytes(values) if staged else values
-
-    def write_files(data: Any, staging: str) -> dict[int, str]:
-        chunks = tensor_file(
-            [TensorBytes("w/exp_avg", "F32", (4,), data)], rank_file_metadata(0, 1)
-        )
-        return {0: write_rank_file(staging, rank_file(0, 1), chunks)}
-
-    def manifest(data: Any, files: dict[int, str], records: list[Any]) -> Manifest:
-        return Manifest(
-            framework="torch",
-            optimizer="torch.optim.Adam",
-            world_size=1,
-            step=step,
-            params=(SPEC,),
-            plan=plan_greedy_shards((SPEC,), world_size=1),
-            state_keys={"w": ("exp_avg",)},
-            files={rank_file(0, 1): files[0]},
-            extra={"param_groups": [{"lr": 0.1, "params": ["w"]}], "scalars": {}},
-        )
-
-    return SaveSteps(prepare=prepare, write_files=write_files, manifest=manifest)
 
 
 def _floats(*values: float) -> bytearray:
@@ -123,7 +72,9 @@ def test_the_file_holds_the_state_at_the_call_while_training_changes_it(tmp_path
     values = _floats(1, 2, 3, 4)
     release = threading.Event()
     with save_hook("before_file", lambda: release.wait(10)):
-        handle = start_save(tmp_path / "ckpt", Alone(), _steps(values, 3, staged=True), what="x")
+        handle = start_save(
+            tmp_path / "ckpt", Alone(), value_save(values, 3, staged=True), what="x"
+        )
         values[:] = _floats(9, 9, 9, 9)  # the next training step, while the save is in flight
         assert not handle.done()
         release.set()
@@ -143,13 +94,16 @@ def test_a_second_save_waits_for_the_one_in_flight(tmp_path: Path) -> None:
 
     with save_hook("before_file", slow_first_file):
         first = start_save(
-            tmp_path / "a", Alone(), _steps(_floats(1, 1, 1, 1), 1, staged=True), what="x"
+            tmp_path / "a", Alone(), value_save(_floats(1, 1, 1, 1), 1, staged=True), what="x"
         )
         done = []
         second = threading.Thread(
             target=lambda: done.append(
                 run_save(
-                    tmp_path / "b", Alone(), _steps(_floats(2, 2, 2, 2), 2, staged=False), what="x"
+                    tmp_path / "b",
+                    Alone(),
+                    value_save(_floats(2, 2, 2, 2), 2, staged=False),
+                    what="x",
                 )
             )
         )
@@ -168,10 +122,10 @@ def _disk_full() -> None:
 
 def test_a_failure_is_raised_at_wait_and_the_previous_checkpoint_stays(tmp_path: Path) -> None:
     path = tmp_path / "ckpt"
-    run_save(path, Alone(), _steps(_floats(1, 2, 3, 4), 1, staged=False), what="x")
+    run_save(path, Alone(), value_save(_floats(1, 2, 3, 4), 1, staged=False), what="x")
     with save_hook("before_file", _disk_full):
         handle = start_save(
-            path, Alone(), _steps(_floats(5, 6, 7, 8), 2, staged=True), what="cannot save P"
+            path, Alone(), value_save(_floats(5, 6, 7, 8), 2, staged=True), what="cannot save P"
         )
         with pytest.raises(
             CheckpointError,
@@ -182,27 +136,29 @@ def test_a_failure_is_raised_at_wait_and_the_previous_checkpoint_stays(tmp_path:
         handle.wait()
     assert _stored(path) == [1, 2, 3, 4] and read_manifest(path).step == 1
     assert wait_for_saves() is None  # raised by wait(): the next save starts
-    run_save(path, Alone(), _steps(_floats(5, 6, 7, 8), 2, staged=False), what="x")
+    run_save(path, Alone(), value_save(_floats(5, 6, 7, 8), 2, staged=False), what="x")
     assert _stored(path) == [5, 6, 7, 8]
 
 
 def test_an_unwaited_failure_is_raised_by_the_next_save_once(tmp_path: Path) -> None:
     path = tmp_path / "ckpt"
     with save_hook("after_file", lambda: (_ for _ in ()).throw(RuntimeError("the writer broke"))):
-        start_save(path, Alone(), _steps(_floats(1, 2, 3, 4), 1, staged=True), what="cannot save P")
+        start_save(
+            path, Alone(), value_save(_floats(1, 2, 3, 4), 1, staged=True), what="cannot save P"
+        )
         time.sleep(0.2)
     with pytest.raises(
         CheckpointError,
         match="cannot save P: rank 0 could not write its file: RuntimeError: the writer broke",
     ):
-        start_save(path, Alone(), _steps(_floats(5, 6, 7, 8), 2, staged=True), what="x")
+        start_save(path, Alone(), value_save(_floats(5, 6, 7, 8), 2, staged=True), what="x")
     assert not path.exists()  # the failed save switched nothing in, the refused one started not
-    handle = start_save(path, Alone(), _steps(_floats(5, 6, 7, 8), 2, staged=True), what="x")
+    handle = start_save(path, Alone(), value_save(_floats(5, 6, 7, 8), 2, staged=True), what="x")
     assert handle.wait(timeout=10).step == 2  # raised once: this save ran
 
 
 def test_a_failure_to_stage_is_agreed_in_the_background(tmp_path: Path) -> None:
-    steps = _steps(_floats(1, 2, 3, 4), 1, staged=True)
+    steps = value_save(_floats(1, 2, 3, 4), 1, staged=True)
 
     def broken() -> Any:
         raise ValueError("state 'exp_avg' of 'w' is not a tensor")
@@ -225,7 +181,7 @@ _EXIT_WITH_SAVE_IN_FLIGHT = """
 import array, errno, os, sys, time
 sys.path.insert(0, {root!r})
 from gradsync_core.checkpoint import save_hook, start_save
-from tests.core.test_background_saves import Alone, _steps
+from tests.core.background_save_problem import Alone, value_save
 
 def slow_then(fail):
     time.sleep(0.5)  # the interpreter is exiting by now
@@ -235,7 +191,8 @@ def slow_then(fail):
 hook = save_hook("before_file", lambda: slow_then(sys.argv[2] == "fail"))
 hook.__enter__()
 values = bytearray(array.array("f", [1, 2, 3, 4]).tobytes())
-start_save(sys.argv[1], Alone(), _steps(values, 7, staged=True), what="cannot save " + sys.argv[1])
+save = value_save(values, 7, staged=True)
+start_save(sys.argv[1], Alone(), save, what="cannot save " + sys.argv[1])
 print("returned", flush=True)
 """
 

@@ -10,6 +10,7 @@ import pytest
 
 from gradsync_core import BucketPlan, ShardPlan, Topology
 from gradsync_core.cli._main import main
+from tests.support.checkpoints import write_checkpoint
 
 
 def gradsync(*args, cwd=None):
@@ -211,6 +212,7 @@ def test_help_states_the_maxima():
         assert maximum in text
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args",
     [
@@ -274,72 +276,8 @@ def test_console_script_is_installed():
 # -- gradsync checkpoint inspect -----------------------------------------------------------
 
 
-def _safetensors(tensors: dict[str, list[float]]) -> bytes:
-    """A float32 safetensors file, written with the standard library as the format says:
-    8-byte little-endian header length, JSON header, then the bytes."""
-    import struct
-
-    header, body = {}, b""
-    for key, values in tensors.items():
-        data = struct.pack(f"<{len(values)}f", *values)
-        header[key] = {
-            "dtype": "F32",
-            "shape": [len(values)],
-            "data_offsets": [len(body), len(body) + len(data)],
-        }
-        body += data
-    text = json.dumps(header).encode()
-    return struct.pack("<Q", len(text)) + text + body
-
-
-def _write_checkpoint(directory, position=None):
-    """A 2-rank greedy Adam checkpoint of a 3-parameter model, with one model weight (and the
-    data position ``position``, a cursor's JSON, if given)."""
-    import hashlib
-
-    from gradsync_core import Manifest, ParamSpec, plan_greedy_shards
-    from gradsync_core.checkpoint import rank_file, write_manifest
-
-    specs = [
-        ParamSpec(name="fc.weight", shape=(4,)),
-        ParamSpec(name="fc.bias", shape=(2,)),
-        ParamSpec(name="emb.weight", shape=(3,), requires_grad=False),
-    ]
-    plan = plan_greedy_shards(specs, world_size=2)
-    owner = {s.name: s.rank for s in plan.shards}
-    files, scalars = {}, {}
-    for rank in range(2):
-        tensors = {}
-        for spec in specs[:2]:
-            if owner[spec.name] == rank:
-                tensors[f"{spec.name}/exp_avg"] = [0.5] * spec.numel
-                scalars[f"{spec.name}/step"] = 7
-        if rank == 0:
-            tensors["__model__/emb.weight"] = [1.0, 2.0, 3.0]
-        data = _safetensors(tensors)
-        (directory / rank_file(rank, 2)).write_bytes(data)
-        files[rank_file(rank, 2)] = hashlib.sha256(data).hexdigest()
-    manifest = Manifest(
-        framework="torch",
-        optimizer="torch.optim.Adam",
-        world_size=2,
-        step=7,
-        params=tuple(specs),
-        plan=plan,
-        state_keys={s.name: ("exp_avg", "step") for s in specs[:2]},
-        files=files,
-        extra={
-            "scalars": scalars,
-            "model": {"emb.weight": 0},
-            **({"data": position} if position is not None else {}),
-        },
-    )
-    write_manifest(directory, manifest)
-    return plan, owner
-
-
 def test_checkpoint_inspect_verifies_and_describes(tmp_path):
-    plan, owner = _write_checkpoint(tmp_path)
+    plan, owner = write_checkpoint(tmp_path)
     out = gradsync("checkpoint", "inspect", str(tmp_path))
     assert out.returncode == 0, out.stderr
     assert "every file matches its sha256" in out.stdout
@@ -369,7 +307,7 @@ def test_checkpoint_inspect_shows_the_data_position(tmp_path):
     from gradsync_core import DataCursor
 
     cursor = DataCursor(epoch=3, consumed=48, seed=7, dataset_size=100, shuffle=True)
-    _write_checkpoint(tmp_path, position=cursor.to_json())
+    write_checkpoint(tmp_path, position=cursor.to_json())
     out = gradsync("checkpoint", "inspect", str(tmp_path))
     assert out.returncode == 0, out.stderr
     assert (
@@ -383,7 +321,7 @@ def test_checkpoint_inspect_shows_the_data_position(tmp_path):
 def test_a_manifest_with_a_bad_data_position_is_refused(tmp_path):
     from gradsync_core import read_manifest
 
-    _write_checkpoint(tmp_path, position={"kind": "data_cursor", "epoch": "one"})
+    write_checkpoint(tmp_path, position={"kind": "data_cursor", "epoch": "one"})
     with pytest.raises(ValueError, match=r"manifest field 'extra\.data' is not a data cursor"):
         read_manifest(tmp_path)
 
@@ -402,7 +340,7 @@ def test_a_manifest_with_a_bad_data_position_is_refused(tmp_path):
 def test_checkpoint_inspect_refuses_bad_checkpoints(tmp_path, damage, message):
     directory = tmp_path / "ckpt"
     directory.mkdir()
-    _write_checkpoint(directory)
+    write_checkpoint(directory)
     rank1 = directory / "rank-00001-of-00002.safetensors"
     if damage == "flip":
         data = bytearray(rank1.read_bytes())

@@ -13,11 +13,7 @@ import pytest
 
 from gradsync_core import EXPERT_GROUPS, STANDARD_GROUPS, Topology
 
-with warnings.catch_warnings():  # megatron warns that Apex / Transformer Engine are absent
-    warnings.simplefilter("ignore")
-    parallel_state = pytest.importorskip(
-        "megatron.core.parallel_state", reason="megatron-core is not installed"
-    )
+pytestmark = pytest.mark.slow  # importing megatron-core alone takes seconds
 
 # Megatron-core's names for gradsync's expert groups, asked of its expert generator.
 EXPERT_NAMES = {"ep": "ep", "etp": "tp", "edp": "dp", "etp-ep": "tp-ep", "etp-ep-pp": "tp-ep-pp"}
@@ -47,7 +43,7 @@ def _random_configs(count: int, seed: int) -> list[dict]:
     return configs
 
 
-def _megatron(topo: Topology):
+def _megatron(parallel_state, topo: Topology):
     dense = parallel_state.RankGenerator(
         tp=topo.tp, ep=1, dp=topo.dp, pp=topo.pp, cp=topo.cp, order=topo.order, rank_offset=0
     )
@@ -64,7 +60,19 @@ def _as_tuples(groups) -> tuple[tuple[int, ...], ...]:
 CONFIGS = _random_configs(300, seed=15)
 
 
-def test_every_dense_and_expert_group_matches_megatron_core():
+@pytest.fixture(scope="module", name="parallel_state")
+def _parallel_state():
+    """megatron-core's ``parallel_state``, imported by the first test that needs it rather than
+    at collection: megatron-core imports torch and probes for Apex and Transformer Engine,
+    seconds that every pytest worker would pay for every run, ``-m "not slow"`` included."""
+    with warnings.catch_warnings():  # megatron warns that Apex / Transformer Engine are absent
+        warnings.simplefilter("ignore")
+        return pytest.importorskip(
+            "megatron.core.parallel_state", reason="megatron-core is not installed"
+        )
+
+
+def test_every_dense_and_expert_group_matches_megatron_core(parallel_state):
     compared = refused = 0
     for config in CONFIGS:
         try:
@@ -86,7 +94,7 @@ def test_every_dense_and_expert_group_matches_megatron_core():
             )
             refused += 1
             continue
-        dense, expert = _megatron(topo)
+        dense, expert = _megatron(parallel_state, topo)
         for name in DENSE_NAMES:
             assert topo.groups(name) == _as_tuples(dense.get_ranks(name)), (config, name)
         for name, theirs in EXPERT_NAMES.items():

@@ -19,11 +19,8 @@ import pytest
 from gradsync_core import EXPERT_GROUPS, Topology
 from gradsync_core.plan._rank_generator import complete_order
 
-with warnings.catch_warnings():  # megatron warns that Apex / Transformer Engine are absent
-    warnings.simplefilter("ignore")
-    parallel_state = pytest.importorskip(
-        "megatron.core.parallel_state", reason="megatron-core is not installed"
-    )
+pytestmark = pytest.mark.slow  # importing megatron-core alone takes seconds
+
 dist = pytest.importorskip("torch.distributed")
 fake_pg = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
 
@@ -58,8 +55,20 @@ CASES = {
 }
 
 
+@pytest.fixture(scope="module", name="parallel_state")
+def _parallel_state():
+    """megatron-core's ``parallel_state``, imported by the first test that needs it rather than
+    at collection: megatron-core imports torch and probes for Apex and Transformer Engine,
+    seconds that every pytest worker would pay for every run, ``-m "not slow"`` included."""
+    with warnings.catch_warnings():  # megatron warns that Apex / Transformer Engine are absent
+        warnings.simplefilter("ignore")
+        return pytest.importorskip(
+            "megatron.core.parallel_state", reason="megatron-core is not installed"
+        )
+
+
 @pytest.fixture
-def fake_world():
+def fake_world(parallel_state):
     """Start a fake process group of a given size (rank 0); torn down after the test."""
 
     def start(world_size: int) -> None:
@@ -72,7 +81,7 @@ def fake_world():
         dist.destroy_process_group()
 
 
-def _megatron_outcome(world_size: int, kwargs: dict) -> tuple[str | None, dict]:
+def _megatron_outcome(parallel_state, world_size: int, kwargs: dict) -> tuple[str | None, dict]:
     """(the error megatron-core raises or None, rank 0's groups by gradsync name)."""
     order = kwargs.get("order", "tp-cp-ep-dp-pp")
     with warnings.catch_warnings():
@@ -109,10 +118,10 @@ def _gradsync_outcome(world_size: int, kwargs: dict) -> tuple[str | None, Topolo
 
 
 @pytest.mark.parametrize("case", list(CASES.values()), ids=list(CASES))
-def test_topology_accepts_and_refuses_what_megatron_does(case, fake_world):
+def test_topology_accepts_and_refuses_what_megatron_does(case, fake_world, parallel_state):
     world_size, kwargs = case
     fake_world(world_size)
-    theirs, rank0 = _megatron_outcome(world_size, kwargs)
+    theirs, rank0 = _megatron_outcome(parallel_state, world_size, kwargs)
     ours, topo = _gradsync_outcome(world_size, kwargs)
     typed = kwargs.get("order", "tp-cp-ep-dp-pp")
     if theirs is not None:
@@ -203,11 +212,11 @@ def _random_cases(count: int, seed: int) -> list[tuple[int, dict]]:
     return cases
 
 
-def test_random_layouts_have_megatrons_outcome(fake_world):
+def test_random_layouts_have_megatrons_outcome(fake_world, parallel_state):
     accepted = refused = 0
     for world_size, kwargs in _random_cases(200, seed=22):
         fake_world(world_size)
-        theirs, rank0 = _megatron_outcome(world_size, kwargs)
+        theirs, rank0 = _megatron_outcome(parallel_state, world_size, kwargs)
         ours, topo = _gradsync_outcome(world_size, kwargs)
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # each example is a fresh interpreter training a model
+
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 TIMEOUT_S = 600
@@ -61,7 +63,7 @@ def summary(stdout: str) -> dict:
 
 @pytest.mark.parametrize(
     "example",
-    ["flax_nnx_train.py", pytest.param("flax_linen_train.py", marks=pytest.mark.slow)],
+    ["flax_nnx_train.py", "flax_linen_train.py"],
 )
 def test_flax_save_then_resume_continues_the_run(example, tmp_path):
     ckpt = str(tmp_path / "ckpt")
@@ -88,7 +90,6 @@ def test_flax_save_then_resume_continues_the_run(example, tmp_path):
     assert resumed["first_loss"] != fresh["first_loss"], "the next batches, not the first"
 
 
-@pytest.mark.slow
 def test_flax_dp_train_matches_plain_jax():
     done = run(["flax_dp_train.py", "--steps", "12", "--devices", "4", "--accumulate", "2"])
     assert number("largest relative parameter difference from the baseline:", done.stdout) < (
@@ -96,7 +97,6 @@ def test_flax_dp_train_matches_plain_jax():
     )
 
 
-@pytest.mark.slow
 def test_jax_tp_train_matches_the_serial_model():
     done = run(["jax_tp_train.py", "--steps", "3"])
     assert summary(done.stdout)["max_param_drift"] < 1e-4
@@ -112,13 +112,11 @@ def test_torch_train_matches_torch_ddp(tmp_path):
     assert (tmp_path / "model.safetensors").exists()
 
 
-@pytest.mark.slow
 def test_torch_tp_train_matches_the_serial_model():
     done = run(["torch_tp_train.py", "--tp", "2", "--cp", "1", "--steps", "3"], torchrun=2)
     assert summary(done.stdout)["max_param_drift"] < 1e-4
 
 
-@pytest.mark.slow
 def test_cross_framework_continues_the_torch_run():
     """The README's two statements: below 1e-6 with the example's Adam b2 = 0.99, and more
     (Optax's float32 bias correction ``1 - b2**t``) with torch's default 0.999, still within

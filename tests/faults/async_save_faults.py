@@ -24,7 +24,7 @@ from torch import nn
 
 from gradsync_core import CheckpointError, wait_for_saves
 from gradsync_core.checkpoint import save_hook
-from tests.torch.async_save_checks import pair, reference_state
+from tests.torch.async_save_checks import linear_stack, pair, reference_state
 from tests.torch.zero_helpers import Pair, plain, zero
 
 SAVED_STEPS, MORE_STEPS = 3, 2
@@ -134,6 +134,47 @@ def failures_in_background(rank: int, world_size: int, root: str) -> dict[str, A
     later.wait(timeout=60)
     handle.wait()
     return out
+
+
+# A real write that fails: rank 1's files may not grow past this (RLIMIT_FSIZE), and its rank
+# file of BIG_SIZES' Adam state is 2 MiB; nothing else the rank writes comes near it.
+FILE_LIMIT = 1 << 20
+BIG_SIZES = (16, 512, 512, 512, 8)  # two 512 x 512 weights: one per rank
+
+
+def file_too_large(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """A background write that the kernel stops (``EFBIG``: rank 1's file passes its size
+    limit, the failure of a disk filling up under the write, for real): every rank's
+    ``wait()`` raises one sentence, the half-written file is gone with the staging directory,
+    and the path keeps the previous checkpoint (whose reference state this returns)."""
+    import resource
+    import signal
+
+    run = Pair(
+        world_size,
+        zero(torch.optim.Adam, lr=1e-2),  # the JAX load's optax.adam(1e-2)
+        plain(torch.optim.Adam, lr=1e-2),
+        model=linear_stack(*BIG_SIZES),
+    )
+    path = os.path.join(root, "too-large")
+    for _ in range(SAVED_STEPS):
+        run.step()
+    run.opt.save(path, blocking=False).wait(timeout=60)  # the background group exists
+    saved = reference_state(run)
+    run.step()
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if rank == 1:  # a write past the limit fails with EFBIG instead of killing the process
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (FILE_LIMIT, hard))
+    try:
+        handle = run.opt.save(path, blocking=False)
+        run.step()  # training goes on beside the failing write
+        with pytest.raises(CheckpointError) as raised:
+            handle.wait(timeout=60)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    leftovers = sorted(n for n in os.listdir(root) if ".tmp-" in n)  # a staging directory
+    return {"raised": str(raised.value), "saved": saved, "leftovers": leftovers}
 
 
 def soak(rank: int, world_size: int, root: str, saves: int) -> dict[str, Any]:

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 import gradsync_torch as gt
-from tests.torch.harness import run_workers
+from tests.support.harness import run_workers
 
 
 def _model(layers: int, width: int) -> nn.Module:

@@ -29,8 +29,8 @@ from gradsync_core.checkpoint import SAVE_FAILED_EXIT, save_hook
 from gradsync_jax import load_optimizer_state, save_optimizer_state, shard_optimizer
 from tests.faults import async_jax_worker as worker
 from tests.faults.jax_save_worker import DIED, bumped, problem
-from tests.jax.test_async_save import optax_moments, torch_moments
-from tests.jax.test_zero_checkpoint import mesh_of
+from tests.jax.async_save_problem import optax_moments, torch_moments
+from tests.support.meshes import mesh_of
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 120
@@ -71,6 +71,7 @@ def _no_save_left() -> Any:
         pass
 
 
+@pytest.mark.slow
 def test_a_process_killed_during_the_background_write_keeps_the_previous_checkpoint(
     tmp_path: Path,
 ) -> None:
@@ -138,6 +139,7 @@ def test_a_second_save_waits_for_the_one_writing(tmp_path: Path) -> None:
     assert_loads_everywhere(tmp_path / "b", tx, params, second, step=2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["exit-ok", "exit-fail"])
 def test_exiting_with_a_save_in_flight(tmp_path: Path, mode: str) -> None:
     tx, params = problem()

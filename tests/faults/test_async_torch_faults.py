@@ -3,8 +3,9 @@
 exits with the save in flight, and 1,000 saves in a row.
 
 In every case the previous checkpoint still loads bitwise at another world size (a plain
-torch Adam, world size 1) and in the other framework (``optax.adam`` in JAX, here), and the
-failure reaches every rank as one sentence (tests/faults/async_save_faults.py).
+torch Adam, world size 1) and in the other framework (``optax.adam`` in JAX;
+tests/faults/async_save_loads.py), and the failure reaches every rank as one sentence
+(tests/faults/async_save_faults.py).
 """
 
 from __future__ import annotations
@@ -17,41 +18,16 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import optax
 import pytest
 
 from gradsync_core.checkpoint import SAVE_FAILED_EXIT
-from gradsync_jax import load_optimizer_state, to_torch_state
 from tests.faults import async_save_faults as faults
-from tests.torch.async_save_checks import assert_same, plain_state
-from tests.torch.harness import run_workers, run_workers_outcomes
+from tests.faults.async_save_loads import assert_loads_everywhere
+from tests.support.harness import run_workers, run_workers_outcomes
 
 PG_TIMEOUT_S = 5.0
 WORLD = 2
 ROOT = Path(__file__).resolve().parents[2]
-JAX_LIKE = {
-    name: {"kernel": np.zeros((n_in, n_out), np.float32), "bias": np.zeros(n_out, np.float32)}
-    for name, n_in, n_out in (("0", 16, 32), ("2", 32, 24), ("4", 24, 8))
-}
-
-
-def jax_state(path: str | Path) -> dict[str, np.ndarray]:
-    """The checkpoint loaded into ``optax.adam`` in JAX, by torch ``"<name>/<key>"``."""
-    state, _ = load_optimizer_state(path, optax.adam(1e-2), JAX_LIKE)
-    adam = state[0]
-    out: dict[str, np.ndarray] = {}
-    for key, tree in (("exp_avg", adam.mu), ("exp_avg_sq", adam.nu)):
-        for name, value in to_torch_state(tree).items():
-            out[f"{name}/{key}"] = np.asarray(value)
-            out[f"{name}/step"] = np.asarray(adam.count, np.float32)
-    return out
-
-
-def assert_loads_everywhere(path: str | Path, saved: dict[str, np.ndarray], what: str) -> None:
-    """``path`` holds ``saved`` bitwise, read by a plain torch Adam at world size 1 and by
-    ``optax.adam`` in JAX."""
-    assert_same(plain_state(str(path)), saved, f"{what}: torch, world size 1")
-    assert_same(jax_state(path), saved, f"{what}: JAX")
 
 
 def _kill(directory: Path, point: str) -> tuple[str, str, list[Any]]:
@@ -62,6 +38,7 @@ def _kill(directory: Path, point: str) -> tuple[str, str, list[Any]]:
     return point, path, outcomes
 
 
+@pytest.mark.slow
 def test_a_rank_killed_during_the_background_write_keeps_the_previous_checkpoint(
     tmp_path: Path,
 ) -> None:
@@ -112,6 +89,25 @@ def test_failures_in_the_background_reach_every_rank_and_keep_the_previous_check
     assert_loads_everywhere(tmp_path / "second", saved["second"], "second of two")
 
 
+@pytest.mark.slow
+def test_a_write_the_kernel_refuses_reaches_every_rank_and_keeps_the_previous_checkpoint(
+    tmp_path: Path,
+) -> None:
+    results = run_workers(faults.file_too_large, WORLD, str(tmp_path), timeout=240)
+    path = tmp_path / "too-large"
+    assert (
+        results[0]["raised"]
+        == results[1]["raised"]
+        == (
+            f"cannot save optimizer checkpoint {path} (rank 1): rank 1 could not write its file: "
+            "OSError: [Errno 27] File too large"
+        )
+    )
+    assert results[0]["leftovers"] == [], results[0]["leftovers"]  # no staging, no temp file
+    assert_loads_everywhere(path, results[0]["saved"], "file too large", *faults.BIG_SIZES)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["ok", "fail"])
 def test_exiting_with_a_save_in_flight(tmp_path: Path, mode: str) -> None:
     path = tmp_path / "ckpt"

@@ -10,11 +10,12 @@ import time
 import pytest
 
 from tests.faults.extra_sync_worker import DIED, extra_sync, peer_dies
-from tests.torch.harness import run_workers_outcomes
+from tests.support.harness import run_workers_outcomes
 
 PG_TIMEOUT_S = 5.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("buffers", [False, True], ids=["no-buffers", "buffers"])
 def test_extra_sync_names_the_cause(buffers: bool) -> None:
     start = time.monotonic()
@@ -38,6 +39,7 @@ def test_extra_sync_names_the_cause(buffers: bool) -> None:
     assert short.exitcode == 0 and short.value[0] != "no error", short
 
 
+@pytest.mark.slow
 def test_a_dead_peer_is_named() -> None:
     survivor, dead = run_workers_outcomes(peer_dies, 2, timeout=90, pg_timeout_s=PG_TIMEOUT_S)
     assert dead.exitcode == DIED, dead

@@ -16,8 +16,8 @@ import torch.distributed as dist
 from torch import nn
 
 import gradsync_torch as gt
+from tests.support.harness import run_checks, run_workers
 from tests.torch.dp_grad_checks import batch, expect_error, grads, mlp, shard
-from tests.torch.harness import run_checks, run_workers
 
 WORLD = 2
 NAN, INF = float("nan"), float("inf")

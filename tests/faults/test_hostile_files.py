@@ -16,7 +16,7 @@ import pytest
 
 from gradsync_core import read_manifest
 from gradsync_core.checkpoint import MANIFEST, MAX_MANIFEST_BYTES, rank_file
-from tests.core.test_cli import _write_checkpoint
+from tests.support.checkpoints import write_checkpoint
 
 RANK1 = rank_file(1, 2)
 
@@ -75,7 +75,7 @@ CASES = {
 def test_hostile_files_are_refused_in_one_line(tmp_path: Path, case: str) -> None:
     directory = tmp_path / "ckpt"
     directory.mkdir()
-    _write_checkpoint(directory)
+    write_checkpoint(directory)
     damage, message = CASES[case]
     damage(directory)
     with pytest.raises(ValueError, match=message):

@@ -22,7 +22,7 @@ from gradsync_core import CheckpointError
 from gradsync_core.checkpoint import save_hook
 from gradsync_jax import load_optimizer_state, save_optimizer_state
 from tests.faults import jax_save_worker as worker
-from tests.helpers import assert_tree_equal
+from tests.support.asserts import assert_tree_equal
 
 TIMEOUT_S = 120
 
@@ -64,6 +64,7 @@ RAISE_POINTS = {
 }
 
 
+@pytest.mark.slow
 def test_killed_and_failing_saves_keep_the_previous_checkpoint(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -15,7 +15,7 @@ import pytest
 
 from gradsync_torch.data_parallel import DataParallelOptions
 from tests.faults import rank_agreement_checks as checks
-from tests.torch.harness import run_checks, run_workers
+from tests.support.harness import run_checks, run_workers
 
 PG_TIMEOUT_S = 10.0  # a collective that never completes fails after this
 WORLD = 2

@@ -23,7 +23,7 @@ from torch import nn
 
 from gradsync_core import read_manifest
 from gradsync_core.checkpoint import rank_file, resolve_checkpoint, sha256_file, write_manifest
-from tests.torch.harness import run_workers
+from tests.support.harness import run_workers
 
 SWAPPED = r"rank-00001-of-00004\.safetensors records rank 2 of 4 but is named for rank 1 of 4: "
 
@@ -103,11 +103,12 @@ def test_torch_swapped_rank_files_are_refused(tmp_path) -> None:
 
 
 def _jax_saved(path: str, partition: str) -> tuple[Any, Any]:
-    """One AdamW step of test_zero_checkpoint's model on 4 devices, saved with its weights."""
+    """One AdamW step of zero_checkpoint_problem.py's model on 4 devices, saved with its weights."""
     import optax
 
     from gradsync_jax import save_optimizer_state, shard_optimizer
-    from tests.jax.test_zero_checkpoint import mesh_of, params0, train
+    from tests.jax.zero_checkpoint_problem import params0, train
+    from tests.support.meshes import mesh_of
 
     tx = shard_optimizer(optax.adamw(1e-2), mesh_of(4), partition=partition)
     params, state = train(tx, params0(), tx.init(params0()), range(1))
@@ -141,14 +142,14 @@ def test_jax_swapped_param_shards_are_refused(tmp_path) -> None:
         shard_params,
         zero3_step,
     )
-    from tests.jax.test_param_sharding import mesh_of
+    from tests.support.meshes import dp_mesh
 
     params = {"dense": {"kernel": jnp.arange(64.0).reshape(8, 8) / 64, "bias": jnp.zeros(8)}}
 
     def loss_fn(p: Any, x: jax.Array) -> jax.Array:
         return jnp.sum((x @ p["dense"]["kernel"] + p["dense"]["bias"]) ** 2)
 
-    step = zero3_step(loss_fn, optax.adamw(1e-2), mesh_of(4), param_layout(params, world_size=4))
+    step = zero3_step(loss_fn, optax.adamw(1e-2), dp_mesh(4), param_layout(params, world_size=4))
     sharded = shard_params(params, step.mesh, step.layout)
     sharded, state, _ = step(sharded, step.init(sharded), jnp.ones((4, 8)))
     source = str(tmp_path / "z3")

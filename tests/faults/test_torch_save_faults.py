@@ -12,8 +12,10 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
+
 from tests.faults import torch_save_faults as faults
-from tests.torch.harness import run_workers, run_workers_outcomes
+from tests.support.harness import run_workers, run_workers_outcomes
 
 PG_TIMEOUT_S = 5.0  # a rank waiting for a dead peer gives up after this
 WORLD = 2
@@ -27,6 +29,7 @@ def _kill(directory: Path, point: str) -> tuple[str, str, list[object]]:
     return point, path, outcomes
 
 
+@pytest.mark.slow
 def test_killed_and_failing_saves_keep_the_previous_checkpoint(tmp_path: Path) -> None:
     # The kill spawns are independent: two at a time keep both cores busy while a survivor
     # waits for gloo to report its dead peer.

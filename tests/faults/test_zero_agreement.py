@@ -13,7 +13,7 @@ import functools
 import pytest
 
 from tests.faults import zero_agreement_checks as checks
-from tests.torch.harness import run_checks, run_workers
+from tests.support.harness import run_checks, run_workers
 
 PG_TIMEOUT_S = 10.0  # a collective that never completes fails after this
 WORLD = 2

@@ -49,7 +49,7 @@ def main(process_id: int, num_processes: int, port: int, out_dir: str) -> None:
         shard_optimizer,
     )
     from gradsync_jax.checkpoint.processes import place
-    from tests.jax.test_zero_checkpoint import batch, loss_fn, params0
+    from tests.jax.zero_checkpoint_problem import batch, loss_fn, params0
 
     mesh = mesh_from_topology(Topology.create(jax.device_count()))
     replicated, sharded = NamedSharding(mesh, P()), NamedSharding(mesh, P("dp"))

@@ -11,7 +11,7 @@ then together:
 - save again to ``OUT_DIR/greedy`` with process 1's file writes failing: both processes
   must raise, and ``OUT_DIR/greedy`` must still be the first save.
 
-Then ZeRO-3 (``zero3_step``, the test_param_sharding model) trains 2 steps, is saved to
+Then ZeRO-3 (``zero3_step``, zero3_problem.py's model) trains 2 steps, is saved to
 ``OUT_DIR/zero3`` with ``save_param_shards`` (each process writes its devices' rows) and
 loaded back on 2 x 2 with ``load_param_shards``, which must be bitwise the state in memory;
 the same for HSDP on a 2 x 2 ``("replicate", "shard")`` mesh, one replica per process
@@ -52,7 +52,7 @@ def main(process_id: int, num_processes: int, port: int, out_dir: str) -> None:
         shard_optimizer,
     )
     from gradsync_jax.checkpoint.processes import place
-    from tests.jax.test_zero_checkpoint import batch, inner, loss_fn, params0
+    from tests.jax.zero_checkpoint_problem import batch, inner, loss_fn, params0
 
     mesh = mesh_from_topology(Topology.create(jax.device_count()))
     replicated, sharded = NamedSharding(mesh, P()), NamedSharding(mesh, P("dp"))
@@ -146,7 +146,7 @@ def _zero3(mesh: Any, directory: str, prefix: str = "zero3") -> dict[str, np.nda
     from gradsync_jax import param_layout, shard_params, zero3_step
     from gradsync_jax.checkpoint.param_shards import load_param_shards, save_param_shards
     from gradsync_jax.checkpoint.processes import local_ranks, place
-    from tests.jax import test_param_sharding as model
+    from tests.jax import zero3_problem as model
 
     hybrid = "replicate" in mesh.axis_names
     axis, replicate = ("shard", "replicate") if hybrid else ("dp", None)

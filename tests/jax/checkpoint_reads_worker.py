@@ -1,5 +1,5 @@
 """Worker of the bytes-read test: ``python checkpoint_reads_worker.py PROCESS_ID NUM_PROCESSES
-LOCAL_DEVICES PORT OUT_DIR``.
+PORT OUT_DIR LOCAL_DEVICES`` (as ``distributed_start.launch`` runs it).
 
 Each process owns ``LOCAL_DEVICES`` CPU devices of a ``jax.distributed`` job on 127.0.0.1. The
 processes build a ZeRO-3 step (``zero3_step``) over all the devices for an MLP whose dim-0 rows
@@ -265,4 +265,5 @@ def _held_bytes(step: Any, state: Any) -> int:
 
 
 if __name__ == "__main__":
-    main(*(int(a) for a in sys.argv[1:5]), sys.argv[5])
+    process_id, num_processes, port, out_dir, local_devices = sys.argv[1:6]
+    main(int(process_id), int(num_processes), int(local_devices), int(port), out_dir)

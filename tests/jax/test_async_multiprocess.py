@@ -22,9 +22,12 @@ import pytest
 from gradsync_core import PREEMPTED_EXIT, read_manifest
 from gradsync_jax import load_optimizer_state, shard_optimizer
 from tests.jax import async_multiprocess_worker as worker
-from tests.jax.test_step_multiprocess import ROOT, _free_port
-from tests.jax.test_zero_checkpoint import mesh_of, params0
+from tests.jax.distributed_start import ROOT
+from tests.jax.zero_checkpoint_problem import params0
+from tests.support.meshes import mesh_of
+from tests.support.ports import free_port
 
+pytestmark = pytest.mark.slow  # 2 processes started and joined: 11 s
 TIMEOUT_S = 180
 
 
@@ -33,7 +36,7 @@ def run(tmp_path_factory) -> tuple[Path, list[str]]:
     out = tmp_path_factory.mktemp("async_multiprocess")
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    port = _free_port()
+    port = free_port()
     procs = [
         subprocess.Popen(
             [sys.executable, worker.__file__, str(i), "2", str(port), str(out)],

@@ -19,23 +19,27 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import torch
 from jax.sharding import PartitionSpec as P
-from torch import nn
 
 from gradsync_core import read_manifest
 from gradsync_core.checkpoint import read_header, save_hook
 from gradsync_jax import (
     load_optimizer_state,
+    load_param_shards,
     make_local,
+    param_layout,
     save_optimizer_state,
+    save_param_shards,
     shard_optimizer,
-    to_torch_state,
+    shard_params,
+    unshard_params,
+    zero3_step,
 )
 from gradsync_jax.checkpoint.staging import STAGING
-from gradsync_torch import load_optimizer_state_dict
 from tests.faults import jax_save_worker as problem
-from tests.jax.test_zero_checkpoint import mesh_of
+from tests.jax import zero3_problem as z3
+from tests.jax.async_save_problem import optax_moments, torch_moments
+from tests.support.meshes import dp_mesh, mesh_of
 
 SAVED_STEPS, MORE_STEPS = 3, 3
 
@@ -80,35 +84,6 @@ def held_writer() -> Iterator[threading.Event]:
 
 def host(tree: Any) -> Any:
     return jax.tree.map(lambda leaf: np.array(leaf, copy=True), tree)
-
-
-def torch_twin() -> nn.Module:
-    class Twin(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.dense, self.head = nn.Linear(6, 10), nn.Linear(10, 3)
-
-    return Twin()
-
-
-def torch_moments(path: str) -> dict[str, np.ndarray]:
-    """The checkpoint in a plain torch Adam at world size 1, by ``"<name>/<key>"``."""
-    model = torch_twin()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)  # the JAX save's hyper-parameters
-    state = load_optimizer_state_dict(path, opt, model)
-    names = [n for n, _ in model.named_parameters()]
-    return {
-        f"{names[i]}/{key}": s[key].numpy()
-        for i, s in state["state"].items()
-        for key in ("exp_avg", "exp_avg_sq")
-    }
-
-
-def optax_moments(adam: Any) -> dict[str, np.ndarray]:
-    out = {}
-    for key, tree in (("exp_avg", adam.mu), ("exp_avg_sq", adam.nu)):
-        out |= {f"{name}/{key}": np.asarray(v) for name, v in to_torch_state(tree).items()}
-    return out
 
 
 def staged_bytes_of(path: str) -> int:
@@ -163,23 +138,24 @@ def test_a_save_in_the_background_holds_the_state_at_the_call(tmp_path) -> None:
     assert STAGING._buffer is buffer
 
 
-def test_a_zero3_save_in_the_background_holds_the_state_at_the_call(tmp_path) -> None:
-    from gradsync_jax import shard_params, unshard_params
-    from gradsync_jax.checkpoint.param_shards import load_param_shards, save_param_shards
-    from tests.jax.test_param_sharding import data, init_params
-    from tests.jax.test_param_sharding_checkpoint import zero3
+def zero3(n: int) -> Any:
+    """The ZeRO-3 step of tests/jax/zero3_problem.py on ``n`` devices."""
+    layout = param_layout(z3.init_params(), world_size=n, units=z3.UNITS, frozen=z3.FROZEN)
+    return zero3_step(z3.loss_fn, z3.adamw(), dp_mesh(n), layout)
 
+
+def test_a_zero3_save_in_the_background_holds_the_state_at_the_call(tmp_path) -> None:
     four = zero3(4)
-    params = shard_params(init_params(), four.mesh, four.layout)
+    params = shard_params(z3.init_params(), four.mesh, four.layout)
     opt_state = four.init(params)
     for _ in range(2):
-        params, opt_state, _ = four(params, opt_state, data())
+        params, opt_state, _ = four(params, opt_state, z3.data())
     at_call = host((unshard_params(params, four.layout), opt_state))
     path = str(tmp_path / "zero3")
     with held_writer() as release:
         handle = save_param_shards(path, four, params, opt_state, step=2, blocking=False)
         for _ in range(2):
-            params, opt_state, _ = four(params, opt_state, data())
+            params, opt_state, _ = four(params, opt_state, z3.data())
         release.set()
     assert handle.wait(timeout=60).step == 2
     two = zero3(2)
@@ -191,3 +167,58 @@ def test_a_zero3_save_in_the_background_holds_the_state_at_the_call(tmp_path) ->
     want_mu = host(unshard_params(at_call[1][0].mu, four.layout))
     for a, b in zip(jax.tree.leaves(got_mu), jax.tree.leaves(want_mu), strict=True):
         assert np.array_equal(a, b)
+
+
+def test_a_pipeline_save_in_the_background_holds_the_state_at_the_call(tmp_path) -> None:
+    """``save_pipeline(blocking=False)`` at pp 2: once it returns, the arrays it was given are
+    deleted (what a donating step does to them) while the writer is held; the checkpoint
+    still loads at pp 4 with the parameters and Adam state of the call, bitwise."""
+    from gradsync_core import Topology, plan_pipeline
+    from gradsync_jax import mesh_from_topology
+    from gradsync_jax.pipeline import (
+        load_pipeline,
+        natural_params,
+        pipeline_params,
+        pipeline_step,
+        save_pipeline,
+    )
+    from tests.jax.pipeline_problem import MODEL, init_params
+    from tests.support.asserts import assert_tree_equal
+
+    def plan(schedule: str, pp: int) -> Any:
+        return plan_pipeline(
+            schedule=schedule,
+            microbatches=4,
+            topology=Topology.create(8, pp=pp),
+            layers=4,
+            stages_per_rank=1,
+            input_weight=0,
+            output_weight=0,
+        )
+
+    inner = optax.adam(1e-2)
+    natural = init_params(4)
+    rng = np.random.default_rng(1)
+    saved_state = jax.tree.map(
+        lambda x: rng.normal(size=np.shape(x)).astype(np.float32), inner.init(natural)
+    )
+    saved_state = (saved_state[0]._replace(count=np.int32(3)), *saved_state[1:])
+    first = plan("1F1B", 2)
+    mesh = mesh_from_topology(first.topology)
+    step = pipeline_step(MODEL, inner, mesh, first)
+    params = pipeline_params(natural, first, mesh)
+    state = step.pipeline_state(saved_state, params)
+    path = tmp_path / "pipeline"
+    with held_writer() as release:
+        handle = save_pipeline(path, step, params, state, step=3, blocking=False)
+        assert not handle.done()
+        for leaf in jax.tree.leaves((params, state)):
+            if isinstance(leaf, jax.Array) and not leaf.is_deleted():
+                leaf.delete()
+        release.set()
+    assert handle.wait(timeout=60).step == 3
+    second = plan("1F1B", 4)
+    other = pipeline_step(MODEL, inner, mesh_from_topology(second.topology), second)
+    loaded, loaded_state, _ = load_pipeline(path, other, natural)
+    assert_tree_equal(natural_params(loaded, second), natural)
+    assert_tree_equal(other.natural_state(loaded_state, loaded), saved_state, same_structure=True)

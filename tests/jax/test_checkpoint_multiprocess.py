@@ -7,9 +7,6 @@ saves load back bitwise and on 1 x 8 (tests/jax/checkpoint_multiprocess_worker.p
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -18,40 +15,17 @@ import pytest
 
 from gradsync_jax import load_optimizer_state, load_params, shard_optimizer
 from tests.jax import checkpoint_multiprocess_worker as worker
-from tests.jax.test_step_multiprocess import ROOT, TIMEOUT_S, _free_port
-from tests.jax.test_zero_checkpoint import inner, mesh_of, params0, reference
+from tests.jax.distributed_start import launch
+from tests.jax.zero_checkpoint_problem import inner, params0, reference
+from tests.support.meshes import mesh_of
 
-
-def _launch(out: Path, num_processes: int = 2) -> None:
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    port = _free_port()
-    command = [sys.executable, worker.__file__]
-    procs = [
-        subprocess.Popen(
-            [*command, str(i), str(num_processes), str(port), str(out)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for i in range(num_processes)
-    ]
-    try:
-        outputs = [p.communicate(timeout=TIMEOUT_S)[0] for p in procs]
-    finally:
-        for p in procs:  # a failed peer leaves the other waiting in a collective
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
-    for i, (p, text) in enumerate(zip(procs, outputs, strict=True)):
-        assert p.returncode == 0, f"process {i} exited with {p.returncode}:\n{text[-4000:]}"
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> tuple[Path, dict[str, np.ndarray]]:
     out = tmp_path_factory.mktemp("multiprocess")
-    _launch(out)
+    launch(worker.__file__, out)
     return out, dict(np.load(out / "result.npz"))
 
 
@@ -103,7 +77,9 @@ def test_zero3_saved_by_two_processes_loads_on_one(saved, name: str) -> None:
     to 8 chunks), and the training's: the single-device run within the floor."""
     from gradsync_jax import param_layout, unshard_params, zero3_step
     from gradsync_jax.checkpoint.param_shards import load_param_shards
-    from tests.jax import test_param_sharding as model
+    from tests.jax import zero3_problem as model
+    from tests.support.asserts import assert_close
+    from tests.support.meshes import dp_mesh
 
     out, result = saved
     assert bool(result[f"{name}_same"]), f"the 2 x 2 {name} save did not load back bitwise"
@@ -121,7 +97,7 @@ def test_zero3_saved_by_two_processes_loads_on_one(saved, name: str) -> None:
         dp_shard=4 // replicas,
     )
     layout8 = param_layout(model.init_params(), world_size=8, units=model.UNITS, frozen=["frozen"])
-    step = zero3_step(model.loss_fn, model.adamw(), model.mesh_of(8), layout8)
+    step = zero3_step(model.loss_fn, model.adamw(), dp_mesh(8), layout8)
     params, state, manifest = load_param_shards(out / name, step)
     assert (manifest.world_size, manifest.step) == (4 // replicas, worker.ZERO3_STEPS)
     n = len(layout4.leaves)
@@ -134,7 +110,7 @@ def test_zero3_saved_by_two_processes_loads_on_one(saved, name: str) -> None:
     reference_params, reference_state = model.reference(
         model.adamw(), model.init_params(), steps=worker.ZERO3_STEPS
     )
-    model.assert_close(got, reference_params, model.RTOL["params"], "params")
+    assert_close(got, reference_params, model.RTOL["params"], "params")
     for moment in ("mu", "nu"):
         whole = model.without_frozen(unshard_params(getattr(state[0], moment), layout8))
-        model.assert_close(whole, getattr(reference_state[0], moment), model.RTOL["state"], moment)
+        assert_close(whole, getattr(reference_state[0], moment), model.RTOL["state"], moment)

@@ -15,43 +15,18 @@ files holding the weights twice: 3.4 times the checkpoint per process.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.jax import checkpoint_reads_worker as worker
-from tests.jax.test_step_multiprocess import ROOT, TIMEOUT_S, _free_port
+from tests.jax.distributed_start import launch
 
 PROCESSES, LOCAL_DEVICES = 2, 4
 
 
 def _launch(out: Path) -> list[dict]:
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    port = _free_port()
-    args = [str(PROCESSES), str(LOCAL_DEVICES), str(port), str(out)]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, worker.__file__, str(i), *args],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for i in range(PROCESSES)
-    ]
-    try:
-        outputs = [p.communicate(timeout=TIMEOUT_S)[0] for p in procs]
-    finally:
-        for p in procs:  # a failed peer leaves the other waiting in a collective
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
-    for i, (p, text) in enumerate(zip(procs, outputs, strict=True)):
-        assert p.returncode == 0, f"process {i} exited with {p.returncode}:\n{text[-4000:]}"
+    launch(worker.__file__, out, PROCESSES, str(LOCAL_DEVICES))
     return [json.loads((out / f"reads_{i}.json").read_text()) for i in range(PROCESSES)]
 
 

@@ -66,7 +66,14 @@ def _valid(chunks: np.ndarray, sizes: tuple[int, ...], dim: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("group", ["tp", "tp-cp"])
-@pytest.mark.parametrize("full", [8, 9, 5], ids=["even", "uneven-ceil", "uneven-floor"])
+@pytest.mark.parametrize(
+    "full",
+    [
+        pytest.param(8, id="even"),
+        pytest.param(9, id="uneven-ceil", marks=pytest.mark.slow),
+        pytest.param(5, id="uneven-floor", marks=pytest.mark.slow),
+    ],
+)
 def test_mappings_forward_and_backward_match_their_definitions(group: str, full: int) -> None:
     axes = TOPO.mesh_axes(group)
     n = TOPO.group_size(group)
@@ -177,6 +184,7 @@ def _serial_reference(x: np.ndarray, target: np.ndarray):
     return params, y, grads
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sp", [False, True], ids=["cp", "cp+sequence-parallel"])
 def test_parallel_model_matches_serial_and_needs_the_derived_sums(sp: bool) -> None:
     rng = np.random.default_rng(0)

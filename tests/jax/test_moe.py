@@ -30,7 +30,7 @@ from gradsync_jax import (
     synced,
 )
 from gradsync_jax.model_parallel.experts import MoE
-from tests.helpers import assert_tree_close
+from tests.support.asserts import assert_tree_close
 
 TOPO = Topology.create(8, ep=2)
 MESH = mesh_from_topology(TOPO, expert=True)
@@ -109,6 +109,7 @@ def test_expert_parameters_are_declared_by_their_partition_spec():
     assert set(plan.reduction("edp").names) == {"moe/w_in", "moe/w_out"}
 
 
+@pytest.mark.slow
 def test_moe_outputs_match_serial():
     x = BATCHES[0][0]
     mapped = jax.jit(jax.shard_map(APPLY, mesh=MESH, in_specs=(SPECS, DATA), out_specs=DATA))
@@ -119,6 +120,7 @@ def test_moe_outputs_match_serial():
     np.testing.assert_allclose(out, SERIAL_APPLY(PARAMS, x), rtol=RTOL, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_moe_step_matches_serial_params_and_adam_moments():
     _, plan = _plan()
     tx = optax.adam(1e-2)

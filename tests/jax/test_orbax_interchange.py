@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import jax
 import numpy as np
-import optax
 import pytest
 import torch
 
@@ -19,14 +18,12 @@ from gradsync_jax import load_optimizer_state, load_params, to_torch_state
 from gradsync_jax.checkpoint.orbax import export_orbax, import_orbax
 from gradsync_torch import load_model_weights, load_optimizer_state_dict
 from gradsync_torch.checkpoint.plain_save import save_plain
-from tests.parity.test_cross_tied import RENAMES, TiedLinen, split
+from tests.parity.tied_twin import RENAMES, TiedLinen, adamw, joined, random_variables, split
 from tests.parity.tied_worker import VOCAB, TiedLM
 
+pytestmark = pytest.mark.slow
+
 ocp = pytest.importorskip("orbax.checkpoint", reason="orbax-checkpoint is not installed")
-
-
-def adamw() -> optax.GradientTransformation:
-    return optax.adamw(1e-2, b1=0.5, b2=0.75, eps=1e-8, weight_decay=0.1)
 
 
 def trained_torch() -> tuple[TiedLM, torch.optim.AdamW]:
@@ -39,14 +36,6 @@ def trained_torch() -> tuple[TiedLM, torch.optim.AdamW]:
         torch.nn.functional.cross_entropy(model(tokens), (tokens * 5) % VOCAB).backward()
         opt.step()
     return model, opt
-
-
-def linen_init():
-    """TiedLinen's variables, random values of the shapes ``init`` makes, without compiling
-    ``init`` (every value is overwritten by a load before it is compared)."""
-    shapes = jax.eval_shape(lambda: TiedLinen().init(jax.random.key(3), np.zeros(1, np.int32)))
-    rng = np.random.default_rng(3)
-    return jax.tree_util.tree_map(lambda s: rng.standard_normal(s.shape).astype(s.dtype), shapes)
 
 
 def fresh_torch() -> tuple[TiedLM, torch.optim.AdamW]:
@@ -67,7 +56,7 @@ def assert_trees_equal(a, b) -> None:
 def test_round_trip_through_orbax_is_bitwise(tmp_path) -> None:
     model, opt = trained_torch()
     save_plain(tmp_path / "src", model, opt)
-    variables = linen_init()
+    variables = random_variables()
     trainable, _ = split(variables)
     templates = {"params": trainable, "tx": adamw(), "model": variables, "modules": RENAMES}
     export_orbax(tmp_path / "src", tmp_path / "orbax", **templates)
@@ -108,7 +97,7 @@ def test_round_trip_through_orbax_is_bitwise(tmp_path) -> None:
 def test_wrong_templates_are_one_sentence(tmp_path) -> None:
     model, opt = trained_torch()
     save_plain(tmp_path / "src", model, opt)
-    variables = linen_init()
+    variables = random_variables()
     trainable, _ = split(variables)
     export_orbax(
         tmp_path / "src",
@@ -123,12 +112,11 @@ def test_wrong_templates_are_one_sentence(tmp_path) -> None:
 
 
 BUILD = """
-from tests.jax.test_orbax_interchange import adamw, linen_init
-from tests.parity.test_cross_tied import RENAMES, split
+from tests.parity.tied_twin import RENAMES, adamw, random_variables, split
 
 
 def build():
-    variables = linen_init()
+    variables = random_variables()
     return {"params": split(variables)[0], "tx": adamw(), "model": variables,
             "modules": RENAMES}
 """
@@ -144,7 +132,7 @@ def test_cli_export_and_import(tmp_path) -> None:
     src, out, back = (str(tmp_path / n) for n in ("src", "orbax", "back"))
     assert main(["checkpoint", "export", "--to", "orbax", src, out, "--model", build]) == 0
     assert main(["checkpoint", "import", "--from", "orbax", out, back, "--model", build]) == 0
-    variables = linen_init()
+    variables = random_variables()
     trainable, _ = split(variables)
     want, _ = load_optimizer_state(src, adamw(), trainable, modules=RENAMES)
     got, manifest = load_optimizer_state(back, adamw(), trainable, modules=RENAMES)
@@ -159,11 +147,10 @@ def test_a_jax_checkpoint_of_four_flat_shards_exports_to_both(tmp_path) -> None:
     """Written by JAX on 4 devices (ZeRO-2 flat slices), read whole by DCP and Orbax users."""
     from gradsync_jax import save_optimizer_state, shard_optimizer
     from gradsync_torch.checkpoint.dcp import export_dcp
-    from tests.parity.test_cross_checkpoint import mesh_of
-    from tests.parity.test_cross_tied import joined
-    from tests.torch.test_dcp_interchange import user_load_into
+    from tests.support.meshes import mesh_of
+    from tests.torch.dcp_user import user_load_into
 
-    trainable, frozen = split(linen_init())
+    trainable, frozen = split(random_variables())
     rng = np.random.default_rng(0)  # state unlike any init, without compiling a training step
     plain = jax.tree_util.tree_map(
         lambda x: np.abs(rng.standard_normal(x.shape)).astype(x.dtype) if x.ndim else x + 2,

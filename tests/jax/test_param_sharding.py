@@ -28,96 +28,26 @@ from gradsync_jax import (
     unshard_params,
     zero3_step,
 )
+from tests.jax.zero3_problem import (
+    BATCH,
+    DIM,
+    FROZEN,
+    RTOL,
+    STEPS,
+    UNITS,
+    VOCAB,
+    adamw,
+    data,
+    init_params,
+    loss_fn,
+    reference,
+    train,
+    without_frozen,
+)
+from tests.support.asserts import assert_close, rel_err
+from tests.support.meshes import dp_mesh as mesh_of  # this file's name for it
 
-VOCAB, DIM, BATCH, STEPS = 6, 5, 24, 8
-RTOL = {"params": 1e-5, "state": 5e-5}
-FROZEN = ["frozen"]
-UNITS = ["layers_0", "layers_1"]
-
-
-class Tied(nn.Module):
-    @nn.compact
-    def __call__(self, tokens: jax.Array) -> jax.Array:
-        embed = nn.Embed(VOCAB, DIM, name="embed")
-        h = jnp.tanh(nn.Dense(3, name="frozen")(embed(tokens)))
-        h = jnp.tanh(nn.Dense(11, name="layers_0")(h))
-        h = jnp.tanh(nn.Dense(DIM, name="layers_1")(h))
-        return embed.attend(h)
-
-
-MODEL = Tied()
-
-
-def data() -> tuple[jax.Array, jax.Array]:
-    rng = np.random.default_rng(1)
-    return jnp.asarray(rng.integers(0, VOCAB, BATCH)), jnp.asarray(rng.integers(0, VOCAB, BATCH))
-
-
-def loss_fn(params, batch):
-    logits = MODEL.apply(params, batch[0])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch[1]).mean()
-
-
-def adamw() -> optax.GradientTransformation:
-    return optax.adamw(1e-2, b1=0.5, b2=0.75, eps=1e-8, weight_decay=0.1)
-
-
-def init_params():
-    return MODEL.init(jax.random.key(0), data()[0])
-
-
-def reference(tx, params, steps: int = STEPS):
-    """One device, the whole batch; the frozen layer outside the optimizer's tree."""
-    frozen = params["params"]["frozen"]
-    trainable = {"params": {k: v for k, v in params["params"].items() if k != "frozen"}}
-
-    def joined(t):
-        return {"params": {**t["params"], "frozen": frozen}}
-
-    state = tx.init(trainable)
-    batch = data()
-    for _ in range(steps):
-        grads = jax.grad(lambda t: loss_fn(joined(t), batch))(trainable)
-        updates, state = tx.update(grads, state, trainable)
-        trainable = optax.apply_updates(trainable, updates)
-    return joined(trainable), state
-
-
-def mesh_of(n: int) -> Mesh:
-    return Mesh(np.array(jax.devices()[:n]), ("dp",))
-
-
-def train(tx, n: int, *, reshard: bool = True, steps: int = STEPS):
-    params = init_params()
-    layout = param_layout(params, world_size=n, units=UNITS, frozen=FROZEN)
-    mesh = mesh_of(n)
-    sharded = shard_params(params, mesh, layout)
-    step = zero3_step(loss_fn, tx, mesh, layout, reshard_after_forward=reshard)
-    opt_state = step.init(sharded)
-    batch = data()
-    for _ in range(steps):
-        sharded, opt_state, loss = step(sharded, opt_state, batch)
-    return layout, sharded, opt_state, loss
-
-
-def rel_err(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    scale = np.max(np.abs(b))
-    return float(np.max(np.abs(a - b)) / (scale if scale > 0 else 1.0))
-
-
-def assert_close(got, want, rtol: float, what: str) -> None:
-    got_l = jax.tree_util.tree_leaves_with_path(got)
-    want_l = jax.tree_util.tree_leaves(want)
-    assert len(got_l) == len(want_l), what
-    for (path, a), b in zip(got_l, want_l, strict=True):
-        assert np.shape(a) == np.shape(b), (what, path)
-        err = rel_err(a, b)
-        assert err <= rtol, f"{what} {jax.tree_util.keystr(path)}: {err:.2e} > {rtol}"
-
-
-def without_frozen(tree):
-    return {"params": {k: v for k, v in tree["params"].items() if k != "frozen"}}
+pytestmark = pytest.mark.slow
 
 
 @pytest.mark.parametrize(("n", "reshard"), [(2, True), (4, True), (8, True), (4, False)], ids=str)

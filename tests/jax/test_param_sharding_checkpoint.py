@@ -1,10 +1,10 @@
 """A ZeRO-3 checkpoint (gradsync_jax.save_param_shards) continues at another device count.
 
-The model of test_param_sharding.py (a tied embedding of 6 rows, a frozen layer of 3 rows,
+The model of zero3_problem.py (a tied embedding of 6 rows, a frozen layer of 3 rows,
 layers of 11 and 5 rows: every dim-0 case the plan cuts) trains 4 AdamW steps on 8 devices,
 is saved, loaded on 4 devices and trains 4 more; parameters and both moments must equal the
 uninterrupted single-device run of 8 steps within the same-framework floor
-(test_param_sharding.py's RTOL). The files must be the format's dim-0 element ranges: the
+(zero3_problem.py's RTOL). The files must be the format's dim-0 element ranges: the
 rows of each device, torch names, the weights whole.
 """
 
@@ -20,20 +20,20 @@ import pytest
 from gradsync_core import read_manifest
 from gradsync_jax import param_layout, shard_params, unshard_params, zero3_step
 from gradsync_jax.checkpoint.param_shards import load_param_shards, save_param_shards
-from tests.jax.test_param_sharding import (
+from tests.jax.zero3_problem import (
     FROZEN,
     RTOL,
     STEPS,
     UNITS,
     adamw,
-    assert_close,
     data,
     init_params,
     loss_fn,
-    mesh_of,
     reference,
     without_frozen,
 )
+from tests.support.asserts import assert_close
+from tests.support.meshes import dp_mesh as mesh_of  # this file's name for it
 
 
 def zero3(n: int):
@@ -48,6 +48,7 @@ def run(step, params, opt_state, steps: int):
     return params, opt_state
 
 
+@pytest.mark.slow
 def test_save_on_8_continues_on_4(tmp_path) -> None:
     eight = zero3(8)
     params = shard_params(init_params(), eight.mesh, eight.layout)
@@ -80,6 +81,7 @@ def test_save_on_8_continues_on_4(tmp_path) -> None:
         assert_close(got, getattr(want_state[0], moment), RTOL["state"], moment)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_without_weights_is_refused(tmp_path) -> None:
     """ZeRO-3 needs the weights: a ZeRO-1 save without ``model=`` names what is missing."""
     from gradsync_jax import save_optimizer_state, shard_optimizer

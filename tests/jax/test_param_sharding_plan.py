@@ -16,7 +16,8 @@ import pytest
 
 from gradsync_core import plan_param_shards
 from gradsync_jax import param_layout, shard_params, to_torch_state
-from tests.jax.test_param_sharding import FROZEN, UNITS, Tied, data, mesh_of
+from tests.jax.zero3_problem import FROZEN, UNITS, Tied, data
+from tests.support.meshes import dp_mesh as mesh_of  # this file's name for it
 
 torch = pytest.importorskip("torch")
 from gradsync_torch import param_specs as torch_param_specs  # noqa: E402

@@ -28,9 +28,12 @@ from gradsync_jax.pipeline import (
     pipeline_params,
     pipeline_step,
 )
-from tests.helpers import assert_tree_close
 from tests.jax.models import MLPBlock, ParallelMLPBlock
-from tests.jax.test_pipeline import FAST_COMPILE, SEQ, VOCAB, make_batch, reference
+from tests.jax.pipeline_problem import SEQ, VOCAB, make_batch, reference
+from tests.support.asserts import assert_tree_close
+from tests.support.xla import FAST_COMPILE
+
+pytestmark = pytest.mark.slow
 
 DIM, HIDDEN = 8, 16
 

@@ -30,9 +30,11 @@ from gradsync_jax import (
     sync_gradients,
     synced,
 )
-from tests.helpers import assert_tree_close
 from tests.jax.hlo import collectives_in_loops
 from tests.jax.models import MLPTransformer, ParallelMLPTransformer
+from tests.support.asserts import assert_tree_close
+
+pytestmark = pytest.mark.slow
 
 TOPO = Topology.create(8, tp=2, cp=2)  # dp=2
 MESH = mesh_from_topology(TOPO)

@@ -29,7 +29,6 @@ from gradsync_jax import (
     synced,
     value_and_local_grad,
 )
-from tests.helpers import assert_tree_close, assert_tree_equal
 from tests.jax.hlo import collectives_in_loops
 from tests.jax.step_problem import (
     BATCH,
@@ -41,9 +40,12 @@ from tests.jax.step_problem import (
     reference_training,
     run_training,
 )
+from tests.support.asserts import assert_tree_close, assert_tree_equal
 
 
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=[pytest.mark.slow] if n != "adam" else []) for n in OPTIMIZERS]
+)
 def test_step_equals_single_device_full_batch(name: str) -> None:
     tx = OPTIMIZERS[name]()
     params, state, losses = run_training(data_parallel_step(LOSS, tx, MESH), tx, 3)
@@ -65,6 +67,7 @@ COMPILE_CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(COMPILE_CASES))
 def test_a_loop_from_unplaced_parameters_compiles_once(name: str, caplog) -> None:
     """The README's loop: parameters from ``model.init`` and a state from ``tx.init`` (one
@@ -83,6 +86,7 @@ def test_a_loop_from_unplaced_parameters_compiles_once(name: str, caplog) -> Non
     assert_tree_close(params, reference_training(optax.adam(1e-2), 3)[0])
 
 
+@pytest.mark.slow
 def test_compilations_log_at_info_and_are_silent_by_default(caplog) -> None:
     """Issue 33 item 9: each step's compilation logs ``compiling ...`` and ``compiled ... in``
     through its module's logger at INFO; gradsync adds no handler and sets no level."""
@@ -120,6 +124,7 @@ def test_compilations_log_at_info_and_are_silent_by_default(caplog) -> None:
         assert any(n == name and m.startswith(f"compiled {what} in ") for n, _, m in got), what
 
 
+@pytest.mark.slow
 def test_auto_axis_mesh() -> None:
     """With Auto axes shard_map reshards the inputs itself; the result is the same."""
     tx = OPTIMIZERS["sgd"]()
@@ -130,6 +135,7 @@ def test_auto_axis_mesh() -> None:
     assert_tree_close(state, ref_state)
 
 
+@pytest.mark.slow
 def test_reduce_sum_gives_dp_times_the_mean_gradient() -> None:
     tx = optax.adam(1e-2)
     _, mean_state, _ = run_training(data_parallel_step(LOSS, tx, MESH), tx, 1)
@@ -140,6 +146,7 @@ def test_reduce_sum_gives_dp_times_the_mean_gradient() -> None:
     assert_tree_close(sum_state[0].nu, jax.tree.map(lambda n: n * DP * DP, mean_state[0].nu))
 
 
+@pytest.mark.slow
 def test_plain_tx_gets_the_default_sync_and_equals_an_explicit_synced() -> None:
     """A plain Optax tx still trains on the global mean: the step puts synced() in front."""
     tx = optax.adam(1e-2)
@@ -185,6 +192,7 @@ def test_two_syncs_or_another_axis_are_refused() -> None:
         data_parallel_step(LOSS, elsewhere, MESH)(PARAMS, elsewhere.init(PARAMS), BATCH)
 
 
+@pytest.mark.slow
 def test_pmap_path_equals_shard_map_path() -> None:
     tx = optax.adam(1e-2)
 
@@ -205,6 +213,7 @@ def test_pmap_path_equals_shard_map_path() -> None:
     assert_tree_close(state, sm_state, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_accumulation_equals_the_big_batch() -> None:
     tx = optax.adam(1e-2)
     params, state, losses = run_training(
@@ -216,6 +225,7 @@ def test_accumulation_equals_the_big_batch() -> None:
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_accumulation_syncs_once_in_the_compiled_program() -> None:
     """k micro-steps run in a loop with no collective; the sync happens once after it."""
     tx = optax.sgd(0.1)
@@ -261,6 +271,7 @@ def test_accumulation_syncs_once_in_the_compiled_program() -> None:
     assert naive_in_loops >= 1
 
 
+@pytest.mark.slow
 def test_bucketed_step_equals_the_default() -> None:
     tx = optax.adam(1e-2)
     plan = plan_buckets(param_specs(PARAMS), cap_bytes=2048, first_cap_bytes=1024)
@@ -286,6 +297,7 @@ def test_bad_input_gets_one_clear_sentence() -> None:
         step(PARAMS, tx.init(PARAMS), (x[:24], y[:24]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "make_tx",
     [

@@ -4,7 +4,6 @@ one process; the Flax example script runs."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -12,46 +11,14 @@ from pathlib import Path
 import jax
 import numpy as np
 import optax
+import pytest
 
 from gradsync_core import Topology
 from gradsync_jax import data_parallel_step, mesh_from_topology
 from tests.jax import multiprocess_worker as worker
+from tests.jax.distributed_start import ROOT, TIMEOUT_S, launch
 
-ROOT = Path(__file__).resolve().parents[2]
-TIMEOUT_S = 90
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _launch(out_dir: Path, num_processes: int = 2) -> None:
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    port = _free_port()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, worker.__file__, str(i), str(num_processes), str(port), str(out_dir)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for i in range(num_processes)
-    ]
-    outputs = []
-    try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=TIMEOUT_S)[0])
-    finally:
-        for p in procs:  # a failed peer leaves the other waiting in a collective
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
-    for i, (p, out) in enumerate(zip(procs, outputs, strict=False)):
-        assert p.returncode == 0, f"process {i} exited with {p.returncode}:\n{out[-4000:]}"
+pytestmark = pytest.mark.slow
 
 
 def _single_process_4_devices():
@@ -80,7 +47,7 @@ def _flat(result) -> dict[str, np.ndarray]:
 
 
 def test_two_processes_match_one_process(tmp_path: Path) -> None:
-    _launch(tmp_path)
+    launch(worker.__file__, tmp_path)
     results = [dict(np.load(tmp_path / f"process_{i}.npz")) for i in range(2)]
     # Both processes hold the same replicated result, bit for bit.
     for key in results[0]:

@@ -17,11 +17,12 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from gradsync_jax import data_parallel_step, shard_optimizer, synced
-from tests.helpers import assert_tree_close
 from tests.jax.step_problem import BATCH, MESH, PARAMS, reference_training, run_training
 from tests.jax.step_problem import LOSS as LOSS_FN
+from tests.support.asserts import assert_tree_close
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("partition", ["greedy", "flat"])
 def test_sharded_optimizer_step_equals_single_device_full_batch(partition: str) -> None:
     inner = optax.adam(1e-2)

@@ -22,7 +22,7 @@ from gradsync_jax import (
     torch_names,
     torch_specs,
 )
-from tests.helpers import assert_tree_close, assert_tree_equal
+from tests.support.asserts import assert_tree_close, assert_tree_equal
 
 DP = 8
 
@@ -62,6 +62,7 @@ def _run(body, *, mesh=MESH, check_vma=True, batch_axes="dp"):
     return jax.jit(mapped)(jax.device_put(PARAMS, replicated), jax.device_put(X, sharded))
 
 
+@pytest.mark.slow
 def test_mean_and_sum_match_the_per_device_reference() -> None:
     local = _local_grads_reference()
     mean_ref = jax.tree.map(lambda *g: np.mean(np.stack(g), axis=0), *local)
@@ -83,6 +84,7 @@ def _divide_then_psum(grads):
     return jax.tree.map(lambda g: lax.psum(g / lax.axis_size("dp"), "dp"), grads)
 
 
+@pytest.mark.slow
 def test_mean_over_a_group_that_is_not_a_power_of_two() -> None:
     """dp = 6 takes the divide-before-sum path; it is the contract's arithmetic exactly."""
     mesh = mesh_from_topology(Topology.create(6), jax.devices()[:6])
@@ -116,6 +118,7 @@ def test_invariant_gradient_is_refused_not_silently_wrong() -> None:
     assert_tree_close(fixed, full_batch)
 
 
+@pytest.mark.slow
 def test_check_vma_false_and_pmap_give_the_same_gradients() -> None:
     def body(p, x):
         return sync_gradients(local_grad(_loss)(p, x), "dp")
@@ -132,6 +135,7 @@ def test_check_vma_false_and_pmap_give_the_same_gradients() -> None:
     assert_tree_equal(jax.tree.map(lambda g: g[0], pmapped), reference)
 
 
+@pytest.mark.slow
 def test_reduce_dtype_bfloat16_compresses_and_restores_dtype() -> None:
     exact = _run(lambda p, x: sync_gradients(local_grad(_loss)(p, x), "dp"))
     bf16 = _run(
@@ -151,6 +155,7 @@ def _count_all_reduce(fn, *args) -> int:
     return len(re.findall(r"stablehlo\.all_reduce|all-reduce\(", fn.lower(*args).as_text()))
 
 
+@pytest.mark.slow
 def test_bucket_plan_is_one_collective_per_bucket_and_bitwise_equal() -> None:
     plan = plan_buckets(param_specs(PARAMS), cap_bytes=600, first_cap_bytes=600)
     assert len(plan.buckets) >= 3
@@ -173,6 +178,7 @@ def test_bucket_plan_is_one_collective_per_bucket_and_bitwise_equal() -> None:
     assert count == {"leaf": len(jax.tree.leaves(PARAMS)), "bucket": len(plan.buckets)}
 
 
+@pytest.mark.slow
 def test_plan_from_torch_names_via_names_argument() -> None:
     """A plan built from torch names/shapes (torch_specs) drives the sync of a Flax tree."""
     plan = plan_buckets(torch_specs(PARAMS), cap_bytes=600, first_cap_bytes=600)

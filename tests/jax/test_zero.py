@@ -18,16 +18,17 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from gradsync_core import Topology, plan_greedy_shards
+from gradsync_core import plan_greedy_shards
 from gradsync_jax import (
     NotElementwiseError,
     ZeroState,
     clip_by_global_norm,
-    mesh_from_topology,
     param_specs,
     shard_optimizer,
 )
-from tests.helpers import assert_tree_close
+from tests.support.asserts import assert_tree_close
+from tests.support.meshes import mesh_of
+from tests.support.models import mean_in_device_order, random_params
 
 STEPS = 10
 SHAPES = {  # six tensors: on 8 devices the greedy plan leaves two devices with nothing
@@ -54,15 +55,6 @@ ELEMENTWISE = ("sgd_momentum", "adam", "adamw", "lion", "rmsprop")
 OPTIMIZERS = optimizers()
 
 
-def make_params(seed: int = 0) -> dict:
-    rng = np.random.default_rng(seed)
-    return jax.tree.map(
-        lambda s: jnp.asarray(rng.normal(0, 0.5, s), jnp.float32),
-        SHAPES,
-        is_leaf=lambda x: isinstance(x, tuple),
-    )
-
-
 def local_grads(n: int, step: int) -> dict:
     """``(n, ...)`` per leaf: row d is device d's local gradient at ``step``."""
     rng = np.random.default_rng(1000 + 37 * n + step)
@@ -71,20 +63,6 @@ def local_grads(n: int, step: int) -> dict:
         SHAPES,
         is_leaf=lambda x: isinstance(x, tuple),
     )
-
-
-def mean_in_device_order(stacked: dict, n: int) -> dict:
-    def mean(x: jax.Array) -> jax.Array:
-        total = x[0] / n
-        for d in range(1, n):
-            total = total + x[d] / n
-        return total
-
-    return jax.tree.map(mean, stacked)
-
-
-def mesh_of(n: int):
-    return mesh_from_topology(Topology.create(n), devices=jax.devices()[:n])
 
 
 _REFERENCE: dict[str, object] = {}
@@ -141,9 +119,10 @@ def run_sharded(txs: list, n: int, params: dict, *, steps: int = STEPS, jit: boo
     return params_list, states
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [2, 4, 8])
 def test_every_optimizer_matches_unsharded(n: int) -> None:
-    params = make_params()
+    params = random_params(SHAPES)
     mesh = mesh_of(n)
     combos = [(name, "greedy") for name in OPTIMIZERS] + [(name, "flat") for name in ELEMENTWISE]
     txs = [shard_optimizer(OPTIMIZERS[name], mesh, partition=part) for name, part in combos]
@@ -166,9 +145,10 @@ def test_every_optimizer_matches_unsharded(n: int) -> None:
         assert max(moved) > 0, what
 
 
+@pytest.mark.slow
 def test_without_jit_matches_unsharded() -> None:
     """Eager shard_map (no jax.jit): JAX compiles every primitive, so two steps, two optimizers."""
-    n, params = 2, make_params()
+    n, params = 2, random_params(SHAPES)
     mesh = mesh_of(n)
     combos = [("lamb", "greedy"), ("adamw", "flat")]
     txs = [shard_optimizer(OPTIMIZERS[name], mesh, partition=part) for name, part in combos]
@@ -187,9 +167,10 @@ def test_without_jit_matches_unsharded() -> None:
         )
 
 
+@pytest.mark.slow
 def test_chain_clip_schedule_inject_hyperparams() -> None:
     """chain(clip_by_global_norm, inject_hyperparams(adamw)(schedule)) equals optax's own."""
-    n, params = 4, make_params()
+    n, params = 4, random_params(SHAPES)
     mesh = mesh_of(n)
     schedule = optax.linear_schedule(1e-2, 1e-3, transition_steps=STEPS)
     max_norm = 2.0  # the local gradients' mean has norm ~5: every step clips
@@ -227,7 +208,7 @@ def test_chain_clip_schedule_inject_hyperparams() -> None:
 
 def test_reduce_sum() -> None:
     """reduce="sum" feeds the inner optimizer the sum of the local gradients, not the mean."""
-    n, params = 2, make_params()
+    n, params = 2, random_params(SHAPES)
     txs = [
         shard_optimizer(optax.sgd(0.01, momentum=0.9), mesh_of(n), partition=p, reduce="sum")
         for p in ("greedy", "flat")
@@ -254,7 +235,7 @@ def test_reduce_sum() -> None:
 
 @pytest.mark.parametrize("partition", ["greedy", "flat"])
 def test_init_eval_shape_shardings_and_bytes(partition: str) -> None:
-    n, params = 4, make_params()
+    n, params = 4, random_params(SHAPES)
     tx = shard_optimizer(optax.adam(1e-3), mesh_of(n), partition=partition)
     abstract = jax.eval_shape(
         tx.init, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
@@ -289,7 +270,7 @@ def padded(spec: P, ndim: int) -> tuple:
 
 
 def test_greedy_owners_are_the_core_plan() -> None:
-    params = make_params()
+    params = random_params(SHAPES)
     tx = shard_optimizer(optax.adafactor(1e-3), mesh_of(8))
     assert tx.plan(params) == plan_greedy_shards(param_specs(params), world_size=8)
     flat = shard_optimizer(optax.adam(1e-3), mesh_of(8), partition="flat")
@@ -342,7 +323,7 @@ def test_bad_arguments() -> None:
 
 
 def test_misuse_in_the_step_is_refused() -> None:
-    n, params = 2, make_params()
+    n, params = 2, random_params(SHAPES)
     mesh = mesh_of(n)
     tx = shard_optimizer(optax.adam(1e-3), mesh)
     state = tx.init(params)

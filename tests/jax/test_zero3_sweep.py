@@ -28,19 +28,20 @@ from jax.sharding import PartitionSpec as P
 from gradsync_jax import clip_by_global_norm, param_layout, shard_params, zero3_step
 from gradsync_jax.param_sharding.update import rows_tree
 from gradsync_jax.zero.model_space import model_space
-from tests.helpers import assert_tree_close
-from tests.jax.test_zero_sweep import (
+from tests.jax.sweep_cases import (
     CASES,
-    FAST_COMPILE,
+    SHAPES,
     STEPS,
     N,
     extra_args_of,
     key_data,
     local_grads,
-    make_params,
-    mean_in_device_order,
     run_reference,
 )
+from tests.support.asserts import assert_tree_close
+from tests.support.meshes import dp_mesh
+from tests.support.models import mean_in_device_order, random_params
+from tests.support.xla import FAST_COMPILE
 
 pytestmark = pytest.mark.slow
 
@@ -64,7 +65,7 @@ RUN_EXACTLY = (
 )
 # What zero3_step must refuse: a moment factored over a tensor's dims, an update that needs an
 # extra argument zero3_step does not pass.
-REFUSED = ("optax.adafactor", "optax.polyak_sgd")
+REFUSED = ("optax.adafactor", "optax.polyak_sgd", "optax.contrib.muon")
 
 
 def padding_sensitive() -> optax.GradientTransformation:
@@ -148,7 +149,7 @@ def run_sharded(accepted: list, params: dict, mesh: Mesh, layout: Any) -> tuple[
     states = jax.jit(init, compiler_options=FAST_COMPILE)(sharded)
     all_params = tuple(sharded for _ in steps)
     for k in range(STEPS):
-        grads = shard_params(mean_in_device_order(local_grads(k)), mesh, layout)
+        grads = shard_params(mean_in_device_order(local_grads(k), N), mesh, layout)
         all_params, states = run(all_params, states, grads)
     return all_params, states
 
@@ -167,8 +168,8 @@ def unpadded_state(step: Any, state: Any, params: dict) -> list[Any]:
 
 
 def test_every_optax_optimizer_is_exact_or_refused_under_zero3() -> None:
-    mesh = Mesh(np.array(jax.devices()[:N]), ("dp",))
-    params = make_params()
+    mesh = dp_mesh(N)
+    params = random_params(SHAPES)
     layout = param_layout(params, world_size=N)
     all_cases = cases()
     accepted, outcomes = build(all_cases, mesh, layout)
@@ -176,6 +177,8 @@ def test_every_optax_optimizer_is_exact_or_refused_under_zero3() -> None:
         assert outcomes[name] == "matches unsharded", (name, outcomes[name])
     for name in REFUSED:
         assert outcomes[name].startswith("refused"), (name, outcomes[name])
+    # Muon's refusal names its exact path: shard_optimizer's matrix owners.
+    assert "shard_optimizer(tx, mesh) steps each matrix whole" in outcomes["optax.contrib.muon"]
     for name, _ in accepted:  # zero3_step passes no extra argument: the unsharded neither
         assert extra_args_of(all_cases[name], params) == {}, name
     references = run_reference([(n, all_cases[n], {}) for n, _ in accepted], params)

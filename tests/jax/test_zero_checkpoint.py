@@ -18,81 +18,18 @@ import numpy as np
 import optax
 import optax.contrib
 import pytest
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 from safetensors.numpy import load_file
 
-from gradsync_core import Topology
 from gradsync_jax import (
     ResumableSampler,
     load_optimizer_state,
-    make_local,
-    mesh_from_topology,
     save_optimizer_state,
     shard_optimizer,
 )
 from gradsync_jax.zero.gathered import GatheredLayout
-from tests.helpers import assert_tree_close, assert_tree_equal
-
-BATCH = 32
-SHAPES = {"dense_0": {"kernel": (6, 10), "bias": (10,)}, "head": {"kernel": (10, 3), "bias": (3,)}}
-
-
-def inner() -> optax.GradientTransformation:
-    return optax.inject_hyperparams(optax.adamw)(learning_rate=1e-2, weight_decay=0.05)
-
-
-def params0() -> dict:
-    rng = np.random.default_rng(0)
-    return jax.tree.map(
-        lambda s: jnp.asarray(rng.normal(0, 0.5, s), jnp.float32),
-        SHAPES,
-        is_leaf=lambda x: isinstance(x, tuple),
-    )
-
-
-def batch(step: int) -> tuple[jax.Array, jax.Array]:
-    rng = np.random.default_rng(100 + step)
-    x = rng.normal(size=(BATCH, 6)).astype(np.float32)
-    return jnp.asarray(x), jnp.asarray(np.sin(x[:, :3]) + 0.1 * x[:, 3:])
-
-
-def loss_fn(params: dict, x: jax.Array, y: jax.Array) -> jax.Array:
-    h = jnp.tanh(x @ params["dense_0"]["kernel"] + params["dense_0"]["bias"])
-    return jnp.mean((h @ params["head"]["kernel"] + params["head"]["bias"] - y) ** 2)
-
-
-def mesh_of(n: int):
-    return mesh_from_topology(Topology.create(n), devices=jax.devices()[:n])
-
-
-def train(tx, params, state, steps: range):
-    mesh, specs = tx.mesh, tx.state_specs(params)
-
-    def body(p, s, x, y):
-        grads = jax.grad(loss_fn)(make_local(p), x, y)  # local: gradsync reduces them
-        updates, s = tx.update(grads, s, p)
-        return optax.apply_updates(p, updates), s
-
-    step = jax.jit(
-        jax.shard_map(
-            body, mesh=mesh, in_specs=(P(), specs, P("dp"), P("dp")), out_specs=(P(), specs)
-        )
-    )
-    params = jax.device_put(params, NamedSharding(mesh, P()))
-    data = NamedSharding(mesh, P("dp"))
-    for i in steps:
-        params, state = step(params, state, *jax.device_put(batch(i), data))
-    return params, state
-
-
-def reference(steps: int):
-    tx = inner()
-    params, state = params0(), tx.init(params0())
-    for i in range(steps):
-        updates, state = tx.update(jax.grad(loss_fn)(params, *batch(i)), state, params)
-        params = optax.apply_updates(params, updates)
-    return params, state
+from tests.jax.zero_checkpoint_problem import batch, inner, loss_fn, params0, reference, train
+from tests.support.asserts import assert_tree_close, assert_tree_equal
+from tests.support.meshes import mesh_of
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +42,7 @@ def saved(tmp_path_factory):
     return directory, params, tx8.gather_state(state, params)
 
 
-@pytest.mark.parametrize("partition", ["greedy", "flat"])
+@pytest.mark.parametrize("partition", [pytest.param("greedy", marks=pytest.mark.slow), "flat"])
 def test_saved_on_8_resumes_on_4(saved, partition: str) -> None:
     directory, params, saved_state = saved
     tx4 = shard_optimizer(inner(), mesh_of(4), partition=partition)
@@ -250,6 +187,7 @@ def test_version_1_of_the_other_framework_is_refused_with_how_to_convert(saved, 
         load_optimizer_state(old, tx, params)
 
 
+@pytest.mark.slow
 def test_gathered_saved_on_8_resumes_on_4(tmp_path) -> None:
     """A coupled optimizer (auto: gathered) checkpoints like greedy: saved on 8 devices,
     loaded on 4 bitwise, the resumed training matches the unsharded reference."""

@@ -18,24 +18,30 @@ import warnings
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import optax
 import optax.contrib
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from gradsync_core import Topology
-from gradsync_jax import clip_by_global_norm, mesh_from_topology, shard_optimizer
+from gradsync_jax import clip_by_global_norm, shard_optimizer
 from gradsync_jax.zero.flat import FlatLayout
 from gradsync_jax.zero.gathered import GatheredLayout
-from tests.helpers import assert_tree_close
-from tests.jax.test_zero import mean_in_device_order
-from tests.jax.test_zero_sweep import FAST_COMPILE, key_data
+from tests.jax.sweep_cases import (
+    SHAPES,
+    key_data,
+    local_grads,
+    loss_value,
+    rule_cases,
+)
+from tests.support.asserts import assert_tree_close
+from tests.support.meshes import mesh_of
+from tests.support.models import mean_in_device_order, random_params
+from tests.support.xla import FAST_COMPILE
+
+pytestmark = pytest.mark.slow
 
 STEPS = 6
-SHAPES = {"a": (4, 6), "b": (10,), "c": (3, 5)}
 LABELS = {"a": "x", "b": "y", "c": "y"}
 COUPLED = (
     "polyak_sgd",
@@ -90,20 +96,6 @@ def _cases() -> dict[str, tuple[Any, bool]]:
     }
 
 
-def make_params() -> dict:
-    rng = np.random.default_rng(0)
-    return {k: jnp.asarray(rng.normal(0, 0.5, s), jnp.float32) for k, s in SHAPES.items()}
-
-
-def local_grads(step: int, n: int) -> dict:
-    rng = np.random.default_rng(100 + step)
-    return {k: jnp.asarray(rng.normal(0, 1, (n, *s)), jnp.float32) for k, s in SHAPES.items()}
-
-
-def loss_value(step: int) -> jax.Array:
-    return jnp.float32(2.0 / (1 + step))
-
-
 class Reference:
     """The unsharded run of every case: one jitted step, compiled once for all device counts
     (only the mean gradients it is fed differ)."""
@@ -134,8 +126,6 @@ def every_case() -> tuple[dict[str, tuple[Any, bool]], dict[str, Any], Reference
     """(name -> (transformation, takes value=), the rule cases, the unsharded program)."""
     # The per-parameter rules of test_zero_rules.py run in the same program (one compilation
     # per device count instead of two); they must take flat by parameter (issue 26 item 2).
-    from tests.jax.test_zero_rules import rule_cases
-
     rules = rule_cases()
     cases = {**_cases(), **{name: (tx, False) for name, tx in rules.items()}}
     return cases, rules, Reference(list(cases.values()))
@@ -169,8 +159,8 @@ def sharded(runs: list[tuple[Any, bool]], params: dict, mesh: Any, n: int) -> li
 @pytest.mark.parametrize("n", [2, 4, 8], ids=lambda n: f"n{n}")
 def test_coupled_optimizers_match_unsharded(n: int, every_case: Any) -> None:
     cases, rules, reference = every_case
-    mesh = mesh_from_topology(Topology.create(n), devices=jax.devices()[:n])
-    params = make_params()
+    mesh = mesh_of(n)
+    params = random_params(SHAPES)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         runs = [(shard_optimizer(tx, mesh), needs) for tx, needs in cases.values()]

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from flax import linen, nnx
 from flax.training.train_state import TrainState
 from jax.sharding import NamedSharding
@@ -15,7 +16,9 @@ from jax.sharding import PartitionSpec as P
 
 from gradsync_core import Topology
 from gradsync_jax import make_local, mesh_from_topology, shard_optimizer
-from tests.helpers import assert_tree_close
+from tests.support.asserts import assert_tree_close
+
+pytestmark = pytest.mark.slow
 
 N, STEPS = 4, 3
 X = jnp.asarray(np.random.default_rng(0).normal(size=(8 * N, 5)), jnp.float32)

@@ -16,48 +16,20 @@ import numpy as np
 import optax
 import pytest
 
-from gradsync_core import Topology
-from gradsync_jax import mesh_from_topology, shard_optimizer
+from gradsync_jax import shard_optimizer
 from gradsync_jax.zero.flat import FlatLayout
 from gradsync_jax.zero.greedy import GreedyLayout
-from tests.helpers import assert_tree_close
-from tests.jax.test_zero_coupled import make_params
-
-
-def _ndim_mask(params):
-    return jax.tree.map(lambda x: x.ndim > 1, params)  # no decay on biases: the usual rule
-
-
-def _path_labels(params):
-    return jax.tree_util.tree_map_with_path(
-        lambda path, _: "plain" if path[-1].key == "b" else "decay", params
-    )
-
-
-def rule_cases() -> dict:
-    """name -> transformation deciding per parameter (run in test_zero_coupled.py)."""
-    adamw = optax.adamw(1e-2, weight_decay=0.1)
-    return {
-        "adamw(mask=ndim>1)": optax.adamw(1e-2, weight_decay=0.1, mask=_ndim_mask),
-        "adamw(mask tree)": optax.adamw(
-            1e-2, weight_decay=0.1, mask={"a": True, "b": False, "c": True}
-        ),
-        "masked(adam, ndim>1)": optax.masked(optax.adam(1e-2), _ndim_mask),
-        "multi_transform by path": optax.multi_transform(
-            {"decay": adamw, "plain": optax.adam(1e-3)}, _path_labels
-        ),
-        "frozen b (set_to_zero)": optax.multi_transform(
-            {"train": optax.adam(1e-2), "frozen": optax.set_to_zero()},
-            {"a": "train", "b": "frozen", "c": "train"},
-        ),
-    }
+from tests.jax.sweep_cases import SHAPES, ndim_mask, rule_cases
+from tests.support.asserts import assert_tree_close
+from tests.support.meshes import mesh_of
+from tests.support.models import random_params
 
 
 def test_the_stored_layout_round_trips_through_model_space() -> None:
     # What checkpoints go through; the runs at 2, 4 and 8 devices against the unsharded
     # ones share test_zero_coupled.py's compiled program (rule_cases).
-    mesh = mesh_from_topology(Topology.create(4), devices=jax.devices()[:4])
-    params = make_params()
+    mesh = mesh_of(4)
+    params = random_params(SHAPES)
     inner = rule_cases()["adamw(mask=ndim>1)"]
     tx = shard_optimizer(inner, mesh)
     assert tx.layout(params).by_param
@@ -76,9 +48,9 @@ def test_the_stored_layout_round_trips_through_model_space() -> None:
 def test_a_rule_element_ranges_cannot_decide_is_refused_by_flat() -> None:
     # A mask by size sees a range's size, not the parameter's: the analysis finds the
     # update differs from the whole tree's, so flat refuses and auto takes greedy.
-    mesh = mesh_from_topology(Topology.create(2), devices=jax.devices()[:2])
+    mesh = mesh_of(2)
     inner = optax.adamw(1e-2, mask=lambda p: jax.tree.map(lambda x: x.size > 12, p))
-    params = make_params()
+    params = random_params(SHAPES)
     assert isinstance(shard_optimizer(inner, mesh).layout(params), GreedyLayout)
     with pytest.raises(ValueError, match="partition='flat' cuts parameters") as err:
         shard_optimizer(inner, mesh, partition="flat").init(params)
@@ -97,8 +69,8 @@ def test_per_parameter_flat_keeps_flat_balance(shape: tuple[int, int, int]) -> N
         }
         for i in range(count)
     }
-    mesh = mesh_from_topology(Topology.create(8), devices=jax.devices()[:8])
-    tx = shard_optimizer(optax.adamw(1e-3, mask=_ndim_mask), mesh)
+    mesh = mesh_of(8)
+    tx = shard_optimizer(optax.adamw(1e-3, mask=ndim_mask), mesh)
     layout = tx.layout(params)
     assert isinstance(layout, FlatLayout) and layout.by_param
     whole = sum(2 * 4 * (rows * cols + cols) for _ in range(count))  # mu and nu, float32
@@ -115,7 +87,7 @@ def test_auto_packs_nothing_and_explicit_flat_keeps_torch_buckets() -> None:
         "w": jax.ShapeDtypeStruct((64, 64), np.float32),
         "b": jax.ShapeDtypeStruct((64,), np.float32),
     }
-    mesh = mesh_from_topology(Topology.create(8), devices=jax.devices()[:8])
+    mesh = mesh_of(8)
     auto = shard_optimizer(optax.adam(1e-3), mesh).layout(params)
     flat = shard_optimizer(optax.adam(1e-3), mesh, partition="flat").layout(params)
     assert isinstance(auto, FlatLayout) and auto.by_param and len(auto.buckets.buckets) == 2

@@ -22,9 +22,7 @@ exactly, so optax's float32 bias correction agrees with torch's float64 one.
 from __future__ import annotations
 
 import copy
-import itertools
 
-import flax.linen as fnn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,12 +31,10 @@ import pytest
 import torch
 from flax import nnx
 
-from gradsync_core import Topology, plan_greedy_shards
+from gradsync_core import plan_greedy_shards
 from gradsync_jax import (
-    data_parallel_step,
     from_torch_state,
     load_optimizer_state,
-    mesh_from_topology,
     save_optimizer_state,
     shard_optimizer,
     to_torch_state,
@@ -47,87 +43,23 @@ from gradsync_jax import (
 from gradsync_torch import load_optimizer_state_dict
 from gradsync_torch import param_specs as torch_param_specs
 from tests.parity import cross_worker
+from tests.parity.mlp_twin import (
+    RTOL,
+    TORCH_HYPER,
+    data,
+    jax_moments,
+    linen_init,
+    optax_moments,
+    optax_twin,
+    train_jax,
+)
 from tests.parity.torch_worker import RENAMES, WIDTHS, TorchMLP
-from tests.torch.harness import run_workers
+from tests.support.asserts import assert_close
+from tests.support.harness import run_workers
+from tests.support.meshes import mesh_of
+from tests.support.models import LinenMLP, NnxMLP
 
-BATCH = 24  # divisible by 2, 3, 4 and 8 shards
-RTOL = {"params": 1e-5, "state": 5e-5}
-TORCH_HYPER = {
-    "adamw": {"lr": 1e-2, "betas": (0.5, 0.75), "eps": 1e-8, "weight_decay": 0.1},
-    "sgd": {"lr": 0.05, "momentum": 0.9},
-}
-MOMENTS = {"adamw": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
-
-
-def optax_twin(name: str) -> optax.GradientTransformation:
-    if name == "adamw":
-        return optax.adamw(1e-2, b1=0.5, b2=0.75, eps=1e-8, weight_decay=0.1)
-    return optax.sgd(0.05, momentum=0.9)
-
-
-class LinenMLP(fnn.Module):
-    @fnn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        for i, width in enumerate(WIDTHS[1:]):
-            x = fnn.Dense(width)(x)
-            if i < len(WIDTHS) - 2:
-                x = jnp.tanh(x)
-        return x
-
-
-class NnxMLP(nnx.Module):
-    def __init__(self, rngs: nnx.Rngs) -> None:
-        self.layers = nnx.List([nnx.Linear(a, b, rngs=rngs) for a, b in itertools.pairwise(WIDTHS)])
-
-
-def mesh_of(n: int):
-    return mesh_from_topology(Topology.create(n), sorted(jax.devices(), key=lambda d: d.id)[:n])
-
-
-def data() -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(BATCH, WIDTHS[0])).astype(np.float32)
-    return x, rng.normal(size=(BATCH, WIDTHS[-1])).astype(np.float32)
-
-
-def train_jax(tx, params, opt_state, steps: int):
-    model = LinenMLP()
-
-    def loss_fn(p, batch):
-        return jnp.mean((model.apply(p, batch[0]) - batch[1]) ** 2)
-
-    step = data_parallel_step(loss_fn, tx, tx.mesh)
-    batch = tuple(jnp.asarray(a) for a in data())
-    for _ in range(steps):
-        params, opt_state, _ = step(params, opt_state, batch)
-    return params, opt_state
-
-
-def jax_moments(tx, opt_state, params, name: str, modules=RENAMES) -> dict[str, np.ndarray]:
-    """The moments of a ``shard_optimizer`` state by ``"<torch name>/<torch key>"``."""
-    return optax_moments(tx.gather_state(opt_state, params)[0], name, modules)
-
-
-def optax_moments(inner, name: str, modules=RENAMES) -> dict[str, np.ndarray]:
-    """The moments of an unsharded Optax state's first element (``ScaleByAdamState`` or
-    ``TraceState``) by ``"<torch name>/<torch key>"``."""
-    fields = {"exp_avg": "mu", "exp_avg_sq": "nu", "momentum_buffer": "trace"}
-    out = {}
-    for key in MOMENTS[name]:
-        for param, value in to_torch_state(getattr(inner, fields[key]), modules=modules).items():
-            out[f"{param}/{key}"] = value
-    return out
-
-
-def assert_close(got: dict, want: dict, what: str) -> float:
-    assert sorted(got) == sorted(want), what
-    worst = 0.0
-    for key in want:
-        scale = float(np.abs(want[key]).max()) or 1.0  # all zero (a frozen bias): absolute
-        error = float(np.abs(got[key] - want[key]).max()) / scale
-        assert error <= RTOL[what], f"{what} {key}: relative error {error:.2e}"
-        worst = max(worst, error)
-    return worst
+pytestmark = pytest.mark.slow
 
 
 def assert_state_dicts_equal(got: dict, want: dict) -> None:
@@ -140,7 +72,7 @@ def assert_state_dicts_equal(got: dict, want: dict) -> None:
 
 def train_plain_optax(tx, params, opt_state, steps: int):
     """``steps`` steps of a plain Optax optimizer on the whole batch, on one device."""
-    model = LinenMLP()
+    model = LinenMLP(WIDTHS)
     x, y = (jnp.asarray(a) for a in data())
 
     @jax.jit
@@ -152,10 +84,6 @@ def train_plain_optax(tx, params, opt_state, steps: int):
     for _ in range(steps):
         params, opt_state = step(params, opt_state)
     return params, opt_state
-
-
-def linen_init():
-    return LinenMLP().init(jax.random.key(0), jnp.zeros((1, WIDTHS[0])))
 
 
 @pytest.mark.parametrize("name", ["adamw", "sgd"])
@@ -173,9 +101,11 @@ def test_torch_checkpoint_continues_in_jax(name: str, tmp_path) -> None:
     opt_state, manifest = load_optimizer_state(path, tx, params, modules=RENAMES)
     assert (manifest.framework, manifest.step, manifest.world_size) == ("torch", 5, 2)
     params, opt_state = train_jax(tx, params, opt_state, 5)
-    worst = assert_close(to_torch_state(params, modules=RENAMES), torch_run["params"], "params")
+    worst = assert_close(
+        to_torch_state(params, modules=RENAMES), torch_run["params"], RTOL["params"], "params"
+    )
     moments = jax_moments(tx, opt_state, params, name)
-    worst = max(worst, assert_close(moments, torch_run["state"], "state"))
+    worst = max(worst, assert_close(moments, torch_run["state"], RTOL["state"], "state"))
     if name == "adamw":
         assert int(tx.gather_state(opt_state, params)[0].count) == 10
     moved = max(float(np.abs(torch_run["params"][k] - init[k]).max()) for k in init)
@@ -187,9 +117,11 @@ def test_torch_checkpoint_continues_in_jax(name: str, tmp_path) -> None:
     plain_state, _ = load_optimizer_state(path, plain, params, modules=RENAMES)
     assert jax.tree.structure(plain_state) == jax.tree.structure(plain.init(params))
     params, plain_state = train_plain_optax(plain, params, plain_state, 5)
-    worst = assert_close(to_torch_state(params, modules=RENAMES), torch_run["params"], "params")
+    worst = assert_close(
+        to_torch_state(params, modules=RENAMES), torch_run["params"], RTOL["params"], "params"
+    )
     moments = optax_moments(plain_state[0], name)
-    worst = max(worst, assert_close(moments, torch_run["state"], "state"))
+    worst = max(worst, assert_close(moments, torch_run["state"], RTOL["state"], "state"))
     print(f"torch -> plain Optax {name}: worst relative error {worst:.2e}")
 
 
@@ -207,9 +139,11 @@ def test_jax_checkpoint_continues_in_torch(name: str, tmp_path) -> None:
     torch_run = run_workers(
         cross_worker.run, 3, WIDTHS, saved, x, y, name, TORCH_HYPER[name], 5, None, None, path
     )[0]
-    worst = assert_close(torch_run["params"], to_torch_state(params10, modules=RENAMES), "params")
+    worst = assert_close(
+        torch_run["params"], to_torch_state(params10, modules=RENAMES), RTOL["params"], "params"
+    )
     want = jax_moments(tx, state10, params10, name)
-    worst = max(worst, assert_close(torch_run["state"], want, "state"))
+    worst = max(worst, assert_close(torch_run["state"], want, RTOL["state"], "state"))
     if name == "adamw":
         assert set(torch_run["steps"].values()) == {10.0}
     print(f"JAX -> torch {name}: worst relative error {worst:.2e}")
@@ -229,14 +163,14 @@ def test_jax_checkpoint_continues_in_torch(name: str, tmp_path) -> None:
         plain.step()
     names = [n for n, _ in net.named_parameters()]
     got = {n: p.detach().numpy() for n, p in net.named_parameters()}
-    worst = assert_close(got, to_torch_state(params10, modules=RENAMES), "params")
+    worst = assert_close(got, to_torch_state(params10, modules=RENAMES), RTOL["params"], "params")
     moments = {
         f"{names[i]}/{key}": value.numpy()
         for i, entries in plain.state_dict()["state"].items()
         for key, value in entries.items()
         if key != "step"
     }
-    worst = max(worst, assert_close(moments, want, "state"))
+    worst = max(worst, assert_close(moments, want, RTOL["state"], "state"))
     if name == "adamw":
         assert {float(entries["step"]) for entries in plain.state.values()} == {10.0}
     print(f"JAX -> plain torch {name}: worst relative error {worst:.2e}")
@@ -251,7 +185,7 @@ def test_same_owners_as_torch(world_size: int) -> None:
     """
     want = plan_greedy_shards(torch_param_specs(TorchMLP(WIDTHS)), world_size=world_size)
     linen = linen_init()
-    nnx_params = nnx.state(NnxMLP(nnx.Rngs(0)), nnx.Param)
+    nnx_params = nnx.state(NnxMLP(WIDTHS, nnx.Rngs(0)), nnx.Param)
     for tree, modules in ((linen, RENAMES), (nnx_params, None)):
         tx = shard_optimizer(optax.adam(1e-3), mesh_of(world_size), partition="greedy")
         got = torch_plan(tx.plan(tree), modules=modules)
@@ -292,10 +226,12 @@ def test_stateless_transformations_before_the_optimizer_do_not_block_the_match(t
     opt_state, manifest = load_optimizer_state(path, tx, params, modules=RENAMES)
     assert manifest.optimizer == "torch.optim.AdamW"
     params, opt_state = train_jax(tx, params, opt_state, 5)
-    assert_close(to_torch_state(params, modules=RENAMES), torch_run["params"], "params")
+    assert_close(
+        to_torch_state(params, modules=RENAMES), torch_run["params"], RTOL["params"], "params"
+    )
     adam_states = jax.tree.leaves(
         tx.gather_state(opt_state, params),
         is_leaf=lambda s: isinstance(s, optax.ScaleByAdamState),
     )
     inner = next(s for s in adam_states if isinstance(s, optax.ScaleByAdamState))
-    assert_close(optax_moments(inner, "adamw"), torch_run["state"], "state")
+    assert_close(optax_moments(inner, "adamw"), torch_run["state"], RTOL["state"], "state")

@@ -24,7 +24,7 @@ from gradsync_core import HyperparameterWarning
 from gradsync_jax import load_optimizer_state, save_optimizer_state, shard_optimizer
 from gradsync_torch import load_optimizer_state_dict
 from gradsync_torch.checkpoint.plain_save import save_plain
-from tests.jax.test_zero_checkpoint import mesh_of
+from tests.support.meshes import mesh_of
 
 
 class Net(nn.Module):

@@ -8,7 +8,7 @@ state by ``load_optimizer_state_dict``) and once with gradsync_torch's ZeRO-1 at
 (``ZeroRedundancyOptimizer.load``); both must equal JAX's uninterrupted 10 ZeRO-3 steps within
 test_cross_checkpoint.py's cross-framework floor, parameters and both moments.
 
-The other way, torch's ``fully_shard`` (tests/torch/test_fully_shard_checkpoint.py's tied,
+The other way, torch's ``fully_shard`` (zero3_worker.py's tied,
 frozen ``TiedLM``, one unit per layer, the frozen layer and the root) trains 3 steps at 2 gloo
 ranks and saves with ``save_param_shards``; the Flax twin's plan at 2 devices has the
 fingerprint of the plan torch executed, and ``load_param_shards`` continues it on 4 devices
@@ -20,32 +20,34 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 import torch
 
 from gradsync_jax import param_layout, shard_params, to_torch_state, unshard_params, zero3_step
 from gradsync_jax.checkpoint.param_shards import load_param_shards, save_param_shards
 from gradsync_torch import load_model_weights, load_optimizer_state_dict
 from tests.parity import cross_worker
-from tests.parity.test_cross_checkpoint import (
-    RENAMES,
+from tests.parity.mlp_twin import (
+    RTOL,
     TORCH_HYPER,
-    WIDTHS,
-    LinenMLP,
-    assert_close,
     data,
     linen_init,
-    mesh_of,
     optax_moments,
     optax_twin,
 )
-from tests.parity.torch_worker import TorchMLP
-from tests.torch.harness import run_workers
+from tests.parity.torch_worker import RENAMES, WIDTHS, TorchMLP
+from tests.support.asserts import assert_close
+from tests.support.harness import run_workers
+from tests.support.meshes import mesh_of
+from tests.support.models import LinenMLP
+
+pytestmark = pytest.mark.slow
 
 UNITS = [f"Dense_{i}" for i in range(len(WIDTHS) - 1)]
 
 
 def loss_fn(params, batch):
-    return jnp.mean((LinenMLP().apply(params, batch[0]) - batch[1]) ** 2)
+    return jnp.mean((LinenMLP(WIDTHS).apply(params, batch[0]) - batch[1]) ** 2)
 
 
 def train(step, params, opt_state, steps: int):
@@ -90,7 +92,7 @@ def test_jax_zero3_checkpoint_continues_in_torch(tmp_path) -> None:
         torch.nn.functional.mse_loss(net(torch.from_numpy(x)), torch.from_numpy(y)).backward()
         plain.step()
     got = {n: p.detach().numpy() for n, p in net.named_parameters()}
-    worst = assert_close(got, want_params, "params")
+    worst = assert_close(got, want_params, RTOL["params"], "params")
     names = [n for n, _ in net.named_parameters()]
     got_state = {
         f"{names[i]}/{key}": value.numpy()
@@ -98,23 +100,22 @@ def test_jax_zero3_checkpoint_continues_in_torch(tmp_path) -> None:
         for key, value in entries.items()
         if key != "step"
     }
-    worst = max(worst, assert_close(got_state, want_state, "state"))
+    worst = max(worst, assert_close(got_state, want_state, RTOL["state"], "state"))
     assert {float(entries["step"]) for entries in plain.state.values()} == {10.0}
     print(f"JAX ZeRO-3 -> plain torch: worst relative error {worst:.2e}")
 
     # gradsync_torch ZeRO-1 at 3 ranks, the batch split.
     hyper = TORCH_HYPER["adamw"]
     run = run_workers(cross_worker.run, 3, WIDTHS, saved, x, y, "adamw", hyper, 5, None, None, path)
-    worst = assert_close(run[0]["params"], want_params, "params")
-    worst = max(worst, assert_close(run[0]["state"], want_state, "state"))
+    worst = assert_close(run[0]["params"], want_params, RTOL["params"], "params")
+    worst = max(worst, assert_close(run[0]["state"], want_state, RTOL["state"], "state"))
     assert set(run[0]["steps"].values()) == {10.0}
     print(f"JAX ZeRO-3 -> torch ZeRO-1 at 3 ranks: worst relative error {worst:.2e}")
 
 
 def test_torch_zero3_checkpoint_continues_in_jax_zero3(tmp_path) -> None:
-    from tests.parity import test_cross_tied as tied
+    from tests.parity import tied_twin as tied
     from tests.parity import zero3_worker
-    from tests.torch.test_fully_shard_checkpoint import _reference
 
     tokens, labels = tied.data()
     path, saved_at, more = str(tmp_path / "z3"), 3, 3
@@ -145,9 +146,12 @@ def test_torch_zero3_checkpoint_continues_in_jax_zero3(tmp_path) -> None:
     batch = tuple(jnp.asarray(a) for a in (tokens, labels))
     for _ in range(more):
         params, state, _ = step(params, state, batch)
-    want = _reference(tokens, labels, saved_at + more)
+    want = zero3_worker.reference(tokens, labels, saved_at + more)
     got = to_torch_state(unshard_params(params, step.layout), modules=tied.RENAMES)
-    worst = assert_close(got, want["params"], "params")
-    worst = max(worst, assert_close(moments(step, state, tied.RENAMES), want["state"], "state"))
+    worst = assert_close(got, want["params"], RTOL["params"], "params")
+    worst = max(
+        worst,
+        assert_close(moments(step, state, tied.RENAMES), want["state"], RTOL["state"], "state"),
+    )
     assert int(state[0].count) == saved_at + more
     print(f"torch ZeRO-3 at 2 ranks -> JAX ZeRO-3 on 4 devices: worst relative error {worst:.2e}")

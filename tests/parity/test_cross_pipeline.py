@@ -58,7 +58,8 @@ from gradsync_jax import (
     to_torch_state,
 )
 from tests.parity import pipeline_worker
-from tests.torch.harness import run_workers
+from tests.support.harness import run_workers
+from tests.support.xla import FAST_COMPILE
 
 LAYERS, ROWS, STEPS = 4, 8, 3  # ROWS: sequences per step, in 2 pp microbatches
 SEQ, VOCAB = 8, 32
@@ -66,8 +67,6 @@ PP4 = ("DualPipeV",)  # the pp 4 case: 8 blocks, one per stage, in a V over 4 ra
 RTOL = {"loss": 4e-7, "grads": 3e-6, "params": 6e-5, "state": 3e-5}
 TX = optax.adamw(1e-2, b1=0.5, b2=0.75, eps=1e-5, weight_decay=0.1)  # pipeline_worker.HYPER
 MOMENTS = {"exp_avg": "mu", "exp_avg_sq": "nu"}
-# LLVM at level 0 (as tests/jax/test_pipeline.py): the same arithmetic, compiled faster.
-FAST_COMPILE = {"xla_backend_optimization_level": 0}
 
 
 def plan_of(
@@ -244,6 +243,7 @@ def run_both(schedule: str, pp: int) -> None:
     differences(mine, theirs, f"{schedule} pp {pp}: JAX vs torch")
 
 
+@pytest.mark.slow
 def test_zero_bubble_same_in_torch_and_jax() -> None:
     """ZB1P at pp 2 (two stages per rank, the backward split): the fast representative."""
     run_both("InterleavedZeroBubble", 2)

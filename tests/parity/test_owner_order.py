@@ -8,25 +8,25 @@ last), so equal-sized tensors tie in another order and the greedy owners differ.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 import torch
 from flax import nnx
 from torch import nn
 
-from gradsync_core import Topology, plan_buckets, plan_greedy_shards, read_manifest
+from gradsync_core import plan_buckets, plan_greedy_shards, read_manifest
 from gradsync_jax import (
     load_optimizer_state,
-    mesh_from_topology,
     shard_optimizer,
     to_torch_state,
     torch_plan,
 )
 from gradsync_torch import ZeroRedundancyOptimizer
 from gradsync_torch import param_specs as torch_param_specs
-from tests.torch.harness import run_workers
+from tests.support.harness import run_workers
+from tests.support.meshes import mesh_of
 
 D = 8
 
@@ -55,10 +55,6 @@ class FlaxBlock(nnx.Module):
         self.gain = nnx.Param(jnp.ones(D))
         self.attn = FlaxAttention(rngs)
         self.mlp = nnx.Linear(D, D, rngs=rngs)
-
-
-def mesh_of(n: int):
-    return mesh_from_topology(Topology.create(n), sorted(jax.devices(), key=lambda d: d.id)[:n])
 
 
 def owners(plan) -> dict[str, int]:
@@ -128,6 +124,7 @@ def save_torch_block(rank: int, world_size: int, path: str, init: dict) -> dict:
     return {"fingerprint": opt.plan().fingerprint}
 
 
+@pytest.mark.slow
 def test_a_torch_checkpoint_continues_with_its_owners(tmp_path) -> None:
     """A JAX run given the checkpoint's order adopts its owners: the fingerprints agree."""
     params = nnx.as_pure(nnx.state(FlaxBlock(nnx.Rngs(0)), nnx.Param))

@@ -10,9 +10,6 @@ tree must have the same fingerprint.
 
 from __future__ import annotations
 
-import itertools
-
-import flax.linen as fnn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -41,7 +38,8 @@ from gradsync_jax import param_specs as flax_param_specs
 from gradsync_jax._naming import torch_name
 from gradsync_torch import param_specs as torch_param_specs
 from tests.parity.torch_worker import RENAMES, WIDTHS, TorchMLP, train
-from tests.torch.harness import one_rank_group, run_workers
+from tests.support.harness import one_rank_group, run_workers
+from tests.support.models import LinenMLP, NnxMLP
 
 STEPS = 10
 # Betas whose powers float32 holds exactly: optax computes Adam's bias corrections
@@ -50,22 +48,6 @@ STEPS = 10
 # from torch (and from a float64 run) by ~1e-5 after 10 steps, with no gradsync involved.
 OPTIMIZERS = {"sgd": {"lr": 0.05}, "adam": {"lr": 1e-3, "betas": (0.5, 0.75), "eps": 1e-8}}
 RTOL = 1e-5
-
-
-class LinenMLP(fnn.Module):
-    @fnn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        for i, width in enumerate(WIDTHS[1:]):
-            # Non-zero biases (torch-like init), so per-tensor relative errors are meaningful.
-            x = fnn.Dense(width)(x)
-            if i < len(WIDTHS) - 2:
-                x = jnp.tanh(x)
-        return x
-
-
-class NnxMLP(nnx.Module):
-    def __init__(self, rngs: nnx.Rngs) -> None:
-        self.layers = nnx.List([nnx.Linear(a, b, rngs=rngs) for a, b in itertools.pairwise(WIDTHS)])
 
 
 def _plans(specs) -> list:
@@ -77,8 +59,8 @@ def _plans(specs) -> list:
 
 def test_flax_and_torch_plans_have_the_same_fingerprint() -> None:
     torch_specs_ = torch_param_specs(TorchMLP(WIDTHS))
-    linen = LinenMLP().init(jax.random.key(0), jnp.zeros((1, WIDTHS[0])))
-    nnx_params = nnx.state(NnxMLP(nnx.Rngs(0)), nnx.Param)
+    linen = LinenMLP(WIDTHS).init(jax.random.key(0), jnp.zeros((1, WIDTHS[0])))
+    nnx_params = nnx.state(NnxMLP(WIDTHS, nnx.Rngs(0)), nnx.Param)
     for flax_specs in (torch_specs(linen, modules=RENAMES), torch_specs(nnx_params)):
         assert flax_specs == torch_specs_
         for mine, theirs in zip(_plans(flax_specs), _plans(torch_specs_), strict=True):
@@ -140,8 +122,8 @@ def test_flat_zero_plans_renamed_to_torch_have_torch_fingerprint(single_process_
     torch ZeRO-2's plan for the twin module: one statement, one fingerprint."""
     want = _torch_flat_plans([2, 8])
     assert want[1].kind == "flat" and len(want[8].buckets.buckets) > 2
-    linen = LinenMLP().init(jax.random.key(0), jnp.zeros((1, WIDTHS[0])))
-    nnx_params = nnx.state(NnxMLP(nnx.Rngs(0)), nnx.Param)
+    linen = LinenMLP(WIDTHS).init(jax.random.key(0), jnp.zeros((1, WIDTHS[0])))
+    nnx_params = nnx.state(NnxMLP(WIDTHS, nnx.Rngs(0)), nnx.Param)
     devices = sorted(jax.devices(), key=lambda d: d.id)
     for n, torch_plan_ in want.items():
         mesh = mesh_from_topology(Topology.create(n), devices[:n])
@@ -164,7 +146,7 @@ def test_flat_zero_plans_renamed_to_torch_have_torch_fingerprint(single_process_
 
 
 def test_state_round_trip_and_layout() -> None:
-    linen = LinenMLP().init(jax.random.key(1), jnp.zeros((1, WIDTHS[0])))
+    linen = LinenMLP(WIDTHS).init(jax.random.key(1), jnp.zeros((1, WIDTHS[0])))
     state = to_torch_state(linen, modules=RENAMES)
     model = TorchMLP(WIDTHS)
     import torch
@@ -173,7 +155,7 @@ def test_state_round_trip_and_layout() -> None:
     x = np.random.default_rng(0).normal(size=(5, WIDTHS[0])).astype(np.float32)
     with torch.no_grad():
         torch_out = model(torch.from_numpy(x)).numpy()
-    np.testing.assert_allclose(torch_out, LinenMLP().apply(linen, x), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(torch_out, LinenMLP(WIDTHS).apply(linen, x), rtol=1e-5, atol=1e-6)
     back = from_torch_state(model.state_dict(), linen, modules=RENAMES)
     for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(linen), strict=True):
         np.testing.assert_array_equal(a, b)
@@ -183,7 +165,7 @@ def test_state_round_trip_and_layout() -> None:
 
 def _train_jax(params, x, y) -> dict:
     mesh = mesh_from_topology(Topology.create(2), sorted(jax.devices(), key=lambda d: d.id)[:2])
-    model = LinenMLP()
+    model = LinenMLP(WIDTHS)
 
     def loss_fn(p, batch):
         return jnp.mean((model.apply(p, batch[0]) - batch[1]) ** 2)
@@ -212,11 +194,12 @@ def _relative_error(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.abs(a - b).max() / np.abs(b).max())
 
 
+@pytest.mark.slow
 def test_torch_data_parallel_and_gradsync_jax_train_the_same() -> None:
     rng = np.random.default_rng(0)
     x = rng.normal(size=(16, WIDTHS[0])).astype(np.float32)
     y = rng.normal(size=(16, WIDTHS[-1])).astype(np.float32)
-    params = LinenMLP().init(jax.random.key(0), jnp.zeros((1, WIDTHS[0])))
+    params = LinenMLP(WIDTHS).init(jax.random.key(0), jnp.zeros((1, WIDTHS[0])))
     init = to_torch_state(params, modules=RENAMES)
 
     results = run_workers(train, 2, WIDTHS, init, x, y, OPTIMIZERS, STEPS)

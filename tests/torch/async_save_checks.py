@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 import os
 import threading
 from collections.abc import Iterator
@@ -25,19 +26,26 @@ from gradsync_core.checkpoint import save_hook
 from gradsync_torch import ZeroRedundancyOptimizer, load_optimizer_state_dict
 from gradsync_torch.checkpoint import save_agreement
 from gradsync_torch.checkpoint.staging import STAGING
-from tests.torch.harness import run_checks
+from tests.support.harness import run_checks
 from tests.torch.zero_helpers import Pair, plain, zero
 
 ADAM = {"lr": 1e-2}
 SAVED_STEPS, MORE_STEPS = 3, 4
 
 
+def linear_stack(*sizes: int, seed: int = 0) -> nn.Sequential:
+    """Linear layers of widths ``sizes`` with ``Tanh`` between: JAX loads their checkpoint as
+    a tree of ``{"kernel", "bias"}`` under the names "0", "2", ..."""
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    for n_in, n_out in itertools.pairwise(sizes):
+        layers += [nn.Linear(n_in, n_out), nn.Tanh()]
+    return nn.Sequential(*layers[:-1])
+
+
 def linear_model(seed: int = 0) -> nn.Module:
     """Linear layers only, so JAX loads the checkpoint as the tree ``jax_like()``."""
-    torch.manual_seed(seed)
-    return nn.Sequential(
-        nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 24), nn.Tanh(), nn.Linear(24, 8)
-    )
+    return linear_stack(16, 32, 24, 8, seed=seed)
 
 
 def pair(world_size: int, **options: Any) -> Pair:
@@ -208,3 +216,91 @@ def param_shards_check(rank: int, world_size: int, root: str) -> dict[str, np.nd
     later = _whole_state(model, opt)
     assert any(not np.array_equal(later[k], at_call[k]) for k in at_call)
     return copy.deepcopy(at_call)
+
+
+def matrix_check(rank: int, world_size: int, root: str) -> None:
+    """``MatrixOptimizer.save(blocking=False)`` (Muon under ZeRO-1) while training goes on:
+    a fresh ``MatrixOptimizer`` loads Muon's momentum at the call, bitwise."""
+    from tests.torch import matrix_checks as mc
+
+    def momentum(run: dict[str, Any]) -> dict[str, np.ndarray]:  # a collective
+        state = run["muon"].full_state()
+        return {name: s["momentum_buffer"].numpy().copy() for name, s in state.items()}
+
+    run = mc.build("zero1", world_size)
+    mc.train(run, range(SAVED_STEPS), rank, world_size)
+    at_call = momentum(run)
+    path = os.path.join(root, "muon")
+    with held_writer() as release:
+        handle = run["muon"].save(path, blocking=False)
+        assert not handle.done()
+        mc.train(run, range(SAVED_STEPS, SAVED_STEPS + 2), rank, world_size)
+        release.set()
+    assert handle.wait(timeout=60).step == SAVED_STEPS
+    assert any(not np.array_equal(v, at_call[k]) for k, v in momentum(run).items())
+    fresh = mc.build("zero1", world_size)
+    fresh["muon"].load(path)
+    assert_same(momentum(fresh), at_call, "Muon at the call")
+
+
+def _pipeline(world_size: int) -> tuple[Any, torch.optim.Optimizer]:
+    """A GPT of 8 layers in 2 stages (1F1B, pp = world size) and its AdamW."""
+    from examples.pipeline_models import gpt_blocks, lm_loss
+    from gradsync_core import Topology, plan_pipeline
+    from gradsync_torch import ProcessGroups
+    from gradsync_torch.pipeline import Pipeline, split_model
+
+    topology = Topology.create(world_size, pp=world_size)
+    groups = ProcessGroups(topology)
+    plan = plan_pipeline(
+        schedule="1F1B", microbatches=2, topology=topology, layers=8, stages_per_rank=1
+    )
+    split = split_model(gpt_blocks(), plan, groups.group_rank("pp"))
+    pipe = Pipeline(plan, split.stages, groups=groups, loss_fn=lm_loss, tied=split.tied)
+    return pipe, torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+
+
+def pipeline_check(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """``save_pipeline(blocking=False)``: returns while rank 0's writer is held and training
+    goes on; every rank's handle ends alike, with the manifest, or with one sentence when
+    rank 0's write fails. Returns this rank's stages' weights and AdamW state at the call, by
+    model name, and the failure each rank heard."""
+    from examples.pipeline_models import token_batch
+    from gradsync_core import CheckpointError
+    from gradsync_torch.pipeline import save_pipeline
+
+    pipe, opt = _pipeline(world_size)
+
+    def train(steps: range) -> None:
+        for step in steps:
+            tokens, targets = token_batch(4, 8, 32, seed=100 + step)
+            pipe.step(tokens, target=targets)
+            opt.step()
+            opt.zero_grad()
+
+    train(range(SAVED_STEPS))
+    at_call = {}
+    for module in pipe.stages.values():
+        for name, p in module.named_parameters():
+            at_call[name] = p.detach().numpy().copy()
+            for key, value in opt.state[p].items():
+                at_call[f"{name}/{key}"] = value.detach().numpy().copy()
+    path = os.path.join(root, "pipeline")
+    with held_writer() as release:
+        handle = save_pipeline(path, pipe, opt, blocking=False)
+        assert not handle.done()  # rank 0 writes; the others wait for its outcome
+        train(range(SAVED_STEPS, SAVED_STEPS + 2))
+        release.set()
+    manifest = handle.wait(timeout=60)
+
+    def full() -> None:
+        raise OSError(28, "No space left on device")
+
+    raised = None
+    with save_hook("before_file", full):  # only rank 0 writes a file
+        failing = save_pipeline(os.path.join(root, "full"), pipe, opt, blocking=False)
+        try:
+            failing.wait(timeout=60)
+        except CheckpointError as e:
+            raised = str(e)
+    return {"step": manifest.step, "at call": at_call, "raised": raised}

@@ -21,6 +21,7 @@ from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsync_torch as gt
+from tests.support.asserts import assert_tensors_close
 
 REF_TOL = {"rtol": 1e-5, "atol": 1e-6}  # fp32, different summation order
 BF16_TOL = {"rtol": 2e-2, "atol": 2e-3}  # bf16 wire: 8-bit mantissa, divide and sum in bf16
@@ -73,11 +74,6 @@ def assert_equal(a: list, b: list, what: str) -> None:
             assert torch.equal(x, y), f"{what}: grad {i} differs by {(x - y).abs().max()}"
 
 
-def assert_close(a: list, b: list, what: str, tol: dict = REF_TOL) -> None:
-    for x, y in zip(a, b, strict=True):
-        torch.testing.assert_close(x, y, **tol, msg=lambda m: f"{what}: {m}")
-
-
 def same_on_all_ranks(tensors: list, what: str) -> None:
     flat = torch.cat([t.reshape(-1) for t in tensors])
     gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
@@ -119,7 +115,7 @@ def check_matches_reference_and_ddp(rank: int, ws: int) -> None:
         ref = reference_grads(base, x, y, ws)
         for m in (ddp, ours, view):
             step(m, x, y, rank)
-        assert_close(grads(ours), ref, f"step {s} vs single process")
+        assert_tensors_close(grads(ours), ref, f"step {s} vs single process", **REF_TOL)
         assert_equal(grads(ours), grads(ddp), f"step {s} vs torch DDP")
         assert_equal(grads(view), grads(ours), f"step {s} gradient_as_bucket_view")
         for p, g in zip(base.parameters(), ref, strict=True):
@@ -154,7 +150,9 @@ def check_many_buckets_match_ddp(rank: int, ws: int) -> None:
         step(ours, x, y, rank)
         if s == 2:  # per-bucket readiness: each bucket launched by its own flush hook
             assert launches == ["backward"] * len(ours.bucket_plan.buckets), launches
-        assert_close(grads(ours), reference_grads(base, x, y, ws), f"step {s} vs reference")
+        assert_tensors_close(
+            grads(ours), reference_grads(base, x, y, ws), f"step {s} vs reference", **REF_TOL
+        )
         # Step 0: DDP starts with one bucket, gradsync with the capped layout.
         if s > 0 or ws <= 2:
             assert_equal(grads(ours), grads(ddp), f"step {s} vs torch DDP")
@@ -198,7 +196,7 @@ def check_legacy_equals_overlap(rank: int, ws: int) -> None:
                 assert_equal(grads(legacy), grads(overlap), f"{kwargs} step {s}")
             else:
                 tol = BF16_TOL if kwargs.get("reduce_dtype") else REF_TOL
-                assert_close(grads(legacy), grads(overlap), f"{kwargs} step {s}", tol)
+                assert_tensors_close(grads(legacy), grads(overlap), f"{kwargs} step {s}", **tol)
 
 
 def check_no_sync_accumulates(rank: int, ws: int) -> None:
@@ -233,7 +231,7 @@ def check_no_sync_accumulates(rank: int, ws: int) -> None:
         (sum(F.mse_loss(ref(shard(x, r)), shard(y, r)) for r in range(ws)) / ws).backward()
     ddp = DDP(copy.deepcopy(base))
     expected = [run(ddp, "context") for _ in range(2)][-1]  # round 2: rebuilt buckets
-    assert_close(expected, grads(ref), "DDP no_sync vs single process")
+    assert_tensors_close(expected, grads(ref), "DDP no_sync vs single process", **REF_TOL)
     cases = {
         "context": gt.DataParallel(copy.deepcopy(base)),
         "property": gt.DataParallel(copy.deepcopy(base)),
@@ -245,7 +243,7 @@ def check_no_sync_accumulates(rank: int, ws: int) -> None:
         for _ in range(2):  # the second round runs on the rebuilt layout
             got = run(model, name if name in ("property", "flush") else "context")
         if name in ("legacy", "flush") and ws > 2:  # other bucket layout (see above)
-            assert_close(got, expected, name)
+            assert_tensors_close(got, expected, name, **REF_TOL)
         else:
             assert_equal(got, expected, f"no_sync ({name}) vs DDP")
     assert cases["property"].require_backward_grad_sync
@@ -351,10 +349,11 @@ def check_tied_and_frozen(rank: int, ws: int) -> None:
             m.zero_grad(set_to_none=True)
             out = m(shard(tokens, rank)).flatten(0, 1)
             F.cross_entropy(out, shard(target, rank).flatten()).backward()
-        assert_close(
+        assert_tensors_close(
             [g for g in grads(ours) if g is not None],
             [g for g in grads(ref) if g is not None],
             "tied",
+            **REF_TOL,
         )
         assert_equal(grads(ours), grads(ddp), f"step {s} vs DDP")
         assert ours.module.frozen.weight.grad is None
@@ -410,8 +409,8 @@ def check_compression(rank: int, ws: int) -> None:
         assert_equal(grads(hooked["fp16"]), fp16, "fp16 hook vs reduce_dtype=float16")
         assert_equal(grads(torch_bf16), bf16, "torch's bf16 hook vs ours")
         assert_equal(grads(ddp_fp16), fp16, "DDP + fp16 hook vs reduce_dtype=float16")
-        assert_close(bf16, grads(fp32), "bf16 wire vs fp32", BF16_TOL)
-        assert_close(fp16, grads(fp32), "fp16 wire vs fp32", FP16_TOL)
+        assert_tensors_close(bf16, grads(fp32), "bf16 wire vs fp32", **BF16_TOL)
+        assert_tensors_close(fp16, grads(fp32), "fp16 wire vs fp32", **FP16_TOL)
         assert all(g.dtype == torch.float32 for g in bf16 + fp16)
     expect_error(
         RuntimeError,

@@ -33,6 +33,7 @@ from examples.pipeline_models import gpt_blocks, lm_loss, token_batch
 from gradsync_core import SCHEDULES, PipelinePlan, Topology, plan_pipeline
 from gradsync_torch import DataParallel, ProcessGroups, fully_shard
 from gradsync_torch.pipeline import Pipeline, split_model
+from tests.support.asserts import assert_tensors_close
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}  # fp32, sums in another order (data parallel, tied)
 STEPS = 4
@@ -149,11 +150,6 @@ def assert_bitwise(mine: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor
         )
 
 
-def assert_close(mine: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor], what: str):
-    for name, p in mine.items():
-        torch.testing.assert_close(p, theirs[name], **TOL, msg=lambda m, n=name: f"{what} {n}: {m}")
-
-
 # ---- exactness ---------------------------------------------------------------------------
 
 
@@ -175,7 +171,7 @@ def check_schedules_equal_torch(rank: int, ws: int, names: Sequence[str] = SCHED
         mine = held(split.stages)
         assert_bitwise(mine, reference, f"{name} vs the unpipelined model")
         if name == "LoopedBFS":  # torch sums its microbatches backwards
-            assert_close(mine, held(theirs), f"{name} vs torch")
+            assert_tensors_close(mine, held(theirs), f"{name} vs torch", **TOL)
         else:
             assert_bitwise(mine, held(theirs), f"{name} vs torch")
             if losses[0] is not None:
@@ -203,7 +199,7 @@ def check_tied_embedding(rank: int, ws: int) -> None:
         if f"{len(blocks) - 1}.out.weight" in mine:  # the unpipelined model names it once
             mine["0.token.weight.out"] = mine.pop(f"{len(blocks) - 1}.out.weight")
             reference["0.token.weight.out"] = reference["0.token.weight"]
-        assert_close(mine, reference, f"{name}, tied")
+        assert_tensors_close(mine, reference, f"{name}, tied", **TOL)
         # Untied, the same run ends elsewhere: the sum is what makes it equal.
         if name == "1F1B":
             loose = split_model(blocks, plan, groups.group_rank("pp"))
@@ -239,7 +235,7 @@ def check_data_parallel(rank: int, ws: int) -> None:
         }
         pipe = Pipeline(plan, stages, groups=groups, loss_fn=lm_loss)
         train_pipeline(pipe, mine_data)
-        assert_close(held(stages), reference, f"dp 2 x pp 2, {name}")
+        assert_tensors_close(held(stages), reference, f"dp 2 x pp 2, {name}", **TOL)
     # A stage that raises on rank 3 (pipeline 1, stage 1): its pipeline peer and its
     # data-parallel peer (rank 1, whose reduction now sees another history) end the step with
     # rank 3's sentence, and so does the other pipeline.
@@ -276,7 +272,7 @@ def check_zero3(rank: int, ws: int) -> None:
             fully_shard(stage, process_group=dp)
         pipe = Pipeline(plan, split.stages, groups=groups, loss_fn=lm_loss)
         train_pipeline(pipe, mine_data)
-        assert_close(held(split.stages), reference, f"ZeRO-3 x pp 2, {name}")
+        assert_tensors_close(held(split.stages), reference, f"ZeRO-3 x pp 2, {name}", **TOL)
 
 
 def check_tensor_parallel(rank: int, ws: int) -> None:
@@ -324,7 +320,7 @@ def check_tensor_parallel(rank: int, ws: int) -> None:
         ref_opt.zero_grad()
     for stage in split.stages.values():
         want = local_state(stage, {k: v for k, v in serial.state_dict().items()})
-        assert_close(dict(stage.named_parameters()), want, "tp 2 x pp 2")
+        assert_tensors_close(dict(stage.named_parameters()), want, "tp 2 x pp 2", **TOL)
 
 
 # ---- refusals and failures -----------------------------------------------------------------

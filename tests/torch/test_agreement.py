@@ -7,7 +7,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tests.torch.harness import run_workers  # noqa: E402
+from tests.support.harness import run_workers  # noqa: E402
 
 
 def _agree_on(rank: int, world_size: int, odd_rank: int | None) -> str | None:
@@ -38,6 +38,7 @@ def _agree_ok(rank: int, world_size: int, failing: set[int]) -> str | None:
     return None
 
 
+@pytest.mark.slow
 def test_agree_on_is_silent_when_equal_and_names_both_sides_when_not():
     assert run_workers(_agree_on, 3, None) == [None, None, None]
     messages = run_workers(_agree_on, 3, 2)
@@ -63,6 +64,7 @@ def _zero_plans(rank: int, world_size: int, odd_rank: int | None) -> str | None:
     return None
 
 
+@pytest.mark.slow
 def test_zero_plans_agree_through_the_primitive():
     """ZeroRedundancyOptimizer's plan check (``check_same_plan``) rides on ``agree_on``: the
     fingerprint's digest first, the parameter tables only to name the difference."""

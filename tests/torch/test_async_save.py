@@ -13,8 +13,13 @@ import json
 import subprocess
 import sys
 
+import numpy as np
+import pytest
+import torch
+
+from gradsync_torch import load_optimizer_state_dict
+from tests.support.harness import run_workers
 from tests.torch import async_save_checks as checks
-from tests.torch.harness import run_workers
 
 WORLD = 2
 
@@ -45,6 +50,7 @@ def _plan_staging() -> list[dict[str, int]]:
     return json.loads(done.stdout)["save_staging"]
 
 
+@pytest.mark.slow
 def test_saves_in_the_background_hold_the_state_at_the_call(tmp_path) -> None:
     results = run_workers(checks.api_checks, WORLD, str(tmp_path), timeout=240)
     planned = _plan_staging()
@@ -62,3 +68,38 @@ def test_a_zero3_save_in_the_background_holds_the_state_at_the_call(tmp_path) ->
     at_call = run_workers(checks.param_shards_check, WORLD, str(tmp_path), timeout=240)[0]
     got = checks.plain_state(str(tmp_path / "zero3"))
     checks.assert_same(got, at_call, "ZeRO-3 at world size 1")
+
+
+def test_a_matrix_optimizer_save_in_the_background_holds_the_state_at_the_call(tmp_path) -> None:
+    run_workers(checks.matrix_check, WORLD, str(tmp_path), timeout=240)
+
+
+def test_a_pipeline_save_in_the_background_holds_the_state_at_the_call(tmp_path) -> None:
+    """Rank 0 writes the whole model in the background; every rank's handle gets the
+    manifest, or the same sentence when that write fails; the checkpoint loads into the
+    unpipelined model (weights and AdamW state) as they were at the call, bitwise."""
+    from examples.pipeline_models import gpt_blocks
+    from gradsync_torch import load_model_weights
+
+    results = run_workers(checks.pipeline_check, WORLD, str(tmp_path), timeout=240)
+    at_call = {k: v for result in results for k, v in result["at call"].items()}
+    assert {r["step"] for r in results} == {checks.SAVED_STEPS}
+    raised = {r["raised"] for r in results}
+    assert len(raised) == 1, raised  # one sentence, on every rank
+    (sentence,) = raised
+    assert sentence is not None and sentence.startswith(
+        f"cannot save pipeline checkpoint {tmp_path / 'full'}"
+    ), sentence
+    assert "No space left on device" in sentence
+    assert not (tmp_path / "full").exists()
+
+    model = gpt_blocks(seed=1)
+    load_model_weights(str(tmp_path / "pipeline"), model)
+    got = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    state = load_optimizer_state_dict(str(tmp_path / "pipeline"), opt, model)
+    names = [n for n, _ in model.named_parameters()]
+    for index, entries in state["state"].items():
+        for key, value in entries.items():
+            got[f"{names[index]}/{key}"] = np.asarray(value).copy()
+    checks.assert_same(got, at_call, "the pipeline at the call")

@@ -21,7 +21,7 @@ run on the world group, as DDP's do.
 from __future__ import annotations
 
 import copy
-import traceback
+import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -41,7 +41,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsync_torch as gt
 from gradsync_torch.data_parallel.comm_hooks import in_bucket_order
-from tests.torch.harness import run_workers
+from tests.support.harness import SKIPPED, Skip, run_checks, run_workers
 
 WORLD_SIZE = 2
 STEPS = 4
@@ -134,11 +134,6 @@ def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x[rank * N : (rank + 1) * N], y[rank * N : (rank + 1) * N]
 
 
-class SkipCase(Exception):
-    """torch DDP itself refused, failed or hangs on the hook here: the case is skipped with
-    this reason, never passed."""
-
-
 def _train_step(model: nn.Module, opt: torch.optim.Optimizer, step: int, rank: int) -> list:
     opt.zero_grad(set_to_none=True)
     x, y = batch(step, rank)
@@ -171,7 +166,7 @@ def check_case(case: Case, layout: str, rank: int) -> None:
     try:
         case.register(ddp, ordered=ordered)
     except Exception as error:
-        raise SkipCase(f"torch DDP refuses it here: {_first_line(error)}") from None
+        raise Skip(f"torch DDP refuses it here: {_first_line(error)}") from None
     ours = gt.DataParallel(copy.deepcopy(base), **ours_kwargs)
     if layout == "small_buckets":
         assert len(ours.bucket_plan.buckets) > 1, "expected several buckets"
@@ -182,7 +177,7 @@ def check_case(case: Case, layout: str, rank: int) -> None:
         try:
             expected = _train_step(ddp, ddp_opt, step, rank)
         except Exception as error:
-            raise SkipCase(f"torch DDP fails at step {step}: {_first_line(error)}") from None
+            raise Skip(f"torch DDP fails at step {step}: {_first_line(error)}") from None
         got = _train_step(ours, ours_opt, step, rank)
         for i, (a, b) in enumerate(zip(got, expected, strict=True)):
             assert a.dtype == b.dtype and torch.equal(a, b), (
@@ -190,36 +185,29 @@ def check_case(case: Case, layout: str, rank: int) -> None:
             )
 
 
-def run_sweep(rank: int, world_size: int) -> dict[str, tuple[str, str | None]]:
-    """Every (layout, case); id -> ("passed", None) / ("skipped", reason) / ("failed", tb).
+def run_sweep(rank: int, world_size: int) -> dict[str, str | None]:
+    """Every (layout, case): id -> None (passed), ``"skipped: <reason>"`` (torch DDP itself
+    refused, failed or hangs on the hook here: ``Skip``, never a pass) or the failure.
 
-    After each case the ranks agree on the outcome, so a case that failed or was skipped on
-    one rank only is reported as failed, never as passed.
+    ``harness.run_checks`` agrees on each case across the ranks, so a case that failed or was
+    skipped on one rank only is reported as failed, never as passed; each case builds its own
+    models, so the cases after a failure still run (``keep_going``).
     """
-    results: dict[str, tuple[str, str | None]] = {}
-    for layout in LAYOUTS:
-        for name, case in cases().items():
-            try:
-                check_case(case, layout, rank)
-                outcome: tuple[str, str | None] = ("passed", None)
-            except SkipCase as why:
-                outcome = ("skipped", str(why))
-            except Exception:
-                outcome = ("failed", traceback.format_exc())
-            code = {"passed": 0, "skipped": 1, "failed": 2}[outcome[0]]
-            codes = [torch.zeros(1, dtype=torch.int32) for _ in range(world_size)]
-            dist.all_gather(codes, torch.tensor([code], dtype=torch.int32))
-            if len({int(c) for c in codes}) > 1 and outcome[0] != "failed":
-                outcome = ("failed", f"{outcome[0]} here, ranks disagree: {codes}")
-            results[f"{layout}-{name}"] = outcome
-    return results
+    return run_checks(
+        (
+            (f"{layout}-{name}", functools.partial(check_case, case, layout, rank))
+            for layout in LAYOUTS
+            for name, case in cases().items()
+        ),
+        keep_going=True,
+    )
 
 
 CASE_IDS = [f"{layout}-{name}" for layout in LAYOUTS for name in cases()]
-_sweep: list[dict[str, tuple[str, str | None]]] = []
+_sweep: list[dict[str, str | None]] = []
 
 
-def _outcomes() -> list[dict[str, tuple[str, str | None]]]:
+def _outcomes() -> list[dict[str, str | None]]:
     if not _sweep:
         _sweep.extend(run_workers(run_sweep, WORLD_SIZE, timeout=300))
     return _sweep
@@ -228,10 +216,10 @@ def _outcomes() -> list[dict[str, tuple[str, str | None]]]:
 @pytest.mark.parametrize("case_id", CASE_IDS)
 def test_hook_matches_ddp(case_id: str) -> None:
     outcomes = [by_rank[case_id] for by_rank in _outcomes()]
-    for rank, (status, detail) in enumerate(outcomes):
-        assert status != "failed", f"rank {rank}: {detail}"
-    if outcomes[0][0] == "skipped":
-        pytest.skip(outcomes[0][1])
+    for rank, outcome in enumerate(outcomes):
+        assert outcome is None or outcome.startswith(SKIPPED), f"rank {rank}: {outcome}"
+    if outcomes[0] is not None:
+        pytest.skip(outcomes[0].removeprefix(SKIPPED))
 
 
 # ---- GradBucket alone: DDP's set_buffer / gradients() contract, no process group ----------

@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 import gradsync_torch as gt
-from tests.torch.harness import run_workers
+from tests.support.harness import run_workers
+
+pytestmark = pytest.mark.slow
 
 REF_TOL = {"rtol": 1e-5, "atol": 1e-6}
 STEPS = 3

@@ -16,9 +16,9 @@ import torch
 from torch import nn
 
 import gradsync_torch as gt
+from tests.support.harness import run_checks, run_workers
 from tests.torch import dp_grad_checks as grad_checks
 from tests.torch import dp_setup_checks as setup_checks
-from tests.torch.harness import run_checks, run_workers
 
 WORLD_SIZES = (1, 2, 4)
 # name: (check, smallest world size where it means something)
@@ -61,7 +61,12 @@ def _outcomes(world_size: int) -> list[dict[str, str | None]]:
 
 @pytest.mark.parametrize(
     ("world_size", "check"),
-    [(ws, name) for ws in WORLD_SIZES for name, (_, min_ws) in CHECKS.items() if ws >= min_ws],
+    [
+        pytest.param(ws, name, marks=[pytest.mark.slow] if ws != 2 else [])
+        for ws in WORLD_SIZES
+        for name, (_, min_ws) in CHECKS.items()
+        if ws >= min_ws
+    ],
     ids=lambda v: f"ws{v}" if isinstance(v, int) else v,
 )
 def test_data_parallel(world_size: int, check: str) -> None:

@@ -15,32 +15,13 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from gradsync_core import read_manifest
 from gradsync_torch import load_model_weights, load_optimizer_state_dict
 from gradsync_torch.checkpoint.dcp import export_dcp, import_dcp
 from gradsync_torch.checkpoint.plain_save import save_plain
-
-
-class Tied(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(11, 6)
-        self.frozen = nn.Linear(6, 6)
-        self.frozen.requires_grad_(False)
-        self.layer = nn.Linear(6, 6)
-        self.head = nn.Linear(6, 11, bias=False)
-        self.head.weight = self.embed.weight
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.tanh(self.layer(torch.tanh(self.frozen(self.embed(tokens))))))
-
-
-def make(seed: int = 0) -> tuple[Tied, torch.optim.AdamW]:
-    torch.manual_seed(seed)
-    model = Tied()
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.5, 0.75))
+from tests.torch.dcp_user import Tied, make, user_load_into
 
 
 def train(model: nn.Module, opt: torch.optim.Optimizer, steps: int) -> None:
@@ -64,15 +45,6 @@ def assert_same(a: tuple[nn.Module, torch.optim.Optimizer], b) -> None:
 
 def user_load(path) -> tuple[Tied, torch.optim.AdamW]:
     return user_load_into(path, *make(seed=9))
-
-
-def user_load_into(path, model: nn.Module, opt: torch.optim.Optimizer):
-    """The recipe docs/interchange.md gives: plain DCP, no gradsync."""
-    model_sd, optim_sd = get_state_dict(model, opt)
-    state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=str(path), no_dist=True)
-    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    return model, opt
 
 
 def test_round_trip_is_bitwise(tmp_path) -> None:
@@ -124,7 +96,7 @@ def test_import_of_another_model_is_one_sentence(tmp_path) -> None:
 
 
 BUILD = """
-from tests.torch.test_dcp_interchange import make
+from tests.torch.dcp_user import make
 
 
 def build():

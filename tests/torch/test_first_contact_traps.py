@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from gradsync_torch import DataParallel, ZeroRedundancyOptimizer, load_model_weights
-from tests.torch.harness import one_rank_group
+from tests.support.harness import one_rank_group
 
 
 @pytest.fixture(scope="module")

@@ -11,10 +11,11 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from tests.torch.harness import run_checks, run_workers
-from tests.torch.test_param_shard_plan_fsdp import Net
+from tests.support.asserts import assert_tensors_equal as _bitwise  # this file's names for them
+from tests.support.harness import run_checks, run_workers
+from tests.torch.fsdp_models import UNITS, Net
+from tests.torch.fsdp_models import local_shards as _locals
 
-UNITS = ["layers.0.fc", "layers.0", "layers.1"]  # nested, as in the plan's FSDP2 test
 STEPS = 5
 MICRO = 4  # micro-steps of the accumulation case
 
@@ -61,24 +62,6 @@ def _train(model: nn.Module, rank: int, *, micro: int = 1) -> tuple[torch.optim.
         if step < STEPS - 1:  # keep the last gradients to compare
             opt.zero_grad()
     return opt, norms
-
-
-def _locals(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, p in model.named_parameters():
-        out[f"param {name}"] = p.to_local()
-        if p.grad is not None:
-            out[f"grad {name}"] = p.grad.to_local()
-        for key, value in opt.state.get(p, {}).items():
-            out[f"{key} {name}"] = value.to_local() if hasattr(value, "to_local") else value
-    return out
-
-
-def _bitwise(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
-    for key in a:
-        assert a[key].dtype == b[key].dtype and a[key].shape == b[key].shape, key
-        assert torch.equal(a[key], b[key]), (key, (a[key] - b[key]).abs().max())
 
 
 def _reference(rank: int, world_size: int, micro: int, tied: bool) -> nn.Module:

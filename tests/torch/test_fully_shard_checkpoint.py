@@ -10,7 +10,7 @@ stopped, in one process; the continued runs are compared with it after further s
 - **Bitwise**: ZeRO-3 at 2 ranks saved and loaded at 2 ranks is the 2-rank run that never
   stopped (the same arithmetic after the load: the state is the same bytes); so is a 2-row
   layer saved and loaded at 4 ranks, two of which hold no rows.
-- **Reduction-order floor** (``RTOL`` of tests/parity/test_cross_checkpoint.py: 1e-5 relative
+- **Reduction-order floor** (``RTOL`` of tests/parity/mlp_twin.py: 1e-5 relative
   for parameters, 5e-5 for moments, 4x the floor measured there): every other pair, since the
   gradient sums run over 1, 2 or 4 ranks or in XLA; a wrong row, key or step count errs by
   1e-2 or more.
@@ -26,52 +26,17 @@ import pytest
 import torch
 from torch import nn
 
-from tests.parity.tied_worker import DEPTH, TiedLM
-from tests.torch.harness import run_workers
+from tests.parity.tied_worker import TiedLM
+from tests.parity.zero3_worker import HYPER, KEYS
+from tests.parity.zero3_worker import reference as _reference  # this file's names for them
+from tests.parity.zero3_worker import sharded as _sharded
+from tests.parity.zero3_worker import state_of as _state
+from tests.parity.zero3_worker import train as _train
+from tests.support.harness import run_workers
 
-HYPER = {"lr": 1e-2, "betas": (0.5, 0.75), "eps": 1e-8, "weight_decay": 0.1}
+pytestmark = pytest.mark.slow
+
 SAVE_AT, MORE = 3, 2  # save after 3 steps, continue 2 (the JAX leg: 2 more after that)
-KEYS = ("exp_avg", "exp_avg_sq")
-
-
-def _sharded(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
-    from gradsync_torch import fully_shard
-
-    torch.manual_seed(seed)  # 0: the runs' start; another seed shows a load that skips weights
-    model = TiedLM()
-    for i in range(DEPTH):
-        fully_shard(model.layers[i])
-    fully_shard(model.frozen)
-    fully_shard(model)  # the root: the embedding and the head tied to it
-    return model, torch.optim.AdamW(model.parameters(), **HYPER)
-
-
-def _train(model, opt, tokens, labels, steps: int, rank: int, world_size: int) -> None:
-    xs = torch.from_numpy(tokens).chunk(world_size)[rank]
-    ys = torch.from_numpy(labels).chunk(world_size)[rank]
-    for _ in range(steps):
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(xs), ys).backward()
-        opt.step()
-
-
-def _whole(value: Any) -> np.ndarray:
-    value = value.full_tensor() if hasattr(value, "full_tensor") else value  # a collective
-    return value.detach().numpy().copy()
-
-
-def _state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
-    """Parameters, moments and steps in model space (sharded ones gathered, on every rank)."""
-    out: dict[str, Any] = {"params": {}, "state": {}, "steps": {}}
-    for name, p in model.named_parameters():
-        out["params"][name] = _whole(p)
-        state = opt.state.get(p, {})
-        for key in KEYS:
-            if key in state:
-                out["state"][f"{name}/{key}"] = _whole(state[key])
-        if "step" in state:
-            out["steps"][name] = float(state["step"])
-    return out
 
 
 def _locals(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
@@ -229,21 +194,13 @@ def _four_ranks(rank: int, world_size: int, tokens, labels, root: str) -> dict[s
     return out if rank == 0 else {}
 
 
-def _reference(tokens, labels, steps: int) -> dict[str, Any]:
-    """The run that never stopped, in one process on the whole batch."""
-    torch.manual_seed(0)
-    model = TiedLM()
-    opt = torch.optim.AdamW(model.parameters(), **HYPER)
-    _train(model, opt, tokens, labels, steps, 0, 1)
-    return _state(model, opt)
-
-
 def _close(got: dict[str, Any], want: dict[str, Any], what: str) -> None:
-    from tests.parity.test_cross_checkpoint import assert_close
+    from tests.parity.mlp_twin import RTOL
+    from tests.support.asserts import assert_close
 
     for part in ("params", "state"):
         try:
-            assert_close(got[part], want[part], part)
+            assert_close(got[part], want[part], RTOL[part], part)
         except AssertionError as e:
             raise AssertionError(f"{what}: {e}") from None
     assert got["steps"] == want["steps"], (what, got["steps"], want["steps"])
@@ -255,7 +212,7 @@ def test_zero3_checkpoint_round_trips(tmp_path, capsys) -> None:
     HSDP 2 x 2 -> HSDP 2 x 2 (bitwise), -> ZeRO-3 at 4 ranks, -> plain torch."""
     from gradsync_core import read_manifest
     from gradsync_core.checkpoint import resolve_checkpoint
-    from tests.parity import test_cross_tied as jaxside
+    from tests.parity import tied_twin as jaxside
 
     tokens, labels = jaxside.data()
     root = str(tmp_path)
@@ -325,7 +282,8 @@ def _check_jax(jaxside, root: str, want: dict[str, Any]) -> None:
         shard_optimizer,
         to_torch_state,
     )
-    from tests.parity.test_cross_checkpoint import jax_moments, mesh_of, optax_moments
+    from tests.parity.mlp_twin import jax_moments, optax_moments
+    from tests.support.meshes import mesh_of
 
     path, renames = os.path.join(root, "z3"), jaxside.RENAMES
     trainable, frozen = jaxside.split(load_params(path, jaxside.linen_init(), modules=renames))

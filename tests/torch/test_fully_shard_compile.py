@@ -11,10 +11,13 @@ reach the hooks) to spare a 2-core machine inductor's C++ compile.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
-from tests.torch.harness import run_checks, run_workers
+from tests.support.harness import run_checks, run_workers
+
+pytestmark = pytest.mark.slow
 
 
 def _model(compile_blocks: bool = False) -> nn.Module:

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tests.torch.harness import run_checks, run_workers
+from tests.support.harness import run_checks, run_workers
 
 
 class Block(nn.Module):

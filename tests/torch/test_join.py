@@ -7,8 +7,8 @@ import functools
 
 import pytest
 
+from tests.support.harness import run_checks, run_workers
 from tests.torch import join_checks as checks
-from tests.torch.harness import run_checks, run_workers
 
 WORLD = 3
 _results: list[dict[str, str | None]] = []

@@ -27,7 +27,8 @@ from gradsync_torch.model_parallel.mappings import (
     scatter_to,
 )
 from gradsync_torch.shared_reductions import check_reduction_plan, reduce_shared_gradients
-from tests.torch.harness import run_workers
+from tests.support.batches import local_tokens
+from tests.support.harness import run_workers
 from tests.torch.models import MLPTransformer, ParallelMLPTransformer
 
 TOL = {"rtol": 1e-10, "atol": 1e-12}
@@ -121,15 +122,6 @@ def _check_groups(groups: ProcessGroups, new_group_calls: int, expected_calls: i
         assert dist.get_process_group_ranks(mesh.get_group(axis)) == list(groups.ranks(axis))
 
 
-def _local_tokens(topo: Topology, rank: int, full: torch.Tensor, sp: bool) -> torch.Tensor:
-    coords = topo.coordinates(rank)
-    rows = full.split(list(split_shapes(full.shape[0], topo.dp)), 0)[coords["dp"]]
-    seq = rows.split(list(split_shapes(full.shape[1], topo.cp)), 1)[coords["cp"]]
-    if sp:
-        seq = seq.split(list(split_shapes(seq.shape[1], topo.tp)), 1)[coords["tp"]]
-    return seq
-
-
 def _check_model(groups: ProcessGroups, sp: bool, norm_group: str | None) -> dict[str, Any]:
     topo, rank = groups.topology, dist.get_rank()
     dim, hidden, depth, batch, seq = 8, 9, 2, 2 * topo.dp, 7  # 9 -> [5, 4]; 7 -> [4, 3]
@@ -142,10 +134,10 @@ def _check_model(groups: ProcessGroups, sp: bool, norm_group: str | None) -> dic
     (((y_ref - target) ** 2).sum() / (batch * seq)).backward()
 
     model = ParallelMLPTransformer.from_serial(serial, groups, sequence_parallel=sp)
-    y = model(_local_tokens(topo, rank, x, sp))
-    torch.testing.assert_close(y, _local_tokens(topo, rank, y_ref.detach(), sp), **TOL)
+    y = model(local_tokens(topo, rank, x, sp))
+    torch.testing.assert_close(y, local_tokens(topo, rank, y_ref.detach(), sp), **TOL)
     # This rank's share of its replica's loss: divide by the replica's token count.
-    t = _local_tokens(topo, rank, target, sp)
+    t = local_tokens(topo, rank, target, sp)
     (((y - t) ** 2).sum() / (batch // topo.dp * seq)).backward()
     dp = groups.group("dp")
     for p in model.parameters():  # the data-parallel mean, as DataParallel does it

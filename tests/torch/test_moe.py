@@ -25,7 +25,7 @@ from gradsync_torch._specs import shared_param_specs
 from gradsync_torch.groups import Group
 from gradsync_torch.model_parallel.experts import MoE
 from gradsync_torch.model_parallel.layers import local_state
-from tests.torch.harness import run_workers
+from tests.support.harness import run_workers
 
 TOL = {"rtol": 1e-10, "atol": 1e-12}
 DIM, HIDDEN, EXPERTS, ROWS_PER_RANK, SEQ = 6, 10, 4, 2, 3

@@ -32,7 +32,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import gradsync_torch as gt
-from tests.torch.harness import run_workers
+from tests.support.harness import run_workers
 
 # Tensor methods that read a device value on the host, or copy host memory to the device.
 HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "to", "cuda")

@@ -20,7 +20,7 @@ from gradsync_torch import (
     ZeroRedundancyOptimizer,
     load_model_weights,
 )
-from tests.torch.harness import one_rank_group, run_workers
+from tests.support.harness import one_rank_group, run_workers
 
 
 def net() -> nn.Module:

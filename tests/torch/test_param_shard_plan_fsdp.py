@@ -9,40 +9,8 @@ import torch.nn as nn
 
 from gradsync_core import estimate_zero3, plan_param_shards
 from gradsync_torch import param_specs
-from tests.torch.harness import run_checks, run_workers
-
-
-class Block(nn.Module):
-    def __init__(self, width: int, hidden: int) -> None:
-        super().__init__()
-        self.ln = nn.LayerNorm(width)
-        self.fc = nn.Linear(width, hidden)  # hidden = 1: a dim 0 smaller than the world
-        self.out = nn.Linear(hidden, width, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.out(torch.relu(self.fc(self.ln(x))))
-
-
-class Net(nn.Module):
-    """Uneven dim-0 sizes (11, 5, 4, 3, 1), a frozen parameter, and a parameter of the root
-    module itself (FSDP2 lists it after its children's)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.scale = nn.Parameter(torch.ones(1))
-        self.embed = nn.Embedding(11, 5)
-        self.layers = nn.ModuleList([Block(5, 4), Block(5, 1)])  # 4 over 3 ranks: 2, 2, 0
-        self.head = nn.Linear(5, 3)
-        self.layers[1].ln.weight.requires_grad_(False)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens)
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(x) * self.scale
-
-
-UNITS = ["layers.0.fc", "layers.0", "layers.1"]  # nested: layers.0.fc inside layers.0
+from tests.support.harness import run_checks, run_workers
+from tests.torch.fsdp_models import UNITS, Net
 
 
 def fsdp_params(model: nn.Module, plan) -> dict:

@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from gradsync_core import Topology, plan_pipeline
+from tests.support.harness import run_checks, run_workers
 from tests.torch import pipeline_checks as checks
-from tests.torch.harness import run_checks, run_workers
 
 # name: (check, the world sizes it runs at)
 CHECKS: dict[str, tuple[Callable[[int, int], None], tuple[int, ...]]] = {

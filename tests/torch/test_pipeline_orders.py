@@ -21,6 +21,8 @@ from torch.distributed.pipelining._utils import generate_rank_to_stage_mapping
 
 from gradsync_core import SCHEDULES, PipelinePlan, Topology, plan_pipeline
 
+pytestmark = pytest.mark.slow
+
 CLASSES = {
     "GPipe": torch_schedules.ScheduleGPipe,
     "1F1B": torch_schedules.Schedule1F1B,

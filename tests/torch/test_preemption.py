@@ -13,14 +13,16 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from gradsync_core import PREEMPTED_EXIT, read_manifest
-from tests.faults.test_async_torch_faults import assert_loads_everywhere
+from tests.faults.async_save_loads import assert_loads_everywhere
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 120
 
 
+@pytest.mark.slow
 def test_sigterm_saves_at_the_same_step_on_every_rank_and_exits_143(tmp_path: Path) -> None:
     path = tmp_path / "ckpt"
     worker = ROOT / "tests" / "torch" / "preemption_worker.py"

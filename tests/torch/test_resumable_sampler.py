@@ -13,8 +13,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from gradsync_core import read_manifest
 from gradsync_torch import ResumableSampler, load_model_weights, load_optimizer_state_dict
 from tests.parity.torch_worker import WIDTHS, TorchMLP
+from tests.support.harness import run_workers
 from tests.torch import resume_worker
-from tests.torch.harness import run_workers
 
 INDICES = TensorDataset(torch.arange(50))  # a batch of it is the sample indices read
 

@@ -17,23 +17,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gradsync_core import ReductionPlan, Topology, split_shapes
+from gradsync_core import ReductionPlan, Topology
 from gradsync_torch import DataParallel, ProcessGroups
 from gradsync_torch.model_parallel.layers import local_state
-from tests.torch.harness import run_workers
+from tests.support.batches import local_tokens
+from tests.support.harness import run_workers
 from tests.torch.models import MLPTransformer, ParallelMLPTransformer
 
 TOL = {"rtol": 1e-10, "atol": 1e-12}
 DIM, HIDDEN, DEPTH, SEQ = 8, 9, 2, 7  # 9 -> [5, 4] over tp; 7 -> [4, 3] over cp
-
-
-def _local_tokens(topo: Topology, rank: int, full: torch.Tensor, sp: bool) -> torch.Tensor:
-    coords = topo.coordinates(rank)
-    rows = full.split(list(split_shapes(full.shape[0], topo.dp)), 0)[coords["dp"]]
-    seq = rows.split(list(split_shapes(full.shape[1], topo.cp)), 1)[coords["cp"]]
-    if sp:
-        seq = seq.split(list(split_shapes(seq.shape[1], topo.tp)), 1)[coords["tp"]]
-    return seq
 
 
 class Case:
@@ -59,8 +51,8 @@ class Case:
     def backward(self, wrapped: nn.Module, rows: slice = slice(None)) -> None:
         """This rank's share of its replica's loss (divided by the REPLICA's token count)."""
         rank = dist.get_rank()
-        x = _local_tokens(self.topo, rank, self.x, self.sp)[rows]
-        t = _local_tokens(self.topo, rank, self.target, self.sp)[rows]
+        x = local_tokens(self.topo, rank, self.x, self.sp)[rows]
+        t = local_tokens(self.topo, rank, self.target, self.sp)[rows]
         (((wrapped(x) - t) ** 2).sum() / (self.batch // self.topo.dp * SEQ)).backward()
 
     def wrong(self, model: nn.Module) -> set[str]:

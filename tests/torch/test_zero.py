@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -34,11 +33,10 @@ from gradsync_torch.zero.local_step import (
     foreach_on_cpu_groups,
     steps_per_tensor,
 )
+from tests.support.harness import run_checks, run_workers
 from tests.torch import zero_checkpoint_checks as ckpt
-from tests.torch.harness import run_workers
 from tests.torch.zero_helpers import (
     Pair,
-    batch,  # noqa: F401 (test_zero_data_parallel.py still imports it from here)
     make_model,
     plain,
     same,
@@ -269,18 +267,19 @@ def _checks(world_size: int, directory: str) -> list[tuple[str, Callable[[], Any
 
 
 def worker(rank: int, world_size: int, directory: str) -> dict[str, Any]:
-    """Run every check and report each by name (``None``: passed, else the traceback), so
-    the first failure does not hide the rest."""
-    out: dict[str, Any] = {"checks": {}}
-    for name, check in _checks(world_size, directory):
-        try:
-            result = check()
-        except Exception:
-            out["checks"][name] = traceback.format_exc()
-        else:
-            out["checks"][name] = None
-            out.update(result or {})
-    return out
+    """Run every check (``harness.run_checks``; each builds its own model, so ``keep_going``:
+    the first failure does not hide the rest) and collect what the checks return (``runs``,
+    ``state_ratio``)."""
+    values: dict[str, Any] = {}
+
+    def keeping(check: Callable[[], Any]) -> Callable[[], None]:
+        return lambda: values.update(check() or {})
+
+    checks = _checks(world_size, directory)
+    return {
+        "checks": run_checks(((name, keeping(c)) for name, c in checks), keep_going=True),
+        **values,
+    }
 
 
 def failures(results: list[dict[str, Any]]) -> list[str]:
@@ -299,6 +298,7 @@ def saved_at_4(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Any], str
     return run_workers(worker, 4, directory, timeout=400), directory
 
 
+@pytest.mark.slow
 def test_world4_trajectories_partition_save_resume(saved_at_4: tuple[list[Any], str]) -> None:
     results, _ = saved_at_4
     assert failures(results) == []
@@ -307,12 +307,14 @@ def test_world4_trajectories_partition_save_resume(saved_at_4: tuple[list[Any], 
     assert [r["runs"] for r in results] == [6] * 4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 3], ids=lambda w: f"world{w}")
 def test_resharded_resume_and_more(world_size: int, saved_at_4: tuple[list[Any], str]) -> None:
     results = run_workers(worker, world_size, saved_at_4[1], timeout=400)
     assert failures(results) == []
 
 
+@pytest.mark.slow
 def test_world1(tmp_path: Any) -> None:
     results = run_workers(worker, 1, str(tmp_path))
     assert failures(results) == []

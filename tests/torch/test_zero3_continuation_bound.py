@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.torch.harness import run_workers
+from tests.support.harness import run_workers
 from tests.zero_gradient_bound import assert_within_bound
 
 HYPER = {"lr": 1e-2, "betas": (0.5, 0.75), "eps": 1e-8, "weight_decay": 0.1}

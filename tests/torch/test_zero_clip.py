@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gradsync_torch import DataParallel, ZeroRedundancyOptimizer
-from tests.torch.harness import run_checks, run_workers
+from tests.support.harness import run_checks, run_workers
 from tests.torch.zero_helpers import batch, make_model, same
 
 STEPS = 4
@@ -190,7 +190,7 @@ def _worker(rank: int, ws: int) -> dict[str, str | None]:
     )
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_clip_grad_norm_matches_ddp(world_size: int) -> None:
     results = run_workers(_worker, world_size, timeout=300)
     failures = {

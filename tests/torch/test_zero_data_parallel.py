@@ -21,7 +21,7 @@ from torch import nn
 from gradsync_core import ParamSpec, plan_buckets
 from gradsync_torch import DataParallel, ShardedGradient, ZeroRedundancyOptimizer
 from gradsync_torch.data_parallel.grad_sharding import POOL_BUFFERS, pad_for_sharding
-from tests.torch.harness import run_workers
+from tests.support.harness import run_workers
 from tests.torch.zero_helpers import Pair, batch, make_model, same
 
 
@@ -183,6 +183,6 @@ def _zero2_worker(rank: int, world_size: int, directory: str) -> None:
     check_data_parallel(world_size, directory)
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_zero2_through_data_parallel_matches_plain_adam(world_size: int, tmp_path: Any) -> None:
     run_workers(_zero2_worker, world_size, str(tmp_path), timeout=300)

@@ -1,0 +1,179 @@
+"""The cost model against what runs: calibrate, predict and measure configurations (issue 38).
+
+On this machine's gloo ranks (2 and 4) and JAX's 8 CPU devices: ``gradsync calibrate``'s
+measurement (``calibrate_local``; JAX's ``calibrate``), a model profile measured on the ranks
+themselves, then for each configuration the prediction (``gradsync_core.plan.predict``, on the
+plans the executors are then built from) beside the measured median step time and peak bytes.
+Reports per configuration the relative errors, then the median and worst error of the step
+time, the worst error of the peak, and whether the search's first choice (the fastest
+predicted among the configurations run) is within 5 % of the fastest measured.
+
+    python benchmarks/cost_model.py            # both frameworks, worlds 2 and 4
+    python benchmarks/cost_model.py --quick    # fewer steps
+
+The last line is one JSON object: {"bench": "cost_model", "median_step_error": ...,
+"worst_step_error": ..., "worst_peak_error": ..., "search_first_within_5pct": ..., ...}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import _cost_torch
+from _spawn import spawn_ranks
+
+from gradsync_core.plan import Configuration
+from gradsync_torch.cost.machine import calibrate_local
+
+TORCH_CONFIGS = {
+    2: [
+        Configuration(bucket_cap_mb=1),
+        Configuration(bucket_cap_mb=4),
+        Configuration(bucket_cap_mb=25),
+        Configuration(bucket_cap_mb=25, overlap=False),
+        Configuration(zero=1, bucket_cap_mb=25),
+        Configuration(zero=2, bucket_cap_mb=25),
+        Configuration(zero=3),
+        Configuration(zero=3, reshard_after_forward=False),
+        Configuration(pp=2, schedule="GPipe", microbatches=4),
+        Configuration(pp=2, schedule="1F1B", microbatches=4),
+    ],
+    4: [
+        Configuration(bucket_cap_mb=1),
+        Configuration(bucket_cap_mb=25),
+        Configuration(bucket_cap_mb=25, overlap=False),
+        Configuration(zero=1, bucket_cap_mb=25),
+        Configuration(zero=2, bucket_cap_mb=25),
+        Configuration(zero=3),
+        Configuration(zero=3, dp_shard=2),
+        Configuration(pp=2, schedule="1F1B", microbatches=4),
+    ],
+}
+
+
+def _torch(args: argparse.Namespace, world: int) -> list[dict[str, Any]]:
+    start = time.perf_counter()
+    machine = calibrate_local(world)
+    calibrate_s = time.perf_counter() - start
+    print(f"calibrate torch gloo x{world}: {calibrate_s:.1f} s ({machine.source})", flush=True)
+    run = argparse.Namespace(**vars(args))
+    run.world_size = world
+    run.machine = machine.to_json()
+    run.configurations = [c.to_json() for c in TORCH_CONFIGS[world]]
+    rows = spawn_ranks(_cost_torch.worker, run)
+    for row in rows:
+        row["framework"] = f"torch x{world}"
+        row["calibrate_s"] = calibrate_s
+    return rows
+
+
+def _jax(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The JAX part, in a process of its own (8 CPU devices, no torch)."""
+    options = {
+        "layers": args.layers,
+        "width": args.width,
+        "global_batch": args.global_batch,
+        "profile_steps": args.profile_steps,
+        "warmup": args.warmup,
+        "steps": args.steps,
+    }
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_cost_jax.py")
+    done = subprocess.run(
+        [sys.executable, script, json.dumps(options)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    if done.returncode != 0:
+        raise SystemExit(f"the JAX part failed:\n{done.stderr[-4000:]}")
+    rows: list[dict[str, Any]] = json.loads(done.stdout.strip().splitlines()[-1])
+    print(f"calibrate jax x8: {rows[0]['calibrate_s']:.1f} s", flush=True)
+    return rows
+
+
+def _error(predicted: float, measured: float) -> float:
+    return (predicted - measured) / measured
+
+
+def report(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    print(
+        f"{'framework':<10} {'configuration':<32} {'compute':>8} {'pred ms':>8} {'meas ms':>8} "
+        f"{'err':>7} {'pred MiB':>9} {'meas MiB':>9} {'err':>7} plan"
+    )
+    for row in rows:
+        row["step_error"] = _error(row["predicted_step_s"], row["step_s"])
+        row["peak_error"] = _error(row["predicted_peak_bytes"], row["peak_bytes"])
+        print(
+            f"{row['framework']:<10} {row['label']:<32} {row['predicted_compute_s'] * 1e3:>8.1f} "
+            f"{row['predicted_step_s'] * 1e3:>8.1f} "
+            f"{row['step_s'] * 1e3:>8.1f} {row['step_error']:>+7.1%} "
+            f"{row['predicted_peak_bytes'] / 2**20:>9.1f} {row['peak_bytes'] / 2**20:>9.1f} "
+            f"{row['peak_error']:>+7.1%} {'same' if row['plan_match'] else 'DIFFERENT'}"
+        )
+    for group in sorted({r["framework"] for r in rows}):
+        plain = next(r["compute_only_s"] for r in rows if r["framework"] == group)
+        print(
+            f"{group}: a plain step without communication (largest microbatch) {plain * 1e3:.1f} ms"
+        )
+    steps = [abs(r["step_error"]) for r in rows]
+    peaks = [abs(r["peak_error"]) for r in rows]
+    out: dict[str, Any] = {
+        "bench": "cost_model",
+        "configurations": len(rows),
+        "median_step_error": round(statistics.median(steps), 4),
+        "worst_step_error": round(max(steps), 4),
+        "median_peak_error": round(statistics.median(peaks), 4),
+        "worst_peak_error": round(max(peaks), 4),
+    }
+    for group in sorted({r["framework"] for r in rows}):
+        mine = [r for r in rows if r["framework"] == group]
+        chosen = min(mine, key=lambda r: r["predicted_step_s"])
+        fastest = min(mine, key=lambda r: r["step_s"])
+        gap = chosen["step_s"] / fastest["step_s"] - 1
+        print(
+            f"{group}: first choice {chosen['label']!r} measured {chosen['step_s'] * 1e3:.1f} ms; "
+            f"fastest measured {fastest['label']!r} {fastest['step_s'] * 1e3:.1f} ms ({gap:+.1%})"
+        )
+        out[f"search_gap {group}"] = round(gap, 4)
+    out["search_first_within_5pct"] = all(
+        v <= 0.05 for k, v in out.items() if k.startswith("search_gap")
+    )
+    out["rows"] = rows
+    print(json.dumps(out), flush=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer timed rounds")
+    parser.add_argument("--steps", type=int, default=None, help="timed rounds (default 20)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--profile-steps", type=int, default=5)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--global-batch", type=int, default=64)
+    parser.add_argument("--worlds", default="2,4", help="torch world sizes")
+    parser.add_argument("--frameworks", default="torch,jax")
+    args = parser.parse_args(argv)
+    args.steps = args.steps or (8 if args.quick else 20)
+    rows: list[dict[str, Any]] = []
+    if "torch" in args.frameworks:
+        for world in map(int, args.worlds.split(",")):
+            rows += _torch(args, world)
+    if "jax" in args.frameworks:
+        rows += _jax(args)
+    return report(rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,437 @@
+"""The machine profile: each collective's time as latency + bytes / bus bandwidth (α-β).
+
+nccl-tests reports a collective of ``S`` bytes over ``n`` ranks that took ``t`` seconds as its
+*bus bandwidth* ``busbw = S / t * factor(n)``, with the factor that makes the figure comparable
+across group sizes and with the hardware's link speed: ``2(n-1)/n`` for an all-reduce (a ring
+sends and receives every byte twice, less its own share), ``(n-1)/n`` for an all-gather or a
+reduce-scatter (``S`` is the gathered size), 1 for a broadcast and a point-to-point send
+(nccl-tests' ``doc/PERFORMANCE.md``). The profile stores, per collective kind, group size and
+level (inside one node or across nodes), the latency ``α`` and that bus bandwidth, so
+
+    time(S, n) = α + factor(n) * S / busbw
+
+``gradsync calibrate`` measures one (``fit_link`` fits the samples); a hand-written one works
+the same (docs/cost-model.md has an H100 NVLink node and an InfiniBand cluster).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from gradsync_core.plan._canonical import fingerprint
+
+ALL_REDUCE = "all_reduce"
+ALL_GATHER = "all_gather"
+REDUCE_SCATTER = "reduce_scatter"
+BROADCAST = "broadcast"
+P2P = "p2p"
+COLLECTIVES = (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, BROADCAST, P2P)
+NODE, NETWORK = "node", "network"  # a group inside one node, or spanning nodes
+LEVELS = (NODE, NETWORK)
+MACHINE_PROFILE_KIND = "machine_profile"
+MACHINE_PROFILE_VERSION = 1  # the schema's own version, not the plans'
+
+
+def bus_factor(collective: str, group_size: int) -> float:
+    """nccl-tests' bus-bandwidth factor of ``collective`` over ``group_size`` ranks.
+
+    Raises:
+        ValueError: an unknown collective or a group size below 1.
+
+    Example:
+        >>> bus_factor("all_reduce", 4), bus_factor("all_gather", 4), bus_factor("p2p", 2)
+        (1.5, 0.75, 1.0)
+    """
+    _check_collective(collective)
+    if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1:
+        raise ValueError(f"group_size must be a positive int, got {group_size!r}")
+    n = group_size
+    if collective == ALL_REDUCE:
+        return 2 * (n - 1) / n
+    if collective in (ALL_GATHER, REDUCE_SCATTER):
+        return (n - 1) / n
+    return 1.0
+
+
+def _check_collective(collective: str) -> None:
+    if collective not in COLLECTIVES:
+        raise ValueError(f"unknown collective {collective!r}; use one of {', '.join(COLLECTIVES)}")
+
+
+def _finite(name: str, value: object, *, positive: bool) -> float:
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < 0 or (positive and value == 0):  # type: ignore[operator]
+        bound = "> 0" if positive else ">= 0"
+        raise ValueError(f"{name} must be a finite number {bound}, got {value!r}")
+    return float(value)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LinkCost:
+    """The α-β cost of one collective kind over groups of one size at one level.
+
+    ``group_size`` ``None`` covers every size that has no entry of its own (bus bandwidth is
+    what stays constant across sizes; the latency then is the one given). ``issue_s`` and
+    ``issue_bandwidth`` are what starting one costs the thread that issues it (the time an
+    asynchronous call takes to return: gloo copies the input on the caller's thread, NCCL
+    enqueues a kernel in microseconds); the defaults say it costs nothing.
+    """
+
+    collective: str
+    group_size: int | None
+    level: str = NODE
+    latency_s: float  # α: the time of a collective of 0 bytes
+    bus_bandwidth: float  # bytes per second, nccl-tests' busbw
+    issue_s: float = 0.0
+    issue_bandwidth: float | None = None
+
+    def __post_init__(self) -> None:
+        _check_collective(self.collective)
+        if self.group_size is not None:
+            bus_factor(self.collective, self.group_size)  # a positive int
+        if self.level not in LEVELS:
+            raise ValueError(f"level must be one of {LEVELS}, got {self.level!r}")
+        _finite("latency_s", self.latency_s, positive=False)
+        _finite("bus_bandwidth", self.bus_bandwidth, positive=True)
+        _finite("issue_s", self.issue_s, positive=False)
+        if self.issue_bandwidth is not None:
+            _finite("issue_bandwidth", self.issue_bandwidth, positive=True)
+
+    def time(self, nbytes: int, group_size: int) -> float:
+        """Seconds for ``nbytes`` (the whole buffer: the gathered size of an all-gather, the
+        input of a reduce-scatter) over ``group_size`` ranks; 0 for a group of one."""
+        if group_size == 1 and self.collective != P2P:
+            return 0.0
+        return (
+            self.latency_s + bus_factor(self.collective, group_size) * nbytes / self.bus_bandwidth
+        )
+
+    def issue_time(self, nbytes: int) -> float:
+        """Seconds the issuing thread spends starting a collective of ``nbytes``."""
+        per_byte = 0.0 if self.issue_bandwidth is None else nbytes / self.issue_bandwidth
+        return self.issue_s + per_byte
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "collective": self.collective,
+            "group_size": self.group_size,
+            "level": self.level,
+            "latency_s": self.latency_s,
+            "bus_bandwidth": self.bus_bandwidth,
+        }
+        if self.issue_s or self.issue_bandwidth is not None:
+            out["issue_s"] = self.issue_s
+            out["issue_bandwidth"] = self.issue_bandwidth
+        return out
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MachineProfile:
+    """What communication costs on one machine: one ``LinkCost`` per collective, group size
+    and level (docs/cost-model.md).
+
+    ``ranks_per_node`` decides the level of a group: ``"node"`` when all its ranks share a
+    node (ranks ``k * ranks_per_node`` to ``(k + 1) * ranks_per_node - 1``), else
+    ``"network"``. ``source`` says where the figures come from (a calibration run, a
+    datasheet). Optional: ``flops_per_s``, the compute rate a FLOP-based model profile
+    assumes (``estimate_model_profile``); ``copy_bandwidth``, bytes per second of a copy in
+    the device's memory (the executors copy gradients into buckets and gathered parameters
+    out of them; None: copies cost nothing); ``overlap_slowdown``, how many times longer
+    compute takes while a collective is in flight beside it (1: none, as with NCCL's own
+    engines; about 2 where the collective's threads take the compute's cores, as gloo on a
+    CPU with fewer cores than ranks).
+
+    Example:
+        >>> m = MachineProfile(name="toy", ranks_per_node=8, links=(
+        ...     LinkCost(collective="all_reduce", group_size=None, latency_s=1e-5,
+        ...              bus_bandwidth=1e11),))
+        >>> round(m.time("all_reduce", 10**8, 4) * 1e3, 3)  # 10 us + 1.5 * 1e8 / 1e11 s
+        1.51
+    """
+
+    name: str
+    ranks_per_node: int
+    links: tuple[LinkCost, ...]
+    source: str = ""
+    flops_per_s: float | None = None
+    copy_bandwidth: float | None = None
+    overlap_slowdown: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1:
+            raise ValueError(f"ranks_per_node must be a positive int, got {self.ranks_per_node!r}")
+        for name in ("flops_per_s", "copy_bandwidth"):
+            if getattr(self, name) is not None:
+                _finite(name, getattr(self, name), positive=True)
+        if _finite("overlap_slowdown", self.overlap_slowdown, positive=True) < 1:
+            raise ValueError(
+                f"overlap_slowdown must be >= 1 (1: collectives do not slow compute), got "
+                f"{self.overlap_slowdown!r}"
+            )
+        seen = set()
+        for link in self.links:
+            key = (link.collective, link.group_size, link.level)
+            if key in seen:
+                raise ValueError(
+                    f"the profile lists {link.collective} over groups of {link.group_size} "
+                    f"({link.level}) twice; keep one entry per collective, size and level"
+                )
+            seen.add(key)
+
+    def level_of(self, ranks: Sequence[int]) -> str:
+        """``"node"`` if every rank of the group is on one node, else ``"network"``."""
+        return NODE if len({r // self.ranks_per_node for r in ranks}) <= 1 else NETWORK
+
+    def link(self, collective: str, group_size: int, level: str = NODE) -> LinkCost:
+        """The entry for ``collective`` over ``group_size`` ranks at ``level``: its own, or
+        the level's entry for every size (``group_size`` null).
+
+        Raises:
+            ValueError: the profile has neither; the sentence says what to add.
+        """
+        _check_collective(collective)
+        fallback = None
+        for link in self.links:
+            if link.collective == collective and link.level == level:
+                if link.group_size == group_size:
+                    return link
+                if link.group_size is None:
+                    fallback = link
+        if fallback is not None:
+            return fallback
+        sizes = sorted(
+            {
+                link.group_size
+                for link in self.links
+                if link.collective == collective and link.level == level and link.group_size
+            }
+        )
+        where = "within a node" if level == NODE else "across nodes"
+        raise ValueError(
+            f"machine profile {self.name!r} has no {collective} cost for groups of {group_size} "
+            f"ranks {where} (it has sizes {sizes or 'none'}); add one, or one with "
+            '"group_size": null for every size (gradsync calibrate measures each group size '
+            "of its world)"
+        )
+
+    def time(self, collective: str, nbytes: int, group_size: int, level: str = NODE) -> float:
+        """Seconds of one ``collective`` of ``nbytes`` over ``group_size`` ranks; 0 for a
+        group of one rank (no collective runs)."""
+        if group_size == 1 and collective != P2P:
+            return 0.0
+        return self.link(collective, group_size, level).time(nbytes, group_size)
+
+    def issue_time(self, collective: str, nbytes: int, group_size: int, level: str = NODE) -> float:
+        """Seconds the issuing thread spends starting the collective (0 for a group of one)."""
+        if group_size == 1 and collective != P2P:
+            return 0.0
+        return self.link(collective, group_size, level).issue_time(nbytes)
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "kind": MACHINE_PROFILE_KIND,
+            "version": MACHINE_PROFILE_VERSION,
+            "name": self.name,
+            "ranks_per_node": self.ranks_per_node,
+            "source": self.source,
+            "links": [link.to_json() for link in self.links],
+        }
+        for name in ("flops_per_s", "copy_bandwidth"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
+        out["overlap_slowdown"] = self.overlap_slowdown
+        return out
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> MachineProfile:
+        """Read ``to_json()``'s output (or a hand-written profile) back, checked.
+
+        Raises:
+            ValueError: another kind or version, a missing or unknown key, a bad value.
+        """
+        _check_header(obj, MACHINE_PROFILE_KIND, MACHINE_PROFILE_VERSION)
+        _check_keys(
+            obj,
+            required=("name", "ranks_per_node", "links"),
+            optional=(
+                "kind",
+                "version",
+                "source",
+                "flops_per_s",
+                "copy_bandwidth",
+                "overlap_slowdown",
+            ),
+            what="a machine profile",
+        )
+        links = obj["links"]
+        if not isinstance(links, list) or not links:
+            raise ValueError("a machine profile needs a non-empty list of 'links'")
+        parsed = []
+        for entry in links:
+            _check_keys(
+                entry,
+                required=("collective", "latency_s", "bus_bandwidth"),
+                optional=("group_size", "level", "issue_s", "issue_bandwidth"),
+                what="a machine profile link",
+            )
+            parsed.append(
+                LinkCost(
+                    collective=entry["collective"],
+                    group_size=entry.get("group_size"),
+                    level=entry.get("level", NODE),
+                    latency_s=entry["latency_s"],
+                    bus_bandwidth=entry["bus_bandwidth"],
+                    issue_s=entry.get("issue_s", 0.0),
+                    issue_bandwidth=entry.get("issue_bandwidth"),
+                )
+            )
+        return cls(
+            name=str(obj["name"]),
+            ranks_per_node=obj["ranks_per_node"],
+            links=tuple(parsed),
+            source=str(obj.get("source", "")),
+            flops_per_s=obj.get("flops_per_s"),
+            copy_bandwidth=obj.get("copy_bandwidth"),
+            overlap_slowdown=obj.get("overlap_slowdown", 1.0),
+        )
+
+    def copy_time(self, nbytes: int) -> float:
+        """Seconds to copy ``nbytes`` within the device (0 without a copy bandwidth)."""
+        return 0.0 if self.copy_bandwidth is None else nbytes / self.copy_bandwidth
+
+    @classmethod
+    def load(cls, path: str) -> MachineProfile:
+        """Read a profile file (``gradsync calibrate``'s output or a hand-written one).
+
+        Raises:
+            ValueError: the file is unreadable or not a machine profile.
+        """
+        return cls.from_json(read_json(path, "machine profile"))
+
+    @property
+    def fingerprint(self) -> str:
+        return fingerprint(self.to_json())
+
+
+def fit_link(
+    collective: str,
+    group_size: int,
+    samples: Sequence[tuple[int, float]],
+    *,
+    level: str = NODE,
+    issue: Sequence[tuple[int, float]] = (),
+) -> LinkCost:
+    """The α-β line through measured ``(nbytes, seconds)`` samples, by least *relative* error.
+
+    Minimizing ``sum(((α + β * S_i) / t_i - 1) ** 2)`` weighs a 4 KiB sample as much as a
+    64 MiB one, so the line is good at every size a plan uses, not only the largest. ``α`` is
+    kept at 0 or above (a negative intercept means the latency is below what the samples
+    resolve). ``busbw = factor(n) / β``. ``issue``: the times the asynchronous call took to
+    return, fitted the same way (a cost that does not grow with the size is kept constant).
+
+    Raises:
+        ValueError: fewer than two distinct sizes, a non-positive time, or samples whose time
+            does not grow with the size (no bandwidth can be fitted).
+
+    Example:
+        >>> link = fit_link("all_reduce", 2, [(0, 1e-5), (10**6, 1e-5 + 1e-3)])
+        >>> round(link.latency_s, 9), round(link.bus_bandwidth)
+        (1e-05, 1000000000)
+    """
+    factor = bus_factor(collective, group_size)
+    if group_size < 2:
+        raise ValueError(f"a collective is measured over 2 ranks or more, got {group_size}")
+    a, b = _fit_line(samples)
+    if b <= 0:
+        raise ValueError(
+            f"{collective} over {group_size} ranks: the time does not grow with the message "
+            "size in these samples, so no bandwidth can be fitted; measure larger messages"
+        )
+    issue_s, issue_bandwidth = 0.0, None
+    if issue:
+        c, d = _fit_line(issue)
+        if d > 0:
+            issue_s, issue_bandwidth = c, 1 / d
+        else:
+            issue_s = sum(t for _, t in issue) / len(issue)
+    return LinkCost(
+        collective=collective,
+        group_size=group_size,
+        level=level,
+        latency_s=a,
+        bus_bandwidth=factor / b,
+        issue_s=issue_s,
+        issue_bandwidth=issue_bandwidth,
+    )
+
+
+def _fit_line(samples: Sequence[tuple[int, float]]) -> tuple[float, float]:
+    """``(a, b)`` of ``t = a + b * S`` by least relative error, ``a >= 0``."""
+    if len({s for s, _ in samples}) < 2:
+        raise ValueError("a fit needs samples at two message sizes at least")
+    for nbytes, seconds in samples:
+        if not (isinstance(seconds, int | float) and math.isfinite(seconds) and seconds > 0):
+            raise ValueError(f"a sample's time must be a positive number, got {seconds!r}")
+        if nbytes < 0:
+            raise ValueError(f"a sample's size must be >= 0 bytes, got {nbytes!r}")
+    # Normal equations of min sum (a * u + b * v - 1)^2 with u = 1/t, v = S/t.
+    uu = sum(1 / t**2 for _, t in samples)
+    uv = sum(s / t**2 for s, t in samples)
+    vv = sum(s * s / t**2 for s, t in samples)
+    u1 = sum(1 / t for _, t in samples)
+    v1 = sum(s / t for s, t in samples)
+    det = uu * vv - uv * uv
+    a = (u1 * vv - v1 * uv) / det if det else 0.0
+    b = (uu * v1 - uv * u1) / det if det else 0.0
+    if a < 0:  # latency below resolution: the best line through the origin
+        a, b = 0.0, v1 / vv
+    return a, b
+
+
+def read_json(path: str, what: str, max_bytes: int = 64 << 20) -> Any:
+    """The JSON value in file ``path``, at most ``max_bytes`` long.
+
+    Raises:
+        ValueError: one sentence naming the file and what is wrong with it.
+    """
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(max_bytes + 1)
+    except OSError as e:
+        raise ValueError(f"cannot read the {what} {path!r}: {e.strerror}") from None
+    if len(raw) > max_bytes:
+        raise ValueError(f"the {what} {path!r} is larger than {max_bytes >> 20} MiB")
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise ValueError(f"the {what} {path!r} is not valid JSON: {e}") from None
+
+
+def _check_header(obj: object, kind: str, version: int) -> None:
+    if not isinstance(obj, Mapping):
+        raise ValueError(f"expected a JSON object for a {kind}, got {type(obj).__name__}")
+    if obj.get("kind") != kind:
+        raise ValueError(f"expected kind {kind!r}, got {obj.get('kind')!r}")
+    if obj.get("version") != version:
+        raise ValueError(
+            f"{kind} has version {obj.get('version')!r}; this gradsync reads version {version}: "
+            "write it again with this version"
+        )
+
+
+def _check_keys(
+    obj: object, *, required: Sequence[str], optional: Sequence[str], what: str
+) -> None:
+    if not isinstance(obj, Mapping):
+        raise ValueError(f"{what} must be a JSON object, got {type(obj).__name__}")
+    missing = [key for key in required if key not in obj]
+    if missing:
+        raise ValueError(f"{what} lacks the key {missing[0]!r}")
+    unknown = sorted(set(obj) - set(required) - set(optional))
+    if unknown:
+        known = ", ".join(repr(k) for k in (*required, *optional))
+        raise ValueError(f"{what} has the unknown key {unknown[0]!r}; it takes {known}")

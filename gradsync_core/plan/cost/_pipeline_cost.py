@@ -1,0 +1,223 @@
+"""The step timeline of a pipeline: the simulator's ticks with the profiled stage times.
+
+The pipeline's own timeline is ``simulate_pipeline``'s (the validator's walk, with durations):
+each stage's forward and backward time is the sum of its blocks' in the model profile, the
+weight-gradient half of a split backward half of it, and a point-to-point message the time of
+the largest activation crossing a stage boundary. On top of it each pipeline rank reduces its
+stages' gradients over the data-parallel group once its last action is done (gradsync's
+``Pipeline`` syncs a stage's buckets at ``REDUCE_GRAD``) and steps the optimizer on its own
+parameters. Memory per pipeline rank is its stages' model states (``estimate_ddp``) plus the
+activations its stashed microbatches hold, followed through the simulated order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+from gradsync_core.plan._buckets import bucket_caps, plan_buckets
+from gradsync_core.plan._memory import estimate_ddp
+from gradsync_core.plan._specs import ParamSpec
+from gradsync_core.plan.cost._machine import ALL_REDUCE, P2P, MachineProfile
+from gradsync_core.plan.cost._model_profile import ModelProfile, contains
+from gradsync_core.plan.cost._timeline import (
+    Channel,
+    CommEvent,
+    RankCost,
+    StepCost,
+    profile_at,
+    uncovered,
+)
+from gradsync_core.plan.pipeline._actions import (
+    BACKWARD_WEIGHT,
+    FORWARD,
+    FULL_BACKWARD,
+    SEND_B,
+    SEND_F,
+)
+from gradsync_core.plan.pipeline._plan import PipelinePlan
+from gradsync_core.plan.pipeline._sim import TimedAction, simulate_pipeline
+
+WEIGHT_SHARE = 0.5  # a split backward's weight half, as the plan's chart draws it
+
+
+def stage_of_blocks(plan: PipelinePlan, model: ModelProfile) -> list[int]:
+    """The stage that computes each block of the profile.
+
+    Raises:
+        ValueError: a block no stage names, or one that two stages share.
+    """
+    out = []
+    for block in model.blocks:
+        found = {
+            stage.index
+            for stage in plan.stages
+            for module in stage.modules
+            if contains(module, block.prefix) or contains(block.prefix, module)
+        }
+        if len(found) != 1:
+            where = "no stage" if not found else f"stages {sorted(found)}"
+            raise ValueError(
+                f"block {block.prefix!r} of the model profile is computed by {where} of the "
+                "pipeline plan; plan the pipeline from the model's specs (plan_pipeline(specs=)) "
+                "and profile the modules its stages name"
+            )
+        out.append(found.pop())
+    return out
+
+
+def predict_pipeline(
+    plan: PipelinePlan,
+    specs: Sequence[ParamSpec],
+    *,
+    machine: MachineProfile,
+    model: ModelProfile,
+    optimizer: str | int = "adam",
+    samples: int | None = None,
+    bucket_cap_mb: float | None = None,
+) -> StepCost:
+    """Predict one step of the pipeline ``plan`` (every pipeline group runs it alike).
+
+    Args:
+        plan: the pipeline plan, planned from ``specs`` so its stages name modules.
+        specs: the model's parameters.
+        machine: the machine profile.
+        model: the model profile.
+        optimizer: the optimizer's state bytes per element.
+        samples: samples per microbatch (default: the model profile's).
+        bucket_cap_mb: the data-parallel buckets of each rank's parameters.
+
+    Returns:
+        The step's time (the simulator's, plus the reductions and the optimizer), every
+        point-to-point message and reduction, and each pipeline rank's memory.
+
+    Raises:
+        ValueError: a ZeRO-3 plan (not modeled here), a block no stage computes, or a group
+            the machine profile lacks.
+    """
+    if plan.zero3:
+        raise ValueError(
+            "the cost of pipeline stages under ZeRO-3 (zero3=True) is not modeled; predict the "
+            "plan without zero3"
+        )
+    model, notes = profile_at(model, samples)
+    topo = plan.topology
+    stages = stage_of_blocks(plan, model)
+    n = plan.num_stages
+    forward, backward, activations = [0.0] * n, [0.0] * n, [0] * n
+    for block, stage in zip(model.blocks, stages, strict=True):
+        forward[stage] += block.forward_s
+        backward[stage] += block.backward_s
+        activations[stage] += block.activation_bytes or 0
+    last_block = {stage: index for index, stage in enumerate(stages)}
+    message = [model.blocks[last_block[s]].output_bytes if s in last_block else 0 for s in range(n)]
+    pp_ranks = topo.group_at("pp", 0)
+
+    def p2p_time(s: int) -> float:
+        pair = (pp_ranks[plan.stage_ranks[s]], pp_ranks[plan.stage_ranks[s + 1]])
+        return machine.time(P2P, message[s], 2, machine.level_of(pair))
+
+    crossings = [s for s in range(n - 1) if plan.stage_ranks[s] != plan.stage_ranks[s + 1]]
+    p2p = max((p2p_time(s) for s in crossings), default=0.0)
+    if len({message[s] for s in crossings}) > 1:
+        notes.append("point-to-point: every message takes the largest boundary's time")
+    sim = simulate_pipeline(
+        plan,
+        forward=forward,
+        backward=backward,
+        weight=[b * WEIGHT_SHARE for b in backward],
+        p2p=p2p,
+    )
+
+    block_of = {s.name: model.block_of(s.name) for s in specs}
+    rank_specs: list[list[ParamSpec]] = [[] for _ in range(plan.pp)]
+    for spec in specs:
+        rank_specs[plan.stage_ranks[stages[block_of[spec.name]]]].append(spec)
+    trainable = sum(s.numel for s in specs if s.requires_grad) or 1
+    cap, first = bucket_caps(bucket_cap_mb)
+    dp = topo.dp
+    dp_level = machine.level_of(topo.group_at("dp", 0))
+    comms: list[CommEvent] = []
+    ranks = []
+    busy = [[(t.start, t.end) for t in timed if t.end > t.start] for timed in sim.actions]
+    ends = []
+    for r in range(plan.pp):
+        buckets = plan_buckets(rank_specs[r], cap_bytes=cap, first_cap_bytes=first)
+        channel = Channel()
+        last = max((t.end for t in sim.actions[r]), default=0.0)
+        for bucket in buckets.buckets:
+            start, end = channel.run(last, machine.time(ALL_REDUCE, bucket.nbytes, dp, dp_level))
+            comms.append(
+                CommEvent(
+                    what=f"pp rank {r} bucket {bucket.index}",
+                    collective=ALL_REDUCE,
+                    group="dp",
+                    group_size=dp,
+                    nbytes=bucket.nbytes,
+                    start_s=start,
+                    end_s=end,
+                    exposed_s=end - start,
+                )
+            )
+        owned = sum(s.numel for s in rank_specs[r] if s.requires_grad)
+        step_r = model.optimizer_s * owned / trainable
+        ends.append(max(last, channel.free) + step_r)
+        memory = estimate_ddp(rank_specs[r], buckets, world_size=dp, optimizer=optimizer).ranks[0]
+        ranks.append((r, sim.busy[r] + step_r, replace(memory, rank=r), owned / trainable))
+    step = max(ends)
+    for timed in sim.actions:
+        for t in timed:
+            if t.action.kind in (SEND_F, SEND_B):
+                s = t.action.stage
+                to = s + 1 if t.action.kind == SEND_F else s - 1
+                edge = s if t.action.kind == SEND_F else to
+                receiver = plan.stage_ranks[to]
+                comms.append(
+                    CommEvent(
+                        what=str(t.action),
+                        collective=P2P,
+                        group="pp",
+                        group_size=2,
+                        nbytes=message[edge],
+                        start_s=t.start,
+                        end_s=t.start + p2p,
+                        exposed_s=uncovered(t.start, t.start + p2p, busy[receiver]),
+                    )
+                )
+    activation_known = model.activation_bytes is not None
+    scratch = model.optimizer_bytes
+    costs = tuple(
+        RankCost(
+            rank=r,
+            compute_s=compute,
+            idle_s=step - compute,
+            memory=memory,
+            activation_bytes=_stash_peak(sim.actions[r], activations) if activation_known else None,
+            optimizer_peak_bytes=None
+            if scratch is None
+            else memory.peak_bytes + round(scratch * share),
+        )
+        for r, compute, memory, share in ranks
+    )
+    critical = max(costs, key=lambda c: (ends[c.rank], -c.rank))
+    return StepCost(
+        step_s=step,
+        compute_s=critical.compute_s,
+        comms=tuple(sorted(comms, key=lambda c: (c.start_s, c.what))),
+        ranks=costs,
+        notes=tuple(notes),
+    )
+
+
+def _stash_peak(timed: Sequence[TimedAction], activations: Sequence[int]) -> int:
+    """The most activation bytes a rank holds at once: a forward adds its stage's, the full
+    or weight backward of that microbatch frees them."""
+    live = peak = 0
+    for t in timed:
+        action = t.action
+        if action.kind == FORWARD:
+            live += activations[action.stage]
+            peak = max(peak, live)
+        elif action.kind in (FULL_BACKWARD, BACKWARD_WEIGHT):
+            live -= activations[action.stage]
+    return peak

@@ -1,0 +1,377 @@
+"""``gradsync calibrate`` for torch: time each collective over every group size of the world.
+
+Every rank runs the same collectives the executors run (``all_reduce``, ``all_gather_into_tensor``,
+``reduce_scatter_tensor``, ``broadcast``, an ``isend``/``irecv`` pair), on every group size that
+divides the world, all groups of a size at once (as a data-parallel or HSDP step runs them), at
+a few message sizes. A collective's time is the median over the repeats of the slowest rank's;
+``gradsync_core``'s ``fit_link`` turns each (collective, group size) into latency and bus
+bandwidth. Under ``torchrun`` it measures the job's ranks (gloo or NCCL); otherwise
+``calibrate_local`` spawns gloo ranks on this machine.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import os
+import platform
+import queue
+import statistics
+import tempfile
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from gradsync_core.plan import COLLECTIVES, LinkCost, MachineProfile, fit_link
+from gradsync_torch._collectives import all_gather_single, reduce_scatter_single
+
+KIB, MIB = 1024, 1024 * 1024
+DEFAULT_SIZES = (16 * KIB, 256 * KIB, 1 * MIB, 4 * MIB, 16 * MIB)
+DEFAULT_REPEATS = 5
+_POLL_S = 1.0
+_TIMEOUT_S = 600.0
+Samples = dict[tuple[str, int], list[tuple[int, float]]]
+
+
+def _group_sizes(world: int) -> list[int]:
+    return [g for g in range(2, world + 1) if world % g == 0]
+
+
+def _subgroup(world: int, size: int) -> Any:
+    """This rank's group of ``size`` consecutive ranks (every rank creates every group)."""
+    if size == world:
+        return dist.group.WORLD
+    mine = None
+    for first in range(0, world, size):
+        group = dist.new_group(list(range(first, first + size)))
+        if first <= dist.get_rank() < first + size:
+            mine = group
+    return mine
+
+
+def _run(
+    collective: str, group: Any, size: int, nbytes: int, device: torch.device
+) -> tuple[float, float]:
+    """One collective of ``nbytes`` (the whole buffer) over ``group``: the seconds its
+    asynchronous call took to return, and until it was done."""
+    numel = max(size, nbytes // 4 // size * size)
+    rank = dist.get_rank(group)
+    _synchronize()
+    start = time.perf_counter()
+    if collective == "p2p":  # a round trip between the pair's two ranks: half is one message
+        peer = dist.get_global_rank(group, 1 - rank)
+        buffer = _buffer(numel, device)
+        first, second = (dist.send, dist.recv) if rank == 0 else (dist.recv, dist.send)
+        first(buffer, peer, group=group)
+        second(buffer, peer, group=group)
+        _synchronize()
+        return 0.0, (time.perf_counter() - start) / 2
+    if collective == "all_reduce":
+        work = dist.all_reduce(_buffer(numel, device), group=group, async_op=True)
+    elif collective == "all_gather":
+        out, inp = _buffer(numel, device), _buffer(numel // size, device)
+        work = all_gather_single(out, inp, group=group, async_op=True)
+    elif collective == "reduce_scatter":
+        out, inp = _buffer(numel // size, device), _buffer(numel, device)
+        work = reduce_scatter_single(out, inp, group=group, async_op=True)
+    else:
+        src = dist.get_global_rank(group, 0)
+        work = dist.broadcast(_buffer(numel, device), src=src, group=group, async_op=True)
+    issued = time.perf_counter() - start
+    work.wait()
+    _synchronize()
+    return issued, time.perf_counter() - start
+
+
+_BUFFERS: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def _buffer(numel: int, device: torch.device) -> torch.Tensor:
+    key = (numel, str(device))
+    if key not in _BUFFERS:
+        if len(_BUFFERS) > 8:
+            _BUFFERS.clear()
+        _BUFFERS[key] = torch.ones(numel, device=device)
+    return _BUFFERS[key]
+
+
+def measure(
+    *,
+    sizes: Sequence[int] = DEFAULT_SIZES,
+    repeats: int = DEFAULT_REPEATS,
+    collectives: Sequence[str] = COLLECTIVES,
+) -> tuple[Samples, Samples]:
+    """Time every collective on every group size of the initialized world; every rank calls
+    it and gets ``{(collective, group size): [(nbytes, seconds), ...]}`` twice: the time to
+    completion and the time its call took to return (the slowest rank's median per size)."""
+    world = dist.get_world_size()
+    device = _device()
+    out: Samples = {}
+    issue: Samples = {}
+    for size in _group_sizes(world):
+        group = _subgroup(world, size)
+        for collective in collectives:
+            if collective == "p2p" and size != 2:
+                continue
+            for nbytes in sizes:
+                _run(collective, group, size, nbytes, device)  # warm-up: connections, buffers
+                issued, times = [], []
+                for _ in range(repeats):
+                    dist.barrier()
+                    start, done = _run(collective, group, size, nbytes, device)
+                    issued.append(start)
+                    times.append(done)
+                numel = max(size, nbytes // 4 // size * size)
+                key = (collective, size)
+                out.setdefault(key, []).append((numel * 4, _slowest(statistics.median(times))))
+                if collective != "p2p":
+                    slowest = _slowest(statistics.median(issued))
+                    issue.setdefault(key, []).append((numel * 4, slowest))
+    _BUFFERS.clear()
+    return out, issue
+
+
+def copy_bandwidth(nbytes: int = 16 * MIB, repeats: int = DEFAULT_REPEATS) -> float:
+    """Bytes per second of a copy within this rank's device, every rank copying at once (as
+    they do in a step); the slowest rank's median."""
+    device = _device()
+    src, dst = _buffer(nbytes // 4, device), torch.empty(nbytes // 4, device=device)
+    times = []
+    for _ in range(repeats + 1):
+        dist.barrier()
+        _synchronize()
+        start = time.perf_counter()
+        dst.copy_(src)
+        _synchronize()
+        times.append(time.perf_counter() - start)
+    return nbytes / _slowest(statistics.median(times[1:]))
+
+
+def overlap_slowdown(all_reduce: LinkCost, repeats: int = 3) -> float:
+    """How many times longer compute takes while an all-reduce is in flight beside it.
+
+    A matrix-multiply loop is timed alone, then while enough asynchronous all-reduces are
+    queued to cover it twice over; the ratio of the medians, at least 1 (the slowest rank's).
+    """
+    device = _device()
+    a = torch.randn(256, 256, device=device)
+
+    def work() -> float:
+        _synchronize()
+        start = time.perf_counter()
+        for _ in range(40):
+            a.mm(a)
+        _synchronize()
+        return time.perf_counter() - start
+
+    work()
+    alone = _slowest(statistics.median(work() for _ in range(repeats)))  # every rank's count
+    nbytes = 4 * MIB
+    per = all_reduce.time(nbytes, dist.get_world_size())
+    count = max(1, min(64, int(2 * alone / per) + 1))
+    buffer = _buffer(nbytes // 4, device)
+    beside = []
+    for _ in range(repeats):
+        dist.barrier()
+        handles = [dist.all_reduce(buffer, async_op=True) for _ in range(count)]
+        beside.append(work())
+        for handle in handles:
+            handle.wait()
+    return max(1.0, _slowest(statistics.median(beside)) / alone)
+
+
+def _slowest(seconds: float) -> float:
+    t = torch.tensor([seconds], dtype=torch.float64, device=_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if _nccl() else torch.device("cpu")
+
+
+def _nccl() -> bool:
+    return dist.get_backend() == "nccl"
+
+
+def _synchronize() -> None:
+    if _nccl():
+        torch.cuda.synchronize()
+
+
+def profile_from(
+    samples: Samples,
+    issue: Samples,
+    *,
+    ranks_per_node: int,
+    name: str,
+    source: str,
+    copy: float | None = None,
+    slowdown: float = 1.0,
+) -> MachineProfile:
+    """The machine profile of measured samples: one fitted link per collective and size."""
+    links: list[LinkCost] = [
+        fit_link(collective, size, points, issue=issue.get((collective, size), ()))
+        for (collective, size), points in sorted(samples.items())
+    ]
+    return MachineProfile(
+        name=name,
+        ranks_per_node=ranks_per_node,
+        links=tuple(links),
+        source=source,
+        copy_bandwidth=copy,
+        overlap_slowdown=slowdown,
+    )
+
+
+def _describe(world: int, elapsed: float) -> str:
+    backend = dist.get_backend()
+    when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    return (
+        f"gradsync calibrate: torch {torch.__version__} {backend}, {world} ranks on "
+        f"{platform.node()} ({os.cpu_count()} CPUs), {when}, {elapsed:.1f} s"
+    )
+
+
+def calibrate(
+    *,
+    sizes: Sequence[int] = DEFAULT_SIZES,
+    repeats: int = DEFAULT_REPEATS,
+    ranks_per_node: int | None = None,
+    name: str | None = None,
+) -> MachineProfile | None:
+    """Calibrate the initialized process group; every rank calls it.
+
+    Args:
+        sizes: message sizes in bytes (the whole buffer of each collective).
+        repeats: timed runs per size (the median counts).
+        ranks_per_node: default ``LOCAL_WORLD_SIZE`` (torchrun's), else the world.
+        name: the profile's name (default: the host and backend).
+
+    Returns:
+        The machine profile on rank 0, ``None`` on the other ranks.
+
+    Raises:
+        RuntimeError: no process group is initialized.
+        ValueError: a world of one rank (nothing to measure), or samples no line fits.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("calibrate needs torch.distributed: run it under torchrun")
+    world = dist.get_world_size()
+    if world < 2:
+        raise ValueError(
+            "calibrate needs 2 ranks or more; start it with torchrun --nproc_per_node 2"
+        )
+    start = time.perf_counter()
+    samples, issue = measure(sizes=sizes, repeats=repeats)
+    copy = copy_bandwidth(repeats=repeats)
+    slowdown = overlap_slowdown(fit_link("all_reduce", world, samples["all_reduce", world]))
+    if dist.get_rank() != 0:
+        return None
+    per_node = ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return profile_from(
+        samples,
+        issue,
+        ranks_per_node=per_node,
+        name=name or f"{platform.node()} {dist.get_backend()}",
+        source=_describe(world, time.perf_counter() - start),
+        copy=copy,
+        slowdown=slowdown,
+    )
+
+
+def _worker(rank: int, world: int, store_path: str, options: dict[str, Any], out: Any) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world
+    )
+    try:
+        profile = calibrate(**options)
+        if profile is not None:
+            out.put(profile.to_json())
+        dist.barrier()
+    except ValueError as err:  # what the fit refuses: one sentence in the parent, no traceback
+        out.put({"error": str(err)})
+    finally:
+        dist.destroy_process_group()
+        gc.collect()
+
+
+def calibrate_local(
+    world_size: int,
+    *,
+    sizes: Sequence[int] = DEFAULT_SIZES,
+    repeats: int = DEFAULT_REPEATS,
+    name: str | None = None,
+) -> MachineProfile:
+    """Spawn ``world_size`` gloo ranks on this machine and calibrate them.
+
+    Raises:
+        ValueError: a world below 2, or samples no line fits (the ranks' own sentence).
+        RuntimeError: a rank failed otherwise, or no result came within 10 minutes.
+    """
+    if not isinstance(world_size, int) or world_size < 2:
+        raise ValueError(f"calibrate needs a world of 2 ranks or more, got {world_size!r}")
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    options = {"sizes": tuple(sizes), "repeats": repeats, "name": name}
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        procs = [
+            ctx.Process(target=_worker, args=(r, world_size, store, options, out))
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        try:
+            result = _wait(out, procs)
+            for p in procs:
+                if "error" not in result:
+                    p.join()
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.terminate()
+                    p.join()
+    if "error" in result:
+        raise ValueError(result["error"])
+    return MachineProfile.from_json(result)
+
+
+def _wait(out: Any, procs: list[Any]) -> Any:
+    waited = 0.0
+    while waited < _TIMEOUT_S:
+        try:
+            return out.get(timeout=_POLL_S)
+        except queue.Empty:
+            waited += _POLL_S
+        failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+        if failed:
+            raise RuntimeError(
+                f"a calibration rank exited with code {failed[0]}; see its traceback"
+            )
+    raise RuntimeError(f"no calibration result within {_TIMEOUT_S:.0f} s")
+
+
+def calibrate_command(
+    *, world_size: int | None, sizes: Sequence[int], repeats: int, name: str | None
+) -> MachineProfile | None:
+    """The ``gradsync.calibrate`` entry point: under ``torchrun`` (``RANK`` set) every rank of
+    the job measures (NCCL when CUDA is available, else gloo) and rank 0 returns the profile;
+    otherwise ``world_size`` gloo ranks are spawned here (default 2)."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend)
+        try:
+            return calibrate(sizes=sizes, repeats=repeats, name=name)
+        finally:
+            dist.barrier()
+            dist.destroy_process_group()
+            gc.collect()
+    return calibrate_local(world_size or 2, sizes=sizes, repeats=repeats, name=name)

@@ -1,0 +1,503 @@
+"""The cost model (docs/cost-model.md): profiles, closed forms of the timeline, the search.
+
+Every timing test builds a machine whose figures make the answer a closed form: one bucket
+and no overlap (compute then the whole collective), perfect overlap (only the last bucket
+shows), a bandwidth-bound backward (the collectives queue), compute slowed beside a
+collective, ZeRO-3 with and without overlap, HSDP's second level, and the pipeline's bubble
+against ``simulate_pipeline`` and ``(m + p - 1)(f + b)``.
+"""
+
+import json
+import math
+
+import pytest
+
+from gradsync_core import (
+    ParamSpec,
+    Topology,
+    builtin_model,
+    estimate_ddp,
+    estimate_zero3,
+    plan_buckets,
+    plan_legacy_buckets,
+    plan_param_shards,
+    plan_pipeline,
+    rebuild_buckets,
+    simulate_pipeline,
+)
+from gradsync_core.plan import (
+    COLLECTIVES,
+    BlockTime,
+    Configuration,
+    LinkCost,
+    MachineProfile,
+    ModelProfile,
+    bus_factor,
+    configurations,
+    estimate_model_profile,
+    fit_link,
+    median_profile,
+    predict,
+    predict_data_parallel,
+    predict_pipeline,
+    predict_zero3,
+    profile_blocks,
+    search_configurations,
+)
+
+MIB = 1 << 20
+
+
+def machine(latency=0.0, bandwidth=1e9, **extra):
+    """Every collective at ``latency`` + factor * bytes / ``bandwidth``, any group size."""
+    links = tuple(
+        LinkCost(collective=c, group_size=None, latency_s=latency, bus_bandwidth=bandwidth)
+        for c in COLLECTIVES
+    )
+    return MachineProfile(name="closed form", ranks_per_node=1 << 20, links=links, **extra)
+
+
+def layers(n, rows=256, cols=1024):
+    """``n`` blocks of one 1 MiB fp32 weight each: ``layers.i.weight``."""
+    return [ParamSpec(name=f"layers.{i}.weight", shape=(rows, cols)) for i in range(n)]
+
+
+def model(n, forward=1e-3, backward=2e-3, optimizer=0.0, activation=None, output=0):
+    return ModelProfile(
+        samples=8,
+        source="given",
+        optimizer_s=optimizer,
+        blocks=tuple(
+            BlockTime(
+                prefix=f"layers.{i}",
+                forward_s=forward,
+                backward_s=backward,
+                activation_bytes=activation,
+                output_bytes=output,
+            )
+            for i in range(n)
+        ),
+    )
+
+
+# -- the machine profile ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("collective", "n", "factor"),
+    [
+        ("all_reduce", 2, 1.0),
+        ("all_reduce", 8, 1.75),
+        ("all_gather", 4, 0.75),
+        ("reduce_scatter", 8, 0.875),
+        ("broadcast", 8, 1.0),
+        ("p2p", 2, 1.0),
+    ],
+    ids=lambda v: str(v),
+)
+def test_bus_factors_are_nccl_tests(collective, n, factor):
+    assert bus_factor(collective, n) == factor
+    link = LinkCost(collective=collective, group_size=n, latency_s=1e-5, bus_bandwidth=2e9)
+    assert link.time(4 * MIB, n) == pytest.approx(1e-5 + factor * 4 * MIB / 2e9)
+
+
+def test_a_group_of_one_costs_nothing():
+    assert machine(latency=1.0).time("all_reduce", MIB, 1) == 0.0
+
+
+def test_fit_link_recovers_latency_and_bus_bandwidth():
+    alpha, busbw, n = 3e-5, 5e9, 4
+    samples = [(s, alpha + bus_factor("all_gather", n) * s / busbw) for s in (4096, MIB, 16 * MIB)]
+    link = fit_link("all_gather", n, samples, issue=[(4096, 1e-5), (16 * MIB, 1e-5)])
+    assert link.latency_s == pytest.approx(alpha)
+    assert link.bus_bandwidth == pytest.approx(busbw)
+    assert link.issue_time(MIB) == pytest.approx(1e-5)  # a constant issue cost stays constant
+
+
+def test_fit_link_refuses_samples_without_a_bandwidth():
+    with pytest.raises(ValueError, match="does not grow with the message size"):
+        fit_link("all_reduce", 2, [(4096, 1e-3), (MIB, 1e-3)])
+
+
+def test_machine_profile_json_round_trip_and_lookup():
+    m = MachineProfile(
+        name="two levels",
+        ranks_per_node=8,
+        links=(
+            LinkCost(collective="all_reduce", group_size=8, latency_s=1e-5, bus_bandwidth=4e11),
+            LinkCost(
+                collective="all_reduce",
+                group_size=None,
+                level="network",
+                latency_s=3e-5,
+                bus_bandwidth=4e10,
+            ),
+        ),
+        copy_bandwidth=1e12,
+        overlap_slowdown=1.1,
+    )
+    assert MachineProfile.from_json(json.loads(json.dumps(m.to_json()))) == m
+    assert m.level_of([0, 7]) == "node" and m.level_of([0, 8]) == "network"
+    assert m.link("all_reduce", 16, "network").bus_bandwidth == 4e10
+    with pytest.raises(ValueError, match="no all_reduce cost for groups of 4 ranks within a node"):
+        m.time("all_reduce", MIB, 4)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"kind": "plan"}, "expected kind 'machine_profile'"),
+        ({"version": 9}, "reads version 1"),
+        ({"colour": 1}, "unknown key 'colour'"),
+        ({"links": []}, "non-empty list"),
+        ({"overlap_slowdown": 0.5}, "overlap_slowdown must be >= 1"),
+    ],
+    ids=["kind", "version", "unknown key", "no links", "speed-up"],
+)
+def test_machine_profile_refuses_bad_json(change, message):
+    good = machine().to_json()
+    with pytest.raises(ValueError, match=message):
+        MachineProfile.from_json(good | change)
+
+
+def test_the_documented_example_profiles_load():
+    for name in ("h100-nvlink-node", "infiniband-cluster"):
+        m = MachineProfile.load(f"examples/machine-profiles/{name}.json")
+        assert m.time("all_reduce", 256 * MIB, 8) > 0
+        assert m.source
+
+
+# -- the model profile --------------------------------------------------------------------
+
+
+def test_block_of_takes_the_longest_prefix_and_refuses_an_orphan():
+    p = ModelProfile(
+        samples=1,
+        source="given",
+        blocks=(
+            BlockTime(prefix="", forward_s=0, backward_s=0),
+            BlockTime(prefix="h.1", forward_s=0, backward_s=0),
+        ),
+    )
+    assert p.block_of("h.1.fc.weight") == 1 and p.block_of("h.10.fc.weight") == 0
+    with pytest.raises(ValueError, match="in no block"):
+        ModelProfile(
+            samples=1, source="given", blocks=(BlockTime(prefix="h.1", forward_s=0, backward_s=0),)
+        ).block_of("wte.weight")
+
+
+def test_model_profile_json_round_trip_and_scaling():
+    p = model(3, activation=1000, output=10)
+    assert ModelProfile.from_json(json.loads(json.dumps(p.to_json()))) == p
+    half = p.scaled(4)
+    assert half.forward_s == pytest.approx(p.forward_s / 2)
+    assert half.activation_bytes == p.activation_bytes // 2
+
+
+def test_median_profile_keeps_the_median_total_split_by_block_medians():
+    runs = [model(2, forward=f) for f in (1.0, 5.0, 2.0)]
+    merged = median_profile(runs)
+    assert merged.forward_s == pytest.approx(4.0)  # the median run's total, 2 + 2
+    assert merged.blocks[0].forward_s == pytest.approx(2.0)
+
+
+def test_profile_blocks_are_the_pipeline_stages_modules():
+    specs = builtin_model("gpt2-small")
+    blocks = profile_blocks(specs)
+    assert blocks[:3] == ["transformer.wte", "transformer.wpe", "transformer.h.0"]
+    assert blocks[-2:] == ["transformer.h.11", "transformer.ln_f"]
+    stages = plan_pipeline(schedule="1F1B", microbatches=2, topology=Topology(pp=2), specs=specs)
+    assert [m for s in stages.stages for m in s.modules] == blocks
+
+
+def test_flop_estimate_is_six_n_d_and_says_so():
+    specs = layers(2)
+    p = estimate_model_profile(specs, tokens=100, flops_per_s=1e12)
+    n = 256 * 1024
+    assert p.source == "flops" and p.forward_s + p.backward_s == pytest.approx(
+        2 * 6 * n * 100 / 1e12
+    )
+    cost = predict_data_parallel(
+        specs, plan_buckets(specs), machine=machine(), model=p, topology=Topology.create(2)
+    )
+    assert any("FLOP estimate" in note for note in cost.notes)
+
+
+# -- data parallelism: closed forms -------------------------------------------------------
+
+
+def test_one_bucket_no_overlap_is_compute_then_the_collective():
+    specs, m = layers(4), machine(latency=1e-4, bandwidth=1e9)
+    buckets = plan_buckets(specs, cap_bytes=64 * MIB)
+    assert len(buckets.buckets) == 1
+    cost = predict_data_parallel(
+        specs,
+        buckets,
+        machine=m,
+        model=model(4, optimizer=5e-3),
+        topology=Topology.create(4),
+        overlap=False,
+    )
+    collective = 1e-4 + 1.5 * 4 * MIB / 1e9  # all-reduce over 4: 2(n-1)/n
+    assert cost.step_s == pytest.approx(4 * 1e-3 + 4 * 2e-3 + collective + 5e-3)
+    assert cost.exposed_comm_s == pytest.approx(collective)
+    assert [c.collective for c in cost.comms] == ["all_reduce"]
+
+
+def test_perfect_overlap_leaves_only_the_last_bucket():
+    specs = layers(4)
+    buckets = plan_buckets(specs, cap_bytes=MIB)  # one bucket per block, the last block first
+    assert len(buckets.buckets) == 4
+    m = machine(bandwidth=4e9)  # 1 MiB in 0.26 ms < a block's 2 ms backward
+    cost = predict_data_parallel(
+        specs, buckets, machine=m, model=model(4), topology=Topology.create(2)
+    )
+    last = MIB / 4e9
+    assert cost.step_s == pytest.approx(4e-3 + 8e-3 + last)
+    assert [round(c.exposed_s, 9) for c in cost.comms] == [0, 0, 0, round(last, 9)]
+
+
+def test_bandwidth_bound_buckets_queue_behind_each_other():
+    specs = layers(4)
+    m = machine(bandwidth=MIB / 5e-3)  # 5 ms per bucket > 2 ms of backward per block
+    cost = predict_data_parallel(
+        specs,
+        plan_buckets(specs, cap_bytes=MIB),
+        machine=m,
+        model=model(4),
+        topology=Topology.create(2),
+    )
+    # the first bucket is ready after one block's backward; then four collectives in a row
+    assert cost.step_s == pytest.approx(4e-3 + 2e-3 + 4 * 5e-3)
+
+
+def test_compute_beside_a_collective_runs_slower():
+    specs = layers(2)
+    m = machine(bandwidth=MIB / 2e-3, overlap_slowdown=2.0)  # a bucket takes a block's backward
+    cost = predict_data_parallel(
+        specs,
+        plan_buckets(specs, cap_bytes=MIB),
+        machine=m,
+        model=model(2),
+        topology=Topology.create(2),
+    )
+    # block 0's 2 ms backward beside bucket 0: 1 ms of it in 2 ms, the rest alone; then bucket 1
+    assert cost.step_s == pytest.approx(2e-3 + 2e-3 + 2e-3 + 1e-3 + 2e-3)
+
+
+def test_copies_and_issue_costs_run_on_the_compute_stream():
+    specs = layers(1)
+    link = LinkCost(
+        collective="all_reduce", group_size=None, latency_s=0.0, bus_bandwidth=1e9, issue_s=1e-3
+    )
+    m = MachineProfile(name="copies", ranks_per_node=8, links=(link,), copy_bandwidth=MIB / 1e-3)
+    cost = predict_data_parallel(
+        specs, plan_buckets(specs), machine=m, model=model(1), topology=Topology.create(2)
+    )
+    # forward, backward, copy in (1 ms), issue (1 ms), the all-reduce, copy out (1 ms)
+    assert cost.step_s == pytest.approx(1e-3 + 2e-3 + 1e-3 + 1e-3 + MIB / 1e9 + 1e-3)
+
+
+def test_zero1_broadcasts_each_owners_parameters_after_its_step():
+    specs = layers(2)
+    p = predict(
+        specs,
+        Configuration(zero=1, bucket_cap_mb=64),
+        world_size=2,
+        machine=machine(),
+        model=model(2, optimizer=4e-3),
+    )
+    kinds = [c.collective for c in p.cost.comms]
+    assert kinds == ["all_reduce", "broadcast", "broadcast"]
+    assert p.cost.ranks[0].memory.optimizer_state_bytes == 8 * 256 * 1024  # one weight of Adam
+
+
+# -- ZeRO-3 and HSDP ----------------------------------------------------------------------
+
+
+def test_zero3_without_overlap_waits_for_every_collective():
+    n, units = 4, 3
+    specs = layers(units)
+    plan = plan_param_shards(specs, world_size=n, units=[f"layers.{i}" for i in range(units)])
+    m = machine(latency=1e-4, bandwidth=1e9)
+    ag, rs = m.time("all_gather", MIB, n), m.time("reduce_scatter", MIB, n)
+    for reshard, gathers in ((True, 2), (False, 1)):
+        cost = predict_zero3(
+            plan,
+            machine=m,
+            model=model(units),
+            topology=Topology.create(n),
+            overlap=False,
+            reshard_after_forward=reshard,
+        )
+        assert cost.step_s == pytest.approx(units * (gathers * ag + rs + 3e-3)), reshard
+
+
+def test_zero3_with_overlap_hides_all_but_the_first_gather_and_the_last_reduce():
+    n, units = 2, 4
+    specs = layers(units)
+    plan = plan_param_shards(specs, world_size=n, units=[f"layers.{i}" for i in range(units)])
+    m = machine(bandwidth=8e9)  # a gather or reduce-scatter takes 0.07 ms, far below a block
+    ag, rs = m.time("all_gather", MIB, n), m.time("reduce_scatter", MIB, n)
+    cost = predict_zero3(plan, machine=m, model=model(units), topology=Topology.create(n))
+    assert cost.step_s == pytest.approx(ag + 4e-3 + ag + 8e-3 + rs)
+    gathers = [c for c in cost.comms if c.collective == "all_gather"]
+    assert len(gathers) == 2 * units  # forward and again for the backward
+    assert cost.ranks[0].memory == estimate_zero3(plan).ranks[0]
+
+
+def test_hsdp_all_reduces_each_shard_over_the_replicas():
+    specs = layers(2)
+    p = predict(
+        specs, Configuration(zero=3, dp_shard=2), world_size=8, machine=machine(), model=model(2)
+    )
+    assert p.param_shards.shard_size == 2 and p.param_shards.replicate_size == 4
+    replicas = [c for c in p.cost.comms if c.group == "dp_replicate"]
+    assert len(replicas) == 2
+    assert {(c.collective, c.group_size, c.nbytes) for c in replicas} == {
+        ("all_reduce", 4, MIB // 2)
+    }
+
+
+# -- the pipeline: the simulator's ticks --------------------------------------------------
+
+
+@pytest.mark.parametrize("schedule", ["GPipe", "1F1B"])
+def test_pipeline_bubble_is_the_simulators_and_the_closed_form(schedule):
+    p_, m_ = 4, 8
+    specs = layers(8)
+    plan = plan_pipeline(schedule=schedule, microbatches=m_, topology=Topology(pp=p_), specs=specs)
+    cost = predict_pipeline(
+        plan, specs, machine=machine(), model=model(8, forward=1.0, backward=2.0)
+    )
+    # two blocks per stage: f = 2, b = 4
+    assert cost.step_s == pytest.approx((m_ + p_ - 1) * (2.0 + 4.0))
+    sim = simulate_pipeline(plan, forward=2.0, backward=4.0, weight=2.0)
+    assert cost.step_s == sim.step_time
+    assert [r.idle_s for r in cost.ranks] == pytest.approx(list(sim.idle))
+
+
+def test_pipeline_stash_memory_follows_the_schedule():
+    specs = layers(4)
+    prof = model(4, activation=MIB)
+    gpipe = predict(
+        specs,
+        Configuration(pp=2, schedule="GPipe", microbatches=4),
+        world_size=2,
+        machine=machine(),
+        model=prof,
+    )
+    one_f_one_b = predict(
+        specs,
+        Configuration(pp=2, schedule="1F1B", microbatches=4),
+        world_size=2,
+        machine=machine(),
+        model=prof,
+    )
+    # GPipe stashes all 4 microbatches on rank 0 (2 blocks of 1 MiB each); 1F1B at most 2
+    assert gpipe.cost.ranks[0].activation_bytes == 4 * 2 * MIB
+    assert one_f_one_b.cost.ranks[0].activation_bytes == 2 * 2 * MIB
+
+
+# -- memory -------------------------------------------------------------------------------
+
+
+def test_memory_is_the_plans_estimate_plus_activations_and_the_optimizer_scratch():
+    specs = layers(4)
+    buckets = plan_buckets(specs)
+    states = estimate_ddp(specs, buckets, world_size=2).ranks[0]
+    few = model(4, activation=MIB // 4)  # activations below the gradients they turn into
+    cost = predict_data_parallel(
+        specs, buckets, machine=machine(), model=few, topology=Topology.create(2)
+    )
+    # the worst moment: the last block's backward, its gradient (1 MiB) beside all activations
+    assert cost.ranks[0].activation_bytes == MIB // 4
+    assert cost.peak_bytes == states.peak_bytes + MIB // 4
+    scratch = (
+        ModelProfile(
+            **{**few.to_json(), "optimizer_bytes": 8 * MIB, "blocks": few.blocks}
+            | {"source": "given"}
+        )
+        if False
+        else None
+    )
+    del scratch
+    heavy = ModelProfile(samples=8, source="given", optimizer_bytes=8 * MIB, blocks=few.blocks)
+    cost = predict_data_parallel(
+        specs, buckets, machine=machine(), model=heavy, topology=Topology.create(2)
+    )
+    assert cost.peak_bytes == states.peak_bytes + 8 * MIB  # the step: P + G + S + buckets + scratch
+
+
+# -- predict and the search ---------------------------------------------------------------
+
+
+def test_predict_plans_what_the_executors_plan():
+    specs = layers(4)
+    ddp = predict(specs, Configuration(), world_size=2, machine=machine(), model=model(4))
+    initial = plan_buckets(specs, cap_bytes=25 * MIB, first_cap_bytes=MIB)
+    ready = [s.name for s in reversed(specs)]  # the last block's gradient first
+    assert ddp.buckets == rebuild_buckets(initial, specs, ready)  # DDP's steady state
+    legacy = predict(
+        specs, Configuration(overlap=False), world_size=2, machine=machine(), model=model(4)
+    )
+    assert legacy.buckets == plan_legacy_buckets(specs)
+    assert set(ddp.fingerprints) == {"buckets", "topology"}
+
+
+def test_predict_refuses_a_batch_that_does_not_split():
+    with pytest.raises(ValueError, match="does not split over dp 4 x 1 microbatches"):
+        predict(
+            layers(2),
+            Configuration(),
+            world_size=4,
+            machine=machine(),
+            model=model(2),
+            global_batch=6,
+        )
+
+
+def test_search_ranks_what_fits_and_says_why_the_rest_was_dropped():
+    specs = layers(8)
+    prof = model(8, optimizer=4e-3)
+    m = machine(latency=1e-5, bandwidth=1e10)
+    everything = search_configurations(specs, world_size=4, machine=m, model=prof)
+    limit = 30 * MIB
+    result = search_configurations(
+        specs, world_size=4, machine=m, model=prof, memory_per_rank=limit
+    )
+    assert len(result.ranked) + len(result.dropped) == len(configurations(specs, world_size=4))
+    assert all(p.peak_bytes <= limit for p in result.ranked)
+    assert [p.step_s for p in result.ranked] == sorted(p.step_s for p in result.ranked)
+    fitting = [p for p in everything.ranked if p.peak_bytes <= limit]
+    assert result.best.step_s == min(p.step_s for p in fitting)
+    too_big = [d for d in result.dropped if "over the 30.00 MiB per rank" in d.reason]
+    assert too_big and all(
+        d.configuration in {p.configuration for p in everything.ranked} for d in too_big
+    )
+    nothing = search_configurations(specs, world_size=4, machine=m, model=prof, memory_per_rank=1)
+    with pytest.raises(ValueError, match=r"no configuration fits: ddp default cap: peak .* MiB"):
+        _ = nothing.best
+
+
+def test_search_result_json_lists_the_ranked_and_the_dropped():
+    result = search_configurations(
+        layers(4), world_size=2, machine=machine(), model=model(4), memory_per_rank=20 * MIB
+    )
+    out = json.loads(json.dumps(result.to_json(top=2)))
+    assert out["kind"] == "cost_search" and len(out["ranked"]) == 2
+    assert all("reason" in d for d in out["dropped"])
+
+
+def test_configuration_refuses_what_no_executor_runs():
+    with pytest.raises(ValueError, match="needs a schedule"):
+        Configuration(pp=2)
+    with pytest.raises(ValueError, match=r"dp_shard \(HSDP\) applies to zero=3 only"):
+        Configuration(zero=1, dp_shard=2)
+    with pytest.raises(ValueError, match="use it with zero=2"):
+        Configuration(zero=1, param_sync="all_gather")
+    assert math.isfinite(
+        predict(
+            layers(2), Configuration(zero=2), world_size=2, machine=machine(), model=model(2)
+        ).step_s
+    )

@@ -1,0 +1,72 @@
+"""Rank bodies of tests/torch/test_cost.py: calibrate, profile, predict and measure on gloo."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gradsync_core.plan import Configuration, predict
+from gradsync_torch import DataParallel, param_specs
+from gradsync_torch.cost import machine as calibrate
+from gradsync_torch.cost.model import profile_model
+
+LAYERS, WIDTH, ROWS = 32, 64, 8
+# Two configurations far apart: one bucket for the whole model, and one per tensor (64 of
+# them, each paying a collective's latency and issue), on a model whose compute is small.
+CONFIGURATIONS = (Configuration(bucket_cap_mb=25.0), Configuration(bucket_cap_mb=0.001))
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*(nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)))
+
+
+def calibrate_predict_measure(rank: int, world_size: int) -> list[tuple[float, float, bool]]:
+    """``(predicted, measured, plan is the predicted)`` step seconds of each configuration."""
+    # Sizes far apart, so a loaded machine still shows time growing with the size.
+    samples, issue = calibrate.measure(sizes=(4096, 1 << 20, 8 << 20), repeats=5)
+    machine = calibrate.profile_from(
+        samples,
+        issue,
+        ranks_per_node=world_size,
+        name="test",
+        source="tests/torch/cost_checks.py",
+        copy=calibrate.copy_bandwidth(repeats=3),
+    )
+    net, x = _net(), torch.randn(ROWS, WIDTH)
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    model = profile_model(net, lambda: net(x).square().mean(), samples=ROWS, optimizer=opt)
+    shared = [model.to_json()]
+    dist.broadcast_object_list(shared, src=0)  # every rank predicts with rank 0's profile
+    model = type(model).from_json(shared[0])
+    out = []
+    for config in CONFIGURATIONS:
+        prediction = predict(
+            param_specs(_net()),
+            config,
+            world_size=world_size,
+            machine=machine,
+            model=model,
+            optimizer="sgd",
+        )
+        net = _net()
+        wrapper = DataParallel(net, bucket_cap_mb=config.bucket_cap_mb)
+        opt = torch.optim.SGD(net.parameters(), lr=0.01)
+        times = []
+        for step in range(12):
+            dist.barrier()
+            start = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            wrapper(x).square().mean().backward()
+            opt.step()
+            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            if step >= 3:
+                times.append(elapsed.item())
+        same = wrapper.bucket_plan.fingerprint == prediction.buckets.fingerprint
+        out.append((prediction.step_s, statistics.median(times), same))
+    return out

@@ -1,0 +1,83 @@
+"""The torch side of the cost model (docs/cost-model.md): the model profile from hooks, and
+a small calibrate-predict-measure run on gloo.
+
+The run is a check of the model, not of this machine's speed: two configurations far apart
+(one bucket, and one bucket per tensor on a model with little compute, where every bucket pays
+a collective's latency) must be predicted in the order they measure, and each prediction must
+be within a factor of 10 of its measurement: loose enough for this loaded 2-core machine, where a
+load spike between the calibration and the steps has made a measured step 6 times its
+prediction (the executor's host work and the ranks' skew are not modeled, and weigh most when
+compute is this small), tight enough to catch a wrong unit or a model that ignored latency
+(then the two would not come out in this order).
+"""
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from gradsync_core.plan import ModelProfile
+from gradsync_torch.cost.model import profile_model
+from tests.support.harness import run_workers
+from tests.torch import cost_checks
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(x))
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, 16)
+        self.layers = nn.ModuleList(Block() for _ in range(3))
+        self.head = nn.Linear(16, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def test_profile_model_times_every_block_in_forward_order():
+    torch.manual_seed(0)
+    net, x = Net(), torch.randn(4, 8)
+    opt = torch.optim.Adam(net.parameters(), foreach=True)
+    profile = profile_model(net, lambda: net(x).square().mean(), samples=4, optimizer=opt, steps=3)
+    assert [b.prefix for b in profile.blocks] == [
+        "embed",
+        "layers.0",
+        "layers.1",
+        "layers.2",
+        "head",
+    ]
+    assert profile.source == "measured" and profile.samples == 4
+    assert all(b.forward_s > 0 and b.backward_s >= 0 for b in profile.blocks)
+    assert sum(b.backward_s for b in profile.blocks) > 0
+    # each block's output is 4 rows of 16 (the head's of 2) floats
+    assert [b.output_bytes for b in profile.blocks] == [256, 256, 256, 256, 32]
+    assert all(b.activation_bytes > 0 for b in profile.blocks[1:])
+    assert profile.optimizer_s > 0 and profile.optimizer_bytes > 0  # foreach Adam's scratch
+    assert ModelProfile.from_json(json.loads(json.dumps(profile.to_json()))) == profile
+
+
+def test_profile_model_refuses_a_block_the_forward_never_runs():
+    net, x = Net(), torch.randn(4, 8)
+    with pytest.raises(ValueError, match=r"the forward never ran block 'layers\.1'"):
+        profile_model(net, lambda: net.layers[0](net.embed(x)).sum(), samples=4, steps=1)
+
+
+@pytest.mark.slow
+def test_calibrate_predict_measure_on_gloo():
+    one_bucket, per_tensor = run_workers(cost_checks.calibrate_predict_measure, 2, timeout=300)[0]
+    assert one_bucket[2] and per_tensor[2], "DataParallel planned other buckets than predict"
+    assert one_bucket[0] < per_tensor[0] and one_bucket[1] < per_tensor[1], (one_bucket, per_tensor)
+    for predicted, measured, _ in (one_bucket, per_tensor):
+        assert measured / 10 < predicted < measured * 10, (predicted, measured)
