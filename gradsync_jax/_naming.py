@@ -205,11 +205,19 @@ def to_torch_state(tree: Any, *, modules: Mapping[str, str] | None = None) -> di
     The arrays are writable C-contiguous copies: load them with
     ``module.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()})``.
     """
+    views = torch_layout_views(tree, modules=modules)
+    return {name: np.array(array, copy=True, order="C") for name, array in views.items()}
+
+
+def torch_layout_views(
+    tree: Any, *, modules: Mapping[str, str] | None = None
+) -> dict[str, np.ndarray]:
+    """``to_torch_state`` without the copies: each leaf (host arrays) seen in torch's layout,
+    a transposed view of it for a kernel; what a save writes from (or stages) as it lies."""
     out = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         keys = _keys(path)
-        array = to_torch_layout("/".join(keys), leaf)
-        out[_torch_name_of_keys(keys, modules)] = np.array(array, copy=True, order="C")
+        out[_torch_name_of_keys(keys, modules)] = to_torch_layout("/".join(keys), leaf)
     return out
 
 

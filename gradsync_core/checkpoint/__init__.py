@@ -24,7 +24,12 @@ from gradsync_core.checkpoint._atomic import (
     resolve_checkpoint,
     staging_directory,
 )
-from gradsync_core.checkpoint._background import SAVE_FAILED_EXIT, SaveHandle, wait_for_saves
+from gradsync_core.checkpoint._background import (
+    SAVE_FAILED_EXIT,
+    WRITER_NICE,
+    SaveHandle,
+    wait_for_saves,
+)
 from gradsync_core.checkpoint._data_position import data_extra, restore_data
 from gradsync_core.checkpoint._files import open_checkpoint_file
 from gradsync_core.checkpoint._format import (
@@ -113,6 +118,7 @@ __all__ = [
     "SAVE_FAILED_EXIT",
     "SAVE_POINTS",
     "WRAPPER_PREFIX",
+    "WRITER_NICE",
     "CheckpointError",
     "HyperparameterWarning",
     "Manifest",

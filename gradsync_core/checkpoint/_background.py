@@ -139,6 +139,7 @@ def start_background(
 
     def writer() -> None:
         _local.background = True
+        _lower_priority()
         result, error = None, None
         try:
             result = run()
@@ -159,6 +160,23 @@ def start_background(
             _exit_check_registered = True
     thread.start()
     return handle
+
+
+# The writer thread's niceness: it yields the CPU to training (the scheduler then gives it
+# the time training leaves, mostly while the ranks wait in their collectives).
+WRITER_NICE = 19
+
+
+def _lower_priority() -> None:
+    """Lower the calling thread's scheduling priority to ``WRITER_NICE`` where the system
+    sets priorities per thread (Linux); elsewhere leave it as it is."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), WRITER_NICE))
+    except OSError:  # not permitted: the default priority
+        pass
 
 
 def _elapsed(handle: SaveHandle) -> float:

@@ -27,7 +27,12 @@ from gradsync_core.checkpoint import (
     resolve_checkpoint,
 )
 from gradsync_core.deprecation import renamed_keywords
-from gradsync_jax._naming import flax_name, from_torch_layout, to_torch_state, torch_names
+from gradsync_jax._naming import (
+    flax_name,
+    from_torch_layout,
+    torch_layout_views,
+    torch_names,
+)
 from gradsync_jax.checkpoint.stored import StoredFiles, check_finite
 
 
@@ -50,7 +55,7 @@ def weights_by_rank(
     """``model``'s weights in torch names and layouts, grouped by the rank file that holds
     each, and the owners map the manifest records as ``extra["model"]``."""
     host = jax.tree_util.tree_map(host_copy, model)
-    weights = to_torch_state(host, modules=modules)
+    weights = torch_layout_views(host, modules=modules)  # the write (or staging) copies them
     owners = model_owners(plan, list(weights))
     files: dict[int, dict[str, np.ndarray]] = {}
     for name, weight in weights.items():

@@ -80,6 +80,36 @@ def local_view(tree: Any, *, complete: bool = False) -> Any:
     return jax.tree.map(host, tree)
 
 
+def copied_view(tree: Any, into: Callable[[tuple[int, ...], Any], np.ndarray]) -> Any:
+    """``local_view(tree)`` copied into host arrays that ``into(shape, dtype)`` hands out (a
+    save's staging buffer): each device's shard copied once into its place (a replicated
+    leaf from one device), the parts only other processes hold zeros. No collective. 0-d
+    leaves are copied apart (``np.array``): a few bytes each.
+
+    The arrays are the save's own: the training may donate the device buffers once this
+    returns (``np.asarray`` of a CPU array can be a view of its buffer, which is why a save
+    in the background copies)."""
+
+    def host(leaf: Any) -> Any:
+        if not isinstance(leaf, jax.Array) or leaf.ndim == 0:
+            return np.array(leaf, copy=True)
+        out = into(tuple(leaf.shape), leaf.dtype)
+        if not leaf.is_fully_addressable:
+            out.fill(0)
+        if leaf.is_fully_replicated:
+            np.copyto(out, np.asarray(leaf.addressable_data(0)))
+            return out
+        done = set()
+        for shard in leaf.addressable_shards:
+            where = tuple(i.indices(n) for i, n in zip(shard.index, leaf.shape, strict=True))
+            if where not in done:  # a shard replicated over another axis: copied once
+                done.add(where)
+                out[shard.index] = np.asarray(shard.data)
+        return out
+
+    return jax.tree.map(host, tree)
+
+
 def place(host_tree: Any, shardings: Any) -> Any:
     """Put a host tree that every process holds in full onto a mesh that may span
     processes: each process fills only its own devices' shards."""

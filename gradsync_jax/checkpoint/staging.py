@@ -12,7 +12,8 @@ so one buffer per process serves them all.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -56,8 +57,10 @@ class StagingBuffer:
         self, files: Mapping[int, Mapping[str, np.ndarray]]
     ) -> dict[int, dict[str, np.ndarray]]:
         """Copy every tensor of ``files`` (rank -> key -> array, any strides) into the buffer;
-        returns C-contiguous views of it in the same layout. The previous views are
-        overwritten: call only once their save has ended."""
+        returns views of it in the same layout. Each copy keeps its array's memory order (C,
+        or F for a kernel seen transposed in torch's layout), so it runs at memory speed and
+        the save returns sooner; the write makes the bytes C-ordered, in the background. The
+        previous views are overwritten: call only once their save has ended."""
         offsets, needed = {}, 0
         for rank, tensors in files.items():
             for key, array in tensors.items():
@@ -74,11 +77,43 @@ class StagingBuffer:
             for key, array in tensors.items():
                 array = np.asarray(array)
                 start = offsets[rank, key]
+                fortran = array.flags.f_contiguous and not array.flags.c_contiguous
                 view = self._buffer[start : start + array.nbytes].view(array.dtype)
-                view = view.reshape(array.shape)
+                view = view.reshape(array.shape, order="F" if fortran else "C")
                 np.copyto(view, array)
                 staged[rank][key] = view
         return staged
+
+    def allocator(
+        self, arrays: Sequence[tuple[tuple[int, ...], Any]]
+    ) -> Callable[[tuple[int, ...], Any], np.ndarray]:
+        """Make room for ``arrays`` (each ``(shape, dtype)``, in the order they will be
+        taken) and return ``take(shape, dtype)``, which hands out their views of the buffer
+        in that order (``processes.copied_view`` fills them). The previous views are
+        overwritten: call only once their save has ended.
+
+        Raises:
+            ValueError: ``take`` asked for more than was reserved.
+        """
+        places, needed = [], 0
+        for shape, dtype in arrays:
+            size = np.dtype(dtype).itemsize  # a view of another dtype must align
+            needed = -(-needed // size) * size
+            places.append(needed)
+            needed += int(np.prod(shape, dtype=np.int64)) * size
+        if self._buffer is None or self._buffer.size < needed:
+            self._buffer = None  # the old one is freed before the new one is allocated
+            self._buffer = np.empty(needed, np.uint8)
+        buffer, taken = self._buffer, iter(zip(places, arrays, strict=True))
+
+        def take(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+            start, (want, want_dtype) = next(taken, (-1, ((), None)))
+            if start < 0 or tuple(want) != tuple(shape) or np.dtype(want_dtype) != dtype:
+                raise ValueError(f"staging was not reserved for an array {shape} {dtype}")
+            nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+            return buffer[start : start + nbytes].view(dtype).reshape(shape)
+
+        return take
 
 
 # The process's staging buffer: one save in flight at a time, so one buffer.

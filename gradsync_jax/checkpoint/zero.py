@@ -55,6 +55,7 @@ from gradsync_jax.checkpoint.optimizers import canonical_key
 from gradsync_jax.checkpoint.processes import (
     ProcessSaveAgreement,
     background_agreement,
+    copied_view,
     local_ranks,
     local_view,
     place,
@@ -196,33 +197,57 @@ def save_optimizer_state(
     position = data_extra(data)
     layout = tx.layout(params)
     complete = isinstance(layout, FlatLayout)  # see gradsync_jax.checkpoint.processes
-    local = ZeroState(  # first, so every process takes part in its collective
-        inner=local_view(state.inner, complete=complete),
-        shards=local_view(dict(state.shards), complete=complete),
-    )
+    # A save in the background copies the state (and the weights) into STAGING as it reads
+    # them from the devices, once; the flat partition with several processes gathers them
+    # first (a collective, whose result is the save's own already).
+    staged = not blocking and not (complete and jax.process_count() > 1)
+    local = None
+    if not staged:
+        local = ZeroState(  # first, so every process takes part in its collective
+            inner=local_view(state.inner, complete=complete),
+            shards=local_view(dict(state.shards), complete=complete),
+        )
     # Each process sees its own devices' shards only; the rank files it writes are exactly
     # those ranks, where this local view is complete (gradsync_jax.checkpoint.processes).
     mine = sorted(local_ranks(tx.mesh, tx.settings.axes))
     n = tx.world_size
 
-    return save_rank_files(
-        path,
-        lambda: _prepare(
+    def prepare() -> _Prepared:
+        held, weights = local, model
+        if held is None:
+            trees = (state.inner, dict(state.shards), model)
+            take = STAGING.allocator(
+                [
+                    (tuple(leaf.shape), leaf.dtype)
+                    for leaf in jax.tree.leaves(trees)
+                    if isinstance(leaf, jax.Array) and leaf.ndim
+                ]
+            )
+            held = ZeroState(
+                inner=copied_view(state.inner, take), shards=copied_view(dict(state.shards), take)
+            )
+            weights = None if model is None else copied_view(model, take)
+        return _prepare(
             tx,
             layout,
-            local,
+            held,
             params,
             step,
             optimizer_name,
             modules,
-            model,
+            weights,
             inner=tx.settings.inner,
-        ),
+        )
+
+    return save_rank_files(
+        path,
+        prepare,
         mine=mine,
         n=n,
         extra=position,
         what=f"cannot save optimizer checkpoint {os.fspath(path)}",
         blocking=blocking,
+        staged=staged,
     )
 
 
@@ -235,12 +260,14 @@ def save_rank_files(
     extra: Mapping[str, Any],
     what: str,
     blocking: bool = True,
+    staged: bool = False,
 ) -> Manifest | SaveHandle:
     """The save of both JAX savers (ZeRO-1/2 state here, ZeRO-3 in ``param_shards``): this
     process writes the rank files ``mine`` of ``n`` from what ``prepare`` returns, and the
     manifest gains ``extra``; one ``run_save`` agreed across the processes. With
-    ``blocking=False`` those files' tensors are copied into ``STAGING`` and the rest runs in
-    the background (``start_save``, agreed by ``background_agreement``)."""
+    ``blocking=False`` those files' tensors are copied into ``STAGING`` (unless ``staged``:
+    ``prepare`` built them there) and the rest runs in the background (``start_save``,
+    agreed by ``background_agreement``)."""
 
     def write_files(prepared: _Prepared, staging: str) -> dict[int, str]:
         return {
@@ -264,7 +291,9 @@ def save_rank_files(
         prepared = prepare()  # the files of other processes' ranks are not this one's
         return prepared._replace(files=STAGING.stage({r: prepared.files[r] for r in mine}))
 
-    return start_save(path, background_agreement(), replace(steps, prepare=stage), what=what)
+    if not staged:
+        steps = replace(steps, prepare=stage)
+    return start_save(path, background_agreement(), steps, what=what)
 
 
 class _Prepared(NamedTuple):

@@ -31,6 +31,7 @@ from gradsync_core import (
 )
 from gradsync_core.checkpoint import (
     SAVE_FAILED_EXIT,
+    WRITER_NICE,
     SaveSteps,
     TensorBytes,
     rank_file,
@@ -82,6 +83,22 @@ def test_the_file_holds_the_state_at_the_call_while_training_changes_it(tmp_path
     assert manifest.step == 3 and handle.done()
     assert _stored(tmp_path / "ckpt") == [1, 2, 3, 4]
     assert os.path.islink(tmp_path / "ckpt")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice: Linux")
+def test_the_writer_yields_the_cpu_to_training(tmp_path: Path) -> None:
+    """The writer thread runs at niceness ``WRITER_NICE``; the training thread keeps its own."""
+    seen = []
+    own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    def record() -> None:
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+
+    with save_hook("before_file", record):
+        save = value_save(_floats(1, 2, 3, 4), 1, staged=True)
+        start_save(tmp_path / "ckpt", Alone(), save, what="x").wait(timeout=10)
+    assert seen == [max(own, WRITER_NICE)]
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == own
 
 
 def test_a_second_save_waits_for_the_one_in_flight(tmp_path: Path) -> None:

@@ -4,7 +4,8 @@ One process, 4 of its 8 CPU devices: ``save_optimizer_state`` and ``save_param_s
 return before their files are written, while the training step goes on donating the very
 buffers the save read; the writer is held until it has, and the checkpoint must still hold
 the state at the call, bitwise, in JAX at another device count and in torch at world size 1.
-The staging buffer is allocated once and holds exactly the bytes the rank files hold.
+The staging buffer is allocated once and holds the rank files' bytes (plus the shards'
+padding).
 """
 
 from __future__ import annotations
@@ -131,8 +132,15 @@ def test_a_save_in_the_background_holds_the_state_at_the_call(tmp_path) -> None:
     for key in want:
         assert np.array_equal(got_torch[key], want[key]), key
 
-    # Staging: exactly the bytes the rank files hold, allocated once and reused.
-    assert STAGING.nbytes == staged_bytes_of(path)
+    # Staging: the devices' shards as they lie (the rank files' bytes, plus the padding that
+    # makes each state leaf divide over the 4 devices), allocated once and reused.
+    leaves = jax.tree.leaves((state.inner, dict(state.shards), params))
+    assert STAGING.nbytes == sum(leaf.nbytes for leaf in leaves if leaf.ndim)
+    padding = sum(
+        leaf.size - np.size(p)
+        for leaf, p in zip(jax.tree.leaves(state.inner[0].mu), jax.tree.leaves(params), strict=True)
+    )
+    assert STAGING.nbytes == staged_bytes_of(path) + 2 * 4 * padding  # mu and nu, float32
     buffer = STAGING._buffer
     save_optimizer_state(path, tx, state, params, step=9, model=params, blocking=False).wait()
     assert STAGING._buffer is buffer
