@@ -37,6 +37,7 @@ LONGEST_FIRST = (
     "tests/jax/test_zero.py",  # 92 s
     "tests/parity/test_cross_checkpoint.py",  # 85 s
     "tests/jax/test_step.py",  # 71 s
+    "tests/faults/test_async_torch_faults.py",  # 86 s, the soak 51 s of it (load 6-8)
     "tests/jax/test_checkpoint_multiprocess.py",  # 58 s
     "tests/jax/test_shared_reductions_step.py",  # 55 s
     "tests/jax/test_pipeline_flax.py",  # 52 s (newer: timed alone at load 3-8)

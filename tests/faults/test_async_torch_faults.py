@@ -89,7 +89,6 @@ def test_failures_in_the_background_reach_every_rank_and_keep_the_previous_check
     assert_loads_everywhere(tmp_path / "second", saved["second"], "second of two")
 
 
-@pytest.mark.slow
 def test_a_write_the_kernel_refuses_reaches_every_rank_and_keeps_the_previous_checkpoint(
     tmp_path: Path,
 ) -> None:
