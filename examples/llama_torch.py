@@ -76,6 +76,7 @@ from gradsync_torch import (
     scatter_to,
     shared_param_specs,
 )
+from gradsync_torch._specs import sharded_over
 from gradsync_torch.agreement import agree_ok, agree_on
 from gradsync_torch.zero.clip import clip_sharded_
 
@@ -393,6 +394,7 @@ class ParallelLlama:
     ``parts``: this rank's ``Llama`` parts (the whole model, or its pipeline stages).
     ``groups``: the topology's process groups. ``pipeline``: the ``Pipeline`` when pp > 1.
     ``shared``: each part's derived shared-gradient sums (``plan_shared_reductions``).
+    ``owned``: each part's parameters whose piece here counts in the gradient norm.
     """
 
     config: LlamaConfig
@@ -402,6 +404,7 @@ class ParallelLlama:
     parts: list[Llama]
     pipeline: Pipeline | None
     shared: list[ReductionPlan]
+    owned: list[frozenset[str]]
     seq_len: int
 
     def loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -449,7 +452,7 @@ class ParallelLlama:
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip by the norm of the whole model's gradient (every piece on every rank)."""
-        return clip_grad_norm_(self.parts, self.groups, max_norm)
+        return clip_grad_norm_(self.parts, self.owned, max_norm)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -482,33 +485,28 @@ def sum_shared_gradients(part: nn.Module, groups: ProcessGroups, plan: Reduction
             offset += piece.numel()
 
 
-def _owns(part: nn.Module, groups: ProcessGroups) -> dict[str, bool]:
-    """Whether this rank's piece of each gradient counts in the global norm: the first of the
+def _owned(part: nn.Module, topology: Topology, rank: int) -> frozenset[str]:
+    """The parameters whose piece on this rank counts in the global norm: the first of the
     ranks holding the same piece (replicas over ``dp_replicate``, ``cp``, and ``tp`` for a
-    parameter not split over it)."""
-    topo = groups.topology
-    coords = topo.coordinates(groups.rank)
-    axes = {name: sharded for name, sharded in _sharded_over(part).items()}
-    out = {}
-    for name, _ in part.named_parameters():
-        sharded = axes.get(name, ())
-        if "ep" in sharded:  # an expert: sharded over edp, one piece per rank (tp is 1)
+    parameter not split over it; experts are split over ``ep`` and sharded over ``edp``,
+    so only ``cp`` replicates them). Read from the layers' declarations before
+    ``fully_shard`` replaces the parameters."""
+    coords = topology.coordinates(rank)
+    declared = sharded_over(part)
+    out = set()
+    for name, param in part.named_parameters():
+        sharded = declared.get(id(param), ())
+        if "ep" in sharded:
             replicated = ["cp"]
         else:
             replicated = ["cp", "dp_replicate"] + ([] if "tp" in sharded else ["tp"])
-        out[name] = all(coords.get(axis, 0) == 0 for axis in replicated)
-    return out
-
-
-def _sharded_over(part: nn.Module) -> dict[str, tuple[str, ...]]:
-    from gradsync_torch._specs import sharded_over
-
-    by_id = sharded_over(part)
-    return {name: by_id.get(id(p), ()) for name, p in part.named_parameters()}
+        if all(coords.get(axis, 0) == 0 for axis in replicated):
+            out.add(name)
+    return frozenset(out)
 
 
 def clip_grad_norm_(
-    parts: Sequence[nn.Module], groups: ProcessGroups, max_norm: float
+    parts: Sequence[nn.Module], owned: Sequence[frozenset[str]], max_norm: float
 ) -> torch.Tensor:
     """Scale every gradient piece by torch's coefficient for the whole model's 2-norm.
 
@@ -516,14 +514,13 @@ def clip_grad_norm_(
     (``gradsync_torch.zero.clip``'s float64 sum), so a piece held by several ranks counts
     once; every rank then scales all its pieces by the same coefficient.
     """
-    owned, others = [], []
-    for part in parts:
-        owns = _owns(part, groups)
+    mine, others = [], []
+    for part, names in zip(parts, owned, strict=True):
         for name, p in part.named_parameters():
             if p.grad is not None:
-                (owned if owns[name] else others).append(_local(p.grad))
+                (mine if name in names else others).append(_local(p.grad))
     total = clip_sharded_(
-        owned, max_norm, 2.0, dtype=torch.float32, device=torch.device("cpu"), group=None
+        mine, max_norm, 2.0, dtype=torch.float32, device=torch.device("cpu"), group=None
     )
     if others:
         torch._foreach_mul_(others, torch.clamp(max_norm / (total + 1e-6), max=1.0))
@@ -695,6 +692,7 @@ def parallelize(
     else:
         parts = [model]
     shared = [plan_shared_reductions(shared_param_specs(part), topology) for part in parts]
+    owned = [_owned(part, topology, groups.rank) for part in parts]
     if topology.dp > 1:
         mesh = _dp_mesh(groups)
         for part in parts:
@@ -714,6 +712,7 @@ def parallelize(
         parts=parts,
         pipeline=None,
         shared=shared,
+        owned=owned,
         seq_len=seq_len,
     )
     if plan is not None:

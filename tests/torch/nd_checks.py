@@ -164,7 +164,11 @@ def check_refusals(rank: int, ws: int) -> None:
     """Compositions parallelize does not lay out: one sentence on every rank."""
     cases = [
         (MOE, Topology.create(ws, tp=2, ep=2), "MoE variant under tp=2"),
-        (MOE, Topology.create(ws, ep=8), "fully_shard has no expert data-parallel group"),
+        (
+            LlamaConfig(**{**MOE.__dict__, "n_experts": 8}),
+            Topology.create(ws, ep=8),
+            "fully_shard has no expert data-parallel group",
+        ),
         (
             LlamaConfig(**{**DENSE.__dict__, "tie_embeddings": True}),
             Topology.create(ws, pp=2),
