@@ -14,7 +14,8 @@ torchtitan's Llama 3 weight names, so ``examples/llama_nnx.py`` loads its weight
     output.weight                              (vocab, dim); absent when tied
 
 No biases anywhere. The math, written once for both frameworks (all in the parameters'
-dtype except where float32 is named; the tests use float32 throughout):
+dtype except where float32 is named, which means "at least float32": a float64 model, as the
+tests train, stays float64):
 
 - ``RMSNorm(x) = x * rsqrt(mean(x**2, -1) + eps) * weight``, computed in float32 and cast
   back to ``x``'s dtype.
@@ -83,6 +84,11 @@ from gradsync_torch.zero.clip import clip_sharded_
 # ---- the model ----------------------------------------------------------------------------
 
 
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in float32, or wider (float64 stays float64: the tests' precision)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 class RMSNorm(nn.Module):
     """``x * rsqrt(mean(x**2) + eps) * weight``, in float32."""
 
@@ -92,20 +98,21 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
+        x32 = _wide(x)
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * self.weight.float()).type_as(x)
+        return (normed * _wide(self.weight)).type_as(x)
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     """Rotary positions, rotate-half form, on ``x`` of shape ``(batch, seq, heads, hd)``."""
     hd = x.shape[-1]
-    inv_freq = theta ** (-torch.arange(0, hd, 2, dtype=torch.float32) / hd)
-    angle = positions.float()[:, None] * inv_freq[None, :]
+    wide = torch.promote_types(x.dtype, torch.float32)
+    inv_freq = theta ** (-torch.arange(0, hd, 2, dtype=wide) / hd)
+    angle = positions.to(wide)[:, None] * inv_freq[None, :]
     cos = torch.cat([angle.cos(), angle.cos()], -1)[None, :, None, :]
     sin = torch.cat([angle.sin(), angle.sin()], -1)[None, :, None, :]
     rotated = torch.cat([-x[..., hd // 2 :], x[..., : hd // 2]], -1)
-    return (x.float() * cos + rotated.float() * sin).type_as(x)
+    return (_wide(x) * cos + _wide(rotated) * sin).type_as(x)
 
 
 def cp_positions(seq_len: int, cp_rank: int, cp: int) -> torch.Tensor:
@@ -156,9 +163,9 @@ class Attention(nn.Module):
             v = all_gather_from(v, self.cp, dim=1)
             keys = torch.cat([cp_positions(seq * cp, r, cp) for r in range(cp)])
         k, v = k.repeat_interleave(self.n_rep, 2), v.repeat_interleave(self.n_rep, 2)
-        scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float()) / math.sqrt(self.head_dim)
+        scores = torch.einsum("bqhd,bkhd->bhqk", _wide(q), _wide(k)) / math.sqrt(self.head_dim)
         scores = scores.masked_fill(keys[None, :] > positions[:, None], float("-inf"))
-        out = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v.float()).type_as(x)
+        out = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), _wide(v)).type_as(x)
         return self.wo(out.reshape(b, seq, -1))
 
 
@@ -243,7 +250,7 @@ class MoEFeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, x.shape[-1])
-        probs = torch.softmax(self.router(tokens).float(), dim=-1)
+        probs = torch.softmax(_wide(self.router(tokens)), dim=-1)
         group = self.experts.group
         if group is not None and group.size > 1:
             count = tokens.shape[0] * group.size
@@ -360,7 +367,7 @@ def lm_loss_share(logits: torch.Tensor, targets: torch.Tensor, tokens: int) -> t
     """This rank's share of its replica's next-token loss: the cross-entropy summed over the
     tokens it holds, divided by the replica's token count ``tokens`` (along an axis that
     splits the tokens the shares add up to the mean; docs/model-parallel.md)."""
-    ce = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+    ce = F.cross_entropy(_wide(logits.flatten(0, 1)), targets.flatten(), reduction="sum")
     return ce / tokens
 
 
@@ -519,9 +526,8 @@ def clip_grad_norm_(
         for name, p in part.named_parameters():
             if p.grad is not None:
                 (mine if name in names else others).append(_local(p.grad))
-    total = clip_sharded_(
-        mine, max_norm, 2.0, dtype=torch.float32, device=torch.device("cpu"), group=None
-    )
+    dtype = next((g.dtype for g in mine + others), torch.float32)
+    total = clip_sharded_(mine, max_norm, 2.0, dtype=dtype, device=torch.device("cpu"), group=None)
     if others:
         torch._foreach_mul_(others, torch.clamp(max_norm / (total + 1e-6), max=1.0))
     return total
@@ -569,6 +575,7 @@ def _column(linear: nn.Linear, group: Group, sequence_parallel: bool) -> ColumnP
         group,
         bias=False,
         sequence_parallel=sequence_parallel,
+        dtype=linear.weight.dtype,
     )
     with torch.no_grad():
         layer.weight.copy_(layer.local_shard("weight", linear.weight))
@@ -582,6 +589,7 @@ def _row(linear: nn.Linear, group: Group, sequence_parallel: bool) -> RowParalle
         group,
         bias=False,
         sequence_parallel=sequence_parallel,
+        dtype=linear.weight.dtype,
     )
     with torch.no_grad():
         layer.weight.copy_(layer.local_shard("weight", linear.weight))
@@ -615,6 +623,7 @@ def _expert_parallel(model: Llama, ep: Group) -> None:
     for layer in model.layers.values():
         serial = layer.feed_forward.experts
         local = GroupedExperts(serial.w1.shape[2], serial.w1.shape[1], serial.n_experts, ep)
+        local.to(serial.w1.dtype)
         with torch.no_grad():
             for name in GroupedExperts.expert_params:
                 getattr(local, name).copy_(local.local_shard(name, getattr(serial, name)))
