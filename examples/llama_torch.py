@@ -53,7 +53,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -70,6 +70,7 @@ from gradsync_torch import (
     Pipeline,
     ProcessGroups,
     RowParallelLinear,
+    ShardedModule,
     all_gather_from,
     fully_shard,
     gather_from,
@@ -141,10 +142,10 @@ class Attention(nn.Module):
         hd = config.head_dim
         self.head_dim, self.theta = hd, config.rope_theta
         self.n_rep = config.n_heads // config.n_kv_heads
-        self.wq = nn.Linear(config.dim, config.n_heads * hd, bias=False)
-        self.wk = nn.Linear(config.dim, config.n_kv_heads * hd, bias=False)
-        self.wv = nn.Linear(config.dim, config.n_kv_heads * hd, bias=False)
-        self.wo = nn.Linear(config.n_heads * hd, config.dim, bias=False)
+        self.wq: nn.Module = nn.Linear(config.dim, config.n_heads * hd, bias=False)
+        self.wk: nn.Module = nn.Linear(config.dim, config.n_kv_heads * hd, bias=False)
+        self.wv: nn.Module = nn.Linear(config.dim, config.n_kv_heads * hd, bias=False)
+        self.wo: nn.Module = nn.Linear(config.n_heads * hd, config.dim, bias=False)
         self.cp: Group | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -174,9 +175,9 @@ class FeedForward(nn.Module):
 
     def __init__(self, dim: int, hidden: int) -> None:
         super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w1: nn.Module = nn.Linear(dim, hidden, bias=False)
+        self.w2: nn.Module = nn.Linear(hidden, dim, bias=False)
+        self.w3: nn.Module = nn.Linear(dim, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
@@ -271,7 +272,7 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(config.dim, config.norm_eps)
         self.attention = Attention(config)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
-        self.feed_forward: nn.Module
+        self.feed_forward: FeedForward | MoEFeedForward
         if config.n_experts:
             self.feed_forward = MoEFeedForward(
                 config.dim, config.ffn_dim, config.n_experts, config.top_k
@@ -319,6 +320,10 @@ class Llama(nn.Module):
         self.sequence_parallel = False
         # The axes that split this model's tokens: the shared-gradient sums derive from it.
         self.gradsync_data_axes: tuple[str, ...] = ("cp",)
+
+    def blocks(self) -> list[TransformerBlock]:
+        """The layers, typed (``self.layers`` is an ``nn.ModuleDict``)."""
+        return [cast(TransformerBlock, block) for block in self.layers.values()]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Logits of this rank's tokens (the last stage), or the residual stream."""
@@ -521,7 +526,8 @@ def clip_grad_norm_(
     (``gradsync_torch.zero.clip``'s float64 sum), so a piece held by several ranks counts
     once; every rank then scales all its pieces by the same coefficient.
     """
-    mine, others = [], []
+    mine: list[torch.Tensor] = []
+    others: list[torch.Tensor] = []
     for part, names in zip(parts, owned, strict=True):
         for name, p in part.named_parameters():
             if p.grad is not None:
@@ -563,12 +569,13 @@ def _dp_mesh(groups: ProcessGroups) -> DeviceMesh:
     topo = groups.topology
     if not topo.hsdp:
         return DeviceMesh.from_group(groups["dp"].process_group, "cpu")
-    grid = torch.tensor(groups.ranks("dp")).reshape(topo.dp_replicate, topo.dp_shard)
+    grid = torch.tensor(groups.ranks("dp")).reshape(topo.dp_replicate, topo.size("dp_shard"))
     pgs = [groups["dp_replicate"].process_group, groups["dp_shard"].process_group]
     return DeviceMesh.from_group(pgs, "cpu", grid, mesh_dim_names=("dp_replicate", "dp_shard"))
 
 
-def _column(linear: nn.Linear, group: Group, sequence_parallel: bool) -> ColumnParallelLinear:
+def _column(linear: nn.Module, group: Group, sequence_parallel: bool) -> ColumnParallelLinear:
+    linear = cast(nn.Linear, linear)
     layer = ColumnParallelLinear(
         linear.in_features,
         linear.out_features,
@@ -582,7 +589,8 @@ def _column(linear: nn.Linear, group: Group, sequence_parallel: bool) -> ColumnP
     return layer
 
 
-def _row(linear: nn.Linear, group: Group, sequence_parallel: bool) -> RowParallelLinear:
+def _row(linear: nn.Module, group: Group, sequence_parallel: bool) -> RowParallelLinear:
+    linear = cast(nn.Linear, linear)
     layer = RowParallelLinear(
         linear.in_features,
         linear.out_features,
@@ -600,7 +608,7 @@ def _tensor_parallel(model: Llama, tp: Group, sequence_parallel: bool) -> None:
     """Megatron's layout (torchtitan's plan): wq, wk, wv, w1, w3 and the output column-parallel;
     wo and w2 row-parallel; with sequence parallelism the norms and residuals hold a 1/tp
     slice of the sequence."""
-    for layer in model.layers.values():
+    for layer in model.blocks():
         attn = layer.attention
         attn.wq, attn.wk, attn.wv = (
             _column(attn.wq, tp, sequence_parallel),
@@ -608,7 +616,7 @@ def _tensor_parallel(model: Llama, tp: Group, sequence_parallel: bool) -> None:
             _column(attn.wv, tp, sequence_parallel),
         )
         attn.wo = _row(attn.wo, tp, sequence_parallel)
-        ff = layer.feed_forward
+        ff = cast(FeedForward, layer.feed_forward)
         ff.w1, ff.w3 = _column(ff.w1, tp, sequence_parallel), _column(ff.w3, tp, sequence_parallel)
         ff.w2 = _row(ff.w2, tp, sequence_parallel)
     if not model.config.tie_embeddings:
@@ -620,14 +628,15 @@ def _tensor_parallel(model: Llama, tp: Group, sequence_parallel: bool) -> None:
 
 
 def _expert_parallel(model: Llama, ep: Group) -> None:
-    for layer in model.layers.values():
-        serial = layer.feed_forward.experts
+    for layer in model.blocks():
+        moe = cast(MoEFeedForward, layer.feed_forward)
+        serial = moe.experts
         local = GroupedExperts(serial.w1.shape[2], serial.w1.shape[1], serial.n_experts, ep)
         local.to(serial.w1.dtype)
         with torch.no_grad():
             for name in GroupedExperts.expert_params:
                 getattr(local, name).copy_(local.local_shard(name, getattr(serial, name)))
-        layer.feed_forward.experts = local
+        moe.experts = local
 
 
 def parallelize(
@@ -674,7 +683,7 @@ def parallelize(
     if topology.tp > 1:
         _tensor_parallel(model, groups["tp"], options.sequence_parallel)
     if topology.cp > 1:
-        for layer in model.layers.values():
+        for layer in model.blocks():
             layer.attention.cp = groups["cp"]
     if topology.ep > 1:
         _expert_parallel(model, groups["ep"])
@@ -705,12 +714,13 @@ def parallelize(
     if topology.dp > 1:
         mesh = _dp_mesh(groups)
         for part in parts:
-            for layer in part.layers.values():
+            for layer in part.blocks():
                 if config.n_experts and groups.size("edp") > 1:
-                    experts = layer.feed_forward.experts
-                    fully_shard(experts, process_group=groups["edp"].process_group)
+                    experts = cast(MoEFeedForward, layer.feed_forward).experts
+                    edp = groups["edp"].process_group
+                    sharded = cast(ShardedModule, fully_shard(experts, process_group=edp))
                     # The expert gradient's mean is over the dense dp (docs/design.md §6).
-                    experts.set_gradient_divide_factor(float(topology.dp))
+                    sharded.set_gradient_divide_factor(float(topology.dp))
                 fully_shard(layer, mesh=mesh, reshard_after_forward=options.reshard_after_forward)
             fully_shard(part, mesh=mesh, reshard_after_forward=options.reshard_after_forward)
     result = ParallelLlama(
