@@ -192,7 +192,7 @@ class PipelineStep:
             return
         inner = self.tx.settings.given if isinstance(self.tx, ShardedOptimizer) else self.tx
         try:
-            flat = shard_optimizer(inner, self.mesh, axis_name=self.axis_name, partition="flat")
+            flat = shard_optimizer(inner, self.mesh, axis_name=self.axes, partition="flat")
             jax.eval_shape(flat.init, local)
         except (NotElementwiseError, ValueError) as err:
             raise ValueError(
