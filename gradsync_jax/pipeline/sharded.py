@@ -154,4 +154,4 @@ class StageGather:
             for i, value in zip(self.blocks, got, strict=True):
                 whole[i] = value
         out = jax.tree_util.tree_unflatten(jax.tree.structure(tree), whole)
-        return tuple(out[part] for part in PARTS)  # type: ignore[return-value]
+        return tuple(out[part] for part in PARTS)
