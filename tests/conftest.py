@@ -40,6 +40,7 @@ LONGEST_FIRST = (
     "tests/jax/test_checkpoint_multiprocess.py",  # 58 s
     "tests/jax/test_shared_reductions_step.py",  # 55 s
     "tests/jax/test_pipeline_flax.py",  # 52 s (newer: timed alone at load 3-8)
+    "tests/jax/test_pipeline_zero3.py",  # 150 s at load 6 (40 s of it the fast lane)
     "tests/jax/test_zero3_clip.py",  # 50 s
     "tests/jax/test_zero3_sweep.py",
     "tests/jax/test_step_multiprocess.py",  # 43 s
