@@ -32,6 +32,7 @@ LONGEST_FIRST = (
     "tests/jax/test_param_sharding.py",  # 210 s
     "tests/test_readme.py",  # 182 s
     "tests/parity/test_cross_pipeline.py",  # 2.5 min at load 10 (59 s of CPU), not timed here
+    "tests/jax/test_pipeline_zero3.py",  # 150 s at load 6 (40 s of it the fast lane)
     "tests/jax/test_zero_coupled.py",  # 98 s
     "tests/jax/test_zero_sweep.py",  # 97 s
     "tests/jax/test_zero.py",  # 92 s
@@ -40,7 +41,6 @@ LONGEST_FIRST = (
     "tests/jax/test_checkpoint_multiprocess.py",  # 58 s
     "tests/jax/test_shared_reductions_step.py",  # 55 s
     "tests/jax/test_pipeline_flax.py",  # 52 s (newer: timed alone at load 3-8)
-    "tests/jax/test_pipeline_zero3.py",  # 150 s at load 6 (40 s of it the fast lane)
     "tests/jax/test_zero3_clip.py",  # 50 s
     "tests/jax/test_zero3_sweep.py",
     "tests/jax/test_step_multiprocess.py",  # 43 s
