@@ -76,7 +76,15 @@ class RowsUpdate:
             (Adafactor's factored moments, a matrix orthogonalisation).
     """
 
-    def __init__(self, tx: optax.GradientTransformationExtraArgs, layout: ParamLayout) -> None:
+    def __init__(
+        self,
+        tx: optax.GradientTransformationExtraArgs,
+        layout: ParamLayout,
+        *,
+        matrices_elsewhere: bool = False,
+    ) -> None:
+        """``matrices_elsewhere``: ``layout`` leaves out a Muon's matrices, which its owners
+        step whole (``param_sharding.matrices``); the rest of the update runs here."""
         self.tx = tx
         trainable = [leaf for leaf in layout.leaves if leaf.trainable]
         self.geometry = tuple(
@@ -85,7 +93,7 @@ class RowsUpdate:
         )
         whole = rows_tree(layout, lambda leaf: leaf.rows)
         local = rows_tree(layout, lambda leaf: leaf.padded_rows)
-        if keeps_muon_state(tx, whole):
+        if not matrices_elsewhere and keeps_muon_state(tx, whole):
             raise _refusal(MUON_REFUSAL)
         try:
             space = model_space(tx, whole)
