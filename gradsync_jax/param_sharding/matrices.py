@@ -44,8 +44,8 @@ from jax import lax
 from gradsync_core import MatrixOwnerPlan, OwnerExchange, ParamSpec, chunk_rows, plan_matrix_owners
 from gradsync_jax._axes import cast_varying
 from gradsync_jax.param_sharding.layout import LeafLayout, ParamLayout
-from gradsync_jax.param_sharding.update import RowsUpdate, _refusal, rows_tree
-from gradsync_jax.zero.matrices import muon_matrices
+from gradsync_jax.param_sharding.update import RowsUpdate, refusal, rows_tree
+from gradsync_jax.zero.matrices import keeps_muon_state, muon_matrices
 from gradsync_jax.zero.model_space import model_space
 from gradsync_jax.zero.rows import DeviceState, map_device_state
 from gradsync_jax.zero.soundness import Soundness
@@ -122,9 +122,9 @@ class MatrixRowsUpdate:
             matrices = muon_matrices(tx, model_space(tx, flax_whole), flax_whole)
             on_rows = muon_matrices(tx, model_space(tx, torch_whole), torch_whole)
         except Exception as err:  # what cannot be analysed is refused
-            raise _refusal(f"its state cannot be analysed ({type(err).__name__})") from err
+            raise refusal(f"its state cannot be analysed ({type(err).__name__})") from err
         if not matrices or matrices != on_rows:
-            raise _refusal(
+            raise refusal(
                 "it keeps a Muon's momentum, but the matrices it orthogonalizes could not be "
                 "told from its state the same way in torch's layout as in the tree's (a label "
                 "or dimension number chosen by shape)"
@@ -152,7 +152,7 @@ class MatrixRowsUpdate:
         self.space = space
         soundness = Soundness(tx, space, mixed, {}, totals=False)
         if reason := soundness.coupled_reason():
-            raise _refusal(
+            raise refusal(
                 f"its {reason}, and with Muon's matrices stepped on their owners nothing "
                 "completes a reduction across parameters"
             )
@@ -169,7 +169,7 @@ class MatrixRowsUpdate:
         problem = soundness.greedy_problem(cast(Any, _Owners(tuple(programs), tuple(devices))))
         if problem:
             what = problem.split("computes the ")[-1].split(" differently")[0]
-            raise _refusal(
+            raise refusal(
                 f"given one owner's matrices alone it computes the {what} differently than on "
                 "the whole tree"
             )
@@ -180,7 +180,7 @@ class MatrixRowsUpdate:
         for i, ks in self.state_of.items():
             for k in ks:
                 if space.leaves[k].shape != trainable[i].shape:
-                    raise _refusal(
+                    raise refusal(
                         f"its state leaf {space.leaves[k].name!r} is not shaped like its "
                         "matrix, so it cannot be kept in the matrix's rows"
                     )
@@ -188,7 +188,7 @@ class MatrixRowsUpdate:
         geometry = [(leaf.rows, leaf.padded_rows) for leaf in trainable]
         init_check = Soundness(tx, model_space(tx, torch_whole), torch_whole, {}, totals=False)
         if reason := init_check.init_rows_problem(local, geometry):
-            raise _refusal(f"its init {reason}")
+            raise refusal(f"its init {reason}")
         rest_layout = dataclasses.replace(
             layout,
             leaves=tuple(
@@ -198,7 +198,7 @@ class MatrixRowsUpdate:
                 for leaf in layout.leaves
             ),
         )
-        self.rows = RowsUpdate(tx, rest_layout, matrices_elsewhere=True)
+        self.rows = RowsUpdate(tx, rest_layout)
 
         # What travels. The owner's update reads the parameters only if its jaxpr says so.
         whole = [trainable[i] for i in range(len(trainable))]
@@ -459,8 +459,6 @@ def rows_update(tx: optax.GradientTransformationExtraArgs, layout: ParamLayout) 
     """The update ``zero3_step`` runs: ``MatrixRowsUpdate`` for a transformation that keeps a
     ``MuonState`` on these parameters, else ``RowsUpdate`` (each refuses what it cannot run
     exactly)."""
-    from gradsync_jax.zero.matrices import keeps_muon_state
-
     whole = rows_tree(layout, lambda leaf: leaf.rows)
     if keeps_muon_state(tx, whole):
         return MatrixRowsUpdate(tx, layout)

@@ -155,7 +155,7 @@ def test_exchange_is_the_plans() -> None:
     )
     (length,) = update.gather_buffers.length.values()
     (back,) = update.scatter_buffers.length.values()
-    assert text.count("all_to_all") == 2
+    assert text.count("stablehlo.all_to_all") == 2
     assert f"tensor<{n}x{length}xf32>" in text and f"tensor<{n}x{back}xf32>" in text
 
 
