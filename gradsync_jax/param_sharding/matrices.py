@@ -186,7 +186,7 @@ class MatrixRowsUpdate:
                     )
         local = rows_tree(layout, lambda leaf: leaf.padded_rows)
         geometry = [(leaf.rows, leaf.padded_rows) for leaf in trainable]
-        init_check = Soundness(tx, model_space(tx, torch_whole), torch_whole, {}, totals=False)
+        init_check = Soundness(tx, model_space(tx, torch_whole), torch_whole, {}, totals=True)
         if reason := init_check.init_rows_problem(local, geometry):
             raise refusal(f"its init {reason}")
         rest_layout = dataclasses.replace(
