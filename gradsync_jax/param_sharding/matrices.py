@@ -189,6 +189,8 @@ class MatrixRowsUpdate:
         init_check = Soundness(tx, model_space(tx, torch_whole), torch_whole, {}, totals=True)
         if reason := init_check.init_rows_problem(local, geometry):
             raise refusal(f"its init {reason}")
+        if init_check.analyser.totals:  # init runs as it is here: nothing completes a total
+            raise refusal("its init reduces a whole tensor, which no device holds")
         rest_layout = dataclasses.replace(
             layout,
             leaves=tuple(
