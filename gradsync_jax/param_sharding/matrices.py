@@ -9,7 +9,7 @@ Muon orthogonalizes (its ``MuonState.mu`` leaves that are not masked) gets one o
 1. the other parameters (Muon's AdamW partition: embeddings, norms, biases) run the update on
    each device's rows, as any optimizer under ``zero3_step`` (``RowsUpdate``);
 2. one all-to-all per dtype hands every owner each device's rows of the gradient, of the
-   momentum and of the parameter of its matrices (``MatrixRowsUpdate.exchanged``: the
+   momentum and (where the update reads it: a weight decay) of the parameter of its matrices (``MatrixRowsUpdate.exchanged``: the
    elements the plan's ``rows_exchange(rank, state_leaves=...)`` predicts);
 3. in a ``lax.switch`` branch per device, the owner puts each matrix together (padding rows
    dropped, transposed from torch's layout back to the tree's) and runs the update on its
@@ -19,8 +19,8 @@ Muon orthogonalizes (its ``MuonState.mu`` leaves that are not masked) gets one o
 The optimizer state stays sharded flat like the rest (each device its rows of every
 momentum, the state ``tx.init`` makes on the chunks): the same tree, specs and checkpoint as
 any ``zero3_step`` optimizer, 1/N per device. The price is the momentum's rows travelling to
-the owner and back with the gradient (3 inbound and 2 outbound tensors per matrix where
-torch's owner keeps the momentum and moves 2 and 1).
+the owner and back with the gradient (2 inbound, 3 with a weight decay, and 2 outbound
+tensors per matrix, where torch's owner keeps the momentum and moves 2 and 1).
 
 What makes it exact is proven from the update's jaxpr before the step is built
 (``zero/soundness.py``): every output reads only its own tensor and the global leaves (no
@@ -185,12 +185,8 @@ class MatrixRowsUpdate:
                         "matrix, so it cannot be kept in the matrix's rows"
                     )
         local = rows_tree(layout, lambda leaf: leaf.padded_rows)
-        geometry = [(leaf.rows, leaf.padded_rows) for leaf in trainable]
-        init_check = Soundness(tx, model_space(tx, torch_whole), torch_whole, {}, totals=True)
-        if reason := init_check.init_rows_problem(local, geometry):
+        if reason := _init_problem(tx, torch_whole, local):
             raise refusal(f"its init {reason}")
-        if init_check.analyser.totals:  # init runs as it is here: nothing completes a total
-            raise refusal("its init reduces a whole tensor, which no device holds")
         rest_layout = dataclasses.replace(
             layout,
             leaves=tuple(
@@ -236,7 +232,7 @@ class MatrixRowsUpdate:
 
     @staticmethod
     def _reads_params(tx: Any, space: Any, specs: list[Any]) -> bool:
-        """Whether the update reads the parameters (Muon's weight decay does, even at 0)."""
+        """Whether the update reads the parameters (Muon's weight decay, when not 0)."""
 
         def update_of(grads: list[Any], params: list[Any]) -> Any:
             g, p = space.param_treedef.unflatten(grads), space.param_treedef.unflatten(params)
@@ -455,6 +451,25 @@ def _reads(jaxpr: Any, var: Any) -> bool:
     return any(v is var for eqn in jaxpr.eqns for v in eqn.invars) or any(
         v is var for v in jaxpr.outvars
     )
+
+
+def _init_problem(tx: Any, whole: Any, local: Any) -> str | None:
+    """Why ``tx.init`` run as it is on each device's rows is not the rows of its init on the
+    whole tensors, or None: each per-parameter leaf elementwise in its own tensor and computed
+    alike, each global leaf (``count``, Muon's ``ns_coeffs`` constant) reading no tensor."""
+    space = model_space(tx, whole)
+    check = Soundness(tx, space, whole, {}, totals=False)
+    expected, got = check._init_trace(whole), check._init_trace(local)
+    for k, node in enumerate(got):
+        own = space.leaves[k].param
+        what = f"initial state leaf {space.leaves[k].name!r}"
+        if own is None:
+            if node.deps:
+                return f"computes the {what}, shared by all parameters, from their values"
+            continue
+        if reason := check._flat_reason(node, own, expected[k], what, "a device's rows"):
+            return reason
+    return None
 
 
 def rows_update(tx: optax.GradientTransformationExtraArgs, layout: ParamLayout) -> Any:

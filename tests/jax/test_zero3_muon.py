@@ -133,10 +133,12 @@ def test_exchange_is_the_plans() -> None:
     n, params = 8, gpt_params()
     step = zero3_step(_no_loss, muon(), mesh_of(n), param_layout(params, world_size=n))
     update = step.rows_update
-    assert update.with_params  # Muon's weight decay reads them, at 0 too
+    assert not update.with_params  # read only with a weight decay (its jaxpr says so)
     for rank in range(n):
-        assert update.exchanged(rank) == update.plan.rows_exchange(rank, state_leaves=1)
-    total = update.plan.rows_exchange(0, state_leaves=1)
+        assert update.exchanged(rank) == update.plan.rows_exchange(
+            rank, with_params=False, state_leaves=1
+        )
+    total = update.plan.rows_exchange(0, with_params=False, state_leaves=1)
     assert total.sent_numel > 0
     sharded = shard_params(params, step.mesh, step.layout)
     state = step.init(sharded)
