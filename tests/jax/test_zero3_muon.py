@@ -117,7 +117,7 @@ def check_exact(n: int) -> None:
     assert moved > 1e-3  # the optimizer really moved the parameters
 
 
-@pytest.mark.slow  # about 20 s on the 2-core machine: 8 owners' branches compiled
+@pytest.mark.slow  # 15 s on the 2-core machine: 8 owners' branches compiled
 def test_muon_under_zero3_on_8_devices_equals_unsharded() -> None:
     check_exact(8)
 
@@ -168,6 +168,7 @@ class _MLP(nn.Module):
         return nn.Dense(3, name="fc_out")(x)
 
 
+@pytest.mark.slow  # 15 s: the whole step compiled
 def test_zero3_step_trains_muon_as_one_device() -> None:
     """The whole step (gather, backward, reduce-scatter, owners) on a linen MLP at 4 devices:
     Muon on both kernels (transposed to torch's rows and back), AdamW on the biases, 3 steps
@@ -213,6 +214,7 @@ def test_refuses_a_global_norm_chained_with_muon() -> None:
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.slow  # 36 s: two device counts compiled
 def test_checkpoint_continues_at_another_device_count(tmp_path) -> None:
     """Saved from 8 devices after 3 steps, loaded on 4 (other owners, other rows): the state
     comes back bit for bit, and 2 more steps there equal the unsharded 5."""
