@@ -9,8 +9,9 @@ Muon orthogonalizes (its ``MuonState.mu`` leaves that are not masked) gets one o
 1. the other parameters (Muon's AdamW partition: embeddings, norms, biases) run the update on
    each device's rows, as any optimizer under ``zero3_step`` (``RowsUpdate``);
 2. one all-to-all per dtype hands every owner each device's rows of the gradient, of the
-   momentum and (where the update reads it: a weight decay) of the parameter of its matrices (``MatrixRowsUpdate.exchanged``: the
-   elements the plan's ``rows_exchange(rank, state_leaves=...)`` predicts);
+   momentum and (where the update reads it: a weight decay) of the parameter of its
+   matrices (``MatrixRowsUpdate.exchanged``: the elements the plan's
+   ``rows_exchange(rank, with_params=..., state_leaves=...)`` predicts);
 3. in a ``lax.switch`` branch per device, the owner puts each matrix together (padding rows
    dropped, transposed from torch's layout back to the tree's) and runs the update on its
    whole matrices: momentum and Newton-Schulz as one unsharded ``tx.update``;
@@ -128,6 +129,13 @@ class MatrixRowsUpdate:
                 "it keeps a Muon's momentum, but the matrices it orthogonalizes could not be "
                 "told from its state the same way in torch's layout as in the tree's (a label "
                 "or dimension number chosen by shape)"
+            )
+        flat = [i for i in matrices if len(trainable[i].shape) < 2]
+        if flat:
+            leaf = trainable[flat[0]]
+            raise refusal(
+                f"it keeps a Muon momentum for {leaf.flax_name!r} of shape {leaf.shape}, which "
+                "is not a matrix (give such parameters to Muon's AdamW partition)"
             )
         self.matrices = tuple(matrices)
         is_matrix = set(matrices)
