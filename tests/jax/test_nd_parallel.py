@@ -163,3 +163,15 @@ def test_refuses_optax_clipping_on_chunks() -> None:
     tx = optax.chain(optax.clip_by_global_norm(MAX_NORM), optax.adamw(LR, eps=EPS))
     with pytest.raises(ValueError, match="exact only for an elementwise update"):
         parallelize(model, Topology.create(8, tp=2), tx=tx, seq_len=SEQ)
+
+
+@pytest.mark.slow
+def test_the_example_trains_beside_one_device(capsys: pytest.CaptureFixture[str]) -> None:
+    """``examples/llama_nd_jax.py`` with the MoE flags: its printed loss is the one device's."""
+    from examples.llama_nd_jax import main
+
+    flags = "--ep 2 --dp-shard 2 --dp-replicate 2 --pp 2 --experts 4 --steps 2"
+    summary = main(flags.split())
+    assert "pipeline: 1F1B, 2 microbatches, 2 stages" in capsys.readouterr().out
+    assert summary["final_loss"] == pytest.approx(summary["one_device_final_loss"], rel=RTOL)
+    assert summary["max_relative_param_difference"] <= RTOL
