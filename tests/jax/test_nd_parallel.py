@@ -175,3 +175,44 @@ def test_the_example_trains_beside_one_device(capsys: pytest.CaptureFixture[str]
     assert "pipeline: 1F1B, 2 microbatches, 2 stages" in capsys.readouterr().out
     assert summary["final_loss"] == pytest.approx(summary["one_device_final_loss"], rel=RTOL)
     assert summary["max_relative_param_difference"] <= RTOL
+
+
+def _torchtitan_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """torchtitan's Llama 3 names and torch layouts (``Linear.weight`` is ``(out, in)``)."""
+    hd, ffn = cfg.head_dim, cfg.ffn_dim
+    shapes = {"tok_embeddings.weight": (cfg.vocab_size, cfg.dim), "norm.weight": (cfg.dim,)}
+    if not cfg.tie_embeddings:
+        shapes["output.weight"] = (cfg.vocab_size, cfg.dim)
+    for i in range(cfg.n_layers):
+        layer = f"layers.{i}"
+        shapes |= {
+            f"{layer}.attention_norm.weight": (cfg.dim,),
+            f"{layer}.attention.wq.weight": (cfg.n_heads * hd, cfg.dim),
+            f"{layer}.attention.wk.weight": (cfg.n_kv_heads * hd, cfg.dim),
+            f"{layer}.attention.wv.weight": (cfg.n_kv_heads * hd, cfg.dim),
+            f"{layer}.attention.wo.weight": (cfg.dim, cfg.n_heads * hd),
+            f"{layer}.ffn_norm.weight": (cfg.dim,),
+        }
+        mlp = f"{layer}.feed_forward"
+        if cfg.n_experts:
+            e = cfg.n_experts
+            shapes |= {
+                f"{mlp}.router.weight": (e, cfg.dim),
+                f"{mlp}.experts.w1": (e, ffn, cfg.dim),
+                f"{mlp}.experts.w2": (e, cfg.dim, ffn),
+                f"{mlp}.experts.w3": (e, ffn, cfg.dim),
+            }
+        else:
+            shapes |= {
+                f"{mlp}.w1.weight": (ffn, cfg.dim),
+                f"{mlp}.w2.weight": (cfg.dim, ffn),
+                f"{mlp}.w3.weight": (ffn, cfg.dim),
+            }
+    return shapes
+
+
+@pytest.mark.parametrize("cfg", [DENSE, TIED, MOE], ids=["dense", "tied", "moe"])
+def test_naming_rules_give_torchtitans_names_and_layouts(cfg: LlamaConfig) -> None:
+    """``gradsync_jax.to_torch_state`` maps the NNX tree onto torchtitan's names and shapes."""
+    state = gradsync_jax.to_torch_state(_params(cfg)[1])
+    assert {k: v.shape for k, v in state.items()} == _torchtitan_shapes(cfg)
