@@ -32,6 +32,7 @@ import numpy as np
 import optax
 from flax import nnx
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -297,6 +298,7 @@ def serial_loss(model: Llama, tokens: jax.Array, targets: jax.Array) -> jax.Arra
 # -- parallelize ---------------------------------------------------------------------------
 
 PARTS = ("embed", "blocks", "head")  # the pipeline's view of the model (gradsync_jax.pipeline)
+GATHERED = "gathered"  # the checkpoint name of a parameter all-gathered over dp_shard
 
 
 @dataclass(frozen=True)
@@ -310,7 +312,9 @@ class _Gather:
     def __call__(self, chunk: jax.Array) -> jax.Array:
         # all_gather_from: its backward is the reduce-scatter, so each device's gradient
         # is the sum over the shard group of its chunk's gradients (FSDP2's reduce-scatter).
-        return all_gather_from(chunk, self.axes, dim=self.dim) if self.axes else chunk
+        if not self.axes:
+            return chunk
+        return checkpoint_name(all_gather_from(chunk, self.axes, dim=self.dim), GATHERED)
 
 
 @dataclass(frozen=True)
@@ -524,7 +528,7 @@ def parallelize(
         ep=_ep_axes(topology) if topology.ep > 1 else None,
         sequence_parallel=sp,
     )
-    graphdef, state = nnx.split(model, nnx.Param)
+    state = nnx.state(model, nnx.Param)
     natural = nnx.to_pure_dict(state)
     roles = nnx.to_pure_dict(nnx.get_partition_spec(state))
     specs, gathers = _layout(natural, roles, topology, mesh, ax)
@@ -562,9 +566,35 @@ def parallelize(
     def loss_share(logits: jax.Array, targets: jax.Array, count: int) -> jax.Array:
         return token_loss_sum(logits, targets) / count  # this device's share of the mean
 
+    embed_def, block_def = _graphdef(model.tok_embeddings), _graphdef(model.layers[0])
+    norm_def = _graphdef(model.norm)
+    output_def = None if model.output is None else _graphdef(model.output)
+
+    def block_of(layer_gathers: Any) -> Callable[[Any, jax.Array], jax.Array]:
+        """A layer on its chunks: gathered, run, and with ``reshard_after_forward`` the
+        gathered parameters dropped (gathered again for the backward, FSDP2's default)."""
+
+        def block(chunks: Any, h: jax.Array) -> jax.Array:
+            return _merged(block_def, layer_gathers, chunks)(h, ax)
+
+        if not options.reshard_after_forward:
+            return block
+        return jax.checkpoint(
+            block, policy=jax.checkpoint_policies.save_anything_except_these_names(GATHERED)
+        )
+
     def local_step(chunks: Any, opt_state: Any, tokens: Any, targets: Any, count: int) -> Any:
         def local_loss(chunks: Any) -> jax.Array:
-            return loss_share(_merged(graphdef, gathers, chunks)(tokens, ax), targets, count)
+            embedding = gathers["tok_embeddings"]
+            h = _merged(embed_def, embedding, chunks["tok_embeddings"])(tokens)
+            for i in range(n_layers):
+                h = block_of(gathers["layers"][i])(chunks["layers"][i], h)
+            h = _merged(norm_def, gathers["norm"], chunks["norm"])(h)
+            if output_def is None:  # tied: the embedding gathered again, as torch's FSDP2
+                logits = h @ embedding["embedding"](chunks["tok_embeddings"]["embedding"]).T
+            else:
+                logits = _merged(output_def, gathers["output"], chunks["output"])(h)
+            return loss_share(logits, targets, count)
 
         loss, grads = jax.value_and_grad(local_loss)(chunks)
         # JAX's transposes summed every gradient over the axes its chunk is replicated on;
@@ -576,8 +606,7 @@ def parallelize(
     def local_pipeline_step(
         chunks: Any, opt_state: Any, tokens: Any, targets: Any, count: int
     ) -> Any:
-        assert plan is not None
-        norm_def, output_def = _graphdef(model.norm), _graphdef(model.output)
+        assert plan is not None and output_def is not None
         head_gathers = part_gathers["head"]
 
         def head(p: Any, h: jax.Array, t: jax.Array) -> jax.Array:
@@ -586,7 +615,7 @@ def parallelize(
 
         fns = PipelineModel(
             embed=lambda p, t: _merged(embed_def, part_gathers["embed"], p)(t),
-            block=lambda p, h: _merged(block_def, part_gathers["blocks"], p)(h, ax),
+            block=block_of(part_gathers["blocks"]),
             head=head,
         )
         run_axes = ("pp", *data, *seq)
@@ -625,7 +654,6 @@ def parallelize(
 
     if plan is not None:
         program = compile_ticks(plan)
-        embed_def, block_def = _graphdef(model.tok_embeddings), _graphdef(model.layers[0])
     body = local_step if plan is None else local_pipeline_step
 
     @jax.jit
