@@ -18,6 +18,7 @@ from functools import cache
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -216,3 +217,67 @@ def test_naming_rules_give_torchtitans_names_and_layouts(cfg: LlamaConfig) -> No
     """``gradsync_jax.to_torch_state`` maps the NNX tree onto torchtitan's names and shapes."""
     state = gradsync_jax.to_torch_state(_params(cfg)[1])
     assert {k: v.shape for k, v in state.items()} == _torchtitan_shapes(cfg)
+
+
+def _torch_llama(cfg: LlamaConfig, params: Any) -> Any:
+    """``examples/llama_torch.py``'s model holding the NNX model's weights (naming rules)."""
+    torch = pytest.importorskip("torch")
+    llama_torch = pytest.importorskip(
+        "examples.llama_torch", reason="examples/llama_torch.py arrives with the torch branch"
+    )
+    model = llama_torch.Llama(cfg)
+    state = {k: torch.from_numpy(v) for k, v in gradsync_jax.to_torch_state(params).items()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= ({"output.weight"} if cfg.tie_embeddings else set())
+    return model
+
+
+@pytest.mark.parametrize("cfg", [DENSE, TIED, MOE], ids=["dense", "tied", "moe"])
+def test_the_torch_twin_computes_the_same_logits(cfg: LlamaConfig) -> None:
+    """The torch model of ``examples/llama_torch.py`` on the NNX weights: the same logits."""
+    model, params = _params(cfg)
+    torch_model = _torch_llama(cfg, params)
+    import torch
+
+    tokens = _batches(cfg)[0][0]
+    with torch.no_grad():
+        expected = torch_model(torch.from_numpy(tokens).long()).numpy()
+    np.testing.assert_allclose(
+        np.asarray(model(jnp.asarray(tokens))), expected, rtol=RTOL, atol=RTOL
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("cfg", "sizes", "options"), [CONFIGS[0], CONFIGS[3]])
+def test_the_composition_equals_the_torch_model_trained_on_one_process(
+    cfg: LlamaConfig, sizes: dict[str, Any], options: ParallelOptions
+) -> None:
+    """The JAX composition against torch's unsharded twin, 4 steps of ``clip_grad_norm_`` and
+    ``torch.optim.AdamW`` with optax's defaults: parameters and both moments in torch's names
+    and layouts, within the floor."""
+    import torch
+
+    _, params = _params(cfg)
+    torch_model = _torch_llama(cfg, params)
+    opt = torch.optim.AdamW(torch_model.parameters(), lr=LR, eps=EPS, weight_decay=1e-4)
+    for tokens, targets in _batches(cfg):
+        opt.zero_grad()
+        logits = torch_model(torch.from_numpy(tokens).long())
+        loss = torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1), torch.from_numpy(targets).long().flatten()
+        )
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(torch_model.parameters(), MAX_NORM)
+        opt.step()
+    jax_params, jax_state, _ = _train(cfg, Topology.create(8, **sizes), options)
+    adam = jax_state[1][0]  # chain(clip, adamw): adamw's chain, its scale_by_adam state
+    names = dict(torch_model.named_parameters())
+    for what, jax_tree, torch_of in [
+        ("parameters", jax_params, lambda p: p),
+        ("first moments", adam.mu, lambda p: opt.state[p]["exp_avg"]),
+        ("second moments", adam.nu, lambda p: opt.state[p]["exp_avg_sq"]),
+    ]:
+        ours = gradsync_jax.to_torch_state(jax_tree)
+        theirs = {k: torch_of(names[k]).detach().numpy() for k in ours}
+        worst = assert_close(ours, theirs, RTOL, f"{what} (torch)")
+        print(f"{sizes}: {what} {worst:.1e} from torch's")
