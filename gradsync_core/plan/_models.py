@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from gradsync_core.plan._llama import LLAMA_MODELS
 from gradsync_core.plan._specs import ParamSpec
 
 
@@ -81,7 +82,7 @@ MODELS: dict[str, Callable[[str], list[ParamSpec]]] = {
     "gpt2-small": gpt2_small,
     "resnet50": resnet50,
     "mlp-25m": mlp_25m,
-}
+} | {name: shape.specs for name, shape in LLAMA_MODELS.items()}
 
 
 def builtin_model(name: str, dtype: str = "float32") -> list[ParamSpec]:
