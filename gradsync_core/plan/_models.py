@@ -82,7 +82,9 @@ MODELS: dict[str, Callable[[str], list[ParamSpec]]] = {
     "gpt2-small": gpt2_small,
     "resnet50": resnet50,
     "mlp-25m": mlp_25m,
-} | {name: shape.specs for name, shape in LLAMA_MODELS.items()}
+}
+# The Llama reference's shapes (``_llama``): gradsync plan --zero 3 divides them by every axis.
+MODELS.update({name: shape.specs for name, shape in LLAMA_MODELS.items()})
 
 
 def builtin_model(name: str, dtype: str = "float32") -> list[ParamSpec]:
