@@ -205,7 +205,7 @@ def _check_bounds(args: argparse.Namespace) -> None:
     maxima = {name: MAX_WORLD_SIZE for name in ("world_size", "tp", "cp", "ep", "pp")}
     if args.etp is not None:
         maxima["etp"] = MAX_WORLD_SIZE
-    for name in ("dp_shard", "shard_size"):
+    for name in ("dp_shard", "shard_size", "dp_replicate"):
         if getattr(args, name) is not None:
             maxima[name] = MAX_WORLD_SIZE
     for name, maximum in (maxima | {"pad_to": MAX_PAD_TO}).items():
@@ -381,8 +381,9 @@ def _shape_note(topo: Topology) -> str | None:
     if not axes:
         return None
     return (
-        f"note: with {' '.join(axes)}, the sizes use the parameter shapes as given (the planner "
-        "cannot know how this model splits over tp, pp and ep); for per-rank sizes give one "
+        f"note: with {' '.join(axes)}, buckets and shards use the parameter shapes as given "
+        "(the planner cannot know how this model splits over tp, pp and ep); for per-rank "
+        "sizes give one "
         "rank's shapes (its tensor-parallel slices, its pipeline stage, its experts) with "
         f"--params, or plan a built-in Llama ({', '.join(LLAMA_MODELS)}) with --zero 3"
     )
@@ -430,10 +431,33 @@ def _topology(args: argparse.Namespace, dp_shard: int | None = None) -> Topology
     )
 
 
+def _dp_replicate(args: argparse.Namespace, dp: int) -> None:
+    """``--dp-replicate R``: ``--dp-shard`` becomes ``dp / R``; given both, ``R x S = dp``."""
+    replicas = args.dp_replicate
+    if replicas is None:
+        return
+    if args.zero is not None and args.zero != 3:
+        raise ValueError("--dp-replicate applies to --zero 3 only (hybrid sharding)")
+    if dp % replicas:
+        raise ValueError(
+            f"--dp-replicate {replicas} does not divide the data-parallel size {dp} "
+            "(world size / (tp * cp * pp)); pick a divisor"
+        )
+    if args.dp_shard is None and args.shard_size is None:
+        args.dp_shard = dp // replicas
+    elif (args.dp_shard or args.shard_size) * replicas != dp:
+        raise ValueError(
+            f"--dp-replicate {replicas} x --dp-shard {args.dp_shard or args.shard_size} is not "
+            f"the data-parallel size {dp} (world size / (tp * cp * pp)); give sizes whose "
+            "product is dp, or one of the two"
+        )
+
+
 def _plan(args: argparse.Namespace) -> int:
     _check_bounds(args)
     specs, tied = _source(args)
     topo = _topology(args)
+    _dp_replicate(args, topo.dp)
     check_zero_arguments(args, topo.dp)  # checks --dp-shard against dp, in the flag's words
     if args.dp_shard is not None:
         topo = _topology(args, dp_shard=args.dp_shard)
@@ -591,6 +615,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="hybrid sharding (HSDP): cut parameters over groups of this many consecutive dp "
         "ranks (one node) and replicate across the groups; a divisor of dp (default: all dp "
         "ranks). Adds the dp_shard and dp_replicate groups; --zero 3 plans with it",
+    )
+    plan.add_argument(
+        "--dp-replicate",
+        type=int,
+        default=None,
+        help="hybrid sharding's replica count, as examples/llama_nd.py takes it: dp / "
+        "dp_replicate ranks shard (--dp-shard's default then); with --dp-shard their product "
+        "must be dp",
     )
     plan.add_argument("--order", default=DEFAULT_ORDER, help="rank order, first varies fastest")
     plan.add_argument(

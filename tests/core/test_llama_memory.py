@@ -150,3 +150,47 @@ def test_units_do_not_apply_to_a_builtin_llama(capsys):
     code, _, err = run(capsys, "--model", "llama-nd", "--zero", "3", "--units", "layers.0")
     assert code == 2
     assert "--units does not apply to a built-in Llama" in err
+
+
+def test_dp_replicate_is_the_examples_spelling_of_hsdp(capsys):
+    code, out, _ = run(
+        capsys, "--model", "llama-nd", "--dp-replicate", "2", "--tp", "2", "--zero", "3", "--json"
+    )
+    assert code == 0
+    assert json.loads(out)["topology"]["dp_shard"] == 2  # dp 4 / 2 replicas
+    both = run(
+        capsys,
+        "--model",
+        "llama-nd",
+        "--dp-replicate",
+        "2",
+        "--dp-shard",
+        "2",
+        "--tp",
+        "2",
+        "--zero",
+        "3",
+        "--json",
+    )[1]
+    assert both == out
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["--dp-replicate", "3", "--tp", "2"],
+            "--dp-replicate 3 does not divide the data-parallel",
+        ),
+        (
+            ["--dp-replicate", "2", "--dp-shard", "1", "--tp", "2"],
+            "--dp-replicate 2 x --dp-shard 1 is not the data-parallel size 4",
+        ),
+        (["--dp-replicate", "2", "--zero", "1"], "--dp-replicate applies to --zero 3 only"),
+        (["--dp-replicate", "0"], "--dp-replicate must be between 1 and"),
+    ],
+)
+def test_dp_replicate_that_does_not_fit_is_refused(capsys, args, message):
+    code, _, err = run(capsys, "--model", "llama-nd", *args)
+    assert code == 2
+    assert message in err
