@@ -9,7 +9,9 @@ The axis sizes multiply to the world size as torchtitan's ``ParallelDims``:
 ``dp_replicate * dp_shard * cp * tp * pp``; ``ep`` is carved out of the data-parallel ranks
 (Megatron-core's expert layout, ``gradsync_core.Topology``). Every rank also trains the
 single-process model on the whole batch (it is tiny) and the script prints both losses and
-the largest parameter difference. The last line is one JSON object.
+the largest parameter difference. Before training, rank 0 prints what ``gradsync plan``
+predicts for each rank's model state on this layout (the built-in ``llama-nd`` and
+``llama-nd-moe`` are this script's models). The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -29,6 +32,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script:
 from examples.llama_config import LlamaConfig, ParallelOptions
 from examples.llama_torch import Llama, lm_loss_share, local_state, parallelize
 from gradsync_core import Topology
+
+
+def predicted_memory(args: argparse.Namespace, world: int) -> str:
+    """``gradsync plan``'s per-rank bytes for this script's model on this layout."""
+    command = [sys.executable, "-m", "gradsync_core", "plan"]
+    command += ["--model", "llama-nd-moe" if args.moe else "llama-nd", "--world-size", str(world)]
+    for axis in ("dp-shard", "tp", "cp", "pp", "ep"):
+        command += [f"--{axis}", str(getattr(args, axis.replace("-", "_")))]
+    command += ["--zero", "3", "--optimizer", "adamw"]
+    command += ["--dtype", "float64" if args.float64 else "float32"]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode:
+        return f"gradsync plan: {done.stderr.strip()}\n"
+    return "predicted by `" + " ".join(["gradsync", *command[3:]]) + "`:\n" + done.stdout
 
 
 def main() -> None:
@@ -89,6 +106,7 @@ def main() -> None:
             plan = model.pipeline.plan
             print(f"pipeline: {plan.schedule}, {plan.microbatches} microbatches, {plan.layout}")
         print("fully_shard:", "HSDP" if topology.hsdp else "FSDP", f"over dp={topology.dp}")
+        print(predicted_memory(args, world), end="", flush=True)
 
     reference = Llama(config).to(dtype)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=args.lr, weight_decay=0.1)

@@ -133,3 +133,6 @@ def test_llama_nd_matches_one_process():
     args = ["llama_nd.py", "--dp-shard", "2", "--tp", "2", "--pp", "2", "--float64"]
     done = run(args, torchrun=8)
     assert summary(done.stdout)["max_param_diff"] < 1e-10, done.stdout[-2000:]
+    # rank 0 printed gradsync plan's per-rank bytes for the same layout before training
+    assert "predicted by `gradsync plan --model llama-nd --world-size 8" in done.stdout
+    assert "fullest: pp rank 0, peak" in done.stdout
