@@ -30,8 +30,10 @@ LONGEST_FIRST = (
     "tests/jax/test_pipeline.py",  # 249 s (newer: timed alone at load 3-8)
     "tests/examples/test_examples.py",  # 240 s
     "tests/jax/test_param_sharding.py",  # 210 s
+    "tests/jax/test_nd_parallel.py",  # 190 s (newer: timed alone at load 3-6)
     "tests/test_readme.py",  # 182 s
     "tests/parity/test_cross_pipeline.py",  # 2.5 min at load 10 (59 s of CPU), not timed here
+    "tests/jax/test_pipeline_zero3.py",  # 150 s at load 6 (40 s of it the fast lane)
     "tests/jax/test_zero_coupled.py",  # 98 s
     "tests/jax/test_zero_sweep.py",  # 97 s
     "tests/jax/test_zero.py",  # 92 s

@@ -50,6 +50,9 @@ from gradsync_core.cli._zero import (
     BUILTIN_TIED,
     add_zero_arguments,
     check_zero_arguments,
+    composed_estimate,
+    composed_json,
+    composed_text,
     save_staging,
     tied_names,
     zero_estimate,
@@ -63,6 +66,7 @@ from gradsync_core.plan._buckets import (
     plan_buckets,
     plan_param_buckets,
 )
+from gradsync_core.plan._llama import LLAMA_MODELS, LlamaShape
 from gradsync_core.plan._models import MODELS, builtin_model
 from gradsync_core.plan._rank_generator import HSDP_AXES
 from gradsync_core.plan._reductions import split_expert_specs
@@ -202,7 +206,7 @@ def _check_bounds(args: argparse.Namespace) -> None:
     maxima = {name: MAX_WORLD_SIZE for name in ("world_size", "tp", "cp", "ep", "pp")}
     if args.etp is not None:
         maxima["etp"] = MAX_WORLD_SIZE
-    for name in ("dp_shard", "shard_size"):
+    for name in ("dp_shard", "shard_size", "dp_replicate"):
         if getattr(args, name) is not None:
             maxima[name] = MAX_WORLD_SIZE
     for name, maximum in (maxima | {"pad_to": MAX_PAD_TO}).items():
@@ -378,9 +382,11 @@ def _shape_note(topo: Topology) -> str | None:
     if not axes:
         return None
     return (
-        f"note: with {' '.join(axes)}, buckets and shards use the parameter shapes as given; "
-        "for per-rank sizes give one rank's shapes (its tensor-parallel slices, its pipeline "
-        "stage, its experts) with --params"
+        f"note: with {' '.join(axes)}, buckets and shards use the parameter shapes as given "
+        "(the planner cannot know how this model splits over tp, pp and ep); for per-rank "
+        "sizes give one "
+        "rank's shapes (its tensor-parallel slices, its pipeline stage, its experts) with "
+        f"--params, or plan a built-in Llama ({', '.join(LLAMA_MODELS)}) with --zero 3"
     )
 
 
@@ -426,10 +432,33 @@ def _topology(args: argparse.Namespace, dp_shard: int | None = None) -> Topology
     )
 
 
+def _dp_replicate(args: argparse.Namespace, dp: int) -> None:
+    """``--dp-replicate R``: ``--dp-shard`` becomes ``dp / R``; given both, ``R x S = dp``."""
+    replicas = args.dp_replicate
+    if replicas is None:
+        return
+    if args.zero is not None and args.zero != 3:
+        raise ValueError("--dp-replicate applies to --zero 3 only (hybrid sharding)")
+    if dp % replicas:
+        raise ValueError(
+            f"--dp-replicate {replicas} does not divide the data-parallel size {dp} "
+            "(world size / (tp * cp * pp)); pick a divisor"
+        )
+    if args.dp_shard is None and args.shard_size is None:
+        args.dp_shard = dp // replicas
+    elif (args.dp_shard or args.shard_size) * replicas != dp:
+        raise ValueError(
+            f"--dp-replicate {replicas} x --dp-shard {args.dp_shard or args.shard_size} is not "
+            f"the data-parallel size {dp} (world size / (tp * cp * pp)); give sizes whose "
+            "product is dp, or one of the two"
+        )
+
+
 def _plan(args: argparse.Namespace) -> int:
     _check_bounds(args)
     specs, tied = _source(args)
     topo = _topology(args)
+    _dp_replicate(args, topo.dp)
     check_zero_arguments(args, topo.dp)  # checks --dp-shard against dp, in the flag's words
     if args.dp_shard is not None:
         topo = _topology(args, dp_shard=args.dp_shard)
@@ -467,6 +496,9 @@ def _zero(
 ) -> int:
     """``--zero``: per-rank memory of model states over the data-parallel ranks; ``tied``
     names the tied weights of the source (``--tied`` overrides it)."""
+    shape = None if args.params else LLAMA_MODELS.get(args.model)
+    if shape is not None and args.zero == 3:
+        return _composed(args, shape, topo)
     if any(s.expert for s in specs):
         raise UsageError(
             "--zero does not estimate expert parameters (ParamSpec.expert) yet; "
@@ -491,8 +523,31 @@ def _zero(
         f"{_mib(sum(s.nbytes for s in specs))} MiB; dp {topo.dp} of world size "
         f"{topo.world_size}"
     )
+    note = _shape_note(topo)
+    if note is not None:
+        print(note)
     print()
     print(zero_text(estimate, plan, tied, staging))
+    return 0
+
+
+def _composed(args: argparse.Namespace, shape: LlamaShape, topo: Topology) -> int:
+    """``--zero 3`` for a built-in Llama: bytes per rank with every axis divided."""
+    rows = composed_estimate(shape, args, topo)
+    if args.json:
+        out = report_header() | composed_json(rows) | {"topology": topo.to_json()}
+        out["fingerprints"] = {"topology": topo.fingerprint}
+        print(json.dumps(out, indent=1, sort_keys=True))
+        return 0
+    specs = shape.specs(args.dtype)
+    print(
+        f"Model {args.model}: {sum(s.numel for s in specs):,} parameters in {len(specs)} "
+        f"tensors, {_mib(sum(s.nbytes for s in specs))} MiB; world size {topo.world_size} = "
+        f"dp_replicate {topo.dp_replicate} x dp_shard {topo.dp_shard} x cp {topo.cp} x tp "
+        f"{topo.tp} x pp {topo.pp}" + (f"; ep {topo.ep} of dp" if topo.ep > 1 else "")
+    )
+    print()
+    print(composed_text(rows, topo, args.optimizer))
     return 0
 
 
@@ -562,6 +617,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="hybrid sharding (HSDP): cut parameters over groups of this many consecutive dp "
         "ranks (one node) and replicate across the groups; a divisor of dp (default: all dp "
         "ranks). Adds the dp_shard and dp_replicate groups; --zero 3 plans with it",
+    )
+    plan.add_argument(
+        "--dp-replicate",
+        type=int,
+        default=None,
+        help="hybrid sharding's replica count, as examples/llama_nd.py takes it: dp / "
+        "dp_replicate ranks shard (--dp-shard's default then); with --dp-shard their product "
+        "must be dp",
     )
     plan.add_argument("--order", default=DEFAULT_ORDER, help="rank order, first varies fastest")
     plan.add_argument(

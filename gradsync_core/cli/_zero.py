@@ -23,6 +23,7 @@ from gradsync_core.checkpoint._model_weights import weight_bytes
 from gradsync_core.checkpoint._param_shard_state import plan_dim0_shards
 from gradsync_core.cli._table import mib, shown, table
 from gradsync_core.plan._buckets import BucketPlan
+from gradsync_core.plan._llama import LlamaShape, StageMemory, llama_memory
 from gradsync_core.plan._memory import (
     OPTIMIZER_STATE_BYTES,
     MemoryEstimate,
@@ -35,6 +36,7 @@ from gradsync_core.plan._param_shards import ParamShardPlan, plan_param_shards
 from gradsync_core.plan._param_units import block_prefixes
 from gradsync_core.plan._shards import ShardPlan
 from gradsync_core.plan._specs import ParamSpec
+from gradsync_core.plan._topology import Topology
 
 # --zero lists every data-parallel rank in --json: bounded so the output stays a few MiB.
 MAX_ZERO_RANKS = 1 << 16
@@ -293,3 +295,74 @@ def zero_text(
     if staging is not None:
         lines += ["", _staging_section(what, staging)]
     return "\n".join(lines)
+
+
+def composed_estimate(
+    shape: LlamaShape, args: argparse.Namespace, topo: Topology
+) -> tuple[StageMemory, ...]:
+    """``--zero 3`` for a built-in Llama: the fullest rank of each pipeline stage on ``topo``
+    (``llama_memory``: its tp/ep slice of the stage, cut over dp_shard and edp)."""
+    if args.units is not None:
+        raise ValueError(
+            "--units does not apply to a built-in Llama: its units are its layers, as "
+            "examples/llama_torch.py wraps them"
+        )
+    return llama_memory(shape, topo, dtype=args.dtype, optimizer=_optimizer(args.optimizer))
+
+
+def composed_json(rows: Sequence[StageMemory]) -> dict[str, Any]:
+    """``--json``: one object per pipeline rank, its layers, elements and bytes."""
+    return {
+        "composed_memory": [
+            {
+                "pp_rank": row.pp_rank,
+                "layers": [row.layers.start, row.layers.stop],
+                "numel": row.numel,
+            }
+            | {k: v for k, v in row.memory.to_json().items() if k != "rank"}
+            for row in rows
+        ]
+    }
+
+
+def composed_text(rows: Sequence[StageMemory], topo: Topology, optimizer: str) -> str:
+    """The text report: one row per pipeline rank, then the fullest."""
+    body = [
+        [
+            row.pp_rank,
+            f"{row.layers.start}-{row.layers.stop - 1}" if row.layers else "-",
+            f"{row.numel:,}",
+            mib(row.memory.parameter_bytes),
+            mib(row.memory.gradient_bytes),
+            mib(row.memory.optimizer_state_bytes),
+            mib(row.memory.transient_bytes),
+            mib(row.memory.peak_bytes),
+        ]
+        for row in rows[:_SHOWN_RANKS]
+    ]
+    fullest = max(rows, key=lambda r: (r.memory.peak_bytes, -r.pp_rank))
+    shard = f"dp_shard {topo.dp_shard} x dp_replicate {topo.dp_replicate}"
+    experts = f"; experts over ep {topo.ep} x edp {topo.edp}" if topo.has_experts else ""
+    headers = [
+        "pp rank",
+        "layers",
+        "elements",
+        "params MiB",
+        "grads MiB",
+        "state MiB",
+        "transient MiB",
+        "peak MiB",
+    ]
+    return "\n".join(
+        [
+            f"Composed: each rank holds its pipeline stage's layers, cut over tp {topo.tp}, "
+            f"then fully_shard over {shard}{experts} (cp {topo.cp} divides activations only); "
+            f"optimizer {optimizer}",
+            "",
+            "Per-rank memory of model states, the fullest rank of each stage (activations not "
+            "counted; elements: before fully_shard)",
+            table(headers, body, max_rows=_SHOWN_RANKS),
+            "",
+            f"fullest: pp rank {fullest.pp_rank}, peak {mib(fullest.memory.peak_bytes)} MiB",
+        ]
+    )

@@ -127,10 +127,14 @@ class MatrixOwnerPlan:
         )
         return ShardPlan(kind="greedy", world_size=self.world_size, shards=shards)
 
-    def rows_exchange(self, rank: int, *, with_params: bool = True) -> OwnerExchange:
+    def rows_exchange(
+        self, rank: int, *, with_params: bool = True, state_leaves: int = 0
+    ) -> OwnerExchange:
         """What ``rank`` moves per step when every matrix is cut into dim-0 rows over the
         ranks (ZeRO-3, ``chunk_rows``): each rank sends each owner its rows of the gradient
         (and of the parameter, ``with_params``) and receives its updated rows back.
+        ``state_leaves``: optimizer-state tensors per matrix that are kept in rows too (JAX's
+        ``zero3_step``: Muon's momentum), each sent to the owner and received back.
 
         Example:
             >>> plan = plan_matrix_owners([ParamSpec(name="w", shape=(4, 3))], world_size=2)
@@ -139,7 +143,8 @@ class MatrixOwnerPlan:
             >>> plan.rows_exchange(1)
             OwnerExchange(sent_numel=12, received_numel=6)
         """
-        inbound = 2 if with_params else 1
+        inbound = (2 if with_params else 1) + state_leaves
+        outbound = 1 + state_leaves
         sent = received = 0
         for m in self.matrices:
             row = math.prod(m.shape[1:])
@@ -147,10 +152,10 @@ class MatrixOwnerPlan:
             mine = (stop - start) * row
             if m.owner == rank:
                 received += inbound * (m.numel - mine)
-                sent += m.numel - mine
+                sent += outbound * (m.numel - mine)
             else:
                 sent += inbound * mine
-                received += mine
+                received += outbound * mine
         return OwnerExchange(sent_numel=sent, received_numel=received)
 
     def to_json(self) -> dict[str, Any]:

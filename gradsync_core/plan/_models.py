@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from gradsync_core.plan._llama import LLAMA_MODELS
 from gradsync_core.plan._specs import ParamSpec
 
 
@@ -82,6 +83,8 @@ MODELS: dict[str, Callable[[str], list[ParamSpec]]] = {
     "resnet50": resnet50,
     "mlp-25m": mlp_25m,
 }
+# The Llama reference's shapes (``_llama``): gradsync plan --zero 3 divides them by every axis.
+MODELS.update({name: shape.specs for name, shape in LLAMA_MODELS.items()})
 
 
 def builtin_model(name: str, dtype: str = "float32") -> list[ParamSpec]:

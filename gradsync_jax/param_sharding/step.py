@@ -7,7 +7,8 @@ transformation runs on the chunks, so its state is 1/N too. That is exact for an
 of elementwise steps (SGD, Adam, AdamW, Lion, ...) and whole-tensor reductions, which
 ``RowsUpdate`` completes across the devices (global-norm clipping in either spelling, LAMB's
 and LARS's trust ratios, ``apply_if_finite``; update.py); the jaxpr analysis of
-``shard_optimizer`` proves it or the step is refused. With
+``shard_optimizer`` proves it or the step is refused. A Muon's matrices are stepped whole on
+their planned owners instead (``MatrixRowsUpdate``, matrices.py). With
 ``reshard_after_forward`` a gathered parameter is dropped after the equation that uses it and
 gathered again for that equation's backward, as FSDP2's default; without it each unit is
 kept from its first use to the backward.
@@ -36,6 +37,7 @@ from gradsync_jax.data_parallel.accumulate import split_microbatches
 from gradsync_jax.data_parallel.synced import SyncedState
 from gradsync_jax.param_sharding.gather import Gatherer
 from gradsync_jax.param_sharding.layout import ParamLayout
+from gradsync_jax.param_sharding.matrices import MatrixRowsUpdate, rows_update
 from gradsync_jax.param_sharding.options import Zero3Options
 from gradsync_jax.param_sharding.order import call_gathering_on_first_read
 from gradsync_jax.param_sharding.placement import axis_size, check_mesh, flat_leaves, split_axes
@@ -81,7 +83,7 @@ def _state_specs(tx: Any, layout: ParamLayout, axes: tuple[str, ...]) -> Any:
 
 def _local_step(
     loss_fn: Callable[[Any, Any], jax.Array],
-    update: RowsUpdate,
+    update: RowsUpdate | MatrixRowsUpdate,
     layout: ParamLayout,
     axes: tuple[str, ...],
     *,
@@ -194,7 +196,7 @@ class Zero3Step:
         axes, replicate = _data_axes(layout, mesh, options.axis_name, options.replicate_axis_name)
         _refuse_syncing(tx, layout)
         tx = optax.with_extra_args_support(tx)
-        update = RowsUpdate(tx, layout)  # refuses what it cannot run exactly on rows
+        update = rows_update(tx, layout)  # refuses what it cannot run exactly
         self.options = options
         self.layout, self.mesh, self.tx, self.axes = layout, mesh, tx, axes
         self.rows_update = update  # tx.update on the rows, its whole-tensor sums completed
@@ -344,7 +346,9 @@ def zero3_step(
         tx: an Optax transformation made of elementwise steps and whole-tensor reductions
             (``optax.adamw``, ``optax.sgd``, ``optax.lamb``, ``optax.chain(
             optax.clip_by_global_norm(1.0), optax.adamw(...))``); it runs on each device's
-            chunks, each whole-tensor reduction completed across the devices.
+            chunks, each whole-tensor reduction completed across the devices; or an
+            ``optax.contrib.muon``, whose matrices are stepped whole on their planned owners
+            (docs/matrix-optimizers.md).
         mesh: the mesh; ``shard_params(params, mesh, layout)`` placed the parameters on it.
         layout: from ``param_layout``.
         options: the options below as one ``Zero3Options`` (then give none of them).
@@ -388,7 +392,7 @@ def zero3_step(
     Raises:
         ValueError: a mesh of another size than the layout's, or an update that reads
             across a tensor's elements other than by whole-tensor reductions, or across
-            tensors (Adafactor's factored moments, Muon, Prodigy): one sentence that points
+            tensors (Adafactor's factored moments, Prodigy): one sentence that points
             to ``data_parallel_step`` with ``shard_optimizer(tx, mesh)``; a ``tx`` that syncs
             (``synced``, ``shard_optimizer``): the step reduce-scatters the gradients itself.
         TypeError: ``options`` together with any of its fields, or ``mp_policy`` (or

@@ -32,7 +32,6 @@ from jax.extend import core as jcore
 from gradsync_jax._axes import cast_varying, varying
 from gradsync_jax.param_sharding.layout import LeafLayout, ParamLayout
 from gradsync_jax.zero.analysis import Analyser, Role, call_jaxpr
-from gradsync_jax.zero.matrices import keeps_muon_state
 from gradsync_jax.zero.model_space import model_space
 from gradsync_jax.zero.soundness import Soundness
 
@@ -85,14 +84,12 @@ class RowsUpdate:
         )
         whole = rows_tree(layout, lambda leaf: leaf.rows)
         local = rows_tree(layout, lambda leaf: leaf.padded_rows)
-        if keeps_muon_state(tx, whole):
-            raise _refusal(MUON_REFUSAL)
         try:
             space = model_space(tx, whole)
             soundness = Soundness(tx, space, whole, {}, totals=True)
         except Exception as err:  # what cannot be analysed is refused
             first = (str(err).strip().splitlines() or [""])[0]
-            raise _refusal(
+            raise refusal(
                 f"its update or state cannot be analysed on these parameters "
                 f"({type(err).__name__}: {first})"
             ) from err
@@ -103,12 +100,12 @@ class RowsUpdate:
             for leaf, s in zip(space.leaves, local_state, strict=True)
         ]
         if reason := soundness.coupled_reason():
-            raise _refusal(f"its {reason}")
+            raise refusal(f"its {reason}")
         if reason := soundness.rows_problem(local, aligned, self.geometry):
-            raise _refusal(f"it {reason}")
+            raise refusal(f"it {reason}")
         self.reduces = bool(soundness.analyser.totals)  # else: tx.update as it is
         if reason := soundness.init_rows_problem(local, self.geometry):
-            raise _refusal(f"its init {reason}")
+            raise refusal(f"its init {reason}")
         self.init_reduces = bool(soundness.analyser.totals)  # else: tx.init as it is
         n = len(trainable)
         self.roles = (
@@ -155,18 +152,7 @@ class RowsUpdate:
         return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
 
-# Muon's refusal, before the analysis (whose first finding would be its Newton-Schulz
-# iterations on a row block): the exact way is the owner path of shard_optimizer.
-MUON_REFUSAL = (
-    "it orthogonalizes each matrix's momentum over the whole matrix (optax.contrib.muon's "
-    "Newton-Schulz iterations), which no device holding rows of a matrix can do; "
-    "shard_optimizer(tx, mesh) steps each matrix whole on the owner "
-    "gradsync_core.plan_matrix_owners plans by its Newton-Schulz work "
-    "(docs/matrix-optimizers.md)"
-)
-
-
-def _refusal(problem: str) -> ValueError:
+def refusal(problem: str) -> ValueError:
     return ValueError(
         "zero3_step cannot run this optimizer exactly on each device's rows of the "
         f"parameters: {problem}; it runs updates made of elementwise steps (SGD, Adam, AdamW, "

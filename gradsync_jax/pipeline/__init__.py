@@ -7,6 +7,7 @@ from gradsync_jax.pipeline.checkpoint import load_pipeline, save_pipeline
 from gradsync_jax.pipeline.flax_models import linen_model, nnx_model, nnx_state
 from gradsync_jax.pipeline.layout import (
     natural_params,
+    pipeline_layout,
     pipeline_params,
     pipeline_specs,
     sequential_params,
@@ -26,6 +27,7 @@ __all__: list[str] = [
     "natural_params",
     "nnx_model",
     "nnx_state",
+    "pipeline_layout",
     "pipeline_params",
     "pipeline_specs",
     "pipeline_step",

@@ -130,7 +130,7 @@ def save_pipeline(
     Example:
         >>> save_pipeline("ckpt", step_fn, params, opt_state, step=100)  # doctest: +SKIP
     """
-    model = sequential_params(natural_params(params, pipeline.plan))
+    model = sequential_params(natural_params(params, pipeline.plan, layout=pipeline.layout))
     inner = pipeline.inner
     want = jax.eval_shape(inner.init, model)
     state = _convert(
@@ -205,7 +205,9 @@ def load_pipeline(
     natural = stacked_params(model)
     want = jax.eval_shape(pipeline.inner.init, natural)
     state = _convert(state, _is_sequential, stacked_params, want)
-    params = pipeline_params(natural, pipeline.plan, pipeline.mesh, pipeline.param_specs)
+    params = pipeline_params(
+        natural, pipeline.plan, pipeline.mesh, pipeline.param_specs, layout=pipeline.layout
+    )
     opt_state = pipeline.pipeline_state(state, params)
     restore_data(manifest.extra, data, version)  # last: the load can no longer fail
     return params, opt_state, manifest

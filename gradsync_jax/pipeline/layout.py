@@ -31,7 +31,10 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from gradsync_core import PipelinePlan
+from gradsync_jax.param_sharding.layout import ParamLayout, param_layout
+from gradsync_jax.param_sharding.placement import check_mesh
 from gradsync_jax.pipeline.model import PARTS
+from gradsync_jax.pipeline.sharded import shard_tree, sharded_specs, unshard_tree
 
 
 def blocks_per_stage(params: Any, plan: PipelinePlan) -> int:
@@ -198,17 +201,58 @@ def _is_spec(x: Any) -> bool:
     return isinstance(x, P)
 
 
+def pipeline_layout(params: Any, plan: PipelinePlan) -> ParamLayout:
+    """The cut of a ``zero3`` plan's parameters: ``param_layout`` of one pipeline rank's unit
+    ``{"embed", one block, "head"}`` over the plan's data-parallel devices (under HSDP cut
+    over ``dp_shard`` of them, replicated across the rest).
+
+    Args:
+        params: the natural-layout parameters (blocks stacked ``(L, ...)``), arrays or
+            ``jax.ShapeDtypeStruct``.
+        plan: the pipeline plan.
+
+    Returns:
+        The ``ParamLayout``, its leaves in the order of the parameters' leaves.
+
+    Raises:
+        ValueError: as ``blocks_per_stage``, or what ``param_layout`` refuses.
+
+    Example:
+        >>> layout = pipeline_layout(natural, plan)
+        >>> step = pipeline_step(model, optax.adamw(1e-3), mesh, plan, layout=layout)
+    """
+    blocks_per_stage(params, plan)  # refuses a tree the pipeline cannot split
+    unit = {
+        "embed": params["embed"],
+        "blocks": jax.tree.map(lambda leaf: _host(leaf, 0), params["blocks"]),
+        "head": params["head"],
+    }
+    topology = plan.topology
+    shard = topology.dp_shard
+    return param_layout(
+        unit, world_size=topology.dp, dp_shard=None if shard == topology.dp else shard
+    )
+
+
 def pipeline_params(
-    params: Any, plan: PipelinePlan, mesh: Mesh | None = None, specs: Any = None
+    params: Any,
+    plan: PipelinePlan,
+    mesh: Mesh | None = None,
+    specs: Any = None,
+    *,
+    layout: ParamLayout | None = None,
 ) -> Any:
     """Natural layout (blocks ``(L, ...)``) to pipeline layout (every leaf ``(pp, ...)``).
 
     The arrays are rearranged on the host (NumPy); with ``mesh`` they are placed sharded
     over its ``pp`` axis (and as ``specs`` says: ``pipeline_specs``), so each device receives
-    only its own stages.
+    only its own stages. A ``zero3`` plan's parameters are cut as ``layout`` says
+    (``pipeline_layout``, its default): every layer in torch's layout, padded, its rows
+    split over the data-parallel axis (``"dp"``, or a hybrid-sharding topology's
+    ``"dp_shard"``), so each device receives its chunk of its own stages.
 
     Raises:
-        ValueError: as ``blocks_per_stage``.
+        ValueError: as ``blocks_per_stage``; ``layout`` with a plan that is not ``zero3``.
 
     Example:
         >>> p = pipeline_params({"embed": e, "blocks": b, "head": h}, plan, mesh)
@@ -217,18 +261,47 @@ def pipeline_params(
     """
     k = blocks_per_stage(params, plan)
     out = jax.tree.map(lambda leaf, part: _to_pipeline(leaf, part, plan, k), params, _parts(params))
+    _check_zero3(plan, layout, "pipeline_params")
+    if plan.zero3:
+        layout = pipeline_layout(params, plan) if layout is None else layout
+        out = shard_tree(out, layout, layout.world_size)
     if mesh is None:
         return out
-    shardings = jax.tree.map(
-        lambda spec: NamedSharding(mesh, spec), pipeline_specs(params, specs), is_leaf=_is_spec
-    )
+    if layout is not None:
+        wanted = sharded_specs(params, check_mesh(layout, mesh, "dp"))
+    else:
+        wanted = pipeline_specs(params, specs)
+    shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), wanted, is_leaf=_is_spec)
     return jax.device_put(out, shardings)
 
 
-def natural_params(params: Any, plan: PipelinePlan) -> Any:
+def natural_params(params: Any, plan: PipelinePlan, *, layout: ParamLayout | None = None) -> Any:
     """Pipeline layout back to natural layout, as NumPy arrays (pipeline rank 0's copy of
-    the embedding and head: every rank's is the same)."""
+    the embedding and head: every rank's is the same); a ``zero3`` plan's chunks put
+    together as ``layout`` (the step's ``layout``) cut them.
+
+    Raises:
+        ValueError: for a ``zero3`` plan without its ``layout``, or ``layout`` with another.
+    """
+    _check_zero3(plan, layout, "natural_params", required=True)
+    if layout is not None:
+        params = unshard_tree(params, layout)
     return jax.tree.map(lambda leaf, part: _to_natural(leaf, part, plan), params, _parts(params))
+
+
+def _check_zero3(
+    plan: PipelinePlan, layout: ParamLayout | None, what: str, *, required: bool = False
+) -> None:
+    if layout is not None and not plan.zero3:
+        raise ValueError(
+            f"{what} got a layout, which cuts a zero3 plan's parameters, but the plan has "
+            "zero3=False; drop layout= or plan with zero3=True"
+        )
+    if required and plan.zero3 and layout is None:
+        raise ValueError(
+            f"{what} of a zero3 plan needs the layout that cut the parameters: pass "
+            "layout=step.layout (or pipeline_layout(natural, plan))"
+        )
 
 
 def natural_state(

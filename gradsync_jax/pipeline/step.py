@@ -5,7 +5,9 @@ its data-parallel share of the batch (``tick loop``, ``loop.py``); the gradients
 then final, so they are reduced over the data-parallel axis, once (the plan's
 ``REDUCE_GRAD``), and the Optax transformation updates each rank's own stages. A
 ``shard_optimizer(...)`` over ``dp`` reduce-scatters them itself and keeps 1/dp of the state
-(ZeRO-1); any other Optax transformation gets the mean over ``dp`` first.
+(ZeRO-1); any other Optax transformation gets the mean over ``dp`` first. A ``zero3`` plan
+keeps the parameters cut over ``dp`` too (ZeRO-3, ``sharded.py``): gathered before the tick
+loop, the gradient sums reduce-scattered after it, the update on the chunks.
 """
 
 from __future__ import annotations
@@ -21,11 +23,22 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from gradsync_core import PipelinePlan
+from gradsync_core.plan import HSDP_AXES
 from gradsync_jax._axes import AxisName, axis_tuple, cast_varying, psum_mean
 from gradsync_jax.data_parallel.accumulate import split_microbatches
+from gradsync_jax.param_sharding.layout import ParamLayout
+from gradsync_jax.param_sharding.placement import check_mesh, split_axes
 from gradsync_jax.pipeline.layout import natural_state, pipeline_specs, pipeline_state
 from gradsync_jax.pipeline.loop import run_pipeline
 from gradsync_jax.pipeline.model import PARTS, PipelineModel
+from gradsync_jax.pipeline.sharded import (
+    StageGather,
+    check_sharded,
+    layout_tree,
+    shard_leaf,
+    sharded_specs,
+    unshard_leaf,
+)
 from gradsync_jax.pipeline.split import STASH_MODES
 from gradsync_jax.pipeline.ticks import TickProgram, compile_ticks
 from gradsync_jax.zero import NotElementwiseError, ShardedOptimizer, shard_optimizer
@@ -48,12 +61,19 @@ class PipelineStep:
         stash: str,
         axis_name: AxisName,
         param_specs: Any = None,
+        layout: ParamLayout | None = None,
     ) -> None:
         self.model, self.tx, self.mesh, self.plan = model, tx, mesh, plan
         self.param_specs = param_specs
+        self.layout = layout
         self.stash = stash
-        self.axes = axis_tuple(axis_name)
+        self.axes = data_axes(mesh, axis_name)
         self.axis_name = axis_name
+        self._gather: StageGather | None = None
+        if layout is not None:
+            shard, replicate = split_axes(layout, mesh, axis_name)
+            self.shard_axes = shard
+            self._gather = StageGather(layout, shard, replicate)
         self.program: TickProgram = compile_ticks(plan)
         self._checked: set[Any] = set()
         self._jitted = jax.jit(self._mapped)
@@ -74,7 +94,7 @@ class PipelineStep:
     def _base_specs(self, local: Any, state: Any) -> Any:
         if isinstance(self.tx, ShardedOptimizer):
             return self.tx.state_specs(local)
-        if self.param_specs is None:
+        if self.param_specs is None and self.layout is None:
             return jax.tree.map(lambda _: P(), state)
         # a rank's own parameters: the pipeline specs with pp's place left to the stacking
         own = jax.tree.map(lambda spec: P(None, *spec[1:]), self.specs(local), is_leaf=_is_spec)
@@ -83,7 +103,10 @@ class PipelineStep:
         )
 
     def specs(self, params: Any) -> Any:
-        """The ``PartitionSpec`` of every pipeline-layout parameter (``pipeline_specs``)."""
+        """The ``PartitionSpec`` of every pipeline-layout parameter (``pipeline_specs``; a
+        ``zero3`` plan's chunks ``sharded_specs``)."""
+        if self.layout is not None:
+            return sharded_specs(params, self.shard_axes)
         return pipeline_specs(params, self.param_specs)
 
     def state_specs(self, params: Any) -> Any:
@@ -121,7 +144,16 @@ class PipelineStep:
         if isinstance(self.tx, ShardedOptimizer):
             local = self._abstract_local(params)
             per_rank = [self.tx.gather_state(s, local) for s in per_rank]
+        if self.layout is not None:
+            per_rank = [self._map_state(s, unshard_leaf) for s in per_rank]
         return natural_state(self.inner, per_rank, params, self.plan)
+
+    def _map_state(self, state: Any, fn: Any) -> Any:
+        """``fn(leaf, LeafLayout)`` of every parameter-shaped leaf of a rank's ``state``."""
+        assert self.layout is not None
+        return optax.tree_map_params(
+            self.inner, fn, state, layout_tree(self.layout), transform_non_params=lambda x: x
+        )
 
     def pipeline_state(self, state: Any, params: Any) -> Any:
         """``natural_state``'s inverse: the step's optimizer state from the unpipelined one
@@ -131,6 +163,11 @@ class PipelineStep:
         if isinstance(self.tx, ShardedOptimizer):
             local = self._abstract_local(params)
             per_rank = [self.tx.scatter_state(s, local) for s in per_rank]
+        if self.layout is not None:
+            n = self.layout.world_size
+            per_rank = [
+                self._map_state(s, lambda x, leaf: shard_leaf(x, leaf, n)) for s in per_rank
+            ]
         return self._place(per_rank, params)
 
     def _place(self, states: list[Any], params: Any) -> Any:
@@ -155,7 +192,7 @@ class PipelineStep:
             return
         inner = self.tx.settings.given if isinstance(self.tx, ShardedOptimizer) else self.tx
         try:
-            flat = shard_optimizer(inner, self.mesh, axis_name=self.axis_name, partition="flat")
+            flat = shard_optimizer(inner, self.mesh, axis_name=self.axes, partition="flat")
             jax.eval_shape(flat.init, local)
         except (NotElementwiseError, ValueError) as err:
             raise ValueError(
@@ -204,6 +241,8 @@ class PipelineStep:
         ks = {jnp.shape(leaf)[2] for leaf in jax.tree.leaves(params["blocks"])}
         if len(ks) != 1:
             raise ValueError(f"the blocks' leaves disagree on the blocks per stage: {sorted(ks)}")
+        if self.layout is not None:
+            check_sharded(params, self.layout, pp, v)
         counts = [s.layout.count("t") for s in self.plan.stages]
         if any(s.layout for s in self.plan.stages) and set(counts) != ks:
             raise ValueError(
@@ -234,7 +273,7 @@ class PipelineStep:
         mesh = self.mesh
         param_specs = self.specs(params)
         state_specs = self.state_specs(params)
-        batch_spec = P(self.axis_name if isinstance(self.axis_name, str) else self.axes)
+        batch_spec = P(self.axes[0] if len(self.axes) == 1 else self.axes)
         if all(t == AxisType.Explicit for t in mesh.axis_types):
             named = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
             params = jax.reshard(params, jax.tree.map(named, param_specs, is_leaf=_is_spec))
@@ -250,9 +289,11 @@ class PipelineStep:
     def _local_step(self, params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, jax.Array]:
         m = self.plan.microbatches
         axes = (PP, *self.axes)
-        own = cast_varying(
-            tuple(jax.tree.map(lambda leaf: leaf[0], params[key]) for key in PARTS), axes
-        )
+        own = tuple(jax.tree.map(lambda leaf: leaf[0], params[key]) for key in PARTS)
+        gather = self._gather
+        if gather is not None:  # ZeRO-3: the plan's UNSHARD, before the first forward
+            own, reduce = jax.vjp(lambda chunks: cast_varying(gather(chunks), axes), own)
+        own = cast_varying(own, axes)
         inputs, targets = split_microbatches(tuple(batch), m)
         loss_sum, (d_embed, d_blocks, d_head) = run_pipeline(
             self.model,
@@ -264,20 +305,32 @@ class PipelineStep:
             stash=self.stash,
             axes=axes,
         )
+        # torch's pipelining sums the microbatches' gradients, then divides (scale_grads)
+        d_embed, d_blocks, d_head = jax.tree.map(lambda g: g / m, (d_embed, d_blocks, d_head))
+        if gather is not None:  # RESHARD, REDUCE_GRAD: the sums reduce-scattered to the chunks
+            ((d_embed, d_blocks, d_head),) = reduce((d_embed, d_blocks, d_head))
         # Only the first (last) stage's rank holds the embedding's (head's) gradient: the sum
         # over the pipeline adds zeros elsewhere, exactly.
         d_embed, d_head, loss_sum = lax.psum((d_embed, d_head, loss_sum), PP)
         grads = {"embed": d_embed, "blocks": d_blocks, "head": d_head}
-        # torch's pipelining sums the microbatches' gradients, then divides (scale_grads)
-        grads = jax.tree.map(lambda g: (g / m)[None], grads)
-        grads = cast_varying(grads, (PP,))
+        grads = cast_varying(jax.tree.map(lambda g: g[None], grads), (PP,))
         loss = lax.pmean(loss_sum / m, self.axes)
-        if not isinstance(self.tx, ShardedOptimizer):
+        if not isinstance(self.tx, ShardedOptimizer) and gather is None:
             grads = jax.tree.map(lambda g: psum_mean(g, self.axes, mean=True), grads)
         state = jax.tree.map(lambda leaf: leaf[0], opt_state)
         updates, state = self.tx.update(grads, state, params)
         params = optax.apply_updates(params, updates)
         return params, jax.tree.map(lambda leaf: leaf[None], state), loss
+
+
+def data_axes(mesh: Mesh, axis_name: AxisName) -> tuple[str, ...]:
+    """The data-parallel mesh axes ``axis_name`` names: ``"dp"`` on the mesh of a
+    hybrid-sharding topology (no ``dp`` axis) is its ``dp_replicate`` and ``dp_shard``."""
+    axes = axis_tuple(axis_name)
+    names = set(mesh.axis_names)
+    if axes == ("dp",) and "dp" not in names and set(HSDP_AXES) <= names:
+        return ("dp_replicate", "dp_shard")  # the topology's rank order: mesh_axes("dp")
+    return axes
 
 
 def _blocks_per_stage(params: Any) -> int:
@@ -302,6 +355,7 @@ def pipeline_step(
     stash: str = "residuals",
     axis_name: AxisName = "dp",
     param_specs: Any = None,
+    layout: ParamLayout | None = None,
 ) -> PipelineStep:
     """Build the pipeline-parallel step of ``plan`` (docs/pipeline.md, "The JAX executor").
 
@@ -318,12 +372,16 @@ def pipeline_step(
             ``jax.vjp`` keeps; no recomputation, every cell about one forward's work) or
             ``"input"`` (the stage input only; the input-gradient cell recomputes the
             forward: less memory, a third more compute).
-        axis_name: the data-parallel mesh axis (or axes) the batch is split over.
+        axis_name: the data-parallel mesh axis (or axes) the batch is split over; ``"dp"``
+            on a hybrid-sharding topology's mesh is its ``dp_replicate`` and ``dp_shard``.
         param_specs: tensor parallelism inside a stage: a ``PartitionSpec`` tree like the
             parameters (a block's spec is one layer's, as ``nnx_model`` returns them), for
             blocks written with ``ColumnParallelLinear``/``RowParallelLinear`` over ``tp``.
             Place the parameters with ``pipeline_params(params, plan, mesh, param_specs)``.
             Default: only the pipeline shards them.
+        layout: a ``zero3`` plan's cut of the parameters (ZeRO-3 over ``axis_name``:
+            ``pipeline_layout(natural, plan)``); place them with ``pipeline_params(natural,
+            plan, mesh, layout=layout)``. Required with a ``zero3`` plan, refused without.
 
     Returns:
         A ``PipelineStep``: ``step(params, opt_state, batch) -> (params, opt_state, loss)``
@@ -332,9 +390,10 @@ def pipeline_step(
         plan's microbatches; ``loss`` is the mean over the global batch.
 
     Raises:
-        ValueError: if the mesh lacks ``pp`` or the plan's pp, the plan plans ZeRO-3, the
-            stash mode is unknown, or a ``shard_optimizer`` was built for another mesh or
-            axis.
+        ValueError: if the mesh lacks ``pp`` or the plan's pp, the stash mode is unknown, a
+            ``shard_optimizer`` was built for another mesh or axis, or a ``zero3`` plan comes
+            without its ``layout`` (or a layout without a ``zero3`` plan, or with
+            ``shard_optimizer`` or ``param_specs``).
 
     Example:
         >>> step = pipeline_step(model, optax.adamw(1e-3), mesh, plan)
@@ -348,7 +407,7 @@ def pipeline_step(
         )
     if stash not in STASH_MODES:
         raise ValueError(f"stash must be one of {STASH_MODES}, got {stash!r}")
-    axes = axis_tuple(axis_name)
+    axes = data_axes(mesh, axis_name)
     missing = [a for a in axes if a not in mesh.axis_names]
     if missing or PP in axes:
         raise ValueError(
@@ -365,6 +424,32 @@ def pipeline_step(
             "shard_optimizer plans its shards over whole parameters, not over tensor-parallel "
             "shards: with param_specs, pass the plain Optax transformation"
         )
+    if plan.zero3 != (layout is not None):
+        raise ValueError(
+            "a zero3 plan shards the parameters: pass layout=pipeline_layout(natural, plan)"
+            if plan.zero3
+            else "layout= shards the parameters (ZeRO-3), which the plan must plan: make it "
+            "with plan_pipeline(..., zero3=True)"
+        )
+    if layout is not None:
+        if isinstance(tx, ShardedOptimizer):
+            raise ValueError(
+                "a zero3 plan keeps the optimizer state on the parameters' chunks already; "
+                "pass the plain Optax transformation, not shard_optimizer(...)"
+            )
+        if param_specs is not None:
+            raise ValueError(
+                "a zero3 plan cuts whole parameters, not tensor-parallel shards: give either "
+                "param_specs or a zero3 plan"
+            )
+        check_mesh(layout, mesh, axis_name)
     return PipelineStep(
-        model, tx, mesh, plan, stash=stash, axis_name=axis_name, param_specs=param_specs
+        model,
+        tx,
+        mesh,
+        plan,
+        stash=stash,
+        axis_name=axis_name,
+        param_specs=param_specs,
+        layout=layout,
     )

@@ -123,14 +123,9 @@ def tick_grid(plan: PipelinePlan) -> list[list[Cell | None]]:
     """Each rank's cell at each tick: the unit-time simulation, a full backward as its two
     halves.
 
-    Raises:
-        ValueError: if the plan shards its stages (``zero3``: not supported by this executor).
+    A ``zero3`` plan's ``UNSHARD`` and ``RESHARD`` are no cells: the step gathers a rank's
+    stages before the loop and reduce-scatters their gradients after it (``sharded.py``).
     """
-    if plan.zero3:
-        raise ValueError(
-            "the JAX pipeline executor runs plans without ZeRO-3 UNSHARD/RESHARD; plan it "
-            "with zero3=False"
-        )
     sim = simulate_pipeline(plan, forward=1, backward=2, weight=1, p2p=0)
     ticks = int(sim.step_time)
     grid: list[list[Cell | None]] = [[None] * ticks for _ in range(plan.pp)]

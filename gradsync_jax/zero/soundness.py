@@ -356,7 +356,12 @@ class Soundness:
     def _flat_reason(
         self, node: Node, own: int | None, whole: Node, what: str, piece: str = "a flat chunk"
     ) -> str | None:
-        if node.deps - ({own} if own is not None else set()) or node.kind not in (ELEMENT, UNIFORM):
+        # A global leaf that reads no tensor (a count, Muon's ns_coeffs constant) is the same
+        # on every device, whatever operations make it.
+        shared = own is None and not node.deps
+        if node.deps - ({own} if own is not None else set()) or (
+            node.kind not in (ELEMENT, UNIFORM) and not shared
+        ):
             culprit = node.culprit or "an operation across elements"
             return f"computes the {what}{self.where} with {culprit}, which is not elementwise"
         if node.sig != whole.sig:

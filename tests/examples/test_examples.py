@@ -126,3 +126,13 @@ def test_cross_framework_continues_the_torch_run():
     line = "largest relative loss difference after the switch:"
     assert number(line, close.stdout) < 1e-6
     assert 1e-6 < number(line, default.stdout) < TOLERANCE
+
+
+def test_llama_nd_matches_one_process():
+    """dp_shard 2 x tp 2 x pp 2 on 8 processes, float64: within the sums' rounding."""
+    args = ["llama_nd.py", "--dp-shard", "2", "--tp", "2", "--pp", "2", "--float64"]
+    done = run(args, torchrun=8)
+    assert summary(done.stdout)["max_param_diff"] < 1e-10, done.stdout[-2000:]
+    # rank 0 printed gradsync plan's per-rank bytes for the same layout before training
+    assert "predicted by `gradsync plan --model llama-nd --world-size 8" in done.stdout
+    assert "fullest: pp rank 0, peak" in done.stdout

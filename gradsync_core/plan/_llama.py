@@ -1,0 +1,266 @@
+"""The Llama reference decoder's parameters, one rank's slice of them, and their bytes per rank.
+
+``examples/llama_torch.py`` (and its Flax NNX twin) lay the model out as torchtitan's
+``parallelize_llama`` does; this module says, from the model's sizes alone, what each rank
+then holds (docs/nd-parallel.md):
+
+- ``pp``: torchtitan's partition of the layers over one stage per pipeline rank
+  (``partition_layers``: the embedding and the norm-and-output count as a layer each); the
+  first stage holds ``tok_embeddings``, the last ``norm`` and ``output``.
+- ``tp``: Megatron's cut. ``wq``, ``wk``, ``wv``, ``w1``, ``w3`` and ``output`` are
+  column-parallel (torch's ``(out, in)`` weight cut along dim 0), ``wo`` and ``w2``
+  row-parallel (dim 1); the embedding, the norms and the router are replicated over tp.
+- ``ep``: each rank holds ``n_experts / ep`` of every layer's stacked experts (dim 0).
+- ``dp_shard`` (and ``edp`` for experts): ``fully_shard`` cuts what the rank holds along dim 0,
+  one unit per layer and the stage's root (``plan_param_shards``, ``estimate_zero3``).
+- ``cp`` divides no parameter: it splits the sequence, so activations only.
+
+A model's names alone do not say how it splits over tp or which layers a stage holds, so
+``gradsync plan`` divides by tp, pp and ep for these shapes only (``LLAMA_MODELS``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gradsync_core.plan._memory import RankMemory, estimate_zero3
+from gradsync_core.plan._param_shards import plan_param_shards
+from gradsync_core.plan._param_units import block_prefixes
+from gradsync_core.plan._specs import ParamSpec
+from gradsync_core.plan._topology import Topology
+from gradsync_core.plan.pipeline._layout import partition_layers
+
+# Megatron's tensor-parallel cut of a layer's weights: the dim of torch's (out, in) weight.
+_COLUMN = ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3")
+_ROW = ("attention.wo", "feed_forward.w2")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LlamaShape:
+    """The sizes of ``examples/llama_config.py``'s ``LlamaConfig`` that fix the parameters.
+
+    Example:
+        >>> tiny = LlamaShape(vocab_size=64, dim=32, n_layers=4, n_heads=4, n_kv_heads=2,
+        ...                   ffn_dim=64)
+        >>> sum(s.numel for s in tiny.specs())
+        41248
+    """
+
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    n_experts: int = 0
+    tie_embeddings: bool = False
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def specs(self, dtype: str = "float32") -> list[ParamSpec]:
+        """Every parameter with torchtitan's names, in ``named_parameters()`` order; a tied
+        output weight is listed once, as the embedding's."""
+        d, hd = self.dim, self.head_dim
+        table: list[tuple[str, tuple[int, ...], bool]] = [
+            ("tok_embeddings.weight", (self.vocab_size, d), False)
+        ]
+        for i in range(self.n_layers):
+            p = f"layers.{i}"
+            table += [
+                (f"{p}.attention_norm.weight", (d,), False),
+                (f"{p}.attention.wq.weight", (self.n_heads * hd, d), False),
+                (f"{p}.attention.wk.weight", (self.n_kv_heads * hd, d), False),
+                (f"{p}.attention.wv.weight", (self.n_kv_heads * hd, d), False),
+                (f"{p}.attention.wo.weight", (d, self.n_heads * hd), False),
+                (f"{p}.ffn_norm.weight", (d,), False),
+            ]
+            if self.n_experts:
+                e, h = self.n_experts, self.ffn_dim
+                table += [
+                    (f"{p}.feed_forward.router.weight", (e, d), False),
+                    (f"{p}.feed_forward.experts.w1", (e, h, d), True),
+                    (f"{p}.feed_forward.experts.w2", (e, d, h), True),
+                    (f"{p}.feed_forward.experts.w3", (e, h, d), True),
+                ]
+            else:
+                table += [
+                    (f"{p}.feed_forward.w1.weight", (self.ffn_dim, d), False),
+                    (f"{p}.feed_forward.w2.weight", (d, self.ffn_dim), False),
+                    (f"{p}.feed_forward.w3.weight", (self.ffn_dim, d), False),
+                ]
+        table.append(("norm.weight", (d,), False))
+        if not self.tie_embeddings:
+            table.append(("output.weight", (self.vocab_size, d), False))
+        return [ParamSpec(name=n, shape=s, dtype=dtype, expert=e) for n, s, e in table]
+
+    def check(self, topology: Topology) -> None:
+        """Refuse, with one sentence, sizes the axes do not divide (``check_layout``'s rule).
+
+        Raises:
+            ValueError: heads, kv heads, ffn_dim or an untied vocabulary not divisible by tp,
+                layers too few for pp, experts not divisible by ep, ep without experts.
+        """
+        splits = [
+            ("n_heads", self.n_heads, "tp", topology.tp),
+            ("n_kv_heads", self.n_kv_heads, "tp", topology.tp),
+            ("ffn_dim", self.ffn_dim, "tp", topology.tp),
+        ]
+        if not self.tie_embeddings:
+            splits.append(("vocab_size", self.vocab_size, "tp", topology.tp))
+        if self.n_experts:
+            splits.append(("n_experts", self.n_experts, "ep", topology.ep))
+        elif topology.ep > 1:
+            raise ValueError(f"ep={topology.ep} needs a model with experts (n_experts > 0)")
+        if self.n_experts and topology.tp > 1:
+            raise ValueError(
+                "the Llama reference does not cut experts over tp (examples/llama_torch.py "
+                "refuses tp with experts); use tp 1 with experts"
+            )
+        for what, size, axis, parts in splits:
+            if size % parts:
+                raise ValueError(
+                    f"{what} {size} is not divisible by {axis}={parts}: pick a {axis} that "
+                    "divides it"
+                )
+        if self.tie_embeddings and topology.pp > 1:
+            raise ValueError(
+                "a tied embedding under pp > 1 is not supported by the Llama reference's "
+                "parallelize; set tie_embeddings=False or pp 1"
+            )
+        partition_layers(self.n_layers, topology.pp)  # refuses more stages than layers
+
+    def stage_layers(self, pp: int) -> tuple[range, ...]:
+        """The layers of each pipeline rank's stage (torchtitan's partition, one stage per
+        rank), e.g. ``(range(0, 2), range(2, 4))`` for 4 layers over pp 2."""
+        out, first = [], 0
+        for stage in partition_layers(self.n_layers, pp):
+            count = stage.count("t")
+            out.append(range(first, first + count))
+            first += count
+        return tuple(out)
+
+    def rank_specs(
+        self, topology: Topology, pp_rank: int, dtype: str = "float32"
+    ) -> list[ParamSpec]:
+        """What one rank of pipeline rank ``pp_rank`` holds before ``fully_shard``: its stage's
+        parameters, each its tp slice and its ep share of the experts.
+
+        Raises:
+            ValueError: ``check``'s refusals, or a ``pp_rank`` outside ``[0, pp)``.
+        """
+        self.check(topology)
+        if not 0 <= pp_rank < topology.pp:
+            raise ValueError(f"pp_rank must be in [0, {topology.pp}), got {pp_rank}")
+        layers = {f"layers.{i}." for i in self.stage_layers(topology.pp)[pp_rank]}
+        first, last = pp_rank == 0, pp_rank == topology.pp - 1
+        out = []
+        for spec in self.specs(dtype):
+            head = spec.name.split(".", 1)[0]
+            if head == "layers":
+                if f"layers.{spec.name.split('.')[1]}." not in layers:
+                    continue
+            elif head == "tok_embeddings" and not first:
+                continue
+            elif head in ("norm", "output") and not last:
+                continue
+            shape = list(spec.shape)
+            cut = _tp_dim(spec.name)
+            if cut is not None:
+                shape[cut] //= topology.tp
+            if spec.expert:
+                shape[0] //= topology.ep
+            out.append(
+                ParamSpec(name=spec.name, shape=tuple(shape), dtype=dtype, expert=spec.expert)
+            )
+        return out
+
+
+def _tp_dim(name: str) -> int | None:
+    """The dim tensor parallelism cuts of a parameter, or ``None`` (replicated over tp)."""
+    if name == "output.weight":
+        return 0
+    module = name.rsplit(".", 1)[0].split(".", 2)[-1] if name.startswith("layers.") else ""
+    if module in _COLUMN:
+        return 0
+    if module in _ROW:
+        return 1
+    return None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StageMemory:
+    """The bytes of the fullest rank of one pipeline stage (a rank of pipeline rank
+    ``pp_rank``: every tp, cp and dp rank of it holds the same or less)."""
+
+    pp_rank: int
+    layers: range
+    numel: int  # the elements this rank holds before fully_shard: its tp/ep slice of the stage
+    memory: RankMemory
+
+
+def llama_memory(
+    shape: LlamaShape,
+    topology: Topology,
+    *,
+    dtype: str = "float32",
+    optimizer: str | int = "adamw",
+) -> tuple[StageMemory, ...]:
+    """Per-rank model-state bytes of the Llama reference on ``topology``, one row per pipeline
+    rank: its stage's tp/ep slices cut by ``fully_shard`` over ``dp`` (HSDP: ``dp_shard``
+    ranks per shard group), one unit per layer and the stage's root; the experts over
+    ``edp``, each layer's experts a unit of their own. The dense and expert estimates add up,
+    their transient bytes too (an upper bound: the two peaks need not coincide).
+
+    Raises:
+        ValueError: ``LlamaShape.check``'s refusals.
+
+    Example:
+        >>> tiny = LlamaShape(vocab_size=64, dim=32, n_layers=4, n_heads=4, n_kv_heads=2,
+        ...                   ffn_dim=64)
+        >>> rows = llama_memory(tiny, Topology.create(8, tp=2, pp=2))
+        >>> [(r.pp_rank, list(r.layers), r.numel) for r in rows]
+        [(0, [0, 1], 11392), (1, [2, 3], 10400)]
+    """
+    out = []
+    for pp_rank, layers in enumerate(shape.stage_layers(topology.pp)):
+        specs = shape.rank_specs(topology, pp_rank, dtype)
+        dense = [s for s in specs if not s.expert]
+        experts = [s for s in specs if s.expert]
+        plan = plan_param_shards(
+            dense, world_size=topology.dp, units=block_prefixes(dense), dp_shard=topology.dp_shard
+        )
+        total = estimate_zero3(plan, optimizer=optimizer).max
+        if experts:
+            units = sorted({s.name.rsplit(".", 1)[0] for s in experts})
+            expert_plan = plan_param_shards(experts, world_size=topology.edp, units=units)
+            extra = estimate_zero3(expert_plan, optimizer=optimizer).max
+            total = RankMemory(
+                rank=total.rank,
+                parameter_bytes=total.parameter_bytes + extra.parameter_bytes,
+                gradient_bytes=total.gradient_bytes + extra.gradient_bytes,
+                optimizer_state_bytes=total.optimizer_state_bytes + extra.optimizer_state_bytes,
+                transient_bytes=total.transient_bytes + extra.transient_bytes,
+            )
+        numel = sum(s.numel for s in specs)
+        out.append(StageMemory(pp_rank=pp_rank, layers=layers, numel=numel, memory=total))
+    return tuple(out)
+
+
+LLAMA_MODELS: dict[str, LlamaShape] = {
+    # Meta's Llama 3 8B (torchtitan's "8B" flavor): 8,030,261,248 parameters.
+    "llama3-8b": LlamaShape(
+        vocab_size=128256,
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim=14336,
+    ),
+    # examples/llama_nd.py's model, dense and with --moe.
+    "llama-nd": LlamaShape(vocab_size=64, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=64),
+    "llama-nd-moe": LlamaShape(
+        vocab_size=64, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=32, n_experts=4
+    ),
+}

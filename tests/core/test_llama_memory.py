@@ -1,0 +1,196 @@
+"""``gradsync plan --zero 3`` for the Llama reference: bytes per rank with every axis divided.
+
+The expected figures are worked out by hand below from the model's sizes (docs/nd-parallel.md):
+a rank holds its pipeline stage's layers, each weight its tensor-parallel slice, its ``ep``
+share of the experts, and ``fully_shard`` cuts that along dim 0 over ``dp_shard`` (``edp``).
+"""
+
+import json
+
+import pytest
+
+from gradsync_core import Topology
+from gradsync_core.cli._main import main
+from gradsync_core.plan._llama import LLAMA_MODELS, LlamaShape, llama_memory
+
+ND = LLAMA_MODELS["llama-nd"]  # vocab 64, dim 32, 4 layers, 4 heads (head_dim 8), 2 kv, ffn 64
+F32 = 4
+
+
+def run(capsys, *args):
+    code = main(["plan", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_llama3_8b_has_its_published_parameter_count():
+    assert sum(s.numel for s in LLAMA_MODELS["llama3-8b"].specs()) == 8_030_261_248
+
+
+def test_rank_specs_cut_columns_rows_and_stages():
+    topo = Topology.create(8, tp=2, pp=2)
+    first = {s.name: s.shape for s in ND.rank_specs(topo, 0)}
+    last = {s.name: s.shape for s in ND.rank_specs(topo, 1)}
+    assert first["tok_embeddings.weight"] == (64, 32)  # replicated over tp
+    assert first["layers.0.attention.wq.weight"] == (16, 32)  # column: out / tp
+    assert first["layers.1.attention.wk.weight"] == (8, 32)
+    assert first["layers.0.attention.wo.weight"] == (32, 16)  # row: in / tp
+    assert first["layers.0.feed_forward.w2.weight"] == (32, 32)  # (32, 64) / tp on dim 1
+    assert first["layers.0.attention_norm.weight"] == (32,)
+    assert not any(n.startswith(("layers.2", "layers.3", "norm", "output")) for n in first)
+    assert last["output.weight"] == (32, 32)  # vocab / tp
+    assert "norm.weight" in last and "tok_embeddings.weight" not in last
+    assert {n.split(".")[1] for n in last if n.startswith("layers.")} == {"2", "3"}
+
+
+def test_dp_shard_2_tp_2_pp_2_by_hand():
+    # A layer on one tp rank: two norms 2*32, wq 16*32, wk and wv 8*32, wo 32*16, w1 w2 w3
+    # 3 * 32*32 = 4,672 elements; over dp 2 every weight halves its (even) rows: 2,336.
+    layer = 2 * 32 + 16 * 32 + 2 * 8 * 32 + 32 * 16 + 3 * 32 * 32
+    assert layer == 4672
+    embedding, norm_output = 64 * 32, 32 + 32 * 32
+    rows = llama_memory(ND, Topology.create(8, tp=2, pp=2), optimizer="adamw")
+    assert [(r.pp_rank, list(r.layers)) for r in rows] == [(0, [0, 1]), (1, [2, 3])]
+    assert [r.numel for r in rows] == [embedding + 2 * layer, 2 * layer + norm_output]
+    for row, root in zip(rows, (embedding, norm_output), strict=True):
+        held = (root + 2 * layer) // 2 * F32
+        m = row.memory
+        assert (m.parameter_bytes, m.gradient_bytes) == (held, held)
+        assert m.optimizer_state_bytes == (root + 2 * layer) // 2 * 8  # AdamW: two fp32 moments
+        # FSDP2's worst moment: the gathered root, the two gathered layers (this one and the
+        # prefetched next), and one layer's backward: its full gradient and reduce-scatter
+        # input less its own gradient shard.
+        backward = 2 * layer * F32 - layer // 2 * F32
+        assert m.transient_bytes == root * F32 + 2 * layer * F32 + backward
+    assert [r.memory.peak_bytes for r in rows] == [164736, 152832]
+
+
+def test_moe_experts_split_over_ep_and_sharded_over_edp():
+    moe = LLAMA_MODELS["llama-nd-moe"]  # ffn 32, 4 experts
+    topo = Topology.create(8, ep=2, pp=2)  # dp 4, edp 8 / (ep 2 * pp 2) = 2
+    assert (topo.dp, topo.edp) == (4, 2)
+    rows = llama_memory(moe, topo)
+    # A layer's dense part on a rank: norms 2*32, wq 32*32, wk wv 16*32, wo 32*32, router
+    # 4*32 = 3,264 elements, over dp 4: 816. Its experts: 4 / ep 2 = 2 of (32, 32) x 3, over
+    # edp 2: 1 expert each, 3 * 1,024.
+    dense_layer, expert_layer = 3264, 3 * 2 * 32 * 32
+    assert rows[0].numel == 64 * 32 + 2 * (dense_layer + expert_layer)
+    held = (64 * 32 // 4 + 2 * 816 + 2 * 3 * 1024) * F32
+    assert rows[0].memory.parameter_bytes == held
+    assert rows[0].memory.optimizer_state_bytes == 2 * held  # Adam: 8 bytes per element
+
+
+@pytest.mark.parametrize(
+    ("shape", "world", "axes", "message"),
+    [
+        (LLAMA_MODELS["llama3-8b"], 128, {"tp": 16}, "n_kv_heads 8 is not divisible by tp=16"),
+        (ND, 8, {"tp": 4}, "n_kv_heads 2 is not divisible by tp=4"),
+        (ND, 8, {"ep": 2}, "ep=2 needs a model with experts"),
+        (LLAMA_MODELS["llama-nd-moe"], 8, {"tp": 2}, "does not cut experts over tp"),
+        (ND, 8, {"pp": 8}, "8 stages are more than the 6 effective layers"),
+        (
+            LlamaShape(
+                vocab_size=8,
+                dim=8,
+                n_layers=2,
+                n_heads=2,
+                n_kv_heads=2,
+                ffn_dim=8,
+                tie_embeddings=True,
+            ),
+            2,
+            {"pp": 2},
+            "a tied embedding under pp > 1",
+        ),
+    ],
+)
+def test_layouts_the_model_cannot_take_are_refused(shape, world, axes, message):
+    with pytest.raises(ValueError, match=message):
+        llama_memory(shape, Topology.create(world, **axes))
+
+
+def test_cli_prints_each_stage_and_the_fullest(capsys):
+    code, out, _ = run(
+        capsys, "--model", "llama-nd", "--dp-shard", "2", "--tp", "2", "--pp", "2", "--zero", "3"
+    )
+    assert code == 0
+    assert "world size 8 = dp_replicate 1 x dp_shard 2 x cp 1 x tp 2 x pp 2" in out
+    assert "      0     0-1    11,392" in out and "      1     2-3    10,400" in out
+    assert "fullest: pp rank 0, peak 0.16 MiB" in out
+
+
+def test_cli_json_has_the_bytes_of_each_stage(capsys):
+    code, out, _ = run(
+        capsys, "--model", "llama-nd", "--tp", "2", "--pp", "2", "--zero", "3", "--json"
+    )
+    assert code == 0
+    rows = json.loads(out)["composed_memory"]
+    want = llama_memory(ND, Topology.create(8, tp=2, pp=2), optimizer="adam")
+    assert [r["peak_bytes"] for r in rows] == [w.memory.peak_bytes for w in want]
+    assert [r["layers"] for r in rows] == [[0, 2], [2, 4]]
+
+
+def test_cli_hsdp_divides_by_the_shard_group_only(capsys):
+    code, out, _ = run(
+        capsys, "--model", "llama-nd", "--dp-shard", "2", "--tp", "2", "--json", "--zero", "3"
+    )
+    assert code == 0
+    (row,) = json.loads(out)["composed_memory"]
+    assert row["numel"] == 64 * 32 + 4 * 4672 + 32 + 32 * 32  # one stage: everything, tp 2
+    assert row["parameter_bytes"] == row["numel"] // 2 * F32  # dp 4 = 2 shards x 2 replicas
+
+
+def test_other_models_say_their_shapes_are_taken_as_given(capsys):
+    code, out, _ = run(capsys, "--zero", "3", "--world-size", "8", "--tp", "2")
+    assert code == 0
+    assert "the planner cannot know how this model splits over tp, pp and ep" in out
+
+
+def test_units_do_not_apply_to_a_builtin_llama(capsys):
+    code, _, err = run(capsys, "--model", "llama-nd", "--zero", "3", "--units", "layers.0")
+    assert code == 2
+    assert "--units does not apply to a built-in Llama" in err
+
+
+def test_dp_replicate_is_the_examples_spelling_of_hsdp(capsys):
+    code, out, _ = run(
+        capsys, "--model", "llama-nd", "--dp-replicate", "2", "--tp", "2", "--zero", "3", "--json"
+    )
+    assert code == 0
+    assert json.loads(out)["topology"]["dp_shard"] == 2  # dp 4 / 2 replicas
+    both = run(
+        capsys,
+        "--model",
+        "llama-nd",
+        "--dp-replicate",
+        "2",
+        "--dp-shard",
+        "2",
+        "--tp",
+        "2",
+        "--zero",
+        "3",
+        "--json",
+    )[1]
+    assert both == out
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["--dp-replicate", "3", "--tp", "2"],
+            "--dp-replicate 3 does not divide the data-parallel",
+        ),
+        (
+            ["--dp-replicate", "2", "--dp-shard", "1", "--tp", "2"],
+            "--dp-replicate 2 x --dp-shard 1 is not the data-parallel size 4",
+        ),
+        (["--dp-replicate", "2", "--zero", "1"], "--dp-replicate applies to --zero 3 only"),
+        (["--dp-replicate", "0"], "--dp-replicate must be between 1 and"),
+    ],
+)
+def test_dp_replicate_that_does_not_fit_is_refused(capsys, args, message):
+    code, _, err = run(capsys, "--model", "llama-nd", *args)
+    assert code == 2
+    assert message in err
