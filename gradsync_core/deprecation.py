@@ -28,8 +28,10 @@ F = TypeVar("F", bound=Callable[..., Any])
 # The old names that already warned in this process.
 _warned: set[str] = set()
 
-# Frames of these packages are the alias's (its wrappers, the function), not the caller's.
-_OURS = ("gradsync_core", "gradsync_torch", "gradsync_jax")
+# Frames of gradsync's packages (the core and any executor: every top-level package named
+# ``gradsync_*``) are the alias's (its wrappers, the function), not the caller's. The core names
+# no executor (docs/design.md §1), so the rule is the prefix.
+_OURS_PREFIX = "gradsync_"
 
 
 def _caller_level() -> int:
@@ -37,7 +39,7 @@ def _caller_level() -> int:
     ``warn_deprecated``: the user's line, however many wrappers an alias passes through."""
     frame: FrameType | None = sys._getframe(2)  # warn_deprecated's caller: warn's level 2
     level = 2
-    while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] in _OURS:
+    while frame is not None and frame.f_globals.get("__name__", "").startswith(_OURS_PREFIX):
         frame, level = frame.f_back, level + 1
     return level
 

@@ -140,7 +140,7 @@ def _names(source: str) -> list[tuple[int, str]]:
             found += [(node.lineno, module)]
             found += [(node.lineno, f"{module}.{alias.name}") for alias in node.names]
         elif isinstance(node, ast.Constant) and isinstance(node.value, str):
-            if re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+(:\w+)?", node.value):
+            if re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*(:\w+)?", node.value):
                 found.append((node.lineno, node.value))
     return found
 
