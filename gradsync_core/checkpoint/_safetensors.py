@@ -71,7 +71,7 @@ def tensor_file(tensors: Sequence[TensorBytes], metadata: Mapping[str, str]) -> 
 
     Example:
         >>> chunks = tensor_file([TensorBytes("w", "U8", (2,), b"ab")], {"rank": "0"})
-        >>> b"".join(chunks)[8:].decode().rstrip()
+        >>> bytes(chunks[0][8:]).decode().rstrip()
         '{"__metadata__":{"rank":"0"},"w":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}}'
     """
     header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
