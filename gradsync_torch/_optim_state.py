@@ -51,6 +51,22 @@ def hyper_parameters(group: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in group.items() if k not in NOT_HYPER}
 
 
+def check_same_param_groups(
+    loaded: Sequence[Mapping[str, Any]], own: Sequence[Mapping[str, Any]]
+) -> None:
+    """Refuse a loaded state dict whose param groups hold other numbers of parameters.
+
+    Raises:
+        ValueError: the sizes differ.
+    """
+    if [len(g["params"]) for g in loaded] != [len(g["params"]) for g in own]:
+        raise ValueError(
+            "loaded state dict has param groups of sizes "
+            f"{[len(g['params']) for g in loaded]}, this optimizer "
+            f"{[len(g['params']) for g in own]}; load the state of the same parameters"
+        )
+
+
 def optimizer_name(optimizer_class: type) -> str:
     """``torch.optim.Adam`` for torch's optimizers (their public path), else module.qualname."""
     if getattr(torch.optim, optimizer_class.__name__, None) is optimizer_class:

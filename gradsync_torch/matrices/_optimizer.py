@@ -38,6 +38,7 @@ from gradsync_torch._optim_state import (
     RankGroup,
     StatePiece,
     assemble,
+    check_same_param_groups,
     hyper_parameters,
     optimizer_name,
     param_specs_of,
@@ -346,13 +347,7 @@ class MatrixOptimizer(Optimizer, OwnsShardedState, StepsWholeTensors):
             ValueError: if its param groups do not match this optimizer's.
         """
         groups = state_dict["param_groups"]
-        if [len(g["params"]) for g in groups] != [len(g["params"]) for g in self.param_groups]:
-            raise ValueError(
-                "loaded state dict has param groups of sizes "
-                f"{[len(g['params']) for g in groups]}, this optimizer "
-                f"{[len(g['params']) for g in self.param_groups]}; load the state of the same "
-                "parameters"
-            )
+        check_same_param_groups(groups, self.param_groups)
         full = {int(k): v for k, v in state_dict["state"].items()}
         self._set_state(full, groups)
 

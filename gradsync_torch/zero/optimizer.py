@@ -25,6 +25,7 @@ from gradsync_core.checkpoint import data_extra, restore_data
 from gradsync_torch._optim_state import (
     OwnsShardedState,
     RankGroup,
+    check_same_param_groups,
     hyper_parameters,
     optimizer_name,
     param_specs_of,
@@ -415,13 +416,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable, OwnsShardedState):
             ValueError: if its param groups do not match this optimizer's.
         """
         groups = state_dict["param_groups"]
-        if [len(g["params"]) for g in groups] != [len(g["params"]) for g in self.param_groups]:
-            raise ValueError(
-                "loaded state dict has param groups of sizes "
-                f"{[len(g['params']) for g in groups]}, this optimizer "
-                f"{[len(g['params']) for g in self.param_groups]}; load the state of the same "
-                "parameters"
-            )
+        check_same_param_groups(groups, self.param_groups)
         full = {int(k): v for k, v in state_dict["state"].items()}
         self._check_loaded_settings(groups)
         self._load_full_state(full, groups)
