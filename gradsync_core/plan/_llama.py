@@ -263,4 +263,8 @@ LLAMA_MODELS: dict[str, LlamaShape] = {
     "llama-nd-moe": LlamaShape(
         vocab_size=64, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=32, n_experts=4
     ),
+    # benchmarks/nd_parallel.py's model: large enough that model states dominate its peak.
+    "llama-nd-bench": LlamaShape(
+        vocab_size=2048, dim=256, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=768
+    ),
 }
