@@ -14,11 +14,15 @@ global batch, the gradients clipped by the whole model's 2-norm, AdamW, ``zero_g
   ``Shard(1)``, the norms ``SequenceParallel``, ``PrepareModuleInput`` before attention and
   the MLP, ``wq``/``wk``/``wv``/``w1``/``w3`` ``ColwiseParallel``, ``wo``/``w2``
   ``RowwiseParallel`` to ``Shard(1)``, ``output`` ``ColwiseParallel`` from ``Shard(1)`` to
-  ``Replicate()``: torchtitan without loss parallelism); then FSDP2's ``fully_shard`` on
-  every layer and on the stage (gradsync's units; HSDP on the 2-D ``(dp_replicate,
-  dp_shard)`` mesh); ``PipelineStage`` and ``Schedule1F1B``/``ScheduleGPipe`` with the same
-  microbatches; the clip is torchtitan's ``dist_utils.clip_grad_norm_`` (the DTensor norm,
-  its square summed over ``pp``).
+  logits split over the vocabulary, the loss under ``loss_parallel``: torchtitan's default
+  loss parallelism); then FSDP2's ``fully_shard`` on every layer and on the stage, with
+  ``reshard_after_forward=True`` (gradsync's units and setting, so both sides gather the same
+  units the same number of times; torchtitan also wraps the embedding and the norm with the
+  output apart, and under pp does not reshard after forward by default); HSDP on the 2-D
+  ``(dp_replicate, dp_shard)`` mesh; ``PipelineStage`` and ``Schedule1F1B``/
+  ``ScheduleGPipe`` with the same microbatches (``scale_grads``: the mean over them); the
+  clip is torchtitan's ``dist_utils.clip_grad_norm_`` (the DTensor norm, its square summed
+  over ``pp``).
 
 Every rank returns its figures; rank 0 puts them all on the queue.
 """
@@ -44,6 +48,7 @@ from torch.distributed.tensor.parallel import (
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
+    loss_parallel,
     parallelize_module,
 )
 from zero3_memory import peak_live_bytes
@@ -62,6 +67,10 @@ def topology_of(sizes: dict[str, int], world: int) -> Topology:
     return Topology.create(
         world, tp=sizes.get("tp", 1), pp=sizes.get("pp", 1), dp_shard=sizes["dp_shard"]
     )
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -104,14 +113,18 @@ class _Gradsync:
 
 
 def _tp_plan(stage: Llama, tp_mesh: DeviceMesh) -> None:
-    """torchtitan's ``apply_tp`` (without loss parallelism) on one stage."""
+    """torchtitan's ``apply_tp`` on one stage."""
     top: dict[str, Any] = {}
     if stage.tok_embeddings is not None:
         top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
     if stage.norm is not None:
         top["norm"] = SequenceParallel()
     if stage.output is not None:
-        top["output"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+        # Loss parallelism (torchtitan's default): the logits stay split over the vocabulary
+        # and ``loss_parallel``'s cross-entropy reduces over tp.
+        top["output"] = ColwiseParallel(
+            input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False
+        )
     if top:
         parallelize_module(stage, tp_mesh, top)
     for block in stage.blocks():
@@ -182,7 +195,8 @@ class _Torch:
 
     @staticmethod
     def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The mean next-token cross-entropy of a (micro)batch (logits whole: Replicate)."""
+        """The mean next-token cross-entropy of a (micro)batch; under tp the logits are a
+        DTensor split over the vocabulary, and ``loss_parallel`` computes it (replicated)."""
         return lm_loss_share(logits, targets, targets.numel())
 
     def _rows(self, tokens: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -190,17 +204,18 @@ class _Torch:
         part = slice(self.dp_rank * rows, (self.dp_rank + 1) * rows)
         return tokens[part], targets[part]
 
-    def _forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def _forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
         tokens, targets = self._rows(tokens, targets)
-        if self.schedule is None:
-            loss = self.loss_fn(self.stage(tokens), targets)
-            loss.backward()
-            return loss.detach()
-        losses: list[torch.Tensor] = []
-        args = (tokens,) if self.first else ()
-        kwargs = {"target": targets, "losses": losses} if self.last else {}
-        self.schedule.step(*args, **kwargs)
-        return torch.stack(losses).mean().detach() if losses else torch.zeros(())
+        with loss_parallel():
+            if self.schedule is None:
+                loss = self.loss_fn(self.stage(tokens), targets)
+                loss.backward()
+                return _whole(loss.detach())
+            losses: list[torch.Tensor] = []
+            args = (tokens,) if self.first else ()
+            kwargs = {"target": targets, "losses": losses} if self.last else {}
+            self.schedule.step(*args, **kwargs)
+        return torch.stack([_whole(x.detach()) for x in losses]).mean() if losses else None
 
     def clip(self) -> torch.Tensor:
         """torchtitan's ``clip_grad_norm_``: the DTensor norm, its square summed over pp."""

@@ -35,8 +35,10 @@ AdamW state, FSDP's gathered units):
   rise of live CPU bytes during one more step (torch's profiler), so it adds the activations
   the prediction leaves out.
 - JAX: "held" is the parameters and Adam state a device holds between steps (JAX keeps no
-  gradients); "peak" is that plus the compiled step's temporary bytes (XLA's
-  ``memory_analysis``: gradients, gathered parameters and activations).
+  gradients); "peak" is XLA's accounting of the compiled step (``memory_analysis``: its
+  arguments, plus the outputs that do not reuse the donated arguments, plus its temporary
+  bytes: gradients, gathered parameters, activations), against the predicted
+  parameters + gradients + state + transient.
 
     python benchmarks/nd_parallel.py --repeat 3
     python benchmarks/nd_parallel.py --quick        # 1 warm-up and 2 timed steps
@@ -187,9 +189,11 @@ def _jax_table(results: dict[str, Any]) -> None:
         want_held = plan["parameter_bytes"] + plan["optimizer_state_bytes"]
         cells = [f"{_mib(want_held)} / {_mib(plan['peak_bytes'])}"]
         for side in ("gradsync", "GSPMD"):
-            held = r[f"{side}_held_bytes"]
-            peak = held + r[f"{side}_temp_bytes"]
-            cells.append(f"{_mib(held)} / {_mib(peak)} ({peak / plan['peak_bytes'] - 1:+.1%})")
+            held, peak = r[f"{side}_held_bytes"], r[f"{side}_peak_bytes"]
+            cells.append(
+                f"{_mib(held)} / {_mib(peak)} ({held / want_held - 1:+.1%} / "
+                f"{peak / plan['peak_bytes'] - 1:+.1%})"
+            )
         print(
             f"  {label:<22}{step['gradsync'] * 1e3:>12.1f}{step['GSPMD'] * 1e3:>10.1f}"
             f"{r['ratio']:>8.3f}x{r['loss_difference']:>15.1e}   " + ", ".join(cells)
