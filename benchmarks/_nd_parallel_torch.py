@@ -15,10 +15,11 @@ global batch, the gradients clipped by the whole model's 2-norm, AdamW, ``zero_g
   the MLP, ``wq``/``wk``/``wv``/``w1``/``w3`` ``ColwiseParallel``, ``wo``/``w2``
   ``RowwiseParallel`` to ``Shard(1)``, ``output`` ``ColwiseParallel`` from ``Shard(1)`` to
   logits split over the vocabulary, the loss under ``loss_parallel``: torchtitan's default
-  loss parallelism); then FSDP2's ``fully_shard`` on every layer and on the stage, with
-  ``reshard_after_forward=True`` (gradsync's units and setting, so both sides gather the same
-  units the same number of times; torchtitan also wraps the embedding and the norm with the
-  output apart, and under pp does not reshard after forward by default); HSDP on the 2-D
+  loss parallelism); then FSDP2's ``fully_shard`` on every layer and on the stage
+  (gradsync's units; torchtitan also wraps the embedding and the norm with the output
+  apart), ``reshard_after_forward`` as torchtitan defaults it (not under pp, where each
+  microbatch's forward would gather the layers again; gradsync's ``Pipeline`` gathers a
+  stage's units at its plan's ``UNSHARD``, torch's lowering of ZeRO-3 stages); HSDP on the 2-D
   ``(dp_replicate, dp_shard)`` mesh; ``PipelineStage`` and ``Schedule1F1B``/
   ``ScheduleGPipe`` with the same microbatches (``scale_grads``: the mean over them); the
   clip is torchtitan's ``dist_utils.clip_grad_norm_`` (the DTensor norm, its square summed
@@ -178,9 +179,12 @@ class _Torch:
         stage = model.stage(layers, first=self.pp_rank == 0, last=last)
         if topology.tp > 1:
             _tp_plan(stage, mesh["tp"])
+        # torchtitan's default: under pp no reshard after forward (each microbatch's forward
+        # would gather the layers again).
+        reshard = options.reshard_after_forward and topology.pp == 1
         for block in stage.blocks():
-            fsdp2(block, mesh=dp_mesh, reshard_after_forward=options.reshard_after_forward)
-        fsdp2(stage, mesh=dp_mesh, reshard_after_forward=options.reshard_after_forward)
+            fsdp2(block, mesh=dp_mesh, reshard_after_forward=reshard)
+        fsdp2(stage, mesh=dp_mesh, reshard_after_forward=reshard)
         self.stage, self.first, self.last = stage, self.pp_rank == 0, last
         self.modules: list[nn.Module] = [stage]
         self.schedule = None
