@@ -15,7 +15,8 @@ the same clipped AdamW, alternating step by step (docs/design.md §11):
   ``jax.jit``: XLA's partitioner picks the collectives.
 
 Per configuration: each step's time (median over the timed rounds), the losses of every step
-(the two must agree), and bytes per device: parameters and Adam state held (the arrays'
+(the two must agree), the largest difference of their weights after the last step, and bytes
+per device: parameters and Adam state held (the arrays'
 shards), the compiled step's temporary bytes and its peak (``compiled_bytes``; both steps
 donate their parameters and state, as a training loop does). The last line of stdout is one
 JSON object.
@@ -190,6 +191,12 @@ def run_config(name: str, sizes: dict[str, int], options: dict[str, Any]) -> dic
             losses[key].append(float(loss))
             if i >= options["warmup"]:
                 times[key].append(elapsed)
+    ours, theirs = runners[GRADSYNC], runners[GSPMD]
+    mine = jax.tree.leaves(ours.par.params_of(ours.params))
+    other = jax.tree.leaves(jax.tree.map(np.asarray, theirs.params))
+    figures["param_difference"] = max(
+        float(np.max(np.abs(np.asarray(a) - b))) for a, b in zip(mine, other, strict=True)
+    )
     step_s = {k: statistics.median(t) for k, t in times.items()}
     pairs = zip(losses[GRADSYNC], losses[GSPMD], strict=True)
     figures.update(
