@@ -238,7 +238,7 @@ def _died(pid: int, status: int, path: str) -> str:
         else f"exit status {status}"
     )
     return (
-        f"the save's writer process (pid {pid}) ended ({ended}) before it wrote "
+        f"the save's writer process (pid {pid}) ended ({ended}) before it finished "
         f"{os.path.basename(path)}; the next save starts a new one"
     )
 
