@@ -118,10 +118,11 @@ class SharedStaging:
 def _shared_memory(nbytes: int) -> int:
     """A descriptor of ``nbytes`` of shared memory with no name (nothing to remove after a
     crash; the memory goes with the last process that maps it)."""
-    if hasattr(os, "memfd_create"):
+    try:
         fd = os.memfd_create("gradsync-staging", os.MFD_CLOEXEC)
-    else:  # not Linux: an unlinked temporary file
-        fd, name = tempfile.mkstemp(prefix="gradsync-staging-")
+    except (AttributeError, OSError):  # not Linux, or refused (a sandbox): an unlinked file
+        where = "/dev/shm" if os.path.isdir("/dev/shm") else None  # in memory where it can
+        fd, name = tempfile.mkstemp(prefix="gradsync-staging-", dir=where)
         os.unlink(name)
     try:
         os.ftruncate(fd, nbytes)
