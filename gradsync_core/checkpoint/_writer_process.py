@@ -251,7 +251,8 @@ _CHILD = (
 )
 
 WRITER = _WriterProcess()
-os.register_at_fork(after_in_child=WRITER.forget)
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=WRITER.forget)
 # After the interpreter joined the save's thread (it is not a daemon): the writer ends.
 atexit.register(WRITER.stop)
 
@@ -282,7 +283,7 @@ def serve(fd: int) -> None:
     is asked for, answer each; return when the training process closes its end."""
     for ignored in (signal.SIGINT, signal.SIGTERM):
         signal.signal(ignored, signal.SIG_IGN)
-    with contextlib.suppress(OSError):
+    with contextlib.suppress(OSError, AttributeError):  # Linux and macOS only
         os.setpriority(os.PRIO_PROCESS, 0, WRITER_NICE)
     conn = Connection(fd)
     memory: mmap.mmap | None = None
