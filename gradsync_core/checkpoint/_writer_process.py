@@ -1,13 +1,13 @@
 """The writer process: it writes a background save's rank files outside training's interpreter.
 
 A save with ``blocking=False`` copies this rank's tensors into host staging memory and returns;
-the bytes are then written and hashed while training goes on. In a thread of the training
-process that write competes with training for the interpreter lock, between the slices that
-``hashlib`` and ``write`` run without it: measured, the steps during the write ran 1.23x a
-quiet step with a writer thread and 1.09x with a writer process, at the same blocked time
-(benchmarks/async_save.py, "writer alone"). So an executor may stage into ``SharedStaging``
-and have ``write_staged_rank_file`` write from it here (docs/design-checkpoints.md §9,
-"Saves that do not stop training"; torch's saves do).
+the bytes are then written and hashed while training goes on. Written by a thread of the
+training process, they slowed the training more: measured on the same bytes, the steps during
+the write ran 1.23x a quiet step with a writer thread and 1.09x with a writer process, at the
+same blocked time (benchmarks/async_save.py, "writer alone"; why is not measured: ``hashlib``
+and ``write`` release the interpreter lock for each slice, the thread takes it between them).
+So an executor may stage into ``SharedStaging`` and have ``write_staged_rank_file`` write from
+it here (docs/design-checkpoints.md §9, "Saves that do not stop training"; torch's saves do).
 
 - **One process per training process**, started at its first staged write and kept: a fresh
   interpreter (``subprocess``: fork-and-exec, never a fork of a process holding gloo's or
