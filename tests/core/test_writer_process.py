@@ -10,6 +10,8 @@ import array
 import errno
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -30,6 +32,7 @@ from gradsync_core.checkpoint._writer_process import WRITER
 VALUES = array.array("f", [float(i) / 7 for i in range(1000)]).tobytes()
 COUNTS = array.array("q", [3, 1, 4, 1, 5]).tobytes()
 METADATA = {"rank": "0", "world_size": "1"}
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _staged() -> tuple[SharedStaging, list[StagedTensor]]:
@@ -97,28 +100,48 @@ def test_a_dead_writer_is_a_failure_and_the_next_write_starts_a_new_one(tmp_path
     ).read_bytes()
 
 
+# Run in a fresh interpreter: the test process may hold JAX's or torch's threads, which a
+# fork would copy mid-flight.
+_FORK = """
+import os, sys
+from gradsync_core.checkpoint import SharedStaging, StagedTensor, write_staged_rank_file
+from gradsync_core.checkpoint._writer_process import WRITER
+
+root, memory = sys.argv[1], SharedStaging()
+memory.reserve(8)[:8] = bytes(range(8))
+tensors, meta = [StagedTensor("w", "U8", (8,), 0)], {"rank": "0"}
+write_staged_rank_file(memory, root, "parent.safetensors", tensors, meta)
+parent = WRITER.pid
+child = os.fork()
+if child == 0:  # a data loader's worker, say: it must not talk over the parent's socket
+    status = 1 if WRITER.pid is not None else 0
+    try:
+        write_staged_rank_file(memory, root, "child.safetensors", tensors, meta)
+        status = status or (2 if WRITER.pid in (None, parent) else 0)
+        WRITER.stop()
+    except BaseException:
+        status = 3
+    os._exit(status)
+_, status = os.waitpid(child, 0)
+assert os.waitstatus_to_exitcode(status) == 0, os.waitstatus_to_exitcode(status)
+assert WRITER.pid == parent, "the parent's writer was replaced"
+write_staged_rank_file(memory, root, "after.safetensors", tensors, meta)
+"""
+
+
 def test_a_forked_child_does_not_share_the_writer(tmp_path: Path) -> None:
-    memory, tensors = _staged()
-    write_staged_rank_file(memory, str(tmp_path), "parent.safetensors", tensors, METADATA)
-    parent_writer = WRITER.pid
-    child = os.fork()
-    if child == 0:  # a data loader's worker, say: it must not talk over the parent's socket
-        status = 0 if WRITER.pid is None else 1
-        try:
-            write_staged_rank_file(memory, str(tmp_path), "child.safetensors", tensors, METADATA)
-            if WRITER.pid in (None, parent_writer):
-                status = 2
-            WRITER.stop()
-        except BaseException:
-            status = 3
-        os._exit(status)
-    _, status = os.waitpid(child, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
-    assert WRITER.pid == parent_writer  # the parent's writer still answers
-    write_staged_rank_file(memory, str(tmp_path), "after.safetensors", tensors, METADATA)
-    assert (tmp_path / "child.safetensors").read_bytes() == (
-        tmp_path / "after.safetensors"
-    ).read_bytes()
+    done = subprocess.run(
+        [sys.executable, "-c", _FORK, str(tmp_path)],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    written = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    assert sorted(written) == ["after.safetensors", "child.safetensors", "parent.safetensors"]
+    assert len(set(written.values())) == 1
 
 
 def test_the_writer_runs_at_the_writer_priority_and_ignores_the_jobs_signals(
