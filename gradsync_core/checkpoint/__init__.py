@@ -100,6 +100,11 @@ from gradsync_core.checkpoint._storage import (
     write_atomic,
     write_manifest,
 )
+from gradsync_core.checkpoint._writer_process import (
+    SharedStaging,
+    StagedTensor,
+    write_staged_rank_file,
+)
 
 __all__ = [
     "COUNTERPARTS",
@@ -126,6 +131,8 @@ __all__ = [
     "SaveAgreement",
     "SaveHandle",
     "SaveSteps",
+    "SharedStaging",
+    "StagedTensor",
     "TensorBytes",
     "Window",
     "WindowRead",
@@ -176,4 +183,5 @@ __all__ = [
     "write_atomic",
     "write_manifest",
     "write_rank_file",
+    "write_staged_rank_file",
 ]

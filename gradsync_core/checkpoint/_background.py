@@ -1,8 +1,9 @@
 """The save in flight: at most one per process, its failure never lost (docs/design.md §9).
 
 A save with ``blocking=False`` returns once this rank's bytes are copied to host staging
-buffers; a background thread writes the files and runs the rest of the switching save
-(``start_save`` in ``_save_protocol``). This module owns what that thread leaves behind:
+buffers; a background thread writes the files (or has the writer process write them:
+``_writer_process``, torch's saves) and runs the rest of the switching save (``start_save``
+in ``_save_protocol``). This module owns what that thread leaves behind:
 
 - **at most one save in flight** per process. Every save, blocking or not, first waits for
   the one in flight (``wait_for_saves``), as Orbax's ``AsyncCheckpointer`` does: the staging

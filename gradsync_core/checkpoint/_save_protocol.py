@@ -25,7 +25,9 @@ the fault tests kill or fail a save at a named step instead of patching private 
 Saves that do not stop training (``start_save``, an executor's ``blocking=False``): step 1
 runs in the caller's thread and copies this rank's bytes into host staging buffers; steps 2
 to 4 run in a background thread (``_background``: at most one save in flight per process,
-its failure raised at ``wait()``, the next save or exit). That thread agrees over
+its failure raised at ``wait()``, the next save or exit); an executor's ``write_files`` may
+hand the bytes to the writer process (``write_staged_rank_file``), out of the training's
+interpreter. That thread agrees over
 collectives of its own, never the training's: the executor gives ``start_save`` an
 agreement on a separate group (torch: a gloo group made for it; JAX: the distributed
 client's key-value store), so its collectives cannot interleave with training's. A failure

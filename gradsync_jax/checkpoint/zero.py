@@ -281,7 +281,7 @@ def save_rank_files(
         manifest=lambda prepared, files, _: replace(
             prepared.manifest,
             files={rank_file(r, n): files[r] for r in range(n)},
-            extra={**prepared.manifest.extra, **extra},
+            extra={**prepared.manifest.extra, **prepared.measured(), **extra},
         ),
     )
     if blocking:
@@ -302,6 +302,9 @@ class _Prepared(NamedTuple):
 
     files: dict[int, dict[str, np.ndarray]]
     manifest: Manifest
+    # What the manifest's extra gains from a measurement that can wait for the write (in the
+    # background with ``blocking=False``, not in the call): the hyper-parameters.
+    measured: Callable[[], dict[str, Any]] = dict
 
 
 def _file_chunks(prepared: _Prepared, rank: int, n: int) -> list[Any]:
@@ -383,8 +386,14 @@ def _prepare(
             files[rank].update(tensors)
     name = optimizer_name or optimizers.optimizer_name(space.state_types)
     canonical = canonical_optimizer(name)
-    count = next(iter(held.scalars.values()), int(step))
-    hyperparams = None if canonical is None else measure_hyperparams(inner, canonical, count)
+    count = int(next(iter(held.scalars.values()), int(step)))
+
+    def measured() -> dict[str, Any]:
+        # Probes ``inner`` with eager JAX ops (~5-10 ms): run with the manifest, so that a
+        # save with blocking=False does not hold the training for it.
+        hyperparams = None if canonical is None else measure_hyperparams(inner, canonical, count)
+        return {"hyperparams": hyperparams} if hyperparams else {}
+
     manifest = Manifest(
         framework="jax",
         optimizer=name,
@@ -399,10 +408,9 @@ def _prepare(
             "global_keys": held.global_keys,
             "scalars": held.scalars,
             **({"model": owners} if owners is not None else {}),
-            **({"hyperparams": hyperparams} if hyperparams else {}),
         },
     )
-    return _Prepared(files, manifest)
+    return _Prepared(files, manifest, measured)
 
 
 def _common_step(manifest: Manifest) -> int | None:

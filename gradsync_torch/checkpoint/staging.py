@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from gradsync_core.checkpoint import TensorBytes
+from gradsync_core.checkpoint import SharedStaging, StagedTensor, TensorBytes
 
 # safetensors' dtype names (its ``_TYPES``), for the tensors a checkpoint holds.
 _SAFETENSORS_DTYPES = {
@@ -55,10 +55,15 @@ def tensor_bytes(tensors: dict[str, torch.Tensor]) -> list[TensorBytes]:
 
 class StagingBuffer:
     """Host memory that saves with ``blocking=False`` copy a rank's tensors into; allocated
-    once, reused, grown only when a save needs more (``nbytes``: its size now)."""
+    once, reused, grown only when a save needs more (``nbytes``: its size now). It is shared
+    memory (``gradsync_core.checkpoint.SharedStaging``) that the save's writer process reads
+    (``places`` says where each tensor lies), pinned (registered with CUDA) when the tensors
+    are on a GPU."""
 
     def __init__(self) -> None:
+        self.memory = SharedStaging()
         self._buffer: torch.Tensor | None = None
+        self._pinned = False
 
     @property
     def nbytes(self) -> int:
@@ -78,10 +83,13 @@ class StagingBuffer:
             needed += tensor.numel() * tensor.element_size()
         from_gpu = any(t.is_cuda for t in tensors.values())
         buffer = self._buffer
-        if buffer is None or buffer.numel() < needed or (from_gpu and not buffer.is_pinned()):
+        if buffer is None or buffer.numel() < needed:
+            self._unpin()
             self._buffer = None  # the old one is freed before the new one is allocated
-            buffer = torch.empty(needed, dtype=torch.uint8, pin_memory=from_gpu)
+            buffer = torch.frombuffer(self.memory.reserve(needed), dtype=torch.uint8)
             self._buffer = buffer
+        if from_gpu and not self._pinned:
+            self._pin()
         staged = {}
         with torch.no_grad():
             for key, tensor in tensors.items():
@@ -93,6 +101,44 @@ class StagingBuffer:
         if from_gpu:
             torch.cuda.synchronize()  # the save returns once the bytes are on the host
         return staged
+
+    def places(self, staged: dict[str, torch.Tensor]) -> list[StagedTensor]:
+        """Where each of ``stage``'s views lies in the shared memory, for the writer process.
+
+        Raises:
+            ValueError: a dtype safetensors cannot store, or a tensor not in this buffer.
+        """
+        assert self._buffer is not None
+        base, end = self._buffer.data_ptr(), self._buffer.data_ptr() + self._buffer.numel()
+        out = []
+        for key, tensor in staged.items():
+            if tensor.dtype not in _SAFETENSORS_DTYPES:
+                raise ValueError(
+                    f"tensor {key!r} has dtype {tensor.dtype}, which safetensors cannot store"
+                )
+            start = tensor.data_ptr()
+            if tensor.numel() and not (base <= start and start + tensor.nbytes <= end):
+                raise ValueError(f"tensor {key!r} is not in the staging buffer; stage() it first")
+            offset = start - base if tensor.numel() else 0
+            dtype = _SAFETENSORS_DTYPES[tensor.dtype]
+            out.append(StagedTensor(key, dtype, tuple(tensor.shape), offset))
+        return out
+
+    def _pin(self) -> None:
+        """Register the buffer with CUDA, as a pinned allocation is, so that the copies from
+        the GPU run at full speed (as DCP's process-mode staging does)."""
+        assert self._buffer is not None
+        cudart = torch.cuda.cudart()
+        # 1: cudaHostRegisterPortable, pinned for every CUDA context.
+        code = int(cudart.cudaHostRegister(self._buffer.data_ptr(), self._buffer.numel(), 1))
+        if code != 0:
+            raise RuntimeError(f"cannot pin the save's staging buffer: cudaError {code}")
+        self._pinned = True
+
+    def _unpin(self) -> None:
+        if self._pinned and self._buffer is not None:
+            torch.cuda.cudart().cudaHostUnregister(self._buffer.data_ptr())
+        self._pinned = False
 
 
 # The process's staging buffer: one save in flight at a time, so one buffer.

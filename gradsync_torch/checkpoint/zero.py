@@ -56,6 +56,7 @@ from gradsync_core.checkpoint import (
     tensor_key,
     verify_file_hashes,
     write_rank_file,
+    write_staged_rank_file,
 )
 from gradsync_torch._optim_state import RankGroup, StatePiece, assemble, optimizer_name
 from gradsync_torch.checkpoint.json_values import from_json, groups_json, to_json
@@ -188,6 +189,14 @@ def _write_files(prepared: _Prepared, staging: str, ranks: RankGroup) -> dict[in
     return {ranks.rank: write_rank_file(staging, name, chunks)}
 
 
+def _write_staged(prepared: _Prepared, staging: str, ranks: RankGroup) -> dict[int, str]:
+    """``_write_files`` for tensors in ``STAGING``: the writer process writes the file."""
+    metadata = rank_file_metadata(ranks.rank, ranks.world_size)
+    name = rank_file(ranks.rank, ranks.world_size)
+    places = STAGING.places(prepared.tensors)
+    return {ranks.rank: write_staged_rank_file(STAGING.memory, staging, name, places, metadata)}
+
+
 def _manifest(
     snapshot: Snapshot, prepared: _Prepared, files: dict[int, str], records: list[Any]
 ) -> Manifest:
@@ -235,7 +244,8 @@ def save(
     run_save``, docs/design.md §9). A failure on any rank (a full disk, a bad state value)
     raises on every rank; ``path`` keeps its data. With ``blocking=False`` this rank's
     tensors are copied into ``STAGING`` and the rest runs in the background
-    (``gradsync_core.checkpoint.start_save``), agreed over ``background_ranks``.
+    (``gradsync_core.checkpoint.start_save``), agreed over ``background_ranks``, the rank
+    file written from ``STAGING`` by the writer process (``write_staged_rank_file``).
 
     Returns:
         ``None``; with ``blocking=False`` the save's ``SaveHandle``.
@@ -260,7 +270,11 @@ def save(
         prepared = _prepare(snapshot, ranks.rank)
         return prepared._replace(tensors=STAGING.stage(prepared.tensors))
 
-    staged = replace(steps, prepare=stage)
+    staged = replace(
+        steps,
+        prepare=stage,
+        write_files=lambda prepared, staging: _write_staged(prepared, staging, ranks),
+    )
     return start_save(path, RankSaveAgreement(background), staged, what=what)
 
 

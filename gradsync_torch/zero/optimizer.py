@@ -474,11 +474,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable, OwnsShardedState):
         manifest (docs/data-position.md).
 
         With ``blocking=False`` the call returns once this rank's state (and weights) are
-        copied to host staging memory, allocated at the first such save and reused; the files
-        are written, hashed and switched in in a background thread while training goes on,
-        and the ranks agree over a gloo group of their own (docs/checkpoints.md,
-        "Saves that do not stop training"). At most one save is in flight: the next save
-        waits for it.
+        copied to host staging memory (shared), allocated at the first such save and reused;
+        the file is written and hashed by a writer process and switched in by a background
+        thread while training goes on, and the ranks agree over a gloo group of their own
+        (docs/checkpoints.md, "Saves that do not stop training"). At most one save is in
+        flight: the next save waits for it.
 
         Returns:
             ``None``; with ``blocking=False`` a ``SaveHandle`` whose ``wait()`` returns the

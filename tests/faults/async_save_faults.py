@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import signal
 import threading
 import time
 from typing import Any
@@ -134,6 +135,62 @@ def failures_in_background(rank: int, world_size: int, root: str) -> dict[str, A
     later.wait(timeout=60)
     handle.wait()
     return out
+
+
+def writer_pids() -> list[int]:
+    """The pids of this process's save writer processes (its children running
+    ``gradsync_core.checkpoint._writer_process``)."""
+    children: list[int] = []
+    for task in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{task}/children") as f:
+            children += [int(pid) for pid in f.read().split()]
+    found = []
+    for pid in children:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"gradsync_core.checkpoint._writer_process" in f.read():
+                    found.append(pid)
+        except FileNotFoundError:  # ended meanwhile
+            pass
+    return found
+
+
+def _kill_writer() -> None:
+    (pid,) = writer_pids()
+    os.kill(pid, signal.SIGKILL)
+    while os.path.exists(f"/proc/{pid}/cmdline") and _state(pid) not in ("Z", "X"):
+        time.sleep(0.01)  # dead before the rank asks it to write
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0]
+    except FileNotFoundError:
+        return "X"
+
+
+def writer_killed(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """Rank 1's writer process is killed (SIGKILL) as its rank file is due: every rank's
+    ``wait()`` raises one sentence, the path keeps the previous checkpoint (whose reference
+    state this returns), and the next save starts a new writer and completes."""
+    path = os.path.join(root, "writer-killed")
+    run, saved = _trained(world_size, path)
+    run.opt.save(os.path.join(root, "first"), blocking=False).wait(timeout=60)
+    first = writer_pids()
+    with _failing(rank, 1, "before_file", _kill_writer):
+        handle = run.opt.save(path, blocking=False)
+        run.step()  # training goes on beside the dying writer
+        with pytest.raises(CheckpointError) as raised:
+            handle.wait(timeout=60)
+    after = os.path.join(root, "after")
+    run.opt.save(after, blocking=False).wait(timeout=60)
+    return {
+        "raised": str(raised.value),
+        "saved": saved,
+        "writers": (first, writer_pids()),
+        "after": reference_state(run),
+    }
 
 
 # A real write that fails: rank 1's files may not grow past this (RLIMIT_FSIZE), and its rank

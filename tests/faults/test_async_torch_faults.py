@@ -106,6 +106,29 @@ def test_a_write_the_kernel_refuses_reaches_every_rank_and_keeps_the_previous_ch
     assert_loads_everywhere(path, results[0]["saved"], "file too large", *faults.BIG_SIZES)
 
 
+def test_a_killed_writer_process_reaches_every_rank_and_the_next_save_starts_a_new_one(
+    tmp_path: Path,
+) -> None:
+    results = run_workers(faults.writer_killed, WORLD, str(tmp_path), timeout=240)
+    path = tmp_path / "writer-killed"
+    (killed,), _ = results[1]["writers"]
+    assert (
+        results[0]["raised"]
+        == results[1]["raised"]
+        == (
+            f"cannot save optimizer checkpoint {path} (rank 1): rank 1 could not write its file: "
+            f"RuntimeError: the save's writer process (pid {killed}) ended (killed by SIGKILL) "
+            "before it finished rank-00001-of-00002.safetensors; the next save starts a new one"
+        )
+    )
+    for rank, result in enumerate(results):
+        (before,), (now,) = result["writers"]  # one writer per rank, the killed one replaced
+        assert (now != before) == (rank == 1), (rank, result["writers"])
+    assert not any(".tmp-" in n for n in os.listdir(tmp_path))  # its staging directory: gone
+    assert_loads_everywhere(path, results[0]["saved"], "writer killed")
+    assert_loads_everywhere(tmp_path / "after", results[0]["after"], "the save after")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["ok", "fail"])
 def test_exiting_with_a_save_in_flight(tmp_path: Path, mode: str) -> None:
