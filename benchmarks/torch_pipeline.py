@@ -14,14 +14,25 @@ Schedules: GPipe, 1F1B, Interleaved1F1B, InterleavedZeroBubble (ZB1P). For each 
 schedule it reports the step-time ratio (gradsync / torch), the peak of live CPU bytes during
 one step per rank (torch's profiler), gradsync's peak stash (microbatch activations held at
 once) beside the plan's, whether the two ended with bitwise equal weights, and the **bubble**:
-each rank's idle time in gradsync's steps (the step minus its computes, measured from the
-moment a compute's input is there) beside ``simulate_pipeline``'s prediction for the stage
-times measured in the same run (each stage's median forward, backward, input and weight
-gradient times; a message takes half the measured round trip of one activation between two
-pipeline ranks). torch's pipelining with DDP stages fails here at dp 2 (torch
-2.13, GPipe: "rebuilt parameter indices size is not same as original model parameters size"
-in DDP's reducer, and its split weight gradients bypass DDP's hooks), so torch's side reduces
-the gradients itself.
+each rank's idle time in gradsync's steps (the pipeline's step, its slowest rank's, minus
+the rank's computes, each measured from the moment its input is there: the definition of
+``simulate_pipeline``'s ``idle``) beside the simulator's prediction. The simulation is fed
+the stage times measured in the same run (each stage's median forward, backward, input and
+weight gradient times) and four costs measured apart from the pipelined steps, right after
+them (never fitted to them):
+
+    overhead   the executor's host time per compute: a one-stage pipeline (pp 1) of a tiny
+               stage on every rank, its step less its computes, per compute
+    post       the host time of posting one send or receive of an activation (isend / irecv
+               returning), every pair of pipeline neighbours at once
+    p2p        an activation's trip: half the round trip between pipeline ranks 0 and 1, less
+               one post
+    reduce     each stage's REDUCE_GRAD alone, as the executor runs it (DataParallel's
+               sync_gradients at dp 2, then the 1/microbatches scale), after one more step
+
+torch's pipelining with DDP stages fails here at dp 2 (torch 2.13, GPipe: "rebuilt parameter
+indices size is not same as original model parameters size" in DDP's reducer, and its split
+weight gradients bypass DDP's hooks), so torch's side reduces the gradients itself.
 
     python benchmarks/torch_pipeline.py --repeat 3        # GPT 8 x 256, 8 microbatches
     python benchmarks/torch_pipeline.py --quick
@@ -163,6 +174,84 @@ def _stage_times(records: list[list[Any]]) -> dict[tuple[int, str], float]:
     return {key: statistics.median(v) for key, v in times.items()}
 
 
+class _Probe:
+    """A one-stage pipeline (pp 1) of a tiny stage on every rank: what gradsync's executor
+    costs per compute apart from the compute (dispatch, bookkeeping)."""
+
+    def __init__(self, microbatches: int) -> None:
+        topology = Topology.create(dist.get_world_size(), pp=1)
+        plan = plan_pipeline(
+            schedule="GPipe", microbatches=microbatches, topology=topology, layers=1
+        )
+        torch.manual_seed(0)
+        self.pipe = Pipeline(
+            plan,
+            {0: nn.Linear(1, 1)},
+            groups=ProcessGroups(topology),
+            loss_fn=lambda out, target: (out - target).square().sum(),
+        )
+        self.x = torch.ones(microbatches, 1)
+        self.computes = sum(a.is_compute for a in plan.actions[0])
+
+    def overhead(self, rounds: int = 8) -> float:
+        """The median over ``rounds`` steps (after one more) of (step - computes) per
+        compute, the slowest rank's."""
+        per_compute = []
+        for _ in range(rounds + 1):
+            self.pipe.timeline = []
+            self.pipe.step(self.x, target=self.x)
+            busy = sum(t.end - t.start for t in self.pipe.timeline)
+            per_compute.append((self.pipe.step_seconds - busy) / self.computes)
+            for p in self.pipe.parameters():
+                p.grad = None
+        self.pipe.timeline = None
+        return _slowest(statistics.median(per_compute[1:]))
+
+
+def _post_seconds(groups: Any, shape: tuple[int, ...], rounds: int = 8) -> float:
+    """The host time to post one send or one receive of an activation (the receive's buffer
+    allocated, as the executor does; ``isend``/``irecv`` returning), the pipeline pairs
+    (0, 1), (2, 3), ... all at once: the median, the slowest rank's."""
+    pp = groups["pp"]
+    peer = pp.group_rank ^ 1
+    posts = []
+    if peer < pp.size:
+        tensor = torch.zeros(shape)
+        for _ in range(rounds):
+            works = []
+            for op in ("recv", "send") if pp.group_rank % 2 == 0 else ("send", "recv"):
+                start = time.perf_counter()
+                if op == "send":
+                    works.append(dist.isend(tensor, group=pp.process_group, group_dst=peer))
+                else:
+                    buffer = torch.empty(shape)
+                    works.append(dist.irecv(buffer, group=pp.process_group, group_src=peer))
+                posts.append(time.perf_counter() - start)
+            for work in works:
+                work.wait()
+    return _slowest(statistics.median(posts) if posts else 0.0)
+
+
+def _reduce_seconds(pipe: Pipeline, rounds: int = 5) -> dict[int, float]:
+    """Each of this rank's stages' ``REDUCE_GRAD`` alone, as the executor runs it (the
+    data-parallel ``sync_gradients()`` of a ``DataParallel`` stage, then the 1/microbatches
+    scale), on the gradients of the step just run: the median over ``rounds``."""
+    times: dict[int, list[float]] = {s: [] for s in pipe.stages}
+    m = pipe.plan.microbatches
+    for _ in range(rounds):
+        dist.barrier()
+        for s, module in sorted(pipe.stages.items()):
+            start = time.perf_counter()
+            if isinstance(module, DataParallel):
+                module.sync_gradients()
+            with torch.no_grad():
+                for p in module.parameters():
+                    if p.grad is not None:
+                        p.grad.div_(m)
+            times[s].append(time.perf_counter() - start)
+    return {s: statistics.median(t) for s, t in times.items()}
+
+
 def _p2p_seconds(groups: Any, shape: tuple[int, ...], rounds: int = 8) -> float:
     """One activation's trip between two pipeline ranks: half the median round trip of pp
     ranks 0 and 1 (the others wait), the largest over the pipeline groups."""
@@ -185,9 +274,7 @@ def _p2p_seconds(groups: Any, shape: tuple[int, ...], rounds: int = 8) -> float:
     return _slowest(one_way)
 
 
-def _predicted_idle(
-    plan: Any, times: dict[tuple[int, str], float], p2p: float
-) -> tuple[float, ...]:
+def _simulation(plan: Any, times: dict[tuple[int, str], float], costs: dict[str, Any]) -> Any:
     n = plan.num_stages
     forward = [times[(s, "F")] for s in range(n)]
     if (0, "W") in times:  # split backwards: B = I + W
@@ -196,11 +283,21 @@ def _predicted_idle(
     else:
         backward = [times[(s, "B")] for s in range(n)]
         weight = [0.0] * n
-    sim = simulate_pipeline(plan, forward=forward, backward=backward, weight=weight, p2p=p2p)
-    return sim.idle
+    return simulate_pipeline(
+        plan,
+        forward=forward,
+        backward=backward,
+        weight=weight,
+        p2p=costs["p2p_s"],
+        overhead=costs["overhead_s"],
+        post=costs["post_s"],
+        reduce=costs["reduce_s"],
+    )
 
 
-def _case(layout: str, name: str, args: argparse.Namespace, rank: int) -> dict[str, Any]:
+def _case(
+    layout: str, name: str, args: argparse.Namespace, rank: int, probe: _Probe
+) -> dict[str, Any]:
     pp = LAYOUTS[layout]
     topology = Topology.create(4, pp=pp)
     groups = ProcessGroups(topology)
@@ -223,6 +320,7 @@ def _case(layout: str, name: str, args: argparse.Namespace, rank: int) -> dict[s
         for r in range(args.warmup + args.steps)
     ]
     runners = {"gradsync": ours, "torch": anchor}
+    pp_group = groups["pp"].process_group
     times: dict[str, list[float]] = {k: [] for k in runners}
     records, idle = [], []
     for r, (x, y) in enumerate(data):
@@ -238,10 +336,13 @@ def _case(layout: str, name: str, args: argparse.Namespace, rank: int) -> dict[s
             if timed:
                 times[key].append(elapsed)
                 if key == "gradsync":
+                    # the pipeline's step is its slowest rank's, as in the simulator
+                    step_s = torch.tensor([ours.pipe.step_seconds], dtype=torch.float64)
+                    dist.all_reduce(step_s, op=dist.ReduceOp.MAX, group=pp_group)
                     timeline = ours.pipe.timeline
                     records.append(timeline)
                     busy = sum(t.end - t.start for t in timeline)
-                    idle.append(ours.pipe.step_seconds - busy)
+                    idle.append(float(step_s) - busy)
     ours.pipe.timeline = None
     mine, other = ours.weights(), anchor.weights()
     flag = torch.tensor([int(all(torch.equal(p, other[n]) for n, p in mine.items()))])
@@ -249,9 +350,23 @@ def _case(layout: str, name: str, args: argparse.Namespace, rank: int) -> dict[s
     equal = bool(flag.item())
     x, y = data[0]
     peaks = {key: _peak_bytes(runner, x, y) for key, runner in runners.items()}
+    # The costs besides the computes, each measured on its own (never fitted to the steps).
+    ours.pipe.step(x, target=y)  # gradients for REDUCE_GRAD to reduce
+    reduce = _reduce_seconds(ours.pipe)
+    ours.opt.zero_grad()
+    microbatch = (args.batch // args.microbatches, args.seq, args.width)
+    post = _post_seconds(groups, microbatch)
+    costs: dict[str, Any] = {
+        "overhead_s": probe.overhead(),
+        "post_s": post,
+        "p2p_s": max(_p2p_seconds(groups, microbatch) - post, 0.0),
+    }
     stage_times: list[Any] = [None] * 4
-    dist.all_gather_object(stage_times, _stage_times(records))
-    merged = {k: v for part in stage_times for k, v in part.items()}
+    dist.all_gather_object(stage_times, (_stage_times(records), reduce))
+    merged = {k: v for part, _ in stage_times for k, v in part.items()}
+    costs["reduce_s"] = [  # the slower of a stage's data-parallel copies
+        max(part[s] for _, part in stage_times if s in part) for s in range(plan.num_stages)
+    ]
     everyone: list[Any] = [None] * 4
     mine = {
         "idle": statistics.median(idle),
@@ -260,9 +375,8 @@ def _case(layout: str, name: str, args: argparse.Namespace, rank: int) -> dict[s
         "pp_rank": groups.group_rank("pp"),
     }
     dist.all_gather_object(everyone, mine)
-    microbatch = (args.batch // args.microbatches, args.seq, args.width)
-    p2p = _p2p_seconds(groups, microbatch)
-    predicted = _predicted_idle(plan, merged, p2p)
+    sim = _simulation(plan, merged, costs)
+    predicted = [sim.idle[row["pp_rank"]] for row in everyone]
     step = {k: statistics.median(t) for k, t in times.items()}
     return {
         "step_s": step,
@@ -272,8 +386,9 @@ def _case(layout: str, name: str, args: argparse.Namespace, rank: int) -> dict[s
         "stash": [row["stash"] for row in everyone],
         "plan_stash": [plan.peak_stash[row["pp_rank"]] for row in everyone],
         "idle_s": [row["idle"] for row in everyone],
-        "predicted_idle_s": [predicted[row["pp_rank"]] for row in everyone],
-        "p2p_s": p2p,
+        "predicted_idle_s": predicted,
+        "predicted_host_s": [sim.host[row["pp_rank"]] for row in everyone],
+        **costs,
         "idle_vs_simulated": sum(row["idle"] for row in everyone) / max(sum(predicted), 1e-12),
     }
 
@@ -285,9 +400,10 @@ def worker(rank: int, world_size: int, store_path: str, args: argparse.Namespace
     )
     try:
         results = {}
+        probe = _Probe(args.microbatches)
         for layout in LAYOUTS:
             for name in SCHEDULES:
-                results[f"{layout}/{name}"] = _case(layout, name, args, rank)
+                results[f"{layout}/{name}"] = _case(layout, name, args, rank, probe)
         if rank == 0:
             out.put(results)
     finally:
@@ -329,6 +445,16 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         if r["ratio"] is not None:
             ratios.append(r["ratio"])
         figures[key] = r
+    print(
+        "costs measured apart from the steps (us: overhead per compute, post per send or "
+        "receive, p2p; ms: REDUCE_GRAD per stage):"
+    )
+    for key, r in results.items():
+        reduce = " ".join(f"{t * 1e3:.2f}" for t in r["reduce_s"])
+        print(
+            f"  {key:<32}{r['overhead_s'] * 1e6:>7.0f}{r['post_s'] * 1e6:>7.0f}"
+            f"{r['p2p_s'] * 1e6:>7.0f}   {reduce}"
+        )
     figures["ratio_vs_anchor"] = statistics.median(ratios)
     figures["stash_equals_plan"] = all(r["stash"] == r["plan_stash"] for r in results.values())
     return figures
