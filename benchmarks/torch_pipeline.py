@@ -17,16 +17,18 @@ once) beside the plan's, whether the two ended with bitwise equal weights, and t
 each rank's idle time in gradsync's steps (the pipeline's step, its slowest rank's, minus
 the rank's computes, each measured from the moment its input is there: the definition of
 ``simulate_pipeline``'s ``idle``) beside the simulator's prediction. The simulation is fed
-the stage times measured in the same run (each stage's median forward, backward, input and
-weight gradient times) and four costs measured apart from the pipelined steps, right after
-them (never fitted to them):
+the stage times measured in the same run (each stage's mean forward, backward, input and
+weight gradient time: the simulated ranks compute as long as the measured ones) and four
+costs measured apart from the pipelined steps, right after them (never fitted to them),
+each with every rank busy, as in a step (4 ranks share the machine's cores):
 
     overhead   the executor's host time per compute: a one-stage pipeline (pp 1) of a tiny
                stage on every rank, its step less its computes, per compute
     post       the host time of posting one send or receive of an activation (isend / irecv
                returning), every pair of pipeline neighbours at once
-    p2p        an activation's trip: half the round trip between pipeline ranks 0 and 1, less
-               one post
+    p2p        an activation's trip: half the round trip between pipeline ranks 0 and 1 while
+               the other ranks compute, less one post (the JSON also has it with the other
+               ranks waiting, p2p_unloaded_s)
     reduce     each stage's REDUCE_GRAD alone, as the executor runs it (DataParallel's
                sync_gradients at dp 2, then the 1/microbatches scale), after one more step
 
@@ -165,13 +167,14 @@ def _peak_bytes(runner: Any, x: torch.Tensor, y: torch.Tensor) -> int:
 
 
 def _stage_times(records: list[list[Any]]) -> dict[tuple[int, str], float]:
-    """Each (stage, kind)'s median compute time over the recorded steps."""
+    """Each (stage, kind)'s mean compute time over the recorded steps (the mean, so that the
+    simulated ranks compute as long as the measured ones, and their idle times compare)."""
     times: dict[tuple[int, str], list[float]] = {}
     for timeline in records:
         for timed in timeline:
             key = (timed.action.stage, timed.action.kind)
             times.setdefault(key, []).append(timed.end - timed.start)
-    return {key: statistics.median(v) for key, v in times.items()}
+    return {key: statistics.mean(v) for key, v in times.items()}
 
 
 class _Probe:
@@ -252,24 +255,39 @@ def _reduce_seconds(pipe: Pipeline, rounds: int = 5) -> dict[int, float]:
     return {s: statistics.median(t) for s, t in times.items()}
 
 
-def _p2p_seconds(groups: Any, shape: tuple[int, ...], rounds: int = 8) -> float:
-    """One activation's trip between two pipeline ranks: half the median round trip of pp
-    ranks 0 and 1 (the others wait), the largest over the pipeline groups."""
+def _p2p_seconds(
+    groups: Any, shape: tuple[int, ...], *, loaded: bool, seconds: float = 0.2
+) -> float:
+    """One activation's trip between two pipeline ranks: half the median round trip of
+    pipeline ranks 0 and 1 of the first pipeline group, back and forth for ``seconds``. With
+    ``loaded`` every other rank computes meanwhile (single-threaded matrix products), as in
+    a step, where a message's two ranks share the cores with the other ranks' computes;
+    without, the other ranks wait."""
     pp = groups["pp"]
-    mine = pp.group_rank
-    buffer = torch.zeros(shape)
-    trips = []
-    if mine in (0, 1):
-        peer = 1 - mine
-        for _ in range(rounds):
+    pair = groups.topology.group_at("pp", 0)[:2]  # global ranks
+    trips: list[float] = []
+    dist.barrier()
+    began = time.perf_counter()
+    if dist.get_rank() in pair:
+        peer = 1 - pp.group_rank
+        buffer = torch.zeros(shape)
+        flag = buffer.view(-1)  # rank 0 says in the first element whether another trip follows
+        more = True
+        while more:
             start = time.perf_counter()
-            if mine == 0:
+            if pp.group_rank == 0:
+                flag[0] = float(time.perf_counter() - began < seconds)
                 dist.send(buffer, group=pp.process_group, group_dst=peer)
                 dist.recv(buffer, group=pp.process_group, group_src=peer)
             else:
                 dist.recv(buffer, group=pp.process_group, group_src=peer)
                 dist.send(buffer, group=pp.process_group, group_dst=peer)
             trips.append(time.perf_counter() - start)
+            more = bool(flag[0])
+    elif loaded:
+        a = torch.randn(256, 256)
+        while time.perf_counter() - began < seconds * 1.25:
+            torch.mm(a, a)
     one_way = statistics.median(trips) / 2 if trips else 0.0
     return _slowest(one_way)
 
@@ -283,7 +301,7 @@ def _simulation(plan: Any, times: dict[tuple[int, str], float], costs: dict[str,
     else:
         backward = [times[(s, "B")] for s in range(n)]
         weight = [0.0] * n
-    return simulate_pipeline(
+    return simulate_pipeline(  # the loaded p2p: every rank computes in a step
         plan,
         forward=forward,
         backward=backward,
@@ -359,7 +377,8 @@ def _case(
     costs: dict[str, Any] = {
         "overhead_s": probe.overhead(),
         "post_s": post,
-        "p2p_s": max(_p2p_seconds(groups, microbatch) - post, 0.0),
+        "p2p_s": max(_p2p_seconds(groups, microbatch, loaded=True) - post, 0.0),
+        "p2p_unloaded_s": max(_p2p_seconds(groups, microbatch, loaded=False) - post, 0.0),
     }
     stage_times: list[Any] = [None] * 4
     dist.all_gather_object(stage_times, (_stage_times(records), reduce))
@@ -447,13 +466,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         figures[key] = r
     print(
         "costs measured apart from the steps (us: overhead per compute, post per send or "
-        "receive, p2p; ms: REDUCE_GRAD per stage):"
+        "receive, p2p (others waiting); ms: REDUCE_GRAD per stage):"
     )
     for key, r in results.items():
         reduce = " ".join(f"{t * 1e3:.2f}" for t in r["reduce_s"])
         print(
             f"  {key:<32}{r['overhead_s'] * 1e6:>7.0f}{r['post_s'] * 1e6:>7.0f}"
-            f"{r['p2p_s'] * 1e6:>7.0f}   {reduce}"
+            f"{r['p2p_s'] * 1e6:>7.0f} ({r['p2p_unloaded_s'] * 1e6:.0f})   {reduce}"
         )
     figures["ratio_vs_anchor"] = statistics.median(ratios)
     figures["stash_equals_plan"] = all(r["stash"] == r["plan_stash"] for r in results.values())
