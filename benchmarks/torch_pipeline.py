@@ -24,13 +24,17 @@ each with every rank busy, as in a step (4 ranks share the machine's cores):
 
     overhead   the executor's host time per compute: a one-stage pipeline (pp 1) of a tiny
                stage on every rank, its step less its computes, per compute
-    post       the host time of posting one send or receive of an activation (isend / irecv
-               returning), every pair of pipeline neighbours at once
-    p2p        an activation's trip: half the round trip between pipeline ranks 0 and 1 while
-               the other ranks compute, less one post (the JSON also has it with the other
-               ranks waiting, p2p_unloaded_s)
+    post       the host time of posting one send or receive of an activation (its buffer
+               allocated; isend / irecv returning) between pipeline ranks 0 and 1, back and
+               forth, while the other ranks compute
+    p2p        an activation's trip in the same exchanges: half the round trip, less one post
+               (the JSON also has both with the other ranks waiting, *_unloaded_s)
     reduce     each stage's REDUCE_GRAD alone, as the executor runs it (DataParallel's
                sync_gradients at dp 2, then the 1/microbatches scale), after one more step
+
+Beside them, each rank's host time in the steps (its posts and reductions, from the
+executor's timeline) and the simulation's (its posts, reductions and overheads): a check of
+the costs, never fed back into the simulation.
 
 torch's pipelining with DDP stages fails here at dp 2 (torch 2.13, GPipe: "rebuilt parameter
 indices size is not same as original model parameters size" in DDP's reducer, and its split
@@ -172,6 +176,8 @@ def _stage_times(records: list[list[Any]]) -> dict[tuple[int, str], float]:
     times: dict[tuple[int, str], list[float]] = {}
     for timeline in records:
         for timed in timeline:
+            if not timed.action.is_compute:
+                continue
             key = (timed.action.stage, timed.action.kind)
             times.setdefault(key, []).append(timed.end - timed.start)
     return {key: statistics.mean(v) for key, v in times.items()}
@@ -203,36 +209,12 @@ class _Probe:
         for _ in range(rounds + 1):
             self.pipe.timeline = []
             self.pipe.step(self.x, target=self.x)
-            busy = sum(t.end - t.start for t in self.pipe.timeline)
+            busy = sum(t.end - t.start for t in self.pipe.timeline if t.action.is_compute)
             per_compute.append((self.pipe.step_seconds - busy) / self.computes)
             for p in self.pipe.parameters():
                 p.grad = None
         self.pipe.timeline = None
         return _slowest(statistics.median(per_compute[1:]))
-
-
-def _post_seconds(groups: Any, shape: tuple[int, ...], rounds: int = 8) -> float:
-    """The host time to post one send or one receive of an activation (the receive's buffer
-    allocated, as the executor does; ``isend``/``irecv`` returning), the pipeline pairs
-    (0, 1), (2, 3), ... all at once: the median, the slowest rank's."""
-    pp = groups["pp"]
-    peer = pp.group_rank ^ 1
-    posts = []
-    if peer < pp.size:
-        tensor = torch.zeros(shape)
-        for _ in range(rounds):
-            works = []
-            for op in ("recv", "send") if pp.group_rank % 2 == 0 else ("send", "recv"):
-                start = time.perf_counter()
-                if op == "send":
-                    works.append(dist.isend(tensor, group=pp.process_group, group_dst=peer))
-                else:
-                    buffer = torch.empty(shape)
-                    works.append(dist.irecv(buffer, group=pp.process_group, group_src=peer))
-                posts.append(time.perf_counter() - start)
-            for work in works:
-                work.wait()
-    return _slowest(statistics.median(posts) if posts else 0.0)
 
 
 def _reduce_seconds(pipe: Pipeline, rounds: int = 5) -> dict[int, float]:
@@ -255,41 +237,62 @@ def _reduce_seconds(pipe: Pipeline, rounds: int = 5) -> dict[int, float]:
     return {s: statistics.median(t) for s, t in times.items()}
 
 
-def _p2p_seconds(
+def _message_costs(
     groups: Any, shape: tuple[int, ...], *, loaded: bool, seconds: float = 0.2
-) -> float:
-    """One activation's trip between two pipeline ranks: half the median round trip of
-    pipeline ranks 0 and 1 of the first pipeline group, back and forth for ``seconds``. With
-    ``loaded`` every other rank computes meanwhile (single-threaded matrix products), as in
-    a step, where a message's two ranks share the cores with the other ranks' computes;
-    without, the other ranks wait."""
+) -> tuple[float, float]:
+    """An activation's messages between pipeline ranks 0 and 1 of the first pipeline group,
+    back and forth for ``seconds``: ``(post, trip)``, the median host time of posting one
+    send or receive (its buffer allocated, as the executor does: ``isend``/``irecv``
+    returning) and half the median round trip, the slower rank's. With ``loaded`` every other
+    rank computes meanwhile (single-threaded matrix products), as in a step, where a
+    message's two ranks share the cores with the other ranks' computes; without, the other
+    ranks wait."""
     pp = groups["pp"]
     pair = groups.topology.group_at("pp", 0)[:2]  # global ranks
+    posts: list[float] = []
     trips: list[float] = []
     dist.barrier()
     began = time.perf_counter()
+
+    def post(op: Any, tensor: torch.Tensor, peer: int) -> Any:
+        start = time.perf_counter()
+        if op is dist.irecv:
+            tensor = torch.empty_like(tensor)
+            work = dist.irecv(tensor, group=pp.process_group, group_src=peer)
+        else:
+            work = dist.isend(tensor, group=pp.process_group, group_dst=peer)
+        posts.append(time.perf_counter() - start)
+        return work, tensor
+
     if dist.get_rank() in pair:
-        peer = 1 - pp.group_rank
-        buffer = torch.zeros(shape)
-        flag = buffer.view(-1)  # rank 0 says in the first element whether another trip follows
+        first, peer = pp.group_rank == 0, 1 - pp.group_rank
+        out = torch.zeros(shape)
+        flag = out.view(-1)  # rank 0 says in the first element whether another trip follows
         more = True
         while more:
             start = time.perf_counter()
-            if pp.group_rank == 0:
+            if first:
                 flag[0] = float(time.perf_counter() - began < seconds)
-                dist.send(buffer, group=pp.process_group, group_dst=peer)
-                dist.recv(buffer, group=pp.process_group, group_src=peer)
+                receive, got = post(dist.irecv, out, peer)
+                send, _ = post(dist.isend, out, peer)
+                send.wait()
+                receive.wait()
+                more = bool(flag[0])
             else:
-                dist.recv(buffer, group=pp.process_group, group_src=peer)
-                dist.send(buffer, group=pp.process_group, group_dst=peer)
+                receive, got = post(dist.irecv, out, peer)
+                receive.wait()
+                more = bool(got.view(-1)[0])
+                out = got
+                send, _ = post(dist.isend, out, peer)
+                send.wait()
             trips.append(time.perf_counter() - start)
-            more = bool(flag[0])
     elif loaded:
         a = torch.randn(256, 256)
         while time.perf_counter() - began < seconds * 1.25:
             torch.mm(a, a)
-    one_way = statistics.median(trips) / 2 if trips else 0.0
-    return _slowest(one_way)
+    one_post = statistics.median(posts) if posts else 0.0
+    trip = statistics.median(trips) / 2 if trips else 0.0
+    return _slowest(one_post), _slowest(trip)
 
 
 def _simulation(plan: Any, times: dict[tuple[int, str], float], costs: dict[str, Any]) -> Any:
@@ -340,7 +343,7 @@ def _case(
     runners = {"gradsync": ours, "torch": anchor}
     pp_group = groups["pp"].process_group
     times: dict[str, list[float]] = {k: [] for k in runners}
-    records, idle = [], []
+    records, idle, host = [], [], []
     for r, (x, y) in enumerate(data):
         order = list(runners) if r % 2 == 0 else list(runners)[::-1]
         timed = r >= args.warmup
@@ -359,7 +362,8 @@ def _case(
                     dist.all_reduce(step_s, op=dist.ReduceOp.MAX, group=pp_group)
                     timeline = ours.pipe.timeline
                     records.append(timeline)
-                    busy = sum(t.end - t.start for t in timeline)
+                    busy = sum(t.end - t.start for t in timeline if t.action.is_compute)
+                    host.append(sum(t.end - t.start for t in timeline) - busy)
                     idle.append(float(step_s) - busy)
     ours.pipe.timeline = None
     mine, other = ours.weights(), anchor.weights()
@@ -373,12 +377,14 @@ def _case(
     reduce = _reduce_seconds(ours.pipe)
     ours.opt.zero_grad()
     microbatch = (args.batch // args.microbatches, args.seq, args.width)
-    post = _post_seconds(groups, microbatch)
+    post, trip = _message_costs(groups, microbatch, loaded=True)
+    post_unloaded, trip_unloaded = _message_costs(groups, microbatch, loaded=False)
     costs: dict[str, Any] = {
         "overhead_s": probe.overhead(),
         "post_s": post,
-        "p2p_s": max(_p2p_seconds(groups, microbatch, loaded=True) - post, 0.0),
-        "p2p_unloaded_s": max(_p2p_seconds(groups, microbatch, loaded=False) - post, 0.0),
+        "p2p_s": max(trip - post, 0.0),  # the sender's post is part of the trip
+        "post_unloaded_s": post_unloaded,
+        "p2p_unloaded_s": max(trip_unloaded - post_unloaded, 0.0),
     }
     stage_times: list[Any] = [None] * 4
     dist.all_gather_object(stage_times, (_stage_times(records), reduce))
@@ -389,6 +395,7 @@ def _case(
     everyone: list[Any] = [None] * 4
     mine = {
         "idle": statistics.median(idle),
+        "host": statistics.median(host),
         "peaks": peaks,
         "stash": ours.pipe.peak_stash,
         "pp_rank": groups.group_rank("pp"),
@@ -406,6 +413,7 @@ def _case(
         "plan_stash": [plan.peak_stash[row["pp_rank"]] for row in everyone],
         "idle_s": [row["idle"] for row in everyone],
         "predicted_idle_s": predicted,
+        "host_s": [row["host"] for row in everyone],
         "predicted_host_s": [sim.host[row["pp_rank"]] for row in everyone],
         **costs,
         "idle_vs_simulated": sum(row["idle"] for row in everyone) / max(sum(predicted), 1e-12),
@@ -466,13 +474,20 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         figures[key] = r
     print(
         "costs measured apart from the steps (us: overhead per compute, post per send or "
-        "receive, p2p (others waiting); ms: REDUCE_GRAD per stage):"
+        "receive, p2p (both with the others waiting); ms: REDUCE_GRAD per stage), and each "
+        "rank's host "
+        "time in the step (posts and reductions, ms: measured / simulated):"
     )
     for key, r in results.items():
         reduce = " ".join(f"{t * 1e3:.2f}" for t in r["reduce_s"])
+        host = "  ".join(
+            f"{m * 1e3:.1f}/{p * 1e3:.1f}"
+            for m, p in zip(r["host_s"], r["predicted_host_s"], strict=True)
+        )
         print(
-            f"  {key:<32}{r['overhead_s'] * 1e6:>7.0f}{r['post_s'] * 1e6:>7.0f}"
-            f"{r['p2p_s'] * 1e6:>7.0f} ({r['p2p_unloaded_s'] * 1e6:.0f})   {reduce}"
+            f"  {key:<32}{r['overhead_s'] * 1e6:>7.0f}"
+            f"{r['post_s'] * 1e6:>7.0f} ({r['post_unloaded_s'] * 1e6:.0f})"
+            f"{r['p2p_s'] * 1e6:>7.0f} ({r['p2p_unloaded_s'] * 1e6:.0f})   {reduce}   {host}"
         )
     figures["ratio_vs_anchor"] = statistics.median(ratios)
     figures["stash_equals_plan"] = all(r["stash"] == r["plan_stash"] for r in results.values())
