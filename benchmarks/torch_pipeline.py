@@ -250,9 +250,9 @@ def _message_costs(
     back and forth for ``seconds``: ``(post, trip, late post)``, the mean host time of
     posting one send or receive (its buffer allocated, as the executor does:
     ``isend``/``irecv`` returning; a mean, as a step posts as many sends as receives and
-    gloo writes a send's data at once when its receive is posted), half the median round
-    trip, and the median post of a receive whose send was posted 2 ms before it (``late`` of
-    them), the slower rank's.
+    gloo writes a send's data at once when its receive is posted), half the mean round trip
+    (a mean too, as the post is subtracted from it), and the median post of a receive whose
+    send was posted 2 ms before it (``late`` of them), the slower rank's.
     With ``loaded`` every other rank computes meanwhile (single-threaded matrix products),
     as in a step, where a message's two ranks share the cores with the other ranks'
     computes; without, the other ranks wait."""
@@ -309,7 +309,7 @@ def _message_costs(
         while time.perf_counter() - began < seconds * 1.25 + late * 0.003:
             torch.mm(a, a)
     one_post = statistics.mean(posts) if posts else 0.0
-    trip = statistics.median(trips) / 2 if trips else 0.0
+    trip = statistics.mean(trips) / 2 if trips else 0.0
     late_post = statistics.median(late_posts) if late_posts else 0.0
     return _slowest(one_post), _slowest(trip), _slowest(late_post)
 
