@@ -14,14 +14,37 @@ Schedules: GPipe, 1F1B, Interleaved1F1B, InterleavedZeroBubble (ZB1P). For each 
 schedule it reports the step-time ratio (gradsync / torch), the peak of live CPU bytes during
 one step per rank (torch's profiler), gradsync's peak stash (microbatch activations held at
 once) beside the plan's, whether the two ended with bitwise equal weights, and the **bubble**:
-each rank's idle time in gradsync's steps (the step minus its computes, measured from the
-moment a compute's input is there) beside ``simulate_pipeline``'s prediction for the stage
-times measured in the same run (each stage's median forward, backward, input and weight
-gradient times; a message takes half the measured round trip of one activation between two
-pipeline ranks). torch's pipelining with DDP stages fails here at dp 2 (torch
-2.13, GPipe: "rebuilt parameter indices size is not same as original model parameters size"
-in DDP's reducer, and its split weight gradients bypass DDP's hooks), so torch's side reduces
-the gradients itself.
+each rank's idle time in gradsync's steps (the pipeline's step, its slowest rank's, minus
+the rank's computes, each measured from the moment its input is there: the definition of
+``simulate_pipeline``'s ``idle``) beside the simulator's prediction. The simulation is fed
+the stage times measured in the same run (each stage's mean forward, backward, input and
+weight gradient time: the simulated ranks compute as long as the measured ones) and four
+costs measured apart from the pipelined steps, right after them (never fitted to them),
+each with every rank busy, as in a step (4 ranks share the machine's cores):
+
+    overhead   the executor's host time per compute: a one-stage pipeline (pp 1) of a tiny
+               stage on every rank, its step less its computes, per compute
+    post       the host time of posting one send or receive of an activation (its buffer
+               allocated; isend / irecv returning) between pipeline ranks 0 and 1, back and
+               forth, while the other ranks compute
+    p2p        an activation's trip in the same exchanges: half the round trip, less one post
+               (the JSON also has both with the other ranks waiting, *_unloaded_s)
+
+In those exchanges every receive is posted before its send. gloo takes longer to post a
+receive whose send is already there (late_receive_post_s, measured too and shown in
+brackets beside post; a receive posted 2 ms after its send); the simulator charges every
+post the same, so where a step posts its receives late its host time exceeds the
+simulation's.
+    reduce     each stage's REDUCE_GRAD alone, as the executor runs it (DataParallel's
+               sync_gradients at dp 2, then the 1/microbatches scale), after one more step
+
+Beside them, each rank's host time in the steps (its posts and reductions, from the
+executor's timeline) and the simulation's (its posts, reductions and overheads): a check of
+the costs, never fed back into the simulation.
+
+torch's pipelining with DDP stages fails here at dp 2 (torch 2.13, GPipe: "rebuilt parameter
+indices size is not same as original model parameters size" in DDP's reducer, and its split
+weight gradients bypass DDP's hooks), so torch's side reduces the gradients itself.
 
     python benchmarks/torch_pipeline.py --repeat 3        # GPT 8 x 256, 8 microbatches
     python benchmarks/torch_pipeline.py --quick
@@ -154,40 +177,144 @@ def _peak_bytes(runner: Any, x: torch.Tensor, y: torch.Tensor) -> int:
 
 
 def _stage_times(records: list[list[Any]]) -> dict[tuple[int, str], float]:
-    """Each (stage, kind)'s median compute time over the recorded steps."""
+    """Each (stage, kind)'s mean compute time over the recorded steps (the mean, so that the
+    simulated ranks compute as long as the measured ones, and their idle times compare)."""
     times: dict[tuple[int, str], list[float]] = {}
     for timeline in records:
         for timed in timeline:
+            if not timed.action.is_compute:
+                continue
             key = (timed.action.stage, timed.action.kind)
             times.setdefault(key, []).append(timed.end - timed.start)
-    return {key: statistics.median(v) for key, v in times.items()}
+    return {key: statistics.mean(v) for key, v in times.items()}
 
 
-def _p2p_seconds(groups: Any, shape: tuple[int, ...], rounds: int = 8) -> float:
-    """One activation's trip between two pipeline ranks: half the median round trip of pp
-    ranks 0 and 1 (the others wait), the largest over the pipeline groups."""
-    pp = groups["pp"]
-    mine = pp.group_rank
-    buffer = torch.zeros(shape)
-    trips = []
-    if mine in (0, 1):
-        peer = 1 - mine
-        for _ in range(rounds):
+class _Probe:
+    """A one-stage pipeline (pp 1) of a tiny stage on every rank: what gradsync's executor
+    costs per compute apart from the compute (dispatch, bookkeeping)."""
+
+    def __init__(self, microbatches: int) -> None:
+        topology = Topology.create(dist.get_world_size(), pp=1)
+        plan = plan_pipeline(
+            schedule="GPipe", microbatches=microbatches, topology=topology, layers=1
+        )
+        torch.manual_seed(0)
+        self.pipe = Pipeline(
+            plan,
+            {0: nn.Linear(1, 1)},
+            groups=ProcessGroups(topology),
+            loss_fn=lambda out, target: (out - target).square().sum(),
+        )
+        self.x = torch.ones(microbatches, 1)
+        self.computes = sum(a.is_compute for a in plan.actions[0])
+
+    def overhead(self, rounds: int = 8) -> float:
+        """The median over ``rounds`` steps (after one more) of (step - computes) per
+        compute, the slowest rank's."""
+        per_compute = []
+        for _ in range(rounds + 1):
+            self.pipe.timeline = []
+            self.pipe.step(self.x, target=self.x)
+            busy = sum(t.end - t.start for t in self.pipe.timeline if t.action.is_compute)
+            per_compute.append((self.pipe.step_seconds - busy) / self.computes)
+            for p in self.pipe.parameters():
+                p.grad = None
+        self.pipe.timeline = None
+        return _slowest(statistics.median(per_compute[1:]))
+
+
+def _reduce_seconds(pipe: Pipeline, rounds: int = 5) -> dict[int, float]:
+    """Each of this rank's stages' ``REDUCE_GRAD`` alone, as the executor runs it (the
+    data-parallel ``sync_gradients()`` of a ``DataParallel`` stage, then the 1/microbatches
+    scale), on the gradients of the step just run: the median over ``rounds``."""
+    times: dict[int, list[float]] = {s: [] for s in pipe.stages}
+    m = pipe.plan.microbatches
+    for _ in range(rounds):
+        dist.barrier()
+        for s, module in sorted(pipe.stages.items()):
             start = time.perf_counter()
-            if mine == 0:
-                dist.send(buffer, group=pp.process_group, group_dst=peer)
-                dist.recv(buffer, group=pp.process_group, group_src=peer)
+            if isinstance(module, DataParallel):
+                module.sync_gradients()
+            with torch.no_grad():
+                for p in module.parameters():
+                    if p.grad is not None:
+                        p.grad.div_(m)
+            times[s].append(time.perf_counter() - start)
+    return {s: statistics.median(t) for s, t in times.items()}
+
+
+def _message_costs(
+    groups: Any, shape: tuple[int, ...], *, loaded: bool, seconds: float = 0.2, late: int = 8
+) -> tuple[float, float, float]:
+    """An activation's messages between pipeline ranks 0 and 1 of the first pipeline group,
+    back and forth for ``seconds``: ``(post, trip, late post)``, the mean host time of
+    posting one send or receive (its buffer allocated, as the executor does:
+    ``isend``/``irecv`` returning; a mean, as a step posts as many sends as receives and
+    gloo writes a send's data at once when its receive is posted), half the mean round trip
+    (a mean too, as the post is subtracted from it), and the median post of a receive whose
+    send was posted 2 ms before it (``late`` of them), the slower rank's.
+    With ``loaded`` every other rank computes meanwhile (single-threaded matrix products),
+    as in a step, where a message's two ranks share the cores with the other ranks'
+    computes; without, the other ranks wait."""
+    pp = groups["pp"]
+    pair = groups.topology.group_at("pp", 0)[:2]  # global ranks
+    posts: list[float] = []
+    trips: list[float] = []
+    late_posts: list[float] = []
+    dist.barrier()
+    began = time.perf_counter()
+
+    def post(op: Any, tensor: torch.Tensor, peer: int, into: list[float]) -> Any:
+        start = time.perf_counter()
+        if op is dist.irecv:
+            tensor = torch.empty_like(tensor)
+            work = dist.irecv(tensor, group=pp.process_group, group_src=peer)
+        else:
+            work = dist.isend(tensor, group=pp.process_group, group_dst=peer)
+        into.append(time.perf_counter() - start)
+        return work, tensor
+
+    if dist.get_rank() in pair:
+        first, peer = pp.group_rank == 0, 1 - pp.group_rank
+        out = torch.zeros(shape)
+        flag = out.view(-1)  # rank 0 says in the first element whether another trip follows
+        more = True
+        while more:
+            start = time.perf_counter()
+            if first:
+                flag[0] = float(time.perf_counter() - began < seconds)
+                receive, got = post(dist.irecv, out, peer, posts)
+                send, _ = post(dist.isend, out, peer, posts)
+                send.wait()
+                receive.wait()
+                more = bool(flag[0])
             else:
-                dist.recv(buffer, group=pp.process_group, group_src=peer)
-                dist.send(buffer, group=pp.process_group, group_dst=peer)
+                receive, got = post(dist.irecv, out, peer, posts)
+                receive.wait()
+                more = bool(got.view(-1)[0])
+                out = got
+                send, _ = post(dist.isend, out, peer, posts)
+                send.wait()
             trips.append(time.perf_counter() - start)
-    one_way = statistics.median(trips) / 2 if trips else 0.0
-    return _slowest(one_way)
+        for _ in range(late):  # rank 0 sends, rank 1 posts its receive 2 ms later
+            if first:
+                send, _ = post(dist.isend, out, peer, [])
+                send.wait()
+            else:
+                time.sleep(0.002)
+                receive, _ = post(dist.irecv, out, peer, late_posts)
+                receive.wait()
+    elif loaded:
+        a = torch.randn(256, 256)
+        while time.perf_counter() - began < seconds * 1.25 + late * 0.003:
+            torch.mm(a, a)
+    one_post = statistics.mean(posts) if posts else 0.0
+    trip = statistics.mean(trips) / 2 if trips else 0.0
+    late_post = statistics.median(late_posts) if late_posts else 0.0
+    return _slowest(one_post), _slowest(trip), _slowest(late_post)
 
 
-def _predicted_idle(
-    plan: Any, times: dict[tuple[int, str], float], p2p: float
-) -> tuple[float, ...]:
+def _simulation(plan: Any, times: dict[tuple[int, str], float], costs: dict[str, Any]) -> Any:
     n = plan.num_stages
     forward = [times[(s, "F")] for s in range(n)]
     if (0, "W") in times:  # split backwards: B = I + W
@@ -196,11 +323,21 @@ def _predicted_idle(
     else:
         backward = [times[(s, "B")] for s in range(n)]
         weight = [0.0] * n
-    sim = simulate_pipeline(plan, forward=forward, backward=backward, weight=weight, p2p=p2p)
-    return sim.idle
+    return simulate_pipeline(  # the loaded p2p: every rank computes in a step
+        plan,
+        forward=forward,
+        backward=backward,
+        weight=weight,
+        p2p=costs["p2p_s"],
+        overhead=costs["overhead_s"],
+        post=costs["post_s"],
+        reduce=costs["reduce_s"],
+    )
 
 
-def _case(layout: str, name: str, args: argparse.Namespace, rank: int) -> dict[str, Any]:
+def _case(
+    layout: str, name: str, args: argparse.Namespace, rank: int, probe: _Probe
+) -> dict[str, Any]:
     pp = LAYOUTS[layout]
     topology = Topology.create(4, pp=pp)
     groups = ProcessGroups(topology)
@@ -223,8 +360,9 @@ def _case(layout: str, name: str, args: argparse.Namespace, rank: int) -> dict[s
         for r in range(args.warmup + args.steps)
     ]
     runners = {"gradsync": ours, "torch": anchor}
+    pp_group = groups["pp"].process_group
     times: dict[str, list[float]] = {k: [] for k in runners}
-    records, idle = [], []
+    records, idle, host = [], [], []
     for r, (x, y) in enumerate(data):
         order = list(runners) if r % 2 == 0 else list(runners)[::-1]
         timed = r >= args.warmup
@@ -238,10 +376,14 @@ def _case(layout: str, name: str, args: argparse.Namespace, rank: int) -> dict[s
             if timed:
                 times[key].append(elapsed)
                 if key == "gradsync":
+                    # the pipeline's step is its slowest rank's, as in the simulator
+                    step_s = torch.tensor([ours.pipe.step_seconds], dtype=torch.float64)
+                    dist.all_reduce(step_s, op=dist.ReduceOp.MAX, group=pp_group)
                     timeline = ours.pipe.timeline
                     records.append(timeline)
-                    busy = sum(t.end - t.start for t in timeline)
-                    idle.append(ours.pipe.step_seconds - busy)
+                    busy = sum(t.end - t.start for t in timeline if t.action.is_compute)
+                    host.append(sum(t.end - t.start for t in timeline) - busy)
+                    idle.append(float(step_s) - busy)
     ours.pipe.timeline = None
     mine, other = ours.weights(), anchor.weights()
     flag = torch.tensor([int(all(torch.equal(p, other[n]) for n, p in mine.items()))])
@@ -249,20 +391,38 @@ def _case(layout: str, name: str, args: argparse.Namespace, rank: int) -> dict[s
     equal = bool(flag.item())
     x, y = data[0]
     peaks = {key: _peak_bytes(runner, x, y) for key, runner in runners.items()}
+    # The costs besides the computes, each measured on its own (never fitted to the steps).
+    ours.pipe.step(x, target=y)  # gradients for REDUCE_GRAD to reduce
+    reduce = _reduce_seconds(ours.pipe)
+    ours.opt.zero_grad()
+    microbatch = (args.batch // args.microbatches, args.seq, args.width)
+    post, trip, late = _message_costs(groups, microbatch, loaded=True)
+    post_unloaded, trip_unloaded, _ = _message_costs(groups, microbatch, loaded=False)
+    costs: dict[str, Any] = {
+        "overhead_s": probe.overhead(),
+        "post_s": post,
+        "p2p_s": max(trip - post, 0.0),  # the sender's post is part of the trip
+        "post_unloaded_s": post_unloaded,
+        "p2p_unloaded_s": max(trip_unloaded - post_unloaded, 0.0),
+        "late_receive_post_s": late,  # not in the simulation: see the module docstring
+    }
     stage_times: list[Any] = [None] * 4
-    dist.all_gather_object(stage_times, _stage_times(records))
-    merged = {k: v for part in stage_times for k, v in part.items()}
+    dist.all_gather_object(stage_times, (_stage_times(records), reduce))
+    merged = {k: v for part, _ in stage_times for k, v in part.items()}
+    costs["reduce_s"] = [  # the slower of a stage's data-parallel copies
+        max(part[s] for _, part in stage_times if s in part) for s in range(plan.num_stages)
+    ]
     everyone: list[Any] = [None] * 4
     mine = {
         "idle": statistics.median(idle),
+        "host": statistics.median(host),
         "peaks": peaks,
         "stash": ours.pipe.peak_stash,
         "pp_rank": groups.group_rank("pp"),
     }
     dist.all_gather_object(everyone, mine)
-    microbatch = (args.batch // args.microbatches, args.seq, args.width)
-    p2p = _p2p_seconds(groups, microbatch)
-    predicted = _predicted_idle(plan, merged, p2p)
+    sim = _simulation(plan, merged, costs)
+    predicted = [sim.idle[row["pp_rank"]] for row in everyone]
     step = {k: statistics.median(t) for k, t in times.items()}
     return {
         "step_s": step,
@@ -272,8 +432,10 @@ def _case(layout: str, name: str, args: argparse.Namespace, rank: int) -> dict[s
         "stash": [row["stash"] for row in everyone],
         "plan_stash": [plan.peak_stash[row["pp_rank"]] for row in everyone],
         "idle_s": [row["idle"] for row in everyone],
-        "predicted_idle_s": [predicted[row["pp_rank"]] for row in everyone],
-        "p2p_s": p2p,
+        "predicted_idle_s": predicted,
+        "host_s": [row["host"] for row in everyone],
+        "predicted_host_s": [sim.host[row["pp_rank"]] for row in everyone],
+        **costs,
         "idle_vs_simulated": sum(row["idle"] for row in everyone) / max(sum(predicted), 1e-12),
     }
 
@@ -285,9 +447,10 @@ def worker(rank: int, world_size: int, store_path: str, args: argparse.Namespace
     )
     try:
         results = {}
+        probe = _Probe(args.microbatches)
         for layout in LAYOUTS:
             for name in SCHEDULES:
-                results[f"{layout}/{name}"] = _case(layout, name, args, rank)
+                results[f"{layout}/{name}"] = _case(layout, name, args, rank, probe)
         if rank == 0:
             out.put(results)
     finally:
@@ -329,6 +492,23 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         if r["ratio"] is not None:
             ratios.append(r["ratio"])
         figures[key] = r
+    print(
+        "costs measured apart from the steps (us: overhead per compute, post per send or "
+        "receive (late receive), p2p (with the others waiting); ms: REDUCE_GRAD per stage), "
+        "and each rank's host "
+        "time in the step (posts and reductions, ms: measured / simulated):"
+    )
+    for key, r in results.items():
+        reduce = " ".join(f"{t * 1e3:.2f}" for t in r["reduce_s"])
+        host = "  ".join(
+            f"{m * 1e3:.1f}/{p * 1e3:.1f}"
+            for m, p in zip(r["host_s"], r["predicted_host_s"], strict=True)
+        )
+        print(
+            f"  {key:<32}{r['overhead_s'] * 1e6:>7.0f}"
+            f"{r['post_s'] * 1e6:>7.0f} ({r['late_receive_post_s'] * 1e6:.0f})"
+            f"{r['p2p_s'] * 1e6:>7.0f} ({r['p2p_unloaded_s'] * 1e6:.0f})   {reduce}   {host}"
+        )
     figures["ratio_vs_anchor"] = statistics.median(ratios)
     figures["stash_equals_plan"] = all(r["stash"] == r["plan_stash"] for r in results.values())
     return figures

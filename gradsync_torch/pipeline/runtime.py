@@ -245,9 +245,11 @@ class Pipeline:
         self._live = 0
         self._mb_args: list[tuple[Any, ...]] | None = None
         self._mb_targets: list[Any] | None = None
-        # Set to [] to record each step's computes (seconds from the step's start, from the
-        # moment a compute's input is here): what benchmarks/torch_pipeline.py compares with
-        # simulate_pipeline. step_seconds: the last step's actions, end to end.
+        # Set to [] to record each step's actions, in seconds from the step's start: every
+        # compute from the moment its input is here, every send and receive while this rank
+        # posts it (a batch goes out with its last one), every REDUCE_GRAD, UNSHARD and
+        # RESHARD: what benchmarks/torch_pipeline.py compares with simulate_pipeline's
+        # timeline. step_seconds: the last step's actions, end to end.
         self.timeline: list[TimedAction] | None = None
         self.step_seconds = 0.0
         self._step_began = 0.0
@@ -383,10 +385,13 @@ class Pipeline:
         while i < len(actions):
             if actions[i].kind in COMMS:
                 while i < len(actions) and actions[i].kind in COMMS:
+                    start = self._clock()
                     self._comm(actions[i])
                     i += 1
-                assert self._messages is not None
-                self._messages.issue()
+                    if i == len(actions) or actions[i].kind not in COMMS:
+                        assert self._messages is not None
+                        self._messages.issue()  # the batch goes out with its last action
+                    self._note(actions[i - 1], start)
                 continue
             self._act(actions[i])
             i += 1
@@ -394,6 +399,14 @@ class Pipeline:
             self._messages.finish()
         self._sum_ties()
         self.step_seconds = time.perf_counter() - self._step_began
+
+    def _clock(self) -> float:
+        return time.perf_counter() - self._step_began
+
+    def _note(self, action: Action, start: float) -> None:
+        """Record ``action`` from ``start`` to now, when recording."""
+        if self.timeline is not None:
+            self.timeline.append(TimedAction(action=action, start=start, end=self._clock()))
 
     def _fail(self, message: str, *, cause: bool = True) -> None:
         if self._failure is None:
@@ -429,14 +442,18 @@ class Pipeline:
             return
         stage = self._stages[action.stage]
         if kind == REDUCE_GRAD:
+            start = self._clock()
             self._reduce(stage)
+            self._note(action, start)
         elif kind in (UNSHARD, RESHARD):
+            start = self._clock()
             for module in stage.module.modules():
                 if isinstance(module, ShardedModule):
                     if kind == UNSHARD:
                         module.unshard()
                     else:
                         module.reshard()
+            self._note(action, start)
         elif self._failure is None:
             mb = action.microbatch
             assert mb is not None
@@ -454,9 +471,8 @@ class Pipeline:
                     self._weight(stage, mb)
                 else:
                     self._backward(stage, mb, full=kind == FULL_BACKWARD)
-                if self.timeline is not None and self._began is not None:
-                    end = time.perf_counter() - self._step_began
-                    self.timeline.append(TimedAction(action=action, start=self._began, end=end))
+                if self._began is not None:
+                    self._note(action, self._began)
             except Exception as e:  # every rank must hear it: the step ends in one sentence
                 self._fail(
                     f"stage {stage.index}'s {what} of microbatch {mb} raised "
@@ -493,7 +509,7 @@ class Pipeline:
     def _begin(self) -> None:
         """The compute starts: its input is here (what came before was waiting)."""
         if self.timeline is not None:
-            self._began = time.perf_counter() - self._step_began
+            self._began = self._clock()
 
     def _forward(self, stage: _Stage, mb: int) -> None:
         if stage.first:

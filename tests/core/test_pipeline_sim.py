@@ -93,6 +93,82 @@ def test_p2p_latency_adds_two_hops_per_stage_boundary_to_gpipe():
     assert sim.step_time == (m + pp - 1) * (f + b) + 2 * (pp - 1) * c
 
 
+@pytest.mark.parametrize("schedule", ["GPipe", "1F1B"])
+@pytest.mark.parametrize("pp", PP)
+def test_compute_overhead_adds_2mh_to_gpipe_and_1f1b(schedule, pp):
+    """Each compute costs its rank h of host work before it waits for its input.
+
+    GPipe by hand: rank k's forward i starts at ``h + kF + i(F + h)``: rank 0 runs
+    ``h, F, h, F, ...`` without waiting, and on rank k > 0 the two bounds of forward i (its
+    previous forward's end plus h, rank k-1's forward i's end) are both ``h + kF + i(F+h)``,
+    so from its first forward on rank k waits for nothing and its overheads add up, while
+    the fill (rank k's first forward waits kF) hides one. The last rank's last forward ends
+    at ``(m+p-1)F + mh``; the backwards go up the same way, so rank 0's last backward ends
+    ``(m+p-1)B + mh`` later: step ``(m+p-1)(F+B) + 2mh``, idle ``(p-1)(F+B) + 2mh`` per rank,
+    host ``2mh`` (2m computes). 1F1B runs the same computes and has the same form.
+    """
+    for m, p in accepted(schedule, pp, range(1, 17), 1):
+        for f, b, h in [(1, 2, 0.5), (2, 3, 0.25), (1, 2, 3)]:
+            sim = simulate_pipeline(p, forward=f, backward=b, overhead=h)
+            assert sim.step_time == (m + pp - 1) * (f + b) + 2 * m * h
+            assert sim.idle == ((pp - 1) * (f + b) + 2 * m * h,) * pp
+            assert sim.host == (2 * m * h,) * pp
+            assert sim.busy == (m * (f + b),) * pp
+
+
+@pytest.mark.parametrize(("pp", "v"), list(itertools.product(PP, (2, 3))))
+def test_compute_overhead_adds_to_each_of_interleaved_1f1bs_2vm_computes(pp, v):
+    # From m >= p no wait hides an overhead: each of a rank's 2vm computes adds h to its idle.
+    checked = 0
+    for m, p in accepted("Interleaved1F1B", pp, range(pp, 17), v):
+        for f, b, h in [(1, 2, 0.5), (2, 3, 0.25)]:
+            sim = simulate_pipeline(p, forward=f, backward=b, overhead=h)
+            assert sim.idle == ((pp - 1) * (f + b) + 2 * v * m * h,) * pp
+        checked += 1
+    assert checked
+
+
+def test_posts_cost_their_rank_2mq_at_pp_2():
+    """Posting a send or a receive costs its rank q; a send's data leaves when its post ends.
+
+    GPipe at pp 2 by hand: rank 0 runs ``F, SEND_F`` m times, its forward i's data leaving at
+    ``(i+1)(F+q)``; rank 1 runs ``RECV_F, F`` m times, its forward i starting at both
+    ``(i+1)(F+q)`` (its clock) and the data's arrival, so it waits for nothing and ends its
+    forwards at ``m(F+q) + F``. The backwards go up the same way with ``B, SEND_B`` and
+    ``RECV_B, B``: rank 0's last backward ends ``m(B+q) + B`` later, a step of
+    ``(m+1)(F+B) + 2mq``; each rank posts 2m messages.
+    """
+    for m in (1, 3, 8):
+        for f, b, q in [(1, 2, 0.5), (2, 3, 5)]:
+            sim = simulate_pipeline(plan("GPipe", 2, m), forward=f, backward=b, post=q)
+            assert sim.step_time == (m + 1) * (f + b) + 2 * m * q
+            assert sim.host == (2 * m * q,) * 2
+
+
+@pytest.mark.parametrize("schedule", ["GPipe", "1F1B"])
+@pytest.mark.parametrize("pp", PP)
+def test_reduce_grad_adds_to_each_ranks_tail(schedule, pp):
+    """A stage's REDUCE_GRAD runs on its rank after its last backward, for ``reduce`` seconds.
+
+    With no reduction rank k's last backward ends at ``(m+p-1)F + (m+p-1-k)B`` (rank 0 last,
+    each rank below the last one backward later). The same R on every stage moves every end
+    by R: step and idle grow by R. R only on the last stage ends rank p-1 at
+    ``(m+p-1)F + mB + R``, the step when that is later than rank 0's ``(m+p-1)(F+B)``.
+    """
+    m, f, b = pp + 2, 1, 2
+    p = plan(schedule, pp, m)
+    base = (m + pp - 1) * (f + b)
+    sim = simulate_pipeline(p, forward=f, backward=b, reduce=3)
+    assert sim.step_time == base + 3
+    assert sim.idle == ((pp - 1) * (f + b) + 3,) * pp
+    assert sim.host == (3,) * pp
+    for r_last in (1, 10 * pp):
+        sim = simulate_pipeline(p, forward=f, backward=b, reduce=[0] * (pp - 1) + [r_last])
+        assert sim.step_time == max(base, (m + pp - 1) * f + m * b + r_last)
+        tail = sim.actions[pp - 1][-1]
+        assert (str(tail.action), tail.end - tail.start) == (f"{pp - 1}REDUCE_GRAD", r_last)
+
+
 def test_every_action_has_its_start_and_end():
     sim = simulate_pipeline(plan("GPipe", 3, 2), forward=1, backward=2)
     rank1 = [(str(t.action), t.start, t.end) for t in sim.actions[1]]
@@ -142,6 +218,10 @@ def test_peak_stash_of_the_simulation_is_the_plans():
         ({"forward": float("nan")}, "finite numbers >= 0"),
         ({"backward": [1.0, 2.0]}, "2 times for 4 stages"),
         ({"p2p": -0.5}, "p2p must be"),
+        ({"overhead": float("inf")}, "overhead must be"),
+        ({"post": -1e-6}, "post must be"),
+        ({"reduce": [1.0, -1.0, 0.0, 0.0]}, "reduce times must be finite numbers >= 0"),
+        ({"reduce": [1.0]}, "reduce has 1 times for 4 stages"),
     ],
 )
 def test_bad_times_are_refused(kwargs, match):

@@ -181,6 +181,32 @@ def check_schedules_equal_torch(rank: int, ws: int, names: Sequence[str] = SCHED
         assert pipe.peak_stash == plan.peak_stash[groups.group_rank("pp")], (name, pipe.peak_stash)
 
 
+def check_timeline(rank: int, ws: int) -> None:
+    """With ``pipe.timeline = []`` a step records every action of this rank's plan, in the
+    plan's order (an overlapped pair as its two halves), each from its start to its end after
+    the previous one's end: computes, sends and receives, and REDUCE_GRAD, as the simulator's
+    timeline has them (benchmarks/torch_pipeline.py compares the two)."""
+    topology = Topology.create(ws, pp=ws)
+    groups = ProcessGroups(topology)
+    blocks = gpt_blocks()
+    x, y = batches(8)[0]
+    for name in ("1F1B", "InterleavedZeroBubble", "DualPipeV"):
+        plan = plan_for(name, topology, 2 * ws)
+        pipe = Pipeline(
+            plan,
+            split_model(blocks, plan, groups.group_rank("pp")).stages,
+            groups=groups,
+            loss_fn=lm_loss,
+        )
+        pipe.timeline = []
+        pipe.step(x, target=y)
+        want = [leaf for a in plan.actions[groups.group_rank("pp")] for leaf in a.leaves]
+        assert [t.action for t in pipe.timeline] == want, (name, pipe.timeline)
+        assert all(0 <= t.start <= t.end <= pipe.step_seconds for t in pipe.timeline), name
+        ends = [t.end for t in pipe.timeline]
+        assert all(t.start >= end for t, end in zip(pipe.timeline[1:], ends, strict=False)), name
+
+
 def check_tied_embedding(rank: int, ws: int) -> None:
     """The token embedding tied to the output layer, across the first and last stage (on two
     ranks under 1F1B, on one under ZBV): equal to the unpipelined tied model."""

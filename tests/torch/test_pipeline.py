@@ -24,6 +24,7 @@ from tests.torch import pipeline_checks as checks
 # name: (check, the world sizes it runs at)
 CHECKS: dict[str, tuple[Callable[[int, int], None], tuple[int, ...]]] = {
     "schedules_equal_torch": (checks.check_schedules_equal_torch, (2, 4)),
+    "timeline": (checks.check_timeline, (2,)),
     "tied_embedding": (checks.check_tied_embedding, (2,)),
     "refusals": (checks.check_refusals, (2,)),
     "failures": (checks.check_failures, (2,)),

@@ -8,7 +8,10 @@ timing could make right (a backward before its forward, a receive nobody sends, 
 gradient before its input gradient, a stage computed while sharded) is refused with a
 sentence; ranks that all wait on each other are a deadlock, refused the same way. With
 durations the same walk is the simulator: step time, idle time per rank (the bubble) and the
-peak number of stashed microbatches per rank.
+peak number of stashed microbatches per rank. Besides the computes, a rank's own host work
+takes time on its clock: a fixed overhead per compute (done before the compute waits for its
+input, so a wait hides it), the posting of each send and receive, and each stage's gradient
+reduction at ``REDUCE_GRAD`` (all zero by default).
 """
 
 from __future__ import annotations
@@ -65,9 +68,12 @@ class TimedAction:
 class PipelineSimulation:
     """What one step of a pipeline plan costs, rank by rank.
 
-    ``idle[r]`` is ``step_time - busy[r]``: the bubble of rank r, its waits included.
-    ``peak_stash[r]`` is the most (stage, microbatch) activations rank r holds at once: a
-    forward stashes one, its full backward (or, split, its weight gradient) frees it.
+    ``busy[r]`` is rank r's compute time; ``idle[r]`` is ``step_time - busy[r]``: the bubble of
+    rank r, its waits and its host work included. ``host[r]`` is that host work: compute
+    overheads, message posts and gradient reductions (the part of ``idle[r]`` a faster host
+    or network would save; the rest is waiting). ``peak_stash[r]`` is the most (stage,
+    microbatch) activations rank r holds at once: a forward stashes one, its full backward
+    (or, split, its weight gradient) frees it.
     """
 
     step_time: float
@@ -75,6 +81,7 @@ class PipelineSimulation:
     idle: tuple[float, ...]
     peak_stash: tuple[int, ...]
     actions: tuple[tuple[TimedAction, ...], ...]
+    host: tuple[float, ...]
 
     @property
     def bubble(self) -> float:
@@ -90,6 +97,9 @@ def simulate_pipeline(
     backward: Times = 2.0,
     weight: Times = 1.0,
     p2p: float = 0.0,
+    overhead: float = 0.0,
+    post: float = 0.0,
+    reduce: Times = 0.0,
 ) -> PipelineSimulation:
     """Run ``plan`` with these durations and report its step (docs/pipeline.md, "Simulator").
 
@@ -100,10 +110,18 @@ def simulate_pipeline(
         weight: the weight-gradient half of ``backward``; the input-gradient half (``I``)
             takes ``backward - weight``. Only split schedules (zero bubble) use it.
         p2p: the time from a send to its data at the receiver.
+        overhead: the host time of each compute (a forward, a backward, an input or weight
+            gradient, each half of an ``OVERLAP_F_B``) outside the compute itself: the
+            executor's dispatch and bookkeeping. It runs before the compute waits for its
+            input, so a wait hides it.
+        post: the host time of posting each send and each receive; a send's data leaves
+            when its post ends.
+        reduce: a stage's ``REDUCE_GRAD`` time on its rank (one number, or one per stage):
+            the data-parallel reduction of its gradients and their scaling.
 
     Returns:
-        The step time, per-rank busy and idle time, per-rank peak stash and every action's
-        start and end.
+        The step time, per-rank busy, idle and host time, per-rank peak stash and every
+        action's start and end.
 
     Raises:
         ValueError: on negative or non-finite times, ``weight > backward``, or a time list
@@ -127,17 +145,21 @@ def simulate_pipeline(
                 f"weight time {w[s]} exceeds the full backward time {b[s]} of stage {s}; the "
                 "weight gradient is a part of the backward: give weight <= backward"
             )
-    if not (isinstance(p2p, int | float) and math.isfinite(p2p) and p2p >= 0):
-        raise ValueError(f"p2p must be a finite time >= 0, got {p2p!r}")
+    for name, value in (("p2p", p2p), ("overhead", overhead), ("post", post)):
+        if isinstance(value, bool) or not (
+            isinstance(value, int | float) and math.isfinite(value) and value >= 0
+        ):
+            raise ValueError(f"{name} must be a finite time >= 0, got {value!r}")
     durations = {FORWARD: f, FULL_BACKWARD: b, BACKWARD_WEIGHT: w}
     durations[BACKWARD_INPUT] = [b[s] - w[s] for s in range(n)]
+    durations[REDUCE_GRAD] = _per_stage("reduce", reduce, n)
     return _walk(
         plan.actions,
         plan.stage_ranks,
         plan.microbatches,
         zero3=plan.zero3,
         durations=durations,
-        p2p=float(p2p),
+        costs=_Costs(p2p=float(p2p), overhead=float(overhead), post=float(post)),
     )
 
 
@@ -169,9 +191,22 @@ def check_actions(
         ValueError: naming the first rule broken, the rank and the action.
     """
     zeros = [0.0] * len(ranks)
-    durations = {k: zeros for k in (FORWARD, FULL_BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)}
-    sim = _walk(actions, tuple(ranks), microbatches, zero3=zero3, durations=durations, p2p=0.0)
+    durations = {
+        k: zeros for k in (FORWARD, FULL_BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, REDUCE_GRAD)
+    }
+    sim = _walk(
+        actions, tuple(ranks), microbatches, zero3=zero3, durations=durations, costs=_Costs()
+    )
     return sim.peak_stash
+
+
+@dataclass(frozen=True, slots=True)
+class _Costs:
+    """What a rank's communication and host work cost (``simulate_pipeline``'s arguments)."""
+
+    p2p: float = 0.0
+    overhead: float = 0.0
+    post: float = 0.0
 
 
 def _per_stage(name: str, times: Times, n: int) -> list[float]:
@@ -191,11 +226,11 @@ def _walk(
     *,
     zero3: bool,
     durations: dict[str, list[float]],
-    p2p: float,
+    costs: _Costs,
 ) -> PipelineSimulation:
     """Run every rank as far as its inputs allow, round after round, until all are done."""
     p, n = len(actions), len(ranks)
-    state = _State(p, n, m, ranks, zero3, durations, p2p)
+    state = _State(p, n, m, ranks, zero3, durations, costs)
     pos = [0] * p
     while any(pos[r] < len(actions[r]) for r in range(p)):
         progress = False
@@ -222,6 +257,7 @@ def _walk(
         idle=tuple(step - busy for busy in state.busy),
         peak_stash=tuple(state.peak),
         actions=tuple(tuple(timed) for timed in state.timeline),
+        host=tuple(state.host),
     )
 
 
@@ -236,12 +272,13 @@ class _State:
         ranks: tuple[int, ...],
         zero3: bool,
         durations: dict[str, list[float]],
-        p2p: float,
+        costs: _Costs,
     ) -> None:
         self.p, self.n, self.m, self.ranks, self.zero3 = p, n, m, ranks, zero3
-        self.durations, self.p2p = durations, p2p
+        self.durations, self.costs = durations, costs
         self.clock = [0.0] * p
         self.busy = [0.0] * p
+        self.host = [0.0] * p
         self.stash = [0] * p
         self.peak = [0] * p
         self.timeline: list[list[TimedAction]] = [[] for _ in range(p)]
@@ -308,7 +345,7 @@ class _State:
                 "before it"
             )
         sent = self.sent.get((send, peer, mb))
-        return None if sent is None else sent + self.p2p
+        return None if sent is None else sent + self.costs.p2p
 
     def waiting_for(self, r: int, action: Action) -> str:
         for leaf in action.leaves:
@@ -367,7 +404,9 @@ class _State:
                     self.consumed.add((RECV_B, s, mb))
             if leaf.kind == FORWARD and s != 0 and self.ranks[s - 1] != r:
                 self.consumed.add((RECV_F, s, mb))
-            start = max(self.clock[r], at)
+            # the host work first (a wait for the input hides it), then the compute
+            self.host[r] += self.costs.overhead
+            start = max(self.clock[r] + self.costs.overhead, at)
             end = start + self.durations[leaf.kind][s]
             self.clock[r] = end
             self.busy[r] += end - start
@@ -383,10 +422,15 @@ class _State:
 
     def _other(self, r: int, action: Action) -> None:
         s, mb, kind = action.stage, action.microbatch, action.kind
+        start, took = self.clock[r], 0.0
         if kind in (SEND_F, SEND_B, RECV_F, RECV_B):
             assert mb is not None
+            took = self.costs.post
+            self.clock[r] += took  # a send's data leaves when its post ends
             self._comm(r, action, s, mb)
         elif kind == REDUCE_GRAD:
+            took = self.durations[REDUCE_GRAD][s]
+            self.clock[r] += took
             if s in self.reduced:
                 raise ValueError(f"rank {r} reduces the gradients of stage {s} twice")
             if self.finished[s] != self.m:
@@ -407,7 +451,8 @@ class _State:
             if s not in self.unsharded:
                 raise ValueError(f"rank {r} reshards stage {s}, which is not unsharded")
             self.unsharded.remove(s)
-        self.timeline[r].append(TimedAction(action=action, start=self.clock[r], end=self.clock[r]))
+        self.host[r] += took
+        self.timeline[r].append(TimedAction(action=action, start=start, end=self.clock[r]))
 
     def _comm(self, r: int, action: Action, s: int, mb: int) -> None:
         kind = action.kind
