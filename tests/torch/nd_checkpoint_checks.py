@@ -1,0 +1,157 @@
+"""Checks of the checkpoint that crosses layouts (``save_boxes`` / ``load_boxes``) on the Llama
+reference, run inside 8 spawned gloo ranks by ``test_nd_checkpoint.py``.
+
+Each pair trains ``SAVED`` steps under one layout of issue 37's compositions, saves, loads
+under another layout (another tp, cp, ep, dp or pp size, another schedule), trains the
+remaining steps, and compares every rank's parameters AND AdamW moments with the same model
+trained ``STEPS`` steps uninterrupted in one process: float64 and ``nd_checks.RTOL``, as the
+compositions themselves are checked. The checkpoints are left in ``directory`` for the test to
+load in one process (torch) and in JAX.
+
+This module holds no tests of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from examples.llama_config import LlamaConfig, ParallelOptions
+from examples.llama_torch import Llama, ParallelLlama, lm_loss_share, local_state, parallelize
+from gradsync_core import Topology
+from gradsync_torch.checkpoint import load_boxes, save_boxes
+from tests.torch.nd_checks import (
+    DENSE,
+    LR,
+    MAX_NORM,
+    MOE,
+    RTOL,
+    SEQ,
+    STEPS,
+    batches,
+)
+
+SAVED = 2  # steps before the save; STEPS - SAVED after the load
+
+# name: (config, topology arguments for 8 ranks, options)
+LAYOUTS: dict[str, tuple[LlamaConfig, dict[str, Any], ParallelOptions]] = {
+    "dp_shard2_tp2_pp2": (DENSE, {"tp": 2, "pp": 2}, ParallelOptions(microbatches=2)),
+    "dp_replicate2_dp_shard2_tp2": (DENSE, {"tp": 2, "dp_shard": 2}, ParallelOptions()),
+    "tp2_cp2_dp2_sp": (DENSE, {"tp": 2, "cp": 2}, ParallelOptions(sequence_parallel=True)),
+    "dp2_pp4_gpipe": (DENSE, {"pp": 4}, ParallelOptions(microbatches=4, schedule="GPipe")),
+    "dp8": (DENSE, {}, ParallelOptions()),
+    "ep2_dp_shard2_pp2_moe": (MOE, {"ep": 2, "pp": 2, "dp_shard": 2}, ParallelOptions(2)),
+    "ep2_dp8_moe": (MOE, {"ep": 2}, ParallelOptions()),
+    "ep4_dp_shard8_moe": (MOE, {"ep": 4}, ParallelOptions()),
+}
+
+# (saved under, loaded under): every item-2 composition saved once and loaded once, each under
+# another size of some axis; the MoE pair changes ep, pp and dp at once.
+PAIRS = [
+    ("dp_shard2_tp2_pp2", "tp2_cp2_dp2_sp"),
+    ("tp2_cp2_dp2_sp", "dp_replicate2_dp_shard2_tp2"),
+    ("dp_replicate2_dp_shard2_tp2", "dp2_pp4_gpipe"),
+    ("dp2_pp4_gpipe", "dp8"),
+    ("ep2_dp_shard2_pp2_moe", "ep4_dp_shard8_moe"),
+    ("ep4_dp_shard8_moe", "ep2_dp_shard2_pp2_moe"),
+]
+
+
+def pair_name(saved: str, loaded: str) -> str:
+    return f"{saved}->{loaded}"
+
+
+def _adamw(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=LR, weight_decay=0.1, foreach=False)
+
+
+def _build(name: str, ws: int) -> tuple[ParallelLlama, torch.optim.Optimizer]:
+    config, sizes, options = LAYOUTS[name]
+    topology = Topology.create(ws, **sizes)
+    model = parallelize(Llama(config, seed=1).double(), topology, options, seq_len=SEQ)
+    return model, _adamw(list(model.parameters()))
+
+
+def _train(model: ParallelLlama, opt: torch.optim.Optimizer, steps: range) -> None:
+    data = batches()
+    for step in steps:
+        model.step(*data[step])
+        model.clip_grad_norm_(MAX_NORM)
+        opt.step()
+        opt.zero_grad()
+
+
+def reference(config: LlamaConfig, steps: int = STEPS) -> tuple[Llama, torch.optim.Optimizer]:
+    """One process, ``steps`` steps on the whole batch, no checkpoint."""
+    model = Llama(config, seed=1).double()
+    opt = _adamw(model.parameters())
+    for tokens, targets in batches()[:steps]:
+        lm_loss_share(model(tokens), targets, tokens.numel()).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def compare(model: ParallelLlama, opt: torch.optim.Optimizer, name: str) -> dict[str, float]:
+    """Every rank's parameters and moments against the uninterrupted single-process run
+    (a collective: every gather first, the assertions after). Returns the largest
+    differences."""
+    ref, ref_opt = reference(model.config)
+    ref_params = dict(ref.named_parameters(remove_duplicate=False))
+    moments = {
+        key: {n: ref_opt.state[p][key] for n, p in ref_params.items()}
+        for key in ("exp_avg", "exp_avg_sq")
+    }
+    pairs = []
+    for part in model.parts:
+        want = {"params": local_state(part, {n: p.detach() for n, p in ref_params.items()})}
+        want |= {key: local_state(part, moments[key]) for key in moments}
+        for pname, param in part.named_parameters():
+            state = opt.state[param]
+            got = {"params": param.detach(), **{k: state[k] for k in moments}}
+            for kind, value in got.items():
+                pairs.append((kind, pname, _full(value), want[kind][pname]))
+    worst = {"params": 0.0, "exp_avg": 0.0, "exp_avg_sq": 0.0}
+    for kind, _, actual, expected in pairs:
+        if actual.shape == expected.shape:
+            worst[kind] = max(worst[kind], float((actual - expected).abs().max()))
+    for kind, pname, actual, expected in pairs:
+        scale = float(expected.abs().max())
+        assert torch.allclose(actual, expected, rtol=RTOL, atol=RTOL * scale), (
+            f"{name}: {kind} of {pname}: largest difference "
+            f"{float((actual - expected).abs().max()):.3e} (atol {RTOL * scale:.3e})"
+        )
+    return worst
+
+
+def check_pair(rank: int, ws: int, saved: str, loaded: str, directory: str) -> None:
+    """Train SAVED steps under ``saved``, save, load under ``loaded``, finish, compare."""
+    name = pair_name(saved, loaded)
+    path = os.path.join(directory, saved)
+    model, opt = _build(saved, ws)
+    _train(model, opt, range(SAVED))
+    save_boxes(path, model.held(), opt, specs=model.specs(), layout=model.layout())
+    del model, opt
+    model, opt = _build(loaded, ws)
+    manifest = load_boxes(path, model.held(), opt, specs=model.specs())
+    assert manifest.step == SAVED, manifest.step
+    assert (
+        manifest.extra["layout"]["topology"] == Topology.create(ws, **LAYOUTS[saved][1]).to_json()
+    )
+    _train(model, opt, range(SAVED, STEPS))
+    worst = compare(model, opt, name)
+    everywhere: list[Any] = [None] * ws
+    dist.all_gather_object(everywhere, worst)
+    if rank == 0:
+        merged = {k: max(w[k] for w in everywhere) for k in worst}
+        Path(directory, f"{saved}.json").write_text(json.dumps(merged))
