@@ -155,3 +155,66 @@ def check_pair(rank: int, ws: int, saved: str, loaded: str, directory: str) -> N
     if rank == 0:
         merged = {k: max(w[k] for w in everywhere) for k in worst}
         Path(directory, f"{saved}.json").write_text(json.dumps(merged))
+
+
+def _raises(fn: Any, *needles: str) -> str:
+    try:
+        fn()
+    except ValueError as err:
+        message = str(err)
+        for needle in needles:
+            assert needle in message, f"{needle!r} not in {message!r}"
+        return message
+    raise AssertionError(f"no ValueError (wanted one naming {needles})")
+
+
+def _same_everywhere(message: str) -> None:
+    everywhere: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everywhere, message)
+    assert len(set(everywhere)) == 1, everywhere
+
+
+def _unchanged(model: ParallelLlama, opt: torch.optim.Optimizer, before: list[torch.Tensor]):
+    after = [p.detach().to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True)), "weights changed"
+    assert not opt.state, "optimizer state changed"
+
+
+def check_refusals(rank: int, ws: int, directory: str) -> None:
+    """Loads that cannot be expressed or do not match refuse with one sentence on every rank
+    before anything changes: the checkpoint of ``dp8`` (saved by ``check_pair``) into another
+    model, into another dtype, with pieces that leave elements out; a layout whose tp does
+    not divide the head count refuses before any load."""
+    path = os.path.join(directory, "dp2_pp4_gpipe")  # PAIRS saves it; a dense model
+    cases = [
+        ("ep2_dp8_moe", None, "checkpoint has no state for parameter"),
+        ("dp8", torch.float32, "float32 here but"),
+        ("dp8", "drop", "every element must be on some rank"),
+    ]
+    for name, change, needle in cases:
+        model, opt = _build(name, ws)
+        if isinstance(change, torch.dtype):
+            config, sizes, options = LAYOUTS[name]
+            whole = Llama(config, seed=1).to(change)
+            model = parallelize(whole, Topology.create(ws, **sizes), options, seq_len=SEQ)
+            opt = _adamw(list(model.parameters()))
+        held = model.held()
+        if change == "drop" and rank == 3:
+            held = held[1:]  # rank 3's rows of the embedding: nobody else holds them
+            # The optimizer must not step what no piece describes: the same rank's optimizer
+            # without that parameter.
+            opt = _adamw([h.param for h in held])
+        before = [p.detach().to_local().clone() for p in model.parameters()]
+        message = _raises(
+            lambda m=model, h=held, o=opt: load_boxes(path, h, o, specs=m.specs()),
+            "cannot load checkpoint",
+            needle,
+        )
+        _same_everywhere(message)
+        _unchanged(model, opt, before)
+    config = LlamaConfig(**{**DENSE.__dict__})
+    message = _raises(
+        lambda: parallelize(Llama(config), Topology.create(ws, tp=4), seq_len=SEQ),
+        "n_kv_heads 2 is not divisible by tp=4",
+    )
+    _same_everywhere(message)

@@ -1,0 +1,142 @@
+"""A checkpoint that crosses layouts (issue 37 item 3): saved under one composition of the
+Llama reference, loaded under another, in one process, and inspected.
+
+One spawn of 8 gloo ranks runs every pair of ``nd_checkpoint_checks.PAIRS`` (train 2 steps
+under one layout, ``save_boxes``, ``load_boxes`` under the other, train 2 more; parameters
+and AdamW moments against 4 uninterrupted steps in one process, float64) and the refusals.
+The checkpoints it leaves are then loaded here, in one process, by the loaders that existed
+before (``load_model_weights``, ``load_optimizer_state_dict``: no code of their own for this
+format), continued, and compared the same way; and ``gradsync checkpoint inspect`` prints
+the layout each was saved under.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gradsync_core import Topology
+from gradsync_core.checkpoint import describe_layout
+from tests.support.harness import run_checks, run_workers
+from tests.torch import nd_checkpoint_checks as checks
+
+PAIRS = [checks.pair_name(s, lo) for s, lo in checks.PAIRS]
+SAVED = [saved for saved, _ in checks.PAIRS]
+
+
+def run_all(rank: int, ws: int, directory: str) -> dict[str, str | None]:
+    named = [
+        (checks.pair_name(s, lo), functools.partial(checks.check_pair, rank, ws, s, lo, directory))
+        for s, lo in checks.PAIRS
+    ]
+    named.append(("refusals", functools.partial(checks.check_refusals, rank, ws, directory)))
+    return run_checks(named, keep_going=True)
+
+
+_results: list[dict[str, str | None]] = []
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The directory the spawn saved its checkpoints in (one per saved layout)."""
+    directory = tmp_path_factory.mktemp("nd-checkpoint")
+    if not _results:
+        _results.extend(run_workers(run_all, 8, str(directory), timeout=600))
+    return directory
+
+
+def _assert_passed(check: str) -> None:
+    for rank, outcome in enumerate(_results):
+        assert check in outcome, f"check {check} did not run on rank {rank}"
+    errors = [(rank, o[check]) for rank, o in enumerate(_results) if o[check] is not None]
+    errors.sort(key=lambda e: str(e[1]).startswith("passed here"))
+    assert not errors, f"rank {errors[0][0]} of 8: {errors[0][1]}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pair", PAIRS)
+def test_a_checkpoint_loads_under_another_layout(pair: str, saved: Path) -> None:
+    _assert_passed(pair)
+    worst = json.loads((saved / f"{pair.split('->')[0]}.json").read_text())
+    print(f"{pair}: max abs difference from an uninterrupted run {worst}")
+
+
+@pytest.mark.slow
+def test_loads_that_cannot_be_expressed_refuse_before_changing_anything(saved: Path) -> None:
+    _assert_passed("refusals")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", SAVED)
+def test_one_process_continues_from_any_layout(name: str, saved: Path) -> None:
+    """The plain torch loaders read the checkpoint into the serial model, which then
+    continues as if never interrupted."""
+    from examples.llama_torch import Llama, lm_loss_share
+    from gradsync_torch.checkpoint import load_model_weights, load_optimizer_state_dict
+
+    config = checks.LAYOUTS[name][0]
+    model = Llama(config, seed=7).double()  # other weights: the load must replace them all
+    opt = checks._adamw(model.parameters())
+    manifest = load_model_weights(saved / name, model)
+    load_optimizer_state_dict(saved / name, opt, model)
+    assert manifest.step == checks.SAVED
+    for tokens, targets in checks.batches()[checks.SAVED :]:
+        lm_loss_share(model(tokens), targets, tokens.numel()).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), checks.MAX_NORM)
+        opt.step()
+        opt.zero_grad()
+    ref, ref_opt = checks.reference(config)
+    mine = dict(model.named_parameters())
+    for pname, want in ref.named_parameters():
+        got = mine[pname]
+        pairs = [("param", got.detach(), want.detach())]
+        pairs += [(k, opt.state[got][k], ref_opt.state[want][k]) for k in ("exp_avg", "exp_avg_sq")]
+        for kind, actual, expected in pairs:
+            scale = float(expected.abs().max())
+            assert torch.allclose(actual, expected, rtol=checks.RTOL, atol=checks.RTOL * scale), (
+                f"{name}: {kind} of {pname}: {float((actual - expected).abs().max()):.3e}"
+            )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["dp_shard2_tp2_pp2", "tp2_cp2_dp2_sp"])
+def test_inspect_prints_the_layout_it_was_saved_under(name: str, saved: Path) -> None:
+    config, sizes, _ = checks.LAYOUTS[name]
+    out = subprocess.run(
+        [sys.executable, "-m", "gradsync_core", "checkpoint", "inspect", str(saved / name)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    topology = Topology.create(8, **sizes)
+    expected = {
+        "dp_shard2_tp2_pp2": "torch, dp 2 x tp 2 x pp 2 (8 ranks), pipeline 1F1B with 2 "
+        "microbatches",
+        "tp2_cp2_dp2_sp": "torch, dp 2 x cp 2 x tp 2 (8 ranks)",
+    }[name]
+    assert f"saved under: {expected}" in out.stdout
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gradsync_core",
+            "checkpoint",
+            "inspect",
+            "--json",
+            str(saved / name),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    layout = json.loads(out.stdout)["layout"]
+    assert layout["topology"] == topology.to_json()
+    assert layout["model"] == config.__dict__
+    assert describe_layout(layout) == expected
