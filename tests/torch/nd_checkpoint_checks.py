@@ -13,6 +13,7 @@ This module holds no tests of its own.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from pathlib import Path
@@ -86,8 +87,10 @@ def _train(model: ParallelLlama, opt: torch.optim.Optimizer, steps: range) -> No
         opt.zero_grad()
 
 
+@functools.cache
 def reference(config: LlamaConfig, steps: int = STEPS) -> tuple[Llama, torch.optim.Optimizer]:
-    """One process, ``steps`` steps on the whole batch, no checkpoint."""
+    """One process, ``steps`` steps on the whole batch, no checkpoint (computed once per
+    process: read it, never train it further)."""
     model = Llama(config, seed=1).double()
     opt = _adamw(model.parameters())
     for tokens, targets in batches()[:steps]:

@@ -140,3 +140,64 @@ def test_inspect_prints_the_layout_it_was_saved_under(name: str, saved: Path) ->
     assert layout["topology"] == topology.to_json()
     assert layout["model"] == config.__dict__
     assert describe_layout(layout) == expected
+
+
+JAX_RTOL = 1e-5  # the JAX compositions' floor (tests/jax/test_nd_parallel.py): its loss is float32
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["dp_shard2_tp2_pp2", "ep2_dp_shard2_pp2_moe"])
+def test_jax_continues_from_a_torch_layout(name: str, saved: Path) -> None:
+    """gradsync_jax's loaders (``load_params``, ``load_optimizer_state``: no code of their own
+    for this format) read the checkpoint into the Flax NNX twin and plain Optax; 2 more steps
+    in JAX equal the uninterrupted torch run within the JAX floor (parameters and moments)."""
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from flax import nnx
+
+    import gradsync_jax
+    from examples.llama_nnx import Llama, serial_loss
+    from gradsync_jax.checkpoint import load_optimizer_state, load_params
+    from tests.support.asserts import assert_close
+
+    config = checks.LAYOUTS[name][0]
+    with jax.enable_x64(True):  # the checkpoint is float64 (never cast by the loaders)
+        model = Llama(config, rngs=nnx.Rngs(3))
+        graphdef = nnx.graphdef(model)
+        like = jax.tree.map(
+            lambda x: x.astype(jnp.float64), nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        )
+        params = load_params(saved / name, like)
+        tx = optax.chain(
+            optax.clip_by_global_norm(checks.MAX_NORM),
+            optax.adamw(checks.LR, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.1),
+        )
+        state, manifest = load_optimizer_state(saved / name, tx, params)
+        assert manifest.step == checks.SAVED
+
+        @jax.jit
+        def step(params: object, state: object, tokens: object, targets: object) -> object:
+            def loss_fn(p: object) -> object:
+                return serial_loss(nnx.merge(graphdef, p), tokens, targets)
+
+            grads = jax.grad(loss_fn)(params)
+            updates, state = tx.update(grads, state, params)
+            return optax.apply_updates(params, updates), state
+
+        for tokens, targets in checks.batches()[checks.SAVED :]:
+            params, state = step(params, state, jnp.asarray(tokens), jnp.asarray(targets))
+        adam = state[1][0]
+        got = {
+            kind: gradsync_jax.to_torch_state(jax.tree.map(np.asarray, tree))
+            for kind, tree in (("params", params), ("exp_avg", adam.mu), ("exp_avg_sq", adam.nu))
+        }
+    ref, ref_opt = checks.reference(config)
+    named = dict(ref.named_parameters())
+    want = {"params": {n: p.detach().numpy() for n, p in named.items()}}
+    for kind in ("exp_avg", "exp_avg_sq"):
+        want[kind] = {n: ref_opt.state[p][kind].numpy() for n, p in named.items()}
+    for kind in want:
+        worst = assert_close(got[kind], want[kind], JAX_RTOL, f"{name}: {kind}")
+        print(f"{name}: {kind} max relative difference {worst:.2e}")
