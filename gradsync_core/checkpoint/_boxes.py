@@ -1,5 +1,6 @@
-"""Boxes: the block of a parameter each rank holds under any layout, and how a checkpoint
-stores and reads them (docs/checkpoints.md, "A checkpoint that crosses layouts").
+"""Boxes: what each rank holds of a parameter under any layout, and who writes what of it.
+
+See docs/checkpoints.md, "A checkpoint that crosses layouts".
 
 Under tensor, expert, pipeline and sharded data parallelism at once, a rank holds a *box* of
 each parameter it steps: a range along every dim of the whole (logical) tensor, e.g. the

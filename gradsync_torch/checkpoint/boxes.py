@@ -1,5 +1,6 @@
-"""Checkpoints that cross layouts: save under any mix of tp, cp, ep, pp and dp, load under any
-other (docs/checkpoints.md, "A checkpoint that crosses layouts").
+"""Checkpoints that cross layouts: saved under any mix of tp, cp, ep, pp and dp, loaded under any.
+
+See docs/checkpoints.md, "A checkpoint that crosses layouts".
 
 Each rank describes what it holds as ``Held`` pieces: the whole model's parameter name, its
 local parameter (a ``DTensor`` under ``fully_shard``) and its ``Box`` of the whole tensor
