@@ -36,6 +36,7 @@ from gradsync_core.checkpoint._boxes import (
     box_windows,
     distinct_boxes,
     plan_box_shards,
+    plan_weight_owners,
     shard_region,
     transfers,
 )
@@ -175,6 +176,7 @@ __all__ = [
     "open_checkpoint_file",
     "plan_box_shards",
     "plan_dim0_shards",
+    "plan_weight_owners",
     "rank_file",
     "rank_file_metadata",
     "read_header",

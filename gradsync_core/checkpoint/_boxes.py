@@ -294,3 +294,29 @@ def transfers(
         if all(a < b for a, b in zip(lo, hi, strict=True)):
             out.append(Transfer(name=name, source=box.rank, target=target, start=lo, stop=hi))
     return tuple(out)
+
+
+def plan_weight_owners(plan: ShardPlan, specs: Sequence[ParamSpec]) -> dict[str, int]:
+    """The rank that writes each weight whole: of the ranks that write a range of its state,
+    the one with the fewest weight bytes so far (ties: the lowest rank), parameters in the
+    order given, so the gathered weights spread over the writers as the state does.
+
+    Example:
+        >>> specs = [ParamSpec(name=n, shape=(4,)) for n in "ab"]
+        >>> both = plan_box_shards(specs, {n: [Box(name=n, rank=r, start=(2 * r,),
+        ...     stop=(2 * r + 2,)) for r in (0, 1)] for n in "ab"}, {}, world_size=2)
+        >>> plan_weight_owners(both, specs)
+        {'a': 0, 'b': 1}
+    """
+    writers: dict[str, set[int]] = {}
+    for shard in plan.shards:
+        if shard.stop > shard.start:
+            writers.setdefault(shard.name, set()).add(shard.rank)
+    load = [0] * plan.world_size
+    owners = {}
+    for spec in specs:
+        ranks = sorted(writers.get(spec.name, {0}))
+        owner = min(ranks, key=lambda r: (load[r], r))
+        owners[spec.name] = owner
+        load[owner] += spec.nbytes
+    return owners

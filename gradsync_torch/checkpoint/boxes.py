@@ -36,6 +36,7 @@ from gradsync_core.checkpoint import (
     hash_share,
     open_checkpoint_file,
     plan_box_shards,
+    plan_weight_owners,
     read_header,
     reading_version,
     resolve_checkpoint,
@@ -310,7 +311,8 @@ def save_boxes(
     index = {spec.name: i for i, spec in enumerate(order)}
     groups = {n: g for g, group in enumerate(plan_input.groups) for n in group["params"]}
     plan = plan_box_shards(order, plan_input.boxes, groups, world_size=ranks.world_size)
-    pieces, weights = _gather(plan_input, plan, {p.name: p for p in held}, optimizer)
+    owners = plan_weight_owners(plan, order)
+    pieces, weights = _gather(plan_input, plan, owners, {p.name: p for p in held}, optimizer)
     step = max((int(v["step"]) for v in plan_input.scalars.values() if "step" in v), default=0)
     snapshot = checkpoint.Snapshot(
         optimizer=records[0]["optimizer"],
@@ -323,7 +325,7 @@ def save_boxes(
         pieces=[p._replace(index=index[_name(p, order)]) for p in pieces],
         data=data_extra(data),
         weights=weights,
-        weight_names=[spec.name for spec in order],
+        weight_owners=owners,
         layout=dict(layout) if layout is not None else None,
     )
     checkpoint.save(path, snapshot, ranks, what=what)
@@ -336,15 +338,13 @@ def _name(piece: StatePiece, order: Sequence[ParamSpec]) -> str:
 def _gather(
     layout: _Layout,
     plan: Any,
+    owners: Mapping[str, int],
     held: Mapping[str, Held],
     optimizer: torch.optim.Optimizer,
 ) -> tuple[list[StatePiece], dict[str, torch.Tensor]]:
     """The state pieces this rank writes (flat element ranges, ``plan``'s shards of it) and
     the whole weights it owns, moved here from the boxes that hold them, one parameter at a
     time."""
-    owners = {}
-    for shard in plan.shards:
-        owners.setdefault(shard.name, shard.rank)
     pieces, weights = [], {}
     for i, spec in enumerate(layout.specs):
         piece = held.get(spec.name)

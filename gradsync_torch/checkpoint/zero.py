@@ -94,9 +94,9 @@ class Snapshot(NamedTuple):
     # The model's weights this rank writes, when its parameters are sharded (ZeRO-3 gathers
     # each before the save); None: every rank has a copy, taken from ``model``.
     weights: dict[str, torch.Tensor] | None = None
-    # The names of the model's weights when there is no ``model`` (a save across layouts:
-    # no rank has the whole model); ``weights`` then holds the ones this rank owns.
-    weight_names: list[str] | None = None
+    # The rank that writes each weight when there is no ``model`` (a save across layouts: no
+    # rank has the whole model); ``weights`` then holds the ones this rank owns.
+    weight_owners: dict[str, int] | None = None
     layout: dict[str, Any] | None = None  # the manifest's extra["layout"] (layout_record)
 
 
@@ -169,8 +169,8 @@ def _rank_state(
 
 def weight_owners_of(snapshot: Snapshot) -> dict[str, int]:
     """The rank whose file holds each of the snapshot's model weights (``model_owners``)."""
-    if snapshot.weight_names is not None:
-        return model_owners(snapshot.plan, snapshot.weight_names)
+    if snapshot.weight_owners is not None:
+        return dict(snapshot.weight_owners)
     names = [] if snapshot.model is None else [n for n, _ in snapshot.model.named_parameters()]
     return model_owners(snapshot.plan, names)
 
@@ -179,7 +179,7 @@ def _prepare(snapshot: Snapshot, rank: int) -> _Prepared:
     groups = groups_json(snapshot.param_groups, snapshot.names)
     tensors, scalars, state_keys = _rank_state(snapshot.pieces, snapshot.names, snapshot.plan, rank)
     owners = None
-    if snapshot.model is not None or snapshot.weight_names is not None:
+    if snapshot.model is not None or snapshot.weight_owners is not None:
         weights = snapshot.weights
         if weights is None:
             assert snapshot.model is not None

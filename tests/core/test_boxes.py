@@ -14,6 +14,7 @@ from gradsync_core.checkpoint import (
     box_windows,
     distinct_boxes,
     plan_box_shards,
+    plan_weight_owners,
     shard_region,
     state_reads,
     transfers,
@@ -145,3 +146,20 @@ def test_a_0d_parameter_is_written_by_one_rank():
 def test_boxes_that_are_not_one_layout_are_refused(boxes, match):
     with pytest.raises(ValueError, match=match):
         distinct_boxes(boxes, [ParamSpec(name="w", shape=(4, 4))])
+
+
+def test_weights_spread_over_the_ranks_that_write_their_state():
+    """Eight equal parameters, each in row chunks over 4 ranks: each rank writes two whole
+    weights (the first rank of each chunk would take all eight), and always one that holds
+    a range of that parameter's state."""
+    specs = [ParamSpec(name=f"w{i}", shape=(8, 2)) for i in range(8)]
+    boxes = [
+        Box(name=spec.name, rank=r, start=(2 * r, 0), stop=(2 * r + 2, 2))
+        for spec in specs
+        for r in range(4)
+    ]
+    plan = plan_box_shards(specs, distinct_boxes(boxes, specs), {}, world_size=4)
+    owners = plan_weight_owners(plan, specs)
+    assert sorted(owners.values()) == [0, 0, 1, 1, 2, 2, 3, 3]
+    for name, rank in owners.items():
+        assert any(s.name == name and s.rank == rank for s in plan.shards)

@@ -13,6 +13,7 @@ This module holds no tests of its own.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -25,6 +26,7 @@ import torch.distributed as dist
 from examples.llama_config import LlamaConfig, ParallelOptions
 from examples.llama_torch import Llama, ParallelLlama, lm_loss_share, local_state, parallelize
 from gradsync_core import Topology
+from gradsync_torch.checkpoint import boxes as boxes_module
 from gradsync_torch.checkpoint import load_boxes, save_boxes
 from tests.torch.nd_checks import (
     DENSE,
@@ -137,6 +139,24 @@ def compare(model: ParallelLlama, opt: torch.optim.Optimizer, name: str) -> dict
     return worst
 
 
+@contextlib.contextmanager
+def _counting_reads() -> Any:
+    """The bytes ``load_boxes`` reads of tensor data (its one read function, spied on)."""
+    original = boxes_module._Files.elements
+    read = {"bytes": 0}
+
+    def elements(self: Any, file: str, key: str, start: int, stop: int) -> torch.Tensor:
+        out = original(self, file, key, start, stop)
+        read["bytes"] += out.numel() * out.element_size()
+        return out
+
+    boxes_module._Files.elements = elements  # type: ignore[method-assign]
+    try:
+        yield read
+    finally:
+        boxes_module._Files.elements = original  # type: ignore[method-assign]
+
+
 def check_pair(rank: int, ws: int, saved: str, loaded: str, directory: str) -> None:
     """Train SAVED steps under ``saved``, save, load under ``loaded``, finish, compare."""
     name = pair_name(saved, loaded)
@@ -146,7 +166,13 @@ def check_pair(rank: int, ws: int, saved: str, loaded: str, directory: str) -> N
     save_boxes(path, model.held(), opt, specs=model.specs(), layout=model.layout())
     del model, opt
     model, opt = _build(loaded, ws)
-    manifest = load_boxes(path, model.held(), opt, specs=model.specs())
+    held = model.held()
+    with _counting_reads() as read:
+        manifest = load_boxes(path, held, opt, specs=model.specs())
+    # Each rank read its boxes' elements of the weight and of each state tensor, no more.
+    kinds = 1 + sum(k != "step" for k in manifest.state_keys[held[0].name])
+    wanted = sum(h.box.numel * h.param.element_size() for h in held) * kinds
+    assert read["bytes"] == wanted, f"rank {rank} read {read['bytes']} bytes, its boxes {wanted}"
     assert manifest.step == SAVED, manifest.step
     assert (
         manifest.extra["layout"]["topology"] == Topology.create(ws, **LAYOUTS[saved][1]).to_json()
