@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 from gradsync_core import Manifest, ParamSpec
 from gradsync_core.checkpoint import (
     Box,
+    CheckpointError,
     box_windows,
     data_extra,
     data_range,
@@ -50,7 +51,6 @@ from gradsync_core.checkpoint import (
 )
 from gradsync_torch._optim_state import NOT_HYPER, RankGroup, StatePiece, optimizer_name
 from gradsync_torch._specs import dtype_name
-from gradsync_torch.agreement import agree_ok
 from gradsync_torch.checkpoint import zero as checkpoint
 from gradsync_torch.checkpoint.json_values import from_json, to_json
 from gradsync_torch.checkpoint.save_agreement import RankSaveAgreement
@@ -298,15 +298,13 @@ def save_boxes(
         record, error = _record(held, optimizer), None
     except ValueError as e:
         record, error = None, str(e)
-    agree_ok(error, None, what=what)
+    RankSaveAgreement(ranks).all_ok(error, what)
     records: list[Any] = [None] * ranks.world_size
     dist.all_gather_object(records, record)
     try:
-        plan_input, error = _layout(records, specs), None
-    except ValueError as e:
-        plan_input, error = None, str(e)
-    agree_ok(error, None, what=what)  # the same on every rank: the same records
-    assert plan_input is not None
+        plan_input = _layout(records, specs)
+    except ValueError as e:  # every rank finds the same in the same records: no agreement
+        raise CheckpointError(f"{what}: {e}") from None
     order = plan_input.specs
     index = {spec.name: i for i, spec in enumerate(order)}
     groups = {n: g for g, group in enumerate(plan_input.groups) for n in group["params"]}

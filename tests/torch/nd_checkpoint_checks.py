@@ -241,6 +241,17 @@ def check_refusals(rank: int, ws: int, directory: str) -> None:
         )
         _same_everywhere(message)
         _unchanged(model, opt, before)
+    # A save whose ranks step differently built optimizers: refused before any file is written.
+    model, _ = _build("dp8", ws)
+    opt = torch.optim.AdamW(list(model.parameters()), lr=LR * (2 if rank == 2 else 1))
+    target = os.path.join(directory, "refused")
+    message = _raises(
+        lambda: save_boxes(target, model.held(), opt, specs=model.specs()),
+        "cannot save checkpoint",
+        "param group 0 has other hyper-parameters on rank 2",
+    )
+    _same_everywhere(message)
+    assert not os.path.exists(target), os.listdir(directory)
     config = LlamaConfig(**{**DENSE.__dict__})
     message = _raises(
         lambda: parallelize(Llama(config), Topology.create(ws, tp=4), seq_len=SEQ),
