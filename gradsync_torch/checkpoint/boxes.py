@@ -174,7 +174,11 @@ def _layout(records: Sequence[Mapping[str, Any]], specs: Sequence[ParamSpec]) ->
     parameter, the same state keys on every holder, the boxes tiling each parameter."""
     if len({r["optimizer"] for r in records}) > 1:
         raise ValueError("the ranks step different optimizer classes; use one on every rank")
-    boxes, group, keys, scalars, hyper = [], {}, {}, {}, {}
+    boxes: list[Box] = []
+    group: dict[str, int] = {}
+    keys: dict[str, list[str]] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    hyper: dict[int, dict[str, Any]] = {}
     dtypes = {s.name: s.dtype for s in specs}
     for rank, record in enumerate(records):
         for name, start, stop, g, tensors, values, dtype in record["pieces"]:
@@ -457,14 +461,27 @@ def _read(
     allow_dtype_conversion: bool,
 ) -> _Loaded:
     """Check everything, then read this rank's boxes; changes nothing."""
-    group = {}
+    group: dict[str, int] = {}
     boxes = []
     for rank, pieces in enumerate(records):
         for name, start, stop, g in pieces:
             boxes.append(Box(name=name, rank=rank, start=tuple(start), stop=tuple(stop)))
+            if g < 0:
+                raise ValueError(
+                    f"rank {rank}'s piece of {name!r} is not a parameter of its optimizer; "
+                    "give load_boxes the parameters the optimizer steps"
+                )
             group[name] = g
-    if -1 in group.values() or len(group) < len(records[dist.get_rank()]):
-        raise ValueError("a Held piece is not a parameter of its rank's optimizer")
+    names_here = [p.name for p in held]
+    if len(set(names_here)) != len(names_here):
+        raise ValueError("two Held pieces on this rank name one parameter; give each once")
+    described = {id(p.param) for p in held}
+    stepped = [p for g in optimizer.param_groups for p in g["params"]]
+    if any(id(p) not in described for p in stepped):
+        raise ValueError(
+            "a parameter of this rank's optimizer is in no Held piece; describe every "
+            "parameter the optimizer steps"
+        )
     order = sorted(specs, key=lambda s: group.get(s.name, 0))
     names = [s.name for s in order]
     count = len(optimizer.param_groups)
