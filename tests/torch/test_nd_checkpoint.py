@@ -201,3 +201,24 @@ def test_jax_continues_from_a_torch_layout(name: str, saved: Path) -> None:
     for kind in want:
         worst = assert_close(got[kind], want[kind], JAX_RTOL, f"{name}: {kind}")
         print(f"{name}: {kind} max relative difference {worst:.2e}")
+
+
+def test_a_plain_optimizer_over_experts_and_dense_parameters_round_trips(tmp_path: Path) -> None:
+    """One process, one AdamW over the MoE model (experts beside dense weights, as a model
+    loaded from a cross-layout checkpoint is trained): the plain save and load take it; only
+    optimizers that plan owners over a group (ZeRO) must keep experts apart."""
+    from examples.llama_torch import Llama, lm_loss_share
+    from gradsync_torch.checkpoint import load_optimizer_state_dict
+    from gradsync_torch.checkpoint.plain_save import save_plain
+
+    model = Llama(checks.MOE, seed=1).double()
+    opt = checks._adamw(model.parameters())
+    tokens, targets = checks.batches()[0]
+    lm_loss_share(model(tokens), targets, tokens.numel()).backward()
+    opt.step()
+    save_plain(tmp_path / "ckpt", model, opt)
+    again = checks._adamw(model.parameters())
+    load_optimizer_state_dict(tmp_path / "ckpt", again, model)
+    for param in model.parameters():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(again.state[param][key], opt.state[param][key])
