@@ -28,6 +28,7 @@ from examples.llama_torch import Llama, ParallelLlama, lm_loss_share, local_stat
 from gradsync_core import Topology
 from gradsync_torch.checkpoint import boxes as boxes_module
 from gradsync_torch.checkpoint import load_boxes, save_boxes
+from tests.support.harness import Skip
 from tests.torch.nd_checks import (
     DENSE,
     LR,
@@ -261,3 +262,73 @@ def check_refusals(rank: int, ws: int, directory: str) -> None:
         "n_kv_heads 2 is not divisible by tp=4",
     )
     _same_everywhere(message)
+
+
+JAX_SAVED = "jax-dp8"  # the directory the test's JAX save writes, beside the torch ones
+JAX_LOADED = "dp_shard2_tp2_pp2"
+
+
+def save_in_jax(path: str) -> None:
+    """The NNX twin (float32) trained ``SAVED`` steps by gradsync_jax's data-parallel step
+    with a ``shard_optimizer`` of AdamW over 8 devices, saved by ``save_optimizer_state``
+    with its weights (a flat plan of 8 rank files): run in the test's own process."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    from examples.llama_nnx import Llama as NNXLlama
+    from examples.llama_nnx import serial_loss
+    from gradsync_jax import data_parallel_step, mesh_from_topology, shard_optimizer
+    from gradsync_jax.checkpoint import save_optimizer_state
+
+    model = NNXLlama(DENSE, rngs=nnx.Rngs(5))
+    graphdef = nnx.graphdef(model)
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    mesh = mesh_from_topology(Topology.create(8), jax.devices()[:8])
+    adamw = optax.adamw(LR, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.1)
+    tx = shard_optimizer(adamw, mesh)
+    state = tx.init(params)
+
+    def loss_fn(p: Any, batch: Any) -> Any:
+        return serial_loss(nnx.merge(graphdef, p), *batch)
+
+    step = data_parallel_step(loss_fn, tx, mesh)
+    for tokens, targets in batches()[:SAVED]:
+        params, state, _ = step(params, state, (jnp.asarray(tokens), jnp.asarray(targets)))
+    save_optimizer_state(path, tx, state, params, step=SAVED, model=params)
+
+
+def check_jax_checkpoint(rank: int, ws: int, directory: str) -> None:
+    """The JAX checkpoint loads under a torch layout: every rank's pieces of the weights and
+    AdamW moments equal, exactly, what one torch process loads from it with the plain
+    loaders."""
+    from gradsync_torch.checkpoint import load_model_weights, load_optimizer_state_dict
+
+    path = os.path.join(directory, JAX_SAVED)
+    if not os.path.exists(path):
+        raise Skip(f"no JAX checkpoint at {path} (JAX is not installed)")
+    config, sizes, options = LAYOUTS[JAX_LOADED]
+    topology = Topology.create(ws, **sizes)
+    model = parallelize(Llama(config, seed=9), topology, options, seq_len=SEQ)
+    opt = _adamw(list(model.parameters()))
+    manifest = load_boxes(path, model.held(), opt, specs=model.specs())
+    assert (manifest.framework, manifest.step) == ("jax", SAVED)
+    whole = Llama(config, seed=9)
+    whole_opt = _adamw(whole.parameters())
+    load_model_weights(path, whole)
+    load_optimizer_state_dict(path, whole_opt, whole)
+    named = dict(whole.named_parameters())
+    pairs = []
+    for part in model.parts:
+        want = {"params": local_state(part, {n: p.detach() for n, p in named.items()})}
+        for key in ("exp_avg", "exp_avg_sq"):
+            want[key] = local_state(part, {n: whole_opt.state[p][key] for n, p in named.items()})
+        for pname, param in part.named_parameters():
+            got = {
+                "params": param.detach(),
+                **{k: opt.state[param][k] for k in want if k != "params"},
+            }
+            pairs += [(k, pname, _full(v), want[k][pname]) for k, v in got.items()]
+    for kind, pname, actual, expected in pairs:
+        assert torch.equal(actual, expected), f"{kind} of {pname} differs from one process's"

@@ -23,7 +23,7 @@ import torch
 
 from gradsync_core import Topology
 from gradsync_core.checkpoint import describe_layout
-from tests.support.harness import run_checks, run_workers
+from tests.support.harness import SKIPPED, run_checks, run_workers
 from tests.torch import nd_checkpoint_checks as checks
 
 PAIRS = [checks.pair_name(s, lo) for s, lo in checks.PAIRS]
@@ -36,6 +36,7 @@ def run_all(rank: int, ws: int, directory: str) -> dict[str, str | None]:
         for s, lo in checks.PAIRS
     ]
     named.append(("refusals", functools.partial(checks.check_refusals, rank, ws, directory)))
+    named.append(("jax", functools.partial(checks.check_jax_checkpoint, rank, ws, directory)))
     return run_checks(named, keep_going=True)
 
 
@@ -47,6 +48,12 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The directory the spawn saved its checkpoints in (one per saved layout)."""
     directory = tmp_path_factory.mktemp("nd-checkpoint")
     if not _results:
+        try:
+            import jax  # noqa: F401
+        except ImportError:
+            pass  # the JAX check then reports itself skipped
+        else:
+            checks.save_in_jax(str(directory / checks.JAX_SAVED))
         _results.extend(run_workers(run_all, 8, str(directory), timeout=600))
     return directory
 
@@ -70,6 +77,14 @@ def test_a_checkpoint_loads_under_another_layout(pair: str, saved: Path) -> None
 @pytest.mark.slow
 def test_loads_that_cannot_be_expressed_refuse_before_changing_anything(saved: Path) -> None:
     _assert_passed("refusals")
+
+
+@pytest.mark.slow
+def test_a_jax_checkpoint_loads_under_a_torch_layout(saved: Path) -> None:
+    outcome = _results[0]["jax"]
+    if outcome is not None and outcome.startswith(SKIPPED):
+        pytest.skip(outcome)
+    _assert_passed("jax")
 
 
 @pytest.mark.slow
