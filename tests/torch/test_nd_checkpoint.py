@@ -3,11 +3,12 @@ Llama reference, loaded under another, in one process, and inspected.
 
 One spawn of 8 gloo ranks runs every pair of ``nd_checkpoint_checks.PAIRS`` (train 2 steps
 under one layout, ``save_boxes``, ``load_boxes`` under the other, train 2 more; parameters
-and AdamW moments against 4 uninterrupted steps in one process, float64) and the refusals.
+and AdamW moments against 4 uninterrupted steps in one process, float64), the refusals, and
+the load under a torch layout of a checkpoint gradsync_jax saved (written here, first).
 The checkpoints it leaves are then loaded here, in one process, by the loaders that existed
 before (``load_model_weights``, ``load_optimizer_state_dict``: no code of their own for this
-format), continued, and compared the same way; and ``gradsync checkpoint inspect`` prints
-the layout each was saved under.
+format), continued, and compared the same way; JAX continues two of them with its own
+loaders; and ``gradsync checkpoint inspect`` prints the layout each was saved under.
 """
 
 from __future__ import annotations
