@@ -5,13 +5,23 @@
     torchrun --nproc_per_node 8 examples/llama_nd.py --tp 2 --cp 2 --dp-shard 2
     torchrun --nproc_per_node 8 examples/llama_nd.py --ep 2 --dp-shard 4 --pp 2 --moe
 
+    # save under one layout, resume under another (any dp, tp, cp, ep, pp size or schedule)
+    torchrun --nproc_per_node 8 examples/llama_nd.py --dp-shard 2 --tp 2 --pp 2 --save /tmp/ckpt
+    torchrun --nproc_per_node 8 examples/llama_nd.py --dp-shard 2 --tp 2 --cp 2 --resume /tmp/ckpt
+    torchrun --nproc_per_node 4 examples/llama_nd.py --pp 4 --schedule GPipe --resume /tmp/ckpt
+
 The axis sizes multiply to the world size as torchtitan's ``ParallelDims``:
 ``dp_replicate * dp_shard * cp * tp * pp``; ``ep`` is carved out of the data-parallel ranks
 (Megatron-core's expert layout, ``gradsync_core.Topology``). Every rank also trains the
 single-process model on the whole batch (it is tiny) and the script prints both losses and
 the largest parameter difference. Before training, rank 0 prints what ``gradsync plan``
 predicts for each rank's model state on this layout (the built-in ``llama-nd`` and
-``llama-nd-moe`` are this script's models). The last line is one JSON object.
+``llama-nd-moe`` are this script's models). ``--save DIR`` writes a checkpoint after training
+(``gradsync_torch.checkpoint.save_boxes``: model space, the layout recorded in its manifest);
+``--resume DIR`` loads one saved under any layout (``load_boxes``) and continues from its step,
+the single-process model loading it too (``load_model_weights``,
+``load_optimizer_state_dict``), so the comparison still holds. The last line is one JSON
+object.
 """
 
 from __future__ import annotations
@@ -32,6 +42,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script:
 from examples.llama_config import LlamaConfig, ParallelOptions
 from examples.llama_torch import Llama, lm_loss_share, local_state, parallelize
 from gradsync_core import Topology
+from gradsync_core.checkpoint import describe_layout
+from gradsync_torch.checkpoint import (
+    load_boxes,
+    load_model_weights,
+    load_optimizer_state_dict,
+    save_boxes,
+)
 
 
 def predicted_memory(args: argparse.Namespace, world: int) -> str:
@@ -61,6 +78,10 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=16)
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--max-norm", type=float, default=0.5)
+    parser.add_argument("--save", metavar="DIR", help="write a checkpoint here after training")
+    parser.add_argument(
+        "--resume", metavar="DIR", help="continue from a checkpoint saved under any layout"
+    )
     parser.add_argument(
         "--float64",
         action="store_true",
@@ -111,10 +132,21 @@ def main() -> None:
     reference = Llama(config).to(dtype)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=args.lr, weight_decay=0.1)
     opt = torch.optim.AdamW(list(model.parameters()), lr=args.lr, weight_decay=0.1)
+    first = 0
+    if args.resume:
+        manifest = load_boxes(args.resume, model.held(), opt, specs=model.specs())
+        load_model_weights(args.resume, reference)  # one process reads it too
+        load_optimizer_state_dict(args.resume, ref_opt, reference)
+        first = manifest.step
+        if rank == 0:
+            layout = describe_layout(manifest.extra.get("layout"))
+            print(f"resumed {args.resume} at step {first}; it was saved under: {layout}")
     gen = torch.Generator().manual_seed(7)
+    for _ in range(first):  # the batches the saved run already trained on
+        torch.randint(0, config.vocab_size, (args.batch, args.seq + 1), generator=gen)
     groups = model.groups
     counts = model.has_last_stage and (options.sequence_parallel or groups.group_rank("tp") == 0)
-    for step in range(args.steps):
+    for step in range(first, first + args.steps):
         data = torch.randint(0, config.vocab_size, (args.batch, args.seq + 1), generator=gen)
         tokens, targets = data[:, :-1], data[:, 1:]
         loss = model.step(tokens, targets)
@@ -143,6 +175,10 @@ def main() -> None:
         for name, param in part.named_parameters():
             value = param.full_tensor() if isinstance(param, DTensor) else param
             worst = max(worst, float((value.detach() - want[name]).abs().max()))
+    if args.save:
+        save_boxes(args.save, model.held(), opt, specs=model.specs(), layout=model.layout())
+        if rank == 0:
+            print(f"saved {args.save}: resume under any layout with --resume {args.save}")
     every = torch.tensor([worst], dtype=torch.float64)
     dist.all_reduce(every, op=dist.ReduceOp.MAX)
     if rank == 0:

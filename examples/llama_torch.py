@@ -63,7 +63,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from examples.llama_config import LlamaConfig, ParallelOptions, check_layout
-from gradsync_core import ReductionPlan, Topology, plan_pipeline, plan_shared_reductions
+from gradsync_core import (
+    ParamSpec,
+    ReductionPlan,
+    Topology,
+    plan_pipeline,
+    plan_shared_reductions,
+)
+from gradsync_core.checkpoint import layout_record
 from gradsync_torch import (
     ColumnParallelLinear,
     Group,
@@ -74,12 +81,14 @@ from gradsync_torch import (
     all_gather_from,
     fully_shard,
     gather_from,
+    param_specs,
     reduce_scatter_to,
     scatter_to,
     shared_param_specs,
 )
 from gradsync_torch._specs import sharded_over
 from gradsync_torch.agreement import agree_ok, agree_on
+from gradsync_torch.checkpoint import Held, box_of
 from gradsync_torch.zero.clip import clip_sharded_
 
 # ---- the model ----------------------------------------------------------------------------
@@ -465,6 +474,54 @@ class ParallelLlama:
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip by the norm of the whole model's gradient (every piece on every rank)."""
         return clip_grad_norm_(self.parts, self.owned, max_norm)
+
+    def held(self) -> list[Held]:
+        """What this rank holds of each of the whole model's parameters (its tensor-parallel
+        slice or experts, the rows ``fully_shard`` kept, its stages' layers), for
+        ``gradsync_torch.checkpoint.save_boxes`` and ``load_boxes``."""
+        shapes = {spec.name: spec.shape for spec in self.specs()}
+        seen: set[int] = set()
+        out = []
+        for part in self.parts:
+            for prefix, module in part.named_modules():
+                for short, param in module.named_parameters(recurse=False):
+                    if id(param) in seen:  # a tied weight: under its first name
+                        continue
+                    seen.add(id(param))
+                    name = f"{prefix}.{short}" if prefix else short
+                    dim, offset = _split(module, short)
+                    out.append(box_of(name, param, shapes[name], dim=dim, offset=offset))
+        return out
+
+    def specs(self) -> list[ParamSpec]:
+        """The whole model's parameters (names, shapes, dtype), from a copy on the meta
+        device."""
+        dtype = next(self.parameters()).dtype
+        with torch.random.fork_rng(), torch.device("meta"):
+            whole = Llama(self.config).to(dtype)
+        return param_specs(whole)
+
+    def layout(self) -> dict[str, Any]:
+        """The layout record a checkpoint's manifest keeps (``extra["layout"]``)."""
+        pp = self.topology.pp > 1
+        return layout_record(
+            self.topology,
+            framework="torch",
+            schedule=self.options.schedule if pp else None,
+            microbatches=self.options.microbatches if pp else None,
+            model=asdict(self.config),
+        )
+
+
+def _split(module: nn.Module, name: str) -> tuple[int | None, int]:
+    """The dim a layer's parameter ``name`` is cut along on this rank, and where its slice
+    starts: tensor-parallel weights (``split_dim``, this rank's chunk) and experts."""
+    if isinstance(module, ColumnParallelLinear | RowParallelLinear) and name == "weight":
+        rank = module.group.group_rank
+        return module.split_dim, sum(module.sizes[:rank])
+    if isinstance(module, GroupedExperts) and name in module.expert_params:
+        return 0, module.first_expert
+    return None, 0
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -154,14 +154,21 @@ def parameter_names(
 
 
 def param_specs_of(
-    names: Sequence[str], params: Sequence[torch.Tensor], planned: set[int]
+    names: Sequence[str],
+    params: Sequence[torch.Tensor],
+    planned: set[int],
+    *,
+    plans_owners: bool = True,
 ) -> list[ParamSpec]:
     """The specs the plans are made of; ``planned`` are the indices planned before.
 
+    ``plans_owners=False``: the optimizer plans no owners over a group (a plain optimizer's
+    checkpoint, one process), so experts and dense parameters may share it.
+
     Raises:
         ValueError: if expert parameters (declared split over ``"ep"`` by their layer, e.g.
-            ``ExpertMLPs``: ``is_expert``) and dense ones share this optimizer: their owners must be
-            planned over different groups (``edp`` and ``dp``, docs/design.md §6).
+            ``ExpertMLPs``: ``is_expert``) and dense ones share an optimizer that plans owners:
+            they must be planned over different groups (``edp`` and ``dp``, docs/design.md §6).
     """
     specs = [
         ParamSpec(
@@ -176,7 +183,7 @@ def param_specs_of(
         for i, (name, p) in enumerate(zip(names, params, strict=True))
     ]
     experts = [s.name for s in specs if s.expert]
-    if experts and len(experts) < len(specs):
+    if plans_owners and experts and len(experts) < len(specs):
         dense = next(s.name for s in specs if not s.expert)
         raise ValueError(
             f"this optimizer holds expert parameters ({experts[0]!r}, ...) and dense ones "

@@ -46,6 +46,7 @@ LONGEST_FIRST = (
     "tests/jax/test_zero3_clip.py",  # 50 s
     "tests/jax/test_zero3_sweep.py",
     "tests/jax/test_step_multiprocess.py",  # 43 s
+    "tests/torch/test_nd_checkpoint.py",  # 75 s (load 2-8), 42 s of it one spawn of 8 ranks
     "tests/torch/test_matrix_optimizer.py",  # 31 s (newer: timed alone at load 7)
     "tests/torch/test_zero.py",  # 35 s
     "tests/parity/test_cross_tied.py",  # 33 s

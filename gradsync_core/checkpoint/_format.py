@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from gradsync_core.checkpoint._data_position import DATA_KEY, check_data_position
+from gradsync_core.checkpoint._layout import LAYOUT, check_layout_record
 from gradsync_core.plan._canonical import fingerprint
 from gradsync_core.plan._shards import ShardPlan
 from gradsync_core.plan._specs import ParamSpec, check_unique_names
@@ -275,6 +276,8 @@ def _extra(value: Any, state_keys: Mapping[str, Sequence[str]], world_size: int)
             _refuse(f"extra.hyperparams.{key}", hyper, "a number, bool or null; numbers finite")
     if DATA_KEY in value:
         check_data_position(value[DATA_KEY])  # the sampler's cursor (_data_position.py)
+    if LAYOUT in value:
+        check_layout_record(value[LAYOUT])  # the layout it was saved under (_layout.py)
     model = value.get("model", {})
     if not isinstance(model, Mapping):
         _refuse("extra.model", model, "an object mapping parameter names to ranks")

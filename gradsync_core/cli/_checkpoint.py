@@ -15,6 +15,7 @@ from typing import Any
 
 from gradsync_core.checkpoint._atomic import resolve_checkpoint
 from gradsync_core.checkpoint._format import Manifest, rank_file
+from gradsync_core.checkpoint._layout import LAYOUT, describe_layout
 from gradsync_core.checkpoint._model_weights import MODEL_PARAM
 from gradsync_core.checkpoint._safetensors import read_header
 from gradsync_core.checkpoint._storage import read_manifest, reading_version
@@ -68,6 +69,7 @@ def summary(path: str, manifest: Manifest) -> dict[str, Any]:
         "trainable": sum(p.requires_grad for p in manifest.params),
         "model_weights": len(manifest.extra.get("model", {})),
         "data": manifest.extra.get("data"),  # the sampler's cursor, if saved with data=
+        "layout": manifest.extra.get(LAYOUT),  # what it was saved under, if recorded
         "ranks": ranks,
     }
 
@@ -90,6 +92,7 @@ def _text(info: Mapping[str, Any]) -> str:
         f"  parameters: {info['params']} ({info['trainable']} trainable); model weights: "
         + (f"{info['model_weights']} stored" if info["model_weights"] else "not stored"),
         "  data position: " + _position(info["data"]),
+        "  saved under: " + describe_layout(info["layout"]),
         "",
         f"  {'rank':>4}  {'bytes':>12}  {'state':>12}  {'model':>12}  owners",
     ]

@@ -73,7 +73,7 @@ def load_optimizer_state_dict(
     target = checkpoint.LoadTarget(
         optimizer_class=type(optimizer),
         names=names,
-        specs=param_specs_of(names, params, set()),
+        specs=param_specs_of(names, params, set(), plans_owners=False),
         param_groups=groups,
         shapes=[tuple(p.shape) for p in params],
         needed=set(range(len(params))),

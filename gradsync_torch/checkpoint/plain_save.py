@@ -48,7 +48,7 @@ def save_plain(
     groups = optimizer.param_groups
     params = [p for group in groups for p in group["params"]]
     names = parameter_names(groups, model)
-    specs = param_specs_of(names, params, set())
+    specs = param_specs_of(names, params, set(), plans_owners=False)
     per_group, start = [], 0
     for group in groups:  # torch's greedy partition per param group, here over one rank
         per_group.append(specs[start : start + len(group["params"])])

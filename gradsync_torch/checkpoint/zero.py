@@ -35,6 +35,7 @@ from gradsync_core import (
     read_manifest,
 )
 from gradsync_core.checkpoint import (
+    LAYOUT,
     MANIFEST,
     SaveHandle,
     SaveSteps,
@@ -94,6 +95,10 @@ class Snapshot(NamedTuple):
     # The model's weights this rank writes, when its parameters are sharded (ZeRO-3 gathers
     # each before the save); None: every rank has a copy, taken from ``model``.
     weights: dict[str, torch.Tensor] | None = None
+    # The rank that writes each weight when there is no ``model`` (a save across layouts: no
+    # rank has the whole model); ``weights`` then holds the ones this rank owns.
+    weight_owners: dict[str, int] | None = None
+    layout: dict[str, Any] | None = None  # the manifest's extra["layout"] (layout_record)
 
 
 class LoadTarget(NamedTuple):
@@ -165,6 +170,8 @@ def _rank_state(
 
 def weight_owners_of(snapshot: Snapshot) -> dict[str, int]:
     """The rank whose file holds each of the snapshot's model weights (``model_owners``)."""
+    if snapshot.weight_owners is not None:
+        return dict(snapshot.weight_owners)
     names = [] if snapshot.model is None else [n for n, _ in snapshot.model.named_parameters()]
     return model_owners(snapshot.plan, names)
 
@@ -173,9 +180,10 @@ def _prepare(snapshot: Snapshot, rank: int) -> _Prepared:
     groups = groups_json(snapshot.param_groups, snapshot.names)
     tensors, scalars, state_keys = _rank_state(snapshot.pieces, snapshot.names, snapshot.plan, rank)
     owners = None
-    if snapshot.model is not None:
+    if snapshot.model is not None or snapshot.weight_owners is not None:
         weights = snapshot.weights
         if weights is None:
+            assert snapshot.model is not None
             weights = model_weights(snapshot.model)
         owners = weight_owners_of(snapshot)
         tensors.update(rank_weights(weights, owners, rank))
@@ -225,6 +233,7 @@ def _manifest(
             "shard_gradients": snapshot.shard_gradients,
             **({"model": prepared.owners} if prepared.owners is not None else {}),
             **(snapshot.data or {}),
+            **({LAYOUT: snapshot.layout} if snapshot.layout is not None else {}),
         },
     )
 

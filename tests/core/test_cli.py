@@ -287,6 +287,7 @@ def test_checkpoint_inspect_verifies_and_describes(tmp_path):
     assert f"fingerprint {plan.fingerprint}" in out.stdout
     assert "parameters: 3 (2 trainable); model weights: 1 stored" in out.stdout
     assert "data position: not stored (saved without data=)" in out.stdout
+    assert "saved under: not recorded" in out.stdout
 
     out = gradsync("checkpoint", "inspect", "--json", str(tmp_path))
     assert out.returncode == 0, out.stderr
@@ -316,6 +317,36 @@ def test_checkpoint_inspect_shows_the_data_position(tmp_path):
     )
     out = gradsync("checkpoint", "inspect", "--json", str(tmp_path))
     assert json.loads(out.stdout)["data"] == cursor.to_json()
+
+
+def test_checkpoint_inspect_shows_the_layout_it_was_saved_under(tmp_path):
+    from gradsync_core.checkpoint import layout_record
+
+    topology = Topology.create(8, tp=2, pp=2)
+    record = layout_record(
+        topology, framework="torch", schedule="1F1B", microbatches=2, model={"dim": 32}
+    )
+    write_checkpoint(tmp_path, layout=record)
+    out = gradsync("checkpoint", "inspect", str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    assert (
+        "saved under: torch, dp 2 x tp 2 x pp 2 (8 ranks), pipeline 1F1B with 2 microbatches"
+        in out.stdout
+    )
+    out = gradsync("checkpoint", "inspect", "--json", str(tmp_path))
+    assert json.loads(out.stdout)["layout"] == record
+    hsdp = layout_record(Topology.create(8, tp=2, dp_shard=2), framework="jax")
+    write_checkpoint(tmp_path, layout=hsdp)
+    out = gradsync("checkpoint", "inspect", str(tmp_path))
+    assert "saved under: jax, dp_replicate 2 x dp_shard 2 x tp 2 (8 ranks)" in out.stdout
+
+
+def test_a_manifest_with_a_bad_layout_is_refused(tmp_path):
+    from gradsync_core import read_manifest
+
+    write_checkpoint(tmp_path, layout={"topology": {"kind": "topology", "tp": "two"}})
+    with pytest.raises(ValueError, match=r"'extra\.layout\.topology' is not a topology"):
+        read_manifest(tmp_path)
 
 
 def test_a_manifest_with_a_bad_data_position_is_refused(tmp_path):

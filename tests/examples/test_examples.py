@@ -136,3 +136,15 @@ def test_llama_nd_matches_one_process():
     # rank 0 printed gradsync plan's per-rank bytes for the same layout before training
     assert "predicted by `gradsync plan --model llama-nd --world-size 8" in done.stdout
     assert "fullest: pp rank 0, peak" in done.stdout
+
+
+def test_llama_nd_resumes_under_another_layout(tmp_path):
+    """Saved under dp_shard 2 x tp 2 x pp 2, resumed under tp 2 x cp 2 x dp 2 (the
+    single-process model loading the same checkpoint): still within the sums' rounding."""
+    ckpt = str(tmp_path / "ckpt")
+    args = ["llama_nd.py", "--float64", "--steps", "2", "--dp-shard", "2", "--tp", "2"]
+    run([*args, "--pp", "2", "--save", ckpt], torchrun=8)
+    done = run([*args, "--cp", "2", "--resume", ckpt], torchrun=8)
+    assert "at step 2; it was saved under: torch, dp 2 x tp 2 x pp 2 (8 ranks)" in done.stdout
+    assert "step 3: loss" in done.stdout
+    assert summary(done.stdout)["max_param_diff"] < 1e-10, done.stdout[-2000:]

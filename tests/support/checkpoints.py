@@ -30,10 +30,13 @@ def safetensors_bytes(tensors: dict[str, list[float]]) -> bytes:
 
 
 def write_checkpoint(
-    directory: Path, position: dict[str, Any] | None = None
+    directory: Path,
+    position: dict[str, Any] | None = None,
+    layout: dict[str, Any] | None = None,
 ) -> tuple[Any, dict[str, int]]:
     """A 2-rank greedy Adam checkpoint of a 3-parameter model, with one model weight (and the
-    data position ``position``, a cursor's JSON, if given), written in ``directory``.
+    data position ``position``, a cursor's JSON, and the ``layout`` record, if given),
+    written in ``directory``.
 
     Returns:
         The shard plan and each parameter's owning rank.
@@ -70,6 +73,7 @@ def write_checkpoint(
             "scalars": scalars,
             "model": {"emb.weight": 0},
             **({"data": position} if position is not None else {}),
+            **({"layout": layout} if layout is not None else {}),
         },
     )
     write_manifest(directory, manifest)
