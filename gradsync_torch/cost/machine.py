@@ -5,8 +5,9 @@ Every rank runs the same collectives the executors run (``all_reduce``, ``all_ga
 divides the world, all groups of a size at once (as a data-parallel or HSDP step runs them), at
 a few message sizes. A collective's time is the median over the repeats of the slowest rank's;
 ``gradsync_core``'s ``fit_link`` turns each (collective, group size) into latency and bus
-bandwidth. Under ``torchrun`` it measures the job's ranks (gloo or NCCL); otherwise
-``calibrate_local`` spawns gloo ranks on this machine.
+bandwidth. The executors' host work per collective and per step is measured through the
+executors themselves on a tiny model (``host.py``). Under ``torchrun`` it measures the job's
+ranks (gloo or NCCL); otherwise ``calibrate_local`` spawns gloo ranks on this machine.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import queue
 import statistics
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -28,10 +30,12 @@ import torch.multiprocessing as mp
 
 from gradsync_core.plan import COLLECTIVES, LinkCost, MachineProfile, fit_link
 from gradsync_torch._collectives import all_gather_single, reduce_scatter_single
+from gradsync_torch.cost.host import Probe, host_overheads
 
 KIB, MIB = 1024, 1024 * 1024
 DEFAULT_SIZES = (16 * KIB, 256 * KIB, 1 * MIB, 4 * MIB, 16 * MIB)
 DEFAULT_REPEATS = 5
+PROBE_ROUNDS = 15  # timed steps of each executor probe (host.py): its slope needs a few more
 _POLL_S = 1.0
 _TIMEOUT_S = 600.0
 Samples = dict[tuple[str, int], list[tuple[int, float]]]
@@ -212,13 +216,17 @@ def profile_from(
     source: str,
     copy: float | None = None,
     slowdown: float = 1.0,
+    probe: Mapping[tuple[str, int], float] | None = None,
+    world_size: int | None = None,
 ) -> MachineProfile:
-    """The machine profile of measured samples: one fitted link per collective and size."""
+    """The machine profile of measured samples: one fitted link per collective and size; with
+    the executor ``probe``'s step times (``host.Probe.times()`` over ``world_size`` ranks),
+    the host overheads too (``host.host_overheads``)."""
     links: list[LinkCost] = [
         fit_link(collective, size, points, issue=issue.get((collective, size), ()))
         for (collective, size), points in sorted(samples.items())
     ]
-    return MachineProfile(
+    profile = MachineProfile(
         name=name,
         ranks_per_node=ranks_per_node,
         links=tuple(links),
@@ -226,6 +234,11 @@ def profile_from(
         copy_bandwidth=copy,
         overlap_slowdown=slowdown,
     )
+    if probe is None:
+        return profile
+    world = world_size or max(size for _, size in samples)
+    host_s, step_host_s = host_overheads(probe, profile, world)
+    return replace(profile, host_s=host_s, step_host_s=step_host_s)
 
 
 def _describe(world: int, elapsed: float) -> str:
@@ -270,6 +283,9 @@ def calibrate(
     samples, issue = measure(sizes=sizes, repeats=repeats)
     copy = copy_bandwidth(repeats=repeats)
     slowdown = overlap_slowdown(fit_link("all_reduce", world, samples["all_reduce", world]))
+    probe = Probe(_device())
+    for _ in range(max(PROBE_ROUNDS, repeats)):
+        probe.round()
     if dist.get_rank() != 0:
         return None
     per_node = ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
@@ -281,6 +297,8 @@ def calibrate(
         source=_describe(world, time.perf_counter() - start),
         copy=copy,
         slowdown=slowdown,
+        probe=probe.times(),
+        world_size=world,
     )
 
 
