@@ -505,6 +505,21 @@ def test_pipeline_stash_memory_follows_the_schedule():
     assert one_f_one_b.cost.ranks[0].activation_bytes == 2 * 2 * MIB
 
 
+def test_a_pipeline_without_data_parallelism_has_no_buckets():
+    specs = layers(4)
+    config = Configuration(pp=2, schedule="1F1B", microbatches=4, bucket_cap_mb=64)
+    alone = predict(specs, config, world_size=2, machine=machine(), model=model(4))
+    rank = alone.cost.ranks[0].memory  # two 1 MiB weights, Adam: P + G + 2P of state
+    assert (rank.parameter_bytes, rank.gradient_bytes, rank.transient_bytes) == (
+        2 * MIB,
+        2 * MIB,
+        0,
+    )
+    assert not [c for c in alone.cost.comms if c.collective == "all_reduce"]
+    replicated = predict(specs, config, world_size=4, machine=machine(), model=model(4))
+    assert replicated.cost.ranks[0].memory.transient_bytes == 2 * MIB  # one bucket of both
+
+
 # -- memory -------------------------------------------------------------------------------
 
 

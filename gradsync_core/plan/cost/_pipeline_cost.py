@@ -6,10 +6,11 @@ weight-gradient half of a split backward half of it, and a point-to-point messag
 the largest activation crossing a stage boundary. On top of it each pipeline rank reduces its
 stages' gradients over the data-parallel group once its last action is done (gradsync's
 ``Pipeline`` syncs a stage's buckets at ``REDUCE_GRAD``) and steps the optimizer on its own
-parameters; the executors' host work (the machine's ``host_s`` and ``step_host_s``) is on the
-rank's clock there, and delays each message. Memory per pipeline rank is its stages' model
-states (``estimate_ddp``) plus the activations its stashed microbatches hold, followed through
-the simulated order.
+parameters (without data parallelism nothing is reduced and no bucket is allocated); the
+executors' host work (the machine's ``host_s`` and ``step_host_s``) is on the rank's clock
+there, and delays each message. Memory per pipeline rank is its stages' model states
+(``estimate_ddp``) plus the activations its stashed microbatches hold, followed through the
+simulated order.
 """
 
 from __future__ import annotations
@@ -147,7 +148,10 @@ def predict_pipeline(
     busy = [[(t.start, t.end) for t in timed if t.end > t.start] for timed in sim.actions]
     ends = []
     for r in range(plan.pp):
-        buckets = plan_buckets(rank_specs[r], cap_bytes=cap, first_cap_bytes=first)
+        # Without data parallelism nothing reduces: no stage is wrapped, no bucket exists.
+        buckets = plan_buckets(
+            rank_specs[r] if dp > 1 else [], cap_bytes=cap, first_cap_bytes=first
+        )
         channel = Channel()
         last = max((t.end for t in sim.actions[r]), default=0.0)
         # DataParallel(overlap=False) per stage: the sync's bookkeeping, then each bucket
