@@ -156,6 +156,7 @@ class Calibrator:
         self.copies: list[float] = []
         self.slowdowns: list[float] = []
         self.probe = Probe(torch.device("cpu"))  # the executors' host overheads (host.py)
+        self.scratch = calibrate.collective_scratch()  # the same each time: measured once
 
     def round(self) -> None:
         self.probe.round()
@@ -190,6 +191,7 @@ class Calibrator:
             slowdown=statistics.median(self.slowdowns),
             probe=self.probe.times(),
             world_size=self.world,
+            scratch=self.scratch,
         )
 
 

@@ -154,6 +154,7 @@ def test_machine_profile_json_round_trip_and_lookup():
         ({"host_s": {"all_reduce": -1e-3}}, r"host_s\['all_reduce'\] must be a finite number"),
         ({"host_s": {"allreduce": 1e-3}}, "host_s has the unknown key 'allreduce'"),
         ({"step_host_s": {"ddp": 1e-3}}, "step_host_s has the unknown key 'ddp'"),
+        ({"collective_scratch": {"p2p": -1}}, "must be a finite number >= 0"),
         ({"version": 1, "host_s": {"all_reduce": 1e-3}}, "version-1 .* unknown key 'host_s'"),
     ],
     ids=[
@@ -165,6 +166,7 @@ def test_machine_profile_json_round_trip_and_lookup():
         "negative host",
         "host kind",
         "step path",
+        "negative scratch",
         "host in v1",
     ],
 )
@@ -175,16 +177,23 @@ def test_machine_profile_refuses_bad_json(change, message):
 
 
 def test_host_overheads_round_trip_and_a_version_1_profile_loads_without_them():
-    m = machine(latency=1e-4, host_s={"all_reduce": 2e-4}, step_host_s={"zero3": 1e-3})
+    m = machine(
+        latency=1e-4,
+        host_s={"all_reduce": 2e-4},
+        step_host_s={"zero3": 1e-3},
+        collective_scratch={"all_gather": 1.0},
+    )
     assert m.to_json()["version"] == 2
     assert MachineProfile.from_json(json.loads(json.dumps(m.to_json()))) == m
     assert m.issue_time("all_reduce", MIB, 2) == 2e-4  # the link's issue cost is 0 here
     assert m.issue_time("all_gather", MIB, 2) == 0.0
     assert m.issue_time("all_reduce", MIB, 1) == 0.0  # a group of one issues nothing
     assert m.step_host_time("zero3") == 1e-3 and m.step_host_time("data_parallel") == 0.0
-    old = {k: v for k, v in m.to_json().items() if k not in ("host_s", "step_host_s")}
+    assert m.scratch_bytes("all_gather", MIB) == MIB and m.scratch_bytes("all_reduce", MIB) == 0
+    new = ("host_s", "step_host_s", "collective_scratch")
+    old = {k: v for k, v in m.to_json().items() if k not in new}
     loaded = MachineProfile.from_json(old | {"version": 1})
-    assert loaded.host_s == {} and loaded.step_host_s == {}
+    assert loaded.host_s == {} and loaded.step_host_s == {} and loaded.collective_scratch == {}
     assert loaded.issue_time("all_reduce", MIB, 2) == 0.0
 
 
@@ -521,6 +530,27 @@ def test_a_pipeline_without_data_parallelism_has_no_buckets():
 
 
 # -- memory -------------------------------------------------------------------------------
+
+
+def test_collective_scratch_adds_to_the_backward_peak_where_the_collective_allocates_it():
+    specs, n = layers(4), 2
+    gloo = machine(collective_scratch={"all_gather": 1.0, "reduce_scatter": 1.0, "all_reduce": 0.5})
+    for zero, extra in ((0, MIB // 2), (1, MIB // 2), (2, 0)):  # ZeRO-2 scatters into its shard
+        config = Configuration(zero=zero, bucket_cap_mb=1)
+        base = predict(specs, config, world_size=n, machine=machine(), model=model(4))
+        cost = predict(specs, config, world_size=n, machine=gloo, model=model(4))
+        assert cost.peak_bytes == base.peak_bytes + extra, zero
+    # ZeRO-3: the next unit's all-gather (its whole 1 MiB output) beside a reduce-scatter
+    # (its whole 1 MiB input); under HSDP also the all-reduce of a 0.5 MiB shard, half of it
+    for config, extra in (
+        (Configuration(zero=3), 2 * MIB),
+        (Configuration(zero=3, dp_shard=2), 2 * MIB + MIB // 4),
+    ):
+        world = 2 if config.dp_shard is None else 4
+        base = predict(specs, config, world_size=world, machine=machine(), model=model(4))
+        cost = predict(specs, config, world_size=world, machine=gloo, model=model(4))
+        assert cost.cost.ranks[0].collective_bytes == extra
+        assert cost.peak_bytes == base.peak_bytes + extra
 
 
 def test_memory_is_the_plans_estimate_plus_activations_and_the_optimizer_scratch():

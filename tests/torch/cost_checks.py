@@ -30,7 +30,7 @@ def calibrate_predict_measure(
     rank: int, world_size: int
 ) -> tuple[list[tuple[float, float, bool]], dict[str, dict[str, float]]]:
     """``(predicted, measured, plan is the predicted)`` step seconds of each configuration,
-    and the calibrated host overheads (``host_s``, ``step_host_s``)."""
+    and the calibrated host overheads and collective scratch."""
     # Sizes far apart, so a loaded machine still shows time growing with the size.
     samples, issue = calibrate.measure(sizes=(4096, 1 << 20, 8 << 20), repeats=5)
     probe = Probe(torch.device("cpu"))
@@ -45,6 +45,7 @@ def calibrate_predict_measure(
         copy=calibrate.copy_bandwidth(repeats=3),
         probe=probe.times(),
         world_size=world_size,
+        scratch=calibrate.collective_scratch(),
     )
     net, x = _net(), torch.randn(ROWS, WIDTH)
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
@@ -78,4 +79,8 @@ def calibrate_predict_measure(
                 times.append(elapsed.item())
         same = wrapper.bucket_plan.fingerprint == prediction.buckets.fingerprint
         out.append((prediction.step_s, statistics.median(times), same))
-    return out, {"host_s": dict(machine.host_s), "step_host_s": dict(machine.step_host_s)}
+    return out, {
+        "host_s": dict(machine.host_s),
+        "step_host_s": dict(machine.step_host_s),
+        "collective_scratch": dict(machine.collective_scratch),
+    }

@@ -78,11 +78,18 @@ def test_profile_model_refuses_a_block_the_forward_never_runs():
 def test_calibrate_predict_measure_on_gloo():
     rows, host = run_workers(cost_checks.calibrate_predict_measure, 2, timeout=300)[0]
     one_bucket, per_tensor = rows
-    print(rows, host)
     # the executors' paths cost more than the raw collectives: hooks, copies, the used map
     assert set(host["host_s"]) == {"all_reduce", "broadcast", "all_gather", "reduce_scatter"}
     assert host["host_s"]["all_reduce"] > 0 and host["host_s"]["all_gather"] > 0, host
     assert host["step_host_s"]["data_parallel"] > 0 and host["step_host_s"]["zero3"] > 0, host
+    # gloo's all_gather_into_tensor allocates its output again, reduce_scatter_tensor clones
+    # its input; all-reduce and broadcast work in place
+    assert host["collective_scratch"] == {
+        "all_reduce": 0.0,
+        "all_gather": 1.0,
+        "reduce_scatter": 1.0,
+        "broadcast": 0.0,
+    }
     assert one_bucket[2] and per_tensor[2], "DataParallel planned other buckets than predict"
     assert one_bucket[0] < per_tensor[0] and one_bucket[1] < per_tensor[1], (one_bucket, per_tensor)
     for predicted, measured, _ in (one_bucket, per_tensor):

@@ -194,6 +194,13 @@ def predict_data_parallel(
             block_numel(specs, model),
             [n / trainable for n in owned],
             persistent=zero < 2,  # DDP's buckets live through the step; ZeRO-2's pool lends
+            # the largest bucket's all-reduce in flight; ZeRO-2's reduce-scatter writes into
+            # the rank's preallocated shard (gradsync_torch's reduce_scatter_into: no scratch)
+            collective_bytes=0
+            if zero == 2 or dp == 1
+            else max(
+                (machine.scratch_bytes(ALL_REDUCE, b.nbytes) for b in buckets.buckets), default=0
+            ),
         ),
         notes=tuple(notes),
     )

@@ -160,6 +160,10 @@ class MachineProfile:
     (``"data_parallel"``: DDP's bucketed sync; ``"zero3"``: ``fully_shard``'s units), the
     seconds its per-step bookkeeping costs (DDP's used-map all-reduce, the agreement checks).
     A kind or path not listed costs nothing (as in a compiled JAX step).
+    ``collective_scratch``, per collective kind, the bytes a collective allocates beside its
+    buffers while in flight, per byte of its whole buffer (gloo's ``all_gather_into_tensor``
+    allocates its output again and ``reduce_scatter_tensor`` clones its input: 1; NCCL and
+    gloo's all-reduce and broadcast: 0).
 
     Example:
         >>> m = MachineProfile(name="toy", ranks_per_node=8, links=(
@@ -178,6 +182,7 @@ class MachineProfile:
     overlap_slowdown: float = 1.0
     host_s: Mapping[str, float] = field(default_factory=dict)
     step_host_s: Mapping[str, float] = field(default_factory=dict)
+    collective_scratch: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1:
@@ -190,10 +195,11 @@ class MachineProfile:
                 f"overlap_slowdown must be >= 1 (1: collectives do not slow compute), got "
                 f"{self.overlap_slowdown!r}"
             )
-        for name, keys in (("host_s", COLLECTIVES), ("step_host_s", STEP_PATHS)):
+        tables = (("host_s", COLLECTIVES), ("step_host_s", STEP_PATHS))
+        for name, keys in (*tables, ("collective_scratch", COLLECTIVES)):
             table = getattr(self, name)
             if not isinstance(table, Mapping):
-                raise ValueError(f"{name} must be a mapping of seconds, got {table!r}")
+                raise ValueError(f"{name} must be a mapping of numbers, got {table!r}")
             for key, seconds in table.items():
                 if key not in keys:
                     raise ValueError(f"{name} has the unknown key {key!r}; use {', '.join(keys)}")
@@ -259,6 +265,10 @@ class MachineProfile:
         issue = self.link(collective, group_size, level).issue_time(nbytes)
         return issue + self.host_s.get(collective, 0.0)
 
+    def scratch_bytes(self, collective: str, nbytes: int) -> int:
+        """Bytes a ``collective`` of ``nbytes`` (its whole buffer) allocates while in flight."""
+        return round(self.collective_scratch.get(collective, 0.0) * nbytes)
+
     def step_host_time(self, path: str) -> float:
         """Seconds of per-step host work of executor ``path`` (``step_host_s``; 0 if absent)."""
         if path not in STEP_PATHS:
@@ -278,7 +288,7 @@ class MachineProfile:
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
         out["overlap_slowdown"] = self.overlap_slowdown
-        for name in ("host_s", "step_host_s"):
+        for name in ("host_s", "step_host_s", "collective_scratch"):
             if getattr(self, name):
                 out[name] = dict(sorted(getattr(self, name).items()))
         return out
@@ -296,7 +306,7 @@ class MachineProfile:
         optional = ["kind", "version", "source", "flops_per_s", "copy_bandwidth"]
         optional += ["overlap_slowdown"]
         if obj["version"] >= 2:
-            optional += ["host_s", "step_host_s"]
+            optional += ["host_s", "step_host_s", "collective_scratch"]
         _check_keys(
             obj,
             required=("name", "ranks_per_node", "links"),
@@ -333,8 +343,9 @@ class MachineProfile:
             flops_per_s=obj.get("flops_per_s"),
             copy_bandwidth=obj.get("copy_bandwidth"),
             overlap_slowdown=obj.get("overlap_slowdown", 1.0),
-            host_s=_seconds(obj, "host_s"),
-            step_host_s=_seconds(obj, "step_host_s"),
+            host_s=_table(obj, "host_s"),
+            step_host_s=_table(obj, "step_host_s"),
+            collective_scratch=_table(obj, "collective_scratch"),
         )
 
     def copy_time(self, nbytes: int) -> float:
@@ -449,7 +460,7 @@ def read_json(path: str, what: str, max_bytes: int = 64 << 20) -> Any:
         raise ValueError(f"the {what} {path!r} is not valid JSON: {e}") from None
 
 
-def _seconds(obj: Mapping[str, Any], name: str) -> Any:
+def _table(obj: Mapping[str, Any], name: str) -> Any:
     """A copy of the profile's table ``name`` (``{}`` when absent; checked by the profile)."""
     table = obj.get(name, {})
     return dict(table) if isinstance(table, Mapping) else table

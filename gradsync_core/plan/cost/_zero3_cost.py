@@ -122,6 +122,7 @@ def predict_zero3(
             block_numel(specs, model),
             [k / total for k in shares],
             persistent=False,
+            collective_bytes=walk.scratch_bytes(machine),
         ),
         notes=tuple(notes),
     )
@@ -256,6 +257,18 @@ class _Walk:
             self.rank.compute(seconds)
             if reduce_after is not None and reduce_after.get(unit) == index:
                 self.reduce(unit)
+
+    def scratch_bytes(self, machine: MachineProfile) -> int:
+        """The collectives' scratch in flight during the backward: the largest unit's
+        all-gather (the next unit's prefetch) beside the largest reduce-scatter and, under
+        HSDP, the largest all-reduce of a shard."""
+        out = 0
+        if self.n > 1:
+            out += max(machine.scratch_bytes(ALL_GATHER, b) for b in self.gathered)
+            out += max(machine.scratch_bytes(REDUCE_SCATTER, g * self.n) for g in self.grads)
+        if self.replicas > 1:
+            out += max(machine.scratch_bytes(ALL_REDUCE, g) for g in self.grads)
+        return out
 
     @property
     def synced(self) -> float:
