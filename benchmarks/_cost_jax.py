@@ -6,7 +6,10 @@ command line, prints the rows as one JSON line. Every configuration is built fro
 ``gradsync_core.plan.predict`` made: ``synced(plan=...)`` takes the bucket plan itself, and the
 ZeRO plans are compared by fingerprint. A step's time is the median of the jitted step's wall
 time (the step is one program on all devices); its peak is XLA's for one device of the compiled
-step (``memory_analysis``: arguments + outputs + temporaries - aliased).
+step (``memory_analysis``: arguments + outputs + temporaries - aliased). The model profile is
+taken once before the configurations are built (for the plans) and then once in every timed
+round, before its steps (``ModelProfiler``: the programs compiled once), so it sees the load
+the steps see; the prediction uses the median over the rounds.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from gradsync_jax import (
     zero3_step,
 )
 from gradsync_jax.cost.machine import calibrate
-from gradsync_jax.cost.model import profile_model
+from gradsync_jax.cost.model import ModelProfiler
 
 LR = 1e-3
 CONFIGS = [
@@ -79,7 +82,8 @@ def make_loss(layers: int) -> Any:
     return loss_fn
 
 
-def profile(args: dict[str, Any], params: Any, x: Any, mesh: Any) -> Any:
+def profiler(args: dict[str, Any], params: Any, x: Any, mesh: Any) -> ModelProfiler:
+    """The model's profiler: its programs compiled once, run again between the rounds."""
     blocks = [
         (
             f"layers.{i}",
@@ -88,14 +92,13 @@ def profile(args: dict[str, Any], params: Any, x: Any, mesh: Any) -> Any:
         )
         for i in range(args["layers"])
     ]
-    return profile_model(
+    return ModelProfiler(
         blocks,
         x,
         lambda y: jnp.mean(jnp.square(y)),
         samples=x.shape[0] // mesh.devices.size,
         mesh=mesh,
         tx=optax.adam(LR),
-        steps=args["profile_steps"],
     )
 
 
@@ -164,7 +167,8 @@ def main() -> None:
     ]
     mesh = mesh_from_topology(Topology.create(8))
     x = jnp.ones((args["global_batch"], args["width"]), jnp.float32)
-    first = profile(args, params, x, mesh)
+    model_profiler = profiler(args, params, x, mesh)
+    first = model_profiler.run(steps=args["profile_steps"])
     runners, matches, peaks, predictions = [], [], [], []
     for config in CONFIGS:
         p = predict(
@@ -180,7 +184,10 @@ def main() -> None:
         runners.append([step, *state])
         matches.append(match)
     times: list[list[float]] = [[] for _ in runners]
+    rounds = []
     for r in range(args["warmup"] + args["steps"]):
+        if r >= args["warmup"]:  # the profile between the rounds: it sees the steps' load
+            rounds.append(model_profiler.run(steps=1, warmup=0))
         for i, (step, p, s, b) in enumerate(runners):
             t0 = time.perf_counter()
             p, s, loss = step(p, s, b)
@@ -188,8 +195,7 @@ def main() -> None:
             if r >= args["warmup"]:
                 times[i].append(time.perf_counter() - t0)
             runners[i] = [step, p, s, b]
-    last = profile(args, params, x, mesh)
-    model = median_profile([first, last])
+    model = median_profile(rounds)
     model = type(model)(
         **{
             **{f: getattr(model, f) for f in model.__dataclass_fields__},

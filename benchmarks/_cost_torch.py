@@ -42,6 +42,7 @@ from gradsync_torch import (
     split_model,
 )
 from gradsync_torch.cost import machine as calibrate
+from gradsync_torch.cost.host import Probe
 from gradsync_torch.cost.model import profile_model
 
 LR = 1e-3
@@ -154,8 +155,11 @@ class Calibrator:
         self.issued: dict[tuple[str, int, int], list[float]] = {}
         self.copies: list[float] = []
         self.slowdowns: list[float] = []
+        self.probe = Probe(torch.device("cpu"))  # the executors' host overheads (host.py)
+        self.scratch = calibrate.collective_scratch()  # the same each time: measured once
 
     def round(self) -> None:
+        self.probe.round()
         done, issued = calibrate.measure(repeats=1)
         for into, measured in ((self.points, done), (self.issued, issued)):
             for (collective, size), samples in measured.items():
@@ -185,6 +189,9 @@ class Calibrator:
             source=f"gradsync_torch.cost.machine.measure, {len(self.copies)} rounds",
             copy=statistics.median(self.copies),
             slowdown=statistics.median(self.slowdowns),
+            probe=self.probe.times(),
+            world_size=self.world,
+            scratch=self.scratch,
         )
 
 
@@ -356,7 +363,8 @@ def worker(rank: int, world: int, store_path: str, args: argparse.Namespace, out
                 start = time.perf_counter()
                 runners[i].step()
                 times[i].append(_slowest(time.perf_counter() - start))
-        final = predictions(profiler.final(), calibrator.profile())
+        calibrated = calibrator.profile()
+        final = predictions(profiler.final(), calibrated)
         standalone = predictions(profiler.final(), machine)
         if rank == 0:
             out.put(
@@ -373,6 +381,8 @@ def worker(rank: int, world: int, store_path: str, args: argparse.Namespace, out
                         "step_s": statistics.median(t),
                         "peak_bytes": peak,
                         "plan_match": runner.plan_matches(),
+                        "host_s": dict(calibrated.host_s),
+                        "step_host_s": dict(calibrated.step_host_s),
                     }
                     for p, alone, t, peak, runner in zip(
                         final, standalone, times, peaks, runners, strict=True

@@ -125,6 +125,11 @@ def report(rows: list[dict[str, Any]]) -> dict[str, Any]:
         print(
             f"{group}: a plain step without communication (largest microbatch) {plain * 1e3:.1f} ms"
         )
+        first = next(r for r in rows if r["framework"] == group)
+        if first.get("host_s") or first.get("step_host_s"):
+            host = ", ".join(f"{k} {v * 1e3:.2f}" for k, v in sorted(first["host_s"].items()))
+            step = ", ".join(f"{k} {v * 1e3:.2f}" for k, v in sorted(first["step_host_s"].items()))
+            print(f"{group}: host ms per collective: {host}; per step: {step}")
     steps = [abs(r["step_error"]) for r in rows]
     peaks = [abs(r["peak_error"]) for r in rows]
     out: dict[str, Any] = {

@@ -5,8 +5,10 @@ Every rank runs the same collectives the executors run (``all_reduce``, ``all_ga
 divides the world, all groups of a size at once (as a data-parallel or HSDP step runs them), at
 a few message sizes. A collective's time is the median over the repeats of the slowest rank's;
 ``gradsync_core``'s ``fit_link`` turns each (collective, group size) into latency and bus
-bandwidth. Under ``torchrun`` it measures the job's ranks (gloo or NCCL); otherwise
-``calibrate_local`` spawns gloo ranks on this machine.
+bandwidth. The executors' host work per collective and per step is measured through the
+executors themselves on a tiny model (``host.py``), and the memory each collective allocates
+beside its buffers (``collective_scratch``). Under ``torchrun`` it measures the job's
+ranks (gloo or NCCL); otherwise ``calibrate_local`` spawns gloo ranks on this machine.
 """
 
 from __future__ import annotations
@@ -19,19 +21,23 @@ import queue
 import statistics
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.profiler import ProfilerActivity, profile
 
 from gradsync_core.plan import COLLECTIVES, LinkCost, MachineProfile, fit_link
 from gradsync_torch._collectives import all_gather_single, reduce_scatter_single
+from gradsync_torch.cost.host import Probe, host_overheads
 
 KIB, MIB = 1024, 1024 * 1024
 DEFAULT_SIZES = (16 * KIB, 256 * KIB, 1 * MIB, 4 * MIB, 16 * MIB)
 DEFAULT_REPEATS = 5
+PROBE_ROUNDS = 15  # timed steps of each executor probe (host.py): its slope needs a few more
 _POLL_S = 1.0
 _TIMEOUT_S = 600.0
 Samples = dict[tuple[str, int], list[tuple[int, float]]]
@@ -135,6 +141,50 @@ def measure(
     return out, issue
 
 
+def collective_scratch(nbytes: int = MIB) -> dict[str, float]:
+    """Bytes each collective allocates beside its buffers while in flight, per byte of its
+    whole buffer (gloo's ``all_gather_into_tensor`` allocates its output again and
+    ``reduce_scatter_tensor`` clones its input; NCCL works in place): the most bytes the
+    allocator held at once during one collective of ``nbytes`` over the world, the largest
+    rank's. Every rank calls it."""
+    device = _device()
+    world = dist.get_world_size()
+    numel = max(world, nbytes // 4 // world * world)
+    full, part = torch.ones(numel, device=device), torch.ones(numel // world, device=device)
+    calls = {
+        "all_reduce": lambda: dist.all_reduce(full, async_op=True),
+        "all_gather": lambda: all_gather_single(full, part, async_op=True),
+        "reduce_scatter": lambda: reduce_scatter_single(part, full, async_op=True),
+        "broadcast": lambda: dist.broadcast(full, src=0, async_op=True),
+    }
+    out = {}
+    for kind, call in calls.items():
+        call().wait()  # warm-up: the backend's first call may set up buffers it keeps
+        dist.barrier()
+        held = _allocated_during(lambda call=call: call().wait(), device)
+        out[kind] = _slowest(held / (numel * 4))
+    return out
+
+
+def _allocated_during(run: Any, device: torch.device) -> int:
+    """The most bytes allocated at once while ``run()`` ran, beyond what was there before."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        run()
+        torch.cuda.synchronize()
+        return int(torch.cuda.max_memory_allocated(device) - before)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    live = peak = 0
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    for event in sorted(events, key=lambda e: e.start_ns()):
+        live += event.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
 def copy_bandwidth(nbytes: int = 16 * MIB, repeats: int = DEFAULT_REPEATS) -> float:
     """Bytes per second of a copy within this rank's device, every rank copying at once (as
     they do in a step); the slowest rank's median."""
@@ -212,20 +262,31 @@ def profile_from(
     source: str,
     copy: float | None = None,
     slowdown: float = 1.0,
+    probe: Mapping[tuple[str, int], float] | None = None,
+    world_size: int | None = None,
+    scratch: Mapping[str, float] | None = None,
 ) -> MachineProfile:
-    """The machine profile of measured samples: one fitted link per collective and size."""
+    """The machine profile of measured samples: one fitted link per collective and size; with
+    the executor ``probe``'s step times (``host.Probe.times()`` over ``world_size`` ranks),
+    the host overheads too (``host.host_overheads``); ``scratch``: ``collective_scratch()``."""
     links: list[LinkCost] = [
         fit_link(collective, size, points, issue=issue.get((collective, size), ()))
         for (collective, size), points in sorted(samples.items())
     ]
-    return MachineProfile(
+    profile = MachineProfile(
         name=name,
         ranks_per_node=ranks_per_node,
         links=tuple(links),
         source=source,
         copy_bandwidth=copy,
         overlap_slowdown=slowdown,
+        collective_scratch=dict(scratch or {}),
     )
+    if probe is None:
+        return profile
+    world = world_size or max(size for _, size in samples)
+    host_s, step_host_s = host_overheads(probe, profile, world)
+    return replace(profile, host_s=host_s, step_host_s=step_host_s)
 
 
 def _describe(world: int, elapsed: float) -> str:
@@ -270,6 +331,10 @@ def calibrate(
     samples, issue = measure(sizes=sizes, repeats=repeats)
     copy = copy_bandwidth(repeats=repeats)
     slowdown = overlap_slowdown(fit_link("all_reduce", world, samples["all_reduce", world]))
+    scratch = collective_scratch()
+    probe = Probe(_device())
+    for _ in range(max(PROBE_ROUNDS, repeats)):
+        probe.round()
     if dist.get_rank() != 0:
         return None
     per_node = ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
@@ -281,6 +346,9 @@ def calibrate(
         source=_describe(world, time.perf_counter() - start),
         copy=copy,
         slowdown=slowdown,
+        probe=probe.times(),
+        world_size=world,
+        scratch=scratch,
     )
 
 

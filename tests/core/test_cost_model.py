@@ -147,17 +147,54 @@ def test_machine_profile_json_round_trip_and_lookup():
     ("change", "message"),
     [
         ({"kind": "plan"}, "expected kind 'machine_profile'"),
-        ({"version": 9}, "reads version 1"),
+        ({"version": 9}, "reads version 1 or 2"),
         ({"colour": 1}, "unknown key 'colour'"),
         ({"links": []}, "non-empty list"),
         ({"overlap_slowdown": 0.5}, "overlap_slowdown must be >= 1"),
+        ({"host_s": {"all_reduce": -1e-3}}, r"host_s\['all_reduce'\] must be a finite number"),
+        ({"host_s": {"allreduce": 1e-3}}, "host_s has the unknown key 'allreduce'"),
+        ({"step_host_s": {"ddp": 1e-3}}, "step_host_s has the unknown key 'ddp'"),
+        ({"collective_scratch": {"p2p": -1}}, "must be a finite number >= 0"),
+        ({"version": 1, "host_s": {"all_reduce": 1e-3}}, "version-1 .* unknown key 'host_s'"),
     ],
-    ids=["kind", "version", "unknown key", "no links", "speed-up"],
+    ids=[
+        "kind",
+        "version",
+        "unknown key",
+        "no links",
+        "speed-up",
+        "negative host",
+        "host kind",
+        "step path",
+        "negative scratch",
+        "host in v1",
+    ],
 )
 def test_machine_profile_refuses_bad_json(change, message):
     good = machine().to_json()
     with pytest.raises(ValueError, match=message):
         MachineProfile.from_json(good | change)
+
+
+def test_host_overheads_round_trip_and_a_version_1_profile_loads_without_them():
+    m = machine(
+        latency=1e-4,
+        host_s={"all_reduce": 2e-4},
+        step_host_s={"zero3": 1e-3},
+        collective_scratch={"all_gather": 1.0},
+    )
+    assert m.to_json()["version"] == 2
+    assert MachineProfile.from_json(json.loads(json.dumps(m.to_json()))) == m
+    assert m.issue_time("all_reduce", MIB, 2) == 2e-4  # the link's issue cost is 0 here
+    assert m.issue_time("all_gather", MIB, 2) == 0.0
+    assert m.issue_time("all_reduce", MIB, 1) == 0.0  # a group of one issues nothing
+    assert m.step_host_time("zero3") == 1e-3 and m.step_host_time("data_parallel") == 0.0
+    assert m.scratch_bytes("all_gather", MIB) == MIB and m.scratch_bytes("all_reduce", MIB) == 0
+    new = ("host_s", "step_host_s", "collective_scratch")
+    old = {k: v for k, v in m.to_json().items() if k not in new}
+    loaded = MachineProfile.from_json(old | {"version": 1})
+    assert loaded.host_s == {} and loaded.step_host_s == {} and loaded.collective_scratch == {}
+    assert loaded.issue_time("all_reduce", MIB, 2) == 0.0
 
 
 def test_the_documented_example_profiles_load():
@@ -298,6 +335,40 @@ def test_copies_and_issue_costs_run_on_the_compute_stream():
     assert cost.step_s == pytest.approx(1e-3 + 2e-3 + 1e-3 + 1e-3 + MIB / 1e9 + 1e-3)
 
 
+def test_host_overhead_without_overlap_adds_n_times_h_and_the_steps_bookkeeping_once():
+    specs, h, sync = layers(4), 3e-4, 1e-3
+    buckets = plan_buckets(specs, cap_bytes=MIB)  # 4 buckets
+    kwargs = dict(model=model(4), topology=Topology.create(2), overlap=False)
+    base = predict_data_parallel(specs, buckets, machine=machine(latency=1e-4), **kwargs)
+    hosted = machine(latency=1e-4, host_s={"all_reduce": h}, step_host_s={"data_parallel": sync})
+    cost = predict_data_parallel(specs, buckets, machine=hosted, **kwargs)
+    assert cost.step_s == pytest.approx(base.step_s + 4 * h + sync)
+    assert cost.compute_s == pytest.approx(base.compute_s + 4 * h + sync)  # on the compute stream
+    assert cost.exposed_comm_s == pytest.approx(base.exposed_comm_s)
+
+
+def test_host_overhead_delays_compute_where_the_wire_time_overlaps():
+    specs = layers(4)
+    buckets = plan_buckets(specs, cap_bytes=MIB)  # one bucket per block, the last block first
+    kwargs = dict(model=model(4), topology=Topology.create(2))
+    wire = MIB / 4e9  # 0.26 ms: hidden behind the next block's 2 ms backward
+    base = predict_data_parallel(specs, buckets, machine=machine(bandwidth=4e9), **kwargs)
+    assert base.step_s == pytest.approx(4e-3 + 8e-3 + wire)
+    slower_wire = machine(latency=1e-3, bandwidth=4e9)  # 1 ms more wire: still hidden but the last
+    assert predict_data_parallel(specs, buckets, machine=slower_wire, **kwargs).step_s == (
+        pytest.approx(base.step_s + 1e-3)
+    )
+    h = 1e-3  # 1 ms of host work per bucket: every bucket's delays the next block
+    hosted = machine(bandwidth=4e9, host_s={"all_reduce": h})
+    cost = predict_data_parallel(specs, buckets, machine=hosted, **kwargs)
+    assert cost.step_s == pytest.approx(base.step_s + 4 * h)
+    assert cost.compute_s == pytest.approx(12e-3 + 4 * h)
+    sync = machine(bandwidth=4e9, step_host_s={"data_parallel": 2e-3})  # once, after the wire
+    assert predict_data_parallel(specs, buckets, machine=sync, **kwargs).step_s == pytest.approx(
+        base.step_s + 2e-3
+    )
+
+
 def test_zero1_broadcasts_each_owners_parameters_after_its_step():
     specs = layers(2)
     p = predict(
@@ -331,6 +402,30 @@ def test_zero3_without_overlap_waits_for_every_collective():
             reshard_after_forward=reshard,
         )
         assert cost.step_s == pytest.approx(units * (gathers * ag + rs + 3e-3)), reshard
+
+
+def test_zero3_host_overhead_per_gather_and_reduce_scatter_and_the_checks_once():
+    n, units, h_ag, h_rs, sync = 4, 3, 2e-4, 5e-4, 1e-3
+    specs = layers(units)
+    plan = plan_param_shards(specs, world_size=n, units=[f"layers.{i}" for i in range(units)])
+    m = machine(
+        latency=1e-4,
+        bandwidth=1e9,
+        host_s={"all_gather": h_ag, "reduce_scatter": h_rs},
+        step_host_s={"zero3": sync},
+    )
+    ag, rs = m.time("all_gather", MIB, n), m.time("reduce_scatter", MIB, n)
+    for reshard, gathers in ((True, 2), (False, 1)):
+        cost = predict_zero3(
+            plan,
+            machine=m,
+            model=model(units),
+            topology=Topology.create(n),
+            overlap=False,
+            reshard_after_forward=reshard,
+        )
+        per_unit = gathers * (h_ag + ag) + h_rs + rs + 3e-3
+        assert cost.step_s == pytest.approx(units * per_unit + sync), reshard
 
 
 def test_zero3_with_overlap_hides_all_but_the_first_gather_and_the_last_reduce():
@@ -377,6 +472,26 @@ def test_pipeline_bubble_is_the_simulators_and_the_closed_form(schedule):
     assert [r.idle_s for r in cost.ranks] == pytest.approx(list(sim.idle))
 
 
+def test_pipeline_host_overheads_delay_messages_and_the_data_parallel_sync():
+    specs, h_p2p, h_ar, sync = layers(4), 1e-2, 2e-3, 5e-3
+    plan = plan_pipeline(
+        schedule="1F1B", microbatches=4, topology=Topology(pp=2, dp=2), specs=specs
+    )
+    m = machine(
+        latency=1e-3,
+        host_s={"p2p": h_p2p, "all_reduce": h_ar},
+        step_host_s={"data_parallel": sync},
+    )
+    fwd = model(4, forward=1.0, backward=2.0)
+    cost = predict_pipeline(plan, specs, machine=m, model=fwd, bucket_cap_mb=64)
+    # each message takes its wire (1 ms) and its host work; then each rank pays the sync's
+    # bookkeeping, issues its one bucket (its two weights) with its host work and waits for it
+    sim = simulate_pipeline(plan, forward=2.0, backward=4.0, weight=2.0, p2p=1e-3 + h_p2p)
+    reduce = m.time("all_reduce", 2 * MIB, 2)
+    assert cost.step_s == pytest.approx(sim.step_time + sync + h_ar + reduce)
+    assert cost.ranks[0].compute_s == pytest.approx(sim.busy[0] + sync + h_ar)
+
+
 def test_pipeline_stash_memory_follows_the_schedule():
     specs = layers(4)
     prof = model(4, activation=MIB)
@@ -399,7 +514,43 @@ def test_pipeline_stash_memory_follows_the_schedule():
     assert one_f_one_b.cost.ranks[0].activation_bytes == 2 * 2 * MIB
 
 
+def test_a_pipeline_without_data_parallelism_has_no_buckets():
+    specs = layers(4)
+    config = Configuration(pp=2, schedule="1F1B", microbatches=4, bucket_cap_mb=64)
+    alone = predict(specs, config, world_size=2, machine=machine(), model=model(4))
+    rank = alone.cost.ranks[0].memory  # two 1 MiB weights, Adam: P + G + 2P of state
+    assert (rank.parameter_bytes, rank.gradient_bytes, rank.transient_bytes) == (
+        2 * MIB,
+        2 * MIB,
+        0,
+    )
+    assert not [c for c in alone.cost.comms if c.collective == "all_reduce"]
+    replicated = predict(specs, config, world_size=4, machine=machine(), model=model(4))
+    assert replicated.cost.ranks[0].memory.transient_bytes == 2 * MIB  # one bucket of both
+
+
 # -- memory -------------------------------------------------------------------------------
+
+
+def test_collective_scratch_adds_to_the_backward_peak_where_the_collective_allocates_it():
+    specs, n = layers(4), 2
+    gloo = machine(collective_scratch={"all_gather": 1.0, "reduce_scatter": 1.0, "all_reduce": 0.5})
+    for zero, extra in ((0, MIB // 2), (1, MIB // 2), (2, 0)):  # ZeRO-2 scatters into its shard
+        config = Configuration(zero=zero, bucket_cap_mb=1)
+        base = predict(specs, config, world_size=n, machine=machine(), model=model(4))
+        cost = predict(specs, config, world_size=n, machine=gloo, model=model(4))
+        assert cost.peak_bytes == base.peak_bytes + extra, zero
+    # ZeRO-3: the next unit's all-gather (its whole 1 MiB output) beside a reduce-scatter
+    # (its whole 1 MiB input); under HSDP also the all-reduce of a 0.5 MiB shard, half of it
+    for config, extra in (
+        (Configuration(zero=3), 2 * MIB),
+        (Configuration(zero=3, dp_shard=2), 2 * MIB + MIB // 4),
+    ):
+        world = 2 if config.dp_shard is None else 4
+        base = predict(specs, config, world_size=world, machine=machine(), model=model(4))
+        cost = predict(specs, config, world_size=world, machine=gloo, model=model(4))
+        assert cost.cost.ranks[0].collective_bytes == extra
+        assert cost.peak_bytes == base.peak_bytes + extra
 
 
 def test_memory_is_the_plans_estimate_plus_activations_and_the_optimizer_scratch():

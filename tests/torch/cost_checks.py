@@ -12,6 +12,7 @@ from torch import nn
 from gradsync_core.plan import Configuration, predict
 from gradsync_torch import DataParallel, param_specs
 from gradsync_torch.cost import machine as calibrate
+from gradsync_torch.cost.host import Probe
 from gradsync_torch.cost.model import profile_model
 
 LAYERS, WIDTH, ROWS = 32, 64, 8
@@ -25,10 +26,16 @@ def _net() -> nn.Module:
     return nn.Sequential(*(nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)))
 
 
-def calibrate_predict_measure(rank: int, world_size: int) -> list[tuple[float, float, bool]]:
-    """``(predicted, measured, plan is the predicted)`` step seconds of each configuration."""
+def calibrate_predict_measure(
+    rank: int, world_size: int
+) -> tuple[list[tuple[float, float, bool]], dict[str, dict[str, float]]]:
+    """``(predicted, measured, plan is the predicted)`` step seconds of each configuration,
+    and the calibrated host overheads and collective scratch."""
     # Sizes far apart, so a loaded machine still shows time growing with the size.
     samples, issue = calibrate.measure(sizes=(4096, 1 << 20, 8 << 20), repeats=5)
+    probe = Probe(torch.device("cpu"))
+    for _ in range(calibrate.PROBE_ROUNDS):
+        probe.round()
     machine = calibrate.profile_from(
         samples,
         issue,
@@ -36,6 +43,9 @@ def calibrate_predict_measure(rank: int, world_size: int) -> list[tuple[float, f
         name="test",
         source="tests/torch/cost_checks.py",
         copy=calibrate.copy_bandwidth(repeats=3),
+        probe=probe.times(),
+        world_size=world_size,
+        scratch=calibrate.collective_scratch(),
     )
     net, x = _net(), torch.randn(ROWS, WIDTH)
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
@@ -69,4 +79,8 @@ def calibrate_predict_measure(rank: int, world_size: int) -> list[tuple[float, f
                 times.append(elapsed.item())
         same = wrapper.bucket_plan.fingerprint == prediction.buckets.fingerprint
         out.append((prediction.step_s, statistics.median(times), same))
-    return out
+    return out, {
+        "host_s": dict(machine.host_s),
+        "step_host_s": dict(machine.step_host_s),
+        "collective_scratch": dict(machine.collective_scratch),
+    }

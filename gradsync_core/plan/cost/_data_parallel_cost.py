@@ -4,7 +4,8 @@ The forward runs, then the backward block by block in reverse; a bucket is copie
 buffer and its all-reduce (ZeRO-2: reduce-scatter) issued once its last gradient is ready and
 the bucket before it is issued, as DDP's reducer launches buckets in order (Li et al.,
 arXiv:2006.15704 §3.2.3); without overlap every bucket waits for the end of the backward and is
-reduced in turn (the explicit sync). Each bucket's result is copied back once it arrives. The
+reduced in turn (the explicit sync). Each bucket's result is copied back once it arrives; the
+sync's bookkeeping (the machine's ``step_host_s["data_parallel"]``) is waited for once. The
 optimizer then steps what the rank owns; ZeRO-1/2 sync the parameters after it: each owner
 broadcasts its pieces as soon as it has stepped them, the owners taking turns (torch's
 ``ZeroRedundancyOptimizer``), or each bucket is all-gathered (a flat ``shard_optimizer``).
@@ -23,6 +24,7 @@ from gradsync_core.plan.cost._machine import (
     ALL_GATHER,
     ALL_REDUCE,
     BROADCAST,
+    DATA_PARALLEL,
     REDUCE_SCATTER,
     MachineProfile,
 )
@@ -132,6 +134,9 @@ def predict_data_parallel(
             rank.wait(ends[-1])
             rank.copy(bucket.nbytes // kept)
 
+    # The sync's bookkeeping (DDP's used-map all-reduce and its agreement check) is waited
+    # for once per step: before the first bucket without overlap, after the last with it.
+    bookkeeping = machine.step_host_time(DATA_PARALLEL) if dp > 1 else 0.0
     rank.compute(model.forward_s)
     issued = 0
     for index in reversed(range(blocks)):
@@ -143,8 +148,13 @@ def predict_data_parallel(
         for index, bucket in enumerate(buckets.buckets[:issued]):
             rank.wait(ends[index])
             rank.copy(bucket.nbytes // kept)  # the reduced gradients back out
+    else:
+        rank.compute(bookkeeping)
     for index in range(issued, len(buckets.buckets)):
         reduce(index)
+    if overlap:
+        rank.wait(channel.free)
+        rank.compute(bookkeeping)
 
     trainable = sum(s.numel for s in specs if s.requires_grad) or 1
     owned = list(shards.rank_numel) if zero and shards is not None else [trainable] * dp
@@ -184,6 +194,13 @@ def predict_data_parallel(
             block_numel(specs, model),
             [n / trainable for n in owned],
             persistent=zero < 2,  # DDP's buckets live through the step; ZeRO-2's pool lends
+            # the largest bucket's all-reduce in flight; ZeRO-2's reduce-scatter writes into
+            # the rank's preallocated shard (gradsync_torch's reduce_scatter_into: no scratch)
+            collective_bytes=0
+            if zero == 2 or dp == 1
+            else max(
+                (machine.scratch_bytes(ALL_REDUCE, b.nbytes) for b in buckets.buckets), default=0
+            ),
         ),
         notes=tuple(notes),
     )

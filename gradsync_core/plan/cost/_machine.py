@@ -10,6 +10,12 @@ level (inside one node or across nodes), the latency ``α`` and that bus bandwid
 
     time(S, n) = α + factor(n) * S / busbw
 
+On top of the wire, an executor spends host time on each collective it issues (its hooks,
+bookkeeping and the ranks' skew at the collective): ``host_s`` per collective kind, and
+``step_host_s`` once per step per executor path (``"data_parallel"``, ``"zero3"``: the sync's
+bookkeeping collectives and checks). The timelines put both on the compute stream, where they
+delay the next compute; the wire time overlaps it.
+
 ``gradsync calibrate`` measures one (``fit_link`` fits the samples); a hand-written one works
 the same (docs/cost-model.md has an H100 NVLink node and an InfiniBand cluster).
 """
@@ -19,7 +25,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from gradsync_core.plan._canonical import fingerprint
@@ -33,7 +39,11 @@ COLLECTIVES = (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, BROADCAST, P2P)
 NODE, NETWORK = "node", "network"  # a group inside one node, or spanning nodes
 LEVELS = (NODE, NETWORK)
 MACHINE_PROFILE_KIND = "machine_profile"
-MACHINE_PROFILE_VERSION = 1  # the schema's own version, not the plans'
+MACHINE_PROFILE_VERSION = 2  # the schema's own version, not the plans'
+# Version 1 had no host overheads: it still loads, with none.
+MACHINE_PROFILE_VERSIONS = (1, 2)
+DATA_PARALLEL, ZERO3 = "data_parallel", "zero3"
+STEP_PATHS = (DATA_PARALLEL, ZERO3)  # the executor paths with a per-step host overhead
 
 
 def bus_factor(collective: str, group_size: int) -> float:
@@ -143,7 +153,17 @@ class MachineProfile:
     out of them; None: copies cost nothing); ``overlap_slowdown``, how many times longer
     compute takes while a collective is in flight beside it (1: none, as with NCCL's own
     engines; about 2 where the collective's threads take the compute's cores, as gloo on a
-    CPU with fewer cores than ranks).
+    CPU with fewer cores than ranks); ``host_s``, per collective kind, the seconds of host
+    work an executor spends on each collective it issues besides the issue itself (hooks,
+    bookkeeping, the ranks' skew at the collective; ``gradsync calibrate`` measures it through
+    the executors with a tiny model), and ``step_host_s``, per executor path
+    (``"data_parallel"``: DDP's bucketed sync; ``"zero3"``: ``fully_shard``'s units), the
+    seconds its per-step bookkeeping costs (DDP's used-map all-reduce, the agreement checks).
+    A kind or path not listed costs nothing (as in a compiled JAX step).
+    ``collective_scratch``, per collective kind, the bytes a collective allocates beside its
+    buffers while in flight, per byte of its whole buffer (gloo's ``all_gather_into_tensor``
+    allocates its output again and ``reduce_scatter_tensor`` clones its input: 1; NCCL and
+    gloo's all-reduce and broadcast: 0).
 
     Example:
         >>> m = MachineProfile(name="toy", ranks_per_node=8, links=(
@@ -160,6 +180,9 @@ class MachineProfile:
     flops_per_s: float | None = None
     copy_bandwidth: float | None = None
     overlap_slowdown: float = 1.0
+    host_s: Mapping[str, float] = field(default_factory=dict)
+    step_host_s: Mapping[str, float] = field(default_factory=dict)
+    collective_scratch: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1:
@@ -172,6 +195,15 @@ class MachineProfile:
                 f"overlap_slowdown must be >= 1 (1: collectives do not slow compute), got "
                 f"{self.overlap_slowdown!r}"
             )
+        tables = (("host_s", COLLECTIVES), ("step_host_s", STEP_PATHS))
+        for name, keys in (*tables, ("collective_scratch", COLLECTIVES)):
+            table = getattr(self, name)
+            if not isinstance(table, Mapping):
+                raise ValueError(f"{name} must be a mapping of numbers, got {table!r}")
+            for key, seconds in table.items():
+                if key not in keys:
+                    raise ValueError(f"{name} has the unknown key {key!r}; use {', '.join(keys)}")
+                _finite(f"{name}[{key!r}]", seconds, positive=False)
         seen = set()
         for link in self.links:
             key = (link.collective, link.group_size, link.level)
@@ -226,10 +258,22 @@ class MachineProfile:
         return self.link(collective, group_size, level).time(nbytes, group_size)
 
     def issue_time(self, collective: str, nbytes: int, group_size: int, level: str = NODE) -> float:
-        """Seconds the issuing thread spends starting the collective (0 for a group of one)."""
+        """Seconds the issuing thread spends starting the collective, the executor's host work
+        for it (``host_s``) included; 0 for a group of one (nothing is issued)."""
         if group_size == 1 and collective != P2P:
             return 0.0
-        return self.link(collective, group_size, level).issue_time(nbytes)
+        issue = self.link(collective, group_size, level).issue_time(nbytes)
+        return issue + self.host_s.get(collective, 0.0)
+
+    def scratch_bytes(self, collective: str, nbytes: int) -> int:
+        """Bytes a ``collective`` of ``nbytes`` (its whole buffer) allocates while in flight."""
+        return round(self.collective_scratch.get(collective, 0.0) * nbytes)
+
+    def step_host_time(self, path: str) -> float:
+        """Seconds of per-step host work of executor ``path`` (``step_host_s``; 0 if absent)."""
+        if path not in STEP_PATHS:
+            raise ValueError(f"unknown executor path {path!r}; use {', '.join(STEP_PATHS)}")
+        return float(self.step_host_s.get(path, 0.0))
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -244,28 +288,30 @@ class MachineProfile:
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
         out["overlap_slowdown"] = self.overlap_slowdown
+        for name in ("host_s", "step_host_s", "collective_scratch"):
+            if getattr(self, name):
+                out[name] = dict(sorted(getattr(self, name).items()))
         return out
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> MachineProfile:
         """Read ``to_json()``'s output (or a hand-written profile) back, checked.
 
+        A version-1 profile (before the host overheads) loads with none.
+
         Raises:
             ValueError: another kind or version, a missing or unknown key, a bad value.
         """
-        _check_header(obj, MACHINE_PROFILE_KIND, MACHINE_PROFILE_VERSION)
+        _check_header(obj, MACHINE_PROFILE_KIND, MACHINE_PROFILE_VERSIONS)
+        optional = ["kind", "version", "source", "flops_per_s", "copy_bandwidth"]
+        optional += ["overlap_slowdown"]
+        if obj["version"] >= 2:
+            optional += ["host_s", "step_host_s", "collective_scratch"]
         _check_keys(
             obj,
             required=("name", "ranks_per_node", "links"),
-            optional=(
-                "kind",
-                "version",
-                "source",
-                "flops_per_s",
-                "copy_bandwidth",
-                "overlap_slowdown",
-            ),
-            what="a machine profile",
+            optional=optional,
+            what=f"a version-{obj['version']} machine profile",
         )
         links = obj["links"]
         if not isinstance(links, list) or not links:
@@ -297,6 +343,9 @@ class MachineProfile:
             flops_per_s=obj.get("flops_per_s"),
             copy_bandwidth=obj.get("copy_bandwidth"),
             overlap_slowdown=obj.get("overlap_slowdown", 1.0),
+            host_s=_table(obj, "host_s"),
+            step_host_s=_table(obj, "step_host_s"),
+            collective_scratch=_table(obj, "collective_scratch"),
         )
 
     def copy_time(self, nbytes: int) -> float:
@@ -411,14 +460,23 @@ def read_json(path: str, what: str, max_bytes: int = 64 << 20) -> Any:
         raise ValueError(f"the {what} {path!r} is not valid JSON: {e}") from None
 
 
-def _check_header(obj: object, kind: str, version: int) -> None:
+def _table(obj: Mapping[str, Any], name: str) -> Any:
+    """A copy of the profile's table ``name`` (``{}`` when absent; checked by the profile)."""
+    table = obj.get(name, {})
+    return dict(table) if isinstance(table, Mapping) else table
+
+
+def _check_header(obj: object, kind: str, version: int | Sequence[int]) -> None:
     if not isinstance(obj, Mapping):
         raise ValueError(f"expected a JSON object for a {kind}, got {type(obj).__name__}")
     if obj.get("kind") != kind:
         raise ValueError(f"expected kind {kind!r}, got {obj.get('kind')!r}")
-    if obj.get("version") != version:
+    versions = (version,) if isinstance(version, int) else tuple(version)
+    found = obj.get("version")
+    if isinstance(found, bool) or found not in versions:
+        readable = " or ".join(str(v) for v in versions)
         raise ValueError(
-            f"{kind} has version {obj.get('version')!r}; this gradsync reads version {version}: "
+            f"{kind} has version {found!r}; this gradsync reads version {readable}: "
             "write it again with this version"
         )
 

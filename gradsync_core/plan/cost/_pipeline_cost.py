@@ -6,8 +6,11 @@ weight-gradient half of a split backward half of it, and a point-to-point messag
 the largest activation crossing a stage boundary. On top of it each pipeline rank reduces its
 stages' gradients over the data-parallel group once its last action is done (gradsync's
 ``Pipeline`` syncs a stage's buckets at ``REDUCE_GRAD``) and steps the optimizer on its own
-parameters. Memory per pipeline rank is its stages' model states (``estimate_ddp``) plus the
-activations its stashed microbatches hold, followed through the simulated order.
+parameters (without data parallelism nothing is reduced and no bucket is allocated); the
+executors' host work (the machine's ``host_s`` and ``step_host_s``) is on the rank's clock
+there, and delays each message. Memory per pipeline rank is its stages' model states
+(``estimate_ddp``) plus the activations its stashed microbatches hold, followed through the
+simulated order.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from dataclasses import replace
 from gradsync_core.plan._buckets import bucket_caps, plan_buckets
 from gradsync_core.plan._memory import estimate_ddp
 from gradsync_core.plan._specs import ParamSpec
-from gradsync_core.plan.cost._machine import ALL_REDUCE, P2P, MachineProfile
+from gradsync_core.plan.cost._machine import ALL_REDUCE, DATA_PARALLEL, P2P, MachineProfile
 from gradsync_core.plan.cost._model_profile import ModelProfile, contains
 from gradsync_core.plan.cost._timeline import (
     Channel,
@@ -114,8 +117,11 @@ def predict_pipeline(
     pp_ranks = topo.group_at("pp", 0)
 
     def p2p_time(s: int) -> float:
+        """A message's wire time plus its issue and host work (``host_s["p2p"]``), which
+        delay its data at the receiver (the simulator's sends take no time on the sender)."""
         pair = (pp_ranks[plan.stage_ranks[s]], pp_ranks[plan.stage_ranks[s + 1]])
-        return machine.time(P2P, message[s], 2, machine.level_of(pair))
+        at = machine.level_of(pair)
+        return machine.time(P2P, message[s], 2, at) + machine.issue_time(P2P, message[s], 2, at)
 
     crossings = [s for s in range(n - 1) if plan.stage_ranks[s] != plan.stage_ranks[s + 1]]
     p2p = max((p2p_time(s) for s in crossings), default=0.0)
@@ -142,11 +148,23 @@ def predict_pipeline(
     busy = [[(t.start, t.end) for t in timed if t.end > t.start] for timed in sim.actions]
     ends = []
     for r in range(plan.pp):
-        buckets = plan_buckets(rank_specs[r], cap_bytes=cap, first_cap_bytes=first)
+        # Without data parallelism nothing reduces: no stage is wrapped, no bucket exists.
+        buckets = plan_buckets(
+            rank_specs[r] if dp > 1 else [], cap_bytes=cap, first_cap_bytes=first
+        )
         channel = Channel()
         last = max((t.end for t in sim.actions[r]), default=0.0)
+        # DataParallel(overlap=False) per stage: the sync's bookkeeping, then each bucket
+        # issued (its host work on the rank) and waited for in turn.
+        host = machine.step_host_time(DATA_PARALLEL) if dp > 1 else 0.0
+        clock = last + host
         for bucket in buckets.buckets:
-            start, end = channel.run(last, machine.time(ALL_REDUCE, bucket.nbytes, dp, dp_level))
+            issue = machine.issue_time(ALL_REDUCE, bucket.nbytes, dp, dp_level)
+            host += issue
+            start, end = channel.run(
+                clock + issue, machine.time(ALL_REDUCE, bucket.nbytes, dp, dp_level)
+            )
+            clock = end
             comms.append(
                 CommEvent(
                     what=f"pp rank {r} bucket {bucket.index}",
@@ -161,9 +179,10 @@ def predict_pipeline(
             )
         owned = sum(s.numel for s in rank_specs[r] if s.requires_grad)
         step_r = model.optimizer_s * owned / trainable
-        ends.append(max(last, channel.free) + step_r)
+        ends.append(max(clock, channel.free) + step_r)
         memory = estimate_ddp(rank_specs[r], buckets, world_size=dp, optimizer=optimizer).ranks[0]
-        ranks.append((r, sim.busy[r] + step_r, replace(memory, rank=r), owned / trainable))
+        compute = sim.busy[r] + host + step_r
+        ranks.append((r, compute, replace(memory, rank=r), owned / trainable))
     step = max(ends)
     for timed in sim.actions:
         for t in timed:

@@ -12,7 +12,8 @@ the last collective or the last compute.
 
 Memory is the plan's model states (``estimate_ddp``/``estimate_zero1/2/3``) at two moments:
 the backward, where activations still alive meet the gradients they turn into
-(``activation_peak``), and the optimizer step with its scratch (docs/cost-model.md).
+(``activation_peak``) and the collectives in flight allocate their scratch, and the optimizer
+step with its scratch (docs/cost-model.md).
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ class RankCost:
     (``activation_bytes``: their most beyond the gradients they turn into; None when the
     model profile does not give them), and the optimizer step (``optimizer_peak_bytes``:
     parameters, gradients, state, the buffers that persist and the step's scratch; None when
-    the profile does not give the scratch).
+    the profile does not give the scratch). The backward also holds the scratch its
+    collectives in flight allocate (``collective_bytes``: the machine's ``collective_scratch``).
     """
 
     rank: int
@@ -75,10 +77,11 @@ class RankCost:
     memory: RankMemory
     activation_bytes: int | None
     optimizer_peak_bytes: int | None = None
+    collective_bytes: int = 0
 
     @property
     def peak_bytes(self) -> int:
-        backward = self.memory.peak_bytes + (self.activation_bytes or 0)
+        backward = self.memory.peak_bytes + (self.activation_bytes or 0) + self.collective_bytes
         return max(backward, self.optimizer_peak_bytes or 0)
 
     def to_json(self) -> dict[str, Any]:
@@ -89,6 +92,7 @@ class RankCost:
             "memory": self.memory.to_json(),
             "activation_bytes": self.activation_bytes,
             "optimizer_peak_bytes": self.optimizer_peak_bytes,
+            "collective_bytes": self.collective_bytes,
             "peak_bytes": self.peak_bytes,
         }
 
@@ -308,9 +312,11 @@ def rank_costs(
     owned: Sequence[float],
     *,
     persistent: bool,
+    collective_bytes: int = 0,
 ) -> tuple[RankCost, ...]:
     """Each rank's cost: ``owned[r]`` is the share of the optimizer's work it does;
-    ``persistent``: whether the estimate's transient buffers live through the optimizer step."""
+    ``persistent``: whether the estimate's transient buffers live through the optimizer step;
+    ``collective_bytes``: the collectives' scratch in flight during the backward."""
     total = sum(block_numel) or 1
     out = []
     for r in memory.ranks:
@@ -329,6 +335,7 @@ def rank_costs(
                 else resident
                 + (r.transient_bytes if persistent else 0)
                 + round(scratch * owned[r.rank]),
+                collective_bytes=collective_bytes,
             )
         )
     return tuple(out)

@@ -8,7 +8,8 @@ again, with the same prefetch, before its backward). When a unit's backward is d
 gradients are copied into the reduce-scatter's input and reduce-scattered over the shard group
 and, under HSDP, the shard all-reduced over the replicas on their own channel; the root reduces
 once the whole backward is done. Without overlap (one XLA program on the CPU) every collective
-is waited for where it is issued.
+is waited for where it is issued. Once every gradient is reduced the step's bookkeeping (the
+machine's ``step_host_s["zero3"]``: the agreement checks) runs, then the optimizer.
 """
 
 from __future__ import annotations
@@ -20,7 +21,13 @@ from gradsync_core.plan._param_shards import ParamShardPlan
 from gradsync_core.plan._param_units import ROOT
 from gradsync_core.plan._specs import ParamSpec
 from gradsync_core.plan._topology import Topology
-from gradsync_core.plan.cost._machine import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, MachineProfile
+from gradsync_core.plan.cost._machine import (
+    ALL_GATHER,
+    ALL_REDUCE,
+    REDUCE_SCATTER,
+    ZERO3,
+    MachineProfile,
+)
 from gradsync_core.plan.cost._model_profile import ModelProfile
 from gradsync_core.plan.cost._timeline import (
     Channel,
@@ -95,6 +102,8 @@ def predict_zero3(
     slowest = max(range(plan.shard_size), key=lambda r: (step_of[r], -r))
     rank = walk.rank
     rank.wait(walk.synced)
+    if plan.shard_size * plan.replicate_size > 1:  # the step's checks, once the gradients are in
+        rank.compute(machine.step_host_time(ZERO3))
     rank.compute(step_of[slowest])
     compute = rank.compute_s
     specs = [
@@ -113,6 +122,7 @@ def predict_zero3(
             block_numel(specs, model),
             [k / total for k in shares],
             persistent=False,
+            collective_bytes=walk.scratch_bytes(machine),
         ),
         notes=tuple(notes),
     )
@@ -247,6 +257,18 @@ class _Walk:
             self.rank.compute(seconds)
             if reduce_after is not None and reduce_after.get(unit) == index:
                 self.reduce(unit)
+
+    def scratch_bytes(self, machine: MachineProfile) -> int:
+        """The collectives' scratch in flight during the backward: the largest unit's
+        all-gather (the next unit's prefetch) beside the largest reduce-scatter and, under
+        HSDP, the largest all-reduce of a shard."""
+        out = 0
+        if self.n > 1:
+            out += max(machine.scratch_bytes(ALL_GATHER, b) for b in self.gathered)
+            out += max(machine.scratch_bytes(REDUCE_SCATTER, g * self.n) for g in self.grads)
+        if self.replicas > 1:
+            out += max(machine.scratch_bytes(ALL_REDUCE, g) for g in self.grads)
+        return out
 
     @property
     def synced(self) -> float:
