@@ -267,14 +267,16 @@ def test_memory_1f1b_flat_gpipe_grows() -> None:
 @pytest.mark.parametrize("stash", ["residuals", "input"])
 def test_memory_in_m(stash: str) -> None:
     """At m = 8, 16, 32: 1F1B's temporaries do not change, GPipe's grow linearly in m (the
-    same bytes per microbatch, within XLA's 64-byte alignment)."""
+    same bytes per microbatch, within XLA's 64-byte alignment) past 1F1B's. (With the stage
+    input stashed, a microbatch's stash is one activation: GPipe's two phases, each holding
+    only its own cells' outputs, start below 1F1B's mixed ticks at m = 8.)"""
     one = [temp_bytes("1F1B", m, stash) for m in (8, 16, 32)]
     gpipe = [temp_bytes("GPipe", m, stash) for m in (8, 16, 32)]
     assert one[0] == one[1] == one[2]
     assert gpipe[0] < gpipe[1] < gpipe[2]
     per_microbatch = (gpipe[1] - gpipe[0]) / 8, (gpipe[2] - gpipe[1]) / 16
     assert per_microbatch[1] == pytest.approx(per_microbatch[0], rel=0.01)
-    assert one[0] <= gpipe[0]
+    assert one[2] < gpipe[2]
 
 
 def small_plan(schedule: str = "1F1B", **kw: Any) -> Any:
