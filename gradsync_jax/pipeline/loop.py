@@ -10,14 +10,24 @@ waits in the ``held`` buffer and is added at the tick the table names, or after 
 
 Why ``lax.scan`` and not an unrolled loop: the program and its compile time do not grow with
 the microbatches (a tick is one body, m = 32 has ~100 ticks at pp 4), and its memory is the
-carried buffers, whose slots are the plan's stash, nothing XLA could schedule otherwise. The
-cost is a uniform body: every tick pays both ``ppermute``s and the switch.
+carried buffers, whose slots are the plan's stash, nothing XLA could schedule otherwise.
+
+What a tick costs beyond its cell: the switch's branches all return the same values, so a
+branch returns zeros for what its cell does not make (a forward, the weight gradient's
+parameter-sized sums; a weight gradient, the forward's stash row) and the tick writes them
+into the spare slots and adds them. So the ticks run as up to three loops, one per phase of
+the plan (``TickProgram.phases``: the forwards-only warm-up, the mixed middle, the
+backwards-only cool-down), each body holding only the outputs, buffer writes, gradient adds
+and ``ppermute`` shifts that its phase's cells make: GPipe's forward loop moves no gradient,
+its backward loop no stash. The branches read the stash and cross buffers themselves (an
+operand of the switch is read in place; a row sliced before it was copied out at every
+tick). What the branches write cannot move into them: XLA copies every buffer that a
+branch passes through unchanged, at every tick.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -42,24 +52,18 @@ from gradsync_jax.pipeline.ticks import (
     INPUT,
     LAST,
     ONLY,
+    WEIGHT,
     TickProgram,
 )
 
 
-@dataclass(frozen=True, slots=True)
-class _Out:
-    """What every branch of the switch returns (zeros where a cell makes nothing)."""
-
-    send: jax.Array  # the forward's output or the input gradient, for the neighbour
-    loss: jax.Array
-    stash: dict[RowKey, jax.Array]  # what a forward keeps for the backward
-    cross: dict[RowKey, jax.Array]  # what an input gradient leaves the weight gradient
-    grads: tuple[Any, Any, Any]
-
-
-jax.tree_util.register_dataclass(
-    _Out, data_fields=["send", "loss", "stash", "cross", "grads"], meta_fields=[]
-)
+def _out(send: Any, loss: Any, stash: Any, cross: Any, grads: Any) -> dict[str, Any]:
+    """What every branch of the switch returns (zeros where a cell makes nothing): the
+    forward's output or the input gradient for the neighbour (``send``), the loss, what a
+    forward keeps for the backward (``stash``), what an input gradient leaves the weight
+    gradient (``cross``) and the parameters' gradients; a phase keeps the ones its cells
+    make."""
+    return {"send": send, "loss": loss, "stash": stash, "cross": cross, "grads": grads}
 
 
 def run_pipeline(
@@ -131,26 +135,28 @@ def run_pipeline(
     cross_rows = _rows([c.cross for c in cells.values()])
     grads_zero = _cast(jax.tree.map(jnp.zeros_like, (embed, _index(blocks, 0), head)), axes)
 
-    def branch(kind: int, t: str) -> Callable[..., _Out]:
+    def branch(kind: int, t: str) -> Callable[..., dict[str, Any]]:
         c = cells[t]
         first, last = t in (FIRST, ONLY), t in (LAST, ONLY)
 
-        def run(p: Any, data: Any, x: Any, g: Any, stash_in: Any, cross_in: Any) -> _Out:
+        def run(p: Any, data: Any, x: Any, g: Any, bufs: Any, slots: Any) -> dict[str, Any]:
             p_t = _stage_params(t, *p)
             flat_p, flat_d = jax.tree.leaves(p_t), jax.tree.leaves(data)
             no_stash, no_cross = dict(stash_rows), dict(cross_rows)
             if kind == FORWARD:
                 y, *kept = c.run(c.forward, *flat_p, *flat_d, *([] if first else [x]))
                 send, lost = (act_zero, y) if last else (y, loss_zero)
-                return _Out(send, lost, c.stash.pack(kept, stash_rows), no_cross, grads_zero)
-            stashed = c.stash.unpack(stash_in)
+                return _out(send, lost, c.stash.pack(kept, stash_rows), no_cross, grads_zero)
+            stash_read, cross_read = slots
+            stashed = c.stash.read(bufs[0], stash_read)
             if kind == INPUT:
                 seed = jnp.ones_like(loss_zero) if last else g
                 outs = c.run(c.input_grad, *flat_p, *flat_d, *stashed, seed)
                 dx, kept = (act_zero, outs) if first else (outs[0], outs[1:])
-                return _Out(dx, loss_zero, no_stash, c.cross.pack(kept, cross_rows), grads_zero)
+                return _out(dx, loss_zero, no_stash, c.cross.pack(kept, cross_rows), grads_zero)
+            crossed = c.cross.read(bufs[1], cross_read)
             grads = c.grads_tree.unflatten(
-                c.run(c.weight_grad, *flat_p, *flat_d, *stashed, *c.cross.unpack(cross_in))
+                c.run(c.weight_grad, *flat_p, *flat_d, *stashed, *crossed)
             )
             d_embed, d_blocks, d_head = grads
             full = (
@@ -158,20 +164,17 @@ def run_pipeline(
                 d_blocks,
                 grads_zero[2] if d_head is None else d_head,
             )
-            return _Out(act_zero, loss_zero, no_stash, no_cross, _cast(full, axes))
+            return _out(act_zero, loss_zero, no_stash, no_cross, _cast(full, axes))
 
         return run
 
-    def idle(*_: Any) -> _Out:
-        return _Out(act_zero, loss_zero, dict(stash_rows), dict(cross_rows), grads_zero)
+    def idle(*_: Any) -> dict[str, Any]:
+        return _out(act_zero, loss_zero, dict(stash_rows), dict(cross_rows), grads_zero)
 
-    branches = [idle] + [branch(kind, t) for kind, t in program.branches]
     p = program.pp
     right = [(i, (i + 1) % p) for i in range(p)]
     left = [(i, (i - 1) % p) for i in range(p)]
     me = lax.axis_index("pp")
-    table = jnp.asarray(program.table)
-
     holding = program.slots["held"] > 0
 
     def add(sums: Any, local: jax.Array, grads: Any) -> Any:
@@ -182,32 +185,75 @@ def run_pipeline(
             jax.tree.map(jnp.add, sums[2], d_head),
         )
 
-    def tick(carry: Any, row_all: jax.Array) -> tuple[Any, None]:
-        bufs, stashed, crossed, held, sums, loss_sum = carry
-        row = row_all[me]
-        col = lambda name: row[COL[name]]  # noqa: E731
-        local, mb = col("local"), col("mb")
-        p_local = (embed, _index(blocks, local), head)
-        data = _cast((_index(inputs, mb), _index(targets, mb)), axes)
-        x = _index(bufs["act"], col("act_read"))
-        g = _index(bufs["grad"], col("grad_read"))
-        stash_in = {k: _index(b, col("stash_read")) for k, b in stashed.items()}
-        cross_in = {k: _index(b, col("cross_read")) for k, b in crossed.items()}
-        out = lax.switch(col("branch"), branches, p_local, data, x, g, stash_in, cross_in)
-        stashed = {k: _write(b, col("stash_write"), out.stash[k]) for k, b in stashed.items()}
-        crossed = {k: _write(b, col("cross_write"), out.cross[k]) for k, b in crossed.items()}
-        if holding:  # every gradient passes through its held slot; the spare one is zeros
-            held = _write_tree(held, col("held_write"), out.grads)
-            sums = add(sums, col("held_local"), _index(held, col("held_read")))
-        else:  # made in microbatch order: added as made
-            sums = add(sums, local, out.grads)
-        from_left = lax.ppermute(out.send, "pp", right)
-        from_right = from_left if p == 2 else lax.ppermute(out.send, "pp", left)
-        arriving = {"left": from_left, "right": from_right, "local": out.send}
-        bufs = dict(bufs)
-        for buf, src in program.sources:
-            bufs[buf] = _write(bufs[buf], col(f"{buf}_from_{src}"), arriving[src])
-        return (bufs, stashed, crossed, held, sums, loss_sum + out.loss), None
+    def phase(rows: np.ndarray) -> Callable[..., tuple[Any, None]]:
+        """The tick body of one phase (``rows``: its ticks' tables): only the outputs, buffer
+        writes, gradient adds and shifts that some cell of the phase makes, every other one
+        zero at every tick of it (a write of nothing to the spare slot, an add of zeros)."""
+        col_of = lambda name: rows[:, :, COL[name]]  # noqa: E731
+        used = np.unique(col_of("branch"))
+        kinds = {program.branches[b - 1][0] for b in used if b}
+        fields = {"send", "loss"} | {
+            name for kind, name in ((FORWARD, "stash"), (INPUT, "cross")) if kind in kinds
+        }
+        if WEIGHT in kinds:
+            fields.add("grads")
+        keep = lambda run: lambda *a: {k: v for k, v in run(*a).items() if k in fields}  # noqa: E731
+        branches = [keep(idle)] + [keep(branch(*program.branches[b - 1])) for b in used if b]
+        # this phase's branch index of each of the program's (0: idle)
+        index = np.zeros(len(program.branches) + 1, dtype=np.int32)
+        index[used] = np.arange(len(used)) if used[0] == 0 else np.arange(1, len(used) + 1)
+        sources = [
+            (buf, src)
+            for buf, src in program.sources
+            if (col_of(f"{buf}_from_{src}") != program.slots[buf]).any()
+        ]
+        adds_held = holding and bool((col_of("held_read") != program.slots["held"]).any())
+
+        def tick(carry: Any, row_all: jax.Array) -> tuple[Any, None]:
+            bufs, stashed, crossed, held, sums, loss_sum = carry
+            row = row_all[me]
+            col = lambda name: row[COL[name]]  # noqa: E731
+            local, mb = col("local"), col("mb")
+            p_local = (embed, _index(blocks, local), head)
+            data = _cast((_index(inputs, mb), _index(targets, mb)), axes)
+            x = _index(bufs["act"], col("act_read"))
+            g = _index(bufs["grad"], col("grad_read"))
+            # the branches read the stash and cross buffers in place: a row sliced here
+            # would be copied out at every tick, read or not
+            kept = (stashed, crossed)
+            slots = (col("stash_read"), col("cross_read"))
+            out = lax.switch(
+                jnp.asarray(index)[col("branch")], branches, p_local, data, x, g, kept, slots
+            )
+            if "stash" in out:
+                stashed = {
+                    k: _write(b, col("stash_write"), out["stash"][k]) for k, b in stashed.items()
+                }
+            if "cross" in out:
+                crossed = {
+                    k: _write(b, col("cross_write"), out["cross"][k]) for k, b in crossed.items()
+                }
+            if holding:  # every gradient passes through its held slot
+                if "grads" in out:
+                    held = _write_tree(held, col("held_write"), out["grads"])
+                if adds_held:  # the spare slot is zeros: nothing added
+                    sums = add(sums, col("held_local"), _index(held, col("held_read")))
+            elif "grads" in out:  # made in microbatch order: added as made
+                sums = add(sums, local, out["grads"])
+            send = out["send"]
+            arriving = {"local": send}
+            if any(src == "left" for _, src in sources):
+                arriving["left"] = lax.ppermute(send, "pp", right)
+            if any(src == "right" for _, src in sources):  # pp 2: the same shift
+                arriving["right"] = arriving.get("left") if p == 2 else None
+                if arriving["right"] is None:
+                    arriving["right"] = lax.ppermute(send, "pp", left)
+            bufs = dict(bufs)
+            for buf, src in sources:
+                bufs[buf] = _write(bufs[buf], col(f"{buf}_from_{src}"), arriving[src])
+            return (bufs, stashed, crossed, held, sums, loss_sum + out["loss"]), None
+
+        return tick
 
     spare = {buf: n + 1 for buf, n in program.slots.items()}  # the last slot takes "none"
     carry = (
@@ -221,7 +267,10 @@ def run_pipeline(
         _cast(jax.tree.map(jnp.zeros_like, (embed, blocks, head)), axes),
         loss_zero,
     )
-    (_, _, _, held, sums, loss_sum), _ = lax.scan(tick, carry, table)
+    for first, end in program.phases:
+        rows = program.table[first:end]
+        carry, _ = lax.scan(phase(rows), carry, jnp.asarray(rows))
+    _, _, _, held, sums, loss_sum = carry
     if len(program.drain):  # the gradients still held, in microbatch order
 
         def drain(sums: Any, row_all: jax.Array) -> tuple[Any, None]:

@@ -103,9 +103,11 @@ class RowLayout:
             out[key] = jnp.concatenate(parts[key]) if len(parts[key]) > 1 else parts[key][0]
         return out
 
-    def unpack(self, rows: dict[RowKey, jax.Array]) -> list[jax.Array]:
+    def read(self, bufs: dict[RowKey, jax.Array], slot: Any) -> list[jax.Array]:
+        """The values that ``pack`` laid out, read from row ``slot`` of the slotted buffers
+        ``bufs`` (``(slots, size)`` per key): only their own places are read."""
         return [
-            lax.slice_in_dim(rows[key], offset, offset + math.prod(shape)).reshape(shape)
+            lax.dynamic_slice(bufs[key], (slot, offset), (1, math.prod(shape))).reshape(shape)
             for key, offset, shape in self.places
         ]
 

@@ -32,6 +32,7 @@ with ``lax.axis_index("pp")``.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -96,7 +97,8 @@ class TickProgram:
     every weight gradient runs in microbatch order (added as it is made: no ``held``
     buffer); otherwise every weight gradient goes through it, and ``drain[j, r]`` is the
     ``(held slot, local stage)`` rank r adds in the j-th step after the loop (the spare slot,
-    all zeros, once it has nothing left).
+    all zeros, once it has nothing left). ``phases`` cuts the ticks where the kinds of cell
+    that run change (``tick_phases``): the step runs one loop per phase.
     """
 
     pp: int
@@ -112,6 +114,7 @@ class TickProgram:
     peak: tuple[int, ...]
     busy: tuple[int, ...]  # cells per rank
     drain: np.ndarray  # (steps after the loop, pp, 2) int32: held slot, local stage
+    phases: tuple[tuple[int, int], ...]  # (first tick, end tick): ``tick_phases``
 
     @property
     def bubble(self) -> float:
@@ -143,6 +146,21 @@ def tick_grid(plan: PipelinePlan) -> list[list[Cell | None]]:
                     kind=kind, stage=leaf.stage, microbatch=leaf.microbatch
                 )
     return grid
+
+
+def tick_phases(grid: Sequence[Sequence[Cell | None]]) -> tuple[tuple[int, int], ...]:
+    """The ticks cut in at most three phases, ``(first tick, end tick)`` each: the warm-up
+    before any rank's first backward cell (forwards only), the ticks up to the last forward,
+    and the cool-down after it (backward cells only). The step runs each as its own loop,
+    whose body holds only what its cells make: no forward's stash in the cool-down, no
+    gradient in the warm-up (GPipe's two phases are all its forwards and all its
+    backwards)."""
+    ticks = len(grid[0])
+    kinds = [{row[t].kind for row in grid if row[t] is not None} for t in range(ticks)]
+    first_back = next((t for t, k in enumerate(kinds) if k - {FORWARD}), ticks)
+    last_forward = max((t for t, k in enumerate(kinds) if FORWARD in k), default=-1)
+    cuts = sorted({0, first_back, max(first_back, last_forward + 1), ticks})
+    return tuple((a, b) for a, b in itertools.pairwise(cuts) if a < b)
 
 
 def compile_ticks(plan: PipelinePlan) -> TickProgram:
@@ -265,6 +283,7 @@ def compile_ticks(plan: PipelinePlan) -> TickProgram:
         peak=tuple(peak),
         busy=tuple(sum(c is not None for c in row) for row in grid),
         drain=drain,
+        phases=tick_phases(grid),
     )
 
 
