@@ -150,6 +150,9 @@ GLOSSARY = (
 LONG_SIGNATURES = {
     "gradsync_core.Configuration": "a record itself: one configuration the cost model and the "
     "search compare",
+    "gradsync_core.MachineProfile": "a record itself: one machine's measurements (each "
+    "collective's fit, copy bandwidth, slowdown, host overheads, scratch), read from the "
+    "versioned JSON `gradsync calibrate` writes",
     "gradsync_core.configurations": "the search space: each keyword is one dimension of it "
     "(ZeRO stages, bucket caps, HSDP shapes, pp sizes, schedules, microbatches, overlap)",
     "gradsync_core.predict": "a planner of plain data, every argument after the "
