@@ -31,15 +31,14 @@ async's, "jax_steps_ratio_vs_anchor"), the writer's thread against process
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 import tempfile
 from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import _async_save_torch as tsave
+from _jax_part import run_jax_part
 from _report import add_repeat_arg, finish, run_repeats
 from _spawn import spawn_ranks
 
@@ -58,19 +57,7 @@ def _jax(args: argparse.Namespace, directory: str) -> dict[str, Any]:
         "quiet_steps": args.quiet_steps,
         "during_steps": args.during_steps,
     }
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_async_save_jax.py")
-    done = subprocess.run(
-        [sys.executable, script, json.dumps(options)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=3600,
-        check=False,
-    )
-    if done.returncode != 0:
-        raise SystemExit(f"the JAX part failed:\n{done.stderr[-4000:]}")
-    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    result: dict[str, Any] = run_jax_part("_async_save_jax.py", options)
     return result
 
 

@@ -21,13 +21,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import _cost_torch
+from _jax_part import run_jax_part
 from _spawn import spawn_ranks
 
 from gradsync_core.plan import Configuration
@@ -85,18 +85,7 @@ def _jax(args: argparse.Namespace) -> list[dict[str, Any]]:
         "warmup": args.warmup,
         "steps": args.steps,
     }
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_cost_jax.py")
-    done = subprocess.run(
-        [sys.executable, script, json.dumps(options)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
-    if done.returncode != 0:
-        raise SystemExit(f"the JAX part failed:\n{done.stderr[-4000:]}")
-    rows: list[dict[str, Any]] = json.loads(done.stdout.strip().splitlines()[-1])
+    rows: list[dict[str, Any]] = run_jax_part("_cost_jax.py", options, timeout_s=1800)
     print(f"calibrate jax x8: {rows[0]['calibrate_s']:.1f} s", flush=True)
     return rows
 

@@ -63,6 +63,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import _nd_parallel_torch as tnd
+from _jax_part import run_jax_part
 from _report import add_repeat_arg, finish, run_repeats
 from _spawn import spawn_ranks
 
@@ -113,19 +114,7 @@ def _jax(args: argparse.Namespace) -> dict[str, Any]:
         "steps": args.steps,
         "configs": [[key, sizes] for key, (_, sizes) in JAX_ROWS.items()],
     }
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_nd_parallel_jax.py")
-    done = subprocess.run(
-        [sys.executable, script, json.dumps(options)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=3600,
-        check=False,
-    )
-    if done.returncode != 0:
-        raise SystemExit(f"the JAX part failed:\n{done.stderr[-4000:]}")
-    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    result: dict[str, Any] = run_jax_part("_nd_parallel_jax.py", options)
     return result
 
 
