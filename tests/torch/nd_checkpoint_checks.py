@@ -34,10 +34,12 @@ from tests.torch.nd_checks import (
     LR,
     MAX_NORM,
     MOE,
-    RTOL,
     SEQ,
     STEPS,
+    against_reference,
+    assert_close_pairs,
     batches,
+    full_piece,
 )
 
 SAVED = 2  # steps before the save; STEPS - SAVED after the load
@@ -104,39 +106,13 @@ def reference(config: LlamaConfig, steps: int = STEPS) -> tuple[Llama, torch.opt
     return model, opt
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
 def compare(model: ParallelLlama, opt: torch.optim.Optimizer, name: str) -> dict[str, float]:
     """Every rank's parameters and moments against the uninterrupted single-process run
     (a collective: every gather first, the assertions after). Returns the largest
     differences."""
     ref, ref_opt = reference(model.config)
-    ref_params = dict(ref.named_parameters(remove_duplicate=False))
-    moments = {
-        key: {n: ref_opt.state[p][key] for n, p in ref_params.items()}
-        for key in ("exp_avg", "exp_avg_sq")
-    }
-    pairs = []
-    for part in model.parts:
-        want = {"params": local_state(part, {n: p.detach() for n, p in ref_params.items()})}
-        want |= {key: local_state(part, moments[key]) for key in moments}
-        for pname, param in part.named_parameters():
-            state = opt.state[param]
-            got = {"params": param.detach(), **{k: state[k] for k in moments}}
-            for kind, value in got.items():
-                pairs.append((kind, pname, _full(value), want[kind][pname]))
-    worst = {"params": 0.0, "exp_avg": 0.0, "exp_avg_sq": 0.0}
-    for kind, _, actual, expected in pairs:
-        if actual.shape == expected.shape:
-            worst[kind] = max(worst[kind], float((actual - expected).abs().max()))
-    for kind, pname, actual, expected in pairs:
-        scale = float(expected.abs().max())
-        assert torch.allclose(actual, expected, rtol=RTOL, atol=RTOL * scale), (
-            f"{name}: {kind} of {pname}: largest difference "
-            f"{float((actual - expected).abs().max()):.3e} (atol {RTOL * scale:.3e})"
-        )
+    pairs, worst = against_reference(model, opt, ref, ref_opt)
+    assert_close_pairs(pairs, name)
     return worst
 
 
@@ -329,6 +305,6 @@ def check_jax_checkpoint(rank: int, ws: int, directory: str) -> None:
                 "params": param.detach(),
                 **{k: opt.state[param][k] for k in want if k != "params"},
             }
-            pairs += [(k, pname, _full(v), want[k][pname]) for k, v in got.items()]
+            pairs += [(k, pname, full_piece(v), want[k][pname]) for k, v in got.items()]
     for kind, pname, actual, expected in pairs:
         assert torch.equal(actual, expected), f"{kind} of {pname} differs from one process's"

@@ -80,9 +80,54 @@ def train_single(config: LlamaConfig) -> tuple[Llama, torch.optim.Optimizer]:
     return model, opt
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
+def full_piece(t: torch.Tensor) -> torch.Tensor:
     """A tensor-parallel piece whole over the data-parallel shards."""
     return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+Pair = tuple[str, str, torch.Tensor, torch.Tensor]
+
+
+def against_reference(
+    model: Any,
+    opt: torch.optim.Optimizer,
+    reference: torch.nn.Module,
+    ref_opt: torch.optim.Optimizer,
+) -> tuple[list[Pair], dict[str, float]]:
+    """Each of this rank's parameters and Adam moments, whole over the data-parallel shards,
+    beside the single-process run's piece of it: ``(kind, name, actual, expected)``, and the
+    largest difference of each kind. A collective: every gather (``full_tensor``) happens
+    here, so the caller asserts after it and a rank that fails leaves no peer waiting."""
+    ref_params = dict(reference.named_parameters(remove_duplicate=False))
+    moments = {
+        key: {n: ref_opt.state[p][key] for n, p in ref_params.items()}
+        for key in ("exp_avg", "exp_avg_sq")
+    }
+    pairs: list[Pair] = []
+    for part in model.parts:
+        want = {"params": local_state(part, {n: p.detach() for n, p in ref_params.items()})}
+        want |= {key: local_state(part, moments[key]) for key in moments}
+        for pname, param in part.named_parameters():
+            state = opt.state[param]
+            got = {"params": param.detach(), **{k: state[k] for k in moments}}
+            for kind, value in got.items():
+                pairs.append((kind, pname, full_piece(value), want[kind][pname]))
+    worst = {"params": 0.0, "exp_avg": 0.0, "exp_avg_sq": 0.0}
+    for kind, _, actual, expected in pairs:
+        if actual.shape == expected.shape:
+            worst[kind] = max(worst[kind], float((actual - expected).abs().max()))
+    return pairs, worst
+
+
+def assert_close_pairs(pairs: list[Pair], name: str) -> None:
+    """Every pair within ``RTOL`` of its reference (relative to the reference's largest)."""
+    for kind, pname, actual, expected in pairs:
+        scale = float(expected.abs().max())
+        error = (actual - expected).abs().max()
+        assert torch.allclose(actual, expected, rtol=RTOL, atol=RTOL * scale), (
+            f"{name}: {kind} of {pname}: largest difference {float(error):.3e} "
+            f"(atol {RTOL * scale:.3e})"
+        )
 
 
 def check_composition(rank: int, ws: int, name: str, directory: str) -> None:
@@ -96,38 +141,15 @@ def check_composition(rank: int, ws: int, name: str, directory: str) -> None:
         model.clip_grad_norm_(MAX_NORM)
         opt.step()
         opt.zero_grad()
-    ref_params = dict(reference.named_parameters(remove_duplicate=False))
-    moments = {
-        key: {n: ref_opt.state[p][key] for n, p in ref_params.items()}
-        for key in ("exp_avg", "exp_avg_sq")
-    }
     # Every collective (full_tensor) first, the comparisons after: a rank that fails an
     # assertion must not leave its peers waiting in a gather.
-    pairs = []
-    for part in model.parts:
-        want = {"params": local_state(part, {n: p.detach() for n, p in ref_params.items()})}
-        want |= {key: local_state(part, moments[key]) for key in moments}
-        for pname, param in part.named_parameters():
-            state = opt.state[param]
-            got = {"params": param.detach(), **{k: state[k] for k in moments}}
-            for kind, value in got.items():
-                pairs.append((kind, pname, _full(value), want[kind][pname]))
-    worst = {"params": 0.0, "exp_avg": 0.0, "exp_avg_sq": 0.0}
-    for kind, _, actual, expected in pairs:
-        if actual.shape == expected.shape:
-            worst[kind] = max(worst[kind], float((actual - expected).abs().max()))
+    pairs, worst = against_reference(model, opt, reference, ref_opt)
     everywhere: list[Any] = [None] * ws
     dist.all_gather_object(everywhere, worst)
     if rank == 0:
         merged = {k: max(w[k] for w in everywhere) for k in worst}
         Path(directory, f"{name}.json").write_text(json.dumps(merged))
-    for kind, pname, actual, expected in pairs:
-        scale = float(expected.abs().max())
-        where = f"{name}: {kind} of {pname}"
-        error = (actual - expected).abs().max()
-        assert torch.allclose(actual, expected, rtol=RTOL, atol=RTOL * scale), (
-            f"{where}: largest difference {float(error):.3e} (atol {RTOL * scale:.3e})"
-        )
+    assert_close_pairs(pairs, name)
 
 
 def _raises(fn: Any, *needles: str) -> str:

@@ -26,6 +26,7 @@ from gradsync_core import Topology
 from gradsync_core.checkpoint import describe_layout
 from tests.support.harness import SKIPPED, run_checks, run_workers
 from tests.torch import nd_checkpoint_checks as checks
+from tests.torch.nd_checks import RTOL
 
 PAIRS = [checks.pair_name(s, lo) for s, lo in checks.PAIRS]
 SAVED = [saved for saved, _ in checks.PAIRS]
@@ -115,7 +116,7 @@ def test_one_process_continues_from_any_layout(name: str, saved: Path) -> None:
         pairs += [(k, opt.state[got][k], ref_opt.state[want][k]) for k in ("exp_avg", "exp_avg_sq")]
         for kind, actual, expected in pairs:
             scale = float(expected.abs().max())
-            assert torch.allclose(actual, expected, rtol=checks.RTOL, atol=checks.RTOL * scale), (
+            assert torch.allclose(actual, expected, rtol=RTOL, atol=RTOL * scale), (
                 f"{name}: {kind} of {pname}: {float((actual - expected).abs().max()):.3e}"
             )
 
