@@ -156,7 +156,7 @@ def tick_phases(grid: Sequence[Sequence[Cell | None]]) -> tuple[tuple[int, int],
     gradient in the warm-up (GPipe's two phases are all its forwards and all its
     backwards)."""
     ticks = len(grid[0])
-    kinds = [{row[t].kind for row in grid if row[t] is not None} for t in range(ticks)]
+    kinds = [{cell.kind for row in grid if (cell := row[t]) is not None} for t in range(ticks)]
     first_back = next((t for t, k in enumerate(kinds) if k - {FORWARD}), ticks)
     last_forward = max((t for t, k in enumerate(kinds) if FORWARD in k), default=-1)
     cuts = sorted({0, first_back, max(first_back, last_forward + 1), ticks})
