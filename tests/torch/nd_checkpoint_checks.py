@@ -40,6 +40,8 @@ from tests.torch.nd_checks import (
     assert_close_pairs,
     batches,
     full_piece,
+    raises_naming,
+    same_everywhere,
 )
 
 SAVED = 2  # steps before the save; STEPS - SAVED after the load
@@ -163,23 +165,6 @@ def check_pair(rank: int, ws: int, saved: str, loaded: str, directory: str) -> N
         Path(directory, f"{saved}.json").write_text(json.dumps(merged))
 
 
-def _raises(fn: Any, *needles: str) -> str:
-    try:
-        fn()
-    except ValueError as err:
-        message = str(err)
-        for needle in needles:
-            assert needle in message, f"{needle!r} not in {message!r}"
-        return message
-    raise AssertionError(f"no ValueError (wanted one naming {needles})")
-
-
-def _same_everywhere(message: str) -> None:
-    everywhere: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everywhere, message)
-    assert len(set(everywhere)) == 1, everywhere
-
-
 def _unchanged(model: ParallelLlama, opt: torch.optim.Optimizer, before: list[torch.Tensor]):
     after = [p.detach().to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
     assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True)), "weights changed"
@@ -214,30 +199,30 @@ def check_refusals(rank: int, ws: int, directory: str) -> None:
         if change == "undescribed" and rank == 3:
             held = held[1:]  # its optimizer still steps that parameter
         before = [p.detach().to_local().clone() for p in model.parameters()]
-        message = _raises(
+        message = raises_naming(
             lambda m=model, h=held, o=opt: load_boxes(path, h, o, specs=m.specs()),
             "cannot load checkpoint",
             needle,
         )
-        _same_everywhere(message)
+        same_everywhere(message)
         _unchanged(model, opt, before)
     # A save whose ranks step differently built optimizers: refused before any file is written.
     model, _ = _build("dp8", ws)
     opt = torch.optim.AdamW(list(model.parameters()), lr=LR * (2 if rank == 2 else 1))
     target = os.path.join(directory, "refused")
-    message = _raises(
+    message = raises_naming(
         lambda: save_boxes(target, model.held(), opt, specs=model.specs()),
         "cannot save checkpoint",
         "param group 0 has other hyper-parameters on rank 2",
     )
-    _same_everywhere(message)
+    same_everywhere(message)
     assert not os.path.exists(target), os.listdir(directory)
     config = LlamaConfig(**{**DENSE.__dict__})
-    message = _raises(
+    message = raises_naming(
         lambda: parallelize(Llama(config), Topology.create(ws, tp=4), seq_len=SEQ),
         "n_kv_heads 2 is not divisible by tp=4",
     )
-    _same_everywhere(message)
+    same_everywhere(message)
 
 
 JAX_SAVED = "jax-dp8"  # the directory the test's JAX save writes, beside the torch ones

@@ -152,7 +152,7 @@ def check_composition(rank: int, ws: int, name: str, directory: str) -> None:
     assert_close_pairs(pairs, name)
 
 
-def _raises(fn: Any, *needles: str) -> str:
+def raises_naming(fn: Any, *needles: str) -> str:
     try:
         fn()
     except ValueError as err:
@@ -163,7 +163,7 @@ def _raises(fn: Any, *needles: str) -> str:
     raise AssertionError(f"no ValueError (wanted one naming {needles})")
 
 
-def _same_everywhere(message: str) -> None:
+def same_everywhere(message: str) -> None:
     everywhere: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everywhere, message)
     assert len(set(everywhere)) == 1, everywhere
@@ -174,19 +174,19 @@ def check_agreement(rank: int, ws: int) -> None:
     every other rank from parallelize, before any group is made (no hang)."""
     topology = Topology.create(ws, tp=2, pp=2)
     other = Topology.create(ws, tp=2, cp=2) if rank == 5 else topology
-    message = _raises(
+    message = raises_naming(
         lambda: parallelize(Llama(DENSE), other, ParallelOptions(), seq_len=SEQ),
         "another topology",
         "rank 5",
     )
-    _same_everywhere(message)
+    same_everywhere(message)
     config = LlamaConfig(**{**DENSE.__dict__, "n_layers": 2}) if rank == 2 else DENSE
-    message = _raises(
+    message = raises_naming(
         lambda: parallelize(Llama(config), topology, ParallelOptions(), seq_len=SEQ),
         "another config",
         "rank 2",
     )
-    _same_everywhere(message)
+    same_everywhere(message)
 
 
 def check_refusals(rank: int, ws: int) -> None:
@@ -206,7 +206,7 @@ def check_refusals(rank: int, ws: int) -> None:
         (DENSE, Topology.create(ws, tp=8), "n_heads 4 is not divisible by tp=8"),
     ]
     for config, topology, needle in cases:
-        message = _raises(
+        message = raises_naming(
             lambda c=config, t=topology: parallelize(Llama(c), t, seq_len=SEQ), needle
         )
-        _same_everywhere(message)
+        same_everywhere(message)
