@@ -27,7 +27,6 @@ from gradsync_core.plan import (
     Configuration,
     MachineProfile,
     ModelProfile,
-    fit_link,
     median_profile,
     predict,
 )
@@ -154,7 +153,7 @@ class Calibrator:
         self.points: dict[tuple[str, int, int], list[float]] = {}
         self.issued: dict[tuple[str, int, int], list[float]] = {}
         self.copies: list[float] = []
-        self.slowdowns: list[float] = []
+        self.slowdowns: list[dict[str, float]] = []
         self.probe = Probe(torch.device("cpu"))  # the executors' host overheads (host.py)
         self.scratch = calibrate.collective_scratch()  # the same each time: measured once
 
@@ -166,10 +165,7 @@ class Calibrator:
                 for nbytes, seconds in samples:
                     into.setdefault((collective, size, nbytes), []).append(seconds)
         self.copies.append(calibrate.copy_bandwidth(repeats=1))
-        link = fit_link(
-            "all_reduce", self.world, self._samples(self.points)["all_reduce", self.world]
-        )
-        self.slowdowns.append(calibrate.overlap_slowdown(link, repeats=1))
+        self.slowdowns.append(calibrate.overlap_slowdowns(repeats=1))
 
     @staticmethod
     def _samples(
@@ -188,7 +184,10 @@ class Calibrator:
             name="cost_model.py, between the steps",
             source=f"gradsync_torch.cost.machine.measure, {len(self.copies)} rounds",
             copy=statistics.median(self.copies),
-            slowdown=statistics.median(self.slowdowns),
+            slowdowns={
+                kind: statistics.median(s[kind] for s in self.slowdowns)
+                for kind in self.slowdowns[0]
+            },
             probe=self.probe.times(),
             world_size=self.world,
             scratch=self.scratch,

@@ -76,21 +76,25 @@ def _run(
         second(buffer, peer, group=group)
         _synchronize()
         return 0.0, (time.perf_counter() - start) / 2
-    if collective == "all_reduce":
-        work = dist.all_reduce(_buffer(numel, device), group=group, async_op=True)
-    elif collective == "all_gather":
-        out, inp = _buffer(numel, device), _buffer(numel // size, device)
-        work = all_gather_single(out, inp, group=group, async_op=True)
-    elif collective == "reduce_scatter":
-        out, inp = _buffer(numel // size, device), _buffer(numel, device)
-        work = reduce_scatter_single(out, inp, group=group, async_op=True)
-    else:
-        src = dist.get_global_rank(group, 0)
-        work = dist.broadcast(_buffer(numel, device), src=src, group=group, async_op=True)
+    work = _issue(collective, group, size, numel, device)
     issued = time.perf_counter() - start
     work.wait()
     _synchronize()
     return issued, time.perf_counter() - start
+
+
+def _issue(collective: str, group: Any, size: int, numel: int, device: torch.device) -> Any:
+    """Start one collective of ``numel`` elements (the whole buffer); returns its work."""
+    if collective == "all_reduce":
+        return dist.all_reduce(_buffer(numel, device), group=group, async_op=True)
+    if collective == "all_gather":
+        out, inp = _buffer(numel, device), _buffer(numel // size, device)
+        return all_gather_single(out, inp, group=group, async_op=True)
+    if collective == "reduce_scatter":
+        out, inp = _buffer(numel // size, device), _buffer(numel, device)
+        return reduce_scatter_single(out, inp, group=group, async_op=True)
+    src = dist.get_global_rank(group, 0)
+    return dist.broadcast(_buffer(numel, device), src=src, group=group, async_op=True)
 
 
 _BUFFERS: dict[tuple[int, str], torch.Tensor] = {}
@@ -201,37 +205,92 @@ def copy_bandwidth(nbytes: int = 16 * MIB, repeats: int = DEFAULT_REPEATS) -> fl
     return nbytes / _slowest(statistics.median(times[1:]))
 
 
-def overlap_slowdown(all_reduce: LinkCost, repeats: int = 3) -> float:
-    """How many times longer compute takes while an all-reduce is in flight beside it.
+MAX_SLOWDOWN = 1000.0  # compute and a collective that do not overlap at all
 
-    A matrix-multiply loop is timed alone, then while enough asynchronous all-reduces are
-    queued to cover it twice over; the ratio of the medians, at least 1 (the slowest rank's).
+
+SLOWDOWN_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+
+
+def overlap_slowdowns(nbytes: int = MIB, repeats: int = 3) -> dict[str, float]:
+    """How many times longer compute takes while a collective of each kind is in flight
+    beside it, as the timeline uses the figure: the one that gives compute and a collective
+    started together the time they take together (``MachineProfile.overlap_slowdowns``).
+
+    For each kind of ``SLOWDOWN_KINDS``, ``nbytes`` over the world: the collective alone
+    (``A``), a matrix-multiply loop about twice as long alone (``C``), then both, the
+    collective issued and the loop run while it is in flight (``F``, until both are done);
+    each the slowest rank's median. ``slowdown_of_pair`` turns them into the figure. Where the
+    collective's threads need the cores the compute holds (gloo with as many ranks as cores),
+    the collective makes little progress until compute stops, so the pair takes about
+    ``C + A``, and the figure is large.
     """
     device = _device()
+    world = dist.get_world_size()
     a = torch.randn(256, 256, device=device)
 
-    def work() -> float:
+    def work(count: int) -> float:
         _synchronize()
         start = time.perf_counter()
-        for _ in range(40):
+        for _ in range(count):
             a.mm(a)
         _synchronize()
         return time.perf_counter() - start
 
-    work()
-    alone = _slowest(statistics.median(work() for _ in range(repeats)))  # every rank's count
-    nbytes = 4 * MIB
-    per = all_reduce.time(nbytes, dist.get_world_size())
-    count = max(1, min(64, int(2 * alone / per) + 1))
-    buffer = _buffer(nbytes // 4, device)
-    beside = []
-    for _ in range(repeats):
-        dist.barrier()
-        handles = [dist.all_reduce(buffer, async_op=True) for _ in range(count)]
-        beside.append(work())
-        for handle in handles:
+    work(4)
+    one = _slowest(statistics.median(work(4) / 4 for _ in range(repeats)))
+    numel = max(world, nbytes // 4 // world * world)
+    group = dist.group.WORLD
+    figures = {}
+    for kind in SLOWDOWN_KINDS:
+        _run(kind, group, world, nbytes, device)  # warm-up
+        alone_runs = []
+        for _ in range(repeats):
+            dist.barrier()
+            alone_runs.append(_run(kind, group, world, nbytes, device)[1])
+        alone = _slowest(statistics.median(alone_runs))
+        count = max(1, round(2 * alone / one))
+        compute_runs, together_runs = [], []
+        for _ in range(repeats):
+            dist.barrier()
+            compute_runs.append(work(count))
+            dist.barrier()
+            _synchronize()
+            start = time.perf_counter()
+            handle = _issue(kind, group, world, numel, device)
+            work(count)
             handle.wait()
-    return max(1.0, _slowest(statistics.median(beside)) / alone)
+            _synchronize()
+            together_runs.append(time.perf_counter() - start)
+        compute = _slowest(statistics.median(compute_runs))
+        together = _slowest(statistics.median(together_runs))
+        figures[kind] = slowdown_of_pair(alone, compute, together)
+    return figures
+
+
+def slowdown_of_pair(collective_s: float, compute_s: float, together_s: float) -> float:
+    """The ``overlap_slowdown`` under which the cost model's timeline gives a collective of
+    ``collective_s`` and compute of ``compute_s``, started together, the measured
+    ``together_s`` until both are done.
+
+    The timeline slows compute ``s`` times while the collective is in flight, so the pair
+    takes ``C + A * (1 - 1/s)`` once the compute outlasts the collective's slowed share
+    (``C * s > A``), and ``max(A, C)`` at best: ``s = A / (A + C - F)``, 1 when the pair took no
+    longer than the longer of the two (they overlapped fully), ``MAX_SLOWDOWN`` when it took
+    ``C + A`` or more (they did not overlap at all).
+
+    Example:
+        >>> slowdown_of_pair(1.0, 2.0, 2.0), slowdown_of_pair(1.0, 2.0, 2.5)
+        (1.0, 2.0)
+        >>> slowdown_of_pair(1.0, 2.0, 3.1)
+        1000.0
+    """
+    longer = max(collective_s, compute_s)
+    if together_s <= longer:
+        return 1.0
+    hidden = collective_s + compute_s - together_s  # what of the collective compute hid
+    if hidden <= collective_s / MAX_SLOWDOWN:
+        return MAX_SLOWDOWN
+    return min(MAX_SLOWDOWN, max(1.0, collective_s / hidden))
 
 
 def _slowest(seconds: float) -> float:
@@ -261,14 +320,16 @@ def profile_from(
     name: str,
     source: str,
     copy: float | None = None,
-    slowdown: float = 1.0,
+    slowdowns: Mapping[str, float] | None = None,
     probe: Mapping[tuple[str, int], float] | None = None,
     world_size: int | None = None,
     scratch: Mapping[str, float] | None = None,
 ) -> MachineProfile:
-    """The machine profile of measured samples: one fitted link per collective and size; with
-    the executor ``probe``'s step times (``host.Probe.times()`` over ``world_size`` ranks),
-    the host overheads too (``host.host_overheads``); ``scratch``: ``collective_scratch()``."""
+    """The machine profile of measured samples: one fitted link per collective and size;
+    ``slowdowns``: ``overlap_slowdowns()``, their median the figure of the kinds not measured
+    (point-to-point); with the executor ``probe``'s step times (``host.Probe.times()`` over
+    ``world_size`` ranks), the host overheads too (``host.host_overheads``); ``scratch``:
+    ``collective_scratch()``."""
     links: list[LinkCost] = [
         fit_link(collective, size, points, issue=issue.get((collective, size), ()))
         for (collective, size), points in sorted(samples.items())
@@ -279,7 +340,8 @@ def profile_from(
         links=tuple(links),
         source=source,
         copy_bandwidth=copy,
-        overlap_slowdown=slowdown,
+        overlap_slowdown=statistics.median(slowdowns.values()) if slowdowns else 1.0,
+        overlap_slowdowns=dict(slowdowns or {}),
         collective_scratch=dict(scratch or {}),
     )
     if probe is None:
@@ -330,7 +392,7 @@ def calibrate(
     start = time.perf_counter()
     samples, issue = measure(sizes=sizes, repeats=repeats)
     copy = copy_bandwidth(repeats=repeats)
-    slowdown = overlap_slowdown(fit_link("all_reduce", world, samples["all_reduce", world]))
+    slowdowns = overlap_slowdowns(repeats=repeats)
     scratch = collective_scratch()
     probe = Probe(_device())
     for _ in range(max(PROBE_ROUNDS, repeats)):
@@ -345,7 +407,7 @@ def calibrate(
         name=name or f"{platform.node()} {dist.get_backend()}",
         source=_describe(world, time.perf_counter() - start),
         copy=copy,
-        slowdown=slowdown,
+        slowdowns=slowdowns,
         probe=probe.times(),
         world_size=world,
         scratch=scratch,

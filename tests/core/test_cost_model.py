@@ -44,6 +44,7 @@ from gradsync_core.plan import (
     profile_blocks,
     search_configurations,
 )
+from gradsync_core.plan.cost._timeline import _slowed
 
 MIB = 1 << 20
 
@@ -147,7 +148,7 @@ def test_machine_profile_json_round_trip_and_lookup():
     ("change", "message"),
     [
         ({"kind": "plan"}, "expected kind 'machine_profile'"),
-        ({"version": 9}, "reads version 1 or 2"),
+        ({"version": 9}, "reads version 1 or 2 or 3"),
         ({"colour": 1}, "unknown key 'colour'"),
         ({"links": []}, "non-empty list"),
         ({"overlap_slowdown": 0.5}, "overlap_slowdown must be >= 1"),
@@ -156,6 +157,9 @@ def test_machine_profile_json_round_trip_and_lookup():
         ({"step_host_s": {"ddp": 1e-3}}, "step_host_s has the unknown key 'ddp'"),
         ({"collective_scratch": {"p2p": -1}}, "must be a finite number >= 0"),
         ({"version": 1, "host_s": {"all_reduce": 1e-3}}, "version-1 .* unknown key 'host_s'"),
+        ({"overlap_slowdowns": {"all_gather": 0.5}}, r"overlap_slowdowns\['all_gather'\] must"),
+        ({"overlap_slowdowns": {"gather": 2.0}}, "overlap_slowdowns has the unknown key 'gather'"),
+        ({"version": 2, "overlap_slowdowns": {}}, "version-2 .* unknown key 'overlap_slowdowns'"),
     ],
     ids=[
         "kind",
@@ -168,6 +172,9 @@ def test_machine_profile_json_round_trip_and_lookup():
         "step path",
         "negative scratch",
         "host in v1",
+        "kind speed-up",
+        "slowdown kind",
+        "slowdowns in v2",
     ],
 )
 def test_machine_profile_refuses_bad_json(change, message):
@@ -183,7 +190,7 @@ def test_host_overheads_round_trip_and_a_version_1_profile_loads_without_them():
         step_host_s={"zero3": 1e-3},
         collective_scratch={"all_gather": 1.0},
     )
-    assert m.to_json()["version"] == 2
+    assert m.to_json()["version"] == 3
     assert MachineProfile.from_json(json.loads(json.dumps(m.to_json()))) == m
     assert m.issue_time("all_reduce", MIB, 2) == 2e-4  # the link's issue cost is 0 here
     assert m.issue_time("all_gather", MIB, 2) == 0.0
@@ -195,6 +202,15 @@ def test_host_overheads_round_trip_and_a_version_1_profile_loads_without_them():
     loaded = MachineProfile.from_json(old | {"version": 1})
     assert loaded.host_s == {} and loaded.step_host_s == {} and loaded.collective_scratch == {}
     assert loaded.issue_time("all_reduce", MIB, 2) == 0.0
+
+
+def test_slowdown_per_collective_kind_round_trips_and_a_version_2_profile_loads_without():
+    m = machine(overlap_slowdown=2.0, overlap_slowdowns={"all_gather": 1000.0})
+    assert MachineProfile.from_json(json.loads(json.dumps(m.to_json()))) == m
+    assert m.slowdown("all_gather") == 1000.0 and m.slowdown("all_reduce") == 2.0
+    old = {k: v for k, v in m.to_json().items() if k != "overlap_slowdowns"}
+    loaded = MachineProfile.from_json(old | {"version": 2})
+    assert loaded.overlap_slowdowns == {} and loaded.slowdown("all_gather") == 2.0
 
 
 def test_the_documented_example_profiles_load():
@@ -322,6 +338,37 @@ def test_compute_beside_a_collective_runs_slower():
     assert cost.step_s == pytest.approx(2e-3 + 2e-3 + 2e-3 + 1e-3 + 2e-3)
 
 
+@pytest.mark.parametrize(
+    ("slowdowns", "beside"),
+    [
+        ({}, 2e-3),  # a kind not listed: overlap_slowdown, 2 (the closed form above)
+        ({"all_gather": 8.0}, 2e-3),  # another kind's figure changes nothing
+        ({"all_reduce": 4.0}, 2e-3 + 1.5e-3),  # 0.5 ms of block 0 in 2 ms, 1.5 ms alone
+        ({"all_reduce": 1000.0}, 2e-3 + 2e-3 * (1 - 1e-3)),  # compute waits: their sum
+    ],
+    ids=["default", "other kind", "four", "no overlap"],
+)
+def test_compute_beside_a_collective_runs_slower_by_its_kinds_figure(slowdowns, beside):
+    specs = layers(2)
+    m = machine(bandwidth=MIB / 2e-3, overlap_slowdown=2.0, overlap_slowdowns=slowdowns)
+    cost = predict_data_parallel(
+        specs,
+        plan_buckets(specs, cap_bytes=MIB),
+        machine=m,
+        model=model(2),
+        topology=Topology.create(2),
+    )
+    if not slowdowns or "all_reduce" not in slowdowns:
+        beside = 2e-3 + 1e-3
+    # forward, block 1's backward, block 0's backward beside bucket 0, then bucket 1
+    assert cost.step_s == pytest.approx(2e-3 + 2e-3 + beside + 2e-3)
+
+
+def test_the_largest_slowdown_in_flight_counts():
+    flight = [(0.0, 2.0, 2.0), (1.0, 3.0, 4.0), (5.0, 6.0, 1.0)]
+    assert _slowed(flight) == [(0.0, 1.0, 2.0), (1.0, 3.0, 4.0)]
+
+
 def test_copies_and_issue_costs_run_on_the_compute_stream():
     specs = layers(1)
     link = LinkCost(
@@ -439,6 +486,23 @@ def test_zero3_with_overlap_hides_all_but_the_first_gather_and_the_last_reduce()
     gathers = [c for c in cost.comms if c.collective == "all_gather"]
     assert len(gathers) == 2 * units  # forward and again for the backward
     assert cost.ranks[0].memory == estimate_zero3(plan).ranks[0]
+
+
+def test_zero3_gathers_that_do_not_overlap_compute_add_up():
+    """gloo's collectives beside compute on a CPU whose cores compute holds: a slowdown of
+    1000 for both kinds, and the step is the sum of every collective and every block."""
+    n, units = 2, 4
+    specs = layers(units)
+    plan = plan_param_shards(specs, world_size=n, units=[f"layers.{i}" for i in range(units)])
+    slow = {"all_gather": 1000.0, "reduce_scatter": 1000.0}
+    m = machine(bandwidth=1e9, overlap_slowdowns=slow)
+    ag, rs = m.time("all_gather", MIB, n), m.time("reduce_scatter", MIB, n)
+    cost = predict_zero3(plan, machine=m, model=model(units), topology=Topology.create(n))
+    assert cost.step_s == pytest.approx(units * (2 * ag + rs) + 12e-3, rel=1e-3)
+    hidden = predict_zero3(
+        plan, machine=machine(bandwidth=1e9), model=model(units), topology=Topology.create(n)
+    )
+    assert hidden.step_s < cost.step_s - (units - 1) * ag  # with overlap, the gathers hide
 
 
 def test_hsdp_all_reduces_each_shard_over_the_replicas():

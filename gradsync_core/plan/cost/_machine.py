@@ -39,9 +39,10 @@ COLLECTIVES = (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, BROADCAST, P2P)
 NODE, NETWORK = "node", "network"  # a group inside one node, or spanning nodes
 LEVELS = (NODE, NETWORK)
 MACHINE_PROFILE_KIND = "machine_profile"
-MACHINE_PROFILE_VERSION = 2  # the schema's own version, not the plans'
-# Version 1 had no host overheads: it still loads, with none.
-MACHINE_PROFILE_VERSIONS = (1, 2)
+MACHINE_PROFILE_VERSION = 3  # the schema's own version, not the plans'
+# Version 1 had no host overheads, version 2 no slowdown per collective kind: they still
+# load, with none.
+MACHINE_PROFILE_VERSIONS = (1, 2, 3)
 DATA_PARALLEL, ZERO3 = "data_parallel", "zero3"
 STEP_PATHS = (DATA_PARALLEL, ZERO3)  # the executor paths with a per-step host overhead
 
@@ -153,13 +154,17 @@ class MachineProfile:
     out of them; None: copies cost nothing); ``overlap_slowdown``, how many times longer
     compute takes while a collective is in flight beside it (1: none, as with NCCL's own
     engines; about 2 where the collective's threads take the compute's cores, as gloo on a
-    CPU with fewer cores than ranks); ``host_s``, per collective kind, the seconds of host
-    work an executor spends on each collective it issues besides the issue itself (hooks,
-    bookkeeping, the ranks' skew at the collective; ``gradsync calibrate`` measures it through
-    the executors with a tiny model), and ``step_host_s``, per executor path
-    (``"data_parallel"``: DDP's bucketed sync; ``"zero3"``: ``fully_shard``'s units), the
-    seconds its per-step bookkeeping costs (DDP's used-map all-reduce, the agreement checks).
-    A kind or path not listed costs nothing (as in a compiled JAX step).
+    CPU with fewer cores than ranks); ``overlap_slowdowns``, the same per collective kind
+    (``{"all_gather": 1000.0}``: gloo's all-gather makes no progress while its rank computes,
+    so compute and the gather take their sum), a kind not listed taking ``overlap_slowdown``
+    (while several collectives are in flight the largest of theirs counts); ``host_s``, per
+    collective kind, the seconds of host work an executor spends on each collective it issues
+    besides the issue itself (hooks, bookkeeping, the ranks' skew at the collective;
+    ``gradsync calibrate`` measures it through the executors with a tiny model), and
+    ``step_host_s``, per executor path (``"data_parallel"``: DDP's bucketed sync;
+    ``"zero3"``: ``fully_shard``'s units), the seconds its per-step bookkeeping costs (DDP's
+    used-map all-reduce, the agreement checks). A kind or path not listed costs nothing (as
+    in a compiled JAX step).
     ``collective_scratch``, per collective kind, the bytes a collective allocates beside its
     buffers while in flight, per byte of its whole buffer (gloo's ``all_gather_into_tensor``
     allocates its output again and ``reduce_scatter_tensor`` clones its input: 1; NCCL and
@@ -180,6 +185,7 @@ class MachineProfile:
     flops_per_s: float | None = None
     copy_bandwidth: float | None = None
     overlap_slowdown: float = 1.0
+    overlap_slowdowns: Mapping[str, float] = field(default_factory=dict)
     host_s: Mapping[str, float] = field(default_factory=dict)
     step_host_s: Mapping[str, float] = field(default_factory=dict)
     collective_scratch: Mapping[str, float] = field(default_factory=dict)
@@ -195,6 +201,20 @@ class MachineProfile:
                 f"overlap_slowdown must be >= 1 (1: collectives do not slow compute), got "
                 f"{self.overlap_slowdown!r}"
             )
+        if not isinstance(self.overlap_slowdowns, Mapping):
+            raise ValueError(
+                f"overlap_slowdowns must be a mapping of numbers, got {self.overlap_slowdowns!r}"
+            )
+        for kind, slow in self.overlap_slowdowns.items():
+            if kind not in COLLECTIVES:
+                raise ValueError(
+                    f"overlap_slowdowns has the unknown key {kind!r}; use {', '.join(COLLECTIVES)}"
+                )
+            if _finite(f"overlap_slowdowns[{kind!r}]", slow, positive=True) < 1:
+                raise ValueError(
+                    f"overlap_slowdowns[{kind!r}] must be >= 1 (1: the collective does not slow "
+                    f"compute), got {slow!r}"
+                )
         tables = (("host_s", COLLECTIVES), ("step_host_s", STEP_PATHS))
         for name, keys in (*tables, ("collective_scratch", COLLECTIVES)):
             table = getattr(self, name)
@@ -265,6 +285,11 @@ class MachineProfile:
         issue = self.link(collective, group_size, level).issue_time(nbytes)
         return issue + self.host_s.get(collective, 0.0)
 
+    def slowdown(self, collective: str) -> float:
+        """How many times longer compute takes while a ``collective`` is in flight beside it
+        (``overlap_slowdowns``, else ``overlap_slowdown``)."""
+        return float(self.overlap_slowdowns.get(collective, self.overlap_slowdown))
+
     def scratch_bytes(self, collective: str, nbytes: int) -> int:
         """Bytes a ``collective`` of ``nbytes`` (its whole buffer) allocates while in flight."""
         return round(self.collective_scratch.get(collective, 0.0) * nbytes)
@@ -288,7 +313,7 @@ class MachineProfile:
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
         out["overlap_slowdown"] = self.overlap_slowdown
-        for name in ("host_s", "step_host_s", "collective_scratch"):
+        for name in ("overlap_slowdowns", "host_s", "step_host_s", "collective_scratch"):
             if getattr(self, name):
                 out[name] = dict(sorted(getattr(self, name).items()))
         return out
@@ -297,7 +322,8 @@ class MachineProfile:
     def from_json(cls, obj: Mapping[str, Any]) -> MachineProfile:
         """Read ``to_json()``'s output (or a hand-written profile) back, checked.
 
-        A version-1 profile (before the host overheads) loads with none.
+        A version-1 profile (before the host overheads) loads with none, a version-2 one
+        (before the slowdown per collective kind) with ``overlap_slowdown`` for every kind.
 
         Raises:
             ValueError: another kind or version, a missing or unknown key, a bad value.
@@ -307,6 +333,8 @@ class MachineProfile:
         optional += ["overlap_slowdown"]
         if obj["version"] >= 2:
             optional += ["host_s", "step_host_s", "collective_scratch"]
+        if obj["version"] >= 3:
+            optional += ["overlap_slowdowns"]
         _check_keys(
             obj,
             required=("name", "ranks_per_node", "links"),
@@ -343,6 +371,7 @@ class MachineProfile:
             flops_per_s=obj.get("flops_per_s"),
             copy_bandwidth=obj.get("copy_bandwidth"),
             overlap_slowdown=obj.get("overlap_slowdown", 1.0),
+            overlap_slowdowns=_table(obj, "overlap_slowdowns"),
             host_s=_table(obj, "host_s"),
             step_host_s=_table(obj, "step_host_s"),
             collective_scratch=_table(obj, "collective_scratch"),

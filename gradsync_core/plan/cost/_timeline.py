@@ -6,9 +6,10 @@ executor's copies into and out of communication buffers (at the machine's copy b
 the optimizer. Every collective runs on its process group's ``Channel``, one after the other in
 the order the executor issues them (one NCCL stream, one gloo queue), no earlier than its inputs
 are ready; while one is in flight, compute runs ``overlap_slowdown`` times slower (the
-machine profile's one figure for compute and communication sharing a device). A collective's
-*exposed* time is the part of it during which its rank computes nothing; the step ends with
-the last collective or the last compute.
+machine profile's figure for compute and communication sharing a device, per collective kind
+where it has one: ``MachineProfile.slowdown``; the largest of those in flight counts). A
+collective's *exposed* time is the part of it during which its rank computes nothing; the step
+ends with the last collective or the last compute.
 
 Memory is the plan's model states (``estimate_ddp``/``estimate_zero1/2/3``) at two moments:
 the backward, where activations still alive meet the gradients they turn into
@@ -18,6 +19,7 @@ step with its scratch (docs/cost-model.md).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -151,14 +153,16 @@ class Rank:
 
     ``compute`` runs work of a given length (as measured alone) from when it is ready;
     ``collective`` puts one on a channel and remembers it, so later compute that overlaps it
-    takes ``overlap_slowdown`` times longer there; ``copy`` is compute at the copy bandwidth.
+    takes the machine's ``slowdown`` of its kind times longer there; ``copy`` is compute at the
+    copy bandwidth.
     """
 
     def __init__(self, machine: MachineProfile) -> None:
         self.machine = machine
         self.t = 0.0
         self.busy: list[tuple[float, float]] = []
-        self.flight: list[tuple[float, float]] = []
+        self.flight: list[tuple[float, float, float]] = []  # start, end, slowdown
+        self._slowed: list[tuple[float, float, float]] | None = None
         self.comms: list[tuple[str, str, str, int, int, float, float]] = []
 
     def compute(self, seconds: float, ready: float = 0.0) -> float:
@@ -194,16 +198,18 @@ class Rank:
         at = self.t if ready is None else max(ready, self.t) if mine else ready
         start, end = channel.run(at, duration)
         if end > start:
-            self.flight.append((start, end))
+            self.flight.append((start, end, self.machine.slowdown(kind)))
+            self._slowed = None
         self.comms.append((what, kind, group, size, nbytes, start, end))
         return end
 
     def _advance(self, start: float, work: float) -> float:
-        slow = self.machine.overlap_slowdown
-        if slow == 1 or not self.flight or work <= 0:
+        if not self.flight or work <= 0:
             return start + work
+        if self._slowed is None:
+            self._slowed = _slowed(self.flight)
         t = start
-        for a, b in _merged(self.flight):
+        for a, b, slow in self._slowed:
             if b <= t:
                 continue
             if a > t:
@@ -236,6 +242,22 @@ class Rank:
     @property
     def compute_s(self) -> float:
         return sum(b - a for a, b in self.busy)
+
+
+def _slowed(flight: Sequence[tuple[float, float, float]]) -> list[tuple[float, float, float]]:
+    """The stretches where compute runs slower: ``(start, end, slowdown)``, sorted, disjoint,
+    each the largest slowdown of the collectives in flight there (1 left out)."""
+    cuts = sorted({t for a, b, _ in flight for t in (a, b)})
+    out: list[tuple[float, float, float]] = []
+    for a, b in itertools.pairwise(cuts):
+        slow = max((s for x, y, s in flight if x <= a and y >= b), default=1.0)
+        if slow == 1:
+            continue
+        if out and out[-1][1] == a and out[-1][2] == slow:
+            out[-1] = (out[-1][0], b, slow)
+        else:
+            out.append((a, b, slow))
+    return out
 
 
 def _merged(intervals: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
