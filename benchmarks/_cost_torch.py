@@ -382,6 +382,7 @@ def worker(rank: int, world: int, store_path: str, args: argparse.Namespace, out
                         "plan_match": runner.plan_matches(),
                         "host_s": dict(calibrated.host_s),
                         "step_host_s": dict(calibrated.step_host_s),
+                        "overlap_slowdowns": dict(calibrated.overlap_slowdowns),
                     }
                     for p, alone, t, peak, runner in zip(
                         final, standalone, times, peaks, runners, strict=True

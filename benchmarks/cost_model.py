@@ -119,6 +119,9 @@ def report(rows: list[dict[str, Any]]) -> dict[str, Any]:
             host = ", ".join(f"{k} {v * 1e3:.2f}" for k, v in sorted(first["host_s"].items()))
             step = ", ".join(f"{k} {v * 1e3:.2f}" for k, v in sorted(first["step_host_s"].items()))
             print(f"{group}: host ms per collective: {host}; per step: {step}")
+        if first.get("overlap_slowdowns"):
+            slow = ", ".join(f"{k} {v:.3g}" for k, v in sorted(first["overlap_slowdowns"].items()))
+            print(f"{group}: compute's slowdown beside a collective: {slow}")
     steps = [abs(r["step_error"]) for r in rows]
     peaks = [abs(r["peak_error"]) for r in rows]
     out: dict[str, Any] = {
