@@ -46,6 +46,7 @@ def calibrate_predict_measure(
         probe=probe.times(),
         world_size=world_size,
         scratch=calibrate.collective_scratch(),
+        slowdowns=calibrate.overlap_slowdowns(),
     )
     net, x = _net(), torch.randn(ROWS, WIDTH)
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
@@ -83,4 +84,6 @@ def calibrate_predict_measure(
         "host_s": dict(machine.host_s),
         "step_host_s": dict(machine.step_host_s),
         "collective_scratch": dict(machine.collective_scratch),
+        "overlap_slowdowns": dict(machine.overlap_slowdowns),
+        "overlap_slowdown": {"": machine.overlap_slowdown},
     }

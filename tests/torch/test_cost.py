@@ -13,12 +13,15 @@ host overheads and collective scratch are checked too: gloo's are known.
 """
 
 import json
+import statistics
 
 import pytest
 import torch
 from torch import nn
 
-from gradsync_core.plan import ModelProfile
+from gradsync_core.plan import LinkCost, MachineProfile, ModelProfile
+from gradsync_core.plan.cost._timeline import Channel, Rank
+from gradsync_torch.cost import machine as calibrate
 from gradsync_torch.cost.model import profile_model
 from tests.support.harness import run_workers
 from tests.torch import cost_checks
@@ -99,7 +102,29 @@ def test_calibrate_predict_measure_on_gloo():
         "reduce_scatter": 1.0,
         "broadcast": 0.0,
     }
+    # compute's slowdown beside each kind: a factor between 1 (full overlap) and 1000 (none);
+    # their median is the figure of the kinds not measured
+    slow = host["overlap_slowdowns"]
+    assert set(slow) == {"all_reduce", "all_gather", "reduce_scatter", "broadcast"}, slow
+    assert all(1.0 <= s <= calibrate.MAX_SLOWDOWN for s in slow.values()), slow
+    assert host["overlap_slowdown"][""] == statistics.median(slow.values())
     assert one_bucket[2] and per_tensor[2], "DataParallel planned other buckets than predict"
     assert one_bucket[0] < per_tensor[0] and one_bucket[1] < per_tensor[1], (one_bucket, per_tensor)
     for predicted, measured, _ in (one_bucket, per_tensor):
         assert measured / 10 < predicted < measured * 10, (predicted, measured)
+
+
+@pytest.mark.parametrize("slowdown", [1.5, 4.0, 1000.0])
+def test_slowdown_of_pair_inverts_the_timeline(slowdown):
+    """What calibrate makes of a collective and compute run together is the figure under which
+    the cost model's timeline gives them the time they took."""
+    link = LinkCost(collective="all_gather", group_size=None, latency_s=1e-3, bus_bandwidth=1e12)
+    machine = MachineProfile(
+        name="pair", ranks_per_node=2, links=(link,), overlap_slowdowns={"all_gather": slowdown}
+    )
+    rank = Rank(machine)
+    end = rank.collective(Channel(), "gather", "all_gather", "dp", 2, 0, "node")
+    together = max(end, rank.compute(2e-3))
+    assert calibrate.slowdown_of_pair(1e-3, 2e-3, together) == pytest.approx(slowdown)
+    assert calibrate.slowdown_of_pair(1e-3, 2e-3, 2e-3) == 1.0  # hidden whole
+    assert calibrate.slowdown_of_pair(1e-3, 2e-3, 3.5e-3) == calibrate.MAX_SLOWDOWN  # worse
