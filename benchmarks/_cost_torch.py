@@ -165,7 +165,7 @@ class Calibrator:
                 for nbytes, seconds in samples:
                     into.setdefault((collective, size, nbytes), []).append(seconds)
         self.copies.append(calibrate.copy_bandwidth(repeats=1))
-        self.slowdowns.append(calibrate.overlap_slowdowns(repeats=1))
+        self.slowdowns.append(calibrate.overlap_slowdowns(repeats=3))
 
     @staticmethod
     def _samples(
@@ -184,8 +184,8 @@ class Calibrator:
             name="cost_model.py, between the steps",
             source=f"gradsync_torch.cost.machine.measure, {len(self.copies)} rounds",
             copy=statistics.median(self.copies),
-            slowdowns={
-                kind: statistics.median(s[kind] for s in self.slowdowns)
+            slowdowns={  # each round's figure is already a mean of shares: the same over rounds
+                kind: calibrate.mean_slowdown([1 / s[kind] for s in self.slowdowns])
                 for kind in self.slowdowns[0]
             },
             probe=self.probe.times(),
