@@ -29,18 +29,20 @@ each with every rank busy, as in a step (4 ranks share the machine's cores):
                forth, while the other ranks compute
     p2p        an activation's trip in the same exchanges: half the round trip, less one post
                (the JSON also has both with the other ranks waiting, *_unloaded_s)
-
-In those exchanges every receive is posted before its send. gloo takes longer to post a
-receive whose send is already there (late_receive_post_s, measured too and shown in
-brackets beside post; a receive posted 2 ms after its send); the simulator charges every
-post the same, so where a step posts its receives late its host time exceeds the
-simulation's.
     reduce     each stage's REDUCE_GRAD alone, as the executor runs it (DataParallel's
                sync_gradients at dp 2, then the 1/microbatches scale), after one more step
 
+In the message exchanges every receive is posted before its send, as in gradsync's steps on gloo
+(the executor posts every receive of a step at its start). A receive posted after its send
+costs more (late_receive_post_s, shown in brackets beside post: a receive posted 2 ms after
+its send; and its data then waits for a round trip between the two ranks): the simulator
+charges every post the same, which holds because no step's receive comes late.
+
 Beside them, each rank's host time in the steps (its posts and reductions, from the
 executor's timeline) and the simulation's (its posts, reductions and overheads): a check of
-the costs, never fed back into the simulation.
+the costs, never fed back into the simulation. At dp 2 a step's REDUCE_GRAD also waits for
+its data-parallel peer in the other pipeline, which the simulation of one pipeline does not
+model (the reduce cost is measured with both peers there).
 
 torch's pipelining with DDP stages fails here at dp 2 (torch 2.13, GPipe: "rebuilt parameter
 indices size is not same as original model parameters size" in DDP's reducer, and its split
@@ -48,6 +50,7 @@ weight gradients bypass DDP's hooks), so torch's side reduces the gradients itse
 
     python benchmarks/torch_pipeline.py --repeat 3        # GPT 8 x 256, 8 microbatches
     python benchmarks/torch_pipeline.py --quick
+    python benchmarks/torch_pipeline.py --schedules Interleaved1F1B --layouts "pp 4"
 
 The last line is one JSON object: {"bench": "torch_pipeline", "ratio_vs_anchor": the median
 of the step-time ratios over every layout and schedule, "<layout>/<schedule>": {...}, ...};
@@ -448,8 +451,8 @@ def worker(rank: int, world_size: int, store_path: str, args: argparse.Namespace
     try:
         results = {}
         probe = _Probe(args.microbatches)
-        for layout in LAYOUTS:
-            for name in SCHEDULES:
+        for layout in args.layouts:
+            for name in args.schedules:
                 results[f"{layout}/{name}"] = _case(layout, name, args, rank, probe)
         if rank == 0:
             out.put(results)
@@ -526,6 +529,12 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=None, help="default 128 (--quick: 32)")
     parser.add_argument("--batch", type=int, default=16, help="sequences per pipeline")
     parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument(
+        "--schedules", nargs="+", choices=SCHEDULES, default=SCHEDULES, help="default: all"
+    )
+    parser.add_argument(
+        "--layouts", nargs="+", choices=tuple(LAYOUTS), default=tuple(LAYOUTS), help="default: all"
+    )
     add_repeat_arg(parser)
     args = parser.parse_args()
     args.world_size = 4

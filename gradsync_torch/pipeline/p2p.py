@@ -4,19 +4,22 @@ A forward sends a stage's outputs to the next stage's rank, a backward their gra
 Shapes are not declared up front: at the first step the sender of each edge (stage s - 1 to
 stage s) sends a small metadata tensor (status, stage, every tensor's dtype, shape and whether
 it needs a gradient) on a separate gloo group, just before the edge's first activation; its
-receiver posts the activation's receive once the metadata is in. Messages between two ranks
-match in the order they are posted, so a receive that waits for its metadata holds back every
-later receive from the same peer (a queue per peer): the order the plan checked is kept.
-After the first step both sides know every edge's shapes; a sender whose output then has
-other shapes does not send it (the receiver would read garbage or wait forever) but reports
-it, and sends zeros of the agreed shapes instead, as a failed stage does (``runtime.py``):
-every message of the plan is still sent and received, so no rank waits on one that never
-comes, and the step ends with one sentence on every rank.
+receiver posts the activation's receive once the metadata is in, which it learns when it
+waits for it (a gloo receive's ``is_completed()`` stays false until ``wait()``, so it cannot
+be polled): at the first step a receive is posted when its compute needs it. Messages
+between two ranks match in the order they are posted, so a receive that waits for its
+metadata holds back every later receive from the same peer (a queue per peer): the order the
+plan checked is kept. After the first step both sides know every edge's shapes; a sender
+whose output then has other shapes does not send it (the receiver would read garbage or wait
+forever) but reports it, and sends zeros of the agreed shapes instead, as a failed stage does
+(``runtime.py``): every message of the plan is still sent and received, so no rank waits on
+one that never comes, and the step ends with one sentence on every rank.
 
 Gradients need no metadata: a stage's output gradients have its outputs' shapes. Sends are
 asynchronous and waited for at the end of the step (torch's runtime); consecutive
 communication actions of a rank go out together, through ``batch_isend_irecv`` when they mix
-sends and receives (torch's ``_batch_p2p``).
+sends and receives (torch's ``_batch_p2p``). On gloo the runtime posts every receive of the
+step at its start (``early``), in the plan's order.
 """
 
 from __future__ import annotations
@@ -156,6 +159,10 @@ class Messages:
         self._receives: dict[tuple[str, int, int], _Receive] = {}
         self._queues: dict[int, deque[_Receive]] = {}  # per peer: receives not posted yet
         self._ops: list[tuple[dist.P2POp, _Receive | None]] = []
+        # gloo runs each send and receive on its own, so a receive posted early delays
+        # nothing; NCCL queues them on one stream, where a receive posted ahead of the
+        # plan could hold back the send its peer waits for.
+        self.early = dist.get_backend(group) == "gloo"
 
     # ---- posting (batched until ``issue``) ---------------------------------------------
 
@@ -193,7 +200,7 @@ class Messages:
         if edge not in self.meta and edge not in self.dead:
             # This rank failed before reading the edge's metadata (posted with the
             # activations' receive): read it now, the shapes of the zeros to send.
-            self._take_meta(edge, block=True)
+            self._take_meta(edge)
         if edge in self.dead:
             return
         metas = [m for m in self.meta[edge] if m.has_grad]
@@ -229,13 +236,14 @@ class Messages:
 
     def _flush(self, peer: int, *, block: bool) -> None:
         """Post the peer's queued receives in order, as far as their shapes are known
-        (``block``: wait for the head's metadata)."""
+        (``block``: wait for the head's metadata first)."""
         queue = self._queues[peer]
         while queue:
             head = queue[0]
             if head.edge not in self.meta and head.edge not in self.dead:
-                if not self._take_meta(head.edge, block=block):
+                if not block:
                     return
+                self._take_meta(head.edge)
                 block = False
             queue.popleft()
             head.posted = True
@@ -252,10 +260,9 @@ class Messages:
                     (dist.P2POp(dist.irecv, buffer, group=self.group, group_peer=peer), head)
                 )
 
-    def _take_meta(self, edge: int, *, block: bool) -> bool:
+    def _take_meta(self, edge: int) -> None:
+        """Wait for the edge's metadata and keep its shapes (or mark the edge dead)."""
         work, buffer = self._meta_recvs[edge]
-        if not block and not work.is_completed():
-            return False
         work.wait()
         del self._meta_recvs[edge]
         _, stage, metas = decode(buffer)
@@ -268,7 +275,6 @@ class Messages:
             self.dead.add(edge)
         else:
             self.meta[edge] = metas
-        return True
 
     def issue(self) -> None:
         """Start everything posted since the last call, together (torch's ``_batch_p2p``)."""

@@ -7,7 +7,10 @@ reduction and the 1/microbatches scale, as torch's ``perform_reduce_grad``) and,
 ZeRO-3, when a stage's parameters are gathered and freed. The executor takes the actions in
 order and does each as torch's ``_PipelineScheduleRuntime`` does, with the same autograd
 calls (``backward.py``), so a plan and torch's schedule of the same name give the same bits;
-what differs is that gradients are summed in microbatch order under every schedule.
+what differs is that gradients are summed in microbatch order under every schedule, and that
+on gloo every receive of a step is posted at its start, in the plan's order (a gloo receive
+posted after its send costs a round trip between the two ranks); the computes keep the
+plan's order.
 
 A stage module is a plain module, a ``DataParallel`` built with ``overlap=False`` (the plan
 says when to reduce: ``sync_gradients()`` at ``REDUCE_GRAD``) or a ``fully_shard``-ed module
@@ -382,6 +385,9 @@ class Pipeline:
             stage.reset()
         self._split_batch(inputs, target)
         actions, i = self._actions, 0
+        if self._messages is not None and self._messages.early:
+            self._post_receives()
+            actions = tuple(a for a in actions if a.kind not in (RECV_F, RECV_B))
         while i < len(actions):
             if actions[i].kind in COMMS:
                 while i < len(actions) and actions[i].kind in COMMS:
@@ -399,6 +405,24 @@ class Pipeline:
             self._messages.finish()
         self._sum_ties()
         self.step_seconds = time.perf_counter() - self._step_began
+
+    def _post_receives(self) -> None:
+        """Post every receive of the step now, in the plan's order (gloo, ``Messages.early``).
+
+        At its place in the plan a receive often comes after its peer's send (the plan orders
+        actions, not times), and gloo then takes a round trip between the two ranks to
+        deliver it (milliseconds on a loaded host, against tens of microseconds for a
+        receive posted first). Posted at the step's start, every receive is there before its
+        send; the computes keep the plan's order, and each waits for its input as before.
+        """
+        assert self._messages is not None
+        receives = [a for a in self._actions if a.kind in (RECV_F, RECV_B)]
+        for n, action in enumerate(receives, 1):
+            start = self._clock()
+            self._comm(action)
+            if n == len(receives):
+                self._messages.issue()  # the batch goes out with its last receive
+            self._note(action, start)
 
     def _clock(self) -> float:
         return time.perf_counter() - self._step_began
