@@ -38,7 +38,7 @@ import os
 import re
 import secrets
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from gradsync_core.checkpoint._format import MANIFEST, RANK_FILE_RE
 from gradsync_core.checkpoint._save_hooks import run_hook
@@ -293,7 +293,12 @@ def _remove(path: str) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def commit_save(path: str | os.PathLike[str], staging: str) -> None:
+def commit_save(
+    path: str | os.PathLike[str],
+    staging: str,
+    *,
+    remove: Callable[[str], None] | None = None,
+) -> None:
     """Make the finished ``staging`` directory the checkpoint at ``path``, atomically.
 
     Call on one process, after every rank's files and the manifest are in ``staging``. Until
@@ -301,6 +306,13 @@ def commit_save(path: str | os.PathLike[str], staging: str) -> None:
     that one in place and removes what this save made. Waits while another save to the same
     directory publishes or switches (local renames only; what is superseded is deleted after
     the lock is released).
+
+    Args:
+        path: the checkpoint path.
+        staging: the save's staging directory (``begin_save``).
+        remove: deletes one superseded directory, already renamed to an unlocked staging
+            name (``None``: here; a background save hands it to its writer process). One it
+            leaves is abandoned, and a later save removes it.
 
     Raises:
         OSError: if a rename, link or fsync fails (the previous checkpoint is then intact).
@@ -319,7 +331,7 @@ def commit_save(path: str | os.PathLike[str], staging: str) -> None:
             run_hook("after_switch")
             doomed = _retire_superseded(path, keep=complete)
         for retired in doomed:  # outside the lock; a crash here leaves abandoned ones
-            _remove(retired)
+            (remove or _remove)(retired)
     finally:
         release_save(staging)
 
