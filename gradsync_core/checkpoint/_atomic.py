@@ -38,7 +38,7 @@ import os
 import re
 import secrets
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 from gradsync_core.checkpoint._format import MANIFEST, RANK_FILE_RE
 from gradsync_core.checkpoint._save_hooks import run_hook
@@ -293,12 +293,7 @@ def _remove(path: str) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def commit_save(
-    path: str | os.PathLike[str],
-    staging: str,
-    *,
-    remove: Callable[[str], None] | None = None,
-) -> None:
+def commit_save(path: str | os.PathLike[str], staging: str) -> None:
     """Make the finished ``staging`` directory the checkpoint at ``path``, atomically.
 
     Call on one process, after every rank's files and the manifest are in ``staging``. Until
@@ -306,13 +301,6 @@ def commit_save(
     that one in place and removes what this save made. Waits while another save to the same
     directory publishes or switches (local renames only; what is superseded is deleted after
     the lock is released).
-
-    Args:
-        path: the checkpoint path.
-        staging: the save's staging directory (``begin_save``).
-        remove: deletes one superseded directory, already renamed to an unlocked staging
-            name (``None``: here; a background save hands it to its writer process). One it
-            leaves is abandoned, and a later save removes it.
 
     Raises:
         OSError: if a rename, link or fsync fails (the previous checkpoint is then intact).
@@ -331,7 +319,7 @@ def commit_save(
             run_hook("after_switch")
             doomed = _retire_superseded(path, keep=complete)
         for retired in doomed:  # outside the lock; a crash here leaves abandoned ones
-            (remove or _remove)(retired)
+            _remove(retired)
     finally:
         release_save(staging)
 

@@ -67,7 +67,6 @@ from gradsync_core.checkpoint._background import (
 from gradsync_core.checkpoint._format import Manifest
 from gradsync_core.checkpoint._save_hooks import run_hook
 from gradsync_core.checkpoint._storage import write_atomic, write_manifest
-from gradsync_core.checkpoint._writer_process import remove_superseded
 
 P = TypeVar("P")
 _log = logging.getLogger(__name__)
@@ -169,12 +168,7 @@ class _Step:
 
 
 def run_save(
-    path: str | os.PathLike[str],
-    agreement: SaveAgreement,
-    steps: SaveSteps[P],
-    *,
-    what: str,
-    writer_process: bool = False,
+    path: str | os.PathLike[str], agreement: SaveAgreement, steps: SaveSteps[P], *, what: str
 ) -> Manifest:
     """Save a checkpoint at ``path`` with the switching protocol (a collective).
 
@@ -183,8 +177,6 @@ def run_save(
         agreement: the executor's collectives over the ranks that save together.
         steps: the executor's framework part.
         what: the failure's subject, e.g. ``"cannot save optimizer checkpoint ckpt/opt"``.
-        writer_process: ``steps.write_files`` has the writer process write; the leader's
-            writer then also deletes the superseded version (``remove_superseded``).
 
     Returns:
         The manifest written, on every rank.
@@ -218,8 +210,7 @@ def run_save(
             staging,
         )
     try:
-        remove = remove_superseded if writer_process else None
-        return _write_and_commit(path, staging, agreement, steps, prepared, step, start, remove)
+        return _write_and_commit(path, staging, agreement, steps, prepared, step, start)
     finally:
         # Whatever happened (a collective broken by a dead rank included), this save is over:
         # what it left behind is abandoned now, and a later save removes it.
@@ -235,11 +226,9 @@ def _write_and_commit(
     prepared: P,
     step: _Step,
     start: float,
-    remove: Callable[[str], None] | None,
 ) -> Manifest:
     """Steps 3 and 4 of ``run_save``: write and hash, gather, write the manifest and switch;
-    ``start`` is the save's ``time.monotonic()`` at its start, for the log; ``remove``
-    deletes the superseded version (``commit_save``'s)."""
+    ``start`` is the save's ``time.monotonic()`` at its start, for the log."""
     try:
         written = step(
             lambda: dict(steps.write_files(prepared, staging)),
@@ -271,7 +260,7 @@ def _write_and_commit(
             if agreement.leader:
                 run_hook("before_manifest")
                 write_manifest(staging, manifest)
-                commit_save(path, staging, remove=remove)
+                commit_save(path, staging)
         except BaseException:
             if agreement.leader:
                 discard_save(staging)
@@ -318,9 +307,8 @@ def start_save(
         what: the failure's subject.
         writer_process: ``steps.write_files`` hands the bytes to the writer process
             (``write_staged_rank_file``); the background thread then keeps the training's
-            scheduling priority (it only agrees and switches), and the leader's writer
-            deletes the superseded version. Otherwise the thread writes and hashes the files
-            itself at ``WRITER_NICE``.
+            scheduling priority (it only agrees and switches). Otherwise it writes and hashes
+            the files itself at ``WRITER_NICE``.
 
     Returns:
         The save's handle (``wait()`` returns the manifest, on every rank).
@@ -344,7 +332,7 @@ def start_save(
     background = replace(steps, prepare=prepare)
     handle = start_background(
         os.fspath(path),
-        lambda: run_save(path, agreement, background, what=what, writer_process=writer_process),
+        lambda: run_save(path, agreement, background, what=what),
         _as_failure(what, agreement.who),
         lower_priority=not writer_process,
     )

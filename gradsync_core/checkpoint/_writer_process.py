@@ -35,7 +35,6 @@ import contextlib
 import hashlib
 import mmap
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -48,7 +47,6 @@ from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle, send_handle
 from typing import Any
 
-from gradsync_core.checkpoint._atomic import _remove
 from gradsync_core.checkpoint._background import WRITER_NICE
 from gradsync_core.checkpoint._safetensors import DTYPE_BYTES, TensorBytes, tensor_file
 from gradsync_core.checkpoint._save_hooks import run_hook
@@ -185,28 +183,6 @@ class _WriterProcess:
             raise value
         return str(value)
 
-    def remove(self, path: str) -> bool:
-        """Have the writer delete the directory ``path`` (a superseded version: hundreds of
-        megabytes of pages to free, out of the training's process and at ``WRITER_NICE``).
-
-        Returns:
-            Whether it did; ``False`` when no writer runs or it died meanwhile (the caller
-            removes ``path`` itself).
-        """
-        with self._lock:
-            if self._proc is None or self._conn is None:
-                return False
-            try:
-                self._conn.send(("remove", os.path.abspath(path)))
-                self._conn.recv()
-            except (EOFError, OSError):  # it died: the next save starts a new one
-                self._end(wait_s=10)
-                return False
-            except BaseException:
-                self._end(wait_s=0)
-                raise
-        return True
-
     def _start(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -302,14 +278,6 @@ def write_staged_rank_file(
     return digest
 
 
-def remove_superseded(path: str) -> None:
-    """``commit_save``'s ``remove`` for a save whose files the writer process wrote: a
-    superseded directory is deleted there if a writer runs, anything else here."""
-    if os.path.isdir(path) and not os.path.islink(path) and WRITER.remove(path):
-        return
-    _remove(path)
-
-
 def serve(fd: int) -> None:
     """The writer process's loop: map the staging memory it is sent, write the rank files it
     is asked for, answer each; return when the training process closes its end."""
@@ -331,25 +299,19 @@ def serve(fd: int) -> None:
             finally:
                 os.close(received)
             continue
-        if message[0] == "remove":
-            shutil.rmtree(message[1], ignore_errors=True)  # what is left, a later save removes
-            answer = ("done", None)
-        else:
-            answer = _answer(memory, message)
+        _, path, tensors, metadata, umask, limit = message
+        try:
+            assert memory is not None, "no staging memory was sent"
+            answer: tuple[str, Any] = (
+                "done",
+                _write(memory, path, tensors, metadata, umask, limit),
+            )
+        except Exception as e:  # the training process raises it
+            answer = ("failed", _sendable(e))
         try:
             conn.send(answer)
         except OSError:  # the training process is gone
             return
-
-
-def _answer(memory: mmap.mmap | None, message: tuple[Any, ...]) -> tuple[str, Any]:
-    """The answer to a write request: ``("done", sha256)`` or ``("failed", error)``."""
-    _, path, tensors, metadata, umask, limit = message
-    try:
-        assert memory is not None, "no staging memory was sent"
-        return ("done", _write(memory, path, tensors, metadata, umask, limit))
-    except Exception as e:  # the training process raises it
-        return ("failed", _sendable(e))
 
 
 def _write(

@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -28,7 +27,7 @@ from gradsync_core.checkpoint import (
     write_rank_file,
     write_staged_rank_file,
 )
-from gradsync_core.checkpoint._writer_process import WRITER, remove_superseded
+from gradsync_core.checkpoint._writer_process import WRITER
 
 VALUES = array.array("f", [float(i) / 7 for i in range(1000)]).tobytes()
 COUNTS = array.array("q", [3, 1, 4, 1, 5]).tobytes()
@@ -99,52 +98,6 @@ def test_a_dead_writer_is_a_failure_and_the_next_write_starts_a_new_one(tmp_path
     assert (tmp_path / "third.safetensors").read_bytes() == (
         tmp_path / "first.safetensors"
     ).read_bytes()
-
-
-def _version(root: Path) -> Path:
-    """A superseded version's directory (as ``commit_save`` leaves it to remove): a file and a
-    nested directory."""
-    version = root / "ckpt.tmp-0123456789abcdef"
-    (version / "sub").mkdir(parents=True)
-    (version / "rank0.safetensors").write_bytes(VALUES)
-    (version / "sub" / "manifest.json").write_text("{}")
-    return version
-
-
-def test_the_writer_removes_the_superseded_version_out_of_the_training_process(
-    tmp_path: Path,
-) -> None:
-    """``remove_superseded`` waits for the writer process, which deletes the directory: the
-    deleting (the pages of hundreds of megabytes freed) runs there, at ``WRITER_NICE``."""
-    memory, tensors = _staged()
-    write_staged_rank_file(memory, str(tmp_path), "first.safetensors", tensors, METADATA)
-    version, writer = _version(tmp_path), WRITER.pid
-    assert writer is not None
-    os.kill(writer, signal.SIGSTOP)  # the removal can only happen once the writer goes on
-    try:
-        removing = threading.Thread(target=remove_superseded, args=(str(version),))
-        removing.start()
-        removing.join(timeout=0.5)
-        assert removing.is_alive() and version.exists(), "removed without the writer"
-    finally:
-        os.kill(writer, signal.SIGCONT)
-    removing.join(timeout=30)
-    assert not removing.is_alive() and not version.exists()
-    assert WRITER.pid == writer
-
-
-def test_a_superseded_version_is_removed_here_when_the_writer_died(tmp_path: Path) -> None:
-    memory, tensors = _staged()
-    write_staged_rank_file(memory, str(tmp_path), "first.safetensors", tensors, METADATA)
-    dead = WRITER.pid
-    assert dead is not None
-    os.kill(dead, signal.SIGKILL)
-    version = _version(tmp_path)
-    remove_superseded(str(version))
-    assert not version.exists()
-    assert WRITER.pid is None  # reaped; the next write starts a new one
-    write_staged_rank_file(memory, str(tmp_path), "second.safetensors", tensors, METADATA)
-    assert WRITER.pid not in (None, dead)
 
 
 # Run in a fresh interpreter: the test process may hold JAX's or torch's threads, which a
