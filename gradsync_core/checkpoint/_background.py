@@ -9,12 +9,6 @@ in ``_save_protocol``). This module owns what that thread leaves behind:
   the one in flight (``wait_for_saves``), as Orbax's ``AsyncCheckpointer`` does: the staging
   buffers the next save copies into are free again, and saves reach the disk in the order
   they were made;
-- **the thread yields the CPU only when it does the bulk work**: one that writes and hashes
-  the files itself runs at ``WRITER_NICE``; one whose files the writer process writes keeps
-  the training's priority (``lower_priority``): it only agrees, switches and removes the
-  superseded version, in short bursts under the interpreter lock, and at ``WRITER_NICE`` it
-  held training up (torch, 2 gloo ranks on 2 cores: the steps beside the save ran ~0.1x a
-  quiet step slower than beside the writer process alone, benchmarks/async_save.py);
 - **a failure is raised, never dropped**: at ``SaveHandle.wait()``, else at the next save,
   else at interpreter exit, where the sentence goes to stderr and the process exits with
   status ``SAVE_FAILED_EXIT`` instead of 0 (a job must not "exit 0 having written no
@@ -133,26 +127,10 @@ def wait_for_saves() -> Any:
 
 
 def start_background(
-    path: str,
-    run: Callable[[], Any],
-    wrap: Callable[[BaseException], BaseException],
-    *,
-    lower_priority: bool = True,
+    path: str, run: Callable[[], Any], wrap: Callable[[BaseException], BaseException]
 ) -> SaveHandle:
     """Start ``run()`` (the rest of a save) in a background thread and make it the save in
     flight; the caller has waited for the previous one. A failure is kept as ``wrap(error)``.
-
-    Args:
-        path: the checkpoint path (the handle's and the thread's name).
-        run: the save's rest; it returns what ``wait()`` returns.
-        wrap: how a failure of ``run`` is kept (``_save_protocol._as_failure``).
-        lower_priority: run the thread at ``WRITER_NICE``: right for a thread that writes
-            and hashes the files itself (bulk work that must yield the CPU to training);
-            ``False`` for one whose files the writer process writes (``_writer_process``):
-            it only agrees and switches, in short bursts under the interpreter lock, and a
-            thread at ``WRITER_NICE`` that is slow to be scheduled each time it takes that
-            lock back leaves training waiting (docs/checkpoints.md, "Saves that do not stop
-            training").
 
     Returns:
         The save's handle.
@@ -162,8 +140,7 @@ def start_background(
 
     def writer() -> None:
         _local.background = True
-        if lower_priority:
-            _lower_priority()
+        _lower_priority()
         result, error = None, None
         try:
             result = run()
@@ -186,9 +163,8 @@ def start_background(
     return handle
 
 
-# The niceness of whatever writes a background save's files (a writer thread, the writer
-# process): it yields the CPU to training (the scheduler then gives it the time training
-# leaves, mostly while the ranks wait in their collectives).
+# The writer thread's niceness: it yields the CPU to training (the scheduler then gives it
+# the time training leaves, mostly while the ranks wait in their collectives).
 WRITER_NICE = 19
 
 

@@ -26,9 +26,8 @@ Saves that do not stop training (``start_save``, an executor's ``blocking=False`
 runs in the caller's thread and copies this rank's bytes into host staging buffers; steps 2
 to 4 run in a background thread (``_background``: at most one save in flight per process,
 its failure raised at ``wait()``, the next save or exit); an executor's ``write_files`` may
-hand the bytes to the writer process (``write_staged_rank_file``, ``start_save(...,
-writer_process=True)``), out of the training's interpreter; the thread then keeps the
-training's priority, as it only agrees and switches. That thread agrees over
+hand the bytes to the writer process (``write_staged_rank_file``), out of the training's
+interpreter. That thread agrees over
 collectives of its own, never the training's: the executor gives ``start_save`` an
 agreement on a separate group (torch: a gloo group made for it; JAX: the distributed
 client's key-value store), so its collectives cannot interleave with training's. A failure
@@ -285,12 +284,7 @@ def _write_and_commit(
 
 
 def start_save(
-    path: str | os.PathLike[str],
-    agreement: SaveAgreement,
-    steps: SaveSteps[P],
-    *,
-    what: str,
-    writer_process: bool = False,
+    path: str | os.PathLike[str], agreement: SaveAgreement, steps: SaveSteps[P], *, what: str
 ) -> SaveHandle:
     """Start a save that does not stop training (a collective, like ``run_save``).
 
@@ -305,10 +299,6 @@ def start_save(
         agreement: the collectives of the background thread.
         steps: the executor's framework part; ``prepare`` is called in this thread.
         what: the failure's subject.
-        writer_process: ``steps.write_files`` hands the bytes to the writer process
-            (``write_staged_rank_file``); the background thread then keeps the training's
-            scheduling priority (it only agrees and switches). Otherwise it writes and hashes
-            the files itself at ``WRITER_NICE``.
 
     Returns:
         The save's handle (``wait()`` returns the manifest, on every rank).
@@ -334,7 +324,6 @@ def start_save(
         os.fspath(path),
         lambda: run_save(path, agreement, background, what=what),
         _as_failure(what, agreement.who),
-        lower_priority=not writer_process,
     )
     if held is not None and not isinstance(held, Exception):
         raise held  # an interrupt stays one here; the others hear of it in the background

@@ -284,7 +284,7 @@ def save(
         prepare=stage,
         write_files=lambda prepared, staging: _write_staged(prepared, staging, ranks),
     )
-    return start_save(path, RankSaveAgreement(background), staged, what=what, writer_process=True)
+    return start_save(path, RankSaveAgreement(background), staged, what=what)
 
 
 def _check_manifest(path: str, target: LoadTarget) -> Manifest:

@@ -118,11 +118,6 @@ def _save_while_training(run: Pair, path: str, **save: Any) -> tuple[Any, dict, 
     return handle, *at_call
 
 
-def _nice() -> int:
-    """The calling thread's niceness."""
-    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-
-
 def api_checks(rank: int, world_size: int, root: str) -> dict[str, Any]:
     """ZeRO-1 and ZeRO-2 saves with ``blocking=False``: what each wrote, the staging buffer
     and the background group, per rank."""
@@ -149,13 +144,6 @@ def api_checks(rank: int, world_size: int, root: str) -> dict[str, Any]:
         handle.wait(timeout=60)
         assert STAGING._buffer is grown, "a save of the same bytes allocated a new buffer"
         assert grown is not buffer  # it grew once, for the weights
-        # The thread only agrees and switches (the writer process writes): it keeps the
-        # training's priority; at WRITER_NICE, slow to be scheduled each time it took the
-        # interpreter lock back, it held training up (docs/checkpoints.md).
-        seen: list[int] = []
-        with save_hook("before_file", lambda: seen.append(_nice())):
-            run.opt.save(path, blocking=False).wait(timeout=60)
-        out["background thread nice"], out["training thread nice"] = seen, _nice()
         out["background groups"] = len(save_agreement._background_groups)
         group = next(iter(save_agreement._background_groups.values()))
         assert group is not dist.group.WORLD

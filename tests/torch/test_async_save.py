@@ -59,8 +59,6 @@ def test_saves_in_the_background_hold_the_state_at_the_call(tmp_path) -> None:
         assert result["staged state bytes"] == planned[rank]["state_bytes"], (rank, planned)
         with_weights = planned[rank]["state_bytes"] + planned[rank]["weight_bytes"]
         assert result["staged bytes with weights"] == with_weights, (rank, planned)
-        # The background thread keeps the training's priority (the writer process yields).
-        assert result["background thread nice"] == [result["training thread nice"]], result
         # One group for every background save of the training group, made at the first.
         assert result["background groups"] == 1
         assert result["background groups after ZeRO-2"] == 1
