@@ -17,6 +17,7 @@ steps that run while its write goes on against a quiet step (no save in flight).
 
     python benchmarks/async_save.py --repeat 3
     python benchmarks/async_save.py --quick        # 8 x 1024 (8.4M parameters), < 2 minutes
+    python benchmarks/async_save.py --torch-only   # the torch part alone (its ratios only)
 
 The last line is one JSON object: {"bench": "async_save", "ratio_vs_anchor": gradsync async's
 blocked time over gradsync's blocking save (target <= 0.10), "dcp_thread_ratio_vs_anchor" and
@@ -81,17 +82,37 @@ def _table(title: str, result: dict[str, Any], variants: tuple[str, ...]) -> Non
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    """One whole run: the torch ranks, then the JAX process; print the tables."""
+    """One whole run: the torch ranks, then the JAX process (unless ``--torch-only``); print
+    the tables."""
     with tempfile.TemporaryDirectory(dir=args.dir) as root:
         run = argparse.Namespace(**vars(args))
         run.dir = os.path.join(root, "torch")  # the ranks' checkpoints
         torch_result = spawn_ranks(tsave.worker, run)
-        jax_result = _jax(args, os.path.join(root, "jax"))
+        jax_result = None if args.torch_only else _jax(args, os.path.join(root, "jax"))
     _table(f"torch, {args.world_size} gloo ranks", torch_result, tsave.VARIANTS)
-    _table("JAX, 8 CPU devices", jax_result, JAX_VARIANTS)
-    t, j = torch_result["variants"], jax_result["variants"]
+    t = torch_result["variants"]
     blocked = {name: row["blocked_s"] for name, row in t.items()}
+    figures = _torch_figures(args, torch_result, blocked)
+    if jax_result is None:
+        return figures
+    _table("JAX, 8 CPU devices", jax_result, JAX_VARIANTS)
+    j = jax_result["variants"]
     jax_blocked = {name: row["blocked_s"] for name, row in j.items()}
+    return {
+        **figures,
+        "jax_ratio_vs_anchor": jax_blocked[JAX_VARIANTS[1]] / jax_blocked[JAX_VARIANTS[0]],
+        "orbax_ratio_vs_anchor": jax_blocked[JAX_VARIANTS[1]] / jax_blocked[JAX_VARIANTS[3]],
+        "jax_steps_ratio_vs_anchor": j[JAX_VARIANTS[1]]["slowdown"],
+        "orbax_steps_ratio_vs_anchor": j[JAX_VARIANTS[3]]["slowdown"],
+        "jax": jax_result,
+    }
+
+
+def _torch_figures(
+    args: argparse.Namespace, torch_result: dict[str, Any], blocked: dict[str, float]
+) -> dict[str, Any]:
+    """The torch part's ratios and result."""
+    t = torch_result["variants"]
     return {
         "bench": "async_save",
         "layers": args.layers,
@@ -106,16 +127,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         / blocked[tsave.WRITER_THREAD],
         "writer_thread_steps_ratio_vs_anchor": t[tsave.WRITER_THREAD]["slowdown"],
         "writer_process_steps_ratio_vs_anchor": t[tsave.WRITER_PROCESS]["slowdown"],
-        "jax_ratio_vs_anchor": jax_blocked[JAX_VARIANTS[1]] / jax_blocked[JAX_VARIANTS[0]],
-        "orbax_ratio_vs_anchor": jax_blocked[JAX_VARIANTS[1]] / jax_blocked[JAX_VARIANTS[3]],
-        "jax_steps_ratio_vs_anchor": j[JAX_VARIANTS[1]]["slowdown"],
-        "orbax_steps_ratio_vs_anchor": j[JAX_VARIANTS[3]]["slowdown"],
         "torch": torch_result,
-        "jax": jax_result,
     }
 
 
-RATIOS = (
+TORCH_RATIOS = (
     "ratio_vs_anchor",
     "dcp_thread_ratio_vs_anchor",
     "dcp_process_ratio_vs_anchor",
@@ -125,6 +141,9 @@ RATIOS = (
     "writer_process_blocked_ratio_vs_anchor",
     "writer_thread_steps_ratio_vs_anchor",
     "writer_process_steps_ratio_vs_anchor",
+)
+RATIOS = (
+    *TORCH_RATIOS,
     "jax_ratio_vs_anchor",
     "orbax_ratio_vs_anchor",
     "jax_steps_ratio_vs_anchor",
@@ -143,6 +162,9 @@ def main() -> None:
     parser.add_argument("--during-steps", type=int, help="steps after each save (6; quick 3)")
     parser.add_argument("--world-size", type=int, default=2, help="torch gloo ranks")
     parser.add_argument("--dir", default=None, help="where the checkpoints go (a temp dir)")
+    parser.add_argument(
+        "--torch-only", action="store_true", help="the torch part alone (no JAX process)"
+    )
     add_repeat_arg(parser)
     args = parser.parse_args()
     args.layers = args.layers or (8 if args.quick else 24)
@@ -151,7 +173,7 @@ def main() -> None:
     args.model, args.batch, args.seq = "mlp", 32, 0  # the torch benchmarks' model options
     args.jax_batch = args.batch * 2  # 8 rows per device
     runs = run_repeats(lambda index: measure(args), args.repeat)
-    finish(runs, ratio_keys=RATIOS)
+    finish(runs, ratio_keys=TORCH_RATIOS if args.torch_only else RATIOS)
 
 
 if __name__ == "__main__":
