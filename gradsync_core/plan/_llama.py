@@ -224,10 +224,11 @@ class LlamaShape:
             )
         tp, cp = topology.tp, topology.cp
         sp = sequence_parallel and tp > 1
-        if seq_len % (2 * cp if cp > 1 else 1) or (sp and (seq_len // cp) % tp):
+        unit = (2 * cp if cp > 1 else 1) * (tp if sp else 1)
+        if seq_len % unit:
             raise ValueError(
-                f"seq_len {seq_len} does not split over cp={cp} (into 2 cp chunks) and, with "
-                f"sequence parallelism, tp={tp}; pick a multiple of {2 * cp * tp}"
+                f"seq_len {seq_len} does not split over cp={cp} (into 2 cp chunks with cp) and, "
+                f"under sequence parallelism, tp={tp}; pick a multiple of {unit}"
             )
         e = itemsize(dtype)
         w = max(e, 4)
