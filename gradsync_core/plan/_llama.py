@@ -27,6 +27,7 @@ A model's names alone do not say how it splits over tp or which layers a stage h
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from gradsync_core.plan._memory import RankMemory, estimate_zero3
@@ -224,7 +225,7 @@ class LlamaShape:
             )
         tp, cp = topology.tp, topology.cp
         sp = sequence_parallel and tp > 1
-        unit = (2 * cp if cp > 1 else 1) * (tp if sp else 1)
+        unit = math.lcm(2 * cp if cp > 1 else 1, cp * tp if sp else 1)
         if seq_len % unit:
             raise ValueError(
                 f"seq_len {seq_len} does not split over cp={cp} (into 2 cp chunks with cp) and, "
