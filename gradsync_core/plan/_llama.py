@@ -12,7 +12,9 @@ then holds (docs/nd-parallel.md):
   row-parallel (dim 1); the embedding, the norms and the router are replicated over tp.
 - ``ep``: each rank holds ``n_experts / ep`` of every layer's stacked experts (dim 0).
 - ``dp_shard`` (and ``edp`` for experts): ``fully_shard`` cuts what the rank holds along dim 0,
-  one unit per layer and the stage's root (``plan_param_shards``, ``estimate_zero3``).
+  one unit per layer and the stage's root (``plan_param_shards``, ``estimate_zero3``); under a
+  pipeline the stage is gathered whole for the step and its gradients accumulate unsharded
+  over the microbatches (``_staged``).
 - ``cp`` divides no parameter: it splits the sequence, so activations only.
 
 Given the batch (``Activations``), each row also counts the activations the rank holds at its
@@ -31,7 +33,7 @@ import math
 from dataclasses import dataclass, replace
 
 from gradsync_core.plan._memory import RankMemory, estimate_zero3
-from gradsync_core.plan._param_shards import plan_param_shards
+from gradsync_core.plan._param_shards import ParamShardPlan, plan_param_shards
 from gradsync_core.plan._param_units import block_prefixes
 from gradsync_core.plan._specs import ParamSpec, itemsize
 from gradsync_core.plan._topology import Topology
@@ -362,11 +364,13 @@ def llama_memory(
         plan = plan_param_shards(
             dense, world_size=topology.dp, units=block_prefixes(dense), dp_shard=topology.dp_shard
         )
-        total = estimate_zero3(plan, optimizer=optimizer).max
+        total = _staged(estimate_zero3(plan, optimizer=optimizer).max, plan, topology)
         if experts:
             units = sorted({s.name.rsplit(".", 1)[0] for s in experts})
             expert_plan = plan_param_shards(experts, world_size=topology.edp, units=units)
-            extra = estimate_zero3(expert_plan, optimizer=optimizer).max
+            extra = _staged(
+                estimate_zero3(expert_plan, optimizer=optimizer).max, expert_plan, topology
+            )
             total = RankMemory(
                 rank=total.rank,
                 parameter_bytes=total.parameter_bytes + extra.parameter_bytes,
@@ -383,6 +387,21 @@ def llama_memory(
         replace(row, stash=stash, activation_bytes=stash * per_microbatch)
         for row, (stash, per_microbatch) in zip(out, stashed, strict=True)
     )
+
+
+def _staged(memory: RankMemory, plan: ParamShardPlan, topology: Topology) -> RankMemory:
+    """A pipeline stage's transient bytes: its pipeline plan gathers the whole stage before
+    its first forward and frees it after its last backward (``UNSHARD``/``RESHARD``), and its
+    gradients accumulate unsharded over the microbatches until the last backward
+    reduce-scatters them (``gradsync_torch``'s ``Pipeline``, FSDP2's accumulation): every
+    unit gathered, every unit's full gradients, and the largest unit's reduce-scatter input.
+    Without a pipeline, or with nothing sharded, ``estimate_zero3``'s per-unit moment."""
+    if topology.pp == 1 or plan.shard_size == 1:
+        return memory
+    n = plan.shard_size
+    gathered = sum(n * plan.unit_padded_nbytes(u.index) for u in plan.units)
+    grads = [n * plan.unit_padded_nbytes(u.index, trainable_only=True) for u in plan.units]
+    return replace(memory, transient_bytes=gathered + sum(grads) + max(grads, default=0))
 
 
 def stash_activations(
