@@ -9,7 +9,8 @@ the same clipped AdamW, alternating step by step (docs/design.md §11):
   mappings with sequence parallelism, ``dp_shard`` chunks gathered per layer);
 - GSPMD, the JAX-native way: the model's parameters placed by ``NamedSharding`` on a
   ``(dp, tp)`` mesh with the model's own Megatron specs (``nnx.get_partition_spec``: column
-  kernels ``P(None, "tp")``, row kernels ``P("tp", None)``, the rest replicated), with
+  kernels ``P(None, "tp")``, the output's among them, as gradsync's and torch's reference cut
+  it, row kernels ``P("tp", None)``, the rest replicated), with
   ``dp_shard > 1`` also ``"dp"`` on each parameter's other dimension (MaxText's fsdp axis),
   the Adam state placed as its parameter, the batch rows over ``dp``, and the whole step under
   ``jax.jit``: XLA's partitioner picks the collectives.

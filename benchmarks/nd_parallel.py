@@ -28,18 +28,19 @@ reports the largest difference between the two sides' weights after the last ste
 in float32 Adam turns the reduction order's last bits on near-zero gradients into ~1e-5).
 
 Memory per rank, beside what ``gradsync plan --model llama-nd-bench ... --zero 3 --optimizer
-adamw`` predicts for the rank's pipeline stage (model states only: parameters, gradients,
-AdamW state, FSDP's gathered units):
+adamw --batch B --seq S`` predicts for the rank's pipeline stage (parameters, gradients, AdamW
+state, FSDP's gathered units, and the activations torch's autograd saves for the microbatches
+the rank stashes at its peak: one, its whole batch, without a pipeline; the schedule's peak
+stash with one, ``--schedule --microbatches``):
 
 - torch: "held" is the parameters, gradients (after a backward) and AdamW state, each storage
   counted once (torch_fsdp.py's measure); "peak" is the parameters and state plus the largest
-  rise of live CPU bytes during one more step (torch's profiler), so it adds the activations
-  the prediction leaves out.
+  rise of live CPU bytes during one more step (torch's profiler), activations included.
 - JAX: "held" is the parameters and Adam state a device holds between steps (JAX keeps no
   gradients); "peak" is XLA's accounting of the compiled step (``memory_analysis``: its
   arguments, plus the outputs that do not reuse the donated arguments, plus its temporary
-  bytes: gradients, gathered parameters, activations), against the predicted
-  parameters + gradients + state + transient.
+  bytes: gradients, gathered parameters, activations), against the predicted peak (its
+  activations are torch's saved tensors; XLA keeps its own set).
 
     python benchmarks/nd_parallel.py --repeat 3
     python benchmarks/nd_parallel.py --quick        # 1 warm-up and 2 timed steps
@@ -85,13 +86,17 @@ JAX_ROWS = {
 }
 
 
-def predicted(sizes: dict[str, int], world: int = 8) -> dict[str, Any]:
-    """``gradsync plan``'s composed memory for ``sizes``: its command and rows by pp rank."""
+def predicted(sizes: dict[str, int], args: argparse.Namespace, world: int = 8) -> dict[str, Any]:
+    """``gradsync plan``'s composed memory for ``sizes`` with the run's batch (activations
+    counted; with pp, of the schedule's peak stash): its command and rows by pp rank."""
     command = ["gradsync", "plan", "--model", MODEL, "--world-size", str(world)]
     for axis in ("dp_replicate", "dp_shard", "tp", "pp"):
         if axis in sizes:
             command += [f"--{axis.replace('_', '-')}", str(sizes[axis])]
     command += ["--zero", "3", "--optimizer", "adamw"]
+    command += ["--batch", str(args.batch), "--seq", str(args.seq)]
+    if sizes.get("pp", 1) > 1:
+        command += ["--schedule", args.schedule, "--microbatches", str(args.microbatches)]
     done = subprocess.run(
         [sys.executable, "-m", "gradsync_core", *command[1:], "--json"],
         capture_output=True,
@@ -200,9 +205,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     torch_results = spawn_ranks(tnd.worker, args)
     jax_results = _jax(args)
     for key, (_, sizes) in TORCH_ROWS.items():
-        torch_results[key]["predicted"] = predicted(sizes)
+        torch_results[key]["predicted"] = predicted(sizes, args)
     for key, (_, sizes) in JAX_ROWS.items():
-        jax_results[key]["predicted"] = predicted(sizes)
+        jax_results[key]["predicted"] = predicted(sizes, args)
     _torch_table(torch_results, args)
     _jax_table(jax_results)
     figures: dict[str, Any] = {"bench": "nd_parallel", "model": MODEL}

@@ -14,7 +14,9 @@ on one device) or the mesh axes a ``jax.shard_map`` splits the work over, where 
 applies gradsync_jax's model-parallel mappings (``copy_to``, ``reduce_from``,
 ``all_gather_from``, ``reduce_scatter_to``): the parameter tree is the same either way, and
 the kernels carry their tensor/expert-parallel role as ``out_sharding`` (``"tp"`` on a
-column's output features or a row's input features, ``"ep"`` on the experts).
+column's output features or a row's input features, ``"ep"`` on the experts). As in
+``examples/llama_torch.py`` (torchtitan's plan), ``output`` is column-parallel: each tp device
+holds ``1/tp`` of the vocabulary and the logits are gathered (``vocab_parallel_logits``).
 ``parallelize`` (below) turns the roles into mesh axes and builds the training step.
 """
 
@@ -43,11 +45,13 @@ from gradsync_jax import (
     PipelineModel,
     all_gather_from,
     copy_to,
+    gather_from,
     mesh_from_topology,
     natural_params,
     pipeline_params,
     reduce_from,
     reduce_scatter_to,
+    scatter_to,
     shard_optimizer,
     split_microbatches,
 )
@@ -268,7 +272,8 @@ class Llama(nnx.Module):
         self.tok_embeddings = nnx.Embed(cfg.vocab_size, cfg.dim, rngs=rngs)
         self.layers = nnx.List([TransformerBlock(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
         self.norm = rms_norm(cfg.dim, cfg.norm_eps, rngs)
-        self.output = None if cfg.tie_embeddings else _linear(cfg.dim, cfg.vocab_size, None, rngs)
+        tied = cfg.tie_embeddings
+        self.output = None if tied else _linear(cfg.dim, cfg.vocab_size, COLUMN, rngs)
 
     def logits(self, h: jax.Array) -> jax.Array:
         """The output layer on the final norm's output."""
@@ -281,6 +286,17 @@ class Llama(nnx.Module):
         for layer in self.layers:
             h = layer(h, ax)
         return self.logits(self.norm(h))
+
+
+def vocab_parallel_logits(output: nnx.Linear, h: jax.Array, ax: Axes = SERIAL) -> jax.Array:
+    """The column-parallel ``output`` layer on ``h`` (torch's ``Llama._logits``): each ``tp``
+    device computes its ``1/tp`` of the vocabulary, gathered into the whole logits; under
+    sequence parallelism ``h`` is this device's slice of the sequence, gathered first, and
+    the result is this device's slice again (the tokens whose loss share it computes)."""
+    if ax.tp is None:
+        return output(h)
+    logits = gather_from(output(_enter(h, ax)), ax.tp, dim=-1)
+    return scatter_to(logits, ax.tp, dim=1) if ax.sequence_parallel else logits
 
 
 def token_loss_sum(logits: jax.Array, targets: jax.Array) -> jax.Array:
@@ -487,7 +503,8 @@ def parallelize(
     One ``jax.shard_map`` over the topology's mesh runs every axis at once: the batch rows
     over the data-parallel axes; the sequence over ``cp`` (keys and values all-gathered,
     causal mask on global positions) and, with ``options.sequence_parallel``, over ``tp``;
-    heads and hidden units over ``tp`` (Megatron's column/row mappings); experts over the
+    heads, hidden units and the output's vocabulary over ``tp`` (Megatron's column/row
+    mappings; the logits gathered over the vocabulary as torch's reference); experts over the
     mesh axis of the topology's ``ep`` groups (all-gather dispatch); every other parameter
     cut over ``dp_shard`` on torch's dim 0 (ZeRO-3: all-gathered where a part of the
     forward uses it, its gradient reduce-scattered by that gather's transpose) and
@@ -593,7 +610,8 @@ def parallelize(
             if output_def is None:  # tied: the embedding gathered again, as torch's FSDP2
                 logits = h @ embedding["embedding"](chunks["tok_embeddings"]["embedding"]).T
             else:
-                logits = _merged(output_def, gathers["output"], chunks["output"])(h)
+                output = _merged(output_def, gathers["output"], chunks["output"])
+                logits = vocab_parallel_logits(output, h, ax)
             return loss_share(logits, targets, count)
 
         loss, grads = jax.value_and_grad(local_loss)(chunks)
@@ -611,7 +629,8 @@ def parallelize(
 
         def head(p: Any, h: jax.Array, t: jax.Array) -> jax.Array:
             h = _merged(norm_def, head_gathers["norm"], p["norm"])(h)
-            return loss_share(_merged(output_def, head_gathers["output"], p["output"])(h), t, count)
+            output = _merged(output_def, head_gathers["output"], p["output"])
+            return loss_share(vocab_parallel_logits(output, h, ax), t, count)
 
         fns = PipelineModel(
             embed=lambda p, t: _merged(embed_def, part_gathers["embed"], p)(t),

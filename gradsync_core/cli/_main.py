@@ -52,6 +52,7 @@ from gradsync_core.cli._zero import (
     check_zero_arguments,
     composed_estimate,
     composed_json,
+    composed_requested,
     composed_text,
     save_staging,
     tied_names,
@@ -464,7 +465,14 @@ def _plan(args: argparse.Namespace) -> int:
         topo = _topology(args, dp_shard=args.dp_shard)
     if cost_requested(args):
         return cost_command(args, specs, tied_names(args, tied))
-    if pipeline_requested(args):
+    wants_activations = args.batch is not None or args.seq is not None
+    if wants_activations and (args.zero != 3 or args.params or args.model not in LLAMA_MODELS):
+        raise UsageError(
+            "--batch and --seq count the activations of a built-in Llama ("
+            + ", ".join(LLAMA_MODELS)
+            + ") under --zero 3; add --zero 3 with one of them, or leave the flags out"
+        )
+    if pipeline_requested(args) and not composed_requested(args):
         return pipeline_command(args, specs, topo)
     if args.zero is not None:
         return _zero(args, specs, tied, topo)

@@ -23,7 +23,7 @@ from gradsync_core.checkpoint._model_weights import weight_bytes
 from gradsync_core.checkpoint._param_shard_state import plan_dim0_shards
 from gradsync_core.cli._table import mib, shown, table
 from gradsync_core.plan._buckets import BucketPlan
-from gradsync_core.plan._llama import LlamaShape, StageMemory, llama_memory
+from gradsync_core.plan._llama import Activations, LlamaShape, StageMemory, llama_memory
 from gradsync_core.plan._memory import (
     OPTIMIZER_STATE_BYTES,
     MemoryEstimate,
@@ -83,6 +83,28 @@ def add_zero_arguments(plan: argparse.ArgumentParser) -> None:
         help="--zero 3: comma-separated parameters used twice (tied weights), listed by the "
         "name they have in the model; default: gpt2-small's embedding, a torch --model's "
         '(found by identity), the --params file\'s "tied" list; none otherwise',
+    )
+    plan.add_argument(
+        "--batch",
+        type=int,
+        default=None,
+        metavar="ROWS",
+        help="--zero 3 with a built-in Llama: the global batch in rows; with --seq, each rank's "
+        "row adds the activations it holds at its peak (with --pp, of the peak stash of "
+        "--schedule over --microbatches)",
+    )
+    plan.add_argument(
+        "--seq",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="--zero 3 with a built-in Llama: the sequence length (with --batch)",
+    )
+    plan.add_argument(
+        "--no-sequence-parallel",
+        action="store_true",
+        help="--batch/--seq: the activations of a run without sequence parallelism "
+        "(examples/llama_torch.py's ParallelOptions.sequence_parallel is on by default)",
     )
     plan.add_argument(
         "--optimizer",
@@ -307,7 +329,32 @@ def composed_estimate(
             "--units does not apply to a built-in Llama: its units are its layers, as "
             "examples/llama_torch.py wraps them"
         )
-    return llama_memory(shape, topo, dtype=args.dtype, optimizer=_optimizer(args.optimizer))
+    activations = None
+    if (args.batch is None) != (args.seq is None):
+        raise ValueError(
+            "activations need both --batch ROWS and --seq TOKENS; give both or neither"
+        )
+    if args.batch is not None:
+        activations = Activations(
+            batch=args.batch,
+            seq_len=args.seq,
+            schedule=args.schedule,
+            microbatches=1 if args.microbatches is None else args.microbatches,
+            sequence_parallel=not args.no_sequence_parallel,
+        )
+    return llama_memory(
+        shape,
+        topo,
+        dtype=args.dtype,
+        optimizer=_optimizer(args.optimizer),
+        activations=activations,
+    )
+
+
+def composed_requested(args: argparse.Namespace) -> bool:
+    """Whether ``--batch``/``--seq`` ask for the composed rows with activations (then
+    ``--schedule`` and ``--microbatches`` describe the pipeline those rows stash)."""
+    return args.zero == 3 and (args.batch is not None or args.seq is not None)
 
 
 def composed_json(rows: Sequence[StageMemory]) -> dict[str, Any]:
@@ -320,6 +367,12 @@ def composed_json(rows: Sequence[StageMemory]) -> dict[str, Any]:
                 "numel": row.numel,
             }
             | {k: v for k, v in row.memory.to_json().items() if k != "rank"}
+            | {
+                "model_state_peak_bytes": row.memory.peak_bytes,
+                "activation_bytes": row.activation_bytes,
+                "stash": row.stash,
+                "peak_bytes": row.peak_bytes,
+            }
             for row in rows
         ]
     }
@@ -327,6 +380,7 @@ def composed_json(rows: Sequence[StageMemory]) -> dict[str, Any]:
 
 def composed_text(rows: Sequence[StageMemory], topo: Topology, optimizer: str) -> str:
     """The text report: one row per pipeline rank, then the fullest."""
+    counted = any(row.stash for row in rows)
     body = [
         [
             row.pp_rank,
@@ -336,11 +390,12 @@ def composed_text(rows: Sequence[StageMemory], topo: Topology, optimizer: str) -
             mib(row.memory.gradient_bytes),
             mib(row.memory.optimizer_state_bytes),
             mib(row.memory.transient_bytes),
-            mib(row.memory.peak_bytes),
+            *([f"{mib(row.activation_bytes)} ({row.stash})"] if counted else []),
+            mib(row.peak_bytes),
         ]
         for row in rows[:_SHOWN_RANKS]
     ]
-    fullest = max(rows, key=lambda r: (r.memory.peak_bytes, -r.pp_rank))
+    fullest = max(rows, key=lambda r: (r.peak_bytes, -r.pp_rank))
     shard = f"dp_shard {topo.dp_shard} x dp_replicate {topo.dp_replicate}"
     experts = f"; experts over ep {topo.ep} x edp {topo.edp}" if topo.has_experts else ""
     headers = [
@@ -351,18 +406,26 @@ def composed_text(rows: Sequence[StageMemory], topo: Topology, optimizer: str) -
         "grads MiB",
         "state MiB",
         "transient MiB",
+        *(["activations MiB (stash)"] if counted else []),
         "peak MiB",
     ]
+    what = (
+        "Per-rank memory, the fullest rank of each stage: model states and the activations "
+        "autograd saves for the microbatches the rank stashes at its peak (docs/nd-parallel.md; "
+        "elements: before fully_shard)"
+        if counted
+        else "Per-rank memory of model states, the fullest rank of each stage (activations not "
+        "counted: give --batch and --seq; elements: before fully_shard)"
+    )
     return "\n".join(
         [
             f"Composed: each rank holds its pipeline stage's layers, cut over tp {topo.tp}, "
             f"then fully_shard over {shard}{experts} (cp {topo.cp} divides activations only); "
             f"optimizer {optimizer}",
             "",
-            "Per-rank memory of model states, the fullest rank of each stage (activations not "
-            "counted; elements: before fully_shard)",
+            what,
             table(headers, body, max_rows=_SHOWN_RANKS),
             "",
-            f"fullest: pp rank {fullest.pp_rank}, peak {mib(fullest.memory.peak_bytes)} MiB",
+            f"fullest: pp rank {fullest.pp_rank}, peak {mib(fullest.peak_bytes)} MiB",
         ]
     )

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple, overload
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,7 @@ from gradsync_core import Manifest, ParamSpec
 from gradsync_core.checkpoint import (
     Box,
     CheckpointError,
+    SaveHandle,
     box_windows,
     data_extra,
     data_range,
@@ -262,6 +263,7 @@ def _at(start: Sequence[int], stop: Sequence[int], origin: Sequence[int]) -> tup
     return tuple(slice(a - o, b - o) for a, b, o in zip(start, stop, origin, strict=True))
 
 
+@overload
 def save_boxes(
     path: str | os.PathLike[str],
     held: Sequence[Held],
@@ -270,7 +272,33 @@ def save_boxes(
     specs: Sequence[ParamSpec],
     layout: Mapping[str, Any] | None = None,
     data: Any = None,
-) -> None:
+    blocking: Literal[True] = True,
+) -> None: ...
+
+
+@overload
+def save_boxes(
+    path: str | os.PathLike[str],
+    held: Sequence[Held],
+    optimizer: torch.optim.Optimizer,
+    *,
+    specs: Sequence[ParamSpec],
+    layout: Mapping[str, Any] | None = None,
+    data: Any = None,
+    blocking: Literal[False],
+) -> SaveHandle: ...
+
+
+def save_boxes(
+    path: str | os.PathLike[str],
+    held: Sequence[Held],
+    optimizer: torch.optim.Optimizer,
+    *,
+    specs: Sequence[ParamSpec],
+    layout: Mapping[str, Any] | None = None,
+    data: Any = None,
+    blocking: bool = True,
+) -> SaveHandle | None:
     """Write a checkpoint of a model laid out on any topology (a collective over the world).
 
     Every rank gives what it holds (``held``, from ``box_of``) and its optimizer; the
@@ -287,14 +315,26 @@ def save_boxes(
         layout: the record ``gradsync_core.checkpoint.layout_record`` makes; stored in the
             manifest as ``extra["layout"]`` (``gradsync checkpoint inspect`` prints it).
         data: a ``ResumableSampler`` whose position goes into the manifest.
+        blocking: ``False``: return once this rank's state ranges and the weights it stores
+            (exchanged first, as a blocking save does) are copied to host staging memory; the
+            files are written in the background (``ZeroRedundancyOptimizer.save`` says how),
+            so training may go on and change the parameters and state.
+
+    Returns:
+        ``None``; with ``blocking=False`` the save's ``SaveHandle`` (``wait()`` for its
+        manifest).
 
     Raises:
         ValueError: on every rank, one sentence (``CheckpointError``): pieces that do not
             tile the model, ranks with other optimizers or state, a failed write; ``path``
-            keeps its data.
+            keeps its data. With ``blocking=False`` a failed write raises at the handle's
+            ``wait()`` or the next save instead.
 
     Example:
         >>> save_boxes("ckpt/step100", model.held(), optimizer, specs=specs)  # doctest: +SKIP
+        >>> handle = save_boxes("ckpt/step200", model.held(), optimizer, specs=specs,
+        ...                     blocking=False)  # doctest: +SKIP
+        >>> manifest = handle.wait()  # doctest: +SKIP
     """
     ranks = _world()
     what = f"cannot save checkpoint {os.fspath(path)}"
@@ -330,7 +370,7 @@ def save_boxes(
         weight_owners=owners,
         layout=dict(layout) if layout is not None else None,
     )
-    checkpoint.save(path, snapshot, ranks, what=what)
+    return checkpoint.save(path, snapshot, ranks, what=what, blocking=blocking)
 
 
 def _name(piece: StatePiece, order: Sequence[ParamSpec]) -> str:

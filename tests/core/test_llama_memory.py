@@ -11,7 +11,7 @@ import pytest
 
 from gradsync_core import Topology
 from gradsync_core.cli._main import main
-from gradsync_core.plan._llama import LLAMA_MODELS, LlamaShape, llama_memory
+from gradsync_core.plan._llama import LLAMA_MODELS, Activations, LlamaShape, llama_memory
 
 ND = LLAMA_MODELS["llama-nd"]  # vocab 64, dim 32, 4 layers, 4 heads (head_dim 8), 2 kv, ffn 64
 F32 = 4
@@ -57,12 +57,13 @@ def test_dp_shard_2_tp_2_pp_2_by_hand():
         m = row.memory
         assert (m.parameter_bytes, m.gradient_bytes) == (held, held)
         assert m.optimizer_state_bytes == (root + 2 * layer) // 2 * 8  # AdamW: two fp32 moments
-        # FSDP2's worst moment: the gathered root, the two gathered layers (this one and the
-        # prefetched next), and one layer's backward: its full gradient and reduce-scatter
-        # input less its own gradient shard.
-        backward = 2 * layer * F32 - layer // 2 * F32
-        assert m.transient_bytes == root * F32 + 2 * layer * F32 + backward
-    assert [r.memory.peak_bytes for r in rows] == [164736, 152832]
+        # Under the pipeline the stage is gathered whole for the step (UNSHARD before its first
+        # forward, RESHARD after its last backward) and its gradients accumulate unsharded
+        # over the microbatches; the last backward adds the largest unit's reduce-scatter
+        # input (a layer's: both roots are smaller).
+        stage = (root + 2 * layer) * F32
+        assert m.transient_bytes == stage + stage + layer * F32
+    assert [r.memory.peak_bytes for r in rows] == [200960, 185088]
 
 
 def test_moe_experts_split_over_ep_and_sharded_over_edp():
@@ -116,7 +117,7 @@ def test_cli_prints_each_stage_and_the_fullest(capsys):
     assert code == 0
     assert "world size 8 = dp_replicate 1 x dp_shard 2 x cp 1 x tp 2 x pp 2" in out
     assert "      0     0-1    11,392" in out and "      1     2-3    10,400" in out
-    assert "fullest: pp rank 0, peak 0.16 MiB" in out
+    assert "fullest: pp rank 0, peak 0.19 MiB" in out
 
 
 def test_cli_json_has_the_bytes_of_each_stage(capsys):
@@ -194,3 +195,86 @@ def test_dp_replicate_that_does_not_fit_is_refused(capsys, args, message):
     code, _, err = run(capsys, "--model", "llama-nd", *args)
     assert code == 2
     assert message in err
+
+
+# -- activations (--batch/--seq): the tensors autograd saves, checked against torch's in
+# tests/torch/test_llama_activations.py; here, how the rows compose them.
+
+BENCH = LLAMA_MODELS["llama-nd-bench"]
+
+
+def test_a_pipeline_rank_holds_its_peak_stash_of_microbatches():
+    topo = Topology.create(8, dp_shard=2, tp=2, pp=2)
+    acts = Activations(batch=8, seq_len=32, schedule="1F1B", microbatches=4)
+    rows = llama_memory(BENCH, topo, activations=acts)
+    assert [r.stash for r in rows] == [2, 1]  # 1F1B over pp 2: the first rank warms up twice
+    for row, first in zip(rows, (True, False), strict=True):
+        one = BENCH.activation_bytes(
+            topo, rows=1, seq_len=32, layers=2, first=first, last=not first, pipelined=True
+        )  # 8 rows over dp 2 x 4 microbatches: 1 row each
+        assert row.activation_bytes == row.stash * one
+        assert row.peak_bytes == row.memory.peak_bytes + row.activation_bytes
+
+
+def test_without_a_pipeline_a_rank_holds_its_whole_batch():
+    topo = Topology.create(8, dp_shard=2, tp=2)  # dp 4
+    (row,) = llama_memory(BENCH, topo, activations=Activations(batch=8, seq_len=32))
+    assert row.stash == 1
+    assert row.activation_bytes == BENCH.activation_bytes(topo, rows=2, seq_len=32, layers=4)
+    (plain,) = llama_memory(BENCH, topo)
+    assert (plain.stash, plain.activation_bytes) == (0, 0)
+    assert plain.memory == row.memory
+
+
+def test_one_block_by_hand():
+    """llama-nd, one row of 8 tokens, float32, tp 1: the docstring's formula term by term."""
+    d, h, hd, f, s = 32, 4, 8, 64, 8
+    norms = 2 * (2 * s * d * F32 + s * F32)
+    linear_inputs = 2 * s * d * F32
+    rotary = 4 * s * hd * F32
+    attention = 3 * h * s * hd * F32 + h * s * s * F32 + s * s + h * hd * s * F32
+    mlp = 4 * s * f * F32
+    want = norms + linear_inputs + rotary + attention + mlp
+    got = ND.activation_bytes(
+        Topology.create(1), rows=1, seq_len=s, layers=1, first=False, last=False
+    )
+    assert got == want
+
+
+def test_cli_adds_the_activations_to_each_stage(capsys):
+    flags = "--model llama-nd-bench --dp-shard 2 --tp 2 --pp 2 --zero 3 --optimizer adamw"
+    flags += " --batch 8 --seq 32 --schedule 1F1B --microbatches 4"
+    code, out, _ = run(capsys, *flags.split())
+    assert code == 0
+    assert "activations MiB (stash)" in out and "2.07 (2)" in out
+    assert "fullest: pp rank 0, peak 24.08 MiB" in out
+    code, out, _ = run(capsys, *flags.split(), "--json")
+    rows = json.loads(out)["composed_memory"]
+    assert [r["stash"] for r in rows] == [2, 1]
+    for r in rows:
+        assert r["peak_bytes"] == r["model_state_peak_bytes"] + r["activation_bytes"]
+    code, out, _ = run(capsys, *flags.split()[:12])  # no batch: model states only, as before
+    assert "give --batch and --seq" in out and "activations MiB" not in out
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        ("--model llama-nd --zero 3 --batch 8", "need both --batch ROWS and --seq TOKENS"),
+        ("--model llama-nd --zero 3 --batch 6 --seq 8", "pick a multiple of 8"),
+        ("--model llama-nd --pp 2 --zero 3 --batch 8 --seq 8", "name the schedule"),
+        (
+            "--model llama-nd --pp 2 --zero 3 --batch 8 --seq 8 --schedule Interleaved1F1B "
+            "--microbatches 4",
+            "one stage per rank",
+        ),
+        ("--model llama-nd --zero 3 --batch 8 --seq 8 --microbatches 2", "leave them out"),
+        ("--model llama-nd --tp 2 --zero 3 --batch 8 --seq 7", "pick a multiple of 2"),
+        ("--model llama-nd-moe --zero 3 --batch 8 --seq 8", "the dense Llama only"),
+        ("--model gpt2-small --zero 3 --batch 8 --seq 8", "of a built-in Llama"),
+        ("--model llama-nd --batch 8 --seq 8", "under --zero 3"),
+    ],
+)
+def test_activation_flags_that_do_not_fit_are_refused(capsys, flags, message):
+    code, _, err = run(capsys, *flags.split())
+    assert code == 2 and message in err, err
