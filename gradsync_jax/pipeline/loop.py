@@ -269,7 +269,9 @@ def run_pipeline(
                 out = lax.switch(
                     index[col("f_branch")], branches, stage_params(col("f_local")), data, x
                 )
-                made = out["stash"]  # written after the backward lane read the stash
+                stashed = {
+                    k: _write(b, col("stash_write"), out["stash"][k]) for k, b in stashed.items()
+                }
                 loss_sum = loss_sum + out["loss"]
                 arrived["act"] = shifted(out["send"], {s for b, s in sources if b == "act"})
             if b_kinds:
@@ -296,8 +298,6 @@ def run_pipeline(
                     sums = add(sums, local, out["grads"])
                 if "send" in b_fields:
                     arrived["grad"] = shifted(out["send"], {s for b, s in sources if b == "grad"})
-            if f_kinds:
-                stashed = {k: _write(b, col("stash_write"), made[k]) for k, b in stashed.items()}
             if adds_held:  # the spare slot is zeros: nothing added
                 sums = add(sums, col("held_local"), _index(held, col("held_read")))
             for buf, src in sources:

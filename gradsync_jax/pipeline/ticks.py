@@ -249,7 +249,9 @@ def compile_ticks(plan: PipelinePlan) -> TickProgram:
             tf, rank = when[FORWARD, s, mb]
             ti, tw = backward(s, mb)
             assert tf < ti <= tw, (s, mb)
-            intervals.append(("stash", rank, tf + 1, tw, (s, mb, 0)))
+            # from its write: the slot of a stash that a backward reads for the last time at
+            # the forward's tick is not this one's (the forward writes first)
+            intervals.append(("stash", rank, tf, tw, (s, mb, 0)))
             if ti < tw:
                 intervals.append(("cross", rank, ti + 1, tw, (s, mb, 0)))
             if s > 0:  # the previous stage's output, written at the end of its tick
@@ -333,7 +335,7 @@ def compile_ticks(plan: PipelinePlan) -> TickProgram:
         for s in range(n):
             if ranks[s] == rank:
                 for mb in range(m):
-                    held[when[FORWARD, s, mb][0] : backward(s, mb)[1]] += 1
+                    held[when[FORWARD, s, mb][0] : backward(s, mb)[1] + 1] += 1
         peak.append(int(held.max()))
     work = [[sum(WORK[c.kind] for c in cells if c) for cells in row] for row in grid]
     return TickProgram(
