@@ -289,6 +289,7 @@ def test_ticks_run_a_forward_and_a_backward(schedule: str, ticks: int, stash: in
         microbatches=8,
         topology=Topology(pp=4),
         layers=4,
+        stages_per_rank=1,
         input_weight=0,
         output_weight=0,
     )
