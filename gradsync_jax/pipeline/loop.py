@@ -1,28 +1,34 @@
 """The tick loop: one pipeline step inside ``shard_map``, every device the same program.
 
 A ``lax.scan`` over the plan's ticks (``ticks.py``). At tick t the device reads its row of the
-table (``lax.axis_index("pp")``), runs its cell through ``lax.switch`` (idle, or the forward,
-input- or weight-gradient cell of its stage's type, ``split.py``), writes what the cell
-leaves into its buffer slots, adds its parameter gradients to its stage's sum, and sends its
-output one hop each way with ``ppermute``; the neighbour that the table names keeps it.
-Gradients are added in microbatch order: where the plan makes one early (looped BFS), it
-waits in the ``held`` buffer and is added at the tick the table names, or after the loop.
+table (``lax.axis_index("pp")``) and runs up to two cells, one per lane, each through its
+own ``lax.switch``: the forward lane (idle, or the forward of its stage's type) and the
+backward lane (idle, a whole backward, an input or a weight gradient, ``split.py``). It writes
+what the cells leave into their buffer slots, adds its parameter gradients to its stage's
+sum, and sends each lane's output one hop with ``ppermute``; the neighbour that the table
+names keeps it. Gradients are added in microbatch order: where the plan makes one early
+(looped BFS), it waits in the ``held`` buffer and is added at the tick the table names, or
+after the loop.
 
 Why ``lax.scan`` and not an unrolled loop: the program and its compile time do not grow with
-the microbatches (a tick is one body, m = 32 has ~100 ticks at pp 4), and its memory is the
+the microbatches (a tick is one body, m = 32 has ~70 ticks at pp 4), and its memory is the
 carried buffers, whose slots are the plan's stash, nothing XLA could schedule otherwise.
 
-What a tick costs beyond its cell: the switch's branches all return the same values, so a
+What a tick costs beyond its cells: a switch's branches all return the same values, so a
 branch returns zeros for what its cell does not make (a forward, the weight gradient's
-parameter-sized sums; a weight gradient, the forward's stash row) and the tick writes them
-into the spare slots and adds them. So the ticks run as up to three loops, one per phase of
-the plan (``TickProgram.phases``: the forwards-only warm-up, the mixed middle, the
-backwards-only cool-down), each body holding only the outputs, buffer writes, gradient adds
-and ``ppermute`` shifts that its phase's cells make: GPipe's forward loop moves no gradient,
-its backward loop no stash. The branches read the stash and cross buffers themselves (an
-operand of the switch is read in place; a row sliced before it was copied out at every
-tick). What the branches write cannot move into them: XLA copies every buffer that a
-branch passes through unchanged, at every tick.
+parameter-sized sums; a backward, the forward's stash row) and the tick writes them into the
+spare slots and adds them. So the ticks run as up to three loops, one per phase of the plan
+(``TickProgram.phases``: the forwards-only warm-up, the mixed middle, the backwards-only
+cool-down), each body holding only the lanes, outputs, buffer writes, gradient adds and
+``ppermute`` shifts that its phase's cells make: GPipe's forward loop moves no gradient, its
+backward loop no stash. The branches read the stash and cross buffers themselves (an operand
+of the switch is read in place; a row sliced before it was copied out at every tick), after
+the forward lane wrote its stash row (read first, XLA copied the stash buffer twice per
+tick; the slot written is never the one read, ``ticks.py``). What the branches write cannot
+move into them: XLA copies every buffer that a branch passes through unchanged, at every
+tick. A whole backward runs the input-gradient program, then the weight-gradient program
+behind ``lax.optimization_barrier``: nothing fused across them, it rounds as the two halves
+do in ticks of their own.
 """
 
 from __future__ import annotations
