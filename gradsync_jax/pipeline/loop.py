@@ -27,7 +27,7 @@ the forward lane wrote its stash row (read first, XLA copied the stash buffer tw
 tick; the slot written is never the one read, ``ticks.py``). What the branches write cannot
 move into them: XLA copies every buffer that a branch passes through unchanged, at every
 tick. A whole backward runs the input-gradient program, then the weight-gradient program
-behind ``lax.optimization_barrier``: nothing fused across them, it rounds as the two halves
+behind ``lax.optimization_barrier`` (one per value): nothing fused across them, it rounds as the two halves
 do in ticks of their own.
 """
 
@@ -169,9 +169,10 @@ def run_pipeline(
             if kind == BACKWARD:
                 # the weight gradient as its own program, as in a tick of its own: XLA fuses
                 # no work across the barrier, so a backward rounds as its two halves do
-                flat_p, flat_d, stashed, crossed = lax.optimization_barrier(
-                    (flat_p, flat_d, stashed, crossed)
-                )
+                # (one barrier per value: one over all would give each the union of their
+                # varying mesh axes)
+                stashed = [lax.optimization_barrier(v) for v in stashed]
+                crossed = [lax.optimization_barrier(v) for v in crossed]
             grads = c.grads_tree.unflatten(
                 c.run(c.weight_grad, *flat_p, *flat_d, *stashed, *crossed)
             )
