@@ -342,7 +342,8 @@ def test_memory_in_m(stash: str) -> None:
     assert one[0] == one[1] == one[2]
     assert gpipe[0] < gpipe[1] < gpipe[2]
     per_microbatch = (gpipe[1] - gpipe[0]) / 8, (gpipe[2] - gpipe[1]) / 16
-    assert per_microbatch[1] == pytest.approx(per_microbatch[0], rel=0.01)
+    # (the tiny model keeps ~1.8 KB per microbatch: the alignment is a few per cent of it)
+    assert abs(per_microbatch[1] - per_microbatch[0]) <= 64
     assert one[2] < gpipe[2]
 
 
