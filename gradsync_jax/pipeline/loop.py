@@ -1,28 +1,34 @@
 """The tick loop: one pipeline step inside ``shard_map``, every device the same program.
 
 A ``lax.scan`` over the plan's ticks (``ticks.py``). At tick t the device reads its row of the
-table (``lax.axis_index("pp")``), runs its cell through ``lax.switch`` (idle, or the forward,
-input- or weight-gradient cell of its stage's type, ``split.py``), writes what the cell
-leaves into its buffer slots, adds its parameter gradients to its stage's sum, and sends its
-output one hop each way with ``ppermute``; the neighbour that the table names keeps it.
-Gradients are added in microbatch order: where the plan makes one early (looped BFS), it
-waits in the ``held`` buffer and is added at the tick the table names, or after the loop.
+table (``lax.axis_index("pp")``) and runs up to two cells, one per lane, each through its
+own ``lax.switch``: the forward lane (idle, or the forward of its stage's type) and the
+backward lane (idle, a whole backward, an input or a weight gradient, ``split.py``). It writes
+what the cells leave into their buffer slots, adds its parameter gradients to its stage's
+sum, and sends each lane's output one hop with ``ppermute``; the neighbour that the table
+names keeps it. Gradients are added in microbatch order: where the plan makes one early
+(looped BFS), it waits in the ``held`` buffer and is added at the tick the table names, or
+after the loop.
 
 Why ``lax.scan`` and not an unrolled loop: the program and its compile time do not grow with
-the microbatches (a tick is one body, m = 32 has ~100 ticks at pp 4), and its memory is the
+the microbatches (a tick is one body, m = 32 has ~70 ticks at pp 4), and its memory is the
 carried buffers, whose slots are the plan's stash, nothing XLA could schedule otherwise.
 
-What a tick costs beyond its cell: the switch's branches all return the same values, so a
+What a tick costs beyond its cells: a switch's branches all return the same values, so a
 branch returns zeros for what its cell does not make (a forward, the weight gradient's
-parameter-sized sums; a weight gradient, the forward's stash row) and the tick writes them
-into the spare slots and adds them. So the ticks run as up to three loops, one per phase of
-the plan (``TickProgram.phases``: the forwards-only warm-up, the mixed middle, the
-backwards-only cool-down), each body holding only the outputs, buffer writes, gradient adds
-and ``ppermute`` shifts that its phase's cells make: GPipe's forward loop moves no gradient,
-its backward loop no stash. The branches read the stash and cross buffers themselves (an
-operand of the switch is read in place; a row sliced before it was copied out at every
-tick). What the branches write cannot move into them: XLA copies every buffer that a
-branch passes through unchanged, at every tick.
+parameter-sized sums; a backward, the forward's stash row) and the tick writes them into the
+spare slots and adds them. So the ticks run as up to three loops, one per phase of the plan
+(``TickProgram.phases``: the forwards-only warm-up, the mixed middle, the backwards-only
+cool-down), each body holding only the lanes, outputs, buffer writes, gradient adds and
+``ppermute`` shifts that its phase's cells make: GPipe's forward loop moves no gradient, its
+backward loop no stash. The branches read the stash and cross buffers themselves (an operand
+of the switch is read in place; a row sliced before it was copied out at every tick), after
+the forward lane wrote its stash row (read first, XLA copied the stash buffer twice per
+tick; the slot written is never the one read, ``ticks.py``). What the branches write cannot
+move into them: XLA copies every buffer that a branch passes through unchanged, at every
+tick. A whole backward runs the input-gradient program, then the weight-gradient program
+behind ``lax.optimization_barrier`` (one per value): nothing fused across them, it rounds as the two halves
+do in ticks of their own.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ from gradsync_jax.pipeline.split import (
     split_stage,
 )
 from gradsync_jax.pipeline.ticks import (
+    BACKWARD,
     COL,
     FIRST,
     FORWARD,
@@ -55,15 +62,6 @@ from gradsync_jax.pipeline.ticks import (
     WEIGHT,
     TickProgram,
 )
-
-
-def _out(send: Any, loss: Any, stash: Any, cross: Any, grads: Any) -> dict[str, Any]:
-    """What every branch of the switch returns (zeros where a cell makes nothing): the
-    forward's output or the input gradient for the neighbour (``send``), the loss, what a
-    forward keeps for the backward (``stash``), what an input gradient leaves the weight
-    gradient (``cross``) and the parameters' gradients; a phase keeps the ones its cells
-    make."""
-    return {"send": send, "loss": loss, "stash": stash, "cross": cross, "grads": grads}
 
 
 def run_pipeline(
@@ -135,26 +133,46 @@ def run_pipeline(
     cross_rows = _rows([c.cross for c in cells.values()])
     grads_zero = _cast(jax.tree.map(jnp.zeros_like, (embed, _index(blocks, 0), head)), axes)
 
-    def branch(kind: int, t: str) -> Callable[..., dict[str, Any]]:
+    def forward(t: str) -> Callable[..., dict[str, Any]]:
         c = cells[t]
         first, last = t in (FIRST, ONLY), t in (LAST, ONLY)
 
-        def run(p: Any, data: Any, x: Any, g: Any, bufs: Any, slots: Any) -> dict[str, Any]:
-            p_t = _stage_params(t, *p)
-            flat_p, flat_d = jax.tree.leaves(p_t), jax.tree.leaves(data)
-            no_stash, no_cross = dict(stash_rows), dict(cross_rows)
-            if kind == FORWARD:
-                y, *kept = c.run(c.forward, *flat_p, *flat_d, *([] if first else [x]))
-                send, lost = (act_zero, y) if last else (y, loss_zero)
-                return _out(send, lost, c.stash.pack(kept, stash_rows), no_cross, grads_zero)
+        def run(p: Any, data: Any, x: Any) -> dict[str, Any]:
+            flat_p, flat_d = jax.tree.leaves(_stage_params(t, *p)), jax.tree.leaves(data)
+            y, *kept = c.run(c.forward, *flat_p, *flat_d, *([] if first else [x]))
+            send, lost = (act_zero, y) if last else (y, loss_zero)
+            return {"send": send, "loss": lost, "stash": c.stash.pack(kept, stash_rows)}
+
+        return run
+
+    def backward(kind: int, t: str) -> Callable[..., dict[str, Any]]:
+        c = cells[t]
+        first, last = t in (FIRST, ONLY), t in (LAST, ONLY)
+
+        def run(p: Any, data: Any, g: Any, bufs: Any, slots: Any) -> dict[str, Any]:
+            flat_p, flat_d = jax.tree.leaves(_stage_params(t, *p)), jax.tree.leaves(data)
             stash_read, cross_read = slots
             stashed = c.stash.read(bufs[0], stash_read)
-            if kind == INPUT:
+            out = {"send": act_zero, "cross": dict(cross_rows), "grads": grads_zero}
+            if kind in (INPUT, BACKWARD):
                 seed = jnp.ones_like(loss_zero) if last else g
                 outs = c.run(c.input_grad, *flat_p, *flat_d, *stashed, seed)
-                dx, kept = (act_zero, outs) if first else (outs[0], outs[1:])
-                return _out(dx, loss_zero, no_stash, c.cross.pack(kept, cross_rows), grads_zero)
-            crossed = c.cross.read(bufs[1], cross_read)
+                dx, crossed = (act_zero, outs) if first else (outs[0], outs[1:])
+                out["send"] = dx
+                # the weight gradient's own program, as in a tick of its own: XLA fuses no
+                # work across the barrier, so a backward rounds as its two halves do
+                if kind == INPUT:
+                    out["cross"] = c.cross.pack(crossed, cross_rows)
+                    return out
+            else:
+                crossed = c.cross.read(bufs[1], cross_read)
+            if kind == BACKWARD:
+                # the weight gradient as its own program, as in a tick of its own: XLA fuses
+                # no work across the barrier, so a backward rounds as its two halves do
+                # (one barrier per value: one over all would give each the union of their
+                # varying mesh axes)
+                stashed = [lax.optimization_barrier(v) for v in stashed]
+                crossed = [lax.optimization_barrier(v) for v in crossed]
             grads = c.grads_tree.unflatten(
                 c.run(c.weight_grad, *flat_p, *flat_d, *stashed, *crossed)
             )
@@ -164,18 +182,30 @@ def run_pipeline(
                 d_blocks,
                 grads_zero[2] if d_head is None else d_head,
             )
-            return _out(act_zero, loss_zero, no_stash, no_cross, _cast(full, axes))
+            out["grads"] = _cast(full, axes)
+            return out
 
         return run
 
     def idle(*_: Any) -> dict[str, Any]:
-        return _out(act_zero, loss_zero, dict(stash_rows), dict(cross_rows), grads_zero)
+        return {
+            "send": act_zero,
+            "loss": loss_zero,
+            "stash": dict(stash_rows),
+            "cross": dict(cross_rows),
+            "grads": grads_zero,
+        }
 
     p = program.pp
     right = [(i, (i + 1) % p) for i in range(p)]
     left = [(i, (i - 1) % p) for i in range(p)]
     me = lax.axis_index("pp")
     holding = program.slots["held"] > 0
+    # one stage per rank: its blocks are a static slice (no copy), not a dynamic one
+    single = all(i == 0 for i in program.local_index)
+
+    def stage_params(local: jax.Array) -> tuple[Any, Any, Any]:
+        return (embed, _index(blocks, 0 if single else local), head)
 
     def add(sums: Any, local: jax.Array, grads: Any) -> Any:
         d_embed, d_blocks, d_head = grads
@@ -185,23 +215,36 @@ def run_pipeline(
             jax.tree.map(jnp.add, sums[2], d_head),
         )
 
-    def phase(rows: np.ndarray) -> Callable[..., tuple[Any, None]]:
-        """The tick body of one phase (``rows``: its ticks' tables): only the outputs, buffer
-        writes, gradient adds and shifts that some cell of the phase makes, every other one
-        zero at every tick of it (a write of nothing to the spare slot, an add of zeros)."""
-        col_of = lambda name: rows[:, :, COL[name]]  # noqa: E731
-        used = np.unique(col_of("branch"))
+    def lane_switch(
+        rows: np.ndarray, lane: str, make: Callable[[int, str], Callable[..., Any]]
+    ) -> tuple[Any, set[int], set[str]]:
+        """One lane's switch for this phase: its branch index of each of the program's
+        branches (0: idle), the cells' kinds, and what its branches return."""
+        used = np.unique(rows[:, :, COL[f"{lane}_branch"]])
         kinds = {program.branches[b - 1][0] for b in used if b}
-        fields = {"send", "loss"} | {
-            name for kind, name in ((FORWARD, "stash"), (INPUT, "cross")) if kind in kinds
-        }
-        if WEIGHT in kinds:
+        fields = set()
+        if FORWARD in kinds:
+            fields |= {"send", "loss", "stash"}
+        if kinds & {INPUT, BACKWARD}:
+            fields.add("send")
+        if INPUT in kinds:
+            fields.add("cross")
+        if kinds & {WEIGHT, BACKWARD}:
             fields.add("grads")
         keep = lambda run: lambda *a: {k: v for k, v in run(*a).items() if k in fields}  # noqa: E731
-        branches = [keep(idle)] + [keep(branch(*program.branches[b - 1])) for b in used if b]
-        # this phase's branch index of each of the program's (0: idle)
+        branches = [keep(idle)] + [keep(make(*program.branches[b - 1])) for b in used if b]
         index = np.zeros(len(program.branches) + 1, dtype=np.int32)
         index[used] = np.arange(len(used)) if used[0] == 0 else np.arange(1, len(used) + 1)
+        return (jnp.asarray(index), branches), kinds, fields
+
+    def phase(rows: np.ndarray) -> Callable[..., tuple[Any, None]]:
+        """The tick body of one phase (``rows``: its ticks' tables): only the lanes, outputs,
+        buffer writes, gradient adds and shifts that some cell of the phase makes, every
+        other one zero at every tick of it (a write of nothing to the spare slot, an add of
+        zeros)."""
+        col_of = lambda name: rows[:, :, COL[name]]  # noqa: E731
+        f_switch, f_kinds, _ = lane_switch(rows, "f", lambda _, t: forward(t))
+        b_switch, b_kinds, b_fields = lane_switch(rows, "b", backward)
         sources = [
             (buf, src)
             for buf, src in program.sources
@@ -209,49 +252,64 @@ def run_pipeline(
         ]
         adds_held = holding and bool((col_of("held_read") != program.slots["held"]).any())
 
+        def shifted(send: jax.Array, srcs: set[str]) -> dict[str, jax.Array]:
+            """``send`` as it arrives from each source in ``srcs``."""
+            arriving = {"local": send}
+            if "left" in srcs:
+                arriving["left"] = lax.ppermute(send, "pp", right)
+            if "right" in srcs:  # pp 2: the same shift
+                again = p == 2 and "left" in srcs
+                arriving["right"] = arriving["left"] if again else lax.ppermute(send, "pp", left)
+            return arriving
+
         def tick(carry: Any, row_all: jax.Array) -> tuple[Any, None]:
             bufs, stashed, crossed, held, sums, loss_sum = carry
             row = row_all[me]
             col = lambda name: row[COL[name]]  # noqa: E731
-            local, mb = col("local"), col("mb")
-            p_local = (embed, _index(blocks, local), head)
-            data = _cast((_index(inputs, mb), _index(targets, mb)), axes)
-            x = _index(bufs["act"], col("act_read"))
-            g = _index(bufs["grad"], col("grad_read"))
-            # the branches read the stash and cross buffers in place: a row sliced here
-            # would be copied out at every tick, read or not
-            kept = (stashed, crossed)
-            slots = (col("stash_read"), col("cross_read"))
-            out = lax.switch(
-                jnp.asarray(index)[col("branch")], branches, p_local, data, x, g, kept, slots
-            )
-            if "stash" in out:
+            bufs = dict(bufs)
+            arrived = {}
+            if f_kinds:
+                mb = col("f_mb")
+                data = _cast((_index(inputs, mb), _index(targets, mb)), axes)
+                x = _index(bufs["act"], col("act_read"))
+                index, branches = f_switch
+                out = lax.switch(
+                    index[col("f_branch")], branches, stage_params(col("f_local")), data, x
+                )
                 stashed = {
                     k: _write(b, col("stash_write"), out["stash"][k]) for k, b in stashed.items()
                 }
-            if "cross" in out:
-                crossed = {
-                    k: _write(b, col("cross_write"), out["cross"][k]) for k, b in crossed.items()
-                }
-            if holding:  # every gradient passes through its held slot
-                if "grads" in out:
-                    held = _write_tree(held, col("held_write"), out["grads"])
-                if adds_held:  # the spare slot is zeros: nothing added
-                    sums = add(sums, col("held_local"), _index(held, col("held_read")))
-            elif "grads" in out:  # made in microbatch order: added as made
-                sums = add(sums, local, out["grads"])
-            send = out["send"]
-            arriving = {"local": send}
-            if any(src == "left" for _, src in sources):
-                arriving["left"] = lax.ppermute(send, "pp", right)
-            if any(src == "right" for _, src in sources):  # pp 2: the same shift
-                arriving["right"] = arriving.get("left") if p == 2 else None
-                if arriving["right"] is None:
-                    arriving["right"] = lax.ppermute(send, "pp", left)
-            bufs = dict(bufs)
+                loss_sum = loss_sum + out["loss"]
+                arrived["act"] = shifted(out["send"], {s for b, s in sources if b == "act"})
+            if b_kinds:
+                local, mb = col("b_local"), col("b_mb")
+                data = _cast((_index(inputs, mb), _index(targets, mb)), axes)
+                g = _index(bufs["grad"], col("grad_read"))
+                # the branches read the stash and cross buffers in place: a row sliced
+                # here would be copied out at every tick, read or not
+                kept = (stashed, crossed)
+                slots = (col("stash_read"), col("cross_read"))
+                index, branches = b_switch
+                out = lax.switch(
+                    index[col("b_branch")], branches, stage_params(local), data, g, kept, slots
+                )
+                if "cross" in out:
+                    crossed = {
+                        k: _write(b, col("cross_write"), out["cross"][k])
+                        for k, b in crossed.items()
+                    }
+                if holding:  # every gradient passes through its held slot
+                    if "grads" in out:
+                        held = _write_tree(held, col("held_write"), out["grads"])
+                elif "grads" in out:  # made in microbatch order: added as made
+                    sums = add(sums, local, out["grads"])
+                if "send" in b_fields:
+                    arrived["grad"] = shifted(out["send"], {s for b, s in sources if b == "grad"})
+            if adds_held:  # the spare slot is zeros: nothing added
+                sums = add(sums, col("held_local"), _index(held, col("held_read")))
             for buf, src in sources:
-                bufs[buf] = _write(bufs[buf], col(f"{buf}_from_{src}"), arriving[src])
-            return (bufs, stashed, crossed, held, sums, loss_sum + out["loss"]), None
+                bufs[buf] = _write(bufs[buf], col(f"{buf}_from_{src}"), arrived[buf][src])
+            return (bufs, stashed, crossed, held, sums, loss_sum), None
 
         return tick
 

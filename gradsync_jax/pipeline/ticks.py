@@ -1,25 +1,26 @@
 """A pipeline plan as one global tick grid, with every buffer slot assigned (docs/pipeline.md).
 
-In one SPMD program every device runs the same loop; at tick t pipeline rank r runs one cell of
-its stage work (a forward, an input gradient or a weight gradient) or nothing, and at the end
-of every tick each device's output moves one hop with ``ppermute``. The grid is the
-simulator's timeline with unit cells: ``simulate_pipeline(plan, forward=1, backward=2,
-weight=1, p2p=0)``, whose compute actions start at whole ticks and never overlap on a rank. A
-full backward (``B``) takes two ticks there and runs as its two halves, the input gradient in
-the first and the weight gradient in the second, so every cell costs about one forward
-(balanced ticks: a lockstep tick is as long as its longest cell). A value made at tick t is
-on its consumer at tick t + 1; the simulator starts a consumer no earlier, so every read finds
-its data.
+In one SPMD program every device runs the same loop; at tick t pipeline rank r runs up to two
+cells of its stage work, one per **lane**: a forward in the forward lane, and in the backward
+lane a full backward (``B``: input then weight gradient, one cell), an input gradient (``I``)
+or a weight gradient (``W``) as the plan splits them (zero bubble). At the end of every tick
+each lane's output (the forward's activations, the input gradient) moves one hop with
+``ppermute``. The grid is each rank's plan order run as soon as it can (``tick_grid``): a
+rank takes its next cell at the first tick where the values it reads are there, and the cell
+after it in the same tick when that one is of the other lane and ready too (1F1B's steady
+state: one forward and one backward per tick). A value made at tick t is on its consumer at
+tick t + 1, so every read finds its data.
 
 The values a cell leaves for a later one wait in fixed-size buffers, a slot each, held from
 the tick after the write through the last read: the stage inputs that have arrived (``act``),
 the output gradients that have arrived (``grad``), what a microbatch's forward keeps for its
-backward (``stash``: from the forward to the weight gradient, so a rank needs the plan's peak
-stash of slots) and what its input gradient leaves its weight gradient (``cross``). Slots
-are assigned per rank by interval colouring (optimal for intervals), and a buffer has the
-most slots any rank needs, plus one spare slot that the ticks which keep nothing write to (a
-write to a computed slot keeps XLA's update in place; a masked write would read the slot
-back and copy the whole buffer every tick).
+backward (``stash``: from the forward to the weight gradient, so a rank needs at most the
+plan's peak stash of slots) and what a split input gradient leaves its weight gradient
+(``cross``). A tick reads before it writes, so a slot read for the last time at t takes a
+new value at t. Slots are assigned per rank by interval colouring (optimal for intervals),
+and a buffer has the most slots any rank needs, plus one spare slot that the ticks which
+keep nothing write to (a write to a computed slot keeps XLA's update in place; a masked
+write would read the slot back and copy the whole buffer every tick).
 
 A stage adds its microbatches' weight gradients in microbatch order under every schedule
 (docs/design.md §17), as the torch executor does. Where a schedule runs them out of order
@@ -38,28 +39,27 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gradsync_core import Action, PipelinePlan, simulate_pipeline
+from gradsync_core import PipelinePlan
 
-IDLE, FORWARD, INPUT, WEIGHT = 0, 1, 2, 3  # the cell kinds
-KIND_NAMES = {FORWARD: "F", INPUT: "I", WEIGHT: "W"}
+IDLE, FORWARD, INPUT, WEIGHT, BACKWARD = 0, 1, 2, 3, 4  # the cell kinds
+KIND_NAMES = {FORWARD: "F", INPUT: "I", WEIGHT: "W", BACKWARD: "B"}
+LANES = ("f", "b")  # the forward lane, the backward lane (I, W or B)
 BUFFERS = ("act", "grad", "stash", "cross", "held")
 SOURCES = ("left", "right", "local")  # from rank r-1, from rank r+1, this rank's own output
 
 # Columns of the per-tick table. A read of "none" reads slot 0 and ignores it; a write of
 # "none" goes to the buffer's spare last slot (``TickProgram.slots[buf]``).
 COLUMNS = (
-    "branch",  # 0 idle, else 1 + the index of (kind, stage type) in TickProgram.branches
-    "kind",
-    "stage",
-    "local",  # the stage's place among this rank's stages (its row of the blocks)
-    "mb",
+    *(f"{lane}_{name}" for lane in LANES for name in ("branch", "kind", "local", "mb")),
+    # ``{lane}_branch``: 0 idle, else 1 + the index of (kind, stage type) in
+    # ``TickProgram.branches``; ``{lane}_local``: the stage's place among this rank's stages
     "act_read",  # forward: the slot of its input
-    "grad_read",  # input gradient: the slot of its output gradient (none: the loss's seed)
-    "stash_read",  # input and weight gradients
     "stash_write",  # forward
+    "grad_read",  # input gradient or backward: its output gradient's slot (none: the seed)
+    "stash_read",  # input and weight gradients, backward
     "cross_read",  # weight gradient
     "cross_write",  # input gradient
-    "held_write",  # weight gradient, where the gradients wait (TickProgram.slots["held"])
+    "held_write",  # weight gradient or backward, where the gradients wait
     "held_read",  # the held gradient added at this tick (none: the spare slot, all zeros)
     "held_local",  # the local stage it is added to
     *(f"{buf}_from_{src}" for buf in ("act", "grad") for src in SOURCES),
@@ -78,27 +78,38 @@ def stage_type(stage: int, num_stages: int) -> str:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Cell:
-    """What one rank computes in one tick."""
+    """What one rank computes in one lane of one tick."""
 
     kind: int
     stage: int
     microbatch: int
+
+    @property
+    def lane(self) -> int:
+        """0: the forward lane, 1: the backward lane."""
+        return 0 if self.kind == FORWARD else 1
+
+
+Tick = tuple[Cell | None, Cell | None]  # one rank's cells at one tick, by lane
+WORK = {FORWARD: 1, INPUT: 1, WEIGHT: 1, BACKWARD: 2}  # a cell's cost in forwards
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TickProgram:
     """A plan compiled for one SPMD loop: ``table[t, r]`` is rank r's row at tick t.
 
-    ``branches`` lists the (kind, stage type) pairs that occur (the switch's branches);
+    ``branches`` lists the (kind, stage type) pairs that occur (the switches' branches);
     ``slots`` the slot count of each buffer, its spare slot not counted (the step allocates
     ``slots + 1``); ``sources`` which (buffer, source) receives ever happen, so the step
     writes only those; ``peak`` each rank's most stashed microbatches (forward done, weight
-    gradient not yet): ``slots["stash"]`` is their maximum. ``slots["held"]`` is 0 where
-    every weight gradient runs in microbatch order (added as it is made: no ``held``
-    buffer); otherwise every weight gradient goes through it, and ``drain[j, r]`` is the
-    ``(held slot, local stage)`` rank r adds in the j-th step after the loop (the spare slot,
-    all zeros, once it has nothing left). ``phases`` cuts the ticks where the kinds of cell
-    that run change (``tick_phases``): the step runs one loop per phase.
+    gradient not yet, counted at the end of each tick): ``slots["stash"]`` is their maximum.
+    ``slots["held"]`` is 0 where every weight gradient runs in microbatch order (added as it
+    is made: no ``held`` buffer); otherwise every weight gradient goes through it, and
+    ``drain[j, r]`` is the ``(held slot, local stage)`` rank r adds in the j-th step after
+    the loop (the spare slot, all zeros, once it has nothing left). ``phases`` cuts the ticks
+    where the kinds of cell that run change (``tick_phases``): the step runs one loop per
+    phase. ``busy`` is each rank's work and ``length`` each tick's (its heaviest rank's), in
+    forwards (``WORK``).
     """
 
     pp: int
@@ -112,53 +123,97 @@ class TickProgram:
     stage_types: tuple[str, ...]
     local_index: tuple[int, ...]  # per stage: its place among its rank's stages
     peak: tuple[int, ...]
-    busy: tuple[int, ...]  # cells per rank
+    busy: tuple[int, ...]  # work per rank, in forwards
+    length: tuple[int, ...]  # work per tick: its heaviest rank's
     drain: np.ndarray  # (steps after the loop, pp, 2) int32: held slot, local stage
     phases: tuple[tuple[int, int], ...]  # (first tick, end tick): ``tick_phases``
 
     @property
     def bubble(self) -> float:
-        """Idle cells over all cells: the lockstep grid's bubble."""
-        return 1.0 - sum(self.busy) / (self.pp * self.ticks)
+        """Idle work over all work in lockstep (every tick as long as its heaviest rank)."""
+        return 1.0 - sum(self.busy) / (self.pp * sum(self.length))
+
+    def kinds(self, lane: int) -> np.ndarray:
+        """``(ticks, pp)``: the kind of each rank's cell in ``lane`` at each tick (0 idle)."""
+        return self.table[:, :, COL[f"{LANES[lane]}_kind"]]
 
 
-def tick_grid(plan: PipelinePlan) -> list[list[Cell | None]]:
-    """Each rank's cell at each tick: the unit-time simulation, a full backward as its two
-    halves.
+def tick_grid(plan: PipelinePlan) -> list[list[Tick]]:
+    """Each rank's cells at each tick, by lane: every rank runs its plan order, each cell at
+    the first tick where what it reads is there (made at an earlier tick), and the next cell
+    in the same tick too when it is of the other lane and ready.
 
-    A ``zero3`` plan's ``UNSHARD`` and ``RESHARD`` are no cells: the step gathers a rank's
-    stages before the loop and reduce-scatters their gradients after it (``sharded.py``).
+    A plan's ``B`` is one cell (its input and weight gradient together, one program), its
+    ``I`` and ``W`` two; an ``OVERLAP_F_B`` is its forward and its backward. A ``zero3``
+    plan's ``UNSHARD`` and ``RESHARD`` are no cells: the step gathers a rank's stages before
+    the loop and reduce-scatters their gradients after it (``sharded.py``).
     """
-    sim = simulate_pipeline(plan, forward=1, backward=2, weight=1, p2p=0)
-    ticks = int(sim.step_time)
-    grid: list[list[Cell | None]] = [[None] * ticks for _ in range(plan.pp)]
-    for rank, timed in enumerate(sim.actions):
-        for item in timed:
-            leaf: Action = item.action
-            if not leaf.is_compute:
-                continue
-            assert leaf.microbatch is not None and item.start == int(item.start)
-            start = int(item.start)
-            kinds = {"F": (FORWARD,), "I": (INPUT,), "W": (WEIGHT,), "B": (INPUT, WEIGHT)}
-            for offset, kind in enumerate(kinds[leaf.kind]):
-                assert grid[rank][start + offset] is None, "the simulator overlapped two cells"
-                grid[rank][start + offset] = Cell(
-                    kind=kind, stage=leaf.stage, microbatch=leaf.microbatch
-                )
+    kinds = {"F": FORWARD, "I": INPUT, "W": WEIGHT, "B": BACKWARD}
+    orders = [
+        [
+            Cell(kind=kinds[leaf.kind], stage=leaf.stage, microbatch=leaf.microbatch)
+            for action in plan.actions[rank]
+            if action.is_compute
+            for leaf in action.leaves
+            if leaf.microbatch is not None
+        ]
+        for rank in range(plan.pp)
+    ]
+    last = plan.num_stages - 1
+    made: dict[tuple[str, int, int], int] = {}  # ("f" | "dx" | "i", stage, mb) -> tick
+
+    def reads(cell: Cell) -> list[tuple[str, int, int]]:
+        s, mb = cell.stage, cell.microbatch
+        if cell.kind == FORWARD:
+            return [("f", s - 1, mb)] if s > 0 else []
+        if cell.kind == WEIGHT:
+            return [("i", s, mb)]
+        return [("f", s, mb)] + ([("dx", s + 1, mb)] if s < last else [])
+
+    def ready(cell: Cell, t: int) -> bool:
+        return all(made.get(key, t) < t for key in reads(cell))
+
+    grid: list[list[Tick]] = [[] for _ in range(plan.pp)]
+    place = [0] * plan.pp
+    limit = 2 * sum(map(len, orders)) + plan.pp + 1
+    t = 0
+    while any(place[r] < len(orders[r]) for r in range(plan.pp)):
+        if t >= limit:
+            raise AssertionError("the plan's orders wait on each other")  # check_actions
+        ran = []
+        for rank, order in enumerate(orders):
+            lanes: list[Cell | None] = [None, None]
+            while place[rank] < len(order):
+                cell = order[place[rank]]
+                if lanes[cell.lane] is not None or not ready(cell, t):
+                    break
+                lanes[cell.lane] = cell
+                place[rank] += 1
+            grid[rank].append((lanes[0], lanes[1]))
+            ran += [c for c in lanes if c is not None]
+        for cell in ran:
+            s, mb = cell.stage, cell.microbatch
+            if cell.kind == FORWARD:
+                made["f", s, mb] = t
+            if cell.kind in (INPUT, BACKWARD):
+                made["dx", s, mb] = t
+            if cell.kind == INPUT:
+                made["i", s, mb] = t
+        t += 1
     return grid
 
 
-def tick_phases(grid: Sequence[Sequence[Cell | None]]) -> tuple[tuple[int, int], ...]:
+def tick_phases(grid: Sequence[Sequence[Tick]]) -> tuple[tuple[int, int], ...]:
     """The ticks cut in at most three phases, ``(first tick, end tick)`` each: the warm-up
-    before any rank's first backward cell (forwards only), the ticks up to the last forward,
-    and the cool-down after it (backward cells only). The step runs each as its own loop,
-    whose body holds only what its cells make: no forward's stash in the cool-down, no
-    gradient in the warm-up (GPipe's two phases are all its forwards and all its
-    backwards)."""
+    before any rank's first backward-lane cell (forwards only), the ticks up to the last
+    forward, and the cool-down after it (backward-lane cells only). The step runs each as
+    its own loop, whose body holds only what its cells make: no forward's stash in the
+    cool-down, no gradient in the warm-up (GPipe's phases are its forwards, the one tick
+    where its last rank runs its last forward and first backward, and its backwards)."""
     ticks = len(grid[0])
-    kinds = [{cell.kind for row in grid if (cell := row[t]) is not None} for t in range(ticks)]
-    first_back = next((t for t, k in enumerate(kinds) if k - {FORWARD}), ticks)
-    last_forward = max((t for t, k in enumerate(kinds) if FORWARD in k), default=-1)
+    lanes = [{lane for row in grid for lane, c in enumerate(row[t]) if c} for t in range(ticks)]
+    first_back = next((t for t, used in enumerate(lanes) if 1 in used), ticks)
+    last_forward = max((t for t, used in enumerate(lanes) if 0 in used), default=-1)
     cuts = sorted({0, first_back, max(first_back, last_forward + 1), ticks})
     return tuple((a, b) for a, b in itertools.pairwise(cuts) if a < b)
 
@@ -173,9 +228,17 @@ def compile_ticks(plan: PipelinePlan) -> TickProgram:
     types = tuple(stage_type(s, n) for s in range(n))
     when: dict[tuple[int, int, int], tuple[int, int]] = {}  # (kind, stage, mb) -> (tick, rank)
     for rank in range(pp):
-        for t, cell in enumerate(grid[rank]):
-            if cell is not None:
-                when[cell.kind, cell.stage, cell.microbatch] = (t, rank)
+        for t, cells in enumerate(grid[rank]):
+            for cell in cells:
+                if cell is not None:
+                    when[cell.kind, cell.stage, cell.microbatch] = (t, rank)
+
+    def backward(s: int, mb: int) -> tuple[int, int]:
+        """When the (stage, microbatch)'s input gradient and weight gradient run."""
+        if (BACKWARD, s, mb) in when:
+            t = when[BACKWARD, s, mb][0]
+            return t, t
+        return when[INPUT, s, mb][0], when[WEIGHT, s, mb][0]
 
     # Every value that waits: (buffer, rank, first tick held, read tick, key), plus where a
     # received one comes from. Keys: (stage, microbatch, 0).
@@ -184,24 +247,27 @@ def compile_ticks(plan: PipelinePlan) -> TickProgram:
     for s in range(n):
         for mb in range(m):
             tf, rank = when[FORWARD, s, mb]
-            ti, _ = when[INPUT, s, mb]
-            tw, _ = when[WEIGHT, s, mb]
-            assert tf < ti < tw, (s, mb)
-            intervals.append(("stash", rank, tf + 1, tw, (s, mb, 0)))
-            intervals.append(("cross", rank, ti + 1, tw, (s, mb, 0)))
+            ti, tw = backward(s, mb)
+            assert tf < ti <= tw, (s, mb)
+            # from its write: the slot of a stash that a backward reads for the last time at
+            # the forward's tick is not this one's (the forward writes first)
+            intervals.append(("stash", rank, tf, tw, (s, mb, 0)))
+            if ti < tw:
+                intervals.append(("cross", rank, ti + 1, tw, (s, mb, 0)))
             if s > 0:  # the previous stage's output, written at the end of its tick
                 tp, src_rank = when[FORWARD, s - 1, mb]
                 intervals.append(("act", rank, tp + 1, tf, (s, mb, 0)))
                 arrivals.append(("act", tp, rank, _source(src_rank, rank, pp), (s, mb, 0)))
             if s < n - 1:  # the next stage's input gradient
-                tn, src_rank = when[INPUT, s + 1, mb]
+                tn, _ = backward(s + 1, mb)
+                src_rank = ranks[s + 1]
                 intervals.append(("grad", rank, tn + 1, ti, (s, mb, 0)))
                 arrivals.append(("grad", tn, rank, _source(src_rank, rank, pp), (s, mb, 0)))
-    adds = {rank: _microbatch_order(grid[rank]) for rank in range(pp)}
-    if any(t != when[WEIGHT, s, mb][0] for added in adds.values() for t, s, mb in added):
+    adds = {rank: _microbatch_order([cells[1] for cells in grid[rank]]) for rank in range(pp)}
+    if any(t != backward(s, mb)[1] for added in adds.values() for t, s, mb in added):
         for rank, added in adds.items():
             for t, s, mb in added:
-                intervals.append(("held", rank, when[WEIGHT, s, mb][0], t, (s, mb, 0)))
+                intervals.append(("held", rank, backward(s, mb)[1], t, (s, mb, 0)))
     slot_of: dict[tuple[str, tuple[int, int, int]], int] = {}
     slots = {}
     for buf in BUFFERS:
@@ -214,7 +280,7 @@ def compile_ticks(plan: PipelinePlan) -> TickProgram:
         slots[buf] = most
 
     branches = sorted(
-        {(cell.kind, types[cell.stage]) for row in grid for cell in row if cell is not None}
+        {(c.kind, types[c.stage]) for row in grid for cells in row for c in cells if c}
     )
     branch_of = {b: i + 1 for i, b in enumerate(branches)}
     table = np.zeros((ticks, pp, len(COLUMNS)), dtype=np.int32)
@@ -235,27 +301,29 @@ def compile_ticks(plan: PipelinePlan) -> TickProgram:
                 else:
                     drain[t - ticks, rank] = (slot, local[s])
     for rank in range(pp):
-        for t, cell in enumerate(grid[rank]):
-            if cell is None:
-                continue
-            s, mb = cell.stage, cell.microbatch
-            row = table[t, rank]
-            row[COL["branch"]] = branch_of[cell.kind, types[s]]
-            row[COL["kind"]] = cell.kind
-            row[COL["stage"]] = s
-            row[COL["local"]] = local[s]
-            row[COL["mb"]] = mb
-            if cell.kind == FORWARD:
-                row[COL["act_read"]] = slot_of.get(("act", (s, mb, 0)), 0)
-                row[COL["stash_write"]] = slot_of["stash", (s, mb, 0)]
-            elif cell.kind == INPUT:
+        for t, cells in enumerate(grid[rank]):
+            for cell in cells:
+                if cell is None:
+                    continue
+                s, mb, kind = cell.stage, cell.microbatch, cell.kind
+                row = table[t, rank]
+                lane = LANES[cell.lane]
+                row[COL[f"{lane}_branch"]] = branch_of[kind, types[s]]
+                row[COL[f"{lane}_kind"]] = kind
+                row[COL[f"{lane}_local"]] = local[s]
+                row[COL[f"{lane}_mb"]] = mb
+                if kind == FORWARD:
+                    row[COL["act_read"]] = slot_of.get(("act", (s, mb, 0)), 0)
+                    row[COL["stash_write"]] = slot_of["stash", (s, mb, 0)]
+                    continue
                 row[COL["stash_read"]] = slot_of["stash", (s, mb, 0)]
-                row[COL["grad_read"]] = slot_of.get(("grad", (s, mb, 0)), 0)
-                row[COL["cross_write"]] = slot_of["cross", (s, mb, 0)]
-            else:
-                row[COL["stash_read"]] = slot_of["stash", (s, mb, 0)]
-                row[COL["cross_read"]] = slot_of["cross", (s, mb, 0)]
-                if slots["held"]:
+                if kind in (INPUT, BACKWARD):
+                    row[COL["grad_read"]] = slot_of.get(("grad", (s, mb, 0)), 0)
+                if kind == INPUT:
+                    row[COL["cross_write"]] = slot_of["cross", (s, mb, 0)]
+                if kind == WEIGHT:
+                    row[COL["cross_read"]] = slot_of["cross", (s, mb, 0)]
+                if kind in (WEIGHT, BACKWARD) and slots["held"]:
                     row[COL["held_write"]] = slot_of["held", (s, mb, 0)]
     sources = set()
     for buf, t, rank, src, key in arrivals:
@@ -267,8 +335,9 @@ def compile_ticks(plan: PipelinePlan) -> TickProgram:
         for s in range(n):
             if ranks[s] == rank:
                 for mb in range(m):
-                    held[when[FORWARD, s, mb][0] : when[WEIGHT, s, mb][0]] += 1
+                    held[when[FORWARD, s, mb][0] : backward(s, mb)[1] + 1] += 1
         peak.append(int(held.max()))
+    work = [[sum(WORK[c.kind] for c in cells if c) for cells in row] for row in grid]
     return TickProgram(
         pp=pp,
         num_stages=n,
@@ -281,7 +350,8 @@ def compile_ticks(plan: PipelinePlan) -> TickProgram:
         stage_types=types,
         local_index=tuple(local),
         peak=tuple(peak),
-        busy=tuple(sum(c is not None for c in row) for row in grid),
+        busy=tuple(sum(row) for row in work),
+        length=tuple(max(col) for col in zip(*work, strict=True)),
         drain=drain,
         phases=tick_phases(grid),
     )
@@ -307,7 +377,7 @@ def _microbatch_order(cells: Sequence[Cell | None]) -> list[tuple[int, int, int]
         return True
 
     for t, cell in enumerate(cells):
-        if cell is not None and cell.kind == WEIGHT:
+        if cell is not None and cell.kind in (WEIGHT, BACKWARD):
             s, mb = cell.stage, cell.microbatch
             if following.get(s, 0) == mb:
                 following[s] = mb + 1

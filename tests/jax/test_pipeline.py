@@ -33,6 +33,7 @@ from gradsync_jax.pipeline import (
     save_pipeline,
     sequential_params,
 )
+from gradsync_jax.pipeline.ticks import BACKWARD, INPUT, WEIGHT
 from tests.jax.pipeline_problem import (
     MODEL,
     STEPS,
@@ -212,7 +213,9 @@ def test_zero1_equals_unpipelined() -> None:
 )
 def test_ticks_hold_the_plans_stash(schedule: str, pp: int) -> None:
     """The tick grid keeps every microbatch from its forward to its weight gradient, so each
-    rank's peak stash is the plan's, and the stash buffer has exactly the largest of them:
+    rank holds the plan's peak stash, or one more in a tick whose forward writes while its
+    backward lane reads the last of another (the forward writes first: the slot it takes is
+    not the one being read), and the stash buffer has exactly the most any rank holds:
     1F1B's does not grow with m, GPipe's is m."""
     v = 1 if schedule in ("GPipe", "1F1B") else 2
     slots = []
@@ -227,13 +230,13 @@ def test_ticks_hold_the_plans_stash(schedule: str, pp: int) -> None:
             output_weight=0,
         )
         program = compile_ticks(plan)
-        assert program.peak == plan.peak_stash
-        assert program.slots["stash"] == max(plan.peak_stash)
+        assert all(0 <= a - b <= 1 for a, b in zip(program.peak, plan.peak_stash, strict=True))
+        assert program.slots["stash"] == max(program.peak)
         table = program.table
         assert table.shape[:2] == (program.ticks, pp)
         slots.append(program.slots["stash"])
     if schedule == "1F1B":
-        assert slots == [pp] * 3
+        assert slots == [pp + 1] * 3
     if schedule == "GPipe":
         assert slots == [2 * pp, 4 * pp, 8 * pp]
 
@@ -244,7 +247,8 @@ def test_ticks_hold_the_plans_stash(schedule: str, pp: int) -> None:
 def test_ticks_run_in_phases(schedule: str) -> None:
     """The step runs the ticks as one scan per phase, each body holding only what its cells
     make: the phases cover the ticks in order, the first runs forwards only and the last (of
-    two or more) no forward; GPipe's are its m + pp - 1 forward ticks, then its backwards."""
+    two or more) no forward; GPipe's are its m + pp - 2 forward-only ticks, the tick where
+    its last rank runs its last forward and its first backward, then its backwards."""
     pp, m = 4, 8
     v = 1 if schedule in ("GPipe", "1F1B", "ZB1P") else 2
     plan = plan_pipeline(
@@ -261,11 +265,43 @@ def test_ticks_run_in_phases(schedule: str) -> None:
     assert phases[0][0] == 0 and phases[-1][1] == program.ticks
     assert all(a < b for a, b in phases)
     assert all(b == c for (_, b), (c, _) in itertools.pairwise(phases))
-    kind = program.table[:, :, 1]  # ticks.COLUMNS[1]: 0 idle, 1 forward, 2 input, 3 weight
-    assert set(np.unique(kind[slice(*phases[0])])) == {0, 1}
-    assert len(phases) > 1 and 1 not in set(np.unique(kind[slice(*phases[-1])]))
+    forward, backward = program.kinds(0), program.kinds(1)
+    assert set(np.unique(forward[slice(*phases[0])])) == {0, 1}
+    assert set(np.unique(backward[slice(*phases[0])])) == {0}
+    assert len(phases) > 1 and set(np.unique(forward[slice(*phases[-1])])) == {0}
     if schedule == "GPipe":
-        assert phases == ((0, m + pp - 1), (m + pp - 1, program.ticks))
+        assert phases == ((0, m + pp - 2), (m + pp - 2, m + pp - 1), (m + pp - 1, program.ticks))
+
+
+@pytest.mark.parametrize(
+    ("schedule", "ticks", "stash"),
+    [("GPipe", 2 * (8 + 4 - 1) - 1, 8), ("1F1B", 20, 5), ("ZB1P", 23, 5)],
+)
+def test_ticks_run_a_forward_and_a_backward(schedule: str, ticks: int, stash: int) -> None:
+    """A tick runs one cell per lane: a rank's next forward and its next backward-lane cell
+    (1F1B's steady state on the first ranks), a plan's ``B`` as one cell (its input and
+    weight gradient together, no cross row between them). At pp 4, m = 8: GPipe's 11
+    forward ticks and 11 backward ticks share one, 1F1B runs in 20 ticks (33 as unit cells),
+    ZB1P in 23 (27); the stash keeps its slots flat (the forward writes before the backward
+    reads, into another slot)."""
+    plan = plan_pipeline(
+        schedule=schedule,
+        microbatches=8,
+        topology=Topology(pp=4),
+        layers=4,
+        stages_per_rank=1,
+        input_weight=0,
+        output_weight=0,
+    )
+    program = compile_ticks(plan)
+    assert program.ticks == ticks
+    assert program.slots["stash"] == stash
+    forward, backward = program.kinds(0), program.kinds(1)
+    both = (forward != 0) & (backward != 0)
+    assert both.any()
+    split = schedule == "ZB1P"
+    assert set(np.unique(backward)) == ({0, INPUT, WEIGHT} if split else {0, BACKWARD})
+    assert program.slots["cross"] == (4 if split else 0)
 
 
 def temp_bytes(schedule: str, m: int, stash: str, pp: int = 4) -> int:
@@ -306,7 +342,8 @@ def test_memory_in_m(stash: str) -> None:
     assert one[0] == one[1] == one[2]
     assert gpipe[0] < gpipe[1] < gpipe[2]
     per_microbatch = (gpipe[1] - gpipe[0]) / 8, (gpipe[2] - gpipe[1]) / 16
-    assert per_microbatch[1] == pytest.approx(per_microbatch[0], rel=0.01)
+    # (the tiny model keeps ~1.8 KB per microbatch: the alignment is a few per cent of it)
+    assert abs(per_microbatch[1] - per_microbatch[0]) <= 64
     assert one[2] < gpipe[2]
 
 
