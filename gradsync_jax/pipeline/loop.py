@@ -27,8 +27,8 @@ the forward lane wrote its stash row (read first, XLA copied the stash buffer tw
 tick; the slot written is never the one read, ``ticks.py``). What the branches write cannot
 move into them: XLA copies every buffer that a branch passes through unchanged, at every
 tick. A whole backward runs the input-gradient program, then the weight-gradient program
-behind ``lax.optimization_barrier`` (one per value): nothing fused across them, it rounds as the two halves
-do in ticks of their own.
+behind ``lax.optimization_barrier`` (one per value): nothing fused across them, it rounds as
+the two halves do in ticks of their own.
 """
 
 from __future__ import annotations
