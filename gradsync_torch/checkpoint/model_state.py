@@ -14,7 +14,7 @@ module as it was.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 
 import torch
 from safetensors import safe_open
@@ -36,9 +36,17 @@ from gradsync_torch.checkpoint.state_values import ValuePolicy, check_finite_wei
 from gradsync_torch.param_sharding._rows import local_rows
 
 
-def model_weights(module: nn.Module) -> dict[str, torch.Tensor]:
-    """``module``'s parameters by name, each shared tensor once, detached on the CPU."""
-    return {name: p.detach().cpu().contiguous() for name, p in module.named_parameters()}
+def model_weights(
+    module: nn.Module, names: Container[str] | None = None, *, to_host: bool = True
+) -> dict[str, torch.Tensor]:
+    """``module``'s parameters by name, each shared tensor once, detached: on the CPU, or
+    where they are with ``to_host=False`` (a save that stages them copies them to the host
+    once, into its pinned buffer). ``names``: only these (a rank's own weights)."""
+    return {
+        name: p.detach().cpu().contiguous() if to_host else p.detach()
+        for name, p in module.named_parameters()
+        if names is None or name in names
+    }
 
 
 def rank_weights(

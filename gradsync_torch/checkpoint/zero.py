@@ -146,11 +146,17 @@ class _Prepared(NamedTuple):
 
 
 def _rank_state(
-    pieces: Sequence[StatePiece], names: Sequence[str], plan: ShardPlan, rank: int
+    pieces: Sequence[StatePiece],
+    names: Sequence[str],
+    plan: ShardPlan,
+    rank: int,
+    *,
+    to_host: bool = True,
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, list[str]]]:
     """This rank's tensors, 0-d state as JSON numbers (as gradsync_jax stores Optax's count)
     and state keys, by checkpoint name. Every trainable parameter this rank owns gets a
-    ``state_keys`` entry, empty when it has no state yet (it never received a gradient)."""
+    ``state_keys`` entry, empty when it has no state yet (it never received a gradient).
+    ``to_host=False`` leaves the tensors where they are, for ``STAGING.stage`` to copy."""
     tensors: dict[str, torch.Tensor] = {}
     scalars: dict[str, Any] = {}
     state_keys: dict[str, list[str]] = {s.name: [] for s in plan.shards if s.rank == rank}
@@ -160,7 +166,8 @@ def _rank_state(
             if value is None:
                 continue
             if torch.is_tensor(value) and value.dim() >= 1:
-                tensors[tensor_key(name, key)] = value.detach().cpu().contiguous()
+                value = value.detach()
+                tensors[tensor_key(name, key)] = value.cpu().contiguous() if to_host else value
             else:
                 scalars[tensor_key(name, key)] = to_json(value, f"state {key!r} of {name!r}")
             keys.append(key)
@@ -176,16 +183,22 @@ def weight_owners_of(snapshot: Snapshot) -> dict[str, int]:
     return model_owners(snapshot.plan, names)
 
 
-def _prepare(snapshot: Snapshot, rank: int) -> _Prepared:
+def _prepare(snapshot: Snapshot, rank: int, *, to_host: bool = True) -> _Prepared:
+    """This rank's tensors and record; ``to_host=False``: the tensors left on their device
+    (a GPU's included) for the staging copy, the one copy to the host a background save
+    makes (copying each to the CPU first took 0.11 of 0.19 s per 288 MiB save on a GPU)."""
     groups = groups_json(snapshot.param_groups, snapshot.names)
-    tensors, scalars, state_keys = _rank_state(snapshot.pieces, snapshot.names, snapshot.plan, rank)
+    tensors, scalars, state_keys = _rank_state(
+        snapshot.pieces, snapshot.names, snapshot.plan, rank, to_host=to_host
+    )
     owners = None
     if snapshot.model is not None or snapshot.weight_owners is not None:
+        owners = weight_owners_of(snapshot)
         weights = snapshot.weights
         if weights is None:
             assert snapshot.model is not None
-            weights = model_weights(snapshot.model)
-        owners = weight_owners_of(snapshot)
+            mine = {name for name, owner in owners.items() if owner == rank}
+            weights = model_weights(snapshot.model, mine, to_host=to_host)
         tensors.update(rank_weights(weights, owners, rank))
     return _Prepared(tensors, {"state_keys": state_keys, "scalars": scalars}, groups, owners)
 
@@ -276,7 +289,7 @@ def save(
     background = background_ranks(ranks)
 
     def stage() -> _Prepared:
-        prepared = _prepare(snapshot, ranks.rank)
+        prepared = _prepare(snapshot, ranks.rank, to_host=False)
         return prepared._replace(tensors=STAGING.stage(prepared.tensors))
 
     staged = replace(
