@@ -483,7 +483,7 @@ def test_zero3_with_overlap_hides_all_but_the_first_gather_and_the_last_reduce()
     ag, rs = m.time("all_gather", MIB, n), m.time("reduce_scatter", MIB, n)
     cost = predict_zero3(plan, machine=m, model=model(units), topology=Topology.create(n))
     assert cost.step_s == pytest.approx(ag + 4e-3 + ag + 8e-3 + rs)
-    gathers = [c for c in cost.comms if c.collective == "all_gather"]
+    gathers = [c for c in cost.comms if c.what.startswith("unit") and c.collective == "all_gather"]
     assert len(gathers) == 2 * units  # forward and again for the backward
     assert cost.ranks[0].memory == estimate_zero3(plan).ranks[0]
 
@@ -511,11 +511,73 @@ def test_hsdp_all_reduces_each_shard_over_the_replicas():
         specs, Configuration(zero=3, dp_shard=2), world_size=8, machine=machine(), model=model(2)
     )
     assert p.param_shards.shard_size == 2 and p.param_shards.replicate_size == 4
-    replicas = [c for c in p.cost.comms if c.group == "dp_replicate"]
+    replicas = [c for c in p.cost.comms if c.group == "dp_replicate" and c.what.startswith("unit")]
     assert len(replicas) == 2
     assert {(c.collective, c.group_size, c.nbytes) for c in replicas} == {
         ("all_reduce", 4, MIB // 2)
     }
+
+
+def _zero3_keep(units, world_size, dp_shard=None, **machine_figures):
+    """ZeRO-3 with overlap (fully_shard) and ``reshard_after_forward=False``, blocks of no
+    compute: every collective costs its latency alone."""
+    specs = layers(units)
+    prefixes = [f"layers.{i}" for i in range(units)]
+    plan = plan_param_shards(specs, world_size=world_size, units=prefixes, dp_shard=dp_shard)
+    m = machine(latency=1e-4, bandwidth=1e30, **machine_figures)
+    topology = Topology.create(world_size, dp_shard=dp_shard)
+    return predict_zero3(
+        plan,
+        machine=m,
+        model=model(units, forward=0.0, backward=0.0),
+        topology=topology,
+        reshard_after_forward=False,
+    )
+
+
+def test_hsdp_agrees_on_every_collective_with_a_blocking_all_gather_behind_its_channel():
+    """fully_shard under HSDP checks each collective: a 32-byte all-gather per rank over the
+    group it agrees on, waited for, queued behind that group's collectives in flight. Two
+    units of 2 shards x 2 replicas, every collective (and check) one latency ``a``: gather 0
+    [a, 2a] after its check [0, a]; unit 1's prefetch after unit 0 is in (check [2a, 3a],
+    gather [3a, 4a]); the backward: reduce-scatter 1 (check [4a, 5a], [5a, 6a]); unit 0
+    waits for it, then all-reduces it over the replicas (check [6a, 7a], [7a, 8a]) beside its
+    own reduce-scatter (check [7a, 8a], [8a, 9a]); then its all-reduce (check [9a, 10a],
+    [10a, 11a])."""
+    a = 1e-4
+    cost = _zero3_keep(2, 4, dp_shard=2)
+    assert cost.step_s == pytest.approx(11 * a)
+    checks = [c for c in cost.comms if c.what.startswith("agreement")]
+    assert len(checks) == 6  # one per collective
+    assert {(c.collective, c.nbytes, c.group_size) for c in checks} == {("all_gather", 64, 2)}
+    assert sorted(c.group for c in checks).count("dp_replicate") == 2
+
+
+def test_zero3_without_hsdp_agrees_once_at_the_backwards_start_and_once_at_its_end():
+    """Without HSDP fully_shard checks each phase once: two blocking all-gathers. Forward
+    gathers [0, a], [a, 2a]; the check [2a, 3a]; reduce-scatters [3a, 4a], [4a, 5a]; the
+    check [5a, 6a]."""
+    a = 1e-4
+    cost = _zero3_keep(2, 2)
+    assert cost.step_s == pytest.approx(6 * a)
+    checks = [c for c in cost.comms if c.what.startswith("agreement")]
+    assert [(c.start_s, c.nbytes) for c in checks] == [
+        (pytest.approx(2 * a), 64),
+        (pytest.approx(5 * a), 64),
+    ]
+    # without overlap (one XLA program) nothing is checked
+    specs = layers(2)
+    plan = plan_param_shards(specs, world_size=2, units=["layers.0", "layers.1"])
+    compiled = predict_zero3(
+        plan,
+        machine=machine(latency=a, bandwidth=1e30),
+        model=model(2, forward=0.0, backward=0.0),
+        topology=Topology.create(2),
+        reshard_after_forward=False,
+        overlap=False,
+    )
+    assert compiled.step_s == pytest.approx(4 * a)
+    assert not [c for c in compiled.comms if c.what.startswith("agreement")]
 
 
 # -- the pipeline: the simulator's ticks --------------------------------------------------

@@ -9,7 +9,21 @@ gradients are copied into the reduce-scatter's input and reduce-scattered over t
 and, under HSDP, the shard all-reduced over the replicas on their own channel; the root reduces
 once the whole backward is done. Without overlap (one XLA program on the CPU) every collective
 is waited for where it is issued. Once every gradient is reduced the step's bookkeeping (the
-machine's ``step_host_s["zero3"]``: the agreement checks) runs, then the optimizer.
+machine's ``step_host_s["zero3"]``) runs, then the optimizer.
+
+With overlap the step is ``fully_shard``'s (gradsync_torch), which does more on the rank's
+thread than issue its collectives:
+
+- a unit's own gather is waited for before the next unit's prefetch is issued (its forward
+  and pre-backward hooks), and issuing a reduce-scatter first waits for the one before it (at
+  most one unit's send buffer waits at a time, as in FSDP2); under HSDP a unit's all-reduce
+  over the replicas is issued when its reduce-scatter is waited for there, or at the
+  backward's end;
+- the runtime agreement (gradsync_torch ``param_sharding/_agreement.py``): each check is one
+  blocking all-gather of a 32-byte digest per rank over the group it agrees on, queued on that
+  group's channel behind the collectives in flight (gloo runs a group's collectives in
+  order). Under HSDP every collective is checked, each over its own group; without HSDP the
+  ranks check once at the backward's start and once at its end (``AGREEMENT_BYTES``).
 """
 
 from __future__ import annotations
@@ -38,6 +52,8 @@ from gradsync_core.plan.cost._timeline import (
     profile_at,
     rank_costs,
 )
+
+AGREEMENT_BYTES = 32  # a SHA-256 digest: what each rank sends in one runtime agreement check
 
 
 def predict_zero3(
@@ -153,7 +169,9 @@ def _units_of_blocks(plan: ParamShardPlan, model: ModelProfile) -> list[int]:
 
 class _Walk:
     """One ZeRO-3 step: gathers and reduce-scatters on the shard group's channel, HSDP's
-    all-reduces on the replicate group's, compute on the rank."""
+    all-reduces on the replicate group's, compute on the rank. With ``overlap`` the rank
+    follows ``fully_shard``'s hooks (the module's docstring); without, each collective is
+    waited for where it is issued."""
 
     def __init__(
         self,
@@ -164,9 +182,13 @@ class _Walk:
         overlap: bool,
         prefetch: int,
     ) -> None:
+        self.machine = machine
         self.n, self.replicas = plan.shard_size, plan.replicate_size
         self.overlap = overlap
         self.prefetch = prefetch if overlap else 0
+        # fully_shard checks each collective under HSDP, else once per phase
+        self.agree_each = overlap and self.replicas > 1
+        self.agree_phases = overlap and self.replicas == 1 and self.n > 1
         self.shard_level = level(machine, topology, "dp_shard")
         self.replicate_level = level(machine, topology, "dp_replicate")
         self.gathered = [plan.unit_padded_nbytes(u.index) * self.n for u in plan.units]
@@ -174,9 +196,31 @@ class _Walk:
         self.roots = {u.index for u in plan.units if u.prefix == ROOT}
         self.shard, self.replicate = Channel(), Channel()
         self.rank = Rank(machine)
+        self.in_flight: tuple[int, float] | None = None  # the reduce-scatter not waited for
+
+    def agree(self, replicate: bool, before: str) -> None:
+        """One runtime agreement check: a blocking all-gather of ``AGREEMENT_BYTES`` per rank
+        over the shard group (or the replicate group), behind what that channel runs."""
+        size = self.replicas if replicate else self.n
+        if size == 1:
+            return
+        channel = self.replicate if replicate else self.shard
+        where = self.replicate_level if replicate else self.shard_level
+        group = "dp_replicate" if replicate else "dp_shard"
+        nbytes = AGREEMENT_BYTES * size
+        link = self.machine.link(ALL_GATHER, size, where)
+        rank = self.rank
+        rank.compute(link.issue_time(nbytes))
+        what = f"agreement before {before}"
+        end = rank.collective(
+            channel, what, ALL_GATHER, group, size, nbytes, where, ready=rank.t, mine=False
+        )
+        rank.wait(end)
 
     def gather(self, unit: int, phase: str) -> float:
         what = f"unit {unit} all-gather ({phase})"
+        if self.agree_each:
+            self.agree(False, what)
         return self.rank.collective(
             self.shard, what, ALL_GATHER, "dp_shard", self.n, self.gathered[unit], self.shard_level
         )
@@ -187,30 +231,56 @@ class _Walk:
         self.rank.copy(self.gathered[unit])
 
     def reduce(self, unit: int) -> None:
+        """A unit's backward is done: reduce-scatter its gradients (with overlap, after
+        waiting for the reduce-scatter before it: ``fully_shard``'s ``start_reduce``)."""
         rank = self.rank
+        if self.overlap:
+            self.finish_reduce()
         rank.copy(self.grads[unit] * self.n)  # the gradients into the reduce-scatter's input
+        what = f"unit {unit} reduce-scatter"
+        if self.agree_each:
+            self.agree(False, what)
         end = rank.collective(
             self.shard,
-            f"unit {unit} reduce-scatter",
+            what,
             REDUCE_SCATTER,
             "dp_shard",
             self.n,
             self.grads[unit] * self.n,
             self.shard_level,
         )
+        if self.overlap:
+            self.in_flight = (unit, end)
+            return
         if self.replicas > 1:
-            end = rank.collective(
-                self.replicate,
-                f"unit {unit} all-reduce",
-                ALL_REDUCE,
-                "dp_replicate",
-                self.replicas,
-                self.grads[unit],
-                self.replicate_level,
-                ready=end,
-            )
-        if not self.overlap:
-            rank.wait(end)
+            end = self.all_reduce(unit, end)
+        rank.wait(end)
+
+    def all_reduce(self, unit: int, ready: float) -> float:
+        """HSDP: the unit's reduce-scattered shard all-reduced over the replicas."""
+        what = f"unit {unit} all-reduce"
+        if self.agree_each:
+            self.agree(True, what)
+        return self.rank.collective(
+            self.replicate,
+            what,
+            ALL_REDUCE,
+            "dp_replicate",
+            self.replicas,
+            self.grads[unit],
+            self.replicate_level,
+            ready=ready,
+        )
+
+    def finish_reduce(self) -> None:
+        """Wait for the reduce-scatter in flight; under HSDP issue its all-reduce."""
+        if self.in_flight is None:
+            return
+        unit, end = self.in_flight
+        self.in_flight = None
+        self.rank.wait(end)
+        if self.replicas > 1:
+            self.all_reduce(unit, end)
 
     def run(self, model: ModelProfile, unit_of_block: Sequence[int], reshard: bool) -> None:
         """Forward then backward, in FSDP2's gather, prefetch and reduce order."""
@@ -219,6 +289,8 @@ class _Walk:
             if self.gathered[unit]:
                 self.use(unit, self.gather(unit, "forward"))
         self._phase(model, unit_of_block, order, {}, "forward", range(len(model.blocks)))
+        if self.agree_phases:  # the first pre-backward: the forward's check
+            self.agree(False, "the backward")
         backward = list(reversed(order))
         again: dict[int, float] = {} if reshard else {u: -1.0 for u in order}
         first = {u: unit_of_block.index(u) for u in order}
@@ -227,6 +299,10 @@ class _Walk:
         for unit in sorted(self.roots):  # the root reduces once the whole backward is done
             if self.grads[unit]:
                 self.reduce(unit)
+        self.finish_reduce()
+        if self.agree_phases:  # the backward's check, once its collectives are done
+            self.rank.wait(self.synced)
+            self.agree(False, "the optimizer step")
 
     def _phase(
         self,
@@ -244,16 +320,21 @@ class _Walk:
             unit = unit_of_block[index]
             block = model.blocks[index]
             seconds = block.forward_s if phase == "forward" else block.backward_s
-            if unit not in self.roots:
-                # its own gather (if not prefetched), then the prefetch of the next ones
-                while issued < min(order.index(unit) + 1 + self.prefetch, len(order)):
+            if unit not in self.roots and unit not in used:
+                # its own gather (if not prefetched), waited for; then the prefetch of the
+                # next ones, as fully_shard's pre-forward and pre-backward hooks do
+                position = order.index(unit)
+                while issued <= position:
                     if order[issued] not in ready:
                         ready[order[issued]] = self.gather(order[issued], phase)
                     issued += 1
-                if unit not in used:
-                    used.add(unit)
-                    if ready[unit] >= 0:  # -1: kept from the forward, nothing to wait for
-                        self.use(unit, ready[unit])
+                used.add(unit)
+                if ready[unit] >= 0:  # -1: kept from the forward, nothing to wait for
+                    self.use(unit, ready[unit])
+                while issued < min(position + 1 + self.prefetch, len(order)):
+                    if order[issued] not in ready:
+                        ready[order[issued]] = self.gather(order[issued], phase)
+                    issued += 1
             self.rank.compute(seconds)
             if reduce_after is not None and reduce_after.get(unit) == index:
                 self.reduce(unit)
