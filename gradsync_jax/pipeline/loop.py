@@ -1,9 +1,10 @@
 """The tick loop: one pipeline step inside ``shard_map``, every device the same program.
 
 A ``lax.scan`` over the plan's ticks (``ticks.py``). At tick t the device reads its row of the
-table (``lax.axis_index("pp")``) and runs up to two cells, one per lane, each through its
-own ``lax.switch``: the forward lane (idle, or the forward of its stage's type) and the
-backward lane (idle, a whole backward, an input or a weight gradient, ``split.py``). It writes
+table (``lax.axis_index("pp")``) and runs up to three cells, one per lane, each through its
+own ``lax.switch``: the forward lane (idle, or the forward of its stage's type), the
+backward lane (idle, a whole backward or an input gradient, ``split.py``) and the weight
+lane (idle or a weight gradient; a phase without one has no weight lane). It writes
 what the cells leave into their buffer slots, adds its parameter gradients to its stage's
 sum, and sends each lane's output one hop with ``ppermute``; the neighbour that the table
 names keeps it. Gradients are added in microbatch order: where the plan makes one early
@@ -15,9 +16,11 @@ the microbatches (a tick is one body, m = 32 has ~70 ticks at pp 4), and its mem
 carried buffers, whose slots are the plan's stash, nothing XLA could schedule otherwise.
 
 What a tick costs beyond its cells: a switch's branches all return the same values, so a
-branch returns zeros for what its cell does not make (a forward, the weight gradient's
-parameter-sized sums; a backward, the forward's stash row) and the tick writes them into the
-spare slots and adds them. So the ticks run as up to three loops, one per phase of the plan
+branch returns zeros for what its cell does not make (an idle forward lane, a stash row; an
+idle weight lane, the parameter-sized gradients) and the tick writes them into the spare
+slots and adds them. The weight gradient has a lane of its own for this too: in the
+backward lane an input gradient would return zero gradients and a weight gradient a zero
+cross row, at every tick. So the ticks run as up to three loops, one per phase of the plan
 (``TickProgram.phases``: the forwards-only warm-up, the mixed middle, the backwards-only
 cool-down), each body holding only the lanes, outputs, buffer writes, gradient adds and
 ``ppermute`` shifts that its phase's cells make: GPipe's forward loop moves no gradient, its
@@ -159,8 +162,6 @@ def run_pipeline(
                 outs = c.run(c.input_grad, *flat_p, *flat_d, *stashed, seed)
                 dx, crossed = (act_zero, outs) if first else (outs[0], outs[1:])
                 out["send"] = dx
-                # the weight gradient's own program, as in a tick of its own: XLA fuses no
-                # work across the barrier, so a backward rounds as its two halves do
                 if kind == INPUT:
                     out["cross"] = c.cross.pack(crossed, cross_rows)
                     return out
@@ -245,6 +246,7 @@ def run_pipeline(
         col_of = lambda name: rows[:, :, COL[name]]  # noqa: E731
         f_switch, f_kinds, _ = lane_switch(rows, "f", lambda _, t: forward(t))
         b_switch, b_kinds, b_fields = lane_switch(rows, "b", backward)
+        w_switch, w_kinds, _ = lane_switch(rows, "w", backward)
         sources = [
             (buf, src)
             for buf, src in program.sources
@@ -268,6 +270,7 @@ def run_pipeline(
             col = lambda name: row[COL[name]]  # noqa: E731
             bufs = dict(bufs)
             arrived = {}
+            made = []  # (local stage, gradients) of the lanes that make them
             if f_kinds:
                 mb = col("f_mb")
                 data = _cast((_index(inputs, mb), _index(targets, mb)), axes)
@@ -298,13 +301,35 @@ def run_pipeline(
                         k: _write(b, col("cross_write"), out["cross"][k])
                         for k, b in crossed.items()
                     }
-                if holding:  # every gradient passes through its held slot
-                    if "grads" in out:
-                        held = _write_tree(held, col("held_write"), out["grads"])
-                elif "grads" in out:  # made in microbatch order: added as made
-                    sums = add(sums, local, out["grads"])
+                if "grads" in out:
+                    made.append((local, out["grads"]))
                 if "send" in b_fields:
                     arrived["grad"] = shifted(out["send"], {s for b, s in sources if b == "grad"})
+            if w_kinds:  # after the backward lane: the cross row it reads may be new
+                local, mb = col("w_local"), col("w_mb")
+                data = _cast((_index(inputs, mb), _index(targets, mb)), axes)
+                kept = (stashed, crossed)
+                slots = (col("w_stash_read"), col("cross_read"))
+                index, branches = w_switch
+                out = lax.switch(
+                    index[col("w_branch")],
+                    branches,
+                    stage_params(local),
+                    data,
+                    act_zero,
+                    kept,
+                    slots,
+                )
+                made.append((local, out["grads"]))
+            if holding and made:  # every gradient passes through its held slot
+                # a tick makes at most one: the other lane's are zeros (x + 0 is x)
+                grads = (
+                    made[0][1] if len(made) == 1 else jax.tree.map(jnp.add, *[g for _, g in made])
+                )
+                held = _write_tree(held, col("held_write"), grads)
+            elif made:  # made in microbatch order: added as made
+                for local, grads in made:
+                    sums = add(sums, local, grads)
             if adds_held:  # the spare slot is zeros: nothing added
                 sums = add(sums, col("held_local"), _index(held, col("held_read")))
             for buf, src in sources:

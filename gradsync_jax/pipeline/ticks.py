@@ -1,26 +1,30 @@
 """A pipeline plan as one global tick grid, with every buffer slot assigned (docs/pipeline.md).
 
-In one SPMD program every device runs the same loop; at tick t pipeline rank r runs up to two
-cells of its stage work, one per **lane**: a forward in the forward lane, and in the backward
-lane a full backward (``B``: input then weight gradient, one cell), an input gradient (``I``)
-or a weight gradient (``W``) as the plan splits them (zero bubble). At the end of every tick
-each lane's output (the forward's activations, the input gradient) moves one hop with
-``ppermute``. The grid is each rank's plan order run as soon as it can (``tick_grid``): a
-rank takes its next cell at the first tick where the values it reads are there, and the cell
-after it in the same tick when that one is of the other lane and ready too (1F1B's steady
-state: one forward and one backward per tick). A value made at tick t is on its consumer at
-tick t + 1, so every read finds its data.
+In one SPMD program every device runs the same loop; at tick t pipeline rank r runs up to three
+cells of its stage work, one per **lane**: a forward in the forward lane, a full backward
+(``B``: input then weight gradient, one cell) or an input gradient (``I``) in the backward
+lane, and a weight gradient (``W``) in the weight lane, where the plan splits the backward
+(zero bubble). At the end of every tick each lane's output (the forward's activations, the
+input gradient) moves one hop with ``ppermute``. The grid is each rank's plan order run as
+soon as it can (``tick_grid``): a rank takes its next cell at the first tick where the values
+it reads are there, and the cells after it in the same tick while each is of a lane still
+free and ready too (1F1B's steady state: a forward and a backward per tick; ZB1P's: a forward,
+an input and a weight gradient, so it runs in as many ticks as 1F1B). A tick makes at most
+one weight gradient (a ``B`` and a ``W`` never share one). A value made at tick t is on its
+consumer at tick t + 1, so every read finds its data.
 
 The values a cell leaves for a later one wait in fixed-size buffers, a slot each, held from
 the tick after the write through the last read: the stage inputs that have arrived (``act``),
 the output gradients that have arrived (``grad``), what a microbatch's forward keeps for its
 backward (``stash``: from the forward to the weight gradient, so a rank needs at most the
 plan's peak stash of slots) and what a split input gradient leaves its weight gradient
-(``cross``). A tick reads before it writes, so a slot read for the last time at t takes a
-new value at t. Slots are assigned per rank by interval colouring (optimal for intervals),
-and a buffer has the most slots any rank needs, plus one spare slot that the ticks which
-keep nothing write to (a write to a computed slot keeps XLA's update in place; a masked
-write would read the slot back and copy the whole buffer every tick).
+(``cross``: from the input gradient's tick, since in a tick the weight lane reads after the
+backward lane wrote). A tick receives after its cells read, so an ``act`` or ``grad`` slot
+read for the last time at t takes a new value at t. Slots are assigned per rank by interval
+colouring (optimal for intervals), and a buffer has the most slots any rank needs, plus one
+spare slot that the ticks which keep nothing write to (a write to a computed slot keeps
+XLA's update in place; a masked write would read the slot back and copy the whole buffer
+every tick).
 
 A stage adds its microbatches' weight gradients in microbatch order under every schedule
 (docs/design.md §17), as the torch executor does. Where a schedule runs them out of order
@@ -43,7 +47,7 @@ from gradsync_core import PipelinePlan
 
 IDLE, FORWARD, INPUT, WEIGHT, BACKWARD = 0, 1, 2, 3, 4  # the cell kinds
 KIND_NAMES = {FORWARD: "F", INPUT: "I", WEIGHT: "W", BACKWARD: "B"}
-LANES = ("f", "b")  # the forward lane, the backward lane (I, W or B)
+LANES = ("f", "b", "w")  # the forward lane, the backward lane (I or B), the weight lane (W)
 BUFFERS = ("act", "grad", "stash", "cross", "held")
 SOURCES = ("left", "right", "local")  # from rank r-1, from rank r+1, this rank's own output
 
@@ -56,10 +60,11 @@ COLUMNS = (
     "act_read",  # forward: the slot of its input
     "stash_write",  # forward
     "grad_read",  # input gradient or backward: its output gradient's slot (none: the seed)
-    "stash_read",  # input and weight gradients, backward
+    "stash_read",  # input gradient or backward
+    "w_stash_read",  # weight gradient
     "cross_read",  # weight gradient
     "cross_write",  # input gradient
-    "held_write",  # weight gradient or backward, where the gradients wait
+    "held_write",  # the tick's weight gradient or backward: where its gradients wait
     "held_read",  # the held gradient added at this tick (none: the spare slot, all zeros)
     "held_local",  # the local stage it is added to
     *(f"{buf}_from_{src}" for buf in ("act", "grad") for src in SOURCES),
@@ -86,11 +91,11 @@ class Cell:
 
     @property
     def lane(self) -> int:
-        """0: the forward lane, 1: the backward lane."""
-        return 0 if self.kind == FORWARD else 1
+        """0: the forward lane, 1: the backward lane (I or B), 2: the weight lane (W)."""
+        return 0 if self.kind == FORWARD else 2 if self.kind == WEIGHT else 1
 
 
-Tick = tuple[Cell | None, Cell | None]  # one rank's cells at one tick, by lane
+Tick = tuple[Cell | None, ...]  # one rank's cells at one tick, by lane (len(LANES))
 WORK = {FORWARD: 1, INPUT: 1, WEIGHT: 1, BACKWARD: 2}  # a cell's cost in forwards
 
 
@@ -140,8 +145,9 @@ class TickProgram:
 
 def tick_grid(plan: PipelinePlan) -> list[list[Tick]]:
     """Each rank's cells at each tick, by lane: every rank runs its plan order, each cell at
-    the first tick where what it reads is there (made at an earlier tick), and the next cell
-    in the same tick too when it is of the other lane and ready.
+    the first tick where what it reads is there (made at an earlier tick), and the next
+    cells in the same tick too while each is of a lane still free and ready (and is not a
+    ``B`` beside a ``W``: a tick makes at most one weight gradient).
 
     A plan's ``B`` is one cell (its input and weight gradient together, one program), its
     ``I`` and ``W`` two; an ``OVERLAP_F_B`` is its forward and its backward. A ``zero3``
@@ -182,14 +188,18 @@ def tick_grid(plan: PipelinePlan) -> list[list[Tick]]:
             raise AssertionError("the plan's orders wait on each other")  # check_actions
         ran = []
         for rank, order in enumerate(orders):
-            lanes: list[Cell | None] = [None, None]
+            lanes: list[Cell | None] = [None] * len(LANES)
             while place[rank] < len(order):
                 cell = order[place[rank]]
                 if lanes[cell.lane] is not None or not ready(cell, t):
                     break
+                if cell.kind in (WEIGHT, BACKWARD) and any(
+                    c is not None and c.kind in (WEIGHT, BACKWARD) for c in lanes
+                ):
+                    break
                 lanes[cell.lane] = cell
                 place[rank] += 1
-            grid[rank].append((lanes[0], lanes[1]))
+            grid[rank].append(tuple(lanes))
             ran += [c for c in lanes if c is not None]
         for cell in ran:
             s, mb = cell.stage, cell.microbatch
@@ -205,14 +215,14 @@ def tick_grid(plan: PipelinePlan) -> list[list[Tick]]:
 
 def tick_phases(grid: Sequence[Sequence[Tick]]) -> tuple[tuple[int, int], ...]:
     """The ticks cut in at most three phases, ``(first tick, end tick)`` each: the warm-up
-    before any rank's first backward-lane cell (forwards only), the ticks up to the last
-    forward, and the cool-down after it (backward-lane cells only). The step runs each as
+    before any rank's first backward- or weight-lane cell (forwards only), the ticks up to
+    the last forward, and the cool-down after it (no forward). The step runs each as
     its own loop, whose body holds only what its cells make: no forward's stash in the
     cool-down, no gradient in the warm-up (GPipe's phases are its forwards, the one tick
     where its last rank runs its last forward and first backward, and its backwards)."""
     ticks = len(grid[0])
     lanes = [{lane for row in grid for lane, c in enumerate(row[t]) if c} for t in range(ticks)]
-    first_back = next((t for t, used in enumerate(lanes) if 1 in used), ticks)
+    first_back = next((t for t, used in enumerate(lanes) if used - {0}), ticks)
     last_forward = max((t for t, used in enumerate(lanes) if 0 in used), default=-1)
     cuts = sorted({0, first_back, max(first_back, last_forward + 1), ticks})
     return tuple((a, b) for a, b in itertools.pairwise(cuts) if a < b)
@@ -252,8 +262,8 @@ def compile_ticks(plan: PipelinePlan) -> TickProgram:
             # from its write: the slot of a stash that a backward reads for the last time at
             # the forward's tick is not this one's (the forward writes first)
             intervals.append(("stash", rank, tf, tw, (s, mb, 0)))
-            if ti < tw:
-                intervals.append(("cross", rank, ti + 1, tw, (s, mb, 0)))
+            if ti < tw:  # from the write: in a tick the weight lane reads after it
+                intervals.append(("cross", rank, ti, tw, (s, mb, 0)))
             if s > 0:  # the previous stage's output, written at the end of its tick
                 tp, src_rank = when[FORWARD, s - 1, mb]
                 intervals.append(("act", rank, tp + 1, tf, (s, mb, 0)))
@@ -263,7 +273,9 @@ def compile_ticks(plan: PipelinePlan) -> TickProgram:
                 src_rank = ranks[s + 1]
                 intervals.append(("grad", rank, tn + 1, ti, (s, mb, 0)))
                 arrivals.append(("grad", tn, rank, _source(src_rank, rank, pp), (s, mb, 0)))
-    adds = {rank: _microbatch_order([cells[1] for cells in grid[rank]]) for rank in range(pp)}
+    adds = {
+        rank: _microbatch_order([_grads_cell(cells) for cells in grid[rank]]) for rank in range(pp)
+    }
     if any(t != backward(s, mb)[1] for added in adds.values() for t, s, mb in added):
         for rank, added in adds.items():
             for t, s, mb in added:
@@ -316,7 +328,8 @@ def compile_ticks(plan: PipelinePlan) -> TickProgram:
                     row[COL["act_read"]] = slot_of.get(("act", (s, mb, 0)), 0)
                     row[COL["stash_write"]] = slot_of["stash", (s, mb, 0)]
                     continue
-                row[COL["stash_read"]] = slot_of["stash", (s, mb, 0)]
+                read = "w_stash_read" if kind == WEIGHT else "stash_read"
+                row[COL[read]] = slot_of["stash", (s, mb, 0)]
                 if kind in (INPUT, BACKWARD):
                     row[COL["grad_read"]] = slot_of.get(("grad", (s, mb, 0)), 0)
                 if kind == INPUT:
@@ -355,6 +368,11 @@ def compile_ticks(plan: PipelinePlan) -> TickProgram:
         drain=drain,
         phases=tick_phases(grid),
     )
+
+
+def _grads_cell(cells: Tick) -> Cell | None:
+    """The tick's cell that makes weight gradients (a ``W`` or a ``B``), if any."""
+    return next((c for c in cells if c is not None and c.kind in (WEIGHT, BACKWARD)), None)
 
 
 def _microbatch_order(cells: Sequence[Cell | None]) -> list[tuple[int, int, int]]:

@@ -33,7 +33,7 @@ from gradsync_jax.pipeline import (
     save_pipeline,
     sequential_params,
 )
-from gradsync_jax.pipeline.ticks import BACKWARD, INPUT, WEIGHT
+from gradsync_jax.pipeline.ticks import BACKWARD, COL, FORWARD, INPUT, WEIGHT
 from tests.jax.pipeline_problem import (
     MODEL,
     STEPS,
@@ -275,15 +275,15 @@ def test_ticks_run_in_phases(schedule: str) -> None:
 
 @pytest.mark.parametrize(
     ("schedule", "ticks", "stash"),
-    [("GPipe", 2 * (8 + 4 - 1) - 1, 8), ("1F1B", 20, 5), ("ZB1P", 23, 5)],
+    [("GPipe", 2 * (8 + 4 - 1) - 1, 8), ("1F1B", 20, 5), ("ZB1P", 22, 5)],
 )
 def test_ticks_run_a_forward_and_a_backward(schedule: str, ticks: int, stash: int) -> None:
-    """A tick runs one cell per lane: a rank's next forward and its next backward-lane cell
-    (1F1B's steady state on the first ranks), a plan's ``B`` as one cell (its input and
-    weight gradient together, no cross row between them). At pp 4, m = 8: GPipe's 11
-    forward ticks and 11 backward ticks share one, 1F1B runs in 20 ticks (33 as unit cells),
-    ZB1P in 23 (27); the stash keeps its slots flat (the forward writes before the backward
-    reads, into another slot)."""
+    """A tick runs one cell per lane: a rank's next forward, its next backward-lane cell
+    and its next weight gradient (1F1B's steady state on the first ranks), a plan's ``B`` as
+    one cell (its input and weight gradient together, no cross row between them). At pp 4,
+    m = 8: GPipe's 11 forward ticks and 11 backward ticks share one, 1F1B runs in 20 ticks
+    (33 as unit cells), ZB1P in 22 (27); the stash keeps its slots flat (the forward writes
+    before the backward reads, into another slot)."""
     plan = plan_pipeline(
         schedule=schedule,
         microbatches=8,
@@ -296,12 +296,44 @@ def test_ticks_run_a_forward_and_a_backward(schedule: str, ticks: int, stash: in
     program = compile_ticks(plan)
     assert program.ticks == ticks
     assert program.slots["stash"] == stash
-    forward, backward = program.kinds(0), program.kinds(1)
+    forward, backward, weight = program.kinds(0), program.kinds(1), program.kinds(2)
     both = (forward != 0) & (backward != 0)
     assert both.any()
     split = schedule == "ZB1P"
-    assert set(np.unique(backward)) == ({0, INPUT, WEIGHT} if split else {0, BACKWARD})
+    assert set(np.unique(backward)) == ({0, INPUT} if split else {0, BACKWARD})
+    assert set(np.unique(weight)) == ({0, WEIGHT} if split else {0})
     assert program.slots["cross"] == (4 if split else 0)
+
+
+@pytest.mark.parametrize(("pp", "m", "ticks"), [(4, 8, 22), (4, 16, 38), (2, 8, 18)])
+def test_ticks_run_a_weight_gradient_beside(pp: int, m: int, ticks: int) -> None:
+    """ZB1P's weight gradients have a lane of their own: in its steady state a tick runs a
+    forward, an input gradient and a weight gradient (a whole 1F1B tick's work), so it needs
+    one tick fewer at pp 4 than with a weight gradient in the backward lane (m = 8: 23 → 22,
+    m = 16: 39 → 38); a tick never runs a ``B`` and a ``W``, so it makes at most one
+    weight gradient, and a ``W`` still comes after its own input gradient."""
+    plan = plan_pipeline(
+        schedule="ZB1P",
+        microbatches=m,
+        topology=Topology(pp=pp),
+        layers=pp,
+        stages_per_rank=1,
+        input_weight=0,
+        output_weight=0,
+    )
+    program = compile_ticks(plan)
+    assert program.ticks == ticks
+    forward, backward, weight = program.kinds(0), program.kinds(1), program.kinds(2)
+    assert ((forward == FORWARD) & (backward == INPUT) & (weight == WEIGHT)).any()
+    assert not ((backward == BACKWARD) & (weight != 0)).any()
+    made = {}
+    for t in range(program.ticks):
+        for r in range(pp):
+            row = program.table[t, r]
+            if row[COL["b_kind"]] == INPUT:
+                made[r, row[COL["b_mb"]]] = t
+            if row[COL["w_kind"]] == WEIGHT:
+                assert made[r, row[COL["w_mb"]]] < t
 
 
 def temp_bytes(schedule: str, m: int, stash: str, pp: int = 4) -> int:
