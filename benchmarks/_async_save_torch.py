@@ -27,6 +27,14 @@ differ only in where the write runs (no agreement, manifest or switch in either)
 Per save: the time it blocked the training (the call, the slowest rank), then a fixed number of
 training steps, each marked in flight when the save had not ended on some rank as it started,
 then the wait. Quiet steps (no save in flight) run before each save.
+
+Two figures of the steps during a save: ``slowdown``, the median step in flight over the median
+quiet step (issue 39's target), and ``total_slowdown``, the whole stretch from the save's call
+to the end of its wait (the blocked time, the fixed number of steps after it and the wait for
+the save's end) over as many quiet steps: it does not move with how many steps a save's length
+puts in flight, and a save that the training starves shows in its wait. ``save_s``: the save's
+wall time, call to end (gradsync's background saves: the handle's end; the others: when the
+training first saw it done, to a step).
 """
 
 from __future__ import annotations
@@ -180,6 +188,15 @@ class _Pending:
             self.answered = True
 
 
+def _ended(handle: Any, seen: float) -> float:
+    """When ``handle``'s save ended, on ``time.perf_counter``'s clock: a gradsync handle's own
+    end, else ``seen`` (when the training first saw it done)."""
+    at = getattr(handle, "_ended", None)
+    if at is None:
+        return seen
+    return time.perf_counter() - (time.monotonic() - at)
+
+
 class Savers:
     """Every variant's save of the same state, on this rank."""
 
@@ -320,13 +337,20 @@ def worker(rank: int, world_size: int, store_path: str, args: argparse.Namespace
                 handle = savers.start(name)
                 blocked = time.perf_counter() - start
                 during, flags = [], []
+                ended = None if not handle.done() else time.perf_counter()
                 for _ in range(args.during_steps):
                     flags.append(0.0 if handle.done() else 1.0)
                     during.append(step())
+                    if ended is None and handle.done():
+                        ended = time.perf_counter()
+                waiting = time.perf_counter()
                 handle.wait()
+                done_at = time.perf_counter()
+                waited = done_at - waiting
+                ended = _ended(handle, ended if ended is not None else done_at)
                 dist.barrier()
                 if r >= args.warmup:
-                    rows[name].append([blocked, *quiet, *during, *flags])
+                    rows[name].append([blocked, *quiet, *during, *flags, waited, ended - start])
         table = torch.tensor([rows[name] for name in VARIANTS], dtype=torch.float64)
         dist.all_reduce(table, op=dist.ReduceOp.MAX)
         staged = torch.tensor([staged_bytes], dtype=torch.float64)
@@ -368,13 +392,17 @@ def _summary(
         in_flight = [
             s
             for row in rows
-            for s, flag in zip(row[1 + q : 1 + q + d], row[1 + q + d :], strict=True)
+            for s, flag in zip(row[1 + q : 1 + q + d], row[1 + q + d : 1 + q + 2 * d], strict=True)
             if flag
         ]
+        totals = [row[0] + sum(row[1 + q : 1 + q + d]) + row[1 + q + 2 * d] for row in rows]
         out["variants"][name] = {
             "blocked_s": statistics.median(row[0] for row in rows),
             "steps_in_flight": len(in_flight),
             "step_in_flight_s": statistics.median(in_flight) if in_flight else None,
             "slowdown": statistics.median(in_flight) / quiet if in_flight else 1.0,
+            "total_slowdown": statistics.median(totals) / (d * quiet),
+            "wait_s": statistics.median(row[1 + q + 2 * d] for row in rows),
+            "save_s": statistics.median(row[-1] for row in rows),
         }
     return out

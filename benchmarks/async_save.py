@@ -23,8 +23,12 @@ The last line is one JSON object: {"bench": "async_save", "ratio_vs_anchor": gra
 blocked time over gradsync's blocking save (target <= 0.10), "dcp_thread_ratio_vs_anchor" and
 "dcp_process_ratio_vs_anchor": gradsync async's blocked time over DCP async's (target <= 1),
 "steps_ratio_vs_anchor": a torch step during gradsync's write over a quiet one (target
-<= 1.10), the same for JAX ("jax_ratio_vs_anchor", "orbax_ratio_vs_anchor": over Orbax
-async's, "jax_steps_ratio_vs_anchor"), the writer's thread against process
+<= 1.10; the median step in flight), "total_steps_ratio_vs_anchor": the save's call, the fixed
+steps after it and the wait for its end over as many quiet steps (a second figure, which does
+not move with how many steps the save's length puts in flight; also for the writer process
+alone: "writer_process_total_steps_ratio_vs_anchor"), the same for JAX
+("jax_ratio_vs_anchor", "orbax_ratio_vs_anchor": over Orbax async's,
+"jax_steps_ratio_vs_anchor"), the writer's thread against process
 ("writer_process_blocked_ratio_vs_anchor", "writer_thread_steps_ratio_vs_anchor",
 "writer_process_steps_ratio_vs_anchor"), "torch": {...}, "jax": {...}}.
 """
@@ -69,15 +73,17 @@ def _table(title: str, result: dict[str, Any], variants: tuple[str, ...]) -> Non
         f"{result['state_bytes'] / 2**20:.0f} MiB saved, quiet step "
         f"{result['quiet_step_s'] * 1e3:.0f} ms"
     )
+    totals = "total_slowdown" in result["variants"][variants[0]]  # torch's
     print(
         f"  {'variant':<26}{'blocked ms':>11}{'vs blocking':>12}{'steps in flight':>16}"
-        f"{'step slowdown':>14}"
+        f"{'step slowdown':>14}" + (f"{'total slowdown':>15}{'save ms':>9}" if totals else "")
     )
     for name in variants:
         row = result["variants"][name]
         print(
             f"  {name:<26}{row['blocked_s'] * 1e3:>11.1f}{row['blocked_s'] / sync:>11.3f}x"
             f"{row['steps_in_flight']:>16}{row['slowdown']:>13.3f}x"
+            + (f"{row['total_slowdown']:>14.3f}x{row['save_s'] * 1e3:>9.0f}" if totals else "")
         )
 
 
@@ -121,6 +127,8 @@ def _torch_figures(
         "dcp_thread_ratio_vs_anchor": blocked[tsave.ASYNC] / blocked[tsave.DCP_THREAD],
         "dcp_process_ratio_vs_anchor": blocked[tsave.ASYNC] / blocked[tsave.DCP_PROCESS],
         "steps_ratio_vs_anchor": t[tsave.ASYNC]["slowdown"],
+        "total_steps_ratio_vs_anchor": t[tsave.ASYNC]["total_slowdown"],
+        "writer_process_total_steps_ratio_vs_anchor": t[tsave.WRITER_PROCESS]["total_slowdown"],
         "dcp_thread_steps_ratio_vs_anchor": t[tsave.DCP_THREAD]["slowdown"],
         "dcp_process_steps_ratio_vs_anchor": t[tsave.DCP_PROCESS]["slowdown"],
         "writer_process_blocked_ratio_vs_anchor": blocked[tsave.WRITER_PROCESS]
@@ -136,6 +144,8 @@ TORCH_RATIOS = (
     "dcp_thread_ratio_vs_anchor",
     "dcp_process_ratio_vs_anchor",
     "steps_ratio_vs_anchor",
+    "total_steps_ratio_vs_anchor",
+    "writer_process_total_steps_ratio_vs_anchor",
     "dcp_thread_steps_ratio_vs_anchor",
     "dcp_process_steps_ratio_vs_anchor",
     "writer_process_blocked_ratio_vs_anchor",

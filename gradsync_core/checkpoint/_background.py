@@ -56,6 +56,7 @@ class SaveHandle:
         self._result: Any = None
         self._error: BaseException | None = None
         self._reported = False
+        self._ended: float | None = None  # time.monotonic() at its end (benchmarks read it)
 
     def done(self) -> bool:
         """Whether the save has ended (written and switched, or failed)."""
@@ -85,6 +86,7 @@ class SaveHandle:
 
     def _finish(self, result: Any, error: BaseException | None) -> None:
         self._result, self._error = result, error
+        self._ended = time.monotonic()
         self._done.set()
 
     def _join(self) -> None:
