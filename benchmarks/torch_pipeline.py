@@ -317,6 +317,58 @@ def _message_costs(
     return _slowest(one_post), _slowest(trip), _slowest(late_post)
 
 
+def _busy(seconds: float) -> None:
+    """Compute on this rank's core for ``seconds`` (single-threaded matrix products)."""
+    a = torch.randn(128, 128)
+    began = time.perf_counter()
+    while time.perf_counter() - began < seconds:
+        torch.mm(a, a)
+
+
+def _step_posts(
+    groups: Any, shape: tuple[int, ...], *, count: int = 16, rounds: int = 3, chunk: float = 0.004
+) -> tuple[float, float]:
+    """The host time of posting an activation's send and receive as a step posts them, the
+    slower rank's mean: ``(send, receive)``. Every rank computes, as in a step, where more
+    ranks compute than the machine has cores (4 ranks on 2 here): pipeline rank 1 posts its
+    ``count`` receives first (as the executor posts a step's receives at its start, each
+    buffer allocated) and computes while they arrive; rank 0 sends one after each ``chunk``
+    of computing; the others compute. A send there writes its data into the receiver's
+    socket and wakes the receiver's gloo thread, which can take the sender's core: the
+    sender then waits for a core among the computing ranks, as inside a step."""
+    pp = groups["pp"]
+    pair = groups.topology.group_at("pp", 0)[:2]  # global ranks
+    sends: list[float] = []
+    receives: list[float] = []
+    out = torch.zeros(shape)
+    for _ in range(rounds):
+        dist.barrier()
+        if dist.get_rank() == pair[0]:
+            works = []
+            for _ in range(count):
+                _busy(chunk)
+                start = time.perf_counter()
+                works.append(dist.isend(out, group=pp.process_group, group_dst=1))
+                sends.append(time.perf_counter() - start)
+            for work in works:
+                work.wait()
+        elif dist.get_rank() == pair[1]:
+            works = []
+            for _ in range(count):
+                start = time.perf_counter()
+                buffer = torch.empty(shape)
+                works.append(dist.irecv(buffer, group=pp.process_group, group_src=0))
+                receives.append(time.perf_counter() - start)
+            _busy(count * chunk)
+            for work in works:
+                work.wait()
+        else:
+            _busy(count * chunk)
+    send = statistics.mean(sends) if sends else 0.0
+    receive = statistics.mean(receives) if receives else 0.0
+    return _slowest(send), _slowest(receive)
+
+
 def _simulation(plan: Any, times: dict[tuple[int, str], float], costs: dict[str, Any]) -> Any:
     n = plan.num_stages
     forward = [times[(s, "F")] for s in range(n)]
@@ -333,7 +385,8 @@ def _simulation(plan: Any, times: dict[tuple[int, str], float], costs: dict[str,
         weight=weight,
         p2p=costs["p2p_s"],
         overhead=costs["overhead_s"],
-        post=costs["post_s"],
+        post=costs["send_post_s"],
+        receive_post=costs["receive_post_s"],
         reduce=costs["reduce_s"],
     )
 
@@ -401,9 +454,12 @@ def _case(
     microbatch = (args.batch // args.microbatches, args.seq, args.width)
     post, trip, late = _message_costs(groups, microbatch, loaded=True)
     post_unloaded, trip_unloaded, _ = _message_costs(groups, microbatch, loaded=False)
+    send_post, receive_post = _step_posts(groups, microbatch)
     costs: dict[str, Any] = {
         "overhead_s": probe.overhead(),
-        "post_s": post,
+        "post_s": post,  # back and forth: with p2p, the trip
+        "send_post_s": send_post,  # as in a step: what the simulation charges
+        "receive_post_s": receive_post,
         "p2p_s": max(trip - post, 0.0),  # the sender's post is part of the trip
         "post_unloaded_s": post_unloaded,
         "p2p_unloaded_s": max(trip_unloaded - post_unloaded, 0.0),
@@ -496,10 +552,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             ratios.append(r["ratio"])
         figures[key] = r
     print(
-        "costs measured apart from the steps (us: overhead per compute, post per send or "
-        "receive (late receive), p2p (with the others waiting); ms: REDUCE_GRAD per stage), "
-        "and each rank's host "
-        "time in the step (posts and reductions, ms: measured / simulated):"
+        "costs measured apart from the steps (us: overhead per compute, post of a send / a "
+        "receive as in a step (simulated), post back and forth (late receive), p2p (with the "
+        "others waiting); ms: REDUCE_GRAD per stage), and each rank's host time in the step "
+        "(posts and reductions, ms: measured / simulated):"
     )
     for key, r in results.items():
         reduce = " ".join(f"{t * 1e3:.2f}" for t in r["reduce_s"])
@@ -509,6 +565,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         )
         print(
             f"  {key:<32}{r['overhead_s'] * 1e6:>7.0f}"
+            f"{r['send_post_s'] * 1e6:>7.0f} /{r['receive_post_s'] * 1e6:>4.0f}"
             f"{r['post_s'] * 1e6:>7.0f} ({r['late_receive_post_s'] * 1e6:.0f})"
             f"{r['p2p_s'] * 1e6:>7.0f} ({r['p2p_unloaded_s'] * 1e6:.0f})   {reduce}   {host}"
         )
