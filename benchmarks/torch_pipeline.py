@@ -18,17 +18,21 @@ each rank's idle time in gradsync's steps (the pipeline's step, its slowest rank
 the rank's computes, each measured from the moment its input is there: the definition of
 ``simulate_pipeline``'s ``idle``) beside the simulator's prediction. The simulation is fed
 the stage times measured in the same run (each stage's mean forward, backward, input and
-weight gradient time: the simulated ranks compute as long as the measured ones) and four
+weight gradient time: the simulated ranks compute as long as the measured ones) and five
 costs measured apart from the pipelined steps, right after them (never fitted to them),
 each with every rank busy, as in a step (4 ranks share the machine's cores):
 
     overhead   the executor's host time per compute: a one-stage pipeline (pp 1) of a tiny
                stage on every rank, its step less its computes, per compute
-    post       the host time of posting one send or receive of an activation (its buffer
-               allocated; isend / irecv returning) between pipeline ranks 0 and 1, back and
-               forth, while the other ranks compute
-    p2p        an activation's trip in the same exchanges: half the round trip, less one post
-               (the JSON also has both with the other ranks waiting, *_unloaded_s)
+    send_post  the host time of posting one send of an activation (isend returning) from
+               pipeline rank 0 to 1 as a step posts it: rank 0 sends after each 4 ms of
+               computing, rank 1 posted its receives first and computes, the others compute
+    receive_post  the host time of posting one receive there (its buffer allocated; irecv
+               returning), the executor posting every receive of a step at its start
+    p2p        an activation's trip: ranks 0 and 1 exchanging activations back and forth
+               while the other ranks compute, half the round trip less one post of that
+               exchange (post_s; the JSON also has both with the other ranks waiting,
+               *_unloaded_s)
     reduce     each stage's REDUCE_GRAD alone, as the executor runs it (DataParallel's
                sync_gradients at dp 2, then the 1/microbatches scale), after one more step
 
@@ -37,6 +41,15 @@ In the message exchanges every receive is posted before its send, as in gradsync
 costs more (late_receive_post_s, shown in brackets beside post: a receive posted 2 ms after
 its send; and its data then waits for a round trip between the two ranks): the simulator
 charges every post the same, which holds because no step's receive comes late.
+
+A send inside a step takes longer than either post (1-6 ms against 0.1-0.5 ms, the third
+and fourth sittings): its thread is runnable but off its core (a probe of 2 steps counted
+1-3 involuntary context switches and 0.1-0.3 ms of CPU time in such an isend, no voluntary
+one: it waits for nothing), since the data it writes wakes the receiver's gloo thread, and
+the receiver itself when it waits for the data, on a machine where the 4 ranks share 2
+cores. A send to a receiver that waits for it is measured apart too (waking_send_post_s, in
+brackets beside send_post); it does not reach the in-step cost either, so the simulation
+does not take it.
 
 Beside them, each rank's host time in the steps (its posts and reductions, from the
 executor's timeline) and the simulation's (its posts, reductions and overheads): a check of
@@ -317,6 +330,64 @@ def _message_costs(
     return _slowest(one_post), _slowest(trip), _slowest(late_post)
 
 
+def _busy(seconds: float) -> None:
+    """Compute on this rank's core for ``seconds`` (single-threaded matrix products)."""
+    a = torch.randn(128, 128)
+    began = time.perf_counter()
+    while time.perf_counter() - began < seconds:
+        torch.mm(a, a)
+
+
+def _step_posts(
+    groups: Any, shape: tuple[int, ...], *, count: int = 16, rounds: int = 3, chunk: float = 0.004
+) -> tuple[float, float, float]:
+    """The host time of posting an activation's messages as a step posts them, the slower
+    rank's mean: ``(send, receive, send to a waiting receiver)``. Every rank computes, as in
+    a step, where more ranks compute than the machine has cores (4 ranks on 2 here).
+
+    First pipeline rank 1 posts ``count`` receives (as the executor posts a step's receives
+    at its start, each buffer allocated) and computes while they arrive; rank 0 sends one
+    after each ``chunk`` of computing; the others compute. Then rank 1 waits for each
+    message before computing half a chunk, as a stage waits for its input: each send wakes
+    it (inside a step such sends took longer; not in the simulation, see the module
+    docstring)."""
+    pp = groups["pp"]
+    pair = groups.topology.group_at("pp", 0)[:2]  # global ranks
+    sends: list[float] = []
+    receives: list[float] = []
+    waking: list[float] = []
+    out = torch.zeros(shape)
+    for waits in [False] * rounds + [True] * rounds:
+        dist.barrier()
+        if dist.get_rank() == pair[0]:
+            works = []
+            for _ in range(count):
+                _busy(chunk)
+                start = time.perf_counter()
+                works.append(dist.isend(out, group=pp.process_group, group_dst=1))
+                (waking if waits else sends).append(time.perf_counter() - start)
+            for work in works:
+                work.wait()
+        elif dist.get_rank() == pair[1] and waits:
+            for _ in range(count):
+                dist.irecv(torch.empty(shape), group=pp.process_group, group_src=0).wait()
+                _busy(chunk / 2)
+        elif dist.get_rank() == pair[1]:
+            works = []
+            for _ in range(count):
+                start = time.perf_counter()
+                buffer = torch.empty(shape)
+                works.append(dist.irecv(buffer, group=pp.process_group, group_src=0))
+                receives.append(time.perf_counter() - start)
+            _busy(count * chunk)
+            for work in works:
+                work.wait()
+        else:
+            _busy(count * chunk)
+    means = [statistics.mean(x) if x else 0.0 for x in (sends, receives, waking)]
+    return _slowest(means[0]), _slowest(means[1]), _slowest(means[2])
+
+
 def _simulation(plan: Any, times: dict[tuple[int, str], float], costs: dict[str, Any]) -> Any:
     n = plan.num_stages
     forward = [times[(s, "F")] for s in range(n)]
@@ -333,7 +404,8 @@ def _simulation(plan: Any, times: dict[tuple[int, str], float], costs: dict[str,
         weight=weight,
         p2p=costs["p2p_s"],
         overhead=costs["overhead_s"],
-        post=costs["post_s"],
+        post=costs["send_post_s"],
+        receive_post=costs["receive_post_s"],
         reduce=costs["reduce_s"],
     )
 
@@ -401,9 +473,13 @@ def _case(
     microbatch = (args.batch // args.microbatches, args.seq, args.width)
     post, trip, late = _message_costs(groups, microbatch, loaded=True)
     post_unloaded, trip_unloaded, _ = _message_costs(groups, microbatch, loaded=False)
+    send_post, receive_post, waking_post = _step_posts(groups, microbatch)
     costs: dict[str, Any] = {
         "overhead_s": probe.overhead(),
-        "post_s": post,
+        "post_s": post,  # back and forth: with p2p, the trip
+        "send_post_s": send_post,  # as in a step: what the simulation charges
+        "receive_post_s": receive_post,
+        "waking_send_post_s": waking_post,  # not in the simulation: see the module docstring
         "p2p_s": max(trip - post, 0.0),  # the sender's post is part of the trip
         "post_unloaded_s": post_unloaded,
         "p2p_unloaded_s": max(trip_unloaded - post_unloaded, 0.0),
@@ -496,10 +572,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             ratios.append(r["ratio"])
         figures[key] = r
     print(
-        "costs measured apart from the steps (us: overhead per compute, post per send or "
-        "receive (late receive), p2p (with the others waiting); ms: REDUCE_GRAD per stage), "
-        "and each rank's host "
-        "time in the step (posts and reductions, ms: measured / simulated):"
+        "costs measured apart from the steps (us: overhead per compute, post of a send / a "
+        "receive as in a step (simulated; a send to a waiting receiver), post back and "
+        "forth (late receive), p2p (with the others waiting); ms: REDUCE_GRAD per stage), "
+        "and each rank's host time in the step (posts and reductions, ms: measured / "
+        "simulated):"
     )
     for key, r in results.items():
         reduce = " ".join(f"{t * 1e3:.2f}" for t in r["reduce_s"])
@@ -509,6 +586,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         )
         print(
             f"  {key:<32}{r['overhead_s'] * 1e6:>7.0f}"
+            f"{r['send_post_s'] * 1e6:>7.0f} /{r['receive_post_s'] * 1e6:>4.0f}"
+            f" ({r['waking_send_post_s'] * 1e6:.0f})"
             f"{r['post_s'] * 1e6:>7.0f} ({r['late_receive_post_s'] * 1e6:.0f})"
             f"{r['p2p_s'] * 1e6:>7.0f} ({r['p2p_unloaded_s'] * 1e6:.0f})   {reduce}   {host}"
         )

@@ -145,6 +145,30 @@ def test_posts_cost_their_rank_2mq_at_pp_2():
             assert sim.host == (2 * m * q,) * 2
 
 
+def test_receive_post_costs_receives_alone():
+    """``receive_post`` prices receives apart from sends (gloo's executor posts every receive
+    at the step's start, where a send's post is priced as it runs among the computes).
+
+    GPipe at pp 2 by hand. Sends at q, receives free: the step of
+    ``test_posts_cost_their_rank_2mq_at_pp_2`` (its receive posts were hidden in the waits),
+    ``(m+1)(F+B) + 2mq``, and each rank's host time is its m sends, ``mq``. Receives at r <= F,
+    B, sends free: rank 1's forward i starts at ``F + i(F+r)`` (its receive's r after the
+    previous forward, the data there since ``(i+1)F``), so its forwards end at
+    ``(m+1)F + (m-1)r``; its m backwards follow, each sent at once, and rank 0's backward i
+    starts at the first one's data plus ``i(B+r)``: a step of ``(m+1)(F+B) + 2(m-1)r``, each
+    rank's host time its m receives, ``mr``.
+    """
+    for m in (1, 3, 8):
+        for f, b, q in [(1, 2, 0.5), (2, 3, 1)]:
+            p = plan("GPipe", 2, m)
+            sim = simulate_pipeline(p, forward=f, backward=b, post=q, receive_post=0)
+            assert sim.step_time == (m + 1) * (f + b) + 2 * m * q
+            assert sim.host == (m * q,) * 2
+            sim = simulate_pipeline(p, forward=f, backward=b, post=0, receive_post=q)
+            assert sim.step_time == (m + 1) * (f + b) + 2 * (m - 1) * q
+            assert sim.host == (m * q,) * 2
+
+
 @pytest.mark.parametrize("schedule", ["GPipe", "1F1B"])
 @pytest.mark.parametrize("pp", PP)
 def test_reduce_grad_adds_to_each_ranks_tail(schedule, pp):

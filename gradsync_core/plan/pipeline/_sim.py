@@ -100,6 +100,7 @@ def simulate_pipeline(
     overhead: float = 0.0,
     post: float = 0.0,
     reduce: Times = 0.0,
+    receive_post: float | None = None,
 ) -> PipelineSimulation:
     """Run ``plan`` with these durations and report its step (docs/pipeline.md, "Simulator").
 
@@ -114,10 +115,12 @@ def simulate_pipeline(
             gradient, each half of an ``OVERLAP_F_B``) outside the compute itself: the
             executor's dispatch and bookkeeping. It runs before the compute waits for its
             input, so a wait hides it.
-        post: the host time of posting each send and each receive; a send's data leaves
-            when its post ends.
+        post: the host time of posting each send (and each receive, unless
+            ``receive_post`` is given); a send's data leaves when its post ends.
         reduce: a stage's ``REDUCE_GRAD`` time on its rank (one number, or one per stage):
             the data-parallel reduction of its gradients and their scaling.
+        receive_post: the host time of posting each receive, where it differs from a
+            send's (``None``: ``post``).
 
     Returns:
         The step time, per-rank busy, idle and host time, per-rank peak stash and every
@@ -145,7 +148,14 @@ def simulate_pipeline(
                 f"weight time {w[s]} exceeds the full backward time {b[s]} of stage {s}; the "
                 "weight gradient is a part of the backward: give weight <= backward"
             )
-    for name, value in (("p2p", p2p), ("overhead", overhead), ("post", post)):
+    if receive_post is None:
+        receive_post = post
+    for name, value in (
+        ("p2p", p2p),
+        ("overhead", overhead),
+        ("post", post),
+        ("receive_post", receive_post),
+    ):
         if isinstance(value, bool) or not (
             isinstance(value, int | float) and math.isfinite(value) and value >= 0
         ):
@@ -159,7 +169,12 @@ def simulate_pipeline(
         plan.microbatches,
         zero3=plan.zero3,
         durations=durations,
-        costs=_Costs(p2p=float(p2p), overhead=float(overhead), post=float(post)),
+        costs=_Costs(
+            p2p=float(p2p),
+            overhead=float(overhead),
+            post=float(post),
+            receive_post=float(receive_post),
+        ),
     )
 
 
@@ -207,6 +222,7 @@ class _Costs:
     p2p: float = 0.0
     overhead: float = 0.0
     post: float = 0.0
+    receive_post: float = 0.0
 
 
 def _per_stage(name: str, times: Times, n: int) -> list[float]:
@@ -425,7 +441,7 @@ class _State:
         start, took = self.clock[r], 0.0
         if kind in (SEND_F, SEND_B, RECV_F, RECV_B):
             assert mb is not None
-            took = self.costs.post
+            took = self.costs.post if kind in (SEND_F, SEND_B) else self.costs.receive_post
             self.clock[r] += took  # a send's data leaves when its post ends
             self._comm(r, action, s, mb)
         elif kind == REDUCE_GRAD:
