@@ -44,6 +44,7 @@ stash with one, ``--schedule --microbatches``):
 
     python benchmarks/nd_parallel.py --repeat 3
     python benchmarks/nd_parallel.py --quick        # 1 warm-up and 2 timed steps
+    python benchmarks/nd_parallel.py --only jax     # the JAX rows alone (or --only torch)
 
 The last line is one JSON object: {"bench": "nd_parallel", "ratio_vs_anchor": the median over
 the torch rows of gradsync's step time over torch's, "jax_ratio_vs_anchor": the same over the
@@ -202,19 +203,23 @@ def _jax_table(results: dict[str, Any]) -> None:
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     """One whole run: the torch ranks, then the JAX process; print the tables, check the
     losses agree."""
-    torch_results = spawn_ranks(tnd.worker, args)
-    jax_results = _jax(args)
-    for key, (_, sizes) in TORCH_ROWS.items():
-        torch_results[key]["predicted"] = predicted(sizes, args)
-    for key, (_, sizes) in JAX_ROWS.items():
-        jax_results[key]["predicted"] = predicted(sizes, args)
-    _torch_table(torch_results, args)
-    _jax_table(jax_results)
+    torch_results = spawn_ranks(tnd.worker, args) if args.only != "jax" else {}
+    jax_results = _jax(args) if args.only != "torch" else {}
+    for key in torch_results:
+        torch_results[key]["predicted"] = predicted(TORCH_ROWS[key][1], args)
+    for key in jax_results:
+        jax_results[key]["predicted"] = predicted(JAX_ROWS[key][1], args)
+    if torch_results:
+        _torch_table(torch_results, args)
+    if jax_results:
+        _jax_table(jax_results)
     figures: dict[str, Any] = {"bench": "nd_parallel", "model": MODEL}
     for key, r in [*torch_results.items(), *jax_results.items()]:
         figures[f"{key}_ratio_vs_anchor"] = r["ratio"]
-    figures["ratio_vs_anchor"] = statistics.median(r["ratio"] for r in torch_results.values())
-    figures["jax_ratio_vs_anchor"] = statistics.median(r["ratio"] for r in jax_results.values())
+    if torch_results:
+        figures["ratio_vs_anchor"] = statistics.median(r["ratio"] for r in torch_results.values())
+    if jax_results:
+        figures["jax_ratio_vs_anchor"] = statistics.median(r["ratio"] for r in jax_results.values())
     every = [*torch_results.values(), *jax_results.values()]
     figures["loss_difference"] = max(r["loss_difference"] for r in every)
     figures["torch"], figures["jax"] = torch_results, jax_results
@@ -248,6 +253,9 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--schedule", choices=tuple(tnd.TORCH_SCHEDULES), default="1F1B")
+    parser.add_argument(
+        "--only", choices=("torch", "jax"), default=None, help="run one framework's rows alone"
+    )
     add_repeat_arg(parser)
     args = parser.parse_args()
     args.steps = args.steps or (2 if args.quick else 10)
@@ -256,7 +264,8 @@ def main() -> None:
     args.config = dataclasses.asdict(LLAMA_MODELS[MODEL])
     args.configs = [(key, sizes) for key, (_, sizes) in TORCH_ROWS.items()]
     runs = run_repeats(lambda index: measure(args), args.repeat)
-    finish(runs, ratio_keys=RATIOS, largest_keys=("loss_difference",))
+    keys = [k for k in RATIOS if k in runs[0]]
+    finish(runs, ratio_keys=keys, largest_keys=("loss_difference",))
 
 
 if __name__ == "__main__":
