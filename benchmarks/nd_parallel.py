@@ -28,10 +28,10 @@ reports the largest difference between the two sides' weights after the last ste
 in float32 Adam turns the reduction order's last bits on near-zero gradients into ~1e-5).
 
 Memory per rank, beside what ``gradsync plan --model llama-nd-bench ... --zero 3 --optimizer
-adamw --batch B --seq S`` predicts for the rank's pipeline stage (parameters, gradients, AdamW
-state, FSDP's gathered units, and the activations torch's autograd saves for the microbatches
-the rank stashes at its peak: one, its whole batch, without a pipeline; the schedule's peak
-stash with one, ``--schedule --microbatches``):
+adamw --batch B --seq S`` predicts for the rank's pipeline stage (parameters, gradients,
+AdamW state, FSDP's gathered units, and the activations the executor's program saves for the
+microbatches the rank stashes at its peak: one, its whole batch, without a pipeline; the
+schedule's peak stash with one, ``--schedule --microbatches``):
 
 - torch: "held" is the parameters, gradients (after a backward) and AdamW state, each storage
   counted once (torch_fsdp.py's measure); "peak" is the parameters and state plus the largest
@@ -39,8 +39,9 @@ stash with one, ``--schedule --microbatches``):
 - JAX: "held" is the parameters and Adam state a device holds between steps (JAX keeps no
   gradients); "peak" is XLA's accounting of the compiled step (``memory_analysis``: its
   arguments, plus the outputs that do not reuse the donated arguments, plus its temporary
-  bytes: gradients, gathered parameters, activations), against the predicted peak (its
-  activations are torch's saved tensors; XLA keeps its own set).
+  bytes: gradients, gathered parameters, activations), against the prediction of
+  ``--executor jax``: one sequence-parallel gather per attention and MLP, and the stage's
+  ``dp_shard`` gathers kept from the forward to the backward.
 
     python benchmarks/nd_parallel.py --repeat 3
     python benchmarks/nd_parallel.py --quick        # 1 warm-up and 2 timed steps
@@ -87,9 +88,12 @@ JAX_ROWS = {
 }
 
 
-def predicted(sizes: dict[str, int], args: argparse.Namespace, world: int = 8) -> dict[str, Any]:
+def predicted(
+    sizes: dict[str, int], args: argparse.Namespace, executor: str, world: int = 8
+) -> dict[str, Any]:
     """``gradsync plan``'s composed memory for ``sizes`` with the run's batch (activations
-    counted; with pp, of the schedule's peak stash): its command and rows by pp rank."""
+    counted; with pp, of the schedule's peak stash) for ``executor``'s program (``torch`` or
+    ``jax``): its command and rows by pp rank."""
     command = ["gradsync", "plan", "--model", MODEL, "--world-size", str(world)]
     for axis in ("dp_replicate", "dp_shard", "tp", "pp"):
         if axis in sizes:
@@ -98,6 +102,8 @@ def predicted(sizes: dict[str, int], args: argparse.Namespace, world: int = 8) -
     command += ["--batch", str(args.batch), "--seq", str(args.seq)]
     if sizes.get("pp", 1) > 1:
         command += ["--schedule", args.schedule, "--microbatches", str(args.microbatches)]
+    if executor != "torch":
+        command += ["--executor", executor]
     done = subprocess.run(
         [sys.executable, "-m", "gradsync_core", *command[1:], "--json"],
         capture_output=True,
@@ -206,9 +212,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     torch_results = spawn_ranks(tnd.worker, args) if args.only != "jax" else {}
     jax_results = _jax(args) if args.only != "torch" else {}
     for key in torch_results:
-        torch_results[key]["predicted"] = predicted(TORCH_ROWS[key][1], args)
+        torch_results[key]["predicted"] = predicted(TORCH_ROWS[key][1], args, "torch")
     for key in jax_results:
-        jax_results[key]["predicted"] = predicted(JAX_ROWS[key][1], args)
+        jax_results[key]["predicted"] = predicted(JAX_ROWS[key][1], args, "jax")
     if torch_results:
         _torch_table(torch_results, args)
     if jax_results:
