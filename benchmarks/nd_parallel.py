@@ -28,10 +28,10 @@ reports the largest difference between the two sides' weights after the last ste
 in float32 Adam turns the reduction order's last bits on near-zero gradients into ~1e-5).
 
 Memory per rank, beside what ``gradsync plan --model llama-nd-bench ... --zero 3 --optimizer
-adamw --batch B --seq S`` predicts for the rank's pipeline stage (parameters, gradients, AdamW
-state, FSDP's gathered units, and the activations torch's autograd saves for the microbatches
-the rank stashes at its peak: one, its whole batch, without a pipeline; the schedule's peak
-stash with one, ``--schedule --microbatches``):
+adamw --batch B --seq S`` predicts for the rank's pipeline stage (parameters, gradients,
+AdamW state, FSDP's gathered units, and the activations the executor's program saves for the
+microbatches the rank stashes at its peak: one, its whole batch, without a pipeline; the
+schedule's peak stash with one, ``--schedule --microbatches``):
 
 - torch: "held" is the parameters, gradients (after a backward) and AdamW state, each storage
   counted once (torch_fsdp.py's measure); "peak" is the parameters and state plus the largest
@@ -39,11 +39,13 @@ stash with one, ``--schedule --microbatches``):
 - JAX: "held" is the parameters and Adam state a device holds between steps (JAX keeps no
   gradients); "peak" is XLA's accounting of the compiled step (``memory_analysis``: its
   arguments, plus the outputs that do not reuse the donated arguments, plus its temporary
-  bytes: gradients, gathered parameters, activations), against the predicted peak (its
-  activations are torch's saved tensors; XLA keeps its own set).
+  bytes: gradients, gathered parameters, activations), against the prediction of
+  ``--executor jax``: one sequence-parallel gather per attention and MLP, and the stage's
+  ``dp_shard`` gathers kept from the forward to the backward.
 
     python benchmarks/nd_parallel.py --repeat 3
     python benchmarks/nd_parallel.py --quick        # 1 warm-up and 2 timed steps
+    python benchmarks/nd_parallel.py --only jax     # the JAX rows alone (or --only torch)
 
 The last line is one JSON object: {"bench": "nd_parallel", "ratio_vs_anchor": the median over
 the torch rows of gradsync's step time over torch's, "jax_ratio_vs_anchor": the same over the
@@ -86,9 +88,12 @@ JAX_ROWS = {
 }
 
 
-def predicted(sizes: dict[str, int], args: argparse.Namespace, world: int = 8) -> dict[str, Any]:
+def predicted(
+    sizes: dict[str, int], args: argparse.Namespace, executor: str, world: int = 8
+) -> dict[str, Any]:
     """``gradsync plan``'s composed memory for ``sizes`` with the run's batch (activations
-    counted; with pp, of the schedule's peak stash): its command and rows by pp rank."""
+    counted; with pp, of the schedule's peak stash) for ``executor``'s program (``torch`` or
+    ``jax``): its command and rows by pp rank."""
     command = ["gradsync", "plan", "--model", MODEL, "--world-size", str(world)]
     for axis in ("dp_replicate", "dp_shard", "tp", "pp"):
         if axis in sizes:
@@ -97,6 +102,8 @@ def predicted(sizes: dict[str, int], args: argparse.Namespace, world: int = 8) -
     command += ["--batch", str(args.batch), "--seq", str(args.seq)]
     if sizes.get("pp", 1) > 1:
         command += ["--schedule", args.schedule, "--microbatches", str(args.microbatches)]
+    if executor != "torch":
+        command += ["--executor", executor]
     done = subprocess.run(
         [sys.executable, "-m", "gradsync_core", *command[1:], "--json"],
         capture_output=True,
@@ -202,19 +209,23 @@ def _jax_table(results: dict[str, Any]) -> None:
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     """One whole run: the torch ranks, then the JAX process; print the tables, check the
     losses agree."""
-    torch_results = spawn_ranks(tnd.worker, args)
-    jax_results = _jax(args)
-    for key, (_, sizes) in TORCH_ROWS.items():
-        torch_results[key]["predicted"] = predicted(sizes, args)
-    for key, (_, sizes) in JAX_ROWS.items():
-        jax_results[key]["predicted"] = predicted(sizes, args)
-    _torch_table(torch_results, args)
-    _jax_table(jax_results)
+    torch_results = spawn_ranks(tnd.worker, args) if args.only != "jax" else {}
+    jax_results = _jax(args) if args.only != "torch" else {}
+    for key in torch_results:
+        torch_results[key]["predicted"] = predicted(TORCH_ROWS[key][1], args, "torch")
+    for key in jax_results:
+        jax_results[key]["predicted"] = predicted(JAX_ROWS[key][1], args, "jax")
+    if torch_results:
+        _torch_table(torch_results, args)
+    if jax_results:
+        _jax_table(jax_results)
     figures: dict[str, Any] = {"bench": "nd_parallel", "model": MODEL}
     for key, r in [*torch_results.items(), *jax_results.items()]:
         figures[f"{key}_ratio_vs_anchor"] = r["ratio"]
-    figures["ratio_vs_anchor"] = statistics.median(r["ratio"] for r in torch_results.values())
-    figures["jax_ratio_vs_anchor"] = statistics.median(r["ratio"] for r in jax_results.values())
+    if torch_results:
+        figures["ratio_vs_anchor"] = statistics.median(r["ratio"] for r in torch_results.values())
+    if jax_results:
+        figures["jax_ratio_vs_anchor"] = statistics.median(r["ratio"] for r in jax_results.values())
     every = [*torch_results.values(), *jax_results.values()]
     figures["loss_difference"] = max(r["loss_difference"] for r in every)
     figures["torch"], figures["jax"] = torch_results, jax_results
@@ -248,6 +259,9 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--schedule", choices=tuple(tnd.TORCH_SCHEDULES), default="1F1B")
+    parser.add_argument(
+        "--only", choices=("torch", "jax"), default=None, help="run one framework's rows alone"
+    )
     add_repeat_arg(parser)
     args = parser.parse_args()
     args.steps = args.steps or (2 if args.quick else 10)
@@ -256,7 +270,8 @@ def main() -> None:
     args.config = dataclasses.asdict(LLAMA_MODELS[MODEL])
     args.configs = [(key, sizes) for key, (_, sizes) in TORCH_ROWS.items()]
     runs = run_repeats(lambda index: measure(args), args.repeat)
-    finish(runs, ratio_keys=RATIOS, largest_keys=("loss_difference",))
+    keys = [k for k in RATIOS if k in runs[0]]
+    finish(runs, ratio_keys=keys, largest_keys=("loss_difference",))
 
 
 if __name__ == "__main__":

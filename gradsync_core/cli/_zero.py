@@ -23,7 +23,13 @@ from gradsync_core.checkpoint._model_weights import weight_bytes
 from gradsync_core.checkpoint._param_shard_state import plan_dim0_shards
 from gradsync_core.cli._table import mib, shown, table
 from gradsync_core.plan._buckets import BucketPlan
-from gradsync_core.plan._llama import Activations, LlamaShape, StageMemory, llama_memory
+from gradsync_core.plan._llama import (
+    EXECUTORS,
+    Activations,
+    LlamaShape,
+    StageMemory,
+    llama_memory,
+)
 from gradsync_core.plan._memory import (
     OPTIMIZER_STATE_BYTES,
     MemoryEstimate,
@@ -105,6 +111,15 @@ def add_zero_arguments(plan: argparse.ArgumentParser) -> None:
         action="store_true",
         help="--batch/--seq: the activations of a run without sequence parallelism "
         "(examples/llama_torch.py's ParallelOptions.sequence_parallel is on by default)",
+    )
+    plan.add_argument(
+        "--executor",
+        choices=EXECUTORS,
+        default="torch",
+        help="--batch/--seq: whose program holds the activations and gathered parameters: "
+        "torch (examples/llama_torch.py, autograd's saved tensors; the default) or jax "
+        "(examples/llama_nnx.py's parallelize: one sequence-parallel gather per attention "
+        "and MLP, the dp_shard gathers kept for the backward)",
     )
     plan.add_argument(
         "--optimizer",
@@ -341,6 +356,7 @@ def composed_estimate(
             schedule=args.schedule,
             microbatches=1 if args.microbatches is None else args.microbatches,
             sequence_parallel=not args.no_sequence_parallel,
+            executor=args.executor,
         )
     return llama_memory(
         shape,

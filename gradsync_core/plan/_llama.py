@@ -40,6 +40,7 @@ from gradsync_core.plan._topology import Topology
 from gradsync_core.plan.pipeline._layout import partition_layers
 from gradsync_core.plan.pipeline._plan import plan_pipeline
 
+EXECUTORS = ("torch", "jax")  # Activations.executor: whose program the activations are
 _TOKEN_BYTES = 8  # the token ids and targets torch's embedding and loss save: int64
 
 # Megatron's tensor-parallel cut of a layer's weights: the dim of torch's (out, in) weight.
@@ -62,6 +63,13 @@ class Activations:
         sequence_parallel: the reference's ``ParallelOptions.sequence_parallel`` (its default):
             with ``tp > 1`` the residual stream holds ``1/tp`` of the tokens and each
             column-parallel layer gathers its own copy of its input.
+        executor: whose program saves them: ``"torch"`` (``examples/llama_torch.py``: autograd's
+            saved tensors, each column-parallel layer gathering its own input under sequence
+            parallelism, FSDP2's units gathered and freed one at a time) or ``"jax"``
+            (``examples/llama_nnx.py``'s ``parallelize``: one sequence-parallel gather per
+            attention and per MLP, shared by its column-parallel layers, and without a
+            pipeline the stage's ``dp_shard`` gathers kept from the forward to the backward,
+            the whole stage gathered: XLA saves each all-gather's output as a residual).
     """
 
     batch: int
@@ -69,6 +77,13 @@ class Activations:
     schedule: str | None = None
     microbatches: int = 1
     sequence_parallel: bool = True
+    executor: str = "torch"
+
+    def __post_init__(self) -> None:
+        if self.executor not in EXECUTORS:
+            raise ValueError(
+                f"executor {self.executor!r} is not one of {', '.join(EXECUTORS)}; pick one"
+            )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -189,6 +204,7 @@ class LlamaShape:
         pipelined: bool = False,
         sequence_parallel: bool = True,
         dtype: str = "float32",
+        shared_gather: bool = False,
     ) -> int:
         """The bytes torch's autograd saves for the backward of ``rows`` sequences through a
         stage of ``layers`` blocks on one rank of ``examples/llama_torch.py``'s layout
@@ -200,6 +216,8 @@ class LlamaShape:
             norms      2 x (2 r dim w + r w)       input, normalised input, rsqrt; twice
             linear in  c s dim e                   c = 5 (wq, wk, wv, w1, w3 each gather
                                                    their input) under sp with tp > 1, else 2
+                                                   (also with ``shared_gather``: one gather
+                                                   per attention and MLP, JAX's program)
             rotary     4 s head_dim w              cos and sin, for queries and keys
             attention  (h s + 2 h seq_len) hd w    queries; keys and values of the whole
                                                    sequence, repeated to h = n_heads / tp
@@ -238,7 +256,7 @@ class LlamaShape:
         s = seq_len // cp
         r = s // tp if sp else s
         h, hd, d = self.n_heads // tp, self.head_dim, self.dim
-        copies = 5 if sp else 2
+        copies = 5 if sp and not shared_gather else 2
         per_row = (
             2 * (2 * r * d * w + r * w)
             + copies * s * d * e
@@ -383,10 +401,32 @@ def llama_memory(
     if activations is None:
         return tuple(out)
     stashed = stash_activations(shape, topology, activations, dtype=dtype)
+    if activations.executor == "jax" and topology.pp == 1 and not shape.n_experts:
+        out = [
+            replace(row, memory=_kept_gathered(row.memory, shape, topology, dtype)) for row in out
+        ]
     return tuple(
         replace(row, stash=stash, activation_bytes=stash * per_microbatch)
         for row, (stash, per_microbatch) in zip(out, stashed, strict=True)
     )
+
+
+def _kept_gathered(
+    memory: RankMemory, shape: LlamaShape, topology: Topology, dtype: str
+) -> RankMemory:
+    """The JAX ``parallelize``'s transient bytes without a pipeline: each parameter's
+    ``dp_shard`` all-gather is a residual of its backward (XLA keeps the gathered value from
+    the forward), so the whole stage is gathered at the start of the backward, while each
+    gradient is reduce-scattered as the backward produces it. With nothing sharded, the
+    estimate as it is."""
+    specs = shape.rank_specs(topology, 0, dtype)
+    plan = plan_param_shards(
+        specs, world_size=topology.dp, units=block_prefixes(specs), dp_shard=topology.dp_shard
+    )
+    if plan.shard_size == 1:
+        return memory
+    gathered = sum(plan.shard_size * plan.unit_padded_nbytes(u.index) for u in plan.units)
+    return replace(memory, transient_bytes=gathered)
 
 
 def _staged(memory: RankMemory, plan: ParamShardPlan, topology: Topology) -> RankMemory:
@@ -465,6 +505,7 @@ def stash_activations(
                 pipelined=pp > 1,
                 sequence_parallel=a.sequence_parallel,
                 dtype=dtype,
+                shared_gather=a.executor == "jax",
             ),
         )
         for i, layers in enumerate(stages)

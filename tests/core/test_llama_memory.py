@@ -278,3 +278,60 @@ def test_cli_adds_the_activations_to_each_stage(capsys):
 def test_activation_flags_that_do_not_fit_are_refused(capsys, flags, message):
     code, _, err = run(capsys, *flags.split())
     assert code == 2 and message in err, err
+
+
+# -- --executor jax: examples/llama_nnx.py's parallelize, what its program holds
+
+
+def test_jax_shares_each_sequence_parallel_gather():
+    """Under sequence parallelism torch's wq, wk, wv, w1, w3 each gather their own input;
+    the JAX program gathers once per attention and per MLP: 3 fewer ``s dim e`` per row and
+    block, and the same bytes without sequence parallelism."""
+    topo = Topology.create(8, tp=2, dp_shard=4)
+    kw = dict(rows=2, seq_len=32, layers=4)
+    torch_sp = BENCH.activation_bytes(topo, **kw)
+    jax_sp = BENCH.activation_bytes(topo, **kw, shared_gather=True)
+    assert torch_sp - jax_sp == 4 * 2 * 3 * 32 * 256 * F32
+    plain = dict(kw, sequence_parallel=False)
+    assert BENCH.activation_bytes(topo, **plain) == BENCH.activation_bytes(
+        topo, **plain, shared_gather=True
+    )
+
+
+def test_jax_keeps_the_whole_stage_gathered_for_the_backward():
+    """Without a pipeline the JAX program's dp_shard gathers are residuals of the backward:
+    the transient bytes are the rank's whole tp slice of the stage (the benchmark's model at
+    dp_shard 4 x tp 2: 2,361,600 elements); held bytes as torch's; nothing sharded, torch's
+    estimate."""
+    topo = Topology.create(8, tp=2, dp_shard=4)
+    acts = dict(batch=8, seq_len=32)
+    (torch_row,) = llama_memory(BENCH, topo, activations=Activations(**acts))
+    (jax_row,) = llama_memory(BENCH, topo, activations=Activations(**acts, executor="jax"))
+    assert jax_row.memory.transient_bytes == jax_row.numel * F32 == 2_361_600 * F32
+    held = ("parameter_bytes", "gradient_bytes", "optimizer_state_bytes")
+    for field in held:
+        assert getattr(jax_row.memory, field) == getattr(torch_row.memory, field)
+    assert jax_row.activation_bytes == BENCH.activation_bytes(
+        topo, rows=2, seq_len=32, layers=4, shared_gather=True
+    )
+    replicated = Topology.create(8, tp=2, dp_shard=1)  # dp 4, all replicas
+    (torch_dp,) = llama_memory(BENCH, replicated, activations=Activations(**acts))
+    (jax_dp,) = llama_memory(BENCH, replicated, activations=Activations(**acts, executor="jax"))
+    assert jax_dp.memory == torch_dp.memory
+
+
+def test_cli_executor_jax(capsys):
+    flags = "--model llama-nd-bench --dp-shard 4 --tp 2 --zero 3 --optimizer adamw"
+    flags += " --batch 8 --seq 32"
+    code, out, _ = run(capsys, *flags.split(), "--executor", "jax", "--json")
+    assert code == 0
+    (row,) = json.loads(out)["composed_memory"]
+    assert row["transient_bytes"] == 2_361_600 * F32
+    assert row["peak_bytes"] == 22_634_372  # benchmarks/nd_parallel.py measured 21,844,264
+    code, _, err = run(capsys, *flags.split(), "--executor", "flax")
+    assert code == 2 and "invalid choice: 'flax'" in err
+
+
+def test_an_unknown_executor_is_refused():
+    with pytest.raises(ValueError, match="executor 'flax' is not one of torch, jax; pick one"):
+        Activations(batch=8, seq_len=32, executor="flax")
