@@ -259,6 +259,15 @@ def _reduce_seconds(pipe: Pipeline, rounds: int = 5) -> dict[int, float]:
     return {s: statistics.median(t) for s, t in times.items()}
 
 
+def _busy(seconds: float, *, size: int = 128) -> None:
+    """Compute on this rank's core for ``seconds`` (single-threaded products of ``size`` x
+    ``size`` matrices)."""
+    a = torch.randn(size, size)
+    began = time.perf_counter()
+    while time.perf_counter() - began < seconds:
+        torch.mm(a, a)
+
+
 def _message_costs(
     groups: Any, shape: tuple[int, ...], *, loaded: bool, seconds: float = 0.2, late: int = 8
 ) -> tuple[float, float, float]:
@@ -321,21 +330,11 @@ def _message_costs(
                 receive, _ = post(dist.irecv, out, peer, late_posts)
                 receive.wait()
     elif loaded:
-        a = torch.randn(256, 256)
-        while time.perf_counter() - began < seconds * 1.25 + late * 0.003:
-            torch.mm(a, a)
+        _busy(seconds * 1.25 + late * 0.003, size=256)
     one_post = statistics.mean(posts) if posts else 0.0
     trip = statistics.mean(trips) / 2 if trips else 0.0
     late_post = statistics.median(late_posts) if late_posts else 0.0
     return _slowest(one_post), _slowest(trip), _slowest(late_post)
-
-
-def _busy(seconds: float) -> None:
-    """Compute on this rank's core for ``seconds`` (single-threaded matrix products)."""
-    a = torch.randn(128, 128)
-    began = time.perf_counter()
-    while time.perf_counter() - began < seconds:
-        torch.mm(a, a)
 
 
 def _step_posts(

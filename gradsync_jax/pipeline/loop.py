@@ -59,10 +59,10 @@ from gradsync_jax.pipeline.ticks import (
     COL,
     FIRST,
     FORWARD,
+    GRADIENT_KINDS,
     INPUT,
     LAST,
     ONLY,
-    WEIGHT,
     TickProgram,
 )
 
@@ -230,7 +230,7 @@ def run_pipeline(
             fields.add("send")
         if INPUT in kinds:
             fields.add("cross")
-        if kinds & {WEIGHT, BACKWARD}:
+        if kinds & set(GRADIENT_KINDS):
             fields.add("grads")
         keep = lambda run: lambda *a: {k: v for k, v in run(*a).items() if k in fields}  # noqa: E731
         branches = [keep(idle)] + [keep(make(*program.branches[b - 1])) for b in used if b]

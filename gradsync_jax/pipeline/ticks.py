@@ -47,6 +47,7 @@ from gradsync_core import PipelinePlan
 
 IDLE, FORWARD, INPUT, WEIGHT, BACKWARD = 0, 1, 2, 3, 4  # the cell kinds
 KIND_NAMES = {FORWARD: "F", INPUT: "I", WEIGHT: "W", BACKWARD: "B"}
+GRADIENT_KINDS = (WEIGHT, BACKWARD)  # the cells that make weight gradients
 LANES = ("f", "b", "w")  # the forward lane, the backward lane (I or B), the weight lane (W)
 BUFFERS = ("act", "grad", "stash", "cross", "held")
 SOURCES = ("left", "right", "local")  # from rank r-1, from rank r+1, this rank's own output
@@ -193,10 +194,8 @@ def tick_grid(plan: PipelinePlan) -> list[list[Tick]]:
                 cell = order[place[rank]]
                 if lanes[cell.lane] is not None or not ready(cell, t):
                     break
-                if cell.kind in (WEIGHT, BACKWARD) and any(
-                    c is not None and c.kind in (WEIGHT, BACKWARD) for c in lanes
-                ):
-                    break
+                if cell.kind in GRADIENT_KINDS and _grads_cell(lanes) is not None:
+                    break  # a tick makes at most one weight gradient
                 lanes[cell.lane] = cell
                 place[rank] += 1
             grid[rank].append(tuple(lanes))
@@ -336,7 +335,7 @@ def compile_ticks(plan: PipelinePlan) -> TickProgram:
                     row[COL["cross_write"]] = slot_of["cross", (s, mb, 0)]
                 if kind == WEIGHT:
                     row[COL["cross_read"]] = slot_of["cross", (s, mb, 0)]
-                if kind in (WEIGHT, BACKWARD) and slots["held"]:
+                if kind in GRADIENT_KINDS and slots["held"]:
                     row[COL["held_write"]] = slot_of["held", (s, mb, 0)]
     sources = set()
     for buf, t, rank, src, key in arrivals:
@@ -370,9 +369,9 @@ def compile_ticks(plan: PipelinePlan) -> TickProgram:
     )
 
 
-def _grads_cell(cells: Tick) -> Cell | None:
+def _grads_cell(cells: Sequence[Cell | None]) -> Cell | None:
     """The tick's cell that makes weight gradients (a ``W`` or a ``B``), if any."""
-    return next((c for c in cells if c is not None and c.kind in (WEIGHT, BACKWARD)), None)
+    return next((c for c in cells if c is not None and c.kind in GRADIENT_KINDS), None)
 
 
 def _microbatch_order(cells: Sequence[Cell | None]) -> list[tuple[int, int, int]]:
@@ -395,7 +394,7 @@ def _microbatch_order(cells: Sequence[Cell | None]) -> list[tuple[int, int, int]
         return True
 
     for t, cell in enumerate(cells):
-        if cell is not None and cell.kind in (WEIGHT, BACKWARD):
+        if cell is not None and cell.kind in GRADIENT_KINDS:
             s, mb = cell.stage, cell.microbatch
             if following.get(s, 0) == mb:
                 following[s] = mb + 1
