@@ -36,6 +36,7 @@ the two halves do in ticks of their own.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -47,6 +48,7 @@ from jax import lax
 from gradsync_jax._axes import cast_varying
 from gradsync_jax.pipeline.model import PipelineModel
 from gradsync_jax.pipeline.split import (
+    CrossLayout,
     RowKey,
     RowLayout,
     StageCells,
@@ -133,7 +135,7 @@ def run_pipeline(
         cells[t] = split_stage(t, joint, p_t, zero_data, x, g, stash=stash)
 
     stash_rows = _rows([c.stash for c in cells.values()])
-    cross_rows = _rows([c.cross for c in cells.values()])
+    cross_rows = _cross_zeros([c.cross for c in cells.values()])
     grads_zero = _cast(jax.tree.map(jnp.zeros_like, (embed, _index(blocks, 0), head)), axes)
 
     def forward(t: str) -> Callable[..., dict[str, Any]]:
@@ -389,6 +391,19 @@ def _rows(layouts: list[RowLayout]) -> dict[RowKey, jax.Array]:
         dtype, vary = key
         rows[key] = _vary(jnp.zeros((size,), np.dtype(dtype)), vary)
     return rows
+
+
+def _cross_zeros(layouts: list[CrossLayout]) -> dict[Any, jax.Array]:
+    """One zero value per cross buffer that some stage type writes (``CrossLayout``)."""
+    keys = sorted(
+        {key for layout in layouts for key in layout.keys},
+        key=lambda k: (k[0], sorted(k[1]), k[2], k[3]),
+    )
+    zeros = {}
+    for key in keys:
+        dtype, vary, shape, _ = key
+        zeros[key] = _vary(jnp.zeros((math.prod(shape),), np.dtype(dtype)), vary)
+    return zeros
 
 
 def _slotted(row: jax.Array, slots: int) -> jax.Array:

@@ -112,6 +112,49 @@ class RowLayout:
         ]
 
 
+CrossKey = tuple[str, frozenset[str], tuple[int, ...], int]  # row key, shape, n-th of them
+
+
+@dataclass(frozen=True, slots=True)
+class CrossLayout:
+    """Where each cross value sits: in a buffer of its own, one per (dtype, varying axes,
+    shape, n-th value of those), so the stage types share the buffers of their shapes.
+
+    Not packed into one row like the stash: a row is one concatenation, and XLA:CPU fuses
+    each value's producer into it as well as into the input gradient's own next dot, so
+    the input gradient computed its cross values twice (a GELU's derivative, the running
+    sum of the residual's gradients; 9.0 ms against 6.3 apart, docs/pipeline.md). A value
+    returned as it is is computed once; its buffer is written in place.
+    """
+
+    keys: tuple[CrossKey, ...]
+
+    @classmethod
+    def of(cls, avals: Sequence[Any]) -> CrossLayout:
+        seen: dict[tuple[str, frozenset[str], tuple[int, ...]], int] = {}
+        keys = []
+        for aval in avals:
+            base = (*row_key(aval), tuple(aval.shape))
+            keys.append((*base, seen.get(base, 0)))
+            seen[base] = seen.get(base, 0) + 1
+        return cls(tuple(keys))
+
+    def pack(self, values: Sequence[Any], zeros: dict[CrossKey, Any]) -> dict[CrossKey, Any]:
+        """``values`` flat by their keys, the other buffers' zeros (``zeros``: one flat
+        row per key)."""
+        out = dict(zeros)
+        out.update((key, jnp.ravel(value)) for key, value in zip(self.keys, values, strict=True))
+        return out
+
+    def read(self, bufs: dict[CrossKey, jax.Array], slot: Any) -> list[jax.Array]:
+        """The values that ``pack`` laid out, read from slot ``slot`` of ``bufs``."""
+        return [
+            lax.dynamic_slice(bufs[key], (slot, 0), (1, math.prod(shape))).reshape(shape)
+            for key in self.keys
+            for _, _, shape, _ in [key]
+        ]
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StageCells:
     """The three cells of one stage type, as jaxprs over: the stage's parameters and the
@@ -130,7 +173,7 @@ class StageCells:
     input_grad: Jaxpr
     weight_grad: Jaxpr
     stash: RowLayout
-    cross: RowLayout
+    cross: CrossLayout
     grads_tree: Any  # the treedef of the parameters' gradients
 
     def run(self, jaxpr: Jaxpr, *args: Any) -> list[Any]:
@@ -282,7 +325,7 @@ def split_stage(
             "weight gradient", w_eqns, param_vars + data_vars + stash_vars + cross_vars, grads_out
         ),
         stash=RowLayout.of([v.aval for v in stash_vars]),
-        cross=RowLayout.of([v.aval for v in cross_vars]),
+        cross=CrossLayout.of([v.aval for v in cross_vars]),
         grads_tree=jax.tree.structure(shapes[2]),
     )
 
