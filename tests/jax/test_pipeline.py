@@ -18,6 +18,7 @@ import itertools
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -33,9 +34,14 @@ from gradsync_jax.pipeline import (
     save_pipeline,
     sequential_params,
 )
-from gradsync_jax.pipeline.ticks import BACKWARD, COL, FORWARD, INPUT, WEIGHT
+from gradsync_jax.pipeline.loop import _cross_zeros
+from gradsync_jax.pipeline.split import joint_fn, split_stage
+from gradsync_jax.pipeline.ticks import BACKWARD, COL, FORWARD, INPUT, MIDDLE, WEIGHT
 from tests.jax.pipeline_problem import (
+    DIM,
     MODEL,
+    ROWS,
+    SEQ,
     STEPS,
     init_params,
     make_batch,
@@ -334,6 +340,37 @@ def test_ticks_run_a_weight_gradient_beside(pp: int, m: int, ticks: int) -> None
                 made[r, row[COL["b_mb"]]] = t
             if row[COL["w_kind"]] == WEIGHT:
                 assert made[r, row[COL["w_mb"]]] < t
+
+
+def test_input_gradient_crosses_values_apart() -> None:
+    """A middle stage's input gradient hands its weight gradient each cross value in a
+    buffer of its own (``CrossLayout``), not packed into one row: XLA:CPU fused each value's
+    producer (a GELU's derivative, the residual's running gradient) both into the row's
+    concatenation and into the input gradient's next dot, so it was computed twice. The
+    compiled cell concatenates nothing, and the weight gradient reads back what it left."""
+    k = 2
+    natural = init_params(k)
+    blocks = jax.tree.map(jnp.asarray, natural["blocks"])
+    params = (None, blocks, None)
+    data = (jnp.zeros((ROWS, SEQ), jnp.int32), jnp.zeros((ROWS, SEQ), jnp.int32))
+    act = jnp.ones((ROWS, SEQ, DIM), jnp.float32)
+    joint = joint_fn(MIDDLE, MODEL.embed, MODEL.block, MODEL.head, k)
+    cells = split_stage(MIDDLE, joint, params, data, act, act, stash="residuals")
+    zeros = _cross_zeros([cells.cross])
+    assert len(zeros) == len(cells.cross.keys) > 1  # one buffer per value
+    flat = [*jax.tree.leaves(params), *jax.tree.leaves(data)]
+
+    def input_grad(x: jax.Array, g: jax.Array) -> Any:
+        _, *stash = cells.run(cells.forward, *flat, x)
+        _, *crossed = cells.run(cells.input_grad, *flat, *stash, g)
+        return cells.cross.pack(crossed, zeros), crossed
+
+    x = jnp.asarray(np.random.default_rng(0).normal(size=act.shape), jnp.float32)
+    hlo = jax.jit(input_grad).lower(x, act).compile().as_text()
+    assert " concatenate(" not in hlo
+    rows, crossed = input_grad(x, act)
+    back = cells.cross.read({key: row[None] for key, row in rows.items()}, 0)
+    assert_tree_equal(back, crossed)
 
 
 def temp_bytes(schedule: str, m: int, stash: str, pp: int = 4) -> int:
