@@ -307,7 +307,7 @@ def run_pipeline(
                     made.append((local, out["grads"]))
                 if "send" in b_fields:
                     arrived["grad"] = shifted(out["send"], {s for b, s in sources if b == "grad"})
-            if w_kinds:  # after the backward lane: the cross row it reads may be new
+            if w_kinds:  # after the backward lane: the cross values it reads may be new
                 local, mb = col("w_local"), col("w_mb")
                 data = _cast((_index(inputs, mb), _index(targets, mb)), axes)
                 kept = (stashed, crossed)
