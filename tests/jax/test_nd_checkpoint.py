@@ -1,0 +1,150 @@
+"""The JAX composition saves under its own layout and loads under another (issue 37 item 3).
+
+``examples/llama_nnx.py``'s ``parallelize`` trains the Llama reference on 8 CPU devices;
+``gradsync_jax.checkpoint.save_boxes`` writes its parameters and AdamW state (and the step)
+in the cross-layout format gradsync_torch's ``save_boxes`` writes (model space, a ``"dim0"``
+plan from the devices' boxes, the layout in the manifest); ``load_boxes`` places it under
+another layout, and the run continued there equals the uninterrupted run on one device
+within the floor of tests/jax/test_nd_parallel.py (1e-5 of each tensor's largest entry):
+parameters and both moments. A checkpoint of another model is refused with one sentence
+before anything is placed or the data position moves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import gradsync_jax
+from examples.llama_config import LlamaConfig, ParallelOptions
+from examples.llama_nnx import Llama, ParallelLlama, parallelize, serial_loss
+from gradsync_core import Topology, read_manifest
+from gradsync_core.checkpoint import layout_record
+from gradsync_jax.checkpoint.boxes import load_boxes, save_boxes
+from tests.support.asserts import assert_close
+
+RTOL = 1e-5  # the JAX compositions' reduction-order floor (tests/jax/test_nd_parallel.py)
+STEPS, SAVED, BATCH, SEQ = 4, 2, 8, 16
+LR, EPS, MAX_NORM = 1e-3, 1e-6, 0.5
+DENSE = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64)
+
+# name: (topology arguments for 8 devices, options)
+LAYOUTS: dict[str, tuple[dict[str, Any], ParallelOptions]] = {
+    "dp_shard2_tp2": ({"tp": 2, "dp_shard": 2}, ParallelOptions()),
+    "dp4_tp2": ({"tp": 2}, ParallelOptions(sequence_parallel=False)),
+}
+
+
+def batches(cfg: LlamaConfig = DENSE) -> list[tuple[np.ndarray, np.ndarray]]:
+    rng = np.random.default_rng(0)
+    rows = [rng.integers(0, cfg.vocab_size, (BATCH, SEQ + 1)).astype(np.int32) for _ in range(4)]
+    return [(r[:, :-1], r[:, 1:]) for r in rows]
+
+
+def initial_params(cfg: LlamaConfig = DENSE) -> Any:
+    return nnx.to_pure_dict(nnx.state(Llama(cfg, rngs=nnx.Rngs(0)), nnx.Param))
+
+
+def transformation() -> optax.GradientTransformation:
+    return optax.chain(gradsync_jax.clip_by_global_norm(MAX_NORM), optax.adamw(LR, eps=EPS))
+
+
+def build(name: str, cfg: LlamaConfig = DENSE) -> ParallelLlama:
+    sizes, options = LAYOUTS[name]
+    model = Llama(cfg, rngs=nnx.Rngs(1))  # other weights: a load must replace them all
+    return parallelize(
+        model, Topology.create(8, **sizes), options, tx=transformation(), seq_len=SEQ
+    )
+
+
+def train(par: ParallelLlama, stored: Any, state: Any, steps: range) -> tuple[Any, Any]:
+    data = batches()
+    for step in steps:
+        stored, state, _ = par.step(stored, state, data[step])
+    return stored, state
+
+
+@cache
+def reference() -> tuple[Any, Any]:
+    """The uninterrupted run: the unsharded model on one device, ``STEPS`` steps."""
+    params = initial_params()
+    graphdef = nnx.graphdef(Llama(DENSE, rngs=nnx.Rngs(0)))
+    tx = optax.chain(optax.clip_by_global_norm(MAX_NORM), optax.adamw(LR, eps=EPS))
+
+    @jax.jit
+    def step(params: Any, state: Any, tokens: Any, targets: Any) -> Any:
+        grads = jax.grad(lambda p: serial_loss(nnx.merge(graphdef, p), tokens, targets))(params)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    state = tx.init(params)
+    for tokens, targets in batches():
+        params, state = step(params, state, tokens, targets)
+    return jax.tree.map(np.asarray, params), jax.tree.map(np.asarray, state)
+
+
+def save_after(name: str, path: Path) -> None:
+    """Train ``SAVED`` steps under layout ``name`` from the initial weights, save."""
+    par = build(name)
+    stored = par.place(initial_params())
+    stored, state = train(par, stored, par.init(stored), range(SAVED))
+    record = layout_record(par.topology, framework="jax", model=dataclasses.asdict(DENSE))
+    save_boxes(path, stored, state, transformation(), step=SAVED, layout=record)
+
+
+def assert_continues(par: ParallelLlama, stored: Any, state: Any, what: str) -> None:
+    """Parameters and both AdamW moments against the uninterrupted run, within the floor."""
+    ref_params, ref_state = reference()
+    got_state = par.state_of(state)
+    pairs = [
+        ("parameters", par.params_of(stored), ref_params),
+        ("first moments", got_state[1][0].mu, ref_state[1][0].mu),
+        ("second moments", got_state[1][0].nu, ref_state[1][0].nu),
+    ]
+    for kind, got, want in pairs:
+        ours = gradsync_jax.to_torch_state(jax.tree.map(np.asarray, got))
+        theirs = gradsync_jax.to_torch_state(want)
+        worst = assert_close(ours, theirs, RTOL, f"{what}: {kind}")
+        print(f"{what}: {kind} {worst:.1e} from the uninterrupted run")
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("jax-nd-checkpoint")
+    save_after("dp_shard2_tp2", directory / "dp_shard2_tp2")
+    return directory
+
+
+@pytest.mark.slow
+def test_the_manifest_records_the_layout_and_each_rank_writes_its_block(saved: Path) -> None:
+    manifest = read_manifest(saved / "dp_shard2_tp2")
+    sizes, _ = LAYOUTS["dp_shard2_tp2"]
+    assert manifest.extra["layout"]["topology"] == Topology.create(8, **sizes).to_json()
+    assert (manifest.framework, manifest.step, manifest.world_size) == ("jax", SAVED, 8)
+    # wq (torch (out, in) = (32, 32)) is column-parallel over tp and cut over dp_shard on its
+    # input dim: 4 distinct boxes (dp_replicate's replicas dropped), two blocks of rows (the
+    # tp halves), each cut between its 2 boxes' ranks: 4 ranges of 8 rows, 4 writers.
+    shards = [s for s in manifest.plan.shards if s.name == "layers.0.attention.wq.weight"]
+    assert sorted((s.start, s.stop) for s in shards) == [(i * 256, (i + 1) * 256) for i in range(4)]
+    assert len({s.rank for s in shards}) == 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("saved_under", "loaded_under"), [("dp_shard2_tp2", "dp4_tp2")])
+def test_a_jax_checkpoint_continues_under_another_layout(
+    saved_under: str, loaded_under: str, saved: Path
+) -> None:
+    par = build(loaded_under)
+    target = par.place(initial_params())
+    stored, state, manifest = load_boxes(saved / saved_under, target, transformation())
+    assert manifest.step == SAVED
+    stored, state = train(par, stored, state, range(SAVED, STEPS))
+    assert_continues(par, stored, state, f"{saved_under}->{loaded_under}")
