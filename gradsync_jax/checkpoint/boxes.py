@@ -56,10 +56,11 @@ def _mesh_of(params: Any) -> Any:
     meshes = set()
     for leaf in jax.tree.leaves(params):
         sharding = getattr(leaf, "sharding", None)
-        if not isinstance(leaf, jax.Array) or not isinstance(sharding, NamedSharding):
+        placed = isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct))
+        if not placed or not isinstance(sharding, NamedSharding):
             raise ValueError(
-                f"a parameter of shape {np.shape(leaf)} is not a jax.Array placed with a "
-                "NamedSharding; place the parameters on the mesh (jax.device_put) before saving"
+                f"a parameter of shape {np.shape(leaf)} has no NamedSharding; give jax.Arrays "
+                "placed on the mesh (jax.device_put), or ShapeDtypeStructs with sharding="
             )
         meshes.add(sharding.mesh)
     if len(meshes) != 1:

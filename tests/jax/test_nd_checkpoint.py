@@ -27,8 +27,6 @@ import gradsync_jax
 from examples.llama_config import LlamaConfig, ParallelOptions
 from examples.llama_nnx import Llama, ParallelLlama, parallelize, serial_loss
 from gradsync_core import Topology, read_manifest
-from gradsync_core.checkpoint import layout_record
-from gradsync_jax.checkpoint.boxes import load_boxes, save_boxes
 from tests.support.asserts import assert_close
 
 RTOL = 1e-5  # the JAX compositions' reduction-order floor (tests/jax/test_nd_parallel.py)
@@ -40,7 +38,16 @@ DENSE = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, 
 LAYOUTS: dict[str, tuple[dict[str, Any], ParallelOptions]] = {
     "dp_shard2_tp2": ({"tp": 2, "dp_shard": 2}, ParallelOptions()),
     "dp4_tp2": ({"tp": 2}, ParallelOptions(sequence_parallel=False)),
+    "dp_shard2_tp2_pp2": ({"tp": 2, "pp": 2, "dp_shard": 2}, ParallelOptions(microbatches=4)),
 }
+
+# (saved under, loaded under): dp_shard x tp and dp x tp each saved and loaded elsewhere; the
+# pipeline both ways (its stages' layers saved as the model's tree).
+PAIRS = [
+    ("dp_shard2_tp2", "dp4_tp2"),
+    ("dp4_tp2", "dp_shard2_tp2_pp2"),
+    ("dp_shard2_tp2_pp2", "dp_shard2_tp2"),
+]
 
 
 def batches(cfg: LlamaConfig = DENSE) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -91,13 +98,15 @@ def reference() -> tuple[Any, Any]:
     return jax.tree.map(np.asarray, params), jax.tree.map(np.asarray, state)
 
 
-def save_after(name: str, path: Path) -> None:
-    """Train ``SAVED`` steps under layout ``name`` from the initial weights, save."""
-    par = build(name)
-    stored = par.place(initial_params())
-    stored, state = train(par, stored, par.init(stored), range(SAVED))
-    record = layout_record(par.topology, framework="jax", model=dataclasses.asdict(DENSE))
-    save_boxes(path, stored, state, transformation(), step=SAVED, layout=record)
+def save_after(name: str, directory: Path) -> Path:
+    """Train ``SAVED`` steps under layout ``name`` from the initial weights, save (once)."""
+    path = directory / name
+    if not path.exists():
+        par = build(name)
+        stored = par.place(initial_params())
+        stored, state = train(par, stored, par.init(stored), range(SAVED))
+        par.save(path, stored, state, step=SAVED)
+    return path
 
 
 def assert_continues(par: ParallelLlama, stored: Any, state: Any, what: str) -> None:
@@ -118,16 +127,17 @@ def assert_continues(par: ParallelLlama, stored: Any, state: Any, what: str) -> 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = tmp_path_factory.mktemp("jax-nd-checkpoint")
-    save_after("dp_shard2_tp2", directory / "dp_shard2_tp2")
-    return directory
+    """The directory each layout's checkpoint is saved in (by the first test that needs it)."""
+    return tmp_path_factory.mktemp("jax-nd-checkpoint")
 
 
 @pytest.mark.slow
 def test_the_manifest_records_the_layout_and_each_rank_writes_its_block(saved: Path) -> None:
-    manifest = read_manifest(saved / "dp_shard2_tp2")
+    manifest = read_manifest(save_after("dp_shard2_tp2", saved))
     sizes, _ = LAYOUTS["dp_shard2_tp2"]
-    assert manifest.extra["layout"]["topology"] == Topology.create(8, **sizes).to_json()
+    layout = manifest.extra["layout"]
+    assert layout["topology"] == Topology.create(8, **sizes).to_json()
+    assert (layout["framework"], layout["model"]) == ("jax", dataclasses.asdict(DENSE))
     assert (manifest.framework, manifest.step, manifest.world_size) == ("jax", SAVED, 8)
     # wq (torch (out, in) = (32, 32)) is column-parallel over tp and cut over dp_shard on its
     # input dim: 4 distinct boxes (dp_replicate's replicas dropped), two blocks of rows (the
@@ -138,13 +148,16 @@ def test_the_manifest_records_the_layout_and_each_rank_writes_its_block(saved: P
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("saved_under", "loaded_under"), [("dp_shard2_tp2", "dp4_tp2")])
+@pytest.mark.parametrize(
+    ("saved_under", "loaded_under"), PAIRS, ids=[f"{a}->{b}" for a, b in PAIRS]
+)
 def test_a_jax_checkpoint_continues_under_another_layout(
     saved_under: str, loaded_under: str, saved: Path
 ) -> None:
+    path = save_after(saved_under, saved)
     par = build(loaded_under)
-    target = par.place(initial_params())
-    stored, state, manifest = load_boxes(saved / saved_under, target, transformation())
+    stored, state, manifest = par.load(path)
     assert manifest.step == SAVED
+    assert manifest.extra["layout"] == build(saved_under).layout
     stored, state = train(par, stored, state, range(SAVED, STEPS))
     assert_continues(par, stored, state, f"{saved_under}->{loaded_under}")
