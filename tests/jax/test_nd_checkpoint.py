@@ -27,6 +27,7 @@ import gradsync_jax
 from examples.llama_config import LlamaConfig, ParallelOptions
 from examples.llama_nnx import Llama, ParallelLlama, parallelize, serial_loss
 from gradsync_core import Topology, read_manifest
+from gradsync_jax.sampler import ResumableSampler
 from tests.support.asserts import assert_close
 
 RTOL = 1e-5  # the JAX compositions' reduction-order floor (tests/jax/test_nd_parallel.py)
@@ -105,8 +106,15 @@ def save_after(name: str, directory: Path) -> Path:
         par = build(name)
         stored = par.place(initial_params())
         stored, state = train(par, stored, par.init(stored), range(SAVED))
-        par.save(path, stored, state, step=SAVED)
+        data = sampler()
+        for _ in range(SAVED):
+            next(data)
+        par.save(path, stored, state, step=SAVED, data=data)
     return path
+
+
+def sampler() -> ResumableSampler:
+    return ResumableSampler(64, global_batch_size=BATCH, seed=3)
 
 
 def assert_continues(par: ParallelLlama, stored: Any, state: Any, what: str) -> None:
@@ -161,3 +169,35 @@ def test_a_jax_checkpoint_continues_under_another_layout(
     assert manifest.extra["layout"] == build(saved_under).layout
     stored, state = train(par, stored, state, range(SAVED, STEPS))
     assert_continues(par, stored, state, f"{saved_under}->{loaded_under}")
+
+
+@pytest.mark.slow
+def test_a_load_that_cannot_be_expressed_refuses_before_changing_anything(saved: Path) -> None:
+    """Another model's layout, and a layout the model cannot take: one sentence each, before
+    anything is placed or the data position moves; then the right load moves it."""
+    path = save_after("dp_shard2_tp2", saved)
+    data = sampler()
+    start = data.state_dict()
+    deeper = LlamaConfig(**{**DENSE.__dict__, "n_layers": 3})
+    sizes, options = LAYOUTS["dp4_tp2"]
+    par = parallelize(
+        Llama(deeper, rngs=nnx.Rngs(1)),
+        Topology.create(8, **sizes),
+        options,
+        tx=transformation(),
+        seq_len=SEQ,
+    )
+    with pytest.raises(ValueError, match=r"layers\.2\.") as refused:
+        par.load(path, data=data)
+    assert "\n" not in str(refused.value)
+    print(f"refused: {refused.value}")
+    assert data.state_dict() == start
+    with pytest.raises(ValueError, match="n_kv_heads 2 is not divisible by tp=4"):
+        parallelize(
+            Llama(DENSE, rngs=nnx.Rngs(1)),
+            Topology.create(8, tp=4),
+            tx=transformation(),
+            seq_len=SEQ,
+        )
+    *_, manifest = build("dp4_tp2").load(path, data=data)
+    assert data.state_dict() == manifest.extra["data"] != start
