@@ -4,12 +4,19 @@
     python examples/llama_nd_jax.py --dp-replicate 2 --dp-shard 2 --tp 2
     python examples/llama_nd_jax.py --tp 2 --cp 2 --dp-shard 2
     python examples/llama_nd_jax.py --ep 2 --dp-shard 2 --dp-replicate 2 --pp 2 --experts 4
+    # save under one layout, resume under another (or in examples/llama_nd.py, torch)
+    python examples/llama_nd_jax.py --dp-shard 2 --tp 2 --save /tmp/ckpt-jax
+    python examples/llama_nd_jax.py --tp 2 --pp 2 --resume /tmp/ckpt-jax
 
 The JAX twin of ``examples/llama_nd.py``. The product of the sizes (``ep`` is carved out of
 the data-parallel ranks, as Megatron-core's) must be the device count. It prints the plan
 (the mesh, each parameter's ``PartitionSpec``, the batch's, the pipeline's schedule), trains
 ``--steps`` steps of clipped AdamW with ``examples/llama_nnx.py``'s ``parallelize`` and the
 same model on one device beside it, prints both losses per step, and ends with one JSON line.
+``--save DIR`` writes a checkpoint after training (``ParallelLlama.save``: model space, the
+layout in its manifest); ``--resume DIR`` loads one saved under any layout, by either framework
+(``ParallelLlama.load``; the one-device model beside it reads it with ``load_params`` and
+``load_optimizer_state``), and continues from its step.
 """
 
 from __future__ import annotations
@@ -35,6 +42,8 @@ import gradsync_jax
 from examples.llama_config import LlamaConfig, ParallelOptions
 from examples.llama_nnx import Llama, parallelize, serial_loss
 from gradsync_core import Topology
+from gradsync_core.checkpoint import describe_layout
+from gradsync_jax.checkpoint import load_optimizer_state, load_params
 
 
 def _flags(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -49,6 +58,10 @@ def _flags(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=16)
     parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--save", metavar="DIR", help="write a checkpoint here after training")
+    parser.add_argument(
+        "--resume", metavar="DIR", help="continue from a checkpoint saved under any layout"
+    )
     return parser.parse_args(argv)
 
 
@@ -101,9 +114,19 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     stored = par.place(params)
     state = par.init(stored)
     ref, ref_state = params, ref_tx.init(params)
+    first = 0
+    if args.resume:
+        stored, state, manifest = par.load(args.resume)
+        ref = load_params(args.resume, params)  # the one-device model reads it too
+        ref_state, _ = load_optimizer_state(args.resume, ref_tx, params)
+        first = manifest.step
+        layout = describe_layout(manifest.extra.get("layout"))
+        print(f"resumed {args.resume} at step {first}; it was saved under: {layout}")
     rng = np.random.default_rng(0)
+    for _ in range(first):  # the batches the saved run already trained on
+        rng.integers(0, cfg.vocab_size, (args.batch, args.seq + 1))
     print(f"{'step':>4} {'loss':>10} {'one device':>11}")
-    for step in range(args.steps):
+    for step in range(first, first + args.steps):
         rows = rng.integers(0, cfg.vocab_size, (args.batch, args.seq + 1)).astype(np.int32)
         tokens, targets = rows[:, :-1], rows[:, 1:]
         stored, state, loss = par.step(stored, state, (tokens, targets))
@@ -121,6 +144,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "one_device_final_loss": round(float(ref_loss), 6),
         "max_relative_param_difference": drift,
     }
+    if args.save:
+        par.save(args.save, stored, state, step=first + args.steps)
+        print(f"saved {args.save}: resume under any layout with --resume {args.save}")
     print(json.dumps(summary))
     return summary
 

@@ -22,7 +22,9 @@ holds ``1/tp`` of the vocabulary and the logits are gathered (``vocab_parallel_l
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from functools import partial
@@ -39,7 +41,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from examples.llama_config import LlamaConfig, ParallelOptions, check_layout
-from gradsync_core import PipelinePlan, Topology, plan_pipeline
+from gradsync_core import Manifest, PipelinePlan, SaveHandle, Topology, plan_pipeline
+from gradsync_core.checkpoint import layout_record
 from gradsync_jax import (
     NotElementwiseError,
     PipelineModel,
@@ -56,6 +59,7 @@ from gradsync_jax import (
     split_microbatches,
 )
 from gradsync_jax._axes import cast_varying, varying
+from gradsync_jax.checkpoint import load_boxes, save_boxes
 from gradsync_jax.pipeline import compile_ticks, pipeline_specs
 from gradsync_jax.pipeline.loop import run_pipeline
 from gradsync_jax.zero.clip import global_norm_args
@@ -353,6 +357,17 @@ class ParallelLlama:
             jitted; ``loss`` is the global mean cross-entropy.
         params_of: ``params_of(stored)``: the model's parameter tree, whole, on the host.
         state_of: ``state_of(opt_state)``: the state ``tx.init(params_of(stored))`` has.
+        layout: the record a checkpoint's manifest keeps of this layout
+            (``gradsync_core.checkpoint.layout_record``: framework, topology, schedule,
+            microbatches, the model's config).
+        save: ``save(path, stored, opt_state, *, step, data=None, blocking=True)``: a
+            checkpoint any layout (or torch's ``load_boxes``) loads, in model space
+            (``gradsync_jax.checkpoint.save_boxes``); returns its manifest (a
+            ``SaveHandle`` with ``blocking=False``).
+        load: ``load(path, *, data=None) -> (stored, opt_state, manifest)``: a checkpoint
+            saved under any layout, by either framework, placed in this one
+            (``gradsync_jax.checkpoint.load_boxes``); a checkpoint of another model refuses
+            with one sentence before anything is placed.
     """
 
     topology: Topology
@@ -366,6 +381,9 @@ class ParallelLlama:
     step: Callable[[Any, Any, Any], tuple[Any, Any, jax.Array]]
     params_of: Callable[[Any], Any]
     state_of: Callable[[Any], Any]
+    layout: dict[str, Any]
+    save: Callable[..., Manifest | SaveHandle]
+    load: Callable[..., tuple[Any, Any, Manifest]]
 
 
 def _ep_axes(topology: Topology) -> tuple[str, ...]:
@@ -553,7 +571,7 @@ def parallelize(
     seq = tuple(a for a in (ax.cp, ax.tp if sp else None) if a is not None)
     batch_spec = P(data, seq or None)
     _check_elementwise(tx, mesh, data, natural)
-    tx = optax.with_extra_args_support(tx)
+    plain_tx, tx = tx, optax.with_extra_args_support(tx)
     named = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
     n_layers, stored_specs, plan = cfg.n_layers, specs, None
     if topology.pp > 1:
@@ -717,6 +735,50 @@ def parallelize(
             lambda x: params_of(x) if is_parts(x) else np.asarray(x), opt_state, is_leaf=is_parts
         )
 
+    record = layout_record(
+        topology,
+        framework="jax",
+        schedule=options.schedule,
+        microbatches=options.microbatches,
+        model=dataclasses.asdict(cfg),
+    )
+    natural_shardings = jax.tree.map(named, specs, is_leaf=_is_spec)
+
+    def save(
+        path: str | os.PathLike[str],
+        stored: Any,
+        opt_state: Any,
+        *,
+        step: int,
+        data: Any = None,
+        blocking: bool = True,
+    ) -> Manifest | SaveHandle:
+        if plan is not None:  # the stages' layers as the model's tree, laid out without pp
+            stored = jax.device_put(params_of(stored), natural_shardings)
+            opt_state = state_of(opt_state)
+        return save_boxes(
+            path, stored, opt_state, plain_tx, step=step, layout=record, data=data,
+            blocking=blocking,
+        )  # fmt: skip
+
+    def load(path: str | os.PathLike[str], *, data: Any = None) -> tuple[Any, Any, Manifest]:
+        like = jax.tree.map(
+            lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+            natural,
+            natural_shardings,
+        )
+        params, opt_state, manifest = load_boxes(path, like, plain_tx, data=data)
+        if plan is None:
+            return params, opt_state, manifest
+        # the model's tree into the pipeline's: each parameter-shaped subtree of the state too
+        structure = jax.tree.structure(natural)
+        is_tree = lambda x: jax.tree.structure(x) == structure  # noqa: E731
+        opt_state = jax.tree.map(
+            lambda x: place(x) if is_tree(x) else x, opt_state, is_leaf=is_tree
+        )
+        shardings = jax.tree.map(named, state_specs(opt_state), is_leaf=_is_spec)
+        return place(params), jax.device_put(opt_state, shardings), manifest
+
     return ParallelLlama(
         topology=topology,
         mesh=mesh,
@@ -729,4 +791,7 @@ def parallelize(
         step=step,
         params_of=params_of,
         state_of=state_of,
+        layout=record,
+        save=save,
+        load=load,
     )

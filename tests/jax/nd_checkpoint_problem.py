@@ -1,0 +1,108 @@
+"""The JAX composition's training problem for the checkpoints that cross layouts: the Llama
+reference, its layouts on 8 CPU devices, the batches, the uninterrupted run, and a save after
+``SAVED`` steps (``ParallelLlama.save``). Shared by tests/jax/test_nd_checkpoint.py and
+tests/parity/test_cross_nd_checkpoint.py; it holds no tests of its own.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+
+import gradsync_jax
+from examples.llama_config import LlamaConfig, ParallelOptions
+from examples.llama_nnx import Llama, ParallelLlama, parallelize, serial_loss
+from gradsync_core import Topology
+from gradsync_jax.sampler import ResumableSampler
+
+RTOL = 1e-5  # the JAX compositions' reduction-order floor (tests/jax/test_nd_parallel.py)
+STEPS, SAVED, BATCH, SEQ = 4, 2, 8, 16
+LR, EPS, MAX_NORM = 1e-3, 1e-6, 0.5
+DENSE = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64)
+
+# name: (topology arguments for 8 devices, options)
+LAYOUTS: dict[str, tuple[dict[str, Any], ParallelOptions]] = {
+    "dp_shard2_tp2": ({"tp": 2, "dp_shard": 2}, ParallelOptions()),
+    "dp4_tp2": ({"tp": 2}, ParallelOptions(sequence_parallel=False)),
+    "dp_shard2_tp2_pp2": ({"tp": 2, "pp": 2, "dp_shard": 2}, ParallelOptions(microbatches=4)),
+}
+
+# (saved under, loaded under): dp_shard x tp and dp x tp each saved and loaded elsewhere; the
+# pipeline both ways (its stages' layers saved as the model's tree).
+PAIRS = [
+    ("dp_shard2_tp2", "dp4_tp2"),
+    ("dp4_tp2", "dp_shard2_tp2_pp2"),
+    ("dp_shard2_tp2_pp2", "dp_shard2_tp2"),
+]
+
+
+def batches(cfg: LlamaConfig = DENSE) -> list[tuple[np.ndarray, np.ndarray]]:
+    rng = np.random.default_rng(0)
+    rows = [rng.integers(0, cfg.vocab_size, (BATCH, SEQ + 1)).astype(np.int32) for _ in range(4)]
+    return [(r[:, :-1], r[:, 1:]) for r in rows]
+
+
+def initial_params(cfg: LlamaConfig = DENSE) -> Any:
+    return nnx.to_pure_dict(nnx.state(Llama(cfg, rngs=nnx.Rngs(0)), nnx.Param))
+
+
+def transformation() -> optax.GradientTransformation:
+    return optax.chain(gradsync_jax.clip_by_global_norm(MAX_NORM), optax.adamw(LR, eps=EPS))
+
+
+def build(name: str, cfg: LlamaConfig = DENSE) -> ParallelLlama:
+    sizes, options = LAYOUTS[name]
+    model = Llama(cfg, rngs=nnx.Rngs(1))  # other weights: a load must replace them all
+    return parallelize(
+        model, Topology.create(8, **sizes), options, tx=transformation(), seq_len=SEQ
+    )
+
+
+def train(par: ParallelLlama, stored: Any, state: Any, steps: range) -> tuple[Any, Any]:
+    data = batches()
+    for step in steps:
+        stored, state, _ = par.step(stored, state, data[step])
+    return stored, state
+
+
+@cache
+def reference() -> tuple[Any, Any]:
+    """The uninterrupted run: the unsharded model on one device, ``STEPS`` steps."""
+    params = initial_params()
+    graphdef = nnx.graphdef(Llama(DENSE, rngs=nnx.Rngs(0)))
+    tx = optax.chain(optax.clip_by_global_norm(MAX_NORM), optax.adamw(LR, eps=EPS))
+
+    @jax.jit
+    def step(params: Any, state: Any, tokens: Any, targets: Any) -> Any:
+        grads = jax.grad(lambda p: serial_loss(nnx.merge(graphdef, p), tokens, targets))(params)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    state = tx.init(params)
+    for tokens, targets in batches():
+        params, state = step(params, state, tokens, targets)
+    return jax.tree.map(np.asarray, params), jax.tree.map(np.asarray, state)
+
+
+def save_after(name: str, directory: Path) -> Path:
+    """Train ``SAVED`` steps under layout ``name`` from the initial weights, save (once)."""
+    path = directory / name
+    if not path.exists():
+        par = build(name)
+        stored = par.place(initial_params())
+        stored, state = train(par, stored, par.init(stored), range(SAVED))
+        data = sampler()
+        for _ in range(SAVED):
+            next(data)
+        par.save(path, stored, state, step=SAVED, data=data)
+    return path
+
+
+def sampler() -> ResumableSampler:
+    return ResumableSampler(64, global_batch_size=BATCH, seed=3)
