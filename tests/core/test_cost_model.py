@@ -9,6 +9,7 @@ against ``simulate_pipeline`` and ``(m + p - 1)(f + b)``.
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -176,6 +177,11 @@ def test_pieces_round_trip_and_a_version_3_profile_loads_without_them():
     assert m.to_json()["version"] == 4
     assert MachineProfile.from_json(json.loads(json.dumps(m.to_json()))) == m
     assert m.time("all_reduce", 8 * MIB, 8) == links[0].time(8 * MIB, 8)
+    posted = replace(m, post_s={"send": 2e-4, "receive": 1e-4})
+    assert MachineProfile.from_json(json.loads(json.dumps(posted.to_json()))) == posted
+    assert posted.post_time("send") == 2e-4 and m.post_time("receive") == 0.0
+    with pytest.raises(ValueError, match="version-3 machine profile has the unknown key 'post_s'"):
+        MachineProfile.from_json(posted.to_json() | {"version": 3})
     old = m.to_json() | {"version": 3}
     with pytest.raises(ValueError, match="version-3 machine profile link has the unknown key"):
         MachineProfile.from_json(old)
@@ -685,6 +691,30 @@ def test_pipeline_host_overheads_delay_messages_and_the_data_parallel_sync():
     reduce = m.time("all_reduce", 2 * MIB, 2)
     assert cost.step_s == pytest.approx(sim.step_time + sync + h_ar + reduce)
     assert cost.ranks[0].compute_s == pytest.approx(sim.busy[0] + sync + h_ar)
+
+
+def test_pipeline_message_posts_are_the_simulators_post_and_receive_post():
+    specs, send, receive = layers(4), 0.3, 0.1
+    plan = plan_pipeline(schedule="1F1B", microbatches=4, topology=Topology(pp=2), specs=specs)
+    m = machine(latency=1e-3, post_s={"send": send, "receive": receive})
+    cost = predict_pipeline(plan, specs, machine=m, model=model(4, forward=1.0, backward=2.0))
+    sim = simulate_pipeline(
+        plan, forward=2.0, backward=4.0, weight=2.0, p2p=1e-3, post=send, receive_post=receive
+    )
+    # the closed form: 4 microbatches of (2 + 4) on 2 ranks, one bubble of 2 + 4, and every
+    # send and receive posted on the critical path's clock delays the step beyond it
+    assert cost.step_s == pytest.approx(sim.step_time)
+    assert cost.step_s > 5 * 6.0 + 2 * send
+    assert cost.ranks[0].compute_s == pytest.approx(sim.busy[0] + sim.host[0])
+    assert sim.host[0] == pytest.approx(4 * send + 4 * receive)  # 4 sends, 4 gradient receives
+    none = predict_pipeline(
+        plan, specs, machine=machine(latency=1e-3), model=model(4, forward=1.0, backward=2.0)
+    )
+    assert none.step_s == pytest.approx(
+        simulate_pipeline(plan, forward=2.0, backward=4.0, weight=2.0, p2p=1e-3).step_time
+    )
+    with pytest.raises(ValueError, match="post_s has the unknown key 'recv'"):
+        machine(post_s={"recv": 1e-4})
 
 
 def test_pipeline_stash_memory_follows_the_schedule():

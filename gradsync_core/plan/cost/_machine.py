@@ -43,10 +43,13 @@ LEVELS = (NODE, NETWORK)
 MACHINE_PROFILE_KIND = "machine_profile"
 MACHINE_PROFILE_VERSION = 4  # the schema's own version, not the plans'
 # Version 1 had no host overheads, version 2 no slowdown per collective kind, version 3 one
-# line per link (no ``pieces``): they still load, with none.
+# line per link (no ``pieces``) and no pipeline message posts (``post_s``): they still load,
+# with none.
 MACHINE_PROFILE_VERSIONS = (1, 2, 3, 4)
 DATA_PARALLEL, ZERO3 = "data_parallel", "zero3"
 STEP_PATHS = (DATA_PARALLEL, ZERO3)  # the executor paths with a per-step host overhead
+SEND, RECEIVE = "send", "receive"
+POSTS = (SEND, RECEIVE)  # a pipeline message's two posts (``post_s``)
 
 
 def bus_factor(collective: str, group_size: int) -> float:
@@ -209,7 +212,10 @@ class MachineProfile:
     ``collective_scratch``, per collective kind, the bytes a collective allocates beside its
     buffers while in flight, per byte of its whole buffer (gloo's ``all_gather_into_tensor``
     allocates its output again and ``reduce_scatter_tensor`` clones its input: 1; NCCL and
-    gloo's all-reduce and broadcast: 0).
+    gloo's all-reduce and broadcast: 0). ``post_s``: the host time a pipeline runtime spends
+    posting one message, ``{"send": s, "receive": s}`` (on the posting rank's clock; a send's
+    data leaves when its post ends; ``simulate_pipeline``'s ``post`` and ``receive_post``),
+    nothing where absent.
 
     Example:
         >>> m = MachineProfile(name="toy", ranks_per_node=8, links=(
@@ -230,6 +236,7 @@ class MachineProfile:
     host_s: Mapping[str, float] = field(default_factory=dict)
     step_host_s: Mapping[str, float] = field(default_factory=dict)
     collective_scratch: Mapping[str, float] = field(default_factory=dict)
+    post_s: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1:
@@ -257,7 +264,7 @@ class MachineProfile:
                     f"compute), got {slow!r}"
                 )
         tables = (("host_s", COLLECTIVES), ("step_host_s", STEP_PATHS))
-        for name, keys in (*tables, ("collective_scratch", COLLECTIVES)):
+        for name, keys in (*tables, ("collective_scratch", COLLECTIVES), ("post_s", POSTS)):
             table = getattr(self, name)
             if not isinstance(table, Mapping):
                 raise ValueError(f"{name} must be a mapping of numbers, got {table!r}")
@@ -335,6 +342,13 @@ class MachineProfile:
         """Bytes a ``collective`` of ``nbytes`` (its whole buffer) allocates while in flight."""
         return round(self.collective_scratch.get(collective, 0.0) * nbytes)
 
+    def post_time(self, which: str) -> float:
+        """Seconds a pipeline runtime's host spends posting one message's ``which`` (``"send"``
+        or ``"receive"``; ``post_s``, 0 if absent)."""
+        if which not in POSTS:
+            raise ValueError(f"unknown post {which!r}; use {', '.join(POSTS)}")
+        return float(self.post_s.get(which, 0.0))
+
     def step_host_time(self, path: str) -> float:
         """Seconds of per-step host work of executor ``path`` (``step_host_s``; 0 if absent)."""
         if path not in STEP_PATHS:
@@ -354,7 +368,8 @@ class MachineProfile:
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
         out["overlap_slowdown"] = self.overlap_slowdown
-        for name in ("overlap_slowdowns", "host_s", "step_host_s", "collective_scratch"):
+        tables = ("overlap_slowdowns", "host_s", "step_host_s", "collective_scratch", "post_s")
+        for name in tables:
             if getattr(self, name):
                 out[name] = dict(sorted(getattr(self, name).items()))
         return out
@@ -365,7 +380,8 @@ class MachineProfile:
 
         A version-1 profile (before the host overheads) loads with none, a version-2 one
         (before the slowdown per collective kind) with ``overlap_slowdown`` for every kind, a
-        version-3 one (before ``pieces``) with one line per link.
+        version-3 one (before ``pieces`` and ``post_s``) with one line per link and no message
+        posts.
 
         Raises:
             ValueError: another kind or version, a missing or unknown key, a bad value.
@@ -377,6 +393,8 @@ class MachineProfile:
             optional += ["host_s", "step_host_s", "collective_scratch"]
         if obj["version"] >= 3:
             optional += ["overlap_slowdowns"]
+        if obj["version"] >= 4:
+            optional += ["post_s"]
         _check_keys(
             obj,
             required=("name", "ranks_per_node", "links"),
@@ -421,6 +439,7 @@ class MachineProfile:
             host_s=_table(obj, "host_s"),
             step_host_s=_table(obj, "step_host_s"),
             collective_scratch=_table(obj, "collective_scratch"),
+            post_s=_table(obj, "post_s"),
         )
 
     def copy_time(self, nbytes: int) -> float:
