@@ -126,7 +126,8 @@ def predict_pipeline(
 
     def p2p_time(s: int) -> float:
         """A message's wire time plus its issue and host work (``host_s["p2p"]``), which
-        delay its data at the receiver (the simulator's sends take no time on the sender)."""
+        delay its data at the receiver; the runtime's posts (``post_s``) are the simulator's
+        ``post`` and ``receive_post``, on the posting rank."""
         pair = (pp_ranks[plan.stage_ranks[s]], pp_ranks[plan.stage_ranks[s + 1]])
         at = machine.level_of(pair)
         return machine.time(P2P, message[s], 2, at) + machine.issue_time(P2P, message[s], 2, at)
