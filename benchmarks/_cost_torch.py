@@ -5,8 +5,8 @@ pipeline plan itself, and a check that ``DataParallel``'s buckets are the predic
 what is measured is what was costed. Each runs in the same process tree, one round of every
 configuration after another (the order rotating), and its time is the median over the timed
 rounds of the slowest rank's step: ``zero_grad``, forward, loss, backward, the optimizer step.
-Its peak is the most live CPU bytes (torch's profiler) during a step, counted from every
-allocation the configuration made since it was built, the median over ``PEAK_STEPS`` steps.
+Its peak is the most live CPU bytes (torch's profiler) during one step, counted from every
+allocation the configuration made since it was built.
 """
 
 from __future__ import annotations
@@ -46,7 +46,6 @@ from gradsync_torch.cost.model import profile_model
 
 LR = 1e-3
 STEP = "measured step"
-PEAK_STEPS = 3  # steps whose peaks are measured; the median counts
 
 
 class Block(nn.Module):
@@ -290,27 +289,21 @@ def _slowest(seconds: float) -> float:
 
 
 def _peak_live(prof: Any) -> int:
-    """For each measured step, the live CPU bytes at its start (all this configuration
-    allocated since it was built) plus their largest rise during it; the median over the
-    steps. One step's figure alone moved by a bucket (8 MiB) between runs of the same
-    configuration and plan (a buffer of the step before, a gloo work's, still alive or not)."""
-    events = sorted(prof.profiler.kineto_results.events(), key=lambda e: e.start_ns())
-    memory = [
-        e
-        for e in events
-        if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
-    ]
-    peaks = []
-    for mark in (e for e in events if e.name() == STEP):
-        live = peak = 0
-        for e in memory:
-            if e.start_ns() > mark.end_ns():
-                break
-            live += e.nbytes()
-            if e.start_ns() >= mark.start_ns():
-                peak = max(peak, live)
-        peaks.append(peak)
-    return int(statistics.median(peaks))
+    """Live CPU bytes at the measured step's start (all this configuration allocated since
+    it was built) plus their largest rise during the step."""
+    events = list(prof.profiler.kineto_results.events())
+    marks = [e for e in events if e.name() == STEP]
+    start, end = marks[-1].start_ns(), marks[-1].end_ns()
+    live = peak = 0
+    for e in sorted(events, key=lambda e: e.start_ns()):
+        if e.name() != "[memory]" or e.device_type() != torch.autograd.DeviceType.CPU:
+            continue
+        if e.start_ns() > end:
+            break
+        live += e.nbytes()
+        if e.start_ns() >= start:
+            peak = max(peak, live)
+    return peak
 
 
 def worker(rank: int, world: int, store_path: str, args: argparse.Namespace, out: Any) -> None:
@@ -346,10 +339,9 @@ def worker(rank: int, world: int, store_path: str, args: argparse.Namespace, out
                 runner = Runner(args, prediction, rank)
                 for _ in range(args.warmup):
                     runner.step()
-                for _ in range(PEAK_STEPS):
-                    dist.barrier()
-                    with record_function(STEP):
-                        runner.step()
+                dist.barrier()
+                with record_function(STEP):
+                    runner.step()
             peak = torch.tensor([_peak_live(prof)], dtype=torch.float64)
             dist.all_reduce(peak, op=dist.ReduceOp.MAX)
             runners.append(runner)
