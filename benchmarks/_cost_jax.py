@@ -6,7 +6,9 @@ command line, prints the rows as one JSON line. Every configuration is built fro
 ``gradsync_core.plan.predict`` made: ``synced(plan=...)`` takes the bucket plan itself, and the
 ZeRO plans are compared by fingerprint. A step's time is the median of the jitted step's wall
 time (the step is one program on all devices); its peak is XLA's for one device of the compiled
-step (``memory_analysis``: arguments + outputs + temporaries - aliased). The model profile is
+step (``memory_analysis``: arguments + outputs + temporaries - aliased), jitted with the
+parameters and optimizer state donated, as a training loop runs it (undonated, XLA holds the
+old and the new state at once: twice the state, which no plan's peak counts). The model profile is
 taken once before the configurations are built (for the plans) and then once in every timed
 round, before its steps (``ModelProfiler``: the programs compiled once), so it sees the load
 the steps see; the prediction uses the median over the rounds.
@@ -142,7 +144,12 @@ def runner(
 
 
 def peak_bytes(step: Any, state: tuple[Any, ...]) -> int:
-    stats = jax.jit(lambda p, s, b: step(p, s, b)).lower(*state).compile().memory_analysis()
+    stats = (
+        jax.jit(lambda p, s, b: step(p, s, b), donate_argnums=(0, 1))
+        .lower(*state)
+        .compile()
+        .memory_analysis()
+    )
     total = stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
     return int(total - stats.alias_size_in_bytes)
 

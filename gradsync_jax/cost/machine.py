@@ -8,8 +8,11 @@ collectives are the ones the JAX executor's programs contain: ``psum`` (all-redu
 ``all_gather``, ``psum_scatter`` (reduce-scatter), ``ppermute`` between pairs (point-to-point)
 and, as JAX has no broadcast, a ``psum`` in which only the group's first device contributes
 (how a broadcast is written in JAX). ``fit_link`` of ``gradsync_core`` turns each into latency
-and bus bandwidth. XLA runs a CPU program's collectives in line with its compute, so the
-profile's ``overlap_slowdown`` is 1 and its issue costs 0; the copy bandwidth is measured.
+and bus bandwidth, piecewise: one line across sizes does not hold on XLA:CPU (an all-reduce
+of 16 MiB over 8 devices takes 29 times one of 1 MiB), so each range between two measured
+sizes has its own bandwidth (``LinkCost.pieces``). XLA runs a CPU program's collectives in
+line with its compute, so the profile's ``overlap_slowdown`` is 1 and its issue costs 0; the
+copy bandwidth is measured.
 """
 
 from __future__ import annotations
@@ -165,7 +168,10 @@ def calibrate(
     start = time.perf_counter()
     samples = measure(devices, sizes=sizes, repeats=repeats)
     copy = copy_bandwidth(devices)
-    links = tuple(fit_link(c, g, points) for (c, g), points in sorted(samples.items()))
+    # XLA:CPU's time per byte grows with the size (caches): the curve through every size
+    links = tuple(
+        fit_link(c, g, points, piecewise=True) for (c, g), points in sorted(samples.items())
+    )
     when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     return MachineProfile(
         name=name or f"{platform.node()} jax {devices[0].platform}",

@@ -18,8 +18,9 @@ step times the cost model is checked against.
 - ``fully_shard`` per block (``reshard_after_forward``): two all-gathers and a reduce-scatter,
   one host time for both kinds (their hooks are alike; they are not told apart).
 
-Point-to-point messages are not measured (a pipeline's runtime would need a pipeline plan):
-``host_s`` has no ``"p2p"`` entry, so they cost their wire time only.
+A pipeline's messages are measured through its runtime's own message code
+(``gradsync_torch.pipeline.p2p.Messages``, ``message_posts``): the host time of posting one
+send and one receive of an activation as a step posts them, the machine's ``post_s``.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from torch import nn
 from gradsync_core.plan import MachineProfile
 from gradsync_torch.data_parallel import DataParallel
 from gradsync_torch.param_sharding import fully_shard
+from gradsync_torch.pipeline.p2p import Messages
 from gradsync_torch.zero import ZeroRedundancyOptimizer
 
 SHORT, LONG = 2, 10  # blocks of the two probe models
@@ -199,3 +201,67 @@ def host_overheads(
     }
     step = {"data_parallel": max(0.0, ddp_step), "zero3": max(0.0, z3_step)}
     return host, step
+
+
+def _busy(seconds: float, device: torch.device) -> None:
+    """Compute on this rank for ``seconds`` (products of 128 x 128 matrices)."""
+    a = torch.randn(128, 128, device=device)
+    began = time.perf_counter()
+    while time.perf_counter() - began < seconds:
+        a.mm(a)
+
+
+def message_posts(
+    device: torch.device,
+    *,
+    shape: tuple[int, ...] = (8, 512),
+    count: int = 16,
+    rounds: int = 3,
+    chunk: float = 0.004,
+) -> dict[str, float]:
+    """The host time of posting one pipeline message, through the pipeline runtime's own
+    ``Messages`` (``{"send": s, "receive": s}``, each the slower rank's mean: the machine's
+    ``post_s``); every rank calls it.
+
+    Ranks 0 and 1 are stages 0 and 1 of a two-stage pipeline (a group of their own, as the
+    runtime makes one). As a step on gloo does, rank 1 posts its ``count`` receives of
+    ``shape`` first (``post_forward`` and ``issue``: the buffer allocated, ``irecv``
+    returning), then computes while they arrive; rank 0 sends one after each ``chunk`` of
+    computing (``send_forward`` and ``issue``); every other rank computes, as in a step, where
+    the ranks share the machine's cores. A round before the timed ones agrees the edge's
+    shapes (the runtime's first step).
+    """
+    pair = dist.new_group([0, 1])
+    meta = dist.new_group([0, 1], backend="gloo")
+    rank = dist.get_rank()
+    messages = Messages(pair, meta, (0, 1), device) if rank < 2 else None
+    out = torch.zeros(shape, device=device)
+    sends: list[float] = []
+    receives: list[float] = []
+    for timed in [False] + [True] * rounds:
+        dist.barrier()
+        if messages is not None and rank == 0:
+            for mb in range(count):
+                _busy(chunk, device)
+                start = time.perf_counter()
+                messages.send_forward(0, mb, [out])
+                messages.issue()
+                if timed:
+                    sends.append(time.perf_counter() - start)
+        elif messages is not None:
+            for mb in range(count):
+                start = time.perf_counter()
+                messages.post_forward(1, mb)
+                messages.issue()
+                if timed:
+                    receives.append(time.perf_counter() - start)
+            _busy(count * chunk, device)
+            for mb in range(count):
+                messages.wait("F", 1, mb)
+        else:
+            _busy(count * chunk, device)
+        if messages is not None:
+            messages.finish()
+    send = statistics.mean(sends) if sends else 0.0
+    receive = statistics.mean(receives) if receives else 0.0
+    return {"send": _slowest(send, device), "receive": _slowest(receive, device)}

@@ -32,7 +32,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from gradsync_core.plan import COLLECTIVES, LinkCost, MachineProfile, fit_link
 from gradsync_torch._collectives import all_gather_single, reduce_scatter_single
-from gradsync_torch.cost.host import Probe, host_overheads
+from gradsync_torch.cost.host import Probe, host_overheads, message_posts
 
 KIB, MIB = 1024, 1024 * 1024
 DEFAULT_SIZES = (16 * KIB, 256 * KIB, 1 * MIB, 4 * MIB, 16 * MIB)
@@ -337,12 +337,14 @@ def profile_from(
     probe: Mapping[tuple[str, int], float] | None = None,
     world_size: int | None = None,
     scratch: Mapping[str, float] | None = None,
+    posts: Mapping[str, float] | None = None,
 ) -> MachineProfile:
     """The machine profile of measured samples: one fitted link per collective and size;
     ``slowdowns``: ``overlap_slowdowns()``, their median the figure of the kinds not measured
     (point-to-point); with the executor ``probe``'s step times (``host.Probe.times()`` over
     ``world_size`` ranks), the host overheads too (``host.host_overheads``); ``scratch``:
-    ``collective_scratch()``."""
+    ``collective_scratch()``; ``posts``: ``host.message_posts()``, the pipeline runtime's
+    host time per message."""
     links: list[LinkCost] = [
         fit_link(collective, size, points, issue=issue.get((collective, size), ()))
         for (collective, size), points in sorted(samples.items())
@@ -356,6 +358,7 @@ def profile_from(
         overlap_slowdown=statistics.median(slowdowns.values()) if slowdowns else 1.0,
         overlap_slowdowns=dict(slowdowns or {}),
         collective_scratch=dict(scratch or {}),
+        post_s=dict(posts or {}),
     )
     if probe is None:
         return profile
@@ -410,6 +413,7 @@ def calibrate(
     probe = Probe(_device())
     for _ in range(max(PROBE_ROUNDS, repeats)):
         probe.round()
+    posts = message_posts(_device())
     if dist.get_rank() != 0:
         return None
     per_node = ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
@@ -424,6 +428,7 @@ def calibrate(
         probe=probe.times(),
         world_size=world,
         scratch=scratch,
+        posts=posts,
     )
 
 

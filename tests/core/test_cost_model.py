@@ -9,6 +9,7 @@ against ``simulate_pipeline`` and ``(m + p - 1)(f + b)``.
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -120,6 +121,80 @@ def test_fit_link_refuses_samples_without_a_bandwidth():
         fit_link("all_reduce", 2, [(4096, 1e-3), (MIB, 1e-3)])
 
 
+def test_a_piecewise_link_charges_each_range_its_own_bandwidth():
+    # 1 MiB at 1 GB/s, the next 3 MiB at 0.5, the rest at 0.25; bus factor 1.75 over 8
+    link = LinkCost(
+        collective="all_reduce",
+        group_size=8,
+        latency_s=1e-4,
+        bus_bandwidth=1e9,
+        pieces=((MIB, 5e8), (4 * MIB, 2.5e8)),
+    )
+    assert link.time(MIB // 2, 8) == pytest.approx(1e-4 + 1.75 * (MIB / 2) / 1e9)
+    assert link.time(MIB, 8) == pytest.approx(1e-4 + 1.75 * MIB / 1e9)
+    assert link.time(2 * MIB, 8) == pytest.approx(1e-4 + 1.75 * (MIB / 1e9 + MIB / 5e8))
+    wire = MIB / 1e9 + 3 * MIB / 5e8 + 4 * MIB / 2.5e8
+    assert link.time(8 * MIB, 8) == pytest.approx(1e-4 + 1.75 * wire)
+    assert link.time(8 * MIB, 1) == 0.0
+    with pytest.raises(ValueError, match="increasing sizes above 0 bytes"):
+        LinkCost(
+            collective="p2p",
+            group_size=2,
+            latency_s=0,
+            bus_bandwidth=1e9,
+            pieces=((4 * MIB, 1e9), (MIB, 1e9)),
+        )
+
+
+def test_fit_link_piecewise_goes_through_every_measured_size():
+    # XLA:CPU's shape: 16 MiB costs 30 times 1 MiB; one line misses the large sizes
+    samples = [(16384, 1.6e-4), (MIB, 5.75e-4), (4 * MIB, 2.8e-3), (16 * MIB, 1.67e-2)]
+    line = fit_link("all_reduce", 8, samples)
+    assert line.time(16 * MIB, 8) < 0.7 * 1.67e-2  # the single line's under-charge
+    curve = fit_link("all_reduce", 8, samples, piecewise=True)
+    for nbytes, seconds in samples:
+        assert curve.time(nbytes, 8) == pytest.approx(seconds)
+    assert curve.time(8 * MIB, 8) == pytest.approx(2.8e-3 + (1.67e-2 - 2.8e-3) / 3)
+    assert curve.time(32 * MIB, 8) == pytest.approx(1.67e-2 + (1.67e-2 - 2.8e-3) * 4 / 3)
+    # a size no slower than a smaller one (noise at the latency floor) is left out, and an
+    # intercept below 0 puts the first range's line through the origin
+    noisy = [(MIB, 1e-3), (2 * MIB, 0.9e-3), (4 * MIB, 5e-3)]
+    curve = fit_link("p2p", 2, noisy, piecewise=True)
+    assert curve.latency_s == 0.0 and curve.pieces[0][0] == MIB
+    assert curve.time(MIB // 2, 2) == pytest.approx(0.5e-3)
+    assert curve.time(2 * MIB, 2) == pytest.approx(1e-3 + 4e-3 / 3)
+    assert curve.time(4 * MIB, 2) == pytest.approx(5e-3)
+
+
+def test_pieces_round_trip_and_a_version_3_profile_loads_without_them():
+    pieces = ((MIB, 5e8), (4 * MIB, 2.5e8))
+    links = (
+        LinkCost(
+            collective="all_reduce", group_size=8, latency_s=1e-4, bus_bandwidth=1e9, pieces=pieces
+        ),
+    )
+    m = MachineProfile(name="piecewise", ranks_per_node=8, links=links)
+    assert m.to_json()["version"] == 4
+    assert MachineProfile.from_json(json.loads(json.dumps(m.to_json()))) == m
+    assert m.time("all_reduce", 8 * MIB, 8) == links[0].time(8 * MIB, 8)
+    posted = replace(m, post_s={"send": 2e-4, "receive": 1e-4})
+    assert MachineProfile.from_json(json.loads(json.dumps(posted.to_json()))) == posted
+    assert posted.post_time("send") == 2e-4 and m.post_time("receive") == 0.0
+    with pytest.raises(ValueError, match="version-3 machine profile has the unknown key 'post_s'"):
+        MachineProfile.from_json(posted.to_json() | {"version": 3})
+    old = m.to_json() | {"version": 3}
+    with pytest.raises(ValueError, match="version-3 machine profile link has the unknown key"):
+        MachineProfile.from_json(old)
+    old["links"] = [{k: v for k, v in old["links"][0].items() if k != "pieces"}]
+    loaded = MachineProfile.from_json(old)
+    assert loaded.link("all_reduce", 8).pieces == ()
+    assert loaded.time("all_reduce", 8 * MIB, 8) == pytest.approx(1e-4 + 1.75 * 8 * MIB / 1e9)
+    bad = m.to_json()
+    bad["links"][0]["pieces"] = [{"from_bytes": MIB}]
+    with pytest.raises(ValueError, match="a link's piece lacks the key 'bus_bandwidth'"):
+        MachineProfile.from_json(bad)
+
+
 def test_machine_profile_json_round_trip_and_lookup():
     m = MachineProfile(
         name="two levels",
@@ -190,7 +265,7 @@ def test_host_overheads_round_trip_and_a_version_1_profile_loads_without_them():
         step_host_s={"zero3": 1e-3},
         collective_scratch={"all_gather": 1.0},
     )
-    assert m.to_json()["version"] == 3
+    assert m.to_json()["version"] == 4
     assert MachineProfile.from_json(json.loads(json.dumps(m.to_json()))) == m
     assert m.issue_time("all_reduce", MIB, 2) == 2e-4  # the link's issue cost is 0 here
     assert m.issue_time("all_gather", MIB, 2) == 0.0
@@ -616,6 +691,30 @@ def test_pipeline_host_overheads_delay_messages_and_the_data_parallel_sync():
     reduce = m.time("all_reduce", 2 * MIB, 2)
     assert cost.step_s == pytest.approx(sim.step_time + sync + h_ar + reduce)
     assert cost.ranks[0].compute_s == pytest.approx(sim.busy[0] + sync + h_ar)
+
+
+def test_pipeline_message_posts_are_the_simulators_post_and_receive_post():
+    specs, send, receive = layers(4), 0.3, 0.1
+    plan = plan_pipeline(schedule="1F1B", microbatches=4, topology=Topology(pp=2), specs=specs)
+    m = machine(latency=1e-3, post_s={"send": send, "receive": receive})
+    cost = predict_pipeline(plan, specs, machine=m, model=model(4, forward=1.0, backward=2.0))
+    sim = simulate_pipeline(
+        plan, forward=2.0, backward=4.0, weight=2.0, p2p=1e-3, post=send, receive_post=receive
+    )
+    # the closed form: 4 microbatches of (2 + 4) on 2 ranks, one bubble of 2 + 4, and every
+    # send and receive posted on the critical path's clock delays the step beyond it
+    assert cost.step_s == pytest.approx(sim.step_time)
+    assert cost.step_s > 5 * 6.0 + 2 * send
+    assert cost.ranks[0].compute_s == pytest.approx(sim.busy[0] + sim.host[0])
+    assert sim.host[0] == pytest.approx(4 * send + 4 * receive)  # 4 sends, 4 gradient receives
+    none = predict_pipeline(
+        plan, specs, machine=machine(latency=1e-3), model=model(4, forward=1.0, backward=2.0)
+    )
+    assert none.step_s == pytest.approx(
+        simulate_pipeline(plan, forward=2.0, backward=4.0, weight=2.0, p2p=1e-3).step_time
+    )
+    with pytest.raises(ValueError, match="post_s has the unknown key 'recv'"):
+        machine(post_s={"recv": 1e-4})
 
 
 def test_pipeline_stash_memory_follows_the_schedule():

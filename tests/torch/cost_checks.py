@@ -12,7 +12,7 @@ from torch import nn
 from gradsync_core.plan import Configuration, predict
 from gradsync_torch import DataParallel, param_specs
 from gradsync_torch.cost import machine as calibrate
-from gradsync_torch.cost.host import Probe
+from gradsync_torch.cost.host import Probe, message_posts
 from gradsync_torch.cost.model import profile_model
 
 LAYERS, WIDTH, ROWS = 32, 64, 8
@@ -47,6 +47,7 @@ def calibrate_predict_measure(
         world_size=world_size,
         scratch=calibrate.collective_scratch(),
         slowdowns=calibrate.overlap_slowdowns(),
+        posts=message_posts(torch.device("cpu")),
     )
     net, x = _net(), torch.randn(ROWS, WIDTH)
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
@@ -86,4 +87,5 @@ def calibrate_predict_measure(
         "collective_scratch": dict(machine.collective_scratch),
         "overlap_slowdowns": dict(machine.overlap_slowdowns),
         "overlap_slowdown": {"": machine.overlap_slowdown},
+        "post_s": dict(machine.post_s),
     }

@@ -22,8 +22,10 @@ the same (docs/cost-model.md has an H100 NVLink node and an InfiniBand cluster).
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,12 +41,15 @@ COLLECTIVES = (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, BROADCAST, P2P)
 NODE, NETWORK = "node", "network"  # a group inside one node, or spanning nodes
 LEVELS = (NODE, NETWORK)
 MACHINE_PROFILE_KIND = "machine_profile"
-MACHINE_PROFILE_VERSION = 3  # the schema's own version, not the plans'
-# Version 1 had no host overheads, version 2 no slowdown per collective kind: they still
-# load, with none.
-MACHINE_PROFILE_VERSIONS = (1, 2, 3)
+MACHINE_PROFILE_VERSION = 4  # the schema's own version, not the plans'
+# Version 1 had no host overheads, version 2 no slowdown per collective kind, version 3 one
+# line per link (no ``pieces``) and no pipeline message posts (``post_s``): they still load,
+# with none.
+MACHINE_PROFILE_VERSIONS = (1, 2, 3, 4)
 DATA_PARALLEL, ZERO3 = "data_parallel", "zero3"
 STEP_PATHS = (DATA_PARALLEL, ZERO3)  # the executor paths with a per-step host overhead
+SEND, RECEIVE = "send", "receive"
+POSTS = (SEND, RECEIVE)  # a pipeline message's two posts (``post_s``)
 
 
 def bus_factor(collective: str, group_size: int) -> float:
@@ -90,6 +95,19 @@ class LinkCost:
     ``issue_bandwidth`` are what starting one costs the thread that issues it (the time an
     asynchronous call takes to return: gloo copies the input on the caller's thread, NCCL
     enqueues a kernel in microseconds); the defaults say it costs nothing.
+
+    ``pieces`` makes the line piecewise where one line across sizes does not hold (XLA:CPU's
+    all-reduce of 16 MiB takes 30 times its 1 MiB one, not 16): ``((from_bytes,
+    bus_bandwidth), ...)``, ascending, each the bus bandwidth of the bytes above
+    ``from_bytes`` up to the next piece's start. The time stays continuous and grows with the
+    size: the base line (``latency_s``, ``bus_bandwidth``) up to the first piece, then each
+    piece's bandwidth for its own bytes, the way nccl-tests reports a bus bandwidth per size.
+
+    Example:
+        >>> link = LinkCost(collective="p2p", group_size=2, latency_s=0.0, bus_bandwidth=1e9,
+        ...                 pieces=((10**6, 5e8),))
+        >>> round(link.time(10**6, 2) * 1e3, 3), round(link.time(2 * 10**6, 2) * 1e3, 3)
+        (1.0, 3.0)
     """
 
     collective: str
@@ -99,6 +117,7 @@ class LinkCost:
     bus_bandwidth: float  # bytes per second, nccl-tests' busbw
     issue_s: float = 0.0
     issue_bandwidth: float | None = None
+    pieces: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         _check_collective(self.collective)
@@ -111,15 +130,38 @@ class LinkCost:
         _finite("issue_s", self.issue_s, positive=False)
         if self.issue_bandwidth is not None:
             _finite("issue_bandwidth", self.issue_bandwidth, positive=True)
+        start = 0
+        for piece in self.pieces:
+            ok = isinstance(piece, tuple) and len(piece) == 2
+            if not ok or isinstance(piece[0], bool) or not isinstance(piece[0], int):
+                raise ValueError(
+                    f"a link's pieces are (from_bytes, bus_bandwidth) pairs with an int size, "
+                    f"got {piece!r}"
+                )
+            if piece[0] <= start:
+                raise ValueError(
+                    f"a link's pieces must start at increasing sizes above 0 bytes, got "
+                    f"{[p[0] for p in self.pieces]}; list them in ascending order, once each"
+                )
+            start = piece[0]
+            _finite("a piece's bus_bandwidth", piece[1], positive=True)
 
     def time(self, nbytes: int, group_size: int) -> float:
         """Seconds for ``nbytes`` (the whole buffer: the gathered size of an all-gather, the
         input of a reduce-scatter) over ``group_size`` ranks; 0 for a group of one."""
         if group_size == 1 and self.collective != P2P:
             return 0.0
-        return (
-            self.latency_s + bus_factor(self.collective, group_size) * nbytes / self.bus_bandwidth
-        )
+        # bytes up to each piece's start go at the bandwidth before it, the rest at its own
+        ends = [start for start, _ in self.pieces] + [max(nbytes, 0)]
+        bandwidths = [self.bus_bandwidth] + [bw for _, bw in self.pieces]
+        wire, done = 0.0, 0
+        for end, bandwidth in zip(ends, bandwidths, strict=True):
+            part = min(nbytes, end) - done
+            if part <= 0:
+                break
+            wire += part / bandwidth
+            done += part
+        return self.latency_s + bus_factor(self.collective, group_size) * wire
 
     def issue_time(self, nbytes: int) -> float:
         """Seconds the issuing thread spends starting a collective of ``nbytes``."""
@@ -137,6 +179,8 @@ class LinkCost:
         if self.issue_s or self.issue_bandwidth is not None:
             out["issue_s"] = self.issue_s
             out["issue_bandwidth"] = self.issue_bandwidth
+        if self.pieces:
+            out["pieces"] = [{"from_bytes": s, "bus_bandwidth": bw} for s, bw in self.pieces]
         return out
 
 
@@ -168,7 +212,10 @@ class MachineProfile:
     ``collective_scratch``, per collective kind, the bytes a collective allocates beside its
     buffers while in flight, per byte of its whole buffer (gloo's ``all_gather_into_tensor``
     allocates its output again and ``reduce_scatter_tensor`` clones its input: 1; NCCL and
-    gloo's all-reduce and broadcast: 0).
+    gloo's all-reduce and broadcast: 0). ``post_s``: the host time a pipeline runtime spends
+    posting one message, ``{"send": s, "receive": s}`` (on the posting rank's clock; a send's
+    data leaves when its post ends; ``simulate_pipeline``'s ``post`` and ``receive_post``),
+    nothing where absent.
 
     Example:
         >>> m = MachineProfile(name="toy", ranks_per_node=8, links=(
@@ -189,6 +236,7 @@ class MachineProfile:
     host_s: Mapping[str, float] = field(default_factory=dict)
     step_host_s: Mapping[str, float] = field(default_factory=dict)
     collective_scratch: Mapping[str, float] = field(default_factory=dict)
+    post_s: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1:
@@ -216,7 +264,7 @@ class MachineProfile:
                     f"compute), got {slow!r}"
                 )
         tables = (("host_s", COLLECTIVES), ("step_host_s", STEP_PATHS))
-        for name, keys in (*tables, ("collective_scratch", COLLECTIVES)):
+        for name, keys in (*tables, ("collective_scratch", COLLECTIVES), ("post_s", POSTS)):
             table = getattr(self, name)
             if not isinstance(table, Mapping):
                 raise ValueError(f"{name} must be a mapping of numbers, got {table!r}")
@@ -294,6 +342,13 @@ class MachineProfile:
         """Bytes a ``collective`` of ``nbytes`` (its whole buffer) allocates while in flight."""
         return round(self.collective_scratch.get(collective, 0.0) * nbytes)
 
+    def post_time(self, which: str) -> float:
+        """Seconds a pipeline runtime's host spends posting one message's ``which`` (``"send"``
+        or ``"receive"``; ``post_s``, 0 if absent)."""
+        if which not in POSTS:
+            raise ValueError(f"unknown post {which!r}; use {', '.join(POSTS)}")
+        return float(self.post_s.get(which, 0.0))
+
     def step_host_time(self, path: str) -> float:
         """Seconds of per-step host work of executor ``path`` (``step_host_s``; 0 if absent)."""
         if path not in STEP_PATHS:
@@ -313,7 +368,8 @@ class MachineProfile:
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
         out["overlap_slowdown"] = self.overlap_slowdown
-        for name in ("overlap_slowdowns", "host_s", "step_host_s", "collective_scratch"):
+        tables = ("overlap_slowdowns", "host_s", "step_host_s", "collective_scratch", "post_s")
+        for name in tables:
             if getattr(self, name):
                 out[name] = dict(sorted(getattr(self, name).items()))
         return out
@@ -323,7 +379,9 @@ class MachineProfile:
         """Read ``to_json()``'s output (or a hand-written profile) back, checked.
 
         A version-1 profile (before the host overheads) loads with none, a version-2 one
-        (before the slowdown per collective kind) with ``overlap_slowdown`` for every kind.
+        (before the slowdown per collective kind) with ``overlap_slowdown`` for every kind, a
+        version-3 one (before ``pieces`` and ``post_s``) with one line per link and no message
+        posts.
 
         Raises:
             ValueError: another kind or version, a missing or unknown key, a bad value.
@@ -335,6 +393,8 @@ class MachineProfile:
             optional += ["host_s", "step_host_s", "collective_scratch"]
         if obj["version"] >= 3:
             optional += ["overlap_slowdowns"]
+        if obj["version"] >= 4:
+            optional += ["post_s"]
         _check_keys(
             obj,
             required=("name", "ranks_per_node", "links"),
@@ -345,12 +405,15 @@ class MachineProfile:
         if not isinstance(links, list) or not links:
             raise ValueError("a machine profile needs a non-empty list of 'links'")
         parsed = []
+        link_keys = ["group_size", "level", "issue_s", "issue_bandwidth"]
+        if obj["version"] >= 4:
+            link_keys += ["pieces"]
         for entry in links:
             _check_keys(
                 entry,
                 required=("collective", "latency_s", "bus_bandwidth"),
-                optional=("group_size", "level", "issue_s", "issue_bandwidth"),
-                what="a machine profile link",
+                optional=link_keys,
+                what=f"a version-{obj['version']} machine profile link",
             )
             parsed.append(
                 LinkCost(
@@ -361,6 +424,7 @@ class MachineProfile:
                     bus_bandwidth=entry["bus_bandwidth"],
                     issue_s=entry.get("issue_s", 0.0),
                     issue_bandwidth=entry.get("issue_bandwidth"),
+                    pieces=_pieces(entry.get("pieces", [])),
                 )
             )
         return cls(
@@ -375,6 +439,7 @@ class MachineProfile:
             host_s=_table(obj, "host_s"),
             step_host_s=_table(obj, "step_host_s"),
             collective_scratch=_table(obj, "collective_scratch"),
+            post_s=_table(obj, "post_s"),
         )
 
     def copy_time(self, nbytes: int) -> float:
@@ -402,6 +467,7 @@ def fit_link(
     *,
     level: str = NODE,
     issue: Sequence[tuple[int, float]] = (),
+    piecewise: bool = False,
 ) -> LinkCost:
     """The α-β line through measured ``(nbytes, seconds)`` samples, by least *relative* error.
 
@@ -410,6 +476,14 @@ def fit_link(
     kept at 0 or above (a negative intercept means the latency is below what the samples
     resolve). ``busbw = factor(n) / β``. ``issue``: the times the asynchronous call took to
     return, fitted the same way (a cost that does not grow with the size is kept constant).
+
+    ``piecewise``: instead of one line, the curve through every measured size (``pieces``,
+    one per range between two sizes; the last range's bandwidth goes on above the largest
+    size, the first one's below the smallest). Where one line does not hold across sizes
+    (XLA:CPU: 16 MiB takes 30 times 1 MiB) a line fitted to all sizes is off by 20 % or more
+    at the large ones; the curve is what was measured at each size. A size whose median time
+    is not above the smaller sizes' (noise at the latency floor) is left out, so the curve
+    grows with the size.
 
     Raises:
         ValueError: fewer than two distinct sizes, a non-positive time, or samples whose time
@@ -424,6 +498,10 @@ def fit_link(
     if group_size < 2:
         raise ValueError(f"a collective is measured over 2 ranks or more, got {group_size}")
     a, b = _fit_line(samples)
+    pieces: tuple[tuple[int, float], ...] = ()
+    if piecewise and b > 0:
+        a, b, pieces = _fit_curve(samples)
+        pieces = tuple((start, factor / slope) for start, slope in pieces)
     if b <= 0:
         raise ValueError(
             f"{collective} over {group_size} ranks: the time does not grow with the message "
@@ -444,7 +522,36 @@ def fit_link(
         bus_bandwidth=factor / b,
         issue_s=issue_s,
         issue_bandwidth=issue_bandwidth,
+        pieces=pieces,
     )
+
+
+def _fit_curve(
+    samples: Sequence[tuple[int, float]],
+) -> tuple[float, float, tuple[tuple[int, float], ...]]:
+    """``(a, b, ((from_bytes, slope), ...))`` of the continuous piecewise-linear curve through
+    each size's median time (``_fit_line``'s checks first): ``t = a + b * S`` up to the first
+    piece, then each piece's seconds per byte. Sizes whose median is not above every smaller
+    size's are left out; the first range's line goes through the origin where its intercept
+    would be negative (a piece then starts at the smallest size)."""
+    _fit_line(samples)
+    by_size: dict[int, list[float]] = {}
+    for nbytes, seconds in samples:
+        by_size.setdefault(nbytes, []).append(seconds)
+    points: list[tuple[int, float]] = []
+    for nbytes in sorted(by_size):
+        seconds = statistics.median(by_size[nbytes])
+        if not points or seconds > points[-1][1]:
+            points.append((nbytes, seconds))
+    if len(points) < 2:
+        return 0.0, 0.0, ()
+    slopes = [(t1 - t0) / (s1 - s0) for (s0, t0), (s1, t1) in itertools.pairwise(points)]
+    a = points[0][1] - slopes[0] * points[0][0]
+    if a >= 0:
+        pieces = zip(points[1:-1], slopes[1:], strict=True)
+        return a, slopes[0], tuple((s, b) for (s, _), b in pieces)
+    first = points[0][1] / points[0][0]  # a > 0 bytes: the intercept is negative only then
+    return 0.0, first, tuple((s, b) for (s, _), b in zip(points[:-1], slopes, strict=True))
 
 
 def _fit_line(samples: Sequence[tuple[int, float]]) -> tuple[float, float]:
@@ -487,6 +594,21 @@ def read_json(path: str, what: str, max_bytes: int = 64 << 20) -> Any:
         return json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise ValueError(f"the {what} {path!r} is not valid JSON: {e}") from None
+
+
+def _pieces(entries: object) -> tuple[tuple[int, float], ...]:
+    """A link's ``pieces`` from JSON: a list of ``{"from_bytes", "bus_bandwidth"}`` objects."""
+    if not isinstance(entries, list):
+        raise ValueError(
+            f"a link's 'pieces' must be a list of objects, got {type(entries).__name__}"
+        )
+    out = []
+    for entry in entries:
+        _check_keys(
+            entry, required=("from_bytes", "bus_bandwidth"), optional=(), what="a link's piece"
+        )
+        out.append((entry["from_bytes"], entry["bus_bandwidth"]))
+    return tuple(out)
 
 
 def _table(obj: Mapping[str, Any], name: str) -> Any:

@@ -8,9 +8,10 @@ stages' gradients over the data-parallel group once its last action is done (gra
 ``Pipeline`` syncs a stage's buckets at ``REDUCE_GRAD``) and steps the optimizer on its own
 parameters (without data parallelism nothing is reduced and no bucket is allocated); the
 executors' host work (the machine's ``host_s`` and ``step_host_s``) is on the rank's clock
-there, and delays each message. Memory per pipeline rank is its stages' model states
-(``estimate_ddp``) plus the activations its stashed microbatches hold, followed through the
-simulated order.
+there, and delays each message; the runtime's posting of each send and receive (``post_s``)
+is the simulator's ``post`` and ``receive_post``, on the posting rank's clock. Memory per
+pipeline rank is its stages' model states (``estimate_ddp``) plus the activations its
+stashed microbatches hold, followed through the simulated order.
 """
 
 from __future__ import annotations
@@ -21,7 +22,14 @@ from dataclasses import replace
 from gradsync_core.plan._buckets import bucket_caps, plan_buckets
 from gradsync_core.plan._memory import estimate_ddp
 from gradsync_core.plan._specs import ParamSpec
-from gradsync_core.plan.cost._machine import ALL_REDUCE, DATA_PARALLEL, P2P, MachineProfile
+from gradsync_core.plan.cost._machine import (
+    ALL_REDUCE,
+    DATA_PARALLEL,
+    P2P,
+    RECEIVE,
+    SEND,
+    MachineProfile,
+)
 from gradsync_core.plan.cost._model_profile import ModelProfile, contains
 from gradsync_core.plan.cost._timeline import (
     Channel,
@@ -118,7 +126,8 @@ def predict_pipeline(
 
     def p2p_time(s: int) -> float:
         """A message's wire time plus its issue and host work (``host_s["p2p"]``), which
-        delay its data at the receiver (the simulator's sends take no time on the sender)."""
+        delay its data at the receiver; the runtime's posts (``post_s``) are the simulator's
+        ``post`` and ``receive_post``, on the posting rank."""
         pair = (pp_ranks[plan.stage_ranks[s]], pp_ranks[plan.stage_ranks[s + 1]])
         at = machine.level_of(pair)
         return machine.time(P2P, message[s], 2, at) + machine.issue_time(P2P, message[s], 2, at)
@@ -133,6 +142,8 @@ def predict_pipeline(
         backward=backward,
         weight=[b * WEIGHT_SHARE for b in backward],
         p2p=p2p,
+        post=machine.post_time(SEND),
+        receive_post=machine.post_time(RECEIVE),
     )
 
     block_of = {s.name: model.block_of(s.name) for s in specs}
@@ -181,7 +192,7 @@ def predict_pipeline(
         step_r = model.optimizer_s * owned / trainable
         ends.append(max(clock, channel.free) + step_r)
         memory = estimate_ddp(rank_specs[r], buckets, world_size=dp, optimizer=optimizer).ranks[0]
-        compute = sim.busy[r] + host + step_r
+        compute = sim.busy[r] + sim.host[r] + host + step_r  # sim.host: the message posts
         ranks.append((r, compute, replace(memory, rank=r), owned / trainable))
     step = max(ends)
     for timed in sim.actions:
