@@ -18,13 +18,14 @@ gloo whatever the training backend (the agreement moves small host objects), as 
 from __future__ import annotations
 
 import datetime
+import pickle
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from gradsync_core.checkpoint import CheckpointError
-from gradsync_torch._collectives import global_rank
+from gradsync_torch._collectives import all_gather_single, global_rank
 from gradsync_torch._optim_state import RankGroup
 from gradsync_torch.agreement import agree_ok
 
@@ -73,9 +74,62 @@ class RankSaveAgreement:
         """Every rank's ``record``, in group-rank order, on every rank."""
         if self.ranks.world_size == 1:
             return [record]
-        gathered: list[Any] = [None] * self.ranks.world_size
-        dist.all_gather_object(gathered, record, group=self.ranks.process_group)
-        return gathered
+        return _gather_objects(record, self.ranks.process_group, self.ranks.world_size)
+
+
+# The bytes of a rank's answer that travel in the first all-gather: a save's answers (an
+# error sentence, the token, the rank files' digests and the manifest's record) fit, so each
+# of its agreements is one collective; a longer answer sends the rest in a second.
+SLOT_BYTES = 4096
+_LENGTH_BYTES = 8
+
+
+def _gather_objects(value: Any, group: Any, world_size: int) -> list[Any]:
+    """Every rank's ``value`` (pickled, as ``all_gather_object`` does), in group-rank order:
+    one all-gather of ``SLOT_BYTES`` a rank, and a second only when some answer is longer
+    (every rank reads every length from the first, so all make the second alike)."""
+    data = pickle.dumps(value)
+    device = torch.device("cuda", torch.cuda.current_device()) if _nccl(group) else None
+    slot = torch.zeros(_LENGTH_BYTES + SLOT_BYTES, dtype=torch.uint8)
+    slot[:_LENGTH_BYTES] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
+    head = data[:SLOT_BYTES]
+    slot[_LENGTH_BYTES : _LENGTH_BYTES + len(head)] = torch.frombuffer(
+        bytearray(head), dtype=torch.uint8
+    )
+    rows = _all_gather_bytes(slot, group, world_size, device)
+    lengths = [int(n) for n in rows[:, :_LENGTH_BYTES].contiguous().view(torch.int64).flatten()]
+    rests = [b""] * world_size
+    longest = max(lengths)
+    if longest > SLOT_BYTES:
+        rest = torch.zeros(longest - SLOT_BYTES, dtype=torch.uint8)
+        if len(data) > SLOT_BYTES:
+            rest[: len(data) - SLOT_BYTES] = torch.frombuffer(
+                bytearray(data[SLOT_BYTES:]), dtype=torch.uint8
+            )
+        tails = _all_gather_bytes(rest, group, world_size, device)
+        rests = [bytes(tails[r, : max(lengths[r] - SLOT_BYTES, 0)]) for r in range(world_size)]
+    return [
+        pickle.loads(
+            bytes(rows[r, _LENGTH_BYTES : _LENGTH_BYTES + min(lengths[r], SLOT_BYTES)]) + rests[r]
+        )
+        for r in range(world_size)
+    ]
+
+
+def _nccl(group: Any) -> bool:
+    """Whether ``group`` moves CUDA tensors only."""
+    return "nccl" in str(dist.get_backend(group))
+
+
+def _all_gather_bytes(
+    mine: torch.Tensor, group: Any, world_size: int, device: torch.device | None
+) -> torch.Tensor:
+    """Every rank's ``mine`` (uint8, one length on every rank) as the rows of a CPU tensor."""
+    if device is not None:
+        mine = mine.to(device)
+    every = torch.empty(world_size * mine.numel(), dtype=torch.uint8, device=mine.device)
+    all_gather_single(every, mine, group=group)
+    return every.cpu().view(world_size, -1)
 
 
 def _broken(failure: RuntimeError) -> RuntimeError:

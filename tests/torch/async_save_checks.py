@@ -170,6 +170,31 @@ def api_checks(rank: int, world_size: int, root: str) -> dict[str, Any]:
     return out
 
 
+def _collectives(group: Any) -> int:
+    """How many collectives ``group`` has run (gloo numbers each one it starts)."""
+    return group._get_sequence_number_for_group()
+
+
+def collective_counts(rank: int, world_size: int, root: str) -> dict[str, int]:
+    """The collectives one ZeRO-1 save runs, counted by the process groups themselves: a
+    background save's on its own group and on the training's, and a blocking save's."""
+    run = pair(world_size)
+    run.step()
+    path = os.path.join(root, "counted")
+    run.opt.save(path, blocking=False).wait(timeout=60)  # makes the background group
+    (background,) = save_agreement._background_groups.values()
+    training = dist.group.WORLD
+    before = _collectives(background), _collectives(training)
+    run.opt.save(path, blocking=False).wait(timeout=60)
+    after = _collectives(background), _collectives(training)
+    run.opt.save(path)
+    return {
+        "background": after[0] - before[0],
+        "training during a background save": after[1] - before[1],
+        "blocking": _collectives(training) - after[1],
+    }
+
+
 def _sharded_mlp(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     from gradsync_torch import fully_shard
 
