@@ -6,13 +6,19 @@ framework, the steps are the same, and so are the hazards: a rank that fails whi
 walk on into the next collective hangs the job, and a manifest written before every file is
 complete loses data. ``run_save`` takes the ranks through the steps together:
 
-1. every rank prepares its files (a failure is held, not raised);
-2. all agree that every rank prepared; the leader opens ``PATH.tmp-<token>`` (``begin_save``)
-   and its token is shared;
-3. every rank writes and hashes its files there; all agree that every write worked, and every
-   rank's digests and record (what the manifest needs from it) are gathered;
+1. every rank prepares its files (a failure is held, not raised); the leader opens
+   ``PATH.tmp-<token>`` (``begin_save``);
+2. all agree that every rank prepared, the leader's token travelling with the answers (if a
+   rank failed, the leader removes the directory it opened);
+3. every rank writes and hashes its files there; all agree that every write worked, every
+   rank's digests and record (what the manifest needs from it) travelling with the answers;
 4. the leader writes the manifest and switches ``PATH`` (``commit_save``), or removes the
    staging directory (``discard_save``) on failure; all agree on the outcome.
+
+Three agreements, each one ``SaveAgreement.gather`` of every rank's error, name and what it
+shares, and no other collective: a save in the background pays each one in a wake-up of its
+thread, and the training in waiting for the interpreter lock (torch's gather is one
+all-gather while the answers are small, so a save runs three collectives).
 
 Each executor implements ``SaveAgreement`` on its own collectives (torch: a process group,
 JAX: ``jax.distributed`` processes) and gives ``SaveSteps``, its framework part. A failed save
@@ -81,7 +87,11 @@ class CheckpointError(ValueError, RuntimeError):
 
 
 class SaveAgreement(Protocol):
-    """The collectives one save needs; each executor implements them on its own group."""
+    """The collectives one save needs; each executor implements them on its own group.
+
+    ``run_save`` agrees through ``gather`` alone; ``all_ok`` and ``share_token`` serve the
+    executors' loads (the version every rank reads, a read that failed on one).
+    """
 
     @property
     def leader(self) -> bool:

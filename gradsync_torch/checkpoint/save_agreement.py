@@ -21,6 +21,7 @@ import datetime
 import pickle
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -89,47 +90,35 @@ def _gather_objects(value: Any, group: Any, world_size: int) -> list[Any]:
     one all-gather of ``SLOT_BYTES`` a rank, and a second only when some answer is longer
     (every rank reads every length from the first, so all make the second alike)."""
     data = pickle.dumps(value)
-    device = torch.device("cuda", torch.cuda.current_device()) if _nccl(group) else None
-    slot = torch.zeros(_LENGTH_BYTES + SLOT_BYTES, dtype=torch.uint8)
-    slot[:_LENGTH_BYTES] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
-    head = data[:SLOT_BYTES]
-    slot[_LENGTH_BYTES : _LENGTH_BYTES + len(head)] = torch.frombuffer(
-        bytearray(head), dtype=torch.uint8
-    )
-    rows = _all_gather_bytes(slot, group, world_size, device)
-    lengths = [int(n) for n in rows[:, :_LENGTH_BYTES].contiguous().view(torch.int64).flatten()]
-    rests = [b""] * world_size
+    slot = np.zeros(_LENGTH_BYTES + SLOT_BYTES, np.uint8)
+    slot[:_LENGTH_BYTES] = np.frombuffer(np.int64(len(data)).tobytes(), np.uint8)
+    head = np.frombuffer(data[:SLOT_BYTES], np.uint8)
+    slot[_LENGTH_BYTES : _LENGTH_BYTES + head.size] = head
+    rows = _all_gather_bytes(slot, group, world_size)
+    lengths = rows[:, :_LENGTH_BYTES].copy().view(np.int64).reshape(-1).tolist()
+    answers = [
+        rows[r, _LENGTH_BYTES:][: min(n, SLOT_BYTES)].tobytes() for r, n in enumerate(lengths)
+    ]
     longest = max(lengths)
     if longest > SLOT_BYTES:
-        rest = torch.zeros(longest - SLOT_BYTES, dtype=torch.uint8)
-        if len(data) > SLOT_BYTES:
-            rest[: len(data) - SLOT_BYTES] = torch.frombuffer(
-                bytearray(data[SLOT_BYTES:]), dtype=torch.uint8
-            )
-        tails = _all_gather_bytes(rest, group, world_size, device)
-        rests = [bytes(tails[r, : max(lengths[r] - SLOT_BYTES, 0)]) for r in range(world_size)]
-    return [
-        pickle.loads(
-            bytes(rows[r, _LENGTH_BYTES : _LENGTH_BYTES + min(lengths[r], SLOT_BYTES)]) + rests[r]
-        )
-        for r in range(world_size)
-    ]
+        rest = np.zeros(longest - SLOT_BYTES, np.uint8)
+        tail = np.frombuffer(data[SLOT_BYTES:], np.uint8)
+        rest[: tail.size] = tail
+        tails = _all_gather_bytes(rest, group, world_size)
+        for r, n in enumerate(lengths):
+            answers[r] += tails[r, : max(n - SLOT_BYTES, 0)].tobytes()
+    return [pickle.loads(answer) for answer in answers]
 
 
-def _nccl(group: Any) -> bool:
-    """Whether ``group`` moves CUDA tensors only."""
-    return "nccl" in str(dist.get_backend(group))
-
-
-def _all_gather_bytes(
-    mine: torch.Tensor, group: Any, world_size: int, device: torch.device | None
-) -> torch.Tensor:
-    """Every rank's ``mine`` (uint8, one length on every rank) as the rows of a CPU tensor."""
-    if device is not None:
-        mine = mine.to(device)
-    every = torch.empty(world_size * mine.numel(), dtype=torch.uint8, device=mine.device)
-    all_gather_single(every, mine, group=group)
-    return every.cpu().view(world_size, -1)
+def _all_gather_bytes(mine: np.ndarray, group: Any, world_size: int) -> np.ndarray:
+    """Every rank's ``mine`` (uint8, one length on every rank), as the rows of an array; on
+    the GPU for NCCL, which moves CUDA tensors only."""
+    tensor = torch.from_numpy(mine)
+    if "nccl" in str(dist.get_backend(group)):
+        tensor = tensor.to(torch.device("cuda", torch.cuda.current_device()))
+    every = torch.empty(world_size * tensor.numel(), dtype=torch.uint8, device=tensor.device)
+    all_gather_single(every, tensor, group=group)
+    return every.cpu().numpy().reshape(world_size, -1)
 
 
 def _broken(failure: RuntimeError) -> RuntimeError:

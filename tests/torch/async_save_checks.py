@@ -24,6 +24,7 @@ from torch import nn
 
 from gradsync_core.checkpoint import save_hook
 from gradsync_torch import ZeroRedundancyOptimizer, load_optimizer_state_dict
+from gradsync_torch._optim_state import RankGroup
 from gradsync_torch.checkpoint import save_agreement
 from gradsync_torch.checkpoint.staging import STAGING
 from tests.support.harness import run_checks
@@ -188,10 +189,18 @@ def collective_counts(rank: int, world_size: int, root: str) -> dict[str, int]:
     run.opt.save(path, blocking=False).wait(timeout=60)
     after = _collectives(background), _collectives(training)
     run.opt.save(path)
+    blocking = _collectives(training) - after[1]
+    # An answer longer than the slot takes a second all-gather, on every rank alike.
+    agreement = save_agreement.RankSaveAgreement(RankGroup(background, rank, world_size))
+    before_long = _collectives(background)
+    got = agreement.gather({"rank": rank, "text": "x" * save_agreement.SLOT_BYTES * rank})
+    want = [{"rank": r, "text": "x" * save_agreement.SLOT_BYTES * r} for r in range(world_size)]
+    assert got == want
     return {
         "background": after[0] - before[0],
         "training during a background save": after[1] - before[1],
-        "blocking": _collectives(training) - after[1],
+        "blocking": blocking,
+        "a longer answer": _collectives(background) - before_long,
     }
 
 

@@ -68,13 +68,15 @@ def test_a_save_agrees_in_three_collectives(tmp_path) -> None:
     """Each collective of a background save costs the training a core and the interpreter
     lock (docs/checkpoints.md): the switching save agrees in three rounds (prepared and the
     token; written, with the digests and records; switched), each one collective when its
-    answers are small, and a background save runs none on the training's group."""
+    answers are small (two when one is longer), and a background save runs none on the
+    training's group."""
     counts = run_workers(checks.collective_counts, WORLD, str(tmp_path), timeout=120)
     for rank, count in enumerate(counts):
         assert count == {
             "background": 3,
             "training during a background save": 0,
             "blocking": 3,
+            "a longer answer": 2,
         }, (rank, count)
 
 
