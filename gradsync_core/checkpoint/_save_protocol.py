@@ -6,13 +6,19 @@ framework, the steps are the same, and so are the hazards: a rank that fails whi
 walk on into the next collective hangs the job, and a manifest written before every file is
 complete loses data. ``run_save`` takes the ranks through the steps together:
 
-1. every rank prepares its files (a failure is held, not raised);
-2. all agree that every rank prepared; the leader opens ``PATH.tmp-<token>`` (``begin_save``)
-   and its token is shared;
-3. every rank writes and hashes its files there; all agree that every write worked, and every
-   rank's digests and record (what the manifest needs from it) are gathered;
+1. every rank prepares its files (a failure is held, not raised); the leader opens
+   ``PATH.tmp-<token>`` (``begin_save``);
+2. all agree that every rank prepared, the leader's token travelling with the answers (if a
+   rank failed, the leader removes the directory it opened);
+3. every rank writes and hashes its files there; all agree that every write worked, every
+   rank's digests and record (what the manifest needs from it) travelling with the answers;
 4. the leader writes the manifest and switches ``PATH`` (``commit_save``), or removes the
    staging directory (``discard_save``) on failure; all agree on the outcome.
+
+Three agreements, each one ``SaveAgreement.gather`` of every rank's error, name and what it
+shares, and no other collective: a save in the background pays each one in a wake-up of its
+thread, and the training in waiting for the interpreter lock (torch's gather is one
+all-gather while the answers are small, so a save runs three collectives).
 
 Each executor implements ``SaveAgreement`` on its own collectives (torch: a process group,
 JAX: ``jax.distributed`` processes) and gives ``SaveSteps``, its framework part. A failed save
@@ -81,7 +87,11 @@ class CheckpointError(ValueError, RuntimeError):
 
 
 class SaveAgreement(Protocol):
-    """The collectives one save needs; each executor implements them on its own group."""
+    """The collectives one save needs; each executor implements them on its own group.
+
+    ``run_save`` agrees through ``gather`` alone; ``all_ok`` and ``share_token`` serve the
+    executors' loads (the version every rank reads, a read that failed on one).
+    """
 
     @property
     def leader(self) -> bool:
@@ -142,34 +152,61 @@ def write_rank_file(staging: str, name: str, data: bytes | Sequence[Any]) -> str
 
 
 class _Step:
-    """Runs one step of a save: holds a local failure until every rank has been asked."""
+    """Runs one step of a save: holds a local failure until every rank has been asked, in one
+    ``gather`` that also carries what the step gives the others (one round, not two)."""
 
     def __init__(self, agreement: SaveAgreement, what: str) -> None:
         self.agreement, self.what = agreement, what
 
-    def __call__(self, action: Callable[[], Any], *, run: bool = True, label: str = "") -> Any:
-        result, error = None, None
+    def __call__(
+        self,
+        action: Callable[[], Any],
+        *,
+        run: bool = True,
+        label: str = "",
+        share: Callable[[Any], Any] = lambda result: None,
+    ) -> tuple[Any, list[Any]]:
+        """Run ``action`` (here if ``run``), then agree: every rank's error, with its
+        ``share(result)`` (JSON-able; ``None`` on a rank that failed), is gathered.
+
+        Returns:
+            ``action``'s result and every rank's shared value, in rank order.
+
+        Raises:
+            CheckpointError: ``"{what} (<first rank that failed>): {label}{its error}"`` on
+                every rank when any failed (here, the original is its ``__cause__``); an
+                interrupt (not an ``Exception``) raised here as it is, once the others know.
+        """
+        result, shared, error = None, None, None
         if run:
             try:
                 result = action()
+                shared = share(result)
             # Held until every rank knows; a KeyboardInterrupt too: raised at once, it would
             # leave the other ranks waiting for this one until the process-group timeout.
             except BaseException as e:
                 error = e
         message = None if error is None else f"{label}{error_message(error)}"
-        try:
-            self.agreement.all_ok(message, self.what)
-        except CheckpointError as failure:
+        answers = self.agreement.gather(
+            {"error": message, "who": self.agreement.who, "shared": shared}
+        )
+        failed = [answer for answer in answers if answer["error"] is not None]
+        if failed:
             if error is not None and not isinstance(error, Exception):
                 raise error from None  # the others know now: an interrupt stays one here
-            raise failure from error
-        return result
+            where = f" ({failed[0]['who']})" if len(answers) > 1 else ""
+            raise CheckpointError(f"{self.what}{where}: {failed[0]['error']}") from error
+        return result, [answer["shared"] for answer in answers]
 
 
 def run_save(
     path: str | os.PathLike[str], agreement: SaveAgreement, steps: SaveSteps[P], *, what: str
 ) -> Manifest:
     """Save a checkpoint at ``path`` with the switching protocol (a collective).
+
+    Three agreements, each one ``agreement.gather``: every rank prepared (and the leader
+    opened the staging directory: its token travels with the answers); every rank wrote its
+    files (their digests and its record travel with the answers); the leader switched.
 
     Args:
         path: the checkpoint path (a link to the newest complete version once saved).
@@ -191,16 +228,27 @@ def run_save(
     if agreement.leader:
         _log.info("saving checkpoint %s", os.fspath(path))
     step = _Step(agreement, what)
-    prepared = step(steps.prepare)  # nothing on disk has changed yet
+    opened: list[str] = []  # the leader's staging directory, once it exists
 
-    def open_staging() -> str:
+    def prepare() -> tuple[P, str | None]:
+        prepared = steps.prepare()  # nothing on disk has changed yet
+        if not agreement.leader:
+            return prepared, None
         token = new_save_token()
         begin_save(path, token)
-        return token
+        opened.append(_staging_directory(path, token))
+        return prepared, token
 
-    # Also orders the staging directory's creation before any rank writes into it.
-    token = step(open_staging, run=agreement.leader)
-    staging = _staging_directory(path, agreement.share_token(token))
+    # The agreement also orders the staging directory's creation before any rank writes
+    # into it. A rank that failed to prepare: the leader removes the directory it opened.
+    try:
+        (prepared, _), answers = step(prepare, share=lambda result: result[1])
+    except BaseException:
+        if opened:
+            discard_save(opened[0])
+        raise
+    (token,) = [answer for answer in answers if answer is not None]  # the leader's
+    staging = _staging_directory(path, token)
     if agreement.leader:
         _log.info(
             "checkpoint %s: state prepared in %.2f s; writing into %s",
@@ -229,9 +277,10 @@ def _write_and_commit(
     """Steps 3 and 4 of ``run_save``: write and hash, gather, write the manifest and switch;
     ``start`` is the save's ``time.monotonic()`` at its start, for the log."""
     try:
-        written = step(
+        _, gathered = step(
             lambda: dict(steps.write_files(prepared, staging)),
             label=f"{agreement.who} could not write its file: ",
+            share=lambda written: {"files": written, "record": steps.record(prepared)},
         )
     except CheckpointError:
         # Every rank knows the save failed: the leader removes what it staged. When a
@@ -240,7 +289,6 @@ def _write_and_commit(
         if agreement.leader:
             discard_save(staging)
         raise
-    gathered = agreement.gather({"files": written, "record": steps.record(prepared)})
     nbytes = 0
     if agreement.leader:  # every rank's files are complete in ``staging`` now, and only they
         nbytes = sum(entry.stat().st_size for entry in os.scandir(staging) if entry.is_file())
@@ -266,7 +314,8 @@ def _write_and_commit(
             raise
         return manifest
 
-    manifest: Manifest = step(commit)  # nobody returns before the checkpoint is complete
+    manifest: Manifest
+    manifest, _ = step(commit)  # nobody returns before the checkpoint is complete
     if agreement.leader:
         _log.info(
             "saved checkpoint %s: %s (%s), step %d, world size %d, %d rank files, %d bytes, "

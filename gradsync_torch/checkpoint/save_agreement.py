@@ -18,13 +18,15 @@ gloo whatever the training backend (the agreement moves small host objects), as 
 from __future__ import annotations
 
 import datetime
+import pickle
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from gradsync_core.checkpoint import CheckpointError
-from gradsync_torch._collectives import global_rank
+from gradsync_torch._collectives import all_gather_single, global_rank
 from gradsync_torch._optim_state import RankGroup
 from gradsync_torch.agreement import agree_ok
 
@@ -73,9 +75,50 @@ class RankSaveAgreement:
         """Every rank's ``record``, in group-rank order, on every rank."""
         if self.ranks.world_size == 1:
             return [record]
-        gathered: list[Any] = [None] * self.ranks.world_size
-        dist.all_gather_object(gathered, record, group=self.ranks.process_group)
-        return gathered
+        return _gather_objects(record, self.ranks.process_group, self.ranks.world_size)
+
+
+# The bytes of a rank's answer that travel in the first all-gather: a save's answers (an
+# error sentence, the token, the rank files' digests and the manifest's record) fit, so each
+# of its agreements is one collective; a longer answer sends the rest in a second.
+SLOT_BYTES = 4096
+_LENGTH_BYTES = 8
+
+
+def _gather_objects(value: Any, group: Any, world_size: int) -> list[Any]:
+    """Every rank's ``value`` (pickled, as ``all_gather_object`` does), in group-rank order:
+    one all-gather of ``SLOT_BYTES`` a rank, and a second only when some answer is longer
+    (every rank reads every length from the first, so all make the second alike)."""
+    data = pickle.dumps(value)
+    slot = np.zeros(_LENGTH_BYTES + SLOT_BYTES, np.uint8)
+    slot[:_LENGTH_BYTES] = np.frombuffer(np.int64(len(data)).tobytes(), np.uint8)
+    head = np.frombuffer(data[:SLOT_BYTES], np.uint8)
+    slot[_LENGTH_BYTES : _LENGTH_BYTES + head.size] = head
+    rows = _all_gather_bytes(slot, group, world_size)
+    lengths = rows[:, :_LENGTH_BYTES].copy().view(np.int64).reshape(-1).tolist()
+    answers = [
+        rows[r, _LENGTH_BYTES:][: min(n, SLOT_BYTES)].tobytes() for r, n in enumerate(lengths)
+    ]
+    longest = max(lengths)
+    if longest > SLOT_BYTES:
+        rest = np.zeros(longest - SLOT_BYTES, np.uint8)
+        tail = np.frombuffer(data[SLOT_BYTES:], np.uint8)
+        rest[: tail.size] = tail
+        tails = _all_gather_bytes(rest, group, world_size)
+        for r, n in enumerate(lengths):
+            answers[r] += tails[r, : max(n - SLOT_BYTES, 0)].tobytes()
+    return [pickle.loads(answer) for answer in answers]
+
+
+def _all_gather_bytes(mine: np.ndarray, group: Any, world_size: int) -> np.ndarray:
+    """Every rank's ``mine`` (uint8, one length on every rank), as the rows of an array; on
+    the GPU for NCCL, which moves CUDA tensors only."""
+    tensor = torch.from_numpy(mine)
+    if "nccl" in str(dist.get_backend(group)):
+        tensor = tensor.to(torch.device("cuda", torch.cuda.current_device()))
+    every = torch.empty(world_size * tensor.numel(), dtype=torch.uint8, device=tensor.device)
+    all_gather_single(every, tensor, group=group)
+    return every.cpu().numpy().reshape(world_size, -1)
 
 
 def _broken(failure: RuntimeError) -> RuntimeError:

@@ -24,6 +24,7 @@ from torch import nn
 
 from gradsync_core.checkpoint import save_hook
 from gradsync_torch import ZeroRedundancyOptimizer, load_optimizer_state_dict
+from gradsync_torch._optim_state import RankGroup
 from gradsync_torch.checkpoint import save_agreement
 from gradsync_torch.checkpoint.staging import STAGING
 from tests.support.harness import run_checks
@@ -168,6 +169,39 @@ def api_checks(rank: int, world_size: int, root: str) -> dict[str, Any]:
     failures = run_checks([("ZeRO-1", zero1), ("ZeRO-2", zero2)])
     assert all(v is None for v in failures.values()), failures
     return out
+
+
+def _collectives(group: Any) -> int:
+    """How many collectives ``group`` has run (gloo numbers each one it starts)."""
+    return group._get_sequence_number_for_group()
+
+
+def collective_counts(rank: int, world_size: int, root: str) -> dict[str, int]:
+    """The collectives one ZeRO-1 save runs, counted by the process groups themselves: a
+    background save's on its own group and on the training's, and a blocking save's."""
+    run = pair(world_size)
+    run.step()
+    path = os.path.join(root, "counted")
+    run.opt.save(path, blocking=False).wait(timeout=60)  # makes the background group
+    (background,) = save_agreement._background_groups.values()
+    training = dist.group.WORLD
+    before = _collectives(background), _collectives(training)
+    run.opt.save(path, blocking=False).wait(timeout=60)
+    after = _collectives(background), _collectives(training)
+    run.opt.save(path)
+    blocking = _collectives(training) - after[1]
+    # An answer longer than the slot takes a second all-gather, on every rank alike.
+    agreement = save_agreement.RankSaveAgreement(RankGroup(background, rank, world_size))
+    before_long = _collectives(background)
+    got = agreement.gather({"rank": rank, "text": "x" * save_agreement.SLOT_BYTES * rank})
+    want = [{"rank": r, "text": "x" * save_agreement.SLOT_BYTES * r} for r in range(world_size)]
+    assert got == want
+    return {
+        "background": after[0] - before[0],
+        "training during a background save": after[1] - before[1],
+        "blocking": blocking,
+        "a longer answer": _collectives(background) - before_long,
+    }
 
 
 def _sharded_mlp(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:

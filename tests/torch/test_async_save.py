@@ -64,6 +64,22 @@ def test_saves_in_the_background_hold_the_state_at_the_call(tmp_path) -> None:
         assert result["background groups after ZeRO-2"] == 1
 
 
+def test_a_save_agrees_in_three_collectives(tmp_path) -> None:
+    """Each collective of a background save costs the training a core and the interpreter
+    lock (docs/checkpoints.md): the switching save agrees in three rounds (prepared and the
+    token; written, with the digests and records; switched), each one collective when its
+    answers are small (two when one is longer), and a background save runs none on the
+    training's group."""
+    counts = run_workers(checks.collective_counts, WORLD, str(tmp_path), timeout=120)
+    for rank, count in enumerate(counts):
+        assert count == {
+            "background": 3,
+            "training during a background save": 0,
+            "blocking": 3,
+            "a longer answer": 2,
+        }, (rank, count)
+
+
 def test_a_zero3_save_in_the_background_holds_the_state_at_the_call(tmp_path) -> None:
     at_call = run_workers(checks.param_shards_check, WORLD, str(tmp_path), timeout=240)[0]
     got = checks.plain_state(str(tmp_path / "zero3"))
