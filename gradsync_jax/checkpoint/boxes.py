@@ -1,5 +1,6 @@
-"""Checkpoints that cross layouts, JAX side: a training state laid out on a mesh, saved in
-model space, loaded under any layout (docs/checkpoints.md, "A checkpoint that crosses
+"""Checkpoints that cross layouts, JAX side: a state laid out on a mesh, saved in model space.
+
+Loaded under any layout, in either framework (docs/checkpoints.md, "A checkpoint that crosses
 layouts").
 
 Each parameter is a ``jax.Array`` whose ``NamedSharding`` gives every device of the mesh a
