@@ -63,9 +63,13 @@ with the ranks sharing the machine's cores (``simulate_pipeline``'s ``cores``:
 ``len(os.sched_getaffinity(0))`` over the pipelines, as at dp 2 two identical pipelines
 share them), fed what each action takes on a core of its own: each compute's and each post's
 CPU time (its thread's ``time.thread_time``, in the same steps and the same post
-measurement), the overhead's CPU time, the trip with the other ranks waiting
-(``p2p_unloaded_s``) and the same reduce. The simulation with a core per rank, fed the wall
-times as before, is printed beside it ("a core per rank").
+measurement), as the overhead per compute each rank's CPU time in the step
+(``time.process_time``: all its threads) outside its computes, posts and reductions, over
+its computes, the mean of the ranks (``host_cpu_per_compute_s``: the executor's host work
+and gloo's threads, which write and read each message; the probe's overhead is a part of
+it), the trip with the other ranks waiting (``p2p_unloaded_s``) and the same reduce. The
+simulation with a core per rank, fed the wall times as before, is printed beside it ("a
+core per rank").
 
 torch's pipelining with DDP stages fails here at dp 2 (torch 2.13, GPipe: "rebuilt parameter
 indices size is not same as original model parameters size" in DDP's reducer, and its split
@@ -457,8 +461,10 @@ def _simulation(
     """The step ``simulate_pipeline`` predicts. ``cores=None``: a core per rank, with the
     stage times and costs as measured in a loaded step (wall times, the sharing of the cores
     in them). A number: the ranks share that many cores, fed the same computes' and posts'
-    CPU times (their time on a core of their own), the overhead's CPU time, the trip with
-    the other ranks waiting (a latency: the simulation adds the sharing), the same reduce."""
+    CPU times (their time on a core of their own), as overhead each rank's CPU time in the
+    step outside its computes, posts and reductions per compute (``host_cpu_per_compute_s``:
+    the executor's host work and gloo's threads), the trip with the other ranks waiting (a
+    latency: the simulation adds the sharing), the same reduce."""
     n = plan.num_stages
     forward = [times[(s, "F")] for s in range(n)]
     if (0, "W") in times:  # split backwards: B = I + W
@@ -485,7 +491,7 @@ def _simulation(
         backward=backward,
         weight=weight,
         p2p=costs["p2p_unloaded_s"],
-        overhead=costs["overhead_cpu_s"],
+        overhead=costs["host_cpu_per_compute_s"],
         post=costs["send_post_cpu_s"],
         receive_post=costs["receive_post_cpu_s"],
         reduce=costs["reduce_s"],
@@ -522,6 +528,8 @@ def _case(
     pp_group = groups["pp"].process_group
     times: dict[str, list[float]] = {k: [] for k in runners}
     records, idle, host = [], [], []
+    process_cpu: list[float] = []
+    thread_cpu: list[float] = []
     for r, (x, y) in enumerate(data):
         order = list(runners) if r % 2 == 0 else list(runners)[::-1]
         timed = r >= args.warmup
@@ -529,8 +537,11 @@ def _case(
             if key == "gradsync":
                 ours.pipe.timeline = [] if timed else None
             dist.barrier()
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), (time.process_time(), time.thread_time())
             runners[key].step(x, y)
+            if timed and key == "gradsync":  # this rank's CPU time in the step: all threads, main
+                process_cpu.append(time.process_time() - cpu[0])
+                thread_cpu.append(time.thread_time() - cpu[1])
             elapsed = _slowest(time.perf_counter() - start)
             if timed:
                 times[key].append(elapsed)
@@ -584,11 +595,34 @@ def _case(
     mine = {
         "idle": statistics.median(idle),
         "host": statistics.median(host),
+        # CPU time per step: the process (gloo's threads too), its main thread, its computes
+        "cpu": (
+            statistics.median(process_cpu),
+            statistics.median(thread_cpu),
+            cpu_times.total() / len(process_cpu),
+        ),
         "peaks": peaks,
         "stash": ours.pipe.peak_stash,
         "pp_rank": groups.group_rank("pp"),
     }
     dist.all_gather_object(everyone, mine)
+    # Each rank's CPU time in the step outside its computes, its posts and its reductions as
+    # simulated: the executor's host work, gloo's threads (each message written and read),
+    # all ranks' mean per compute; the shared simulation's overhead (the probe's is in it).
+    spare = []
+    for row in everyone:
+        acts = plan.actions[row["pp_rank"]]
+        posted = sum(
+            costs["send_post_cpu_s"]
+            if a.kind in ("SEND_F", "SEND_B")
+            else costs["receive_post_cpu_s"]
+            for a in acts
+            if a.kind in ("SEND_F", "SEND_B", "RECV_F", "RECV_B")
+        )
+        reduced = sum(costs["reduce_s"][a.stage] for a in acts if a.kind == "REDUCE_GRAD")
+        computes = sum(len(a.leaves) for a in acts if a.is_compute)
+        spare.append(max(row["cpu"][0] - row["cpu"][2] - posted - reduced, 0.0) / computes)
+    costs["host_cpu_per_compute_s"] = statistics.mean(spare)
     unshared = _simulation(plan, merged, costs, None)
     # The 4 ranks share the machine's cores; at dp 2 two identical pipelines do, so each runs
     # as one pipeline on half of them (simulate_pipeline's cores).
@@ -611,6 +645,7 @@ def _case(
         **costs,
         "idle_vs_simulated": sum(row["idle"] for row in everyone) / max(sum(predicted), 1e-12),
         "cores": cores,
+        "step_cpu_s": [row["cpu"] for row in everyone],
         "stage_s": {f"{s}{k}": t for (s, k), t in sorted(merged.items())},
         "stage_cpu_s": {f"{s}{k}": t for (s, k), t in sorted(merged_cpu.items())},
         "predicted_idle_unshared_s": predicted_unshared,
@@ -706,6 +741,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             for k, t in r["stage_s"].items()
         )
         print(f"  {key:<32}{r['cores']:>5g}   {stages}")
+    print(
+        "each rank's CPU time in gradsync's step (ms): the process, all its threads / its main "
+        "thread / its computes (their thread's)"
+    )
+    for key, r in results.items():
+        cpu = "  ".join("/".join(f"{t * 1e3:.1f}" for t in row) for row in r["step_cpu_s"])
+        print(f"  {key:<34}{cpu}   host per compute {r['host_cpu_per_compute_s'] * 1e6:.0f} us")
     figures["ratio_vs_anchor"] = statistics.median(ratios)
     figures["stash_equals_plan"] = all(r["stash"] == r["plan_stash"] for r in results.values())
     return figures
