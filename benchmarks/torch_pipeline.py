@@ -57,6 +57,20 @@ the costs, never fed back into the simulation. At dp 2 a step's REDUCE_GRAD also
 its data-parallel peer in the other pipeline, which the simulation of one pipeline does not
 model (the reduce cost is measured with both peers there).
 
+The 4 ranks share the machine's cores, and a pipeline keeps several of them computing at
+once (interleaved and zero-bubble schedules most), so the figure compared is the simulation
+with the ranks sharing the machine's cores (``simulate_pipeline``'s ``cores``:
+``len(os.sched_getaffinity(0))`` over the pipelines, as at dp 2 two identical pipelines
+share them), fed what each action takes on a core of its own: each compute's and each post's
+CPU time (its thread's ``time.thread_time``, in the same steps and the same post
+measurement), as the overhead per compute each rank's CPU time in the step
+(``time.process_time``: all its threads) outside its computes, posts and reductions, over
+its computes, the mean of the ranks (``host_cpu_per_compute_s``: the executor's host work
+and gloo's threads, which write and read each message; the probe's overhead is a part of
+it), the trip with the other ranks waiting (``p2p_unloaded_s``) and the same reduce. The
+simulation with a core per rank, fed the wall times as before, is printed beside it ("a
+core per rank").
+
 torch's pipelining with DDP stages fails here at dp 2 (torch 2.13, GPipe: "rebuilt parameter
 indices size is not same as original model parameters size" in DDP's reducer, and its split
 weight gradients bypass DDP's hooks), so torch's side reduces the gradients itself.
@@ -205,6 +219,40 @@ def _stage_times(records: list[list[Any]]) -> dict[tuple[int, str], float]:
     return {key: statistics.mean(v) for key, v in times.items()}
 
 
+class _CpuTimes:
+    """Each compute's CPU time in a pipeline's recorded steps (``Pipeline.timeline`` set): its
+    thread's (``time.thread_time``; torch runs a CPU compute, its backward too, on the calling
+    thread at one intra-op thread), from the moment its input is there, as the timeline
+    measures it. That is the compute's time on a core of its own: the sharing of the cores,
+    which stretches its wall time, does not stretch it. Recorded by wrapping the pipeline
+    object's ``_begin`` and ``_note`` (the executor itself is unchanged)."""
+
+    def __init__(self, pipe: Pipeline) -> None:
+        self.times: dict[tuple[int, str], list[float]] = {}
+        self._mark: float | None = None
+        begin, note = pipe._begin, pipe._note
+
+        def _begin() -> None:
+            begin()
+            self._mark = time.thread_time()
+
+        def _note(action: Any, start: float) -> None:
+            if action.is_compute and self._mark is not None and pipe.timeline is not None:
+                took = time.thread_time() - self._mark
+                self.times.setdefault((action.stage, action.kind), []).append(took)
+            self._mark = None
+            note(action, start)
+
+        pipe._begin = _begin  # type: ignore[method-assign]
+        pipe._note = _note  # type: ignore[method-assign]
+
+    def means(self) -> dict[tuple[int, str], float]:
+        return {key: statistics.mean(v) for key, v in self.times.items()}
+
+    def total(self) -> float:
+        return sum(sum(v) for v in self.times.values())
+
+
 class _Probe:
     """A one-stage pipeline (pp 1) of a tiny stage on every rank: what gradsync's executor
     costs per compute apart from the compute (dispatch, bookkeeping)."""
@@ -223,20 +271,30 @@ class _Probe:
         )
         self.x = torch.ones(microbatches, 1)
         self.computes = sum(a.is_compute for a in plan.actions[0])
+        self.cpu = _CpuTimes(self.pipe)
 
-    def overhead(self, rounds: int = 8) -> float:
+    def overhead(self, rounds: int = 8) -> tuple[float, float]:
         """The median over ``rounds`` steps (after one more) of (step - computes) per
-        compute, the slowest rank's."""
-        per_compute = []
+        compute, the slowest rank's: ``(wall, cpu)``, the second in the thread's CPU time
+        (what it takes on a core of its own: the 4 ranks run this at once on the machine's
+        cores)."""
+        per_compute, per_compute_cpu = [], []
         for _ in range(rounds + 1):
             self.pipe.timeline = []
+            self.cpu.times.clear()
+            cpu = time.thread_time()
             self.pipe.step(self.x, target=self.x)
+            cpu = time.thread_time() - cpu
             busy = sum(t.end - t.start for t in self.pipe.timeline if t.action.is_compute)
             per_compute.append((self.pipe.step_seconds - busy) / self.computes)
+            per_compute_cpu.append((cpu - self.cpu.total()) / self.computes)
             for p in self.pipe.parameters():
                 p.grad = None
         self.pipe.timeline = None
-        return _slowest(statistics.median(per_compute[1:]))
+        return (
+            _slowest(statistics.median(per_compute[1:])),
+            _slowest(statistics.median(per_compute_cpu[1:])),
+        )
 
 
 def _reduce_seconds(pipe: Pipeline, rounds: int = 5) -> dict[int, float]:
@@ -339,10 +397,12 @@ def _message_costs(
 
 def _step_posts(
     groups: Any, shape: tuple[int, ...], *, count: int = 16, rounds: int = 3, chunk: float = 0.004
-) -> tuple[float, float, float]:
+) -> tuple[float, float, float, float, float]:
     """The host time of posting an activation's messages as a step posts them, the slower
-    rank's mean: ``(send, receive, send to a waiting receiver)``. Every rank computes, as in
-    a step, where more ranks compute than the machine has cores (4 ranks on 2 here).
+    rank's mean: ``(send, receive, send to a waiting receiver, send's CPU time, receive's
+    CPU time)``, the last two the posting thread's (a post's time on a core of its own).
+    Every rank computes, as in a step, where more ranks compute than the machine has cores
+    (4 ranks on 2 here).
 
     First pipeline rank 1 posts ``count`` receives (as the executor posts a step's receives
     at its start, each buffer allocated) and computes while they arrive; rank 0 sends one
@@ -355,6 +415,8 @@ def _step_posts(
     sends: list[float] = []
     receives: list[float] = []
     waking: list[float] = []
+    send_cpu: list[float] = []
+    receive_cpu: list[float] = []
     out = torch.zeros(shape)
     for waits in [False] * rounds + [True] * rounds:
         dist.barrier()
@@ -362,9 +424,11 @@ def _step_posts(
             works = []
             for _ in range(count):
                 _busy(chunk)
-                start = time.perf_counter()
+                start, cpu = time.perf_counter(), time.thread_time()
                 works.append(dist.isend(out, group=pp.process_group, group_dst=1))
                 (waking if waits else sends).append(time.perf_counter() - start)
+                if not waits:
+                    send_cpu.append(time.thread_time() - cpu)
             for work in works:
                 work.wait()
         elif dist.get_rank() == pair[1] and waits:
@@ -374,20 +438,33 @@ def _step_posts(
         elif dist.get_rank() == pair[1]:
             works = []
             for _ in range(count):
-                start = time.perf_counter()
+                start, cpu = time.perf_counter(), time.thread_time()
                 buffer = torch.empty(shape)
                 works.append(dist.irecv(buffer, group=pp.process_group, group_src=0))
                 receives.append(time.perf_counter() - start)
+                receive_cpu.append(time.thread_time() - cpu)
             _busy(count * chunk)
             for work in works:
                 work.wait()
         else:
             _busy(count * chunk)
-    means = [statistics.mean(x) if x else 0.0 for x in (sends, receives, waking)]
-    return _slowest(means[0]), _slowest(means[1]), _slowest(means[2])
+    means = [
+        _slowest(statistics.mean(x) if x else 0.0)
+        for x in (sends, receives, waking, send_cpu, receive_cpu)
+    ]
+    return means[0], means[1], means[2], means[3], means[4]
 
 
-def _simulation(plan: Any, times: dict[tuple[int, str], float], costs: dict[str, Any]) -> Any:
+def _simulation(
+    plan: Any, times: dict[tuple[int, str], float], costs: dict[str, Any], cores: float | None
+) -> Any:
+    """The step ``simulate_pipeline`` predicts. ``cores=None``: a core per rank, with the
+    stage times and costs as measured in a loaded step (wall times, the sharing of the cores
+    in them). A number: the ranks share that many cores, fed the same computes' and posts'
+    CPU times (their time on a core of their own), as overhead each rank's CPU time in the
+    step outside its computes, posts and reductions per compute (``host_cpu_per_compute_s``:
+    the executor's host work and gloo's threads), the trip with the other ranks waiting (a
+    latency: the simulation adds the sharing), the same reduce."""
     n = plan.num_stages
     forward = [times[(s, "F")] for s in range(n)]
     if (0, "W") in times:  # split backwards: B = I + W
@@ -396,16 +473,29 @@ def _simulation(plan: Any, times: dict[tuple[int, str], float], costs: dict[str,
     else:
         backward = [times[(s, "B")] for s in range(n)]
         weight = [0.0] * n
-    return simulate_pipeline(  # the loaded p2p: every rank computes in a step
+    if cores is None:
+        return simulate_pipeline(  # the loaded p2p: every rank computes in a step
+            plan,
+            forward=forward,
+            backward=backward,
+            weight=weight,
+            p2p=costs["p2p_s"],
+            overhead=costs["overhead_s"],
+            post=costs["send_post_s"],
+            receive_post=costs["receive_post_s"],
+            reduce=costs["reduce_s"],
+        )
+    return simulate_pipeline(
         plan,
         forward=forward,
         backward=backward,
         weight=weight,
-        p2p=costs["p2p_s"],
-        overhead=costs["overhead_s"],
-        post=costs["send_post_s"],
-        receive_post=costs["receive_post_s"],
+        p2p=costs["p2p_unloaded_s"],
+        overhead=costs["host_cpu_per_compute_s"],
+        post=costs["send_post_cpu_s"],
+        receive_post=costs["receive_post_cpu_s"],
         reduce=costs["reduce_s"],
+        cores=cores,
     )
 
 
@@ -427,6 +517,7 @@ def _case(
     split = split_model(blocks, plan, groups.group_rank("pp"))
     theirs = {s: copy.deepcopy(m) for s, m in split.stages.items()}
     ours = _Ours(plan, split.stages, groups)
+    cpu_times = _CpuTimes(ours.pipe)
     anchor = _Torch(name, plan, theirs, groups)
     dp_rank = groups.group_rank("dp")
     data = [
@@ -437,6 +528,8 @@ def _case(
     pp_group = groups["pp"].process_group
     times: dict[str, list[float]] = {k: [] for k in runners}
     records, idle, host = [], [], []
+    process_cpu: list[float] = []
+    thread_cpu: list[float] = []
     for r, (x, y) in enumerate(data):
         order = list(runners) if r % 2 == 0 else list(runners)[::-1]
         timed = r >= args.warmup
@@ -444,8 +537,11 @@ def _case(
             if key == "gradsync":
                 ours.pipe.timeline = [] if timed else None
             dist.barrier()
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), (time.process_time(), time.thread_time())
             runners[key].step(x, y)
+            if timed and key == "gradsync":  # this rank's CPU time in the step: all threads, main
+                process_cpu.append(time.process_time() - cpu[0])
+                thread_cpu.append(time.thread_time() - cpu[1])
             elapsed = _slowest(time.perf_counter() - start)
             if timed:
                 times[key].append(elapsed)
@@ -472,9 +568,13 @@ def _case(
     microbatch = (args.batch // args.microbatches, args.seq, args.width)
     post, trip, late = _message_costs(groups, microbatch, loaded=True)
     post_unloaded, trip_unloaded, _ = _message_costs(groups, microbatch, loaded=False)
-    send_post, receive_post, waking_post = _step_posts(groups, microbatch)
+    send_post, receive_post, waking_post, send_cpu, receive_cpu = _step_posts(groups, microbatch)
+    overhead, overhead_cpu = probe.overhead()
     costs: dict[str, Any] = {
-        "overhead_s": probe.overhead(),
+        "overhead_s": overhead,
+        "overhead_cpu_s": overhead_cpu,
+        "send_post_cpu_s": send_cpu,
+        "receive_post_cpu_s": receive_cpu,
         "post_s": post,  # back and forth: with p2p, the trip
         "send_post_s": send_post,  # as in a step: what the simulation charges
         "receive_post_s": receive_post,
@@ -485,22 +585,51 @@ def _case(
         "late_receive_post_s": late,  # not in the simulation: see the module docstring
     }
     stage_times: list[Any] = [None] * 4
-    dist.all_gather_object(stage_times, (_stage_times(records), reduce))
-    merged = {k: v for part, _ in stage_times for k, v in part.items()}
+    dist.all_gather_object(stage_times, (_stage_times(records), reduce, cpu_times.means()))
+    merged = {k: v for part, _, _ in stage_times for k, v in part.items()}
+    merged_cpu = {k: v for _, _, part in stage_times for k, v in part.items()}
     costs["reduce_s"] = [  # the slower of a stage's data-parallel copies
-        max(part[s] for _, part in stage_times if s in part) for s in range(plan.num_stages)
+        max(part[s] for _, part, _ in stage_times if s in part) for s in range(plan.num_stages)
     ]
     everyone: list[Any] = [None] * 4
     mine = {
         "idle": statistics.median(idle),
         "host": statistics.median(host),
+        # CPU time per step: the process (gloo's threads too), its main thread, its computes
+        "cpu": (
+            statistics.median(process_cpu),
+            statistics.median(thread_cpu),
+            cpu_times.total() / len(process_cpu),
+        ),
         "peaks": peaks,
         "stash": ours.pipe.peak_stash,
         "pp_rank": groups.group_rank("pp"),
     }
     dist.all_gather_object(everyone, mine)
-    sim = _simulation(plan, merged, costs)
+    # Each rank's CPU time in the step outside its computes, its posts and its reductions as
+    # simulated: the executor's host work, gloo's threads (each message written and read),
+    # all ranks' mean per compute; the shared simulation's overhead (the probe's is in it).
+    spare = []
+    for row in everyone:
+        acts = plan.actions[row["pp_rank"]]
+        posted = sum(
+            costs["send_post_cpu_s"]
+            if a.kind in ("SEND_F", "SEND_B")
+            else costs["receive_post_cpu_s"]
+            for a in acts
+            if a.kind in ("SEND_F", "SEND_B", "RECV_F", "RECV_B")
+        )
+        reduced = sum(costs["reduce_s"][a.stage] for a in acts if a.kind == "REDUCE_GRAD")
+        computes = sum(len(a.leaves) for a in acts if a.is_compute)
+        spare.append(max(row["cpu"][0] - row["cpu"][2] - posted - reduced, 0.0) / computes)
+    costs["host_cpu_per_compute_s"] = statistics.mean(spare)
+    unshared = _simulation(plan, merged, costs, None)
+    # The 4 ranks share the machine's cores; at dp 2 two identical pipelines do, so each runs
+    # as one pipeline on half of them (simulate_pipeline's cores).
+    cores = len(os.sched_getaffinity(0)) / groups["dp"].size
+    sim = _simulation(plan, merged_cpu, costs, cores)
     predicted = [sim.idle[row["pp_rank"]] for row in everyone]
+    predicted_unshared = [unshared.idle[row["pp_rank"]] for row in everyone]
     step = {k: statistics.median(t) for k, t in times.items()}
     return {
         "step_s": step,
@@ -515,6 +644,13 @@ def _case(
         "predicted_host_s": [sim.host[row["pp_rank"]] for row in everyone],
         **costs,
         "idle_vs_simulated": sum(row["idle"] for row in everyone) / max(sum(predicted), 1e-12),
+        "cores": cores,
+        "step_cpu_s": [row["cpu"] for row in everyone],
+        "stage_s": {f"{s}{k}": t for (s, k), t in sorted(merged.items())},
+        "stage_cpu_s": {f"{s}{k}": t for (s, k), t in sorted(merged_cpu.items())},
+        "predicted_idle_unshared_s": predicted_unshared,
+        "idle_vs_simulated_unshared": sum(row["idle"] for row in everyone)
+        / max(sum(predicted_unshared), 1e-12),
     }
 
 
@@ -565,7 +701,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         equal = {True: "yes", False: "NO", None: "-"}[r["bitwise_equal"]]
         print(
             f"{key:<34}{step['gradsync'] * 1e3:>12.1f}{theirs}{ratio}  {equal:<7}  "
-            f"{stash:<14} {idle} ({r['idle_vs_simulated']:.2f}x)   {peaks}"
+            f"{stash:<14} {idle} ({r['idle_vs_simulated']:.2f}x; a core per rank "
+            f"{r['idle_vs_simulated_unshared']:.2f}x)   {peaks}"
         )
         if r["ratio"] is not None:
             ratios.append(r["ratio"])
@@ -575,7 +712,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "receive as in a step (simulated; a send to a waiting receiver), post back and "
         "forth (late receive), p2p (with the others waiting); ms: REDUCE_GRAD per stage), "
         "and each rank's host time in the step (posts and reductions, ms: measured / "
-        "simulated):"
+        "simulated); us, the CPU time of the overhead / a send's post / a receive's post "
+        "(what the simulation with cores takes):"
     )
     for key, r in results.items():
         reduce = " ".join(f"{t * 1e3:.2f}" for t in r["reduce_s"])
@@ -589,7 +727,27 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             f" ({r['waking_send_post_s'] * 1e6:.0f})"
             f"{r['post_s'] * 1e6:>7.0f} ({r['late_receive_post_s'] * 1e6:.0f})"
             f"{r['p2p_s'] * 1e6:>7.0f} ({r['p2p_unloaded_s'] * 1e6:.0f})   {reduce}   {host}"
+            f"   {r['overhead_cpu_s'] * 1e6:.0f} / {r['send_post_cpu_s'] * 1e6:.0f} / "
+            f"{r['receive_post_cpu_s'] * 1e6:.0f}"
         )
+    print(
+        "the simulation's cores (the machine's over the pipelines: dp) and each stage's "
+        "compute, ms, in the step (wall) / its thread's CPU time (what the simulation with "
+        "cores takes):"
+    )
+    for key, r in results.items():
+        stages = "  ".join(
+            f"{k} {t * 1e3:.2f}/{r['stage_cpu_s'].get(k, float('nan')) * 1e3:.2f}"
+            for k, t in r["stage_s"].items()
+        )
+        print(f"  {key:<32}{r['cores']:>5g}   {stages}")
+    print(
+        "each rank's CPU time in gradsync's step (ms): the process, all its threads / its main "
+        "thread / its computes (their thread's)"
+    )
+    for key, r in results.items():
+        cpu = "  ".join("/".join(f"{t * 1e3:.1f}" for t in row) for row in r["step_cpu_s"])
+        print(f"  {key:<34}{cpu}   host per compute {r['host_cpu_per_compute_s'] * 1e6:.0f} us")
     figures["ratio_vs_anchor"] = statistics.median(ratios)
     figures["stash_equals_plan"] = all(r["stash"] == r["plan_stash"] for r in results.values())
     return figures

@@ -162,8 +162,9 @@ LONG_SIGNATURES = {
     "plans and the facts they are costed with",
     "gradsync_core.predict_zero3": "as `predict`, for one parameter-shard plan",
     "gradsync_core.simulate_pipeline": "a simulator of plain data, every argument after the "
-    "plan keyword-only and 0 by default (the closed forms): each is one measured duration of "
-    "the timeline (a compute, a post, a trip, a reduction), none an option to set once",
+    "plan keyword-only and 0 or None by default (the closed forms): each is one measured "
+    "duration of the timeline (a compute, a post, a trip, a reduction) or the machine's "
+    "cores the ranks share, none an option to set once",
     "gradsync_core.search_configurations": "as `predict`, over the candidates: the model, the "
     "machine, the memory limit and the batch are facts, the candidates a list of records",
     "gradsync_jax.profile_model": "the blocks, an input and the loss to time, plus the mesh, "

@@ -9,6 +9,10 @@ With the same forward, backward and weight times on every stage and free point-t
 - interleaved zero bubble (ZB1P) idles ``(p-1)(F+B-2W)`` per rank, B the full backward, so
   ``(p-1)(T_F + T_B - T_W)`` in arXiv:2401.10241's terms where ``T_B`` is the input half.
 
+With ``cores`` the ranks share that many cores (processor sharing): with one core and free
+messages the step is the sum of every rank's work, as the core is never idle, and with a
+core per rank the step is the closed forms' above.
+
 The interleaved forms hold from m >= p microbatches (torch's schedules warm up for a full
 round of p), the zero-bubble one where a weight gradient is no longer than a forward
 (W <= F: it fills the gap a forward leaves).
@@ -234,6 +238,93 @@ def test_peak_stash_of_the_simulation_is_the_plans():
         assert simulate_pipeline(p).peak_stash == p.peak_stash
 
 
+SCHEDULES = [
+    ("GPipe", 1),
+    ("1F1B", 1),
+    ("Interleaved1F1B", 2),
+    ("LoopedBFS", 2),
+    ("ZB1P", 2),
+    ("ZBV", 2),
+    ("DualPipeV", 2),
+]
+# every cost non-zero, dyadic so that the event walk's sums are exact
+COSTS = dict(
+    forward=1.5,
+    backward=2.25,
+    weight=0.75,
+    overhead=0.125,
+    post=0.5,
+    receive_post=0.0625,
+    reduce=0.375,
+)
+
+
+def test_two_ranks_computing_at_once_on_one_core_take_twice_as_long():
+    """GPipe at pp 2, 2 microbatches, F = 1, B = 2, on one core, by hand: rank 0's F0 runs
+    alone (0 to 1); then rank 0's F1 and rank 1's F0 run at once, each at half speed, 1 to 3;
+    rank 1's F1 and B0 run alone, 3 to 6; rank 0's B0 and rank 1's B1 at once, 6 to 10;
+    rank 0's B1 alone, 10 to 12: the 12 of work, one core never idle."""
+    sim = simulate_pipeline(plan("GPipe", 2, 2), forward=1, backward=2, cores=1)
+    computes = [
+        [(str(t.action), t.start, t.end) for t in timed if t.action.is_compute]
+        for timed in sim.actions
+    ]
+    assert computes == [
+        [("0F0", 0, 1), ("0F1", 1, 3), ("0B0", 6, 10), ("0B1", 10, 12)],
+        [("1F0", 1, 3), ("1F1", 3, 4), ("1B0", 4, 6), ("1B1", 6, 10)],
+    ]
+    assert sim.step_time == 12
+    assert sim.busy == (9, 9)  # each rank's computes, stretched where they ran together
+    # with a core each, the closed form: (m + p - 1)(F + B)
+    assert simulate_pipeline(plan("GPipe", 2, 2), forward=1, backward=2, cores=2).step_time == 9
+
+
+@pytest.mark.parametrize(("schedule", "v"), SCHEDULES)
+@pytest.mark.parametrize("pp", [2, 4])
+def test_a_core_per_rank_is_the_unshared_simulation(schedule, v, pp):
+    for m, p in accepted(schedule, pp, (pp, 2 * pp, 2 * pp + 1), v):
+        unshared = simulate_pipeline(p, p2p=0.25, **COSTS)
+        for cores in (pp, pp + 1, 100):
+            assert simulate_pipeline(p, p2p=0.25, cores=cores, **COSTS) == unshared, (m, cores)
+
+
+@pytest.mark.parametrize(("schedule", "v"), SCHEDULES)
+@pytest.mark.parametrize("pp", [2, 4])
+def test_on_one_core_the_step_is_the_sum_of_all_the_work(schedule, v, pp):
+    """With free messages some rank can always run (the plan has no deadlock), so one core
+    never idles: the step is every compute, overhead, post and reduction added up."""
+    for m, p in accepted(schedule, pp, (pp, 2 * pp), v):
+        n, f, b = pp * v, COSTS["forward"], COSTS["backward"]
+        posts = sum(
+            COSTS["post"] if a.kind in ("SEND_F", "SEND_B") else COSTS["receive_post"]
+            for actions in p.actions
+            for a in actions
+            if a.kind in ("SEND_F", "SEND_B", "RECV_F", "RECV_B")
+        )
+        computes = sum(len(a.leaves) for actions in p.actions for a in actions if a.is_compute)
+        work = n * m * (f + b) + computes * COSTS["overhead"] + posts + n * COSTS["reduce"]
+        sim = simulate_pipeline(p, cores=1, **COSTS)
+        assert sim.step_time == work
+        # half a core (two such pipelines on one core) takes twice as long
+        assert simulate_pipeline(p, cores=0.5, **COSTS).step_time == 2 * work
+
+
+def test_three_ranks_on_two_cores_run_at_two_thirds():
+    """GPipe at pp 3, 3 microbatches, F = 3, B = 0, on 2 cores, by hand: forward i of rank k
+    is due at 3(i + k) with a core of its own. Rank 0's F0 runs alone (0 to 3); F1 on rank
+    0 and F0 on rank 1 together (3 to 6); then three forwards at once (rank 0's F2, rank
+    1's F1, rank 2's F0), each at 2/3 speed, 6 to 10.5; then two (rank 1's F2, rank 2's F1),
+    10.5 to 13.5; rank 2's F2 alone, 13.5 to 16.5."""
+    sim = simulate_pipeline(plan("GPipe", 3, 3), forward=3, backward=0, weight=0, cores=2)
+    forwards = [[(t.start, t.end) for t in timed if t.action.kind == "F"] for timed in sim.actions]
+    assert forwards == [
+        [(0, 3), (3, 6), (6, 10.5)],
+        [(3, 6), (6, 10.5), (10.5, 13.5)],
+        [(6, 10.5), (10.5, 13.5), (13.5, 16.5)],
+    ]
+    assert sim.step_time == 16.5
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
@@ -246,6 +337,10 @@ def test_peak_stash_of_the_simulation_is_the_plans():
         ({"post": -1e-6}, "post must be"),
         ({"reduce": [1.0, -1.0, 0.0, 0.0]}, "reduce times must be finite numbers >= 0"),
         ({"reduce": [1.0]}, "reduce has 1 times for 4 stages"),
+        ({"cores": 0}, "cores must be a finite number > 0"),
+        ({"cores": -2}, "cores must be a finite number > 0"),
+        ({"cores": float("inf")}, "cores must be a finite number > 0"),
+        ({"cores": True}, "cores must be a finite number > 0"),
     ],
 )
 def test_bad_times_are_refused(kwargs, match):

@@ -12,6 +12,11 @@ peak number of stashed microbatches per rank. Besides the computes, a rank's own
 takes time on its clock: a fixed overhead per compute (done before the compute waits for its
 input, so a wait hides it), the posting of each send and receive, and each stage's gradient
 reduction at ``REDUCE_GRAD`` (all zero by default).
+
+By default every rank has a core of its own. Given ``cores``, the ranks share that many
+(``_share``): the validated walk fixes the order, then a second walk in time order runs the
+ranks' computes and host work at ``min(1, cores / k)`` of their speed while k of them are
+runnable (processor sharing); a rank waiting for its input uses no core.
 """
 
 from __future__ import annotations
@@ -101,6 +106,7 @@ def simulate_pipeline(
     post: float = 0.0,
     reduce: Times = 0.0,
     receive_post: float | None = None,
+    cores: float | None = None,
 ) -> PipelineSimulation:
     """Run ``plan`` with these durations and report its step (docs/pipeline.md, "Simulator").
 
@@ -121,14 +127,25 @@ def simulate_pipeline(
             the data-parallel reduction of its gradients and their scaling.
         receive_post: the host time of posting each receive, where it differs from a
             send's (``None``: ``post``).
+        cores: the cores the ranks share (``None``: one core per rank, the closed forms).
+            While k ranks are runnable (computing, or doing host work: overheads, posts,
+            reductions) each runs at ``min(1, cores / k)`` of its speed: processor sharing,
+            as the operating system shares cores among runnable processes (measured on 2
+            cores: docs/pipeline.md, "The simulator"); a rank waiting for its input uses no
+            core, and ``p2p`` is a latency that uses none either. The times above are then
+            each action's time on a core of its own (its CPU time), and ``busy`` and the
+            timeline's ends are stretched by the sharing. A fraction is allowed: ``d``
+            identical pipelines on one machine (data-parallel replicas of this plan, with the
+            same times) run each as one pipeline on ``cores / d`` cores, their ranks
+            runnable at the same moments.
 
     Returns:
         The step time, per-rank busy, idle and host time, per-rank peak stash and every
         action's start and end.
 
     Raises:
-        ValueError: on negative or non-finite times, ``weight > backward``, or a time list
-            whose length is not the number of stages.
+        ValueError: on negative or non-finite times, ``weight > backward``, a time list
+            whose length is not the number of stages, or ``cores`` not a finite number > 0.
 
     Example:
         >>> plan = plan_pipeline(schedule="GPipe", microbatches=4, topology=Topology(pp=4),
@@ -160,22 +177,35 @@ def simulate_pipeline(
             isinstance(value, int | float) and math.isfinite(value) and value >= 0
         ):
             raise ValueError(f"{name} must be a finite time >= 0, got {value!r}")
+    if cores is not None and (
+        isinstance(cores, bool)
+        or not isinstance(cores, int | float)
+        or not math.isfinite(cores)
+        or cores <= 0
+    ):
+        raise ValueError(
+            f"cores must be a finite number > 0 (or None: a core per rank), got {cores!r}"
+        )
     durations = {FORWARD: f, FULL_BACKWARD: b, BACKWARD_WEIGHT: w}
     durations[BACKWARD_INPUT] = [b[s] - w[s] for s in range(n)]
     durations[REDUCE_GRAD] = _per_stage("reduce", reduce, n)
-    return _walk(
+    costs = _Costs(
+        p2p=float(p2p),
+        overhead=float(overhead),
+        post=float(post),
+        receive_post=float(receive_post),
+    )
+    sim = _walk(
         plan.actions,
         plan.stage_ranks,
         plan.microbatches,
         zero3=plan.zero3,
         durations=durations,
-        costs=_Costs(
-            p2p=float(p2p),
-            overhead=float(overhead),
-            post=float(post),
-            receive_post=float(receive_post),
-        ),
+        costs=costs,
     )
+    if cores is None:
+        return sim
+    return _share(plan.actions, plan.stage_ranks, sim.peak_stash, durations, costs, float(cores))
 
 
 def check_actions(
@@ -527,3 +557,146 @@ class _State:
                     "its receives; point-to-point messages match in order, so put the "
                     "receives in the order of the sends"
                 )
+
+
+@dataclass(frozen=True, slots=True)
+class _Piece:
+    """One stretch of a rank's work in ``_share``: ``work`` seconds on a core of its own, a
+    compute (after its input is there) or host work, and the timeline entry it makes
+    (``None``: a compute's overhead, which the timeline does not show)."""
+
+    work: float
+    action: Action | None
+    compute: bool
+
+
+def _pieces(
+    actions: Sequence[Action], durations: dict[str, list[float]], costs: _Costs
+) -> list[_Piece]:
+    """A rank's actions as the pieces of work ``_share`` runs, in order."""
+    out = []
+    for action in actions:
+        if action.is_compute:
+            for leaf in action.leaves:  # an OVERLAP_F_B's two halves, each with its overhead
+                out.append(_Piece(costs.overhead, None, compute=False))
+                out.append(_Piece(durations[leaf.kind][leaf.stage], leaf, compute=True))
+            continue
+        work = 0.0  # UNSHARD, RESHARD
+        if action.kind in (SEND_F, SEND_B):
+            work = costs.post
+        elif action.kind in (RECV_F, RECV_B):
+            work = costs.receive_post
+        elif action.kind == REDUCE_GRAD:
+            work = durations[REDUCE_GRAD][action.stage]
+        out.append(_Piece(work, action, compute=False))
+    return out
+
+
+def _share(
+    actions: Sequence[Sequence[Action]],
+    ranks: tuple[int, ...],
+    peak: tuple[int, ...],
+    durations: dict[str, list[float]],
+    costs: _Costs,
+    cores: float,
+) -> PipelineSimulation:
+    """Run validated actions with the ranks sharing ``cores`` cores (processor sharing).
+
+    Time advances from event to event (a piece of work ends, an input arrives); in between,
+    each of the k ranks that has work runs at ``min(1, cores / k)`` of its speed. A compute
+    waits for its input as in ``_walk`` (the previous stage's end on the same rank, or its
+    message's send plus ``p2p``), using no core meanwhile; a send's data leaves when its
+    post ends. The order of every rank's actions, and so the peak stash, is the walk's.
+    """
+    p, n = len(actions), len(ranks)
+    pieces = [_pieces(a, durations, costs) for a in actions]
+    done: dict[tuple[str, int, int], float] = {}  # (kind, stage, microbatch) -> end
+    sent: dict[tuple[str, int, int], float] = {}  # (SEND_F/SEND_B, stage, microbatch) -> time
+    at = [0] * p  # each rank's current piece
+    left: list[float | None] = [None] * p  # its work left, once started
+    began = [0.0] * p
+    busy, host = [0.0] * p, [0.0] * p
+    timeline: list[list[TimedAction]] = [[] for _ in range(p)]
+    now = 0.0
+
+    def ready(r: int, leaf: Action) -> float | None:
+        """When ``leaf``'s input is on rank r; ``None`` while its peer has yet to send it."""
+        s, mb = leaf.stage, leaf.microbatch
+        assert mb is not None
+        if leaf.kind == BACKWARD_WEIGHT:
+            return 0.0
+        if leaf.kind == FORWARD:
+            if s == 0:
+                return 0.0
+            peer, kinds, send = s - 1, (FORWARD, FORWARD), SEND_F
+        else:
+            if s == n - 1:
+                return 0.0
+            peer, kinds, send = s + 1, (FULL_BACKWARD, BACKWARD_INPUT), SEND_B
+        if ranks[peer] == r:  # a local hand-over, already done: the walk checked the order
+            return next(done[k, peer, mb] for k in kinds if (k, peer, mb) in done)
+        t = sent.get((send, peer, mb))
+        return None if t is None else t + costs.p2p
+
+    def end(r: int) -> None:
+        piece = pieces[r][at[r]]
+        if piece.action is not None:
+            a = piece.action
+            timeline[r].append(TimedAction(action=a, start=began[r], end=now))
+            if piece.compute:
+                assert a.microbatch is not None
+                done[a.kind, a.stage, a.microbatch] = now
+            elif a.kind in (SEND_F, SEND_B):
+                assert a.microbatch is not None
+                sent[a.kind, a.stage, a.microbatch] = now
+        (busy if piece.compute else host)[r] += now - began[r]
+        at[r] += 1
+        left[r] = None
+
+    while True:
+        moved = True
+        while moved:  # start and end what can start and end now, until nothing changes
+            moved = False
+            for r in range(p):
+                while at[r] < len(pieces[r]):
+                    piece = pieces[r][at[r]]
+                    if left[r] is None:
+                        if piece.compute:
+                            assert piece.action is not None
+                            t = ready(r, piece.action)
+                            if t is None or t > now:
+                                break
+                        left[r], began[r] = piece.work, now
+                    if left[r]:
+                        break
+                    end(r)
+                    moved = True
+        running = [r for r in range(p) if left[r]]
+        work = [left[r] or 0.0 for r in range(p)]
+        arrivals = []
+        for r in range(p):
+            if at[r] < len(pieces[r]) and left[r] is None:
+                action = pieces[r][at[r]].action
+                assert action is not None
+                t = ready(r, action)
+                if t is not None:
+                    arrivals.append(t)
+        if not running and not arrivals:
+            break
+        rate = min(1.0, cores / len(running)) if running else 0.0
+        step = min([work[r] / rate for r in running] + [t - now for t in arrivals])
+        for r in running:  # the pieces that end now end exactly
+            left[r] = 0.0 if work[r] / rate == step else max(work[r] - step * rate, 0.0)
+        now += step
+    if any(at[r] < len(pieces[r]) for r in range(p)):  # pragma: no cover - the walk checked
+        raise AssertionError("the shared walk stopped before the end of a validated plan")
+    step_time = max((t.end for timed in timeline for t in timed), default=0.0)
+    step_time = max(step_time, now)
+    return PipelineSimulation(
+        step_time=step_time,
+        busy=tuple(busy),
+        idle=tuple(step_time - b for b in busy),
+        peak_stash=peak,
+        actions=tuple(tuple(timed) for timed in timeline),
+        host=tuple(host),
+    )
