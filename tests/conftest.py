@@ -41,6 +41,7 @@ LONGEST_FIRST = (
     "tests/jax/test_step.py",  # 71 s
     "tests/faults/test_async_torch_faults.py",  # 86 s, the soak 51 s of it (load 6-8)
     "tests/jax/test_checkpoint_multiprocess.py",  # 58 s
+    "tests/jax/test_nd_checkpoint.py",  # 54 s (fifth sitting, -n 0 at load 3)
     "tests/jax/test_shared_reductions_step.py",  # 55 s
     "tests/jax/test_pipeline_flax.py",  # 52 s (newer: timed alone at load 3-8)
     "tests/jax/test_zero3_clip.py",  # 50 s
