@@ -69,7 +69,7 @@ def main() -> None:
     ]
     for name, jobs in mixes:
         shared = _processor_sharing([n / w for n, _ in jobs], [d for _, d in jobs], cores)
-        own = [n / w + d for n, d in jobs]
+        own = [round(n / w + d, 3) for n, d in jobs]
         got = run(jobs)
         print(f"{name:<30} measured {got}  processor sharing {shared}  a core each {own}")
     print(f"load {os.getloadavg()[0]:.2f}")
