@@ -473,27 +473,16 @@ def _simulation(
     else:
         backward = [times[(s, "B")] for s in range(n)]
         weight = [0.0] * n
-    if cores is None:
-        return simulate_pipeline(  # the loaded p2p: every rank computes in a step
-            plan,
-            forward=forward,
-            backward=backward,
-            weight=weight,
-            p2p=costs["p2p_s"],
-            overhead=costs["overhead_s"],
-            post=costs["send_post_s"],
-            receive_post=costs["receive_post_s"],
-            reduce=costs["reduce_s"],
-        )
+    shared = cores is not None  # CPU times and the unloaded trip; else wall times, loaded
     return simulate_pipeline(
         plan,
         forward=forward,
         backward=backward,
         weight=weight,
-        p2p=costs["p2p_unloaded_s"],
-        overhead=costs["host_cpu_per_compute_s"],
-        post=costs["send_post_cpu_s"],
-        receive_post=costs["receive_post_cpu_s"],
+        p2p=costs["p2p_unloaded_s" if shared else "p2p_s"],
+        overhead=costs["host_cpu_per_compute_s" if shared else "overhead_s"],
+        post=costs["send_post_cpu_s" if shared else "send_post_s"],
+        receive_post=costs["receive_post_cpu_s" if shared else "receive_post_s"],
         reduce=costs["reduce_s"],
         cores=cores,
     )
