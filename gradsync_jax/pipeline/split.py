@@ -150,10 +150,10 @@ class CrossLayout:
 
     def read(self, bufs: dict[CrossKey, jax.Array], slot: Any) -> list[jax.Array]:
         """The values that ``pack`` laid out, read from slot ``slot`` of ``bufs``."""
+        shapes = [shape for _, _, shape, _ in self.keys]
         return [
             lax.dynamic_slice(bufs[key], (slot, 0), (1, math.prod(shape))).reshape(shape)
-            for key in self.keys
-            for _, _, shape, _ in [key]
+            for key, shape in zip(self.keys, shapes, strict=True)
         ]
 
 
