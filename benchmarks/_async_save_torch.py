@@ -190,8 +190,8 @@ class _Pending:
 
 def _ended(handle: Any, seen: float) -> float:
     """When ``handle``'s save ended, on ``time.perf_counter``'s clock: a gradsync handle's own
-    end, else ``seen`` (when the training first saw it done)."""
-    at = getattr(handle, "_ended", None)
+    end (``SaveHandle.ended``), else ``seen`` (when the training first saw it done)."""
+    at = getattr(handle, "ended", None)
     if at is None:
         return seen
     return time.perf_counter() - (time.monotonic() - at)

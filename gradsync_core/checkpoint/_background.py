@@ -41,7 +41,8 @@ class SaveHandle:
 
     Every rank's handle ends alike: the ranks agree on the outcome as a blocking save does, so
     ``wait()`` returns the same manifest, or raises the same ``CheckpointError`` sentence, on
-    every rank.
+    every rank. ``started`` and ``ended`` are ``time.monotonic()`` at the call and at the
+    save's end (written and switched, or failed; ``None`` while it runs): its wall time.
 
     Example:
         >>> handle = opt.save("ckpt", blocking=False)  # doctest: +SKIP
@@ -56,7 +57,7 @@ class SaveHandle:
         self._result: Any = None
         self._error: BaseException | None = None
         self._reported = False
-        self._ended: float | None = None  # time.monotonic() at its end (benchmarks read it)
+        self.ended: float | None = None  # time.monotonic() at its end; None while it runs
 
     def done(self) -> bool:
         """Whether the save has ended (written and switched, or failed)."""
@@ -86,7 +87,7 @@ class SaveHandle:
 
     def _finish(self, result: Any, error: BaseException | None) -> None:
         self._result, self._error = result, error
-        self._ended = time.monotonic()
+        self.ended = time.monotonic()
         self._done.set()
 
     def _join(self) -> None:

@@ -77,10 +77,11 @@ def test_the_file_holds_the_state_at_the_call_while_training_changes_it(tmp_path
             tmp_path / "ckpt", Alone(), value_save(values, 3, staged=True), what="x"
         )
         values[:] = _floats(9, 9, 9, 9)  # the next training step, while the save is in flight
-        assert not handle.done()
+        assert not handle.done() and handle.ended is None
         release.set()
         manifest = handle.wait(timeout=10)
     assert manifest.step == 3 and handle.done()
+    assert handle.ended is not None and handle.started < handle.ended <= time.monotonic()
     assert _stored(tmp_path / "ckpt") == [1, 2, 3, 4]
     assert os.path.islink(tmp_path / "ckpt")
 
