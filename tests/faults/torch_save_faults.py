@@ -199,6 +199,9 @@ def check_after_faults(
         messages[point] = str(e.value)
         _check_loads(path, SAVED_STEPS, references[SAVED_STEPS])
         assert _leftovers(path) == [], f"{point}: the failed save left {_leftovers(path)}"
+        # The leader opens a save's staging directory as it prepares, before the ranks agree
+        # (docs/design-checkpoints.md): every rank ends this check before the next save.
+        dist.barrier()
 
     # The next save over each path succeeds and removes what the crashed saves left.
     final = SAVED_STEPS + MORE_STEPS
