@@ -498,8 +498,11 @@ def _replicas_simulation(
 ) -> Any:
     """The step ``simulate_pipeline`` predicts for the dp pipelines together (``dp``): all
     their ranks share the machine's ``cores``, each stage's ``REDUCE_GRAD`` a rendezvous of
-    its dp copies, each replica fed its own ranks' computes' CPU times (``times[d]``); the
-    other costs as the simulation of one pipeline on shared cores takes them."""
+    its dp copies. Every input is a CPU time, so that the simulated ranks do the CPU work the
+    measured ones did: each replica its own ranks' computes' (``times[d]``) and its stages'
+    reductions' (``reduce_cpu_s``: the all-reduce's CPU time, all threads), the posts' as
+    in the one-pipeline simulation, and as overhead per compute the rest of each rank's
+    CPU time in the step, less the reductions' CPU time (``host_cpu_per_compute_dp_s``)."""
     n = plan.num_stages
     forward = [[t[(s, "F")] for s in range(n)] for t in times]
     if (0, "W") in times[0]:  # split backwards: B = I + W
@@ -516,10 +519,10 @@ def _replicas_simulation(
         backward=backward,
         weight=weight,
         p2p=costs["p2p_unloaded_s"],
-        overhead=costs["host_cpu_per_compute_s"],
+        overhead=costs["host_cpu_per_compute_dp_s"],
         post=costs["send_post_cpu_s"],
         receive_post=costs["receive_post_cpu_s"],
-        reduce=costs["reduce_s"],
+        reduce=costs["reduce_cpu_s"],
         cores=cores,
         dp=len(times),
     )
@@ -630,8 +633,7 @@ def _case(
         max(part[s][0] for _, part, _, _ in stage_times if s in part)
         for s in range(plan.num_stages)
     ]
-    # each replica's own: its ranks' computes' CPU times; its stages' reductions' CPU times
-    # (printed: a reduction's time in a step is not its CPU time, see the module docstring)
+    # each replica's own: its ranks' computes' CPU times, its stages' reductions' CPU times
     dp_size = groups["dp"].size
     replica_cpu: list[dict[tuple[int, str], float]] = [{} for _ in range(dp_size)]
     reduce_cpu = [[0.0] * plan.num_stages for _ in range(dp_size)]
@@ -659,7 +661,7 @@ def _case(
     # Each rank's CPU time in the step outside its computes, its posts and its reductions as
     # simulated: the executor's host work, gloo's threads (each message written and read),
     # all ranks' mean per compute; the shared simulation's overhead (the probe's is in it).
-    spare = []
+    spare, spare_cpu = [], []
     for row in everyone:
         acts = plan.actions[row["pp_rank"]]
         posted = sum(
@@ -670,9 +672,15 @@ def _case(
             if a.kind in ("SEND_F", "SEND_B", "RECV_F", "RECV_B")
         )
         reduced = sum(costs["reduce_s"][a.stage] for a in acts if a.kind == "REDUCE_GRAD")
+        reduced_cpu = sum(
+            costs["reduce_cpu_s"][row["dp_rank"]][a.stage] for a in acts if a.kind == "REDUCE_GRAD"
+        )
         computes = sum(len(a.leaves) for a in acts if a.is_compute)
         spare.append(max(row["cpu"][0] - row["cpu"][2] - posted - reduced, 0.0) / computes)
+        spare_cpu.append(max(row["cpu"][0] - row["cpu"][2] - posted - reduced_cpu, 0.0) / computes)
     costs["host_cpu_per_compute_s"] = statistics.mean(spare)
+    # the same with the reductions' CPU time, not their wall time (the dp simulation's)
+    costs["host_cpu_per_compute_dp_s"] = statistics.mean(spare_cpu)
     unshared = _simulation(plan, merged, costs, None)
     # The 4 ranks share the machine's cores. At dp 1 one pipeline does; at dp 2 the two
     # pipelines are simulated together (simulate_pipeline's dp): each stage's REDUCE_GRAD
@@ -714,6 +722,9 @@ def _case(
         "step_cpu_s": [row["cpu"] for row in everyone],
         "stage_s": {f"{s}{k}": t for (s, k), t in sorted(merged.items())},
         "stage_cpu_s": {f"{s}{k}": t for (s, k), t in sorted(merged_cpu.items())},
+        "stage_cpu_replicas_s": [
+            {f"{s}{k}": t for (s, k), t in sorted(replica.items())} for replica in replica_cpu
+        ],
         "predicted_idle_unshared_s": predicted_unshared,
         "idle_vs_simulated_unshared": sum(row["idle"] for row in everyone)
         / max(sum(predicted_unshared), 1e-12),
@@ -827,7 +838,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     )
     for key, r in results.items():
         cpu = "  ".join("/".join(f"{t * 1e3:.1f}" for t in row) for row in r["step_cpu_s"])
-        print(f"  {key:<34}{cpu}   host per compute {r['host_cpu_per_compute_s'] * 1e6:.0f} us")
+        print(
+            f"  {key:<34}{cpu}   host per compute {r['host_cpu_per_compute_s'] * 1e6:.0f} us "
+            f"(less the reductions' CPU time, not wall: "
+            f"{r['host_cpu_per_compute_dp_s'] * 1e6:.0f} us)"
+        )
     figures["ratio_vs_anchor"] = statistics.median(ratios)
     figures["stash_equals_plan"] = all(r["stash"] == r["plan_stash"] for r in results.values())
     return figures
