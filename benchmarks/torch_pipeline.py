@@ -34,7 +34,9 @@ each with every rank busy, as in a step (4 ranks share the machine's cores):
                exchange (post_s; the JSON also has both with the other ranks waiting,
                *_unloaded_s)
     reduce     each stage's REDUCE_GRAD alone, as the executor runs it (DataParallel's
-               sync_gradients at dp 2, then the 1/microbatches scale), after one more step
+               sync_gradients at dp 2, then the 1/microbatches scale), after one more step:
+               its wall time (reduce_s, the slower copy's) and its process's CPU time
+               (reduce_cpu_s, each copy's: all threads, gloo's that run the all-reduce)
 
 In the message exchanges every receive is posted before its send, as in gradsync's steps on gloo
 (the executor posts every receive of a step at its start). A receive posted after its send
@@ -54,14 +56,23 @@ does not take it.
 Beside them, each rank's host time in the steps (its posts and reductions, from the
 executor's timeline) and the simulation's (its posts, reductions and overheads): a check of
 the costs, never fed back into the simulation. At dp 2 a step's REDUCE_GRAD also waits for
-its data-parallel peer in the other pipeline, which the simulation of one pipeline does not
-model (the reduce cost is measured with both peers there).
+its data-parallel peer in the other pipeline, which the simulation of the two pipelines
+together models (below).
 
 The 4 ranks share the machine's cores, and a pipeline keeps several of them computing at
 once (interleaved and zero-bubble schedules most), so the figure compared is the simulation
 with the ranks sharing the machine's cores (``simulate_pipeline``'s ``cores``:
-``len(os.sched_getaffinity(0))`` over the pipelines, as at dp 2 two identical pipelines
-share them), fed what each action takes on a core of its own: each compute's and each post's
+``len(os.sched_getaffinity(0))``). At dp 2 the two pipelines are simulated together
+(``simulate_pipeline``'s ``dp``): all 4 ranks on the machine's cores, each stage's
+REDUCE_GRAD a rendezvous of its two copies, and every input a CPU time, so that the
+simulated ranks do the CPU work the measured ones did: each replica's own computes' CPU
+times (its ranks'), each copy's reduction's CPU time (reduce_cpu_s), the posts' as below,
+and as overhead per compute each rank's CPU time in the step less its computes, posts and
+reductions' CPU time (host_cpu_per_compute_dp_s); each rank's idle is then its own
+pipeline's step (its replica's last end) less its computes, as measured. Beside it, the
+simulation of before (one pipeline on the cores over dp, its reduction fed the wall time;
+"one pipeline"). At dp 1 the one pipeline on the machine's cores is fed
+what each action takes on a core of its own: each compute's and each post's
 CPU time (its thread's ``time.thread_time``, in the same steps and the same post
 measurement), as the overhead per compute each rank's CPU time in the step
 (``time.process_time``: all its threads) outside its computes, posts and reductions, over
