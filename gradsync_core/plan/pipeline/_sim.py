@@ -78,13 +78,13 @@ class TimedAction:
 class PipelineSimulation:
     """What one step of a pipeline plan costs, rank by rank.
 
-    Each tuple has an entry per rank: the plan's ranks, or with ``dp`` replicas those of
-    every replica, rank r of replica d at ``d * ranks + r``. ``busy[r]`` is rank r's compute
-    time; ``idle[r]`` is ``step_time - busy[r]``: the bubble of
-    rank r, its waits and its host work included. ``host[r]`` is that host work: compute
-    overheads, message posts and gradient reductions (the part of ``idle[r]`` a faster host
-    or network would save; the rest is waiting). ``peak_stash[r]`` is the most (stage,
-    microbatch) activations rank r holds at once: a forward stashes one, its full backward
+    Each tuple has an entry per rank: the plan's p ranks, or with ``dp`` replicas those of
+    every replica, rank r of replica d at ``d * p + r``. ``busy[r]`` is rank r's compute
+    time; ``idle[r]`` is ``step_time - busy[r]``: the bubble of rank r, its waits and its
+    host work included. ``host[r]`` is that host work: compute overheads, message posts and
+    gradient reductions (the part of ``idle[r]`` a faster host or network would save; the
+    rest is waiting). ``peak_stash[r]`` is the most (stage, microbatch) activations rank r
+    holds at once: a forward stashes one, its full backward
     (or, split, its weight gradient) frees it.
     """
 
