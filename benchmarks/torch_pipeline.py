@@ -34,7 +34,9 @@ each with every rank busy, as in a step (4 ranks share the machine's cores):
                exchange (post_s; the JSON also has both with the other ranks waiting,
                *_unloaded_s)
     reduce     each stage's REDUCE_GRAD alone, as the executor runs it (DataParallel's
-               sync_gradients at dp 2, then the 1/microbatches scale), after one more step
+               sync_gradients at dp 2, then the 1/microbatches scale), after one more step:
+               its wall time (reduce_s, the slower copy's) and its process's CPU time
+               (reduce_cpu_s, each copy's: all threads, gloo's that run the all-reduce)
 
 In the message exchanges every receive is posted before its send, as in gradsync's steps on gloo
 (the executor posts every receive of a step at its start). A receive posted after its send
@@ -54,14 +56,23 @@ does not take it.
 Beside them, each rank's host time in the steps (its posts and reductions, from the
 executor's timeline) and the simulation's (its posts, reductions and overheads): a check of
 the costs, never fed back into the simulation. At dp 2 a step's REDUCE_GRAD also waits for
-its data-parallel peer in the other pipeline, which the simulation of one pipeline does not
-model (the reduce cost is measured with both peers there).
+its data-parallel peer in the other pipeline, which the simulation of the two pipelines
+together models (below).
 
 The 4 ranks share the machine's cores, and a pipeline keeps several of them computing at
 once (interleaved and zero-bubble schedules most), so the figure compared is the simulation
 with the ranks sharing the machine's cores (``simulate_pipeline``'s ``cores``:
-``len(os.sched_getaffinity(0))`` over the pipelines, as at dp 2 two identical pipelines
-share them), fed what each action takes on a core of its own: each compute's and each post's
+``len(os.sched_getaffinity(0))``). At dp 2 the two pipelines are simulated together
+(``simulate_pipeline``'s ``dp``): all 4 ranks on the machine's cores, each stage's
+REDUCE_GRAD a rendezvous of its two copies, and every input a CPU time, so that the
+simulated ranks do the CPU work the measured ones did: each replica's own computes' CPU
+times (its ranks'), each copy's reduction's CPU time (reduce_cpu_s), the posts' as below,
+and as overhead per compute each rank's CPU time in the step less its computes, posts and
+reductions' CPU time (host_cpu_per_compute_dp_s); each rank's idle is then its own
+pipeline's step (its replica's last end) less its computes, as measured. Beside it, the
+simulation of before (one pipeline on the cores over dp, its reduction fed the wall time;
+"one pipeline"). At dp 1 the one pipeline on the machine's cores is fed
+what each action takes on a core of its own: each compute's and each post's
 CPU time (its thread's ``time.thread_time``, in the same steps and the same post
 measurement), as the overhead per compute each rank's CPU time in the step
 (``time.process_time``: all its threads) outside its computes, posts and reductions, over
@@ -297,24 +308,29 @@ class _Probe:
         )
 
 
-def _reduce_seconds(pipe: Pipeline, rounds: int = 5) -> dict[int, float]:
+def _reduce_seconds(pipe: Pipeline, rounds: int = 5) -> dict[int, tuple[float, float]]:
     """Each of this rank's stages' ``REDUCE_GRAD`` alone, as the executor runs it (the
     data-parallel ``sync_gradients()`` of a ``DataParallel`` stage, then the 1/microbatches
-    scale), on the gradients of the step just run: the median over ``rounds``."""
-    times: dict[int, list[float]] = {s: [] for s in pipe.stages}
+    scale), on the gradients of the step just run: the median over ``rounds`` of its wall
+    time and of its process's CPU time (``time.process_time``: all threads, gloo's that run
+    the all-reduce too; its time on a core of its own)."""
+    times: dict[int, list[tuple[float, float]]] = {s: [] for s in pipe.stages}
     m = pipe.plan.microbatches
     for _ in range(rounds):
         dist.barrier()
         for s, module in sorted(pipe.stages.items()):
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             if isinstance(module, DataParallel):
                 module.sync_gradients()
             with torch.no_grad():
                 for p in module.parameters():
                     if p.grad is not None:
                         p.grad.div_(m)
-            times[s].append(time.perf_counter() - start)
-    return {s: statistics.median(t) for s, t in times.items()}
+            times[s].append((time.perf_counter() - start, time.process_time() - cpu))
+    return {
+        s: (statistics.median(w for w, _ in t), statistics.median(c for _, c in t))
+        for s, t in times.items()
+    }
 
 
 def _busy(seconds: float, *, size: int = 128) -> None:
@@ -488,6 +504,52 @@ def _simulation(
     )
 
 
+def _replicas_simulation(
+    plan: Any, times: list[dict[tuple[int, str], float]], costs: dict[str, Any], cores: float
+) -> Any:
+    """The step ``simulate_pipeline`` predicts for the dp pipelines together (``dp``): all
+    their ranks share the machine's ``cores``, each stage's ``REDUCE_GRAD`` a rendezvous of
+    its dp copies. Every input is a CPU time, so that the simulated ranks do the CPU work the
+    measured ones did: each replica its own ranks' computes' (``times[d]``) and its stages'
+    reductions' (``reduce_cpu_s``: the all-reduce's CPU time, all threads), the posts' as
+    in the one-pipeline simulation, and as overhead per compute the rest of each rank's
+    CPU time in the step, less the reductions' CPU time (``host_cpu_per_compute_dp_s``)."""
+    n = plan.num_stages
+    forward = [[t[(s, "F")] for s in range(n)] for t in times]
+    if (0, "W") in times[0]:  # split backwards: B = I + W
+        weight = [[t[(s, "W")] for s in range(n)] for t in times]
+        backward = [
+            [t[(s, "I")] + w[s] for s in range(n)] for t, w in zip(times, weight, strict=True)
+        ]
+    else:
+        backward = [[t[(s, "B")] for s in range(n)] for t in times]
+        weight = [[0.0] * n for _ in times]
+    return simulate_pipeline(
+        plan,
+        forward=forward,
+        backward=backward,
+        weight=weight,
+        p2p=costs["p2p_unloaded_s"],
+        overhead=costs["host_cpu_per_compute_dp_s"],
+        post=costs["send_post_cpu_s"],
+        receive_post=costs["receive_post_cpu_s"],
+        reduce=costs["reduce_cpu_s"],
+        cores=cores,
+        dp=len(times),
+    )
+
+
+def _replica_idle(sim: Any, pp: int) -> list[float]:
+    """Each simulated rank's idle time in its own pipeline's step (its replica's last end,
+    as the benchmark measures a pipeline's step), rank r of replica d at ``d * pp + r``."""
+    out = []
+    for d in range(len(sim.busy) // pp):
+        ranks = range(d * pp, (d + 1) * pp)
+        step = max(t.end for r in ranks for t in sim.actions[r])
+        out += [step - sim.busy[r] for r in ranks]
+    return out
+
+
 def _case(
     layout: str, name: str, args: argparse.Namespace, rank: int, probe: _Probe
 ) -> dict[str, Any]:
@@ -574,12 +636,23 @@ def _case(
         "late_receive_post_s": late,  # not in the simulation: see the module docstring
     }
     stage_times: list[Any] = [None] * 4
-    dist.all_gather_object(stage_times, (_stage_times(records), reduce, cpu_times.means()))
-    merged = {k: v for part, _, _ in stage_times for k, v in part.items()}
-    merged_cpu = {k: v for _, _, part in stage_times for k, v in part.items()}
+    where = (groups.group_rank("dp"), groups.group_rank("pp"))
+    dist.all_gather_object(stage_times, (_stage_times(records), reduce, cpu_times.means(), where))
+    merged = {k: v for part, _, _, _ in stage_times for k, v in part.items()}
+    merged_cpu = {k: v for _, _, part, _ in stage_times for k, v in part.items()}
     costs["reduce_s"] = [  # the slower of a stage's data-parallel copies
-        max(part[s] for _, part, _ in stage_times if s in part) for s in range(plan.num_stages)
+        max(part[s][0] for _, part, _, _ in stage_times if s in part)
+        for s in range(plan.num_stages)
     ]
+    # each replica's own: its ranks' computes' CPU times, its stages' reductions' CPU times
+    dp_size = groups["dp"].size
+    replica_cpu: list[dict[tuple[int, str], float]] = [{} for _ in range(dp_size)]
+    reduce_cpu = [[0.0] * plan.num_stages for _ in range(dp_size)]
+    for _, part, cpu_part, (d, _) in stage_times:
+        replica_cpu[d].update(cpu_part)
+        for s, (_, cpu) in part.items():
+            reduce_cpu[d][s] = cpu
+    costs["reduce_cpu_s"] = reduce_cpu
     everyone: list[Any] = [None] * 4
     mine = {
         "idle": statistics.median(idle),
@@ -593,12 +666,13 @@ def _case(
         "peaks": peaks,
         "stash": ours.pipe.peak_stash,
         "pp_rank": groups.group_rank("pp"),
+        "dp_rank": groups.group_rank("dp"),
     }
     dist.all_gather_object(everyone, mine)
     # Each rank's CPU time in the step outside its computes, its posts and its reductions as
     # simulated: the executor's host work, gloo's threads (each message written and read),
     # all ranks' mean per compute; the shared simulation's overhead (the probe's is in it).
-    spare = []
+    spare, spare_cpu = [], []
     for row in everyone:
         acts = plan.actions[row["pp_rank"]]
         posted = sum(
@@ -609,15 +683,33 @@ def _case(
             if a.kind in ("SEND_F", "SEND_B", "RECV_F", "RECV_B")
         )
         reduced = sum(costs["reduce_s"][a.stage] for a in acts if a.kind == "REDUCE_GRAD")
+        reduced_cpu = sum(
+            costs["reduce_cpu_s"][row["dp_rank"]][a.stage] for a in acts if a.kind == "REDUCE_GRAD"
+        )
         computes = sum(len(a.leaves) for a in acts if a.is_compute)
         spare.append(max(row["cpu"][0] - row["cpu"][2] - posted - reduced, 0.0) / computes)
+        spare_cpu.append(max(row["cpu"][0] - row["cpu"][2] - posted - reduced_cpu, 0.0) / computes)
     costs["host_cpu_per_compute_s"] = statistics.mean(spare)
+    # the same with the reductions' CPU time, not their wall time (the dp simulation's)
+    costs["host_cpu_per_compute_dp_s"] = statistics.mean(spare_cpu)
     unshared = _simulation(plan, merged, costs, None)
-    # The 4 ranks share the machine's cores; at dp 2 two identical pipelines do, so each runs
-    # as one pipeline on half of them (simulate_pipeline's cores).
-    cores = len(os.sched_getaffinity(0)) / groups["dp"].size
-    sim = _simulation(plan, merged_cpu, costs, cores)
-    predicted = [sim.idle[row["pp_rank"]] for row in everyone]
+    # The 4 ranks share the machine's cores. At dp 1 one pipeline does; at dp 2 the two
+    # pipelines are simulated together (simulate_pipeline's dp): each stage's REDUCE_GRAD
+    # waits for its copy in the other pipeline. Beside it, as before: one pipeline on half
+    # the cores (two identical pipelines, whose reductions never wait).
+    cores = len(os.sched_getaffinity(0))
+    one = _simulation(plan, merged_cpu, costs, cores / dp_size)
+    predicted_one = [one.idle[row["pp_rank"]] for row in everyone]
+    if dp_size == 1:
+        sim, predicted = one, predicted_one
+    else:
+        sim = _replicas_simulation(plan, replica_cpu, costs, cores)
+        idle_dp = _replica_idle(sim, plan.pp)
+        predicted = [idle_dp[row["dp_rank"] * plan.pp + row["pp_rank"]] for row in everyone]
+    predicted_host = [
+        sim.host[(row["dp_rank"] * plan.pp if dp_size > 1 else 0) + row["pp_rank"]]
+        for row in everyone
+    ]
     predicted_unshared = [unshared.idle[row["pp_rank"]] for row in everyone]
     step = {k: statistics.median(t) for k, t in times.items()}
     return {
@@ -630,13 +722,20 @@ def _case(
         "idle_s": [row["idle"] for row in everyone],
         "predicted_idle_s": predicted,
         "host_s": [row["host"] for row in everyone],
-        "predicted_host_s": [sim.host[row["pp_rank"]] for row in everyone],
+        "predicted_host_s": predicted_host,
         **costs,
         "idle_vs_simulated": sum(row["idle"] for row in everyone) / max(sum(predicted), 1e-12),
         "cores": cores,
+        "dp": dp_size,
+        "predicted_idle_one_pipeline_s": predicted_one,
+        "idle_vs_simulated_one_pipeline": sum(row["idle"] for row in everyone)
+        / max(sum(predicted_one), 1e-12),
         "step_cpu_s": [row["cpu"] for row in everyone],
         "stage_s": {f"{s}{k}": t for (s, k), t in sorted(merged.items())},
         "stage_cpu_s": {f"{s}{k}": t for (s, k), t in sorted(merged_cpu.items())},
+        "stage_cpu_replicas_s": [
+            {f"{s}{k}": t for (s, k), t in sorted(replica.items())} for replica in replica_cpu
+        ],
         "predicted_idle_unshared_s": predicted_unshared,
         "idle_vs_simulated_unshared": sum(row["idle"] for row in everyone)
         / max(sum(predicted_unshared), 1e-12),
@@ -688,9 +787,15 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         )
         stash = ",".join(map(str, r["stash"])) + f" ({','.join(map(str, r['plan_stash']))})"
         equal = {True: "yes", False: "NO", None: "-"}[r["bitwise_equal"]]
+        one = (
+            f"; one pipeline on {r['cores'] / r['dp']:g} cores "
+            f"{r['idle_vs_simulated_one_pipeline']:.2f}x"
+            if r["dp"] > 1
+            else ""
+        )
         print(
             f"{key:<34}{step['gradsync'] * 1e3:>12.1f}{theirs}{ratio}  {equal:<7}  "
-            f"{stash:<14} {idle} ({r['idle_vs_simulated']:.2f}x; a core per rank "
+            f"{stash:<14} {idle} ({r['idle_vs_simulated']:.2f}x{one}; a core per rank "
             f"{r['idle_vs_simulated_unshared']:.2f}x)   {peaks}"
         )
         if r["ratio"] is not None:
@@ -699,13 +804,20 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     print(
         "costs measured apart from the steps (us: overhead per compute, post of a send / a "
         "receive as in a step (simulated; a send to a waiting receiver), post back and "
-        "forth (late receive), p2p (with the others waiting); ms: REDUCE_GRAD per stage), "
+        "forth (late receive), p2p (with the others waiting); ms: REDUCE_GRAD per stage, "
+        "wall (the slower copy) / CPU time of each replica's copy), "
         "and each rank's host time in the step (posts and reductions, ms: measured / "
         "simulated); us, the CPU time of the overhead / a send's post / a receive's post "
         "(what the simulation with cores takes):"
     )
     for key, r in results.items():
-        reduce = " ".join(f"{t * 1e3:.2f}" for t in r["reduce_s"])
+        reduce = (
+            " ".join(f"{t * 1e3:.2f}" for t in r["reduce_s"])
+            + " / "
+            + " | ".join(
+                " ".join(f"{t * 1e3:.2f}" for t in replica) for replica in r["reduce_cpu_s"]
+            )
+        )
         host = "  ".join(
             f"{m * 1e3:.1f}/{p * 1e3:.1f}"
             for m, p in zip(r["host_s"], r["predicted_host_s"], strict=True)
@@ -720,7 +832,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             f"{r['receive_post_cpu_s'] * 1e6:.0f}"
         )
     print(
-        "the simulation's cores (the machine's over the pipelines: dp) and each stage's "
+        "the simulation's cores (the machine's, shared by every pipeline's ranks) and each "
+        "stage's "
         "compute, ms, in the step (wall) / its thread's CPU time (what the simulation with "
         "cores takes):"
     )
@@ -736,7 +849,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     )
     for key, r in results.items():
         cpu = "  ".join("/".join(f"{t * 1e3:.1f}" for t in row) for row in r["step_cpu_s"])
-        print(f"  {key:<34}{cpu}   host per compute {r['host_cpu_per_compute_s'] * 1e6:.0f} us")
+        print(
+            f"  {key:<34}{cpu}   host per compute {r['host_cpu_per_compute_s'] * 1e6:.0f} us "
+            f"(less the reductions' CPU time, not wall: "
+            f"{r['host_cpu_per_compute_dp_s'] * 1e6:.0f} us)"
+        )
     figures["ratio_vs_anchor"] = statistics.median(ratios)
     figures["stash_equals_plan"] = all(r["stash"] == r["plan_stash"] for r in results.values())
     return figures

@@ -325,6 +325,134 @@ def test_three_ranks_on_two_cores_run_at_two_thirds():
     assert sim.step_time == 16.5
 
 
+def test_without_replicas_the_results_are_the_same_bits_as_before():
+    """dp = 1 (the default) runs the same walks as before ``dp`` existed: these are the bits
+    the simulator gave at commit 0b5b1aa for times no binary fraction holds exactly (a core
+    per rank, and 2 ranks on 1.5 cores)."""
+    p = plan("ZB1P", 2, 8, 2)
+    times = dict(
+        forward=[0.1, 0.11, 0.12, 0.13],
+        backward=0.23,
+        weight=0.09,
+        p2p=0.003,
+        overhead=0.0002,
+        post=0.0009,
+        receive_post=0.0001,
+        reduce=[0.021, 0.022, 0.023, 0.024],
+    )
+    for cores, step, idle, host in [
+        (
+            None,
+            "0x1.76703afb7e911p+2",
+            ("0x1.a474538ef3510p-2", "0x1.009d495182ae0p-2"),
+            ("0x1.3dd97f62b6ae6p-4", "0x1.460aa64c2f836p-4"),
+        ),
+        (
+            1.5,
+            "0x1.e87b6d1712fa4p+2",
+            ("0x1.b694467381d40p-2", "0x1.19397b043b840p-2"),
+            ("0x1.87fcb923a28d2p-4", "0x1.aa1edb45c4b21p-4"),
+        ),
+    ]:
+        sim = simulate_pipeline(p, cores=cores, **times)
+        assert sim == simulate_pipeline(p, cores=cores, dp=1, **times)
+        assert sim.step_time.hex() == step
+        assert tuple(t.hex() for t in sim.idle) == idle
+        assert tuple(t.hex() for t in sim.host) == host
+
+
+@pytest.mark.parametrize(("schedule", "v"), SCHEDULES)
+@pytest.mark.parametrize("pp", [2, 4])
+def test_identical_replicas_run_as_one_pipeline(schedule, v, pp):
+    """dp identical replicas arrive at each reduction together, so none waits for a peer:
+    with a core per rank each is the one pipeline (its reduction included); sharing C cores,
+    their ranks are runnable at the same moments, so each is one pipeline on C / dp."""
+    for m, p in accepted(schedule, pp, (pp, 2 * pp + 1), v):
+        alone = simulate_pipeline(p, p2p=0.25, **COSTS)
+        for dp in (2, 3):
+            sim = simulate_pipeline(p, p2p=0.25, dp=dp, **COSTS)
+            assert sim.step_time == alone.step_time, (m, dp)
+            for name in ("busy", "idle", "host", "peak_stash", "actions"):
+                assert getattr(sim, name) == getattr(alone, name) * dp, (m, dp, name)
+            for cores in (1, 2):
+                shared = simulate_pipeline(p, p2p=0.25, dp=dp, cores=cores, **COSTS)
+                one = simulate_pipeline(p, p2p=0.25, cores=cores / dp, **COSTS)
+                assert shared.step_time == one.step_time, (m, dp, cores)
+                assert shared.idle == one.idle * dp, (m, dp, cores)
+
+
+@pytest.mark.parametrize("schedule", ["GPipe", "1F1B"])
+def test_replicas_keep_the_closed_form_plus_the_reduction(schedule):
+    # test_reduce_grad_adds_to_each_ranks_tail's form, every rank of both replicas
+    for pp in PP:
+        m, f, b, r = pp + 2, 1, 2, 3
+        sim = simulate_pipeline(plan(schedule, pp, m), forward=f, backward=b, reduce=r, dp=2)
+        assert sim.step_time == (m + pp - 1) * (f + b) + r
+        assert sim.idle == ((pp - 1) * (f + b) + r,) * (2 * pp)
+        assert sim.host == (r,) * (2 * pp)
+
+
+def _reductions(sim):
+    return [
+        [(str(t.action), t.start, t.end) for t in timed if t.action.kind == "REDUCE_GRAD"]
+        for timed in sim.actions
+    ]
+
+
+def test_a_slow_replica_delays_its_peers_reduction():
+    """GPipe at pp 2, 2 microbatches, F = 1, B = 2, a core per rank, by hand. Replica 0:
+    rank 1 ends its backwards at 7, rank 0 at 9. Replica 1's stage 0 forwards take 2: its
+    rank 0 forwards 0-2, 2-4, rank 1 forwards 2-3, 4-5 and backwards 5-7, 7-9, rank 0
+    backwards 7-9, 9-11. Each stage's reduction (1) starts when its later copy arrives:
+    stage 1 at 9, stage 0 at 11, so replica 0's rank 1 waits 7 to 9 and its rank 0 9 to 11,
+    and the step ends at 12 (replica 0 alone: 10)."""
+    p = plan("GPipe", 2, 2)
+    alone = simulate_pipeline(p, forward=1, backward=2, reduce=1)
+    assert alone.step_time == 10
+    sim = simulate_pipeline(p, forward=[[1, 1], [2, 1]], backward=2, reduce=1, dp=2)
+    assert _reductions(sim) == [
+        [("0REDUCE_GRAD", 9, 12)],
+        [("1REDUCE_GRAD", 7, 10)],
+        [("0REDUCE_GRAD", 11, 12)],
+        [("1REDUCE_GRAD", 9, 10)],
+    ]
+    assert sim.step_time == 12
+    assert sim.busy == (6, 6, 8, 6)
+    assert sim.idle == (6, 6, 4, 6)
+    assert sim.host == (1, 1, 1, 1)  # the waits for the peer are idle, not host work
+    # a reduction returns on no copy before every copy's work is done: replica 1's takes 3
+    sim = simulate_pipeline(p, forward=[[1, 1], [2, 1]], backward=2, reduce=[[1, 1], [3, 3]], dp=2)
+    assert _reductions(sim) == [
+        [("0REDUCE_GRAD", 9, 14)],
+        [("1REDUCE_GRAD", 7, 12)],
+        [("0REDUCE_GRAD", 11, 14)],
+        [("1REDUCE_GRAD", 9, 12)],
+    ]
+    assert sim.host == (1, 1, 3, 3)  # replica 0 waits 2 after its work for its peers'
+    assert sim.step_time == 14
+
+
+def test_replicas_share_the_cores():
+    """Both replicas of GPipe at pp 2, 1 microbatch, F = 1, B = 2, on 2 cores, replica 1's
+    forwards taking 2, by hand. Never more than 2 ranks run until 6: the rank 0s forward,
+    each on a core (replica 0's 0-1, replica 1's 0-2); replica 0's rank 1 forwards 1-2 and
+    backwards 2-4 beside replica 1's rank 1 forward (2-4); both rank 1s backward 4-6, and
+    replica 0's rank 0 backwards 4-6 too, but replica 1's rank 0 only from 6. From 6 three
+    ranks run on the 2 cores at 2/3 speed: stage 1's reduction (1) on both rank 1s, 6 to
+    7.5, beside replica 1's rank 0 backward, which then runs alone and ends at 8.5; stage 0's
+    reduction, which replica 0's rank 0 arrived at 6, runs 8.5-9.5."""
+    sim = simulate_pipeline(
+        plan("GPipe", 2, 1), forward=[[1, 1], [2, 2]], backward=2, reduce=1, dp=2, cores=2
+    )
+    assert _reductions(sim) == [
+        [("0REDUCE_GRAD", 6, 9.5)],
+        [("1REDUCE_GRAD", 4, 7.5)],
+        [("0REDUCE_GRAD", 8.5, 9.5)],
+        [("1REDUCE_GRAD", 6, 7.5)],
+    ]
+    assert sim.step_time == 9.5
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
@@ -341,6 +469,12 @@ def test_three_ranks_on_two_cores_run_at_two_thirds():
         ({"cores": -2}, "cores must be a finite number > 0"),
         ({"cores": float("inf")}, "cores must be a finite number > 0"),
         ({"cores": True}, "cores must be a finite number > 0"),
+        ({"dp": 0}, "dp must be an integer >= 1"),
+        ({"dp": 1.5}, "dp must be an integer >= 1"),
+        ({"dp": True}, "dp must be an integer >= 1"),
+        ({"forward": [[1.0] * 4] * 3, "dp": 2}, "3 lists of times for 2 replicas"),
+        ({"reduce": [[1.0] * 4, [1.0]], "dp": 2}, "reduce has 1 times for 4 stages"),
+        ({"weight": [[1.0] * 4, [3.0] * 4], "dp": 2}, "exceeds the full backward"),
     ],
 )
 def test_bad_times_are_refused(kwargs, match):

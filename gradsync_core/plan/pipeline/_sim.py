@@ -13,10 +13,12 @@ takes time on its clock: a fixed overhead per compute (done before the compute w
 input, so a wait hides it), the posting of each send and receive, and each stage's gradient
 reduction at ``REDUCE_GRAD`` (all zero by default).
 
-By default every rank has a core of its own. Given ``cores``, the ranks share that many
-(``_share``): the validated walk fixes the order, then a second walk in time order runs the
-ranks' computes and host work at ``min(1, cores / k)`` of their speed while k of them are
-runnable (processor sharing); a rank waiting for its input uses no core.
+By default every rank has a core of its own and the plan runs alone. Given ``cores``, the
+ranks share that many; given ``dp``, that many replicas of the plan run together, each
+stage's ``REDUCE_GRAD`` a collective of its copies. Either way the validated walk fixes the
+order, then a second walk in time order (``_shared``) runs the ranks' computes and host work
+at ``min(1, cores / k)`` of their speed while k of them are runnable (processor sharing); a
+rank waiting for its input, or for its peers in a reduction, uses no core.
 """
 
 from __future__ import annotations
@@ -39,8 +41,11 @@ from gradsync_core.plan.pipeline._actions import (
     UNSHARD,
     Action,
 )
+from gradsync_core.plan.pipeline._shared import Costs, share
 
 Times = float | Sequence[float]  # one time for every stage, or one per stage
+# ... or, with dp replicas, one list of a time per stage for each replica
+ReplicaTimes = Times | Sequence[Sequence[float]]
 
 
 class PipelineLike(Protocol):
@@ -73,11 +78,13 @@ class TimedAction:
 class PipelineSimulation:
     """What one step of a pipeline plan costs, rank by rank.
 
-    ``busy[r]`` is rank r's compute time; ``idle[r]`` is ``step_time - busy[r]``: the bubble of
-    rank r, its waits and its host work included. ``host[r]`` is that host work: compute
-    overheads, message posts and gradient reductions (the part of ``idle[r]`` a faster host
-    or network would save; the rest is waiting). ``peak_stash[r]`` is the most (stage,
-    microbatch) activations rank r holds at once: a forward stashes one, its full backward
+    Each tuple has an entry per rank: the plan's p ranks, or with ``dp`` replicas those of
+    every replica, rank r of replica d at ``d * p + r``. ``busy[r]`` is rank r's compute
+    time; ``idle[r]`` is ``step_time - busy[r]``: the bubble of rank r, its waits and its
+    host work included. ``host[r]`` is that host work: compute overheads, message posts and
+    gradient reductions (the part of ``idle[r]`` a faster host or network would save; the
+    rest is waiting). ``peak_stash[r]`` is the most (stage, microbatch) activations rank r
+    holds at once: a forward stashes one, its full backward
     (or, split, its weight gradient) frees it.
     """
 
@@ -98,15 +105,16 @@ class PipelineSimulation:
 def simulate_pipeline(
     plan: PipelineLike,
     *,
-    forward: Times = 1.0,
-    backward: Times = 2.0,
-    weight: Times = 1.0,
+    forward: ReplicaTimes = 1.0,
+    backward: ReplicaTimes = 2.0,
+    weight: ReplicaTimes = 1.0,
     p2p: float = 0.0,
     overhead: float = 0.0,
     post: float = 0.0,
-    reduce: Times = 0.0,
+    reduce: ReplicaTimes = 0.0,
     receive_post: float | None = None,
     cores: float | None = None,
+    dp: int = 1,
 ) -> PipelineSimulation:
     """Run ``plan`` with these durations and report its step (docs/pipeline.md, "Simulator").
 
@@ -137,7 +145,14 @@ def simulate_pipeline(
             timeline's ends are stretched by the sharing. A fraction is allowed: ``d``
             identical pipelines on one machine (data-parallel replicas of this plan, with the
             same times) run each as one pipeline on ``cores / d`` cores, their ranks
-            runnable at the same moments.
+            runnable at the same moments (``dp`` simulates them together).
+        dp: how many data-parallel replicas of the plan run together, all their ranks
+            sharing ``cores``. A stage's ``REDUCE_GRAD`` is then a collective of its dp
+            copies: it starts on all of them when the last one arrives, takes each its own
+            ``reduce`` of work, and returns on none before all of them are done (the wait
+            for the peers is idle, not host time). ``forward``, ``backward``, ``weight`` and
+            ``reduce`` may then give each replica its own times: a list of dp lists of a
+            time per stage. The results cover every replica's ranks (``PipelineSimulation``).
 
     Returns:
         The step time, per-rank busy, idle and host time, per-rank peak stash and every
@@ -145,7 +160,8 @@ def simulate_pipeline(
 
     Raises:
         ValueError: on negative or non-finite times, ``weight > backward``, a time list
-            whose length is not the number of stages, or ``cores`` not a finite number > 0.
+            whose length is not the number of stages (or of replicas), ``cores`` not a
+            finite number > 0, or ``dp`` not an integer >= 1.
 
     Example:
         >>> plan = plan_pipeline(schedule="GPipe", microbatches=4, topology=Topology(pp=4),
@@ -155,16 +171,24 @@ def simulate_pipeline(
         (21.0, True)
     """
     n = len(plan.stage_ranks)
-    f, b, w = (
-        _per_stage(name, t, n)
-        for name, t in (("forward", forward), ("backward", backward), ("weight", weight))
+    if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
+        raise ValueError(f"dp must be an integer >= 1 (the replicas of the plan), got {dp!r}")
+    f, b, w, red = (
+        _per_replica(name, t, dp, n)
+        for name, t in (
+            ("forward", forward),
+            ("backward", backward),
+            ("weight", weight),
+            ("reduce", reduce),
+        )
     )
-    for s in range(n):
-        if w[s] > b[s]:
-            raise ValueError(
-                f"weight time {w[s]} exceeds the full backward time {b[s]} of stage {s}; the "
-                "weight gradient is a part of the backward: give weight <= backward"
-            )
+    for d in range(dp):
+        for s in range(n):
+            if w[d][s] > b[d][s]:
+                raise ValueError(
+                    f"weight time {w[d][s]} exceeds the full backward time {b[d][s]} of stage "
+                    f"{s}; the weight gradient is a part of the backward: give weight <= backward"
+                )
     if receive_post is None:
         receive_post = post
     for name, value in (
@@ -186,10 +210,17 @@ def simulate_pipeline(
         raise ValueError(
             f"cores must be a finite number > 0 (or None: a core per rank), got {cores!r}"
         )
-    durations = {FORWARD: f, FULL_BACKWARD: b, BACKWARD_WEIGHT: w}
-    durations[BACKWARD_INPUT] = [b[s] - w[s] for s in range(n)]
-    durations[REDUCE_GRAD] = _per_stage("reduce", reduce, n)
-    costs = _Costs(
+    replicas = [
+        {
+            FORWARD: f[d],
+            FULL_BACKWARD: b[d],
+            BACKWARD_WEIGHT: w[d],
+            BACKWARD_INPUT: [b[d][s] - w[d][s] for s in range(n)],
+            REDUCE_GRAD: red[d],
+        }
+        for d in range(dp)
+    ]
+    costs = Costs(
         p2p=float(p2p),
         overhead=float(overhead),
         post=float(post),
@@ -200,12 +231,25 @@ def simulate_pipeline(
         plan.stage_ranks,
         plan.microbatches,
         zero3=plan.zero3,
-        durations=durations,
+        durations=replicas[0],
         costs=costs,
     )
-    if cores is None:
+    if cores is None and dp == 1:
         return sim
-    return _share(plan.actions, plan.stage_ranks, sim.peak_stash, durations, costs, float(cores))
+    walked = share(
+        plan.actions, plan.stage_ranks, replicas, costs, None if cores is None else float(cores)
+    )
+    return PipelineSimulation(
+        step_time=walked.end,
+        busy=tuple(walked.busy),
+        idle=tuple(walked.end - b for b in walked.busy),
+        peak_stash=sim.peak_stash * dp,
+        actions=tuple(
+            tuple(TimedAction(action=a, start=s, end=e) for a, s, e in timed)
+            for timed in walked.timeline
+        ),
+        host=tuple(walked.host),
+    )
 
 
 def check_actions(
@@ -240,19 +284,9 @@ def check_actions(
         k: zeros for k in (FORWARD, FULL_BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, REDUCE_GRAD)
     }
     sim = _walk(
-        actions, tuple(ranks), microbatches, zero3=zero3, durations=durations, costs=_Costs()
+        actions, tuple(ranks), microbatches, zero3=zero3, durations=durations, costs=Costs()
     )
     return sim.peak_stash
-
-
-@dataclass(frozen=True, slots=True)
-class _Costs:
-    """What a rank's communication and host work cost (``simulate_pipeline``'s arguments)."""
-
-    p2p: float = 0.0
-    overhead: float = 0.0
-    post: float = 0.0
-    receive_post: float = 0.0
 
 
 def _per_stage(name: str, times: Times, n: int) -> list[float]:
@@ -265,6 +299,18 @@ def _per_stage(name: str, times: Times, n: int) -> list[float]:
     return [float(t) for t in values]
 
 
+def _per_replica(name: str, times: ReplicaTimes, dp: int, n: int) -> list[list[float]]:
+    """``times`` for each replica: one per stage (``_per_stage``) for all, or a list each."""
+    if isinstance(times, int | float) or not any(isinstance(t, Sequence) for t in times):
+        return [_per_stage(name, times, n)] * dp  # type: ignore[arg-type]
+    if len(times) != dp:
+        raise ValueError(
+            f"{name} has {len(times)} lists of times for {dp} replicas; give one list per "
+            "replica (dp), or one time per stage for all of them"
+        )
+    return [_per_stage(name, t, n) for t in times]  # type: ignore[arg-type]
+
+
 def _walk(
     actions: Sequence[Sequence[Action]],
     ranks: tuple[int, ...],
@@ -272,7 +318,7 @@ def _walk(
     *,
     zero3: bool,
     durations: dict[str, list[float]],
-    costs: _Costs,
+    costs: Costs,
 ) -> PipelineSimulation:
     """Run every rank as far as its inputs allow, round after round, until all are done."""
     p, n = len(actions), len(ranks)
@@ -318,7 +364,7 @@ class _State:
         ranks: tuple[int, ...],
         zero3: bool,
         durations: dict[str, list[float]],
-        costs: _Costs,
+        costs: Costs,
     ) -> None:
         self.p, self.n, self.m, self.ranks, self.zero3 = p, n, m, ranks, zero3
         self.durations, self.costs = durations, costs
@@ -557,146 +603,3 @@ class _State:
                     "its receives; point-to-point messages match in order, so put the "
                     "receives in the order of the sends"
                 )
-
-
-@dataclass(frozen=True, slots=True)
-class _Piece:
-    """One stretch of a rank's work in ``_share``: ``work`` seconds on a core of its own, a
-    compute (after its input is there) or host work, and the timeline entry it makes
-    (``None``: a compute's overhead, which the timeline does not show)."""
-
-    work: float
-    action: Action | None
-    compute: bool
-
-
-def _pieces(
-    actions: Sequence[Action], durations: dict[str, list[float]], costs: _Costs
-) -> list[_Piece]:
-    """A rank's actions as the pieces of work ``_share`` runs, in order."""
-    out = []
-    for action in actions:
-        if action.is_compute:
-            for leaf in action.leaves:  # an OVERLAP_F_B's two halves, each with its overhead
-                out.append(_Piece(costs.overhead, None, compute=False))
-                out.append(_Piece(durations[leaf.kind][leaf.stage], leaf, compute=True))
-            continue
-        work = 0.0  # UNSHARD, RESHARD
-        if action.kind in (SEND_F, SEND_B):
-            work = costs.post
-        elif action.kind in (RECV_F, RECV_B):
-            work = costs.receive_post
-        elif action.kind == REDUCE_GRAD:
-            work = durations[REDUCE_GRAD][action.stage]
-        out.append(_Piece(work, action, compute=False))
-    return out
-
-
-def _share(
-    actions: Sequence[Sequence[Action]],
-    ranks: tuple[int, ...],
-    peak: tuple[int, ...],
-    durations: dict[str, list[float]],
-    costs: _Costs,
-    cores: float,
-) -> PipelineSimulation:
-    """Run validated actions with the ranks sharing ``cores`` cores (processor sharing).
-
-    Time advances from event to event (a piece of work ends, an input arrives); in between,
-    each of the k ranks that has work runs at ``min(1, cores / k)`` of its speed. A compute
-    waits for its input as in ``_walk`` (the previous stage's end on the same rank, or its
-    message's send plus ``p2p``), using no core meanwhile; a send's data leaves when its
-    post ends. The order of every rank's actions, and so the peak stash, is the walk's.
-    """
-    p, n = len(actions), len(ranks)
-    pieces = [_pieces(a, durations, costs) for a in actions]
-    done: dict[tuple[str, int, int], float] = {}  # (kind, stage, microbatch) -> end
-    sent: dict[tuple[str, int, int], float] = {}  # (SEND_F/SEND_B, stage, microbatch) -> time
-    at = [0] * p  # each rank's current piece
-    left: list[float | None] = [None] * p  # its work left, once started
-    began = [0.0] * p
-    busy, host = [0.0] * p, [0.0] * p
-    timeline: list[list[TimedAction]] = [[] for _ in range(p)]
-    now = 0.0
-
-    def ready(r: int, leaf: Action) -> float | None:
-        """When ``leaf``'s input is on rank r; ``None`` while its peer has yet to send it."""
-        s, mb = leaf.stage, leaf.microbatch
-        assert mb is not None
-        if leaf.kind == BACKWARD_WEIGHT:
-            return 0.0
-        if leaf.kind == FORWARD:
-            if s == 0:
-                return 0.0
-            peer, kinds, send = s - 1, (FORWARD, FORWARD), SEND_F
-        else:
-            if s == n - 1:
-                return 0.0
-            peer, kinds, send = s + 1, (FULL_BACKWARD, BACKWARD_INPUT), SEND_B
-        if ranks[peer] == r:  # a local hand-over, already done: the walk checked the order
-            return next(done[k, peer, mb] for k in kinds if (k, peer, mb) in done)
-        t = sent.get((send, peer, mb))
-        return None if t is None else t + costs.p2p
-
-    def end(r: int) -> None:
-        piece = pieces[r][at[r]]
-        if piece.action is not None:
-            a = piece.action
-            timeline[r].append(TimedAction(action=a, start=began[r], end=now))
-            if piece.compute:
-                assert a.microbatch is not None
-                done[a.kind, a.stage, a.microbatch] = now
-            elif a.kind in (SEND_F, SEND_B):
-                assert a.microbatch is not None
-                sent[a.kind, a.stage, a.microbatch] = now
-        (busy if piece.compute else host)[r] += now - began[r]
-        at[r] += 1
-        left[r] = None
-
-    while True:
-        moved = True
-        while moved:  # start and end what can start and end now, until nothing changes
-            moved = False
-            for r in range(p):
-                while at[r] < len(pieces[r]):
-                    piece = pieces[r][at[r]]
-                    if left[r] is None:
-                        if piece.compute:
-                            assert piece.action is not None
-                            t = ready(r, piece.action)
-                            if t is None or t > now:
-                                break
-                        left[r], began[r] = piece.work, now
-                    if left[r]:
-                        break
-                    end(r)
-                    moved = True
-        running = [r for r in range(p) if left[r]]
-        work = [left[r] or 0.0 for r in range(p)]
-        arrivals = []
-        for r in range(p):
-            if at[r] < len(pieces[r]) and left[r] is None:
-                action = pieces[r][at[r]].action
-                assert action is not None
-                t = ready(r, action)
-                if t is not None:
-                    arrivals.append(t)
-        if not running and not arrivals:
-            break
-        rate = min(1.0, cores / len(running)) if running else 0.0
-        step = min([work[r] / rate for r in running] + [t - now for t in arrivals])
-        for r in running:  # the pieces that end now end exactly
-            left[r] = 0.0 if work[r] / rate == step else max(work[r] - step * rate, 0.0)
-        now += step
-    if any(at[r] < len(pieces[r]) for r in range(p)):  # pragma: no cover - the walk checked
-        raise AssertionError("the shared walk stopped before the end of a validated plan")
-    step_time = max((t.end for timed in timeline for t in timed), default=0.0)
-    step_time = max(step_time, now)
-    return PipelineSimulation(
-        step_time=step_time,
-        busy=tuple(busy),
-        idle=tuple(step_time - b for b in busy),
-        peak_stash=peak,
-        actions=tuple(tuple(timed) for timed in timeline),
-        host=tuple(host),
-    )
