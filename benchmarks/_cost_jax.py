@@ -185,6 +185,7 @@ def main() -> None:
             machine=machine,
             model=first,
             global_batch=args["global_batch"],
+            executor="jax",
         )
         (step, *state), match = runner(config, p, params, args)
         peaks.append(peak_bytes(step, tuple(state)))
@@ -218,6 +219,7 @@ def main() -> None:
                 machine=machine,
                 model=model,
                 global_batch=args["global_batch"],
+                executor="jax",
             )
         )
     rows = [

@@ -174,6 +174,7 @@ def cost_command(args: argparse.Namespace, specs: list[ParamSpec], tied: Sequenc
             global_batch=args.global_batch,
             optimizer=_optimizer(args.optimizer),
             tied=tied,
+            executor=args.executor,
         )
         if args.json:
             print(json.dumps(report_header() | {"search": result.to_json(args.top)}, indent=1))
@@ -189,6 +190,7 @@ def cost_command(args: argparse.Namespace, specs: list[ParamSpec], tied: Sequenc
         global_batch=args.global_batch,
         optimizer=_optimizer(args.optimizer),
         tied=tied,
+        executor=args.executor,
     )
     if args.json:
         out = report_header() | {

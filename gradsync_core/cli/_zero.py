@@ -119,7 +119,8 @@ def add_zero_arguments(plan: argparse.ArgumentParser) -> None:
         help="--batch/--seq: whose program holds the activations and gathered parameters: "
         "torch (examples/llama_torch.py, autograd's saved tensors; the default) or jax "
         "(examples/llama_nnx.py's parallelize: one sequence-parallel gather per attention "
-        "and MLP, the dp_shard gathers kept for the backward)",
+        "and MLP, the dp_shard gathers kept for the backward); with --cost, whose ZeRO-3 "
+        "step's peak (jax: zero3_step's one XLA program, docs/cost-model.md)",
     )
     plan.add_argument(
         "--optimizer",

@@ -67,6 +67,20 @@ def test_cost_of_a_pipeline_and_of_a_flop_estimate(capsys, model_profile):
     assert code == 0 and "model profile flops" in out and "a FLOP estimate" in out
 
 
+def test_cost_executor_jax_prices_zero3s_peak_as_one_xla_program(capsys, model_profile):
+    """``--executor jax``: the same plan and step time, the peak of zero3_step's program."""
+    args = ["--cost", MACHINE, "--model-profile", model_profile, "--zero", "3", "--json"]
+    predictions = {}
+    for executor in ("torch", "jax"):
+        code, out, _ = run(capsys, *args, "--executor", executor, "--keep-after-forward")
+        assert code == 0
+        predictions[executor] = json.loads(out)["prediction"]
+    torch, jax = predictions["torch"], predictions["jax"]
+    assert jax["fingerprints"] == torch["fingerprints"]
+    assert jax["cost"]["step_s"] == torch["cost"]["step_s"]
+    assert jax["cost"]["peak_bytes"] < torch["cost"]["peak_bytes"]
+
+
 def test_search_prints_the_fastest_that_fit_and_why_others_were_dropped(capsys, model_profile):
     args = ["--cost", MACHINE, "--model-profile", model_profile, "--search"]
     code, out, _ = run(capsys, *args, "--memory-per-rank", "2GiB", "--top", "3")

@@ -580,6 +580,67 @@ def test_zero3_gathers_that_do_not_overlap_compute_add_up():
     assert hidden.step_s < cost.step_s - (units - 1) * ag  # with overlap, the gathers hide
 
 
+def _xla_zero3(units, world_size, activation, dp_shard=None, reshard=True):
+    """JAX's ZeRO-3 step (one XLA program, donated) over ``units`` 1 MiB blocks."""
+    specs = layers(units)
+    config = Configuration(zero=3, overlap=False, reshard_after_forward=reshard, dp_shard=dp_shard)
+    m, profile = machine(), model(units, activation=activation)
+    jax = predict(specs, config, world_size=world_size, machine=m, model=profile, executor="jax")
+    torch = predict(specs, config, world_size=world_size, machine=m, model=profile)
+    return jax, torch
+
+
+def test_xla_zero3_keep_holds_every_unit_but_the_first_then_a_gradient_in_its_place():
+    """Kept units: all but the first (its backward reads no parameter: its input is the
+    data) at the backward's start; the last unit's whole gradient then takes its gathered
+    parameters' place, beside its reduce-scattered shard. Gradients are stepped as they come,
+    so none is resident."""
+    a = 64 << 10
+    jax, torch = _xla_zero3(4, 4, a, reshard=False)
+    shard = MIB // 4
+    params, state = 4 * shard, 8 * shard  # Adam: 8 bytes of state per element
+    assert jax.peak_bytes == params + state + (2 * MIB + MIB + shard) + 4 * a
+    r = jax.cost.ranks[0]
+    assert r.memory.gradient_bytes == 0 and r.activation_bytes == 4 * a
+    assert torch.peak_bytes > jax.peak_bytes + 2 * MIB  # estimate_zero3's bound: all 4 kept
+
+
+def test_xla_zero3_reshard_holds_a_gradient_beside_the_next_gather_and_the_chunk_copies():
+    """One unit gathered at a time; at the last unit's gradient the next unit is gathered
+    (issued before the reduce-scatter), and the units gathered again later still hold their
+    chunk's copy (one row longer: 1024 fp32 = 4 KiB) from the step's start."""
+    a = 64 << 10
+    jax, _ = _xla_zero3(4, 4, a)
+    shard, row = MIB // 4, 4 << 10
+    copies = 2 * (shard + row)  # units 1 and 2 still to gather (unit 0 is never gathered again)
+    gradient = MIB + shard  # unit 3's whole gradient and its reduce-scattered shard
+    next_unit = MIB - (shard + row)  # unit 2 gathered, its copy read and freed
+    assert jax.peak_bytes == 4 * shard + 8 * shard + copies + next_unit + gradient + 4 * a
+
+
+def test_xla_hsdp_holds_every_gradient_shard_twice_at_the_combined_all_reduce():
+    """Under HSDP XLA combines the replicas' all-reduces into one at the backward's end:
+    every gradient shard alive as its input and its output."""
+    jax, torch = _xla_zero3(4, 4, None, dp_shard=2)
+    shard = MIB // 2
+    r = jax.cost.ranks[0]
+    assert r.memory.gradient_bytes == 4 * shard
+    assert jax.peak_bytes == 4 * shard + 8 * shard + 2 * (4 * shard)
+    assert jax.step_s == torch.step_s  # the executor changes the memory only
+
+
+def test_predict_refuses_an_unknown_executor():
+    with pytest.raises(ValueError, match="executor 'mlx' is not one of torch, jax"):
+        predict(
+            layers(2),
+            Configuration(),
+            world_size=2,
+            machine=machine(),
+            model=model(2),
+            executor="mlx",
+        )
+
+
 def test_hsdp_all_reduces_each_shard_over_the_replicas():
     specs = layers(2)
     p = predict(

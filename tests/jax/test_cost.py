@@ -8,7 +8,13 @@ import pytest
 
 from gradsync_core import Topology
 from gradsync_core.plan import COLLECTIVES, Configuration, MachineProfile, ModelProfile, predict
-from gradsync_jax import mesh_from_topology, param_specs
+from gradsync_jax import (
+    mesh_from_topology,
+    param_layout,
+    param_specs,
+    shard_params,
+    zero3_step,
+)
 from gradsync_jax.cost.machine import calibrate
 from gradsync_jax.cost.model import profile_model
 
@@ -25,6 +31,20 @@ def test_calibrate_two_devices_fits_every_collective():
 def test_calibrate_refuses_one_device():
     with pytest.raises(ValueError, match="needs 2 devices or more"):
         calibrate(jax.devices()[:1])
+
+
+def _toy_machine():
+    return MachineProfile.from_json(
+        {
+            "kind": "machine_profile",
+            "version": 1,
+            "name": "toy",
+            "ranks_per_node": 8,
+            "links": [
+                {"collective": c, "latency_s": 1e-5, "bus_bandwidth": 1e9} for c in COLLECTIVES
+            ],
+        }
+    )
 
 
 def _blocks(width=16, layers=3):
@@ -57,17 +77,7 @@ def test_profile_model_over_the_mesh_and_a_prediction_from_it():
     assert profile.forward_s > 0 and profile.backward_s > 0 and profile.optimizer_s >= 0
     assert all(b.output_bytes == 4 * 16 * 4 for b in profile.blocks)  # 4 rows a device
     assert ModelProfile.from_json(profile.to_json()) == profile
-    links = MachineProfile.from_json(
-        {
-            "kind": "machine_profile",
-            "version": 1,
-            "name": "toy",
-            "ranks_per_node": 8,
-            "links": [
-                {"collective": c, "latency_s": 1e-5, "bus_bandwidth": 1e9} for c in COLLECTIVES
-            ],
-        }
-    )
+    links = _toy_machine()
     p = predict(
         param_specs(params),
         Configuration(zero=3, overlap=False),
@@ -76,3 +86,103 @@ def test_profile_model_over_the_mesh_and_a_prediction_from_it():
         model=profile,
     )
     assert p.step_s > profile.forward_s + profile.backward_s
+
+
+def _dense(width=512, layers=8):
+    """``layers`` blocks of ``gelu(x @ w.T + b)`` (the cost benchmark's), torch's order."""
+    keys = jax.random.split(jax.random.key(1), layers)
+    params = {}
+    for i, k in enumerate(keys):
+        params[f"layers.{i}.fc.weight"] = jax.random.normal(k, (width, width)) / width**0.5
+        params[f"layers.{i}.fc.bias"] = jnp.zeros((width,))
+
+    def block(p, h):
+        return jax.nn.gelu(h @ p["w"].T + p["b"], approximate=False)
+
+    blocks = [
+        (
+            f"layers.{i}",
+            block,
+            {"w": params[f"layers.{i}.fc.weight"], "b": params[f"layers.{i}.fc.bias"]},
+        )
+        for i in range(layers)
+    ]
+
+    def loss_fn(ps, x):
+        for i in range(layers):
+            x = block({"w": ps[f"layers.{i}.fc.weight"], "b": ps[f"layers.{i}.fc.bias"]}, x)
+        return jnp.mean(jnp.square(x))
+
+    by_name = {s.name: s for s in param_specs(params)}
+    specs = [by_name[f"layers.{i}.fc.{k}"] for i in range(layers) for k in ("weight", "bias")]
+    return params, blocks, loss_fn, specs
+
+
+@pytest.fixture(scope="module")
+def dense():
+    """The dense model and its profile over 8 devices (8 rows each), taken once."""
+    params, blocks, loss_fn, specs = _dense()
+    mesh = mesh_from_topology(Topology.create(8))
+    profile = profile_model(
+        blocks,
+        jnp.ones((64, 512)),
+        lambda y: jnp.mean(y**2),
+        samples=8,
+        mesh=mesh,
+        tx=optax.adam(1e-3),
+        steps=1,
+        warmup=0,
+    )
+    return params, loss_fn, specs, profile
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "config",
+    [
+        Configuration(zero=3, overlap=False),
+        Configuration(zero=3, overlap=False, reshard_after_forward=False),
+        Configuration(zero=3, overlap=False, dp_shard=4),
+    ],
+    ids=lambda c: c.describe(),
+)
+def test_zero3_peak_of_the_donated_compiled_step(config, dense):
+    """The JAX executor's ZeRO-3 peak against XLA's for the donated compiled step (arguments
+    + outputs + temporaries - aliased, one device), within 5 %; the torch-shaped estimate
+    over-counts it. (The benchmark's model: XLA:CPU packs its temporaries with some
+    fragmentation, which the prediction leaves out; on 4 such blocks under HSDP it is 8 %.)"""
+    params, loss_fn, specs, profile = dense
+    layers = len(specs) // 2
+    x = jnp.ones((64, 512))
+    kwargs = dict(world_size=8, machine=_toy_machine(), model=profile, global_batch=64)
+    predicted = predict(specs, config, executor="jax", **kwargs).peak_bytes
+    torch_shaped = predict(specs, config, **kwargs).peak_bytes
+    topology = Topology.create(8, dp_shard=config.dp_shard)
+    layout = param_layout(
+        params,
+        world_size=8,
+        units=[f"layers.{i}" for i in range(layers)],
+        dp_shard=topology.dp_shard,
+    )
+    step = zero3_step(
+        loss_fn,
+        optax.adam(1e-3),
+        mesh_from_topology(topology),
+        layout,
+        reshard_after_forward=config.reshard_after_forward,
+    )
+    sharded = shard_params(params, mesh_from_topology(topology), layout)
+    stats = (
+        jax.jit(lambda p, s, b: step(p, s, b), donate_argnums=(0, 1))
+        .lower(sharded, step.init(sharded), x)
+        .compile()
+        .memory_analysis()
+    )
+    measured = (
+        stats.argument_size_in_bytes
+        + stats.output_size_in_bytes
+        + stats.temp_size_in_bytes
+        - stats.alias_size_in_bytes
+    )
+    assert abs(predicted / measured - 1) <= 0.05, (predicted, measured)
+    assert torch_shaped / measured - 1 > 0.10, (torch_shaped, measured)

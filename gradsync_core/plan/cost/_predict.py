@@ -36,7 +36,7 @@ from gradsync_core.plan.cost._machine import MachineProfile
 from gradsync_core.plan.cost._model_profile import ModelProfile
 from gradsync_core.plan.cost._pipeline_cost import predict_pipeline
 from gradsync_core.plan.cost._timeline import StepCost
-from gradsync_core.plan.cost._zero3_cost import predict_zero3
+from gradsync_core.plan.cost._zero3_cost import EXECUTORS, predict_zero3
 from gradsync_core.plan.pipeline._plan import PipelinePlan, plan_pipeline
 from gradsync_core.plan.pipeline._schedules import schedule_name
 
@@ -200,6 +200,7 @@ def predict(
     optimizer: str | int = "adam",
     units: Sequence[str] | None = None,
     tied: Sequence[str] = (),
+    executor: str = "torch",
 ) -> Prediction:
     """Plan ``configuration`` over ``world_size`` ranks as the executors do, and cost it.
 
@@ -214,13 +215,16 @@ def predict(
         optimizer: the optimizer's state bytes per element (``optimizer_state_bytes``).
         units: ZeRO-3's unit prefixes (default ``block_prefixes(specs)``).
         tied: parameters used twice (ZeRO-3's memory).
+        executor: whose step runs, ``"torch"`` or ``"jax"``: ZeRO-3's peak differs (one XLA
+            program holds its buffers as its schedule reads them; ``predict_zero3``).
 
     Returns:
         The prediction: the plans, their fingerprints and the cost.
 
     Raises:
         ValueError: a world the configuration does not divide, a global batch that does not
-            split into whole microbatches, or what a planner or the cost model refuses.
+            split into whole microbatches, an unknown executor, or what a planner or the cost
+            model refuses.
 
     Example:
         >>> from gradsync_core.plan import LinkCost, MachineProfile, ModelProfile, BlockTime
@@ -236,6 +240,8 @@ def predict(
         >>> p.configuration.describe(), p.step_s > 0.012
         ('zero3 reshard', True)
     """
+    if executor not in EXECUTORS:
+        raise ValueError(f"executor {executor!r} is not one of {', '.join(EXECUTORS)}; pick one")
     c = configuration
     topology = Topology.create(world_size, pp=c.pp, dp_shard=c.dp_shard)
     dp = topology.dp
@@ -281,6 +287,7 @@ def predict(
             optimizer=optimizer,
             samples=samples,
             tied=tied,
+            executor=executor,
         )
         return Prediction(
             configuration=c, topology=topology, samples=samples, cost=cost, param_shards=plan

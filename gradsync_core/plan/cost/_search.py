@@ -151,6 +151,7 @@ def search_configurations(
     optimizer: str | int = "adam",
     tied: Sequence[str] = (),
     candidates: Sequence[Configuration] | None = None,
+    executor: str = "torch",
 ) -> SearchResult:
     """Cost every configuration and rank those that fit.
 
@@ -166,6 +167,7 @@ def search_configurations(
         tied: parameters used twice (ZeRO-3's memory).
         candidates: the configurations to cost (default ``configurations(specs,
             world_size=world_size)``).
+        executor: whose steps run, ``"torch"`` or ``"jax"`` (``predict``'s).
 
     Returns:
         The ranked predictions and the dropped configurations with their reasons.
@@ -205,6 +207,7 @@ def search_configurations(
                 global_batch=batch,
                 optimizer=optimizer,
                 tied=tied,
+                executor=executor,
             )
         except ValueError as err:
             dropped.append(Dropped(configuration=config, reason=str(err)))

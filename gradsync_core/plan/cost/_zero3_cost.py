@@ -24,16 +24,24 @@ thread than issue its collectives:
   group's channel behind the collectives in flight (gloo runs a group's collectives in
   order). Under HSDP every collective is checked, each over its own group; without HSDP the
   ranks check once at the backward's start and once at its end (``AGREEMENT_BYTES``).
+
+Memory depends on the executor. ``"torch"``: ``estimate_zero3``'s model states (FSDP2's
+hooks: the root and ``1 + prefetch`` gathered units, the worst unit's backward) with the
+activations and the collectives' scratch beside them. ``"jax"``: ``zero3_step`` is one XLA
+program, jitted with the parameters and optimizer state donated, whose buffers live exactly
+as long as the schedule reads them; ``_xla_peak`` walks that schedule (its docstring says
+what it assumes, each point read off XLA:CPU's buffer assignment of the step).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 
-from gradsync_core.plan._memory import _trainable_rows_numel, estimate_zero3
+from gradsync_core.plan._memory import MemoryEstimate, _trainable_rows_numel, estimate_zero3
 from gradsync_core.plan._param_shards import ParamShardPlan
 from gradsync_core.plan._param_units import ROOT
-from gradsync_core.plan._specs import ParamSpec
+from gradsync_core.plan._specs import ParamSpec, itemsize
 from gradsync_core.plan._topology import Topology
 from gradsync_core.plan.cost._machine import (
     ALL_GATHER,
@@ -54,6 +62,7 @@ from gradsync_core.plan.cost._timeline import (
 )
 
 AGREEMENT_BYTES = 32  # a SHA-256 digest: what each rank sends in one runtime agreement check
+EXECUTORS = ("torch", "jax")  # whose ZeRO-3 step: fully_shard, or zero3_step's XLA program
 
 
 def predict_zero3(
@@ -68,6 +77,7 @@ def predict_zero3(
     optimizer: str | int = "adam",
     samples: int | None = None,
     tied: Sequence[str] = (),
+    executor: str = "torch",
 ) -> StepCost:
     """Predict one step of ZeRO-3 (FSDP2's ``fully_shard``; HSDP with ``topology.dp_shard``).
 
@@ -86,14 +96,20 @@ def predict_zero3(
         optimizer: the optimizer's state bytes per element.
         samples: samples per rank and step (default: the model profile's).
         tied: parameters used twice (``estimate_zero3``'s ``tied``).
+        executor: whose step the memory is: ``"torch"`` (``fully_shard``) or ``"jax"``
+            (``zero3_step``, one XLA program with its parameters and optimizer state
+            donated; ``_xla_peak``).
 
     Returns:
         The step's time, its collectives and per-shard-rank memory.
 
     Raises:
         ValueError: a plan that does not match the topology, a block whose parameters lie in
-            two units, a parameter in no block, or a group the machine profile lacks.
+            two units, a parameter in no block, a group the machine profile lacks, or an
+            unknown executor.
     """
+    if executor not in EXECUTORS:
+        raise ValueError(f"executor {executor!r} is not one of {', '.join(EXECUTORS)}; pick one")
     if (plan.shard_size, plan.replicate_size) != (topology.dp_shard, topology.dp_replicate):
         raise ValueError(
             f"the plan shards over {plan.shard_size} ranks x {plan.replicate_size} replicas but "
@@ -104,7 +120,8 @@ def predict_zero3(
         raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
     model, notes = profile_at(model, samples)
     walk = _Walk(plan, machine, topology, overlap=overlap, prefetch=prefetch)
-    walk.run(model, _units_of_blocks(plan, model), reshard_after_forward)
+    unit_of_block = _units_of_blocks(plan, model)
+    walk.run(model, unit_of_block, reshard_after_forward)
     memory = estimate_zero3(
         plan,
         optimizer=optimizer,
@@ -126,22 +143,138 @@ def predict_zero3(
         ParamSpec(name=p.name, shape=p.shape, dtype=p.dtype, requires_grad=p.requires_grad)
         for p in plan.params
     ]
+    activations: int | None = None
+    if executor == "jax":
+        memory, activations = _xla_peak(plan, memory, model, unit_of_block, reshard_after_forward)
+    ranks = rank_costs(
+        memory,
+        [compute - step_of[slowest] + s for s in step_of],
+        rank.t,
+        model,
+        block_numel(specs, model),
+        [k / total for k in shares],
+        persistent=False,
+        collective_bytes=0 if executor == "jax" else walk.scratch_bytes(machine),
+    )
+    if executor == "jax":  # the walk's activations, at its worst moment
+        ranks = tuple(replace(r, activation_bytes=activations) for r in ranks)
     return StepCost(
         step_s=rank.t,
         compute_s=compute,
         comms=rank.events(),
-        ranks=rank_costs(
-            memory,
-            [compute - step_of[slowest] + s for s in step_of],
-            rank.t,
-            model,
-            block_numel(specs, model),
-            [k / total for k in shares],
-            persistent=False,
-            collective_bytes=walk.scratch_bytes(machine),
-        ),
+        ranks=ranks,
         notes=tuple(notes),
     )
+
+
+def _xla_peak(
+    plan: ParamShardPlan,
+    memory: MemoryEstimate,
+    model: ModelProfile,
+    unit_of_block: Sequence[int],
+    reshard: bool,
+) -> tuple[MemoryEstimate, int | None]:
+    """The model states of JAX's ``zero3_step`` at its worst moment, and the activations then.
+
+    The step is one XLA program, the parameters' chunks and the optimizer state donated (so
+    they are counted once, arguments aliased to outputs); every other buffer lives from the
+    operation that writes it to the last that reads it. Nothing runs beside compute (XLA:CPU
+    waits for each collective where it is issued), so nothing is prefetched. What XLA:CPU's
+    buffer assignment of the step shows, and this walk follows block by block:
+
+    - forward: with ``reshard`` one unit is gathered at a time, freed after its blocks;
+      without, every unit the backward reads stays gathered from its forward to its
+      backward (XLA saves the all-gather's output as a residual);
+    - the first unit's backward reads none of its parameters: its input is the data, which
+      needs no gradient, so only its parameters' gradients are computed, from the saved
+      activations (true of a first linear layer or an embedding); it is neither kept nor
+      gathered again;
+    - backward, per unit: its input gradient is computed with its gathered parameters, which
+      are then free; its whole (padded) gradient is made and, with ``reshard``, the next
+      unit's gather is issued before this gradient is reduce-scattered, so the two are alive
+      together (without ``reshard`` the next units are already kept);
+    - with ``reshard``, each unit gathered again reads its chunk through a copy one row
+      longer (``_read_after``'s ordering, gradsync_jax param_sharding/gather.py), which
+      depends on the parameters alone, so XLA makes it at the step's start and holds it to
+      that gather;
+    - each unit's reduce-scattered gradient is stepped by the optimizer at once, in place
+      (an elementwise update: Adam, SGD); under HSDP the shards' all-reduces over the
+      replicas are combined by XLA into one at the backward's end, so every gradient shard
+      is alive then, twice (the all-reduce's input and output);
+    - the activations are the profile's, each block's alive from its forward to its
+      backward.
+
+    Returns the estimate with each rank's ``gradient_bytes`` what is resident after the
+    backward (none without HSDP: stepped as they come) and ``transient_bytes`` the rest of
+    the worst moment beyond parameters, gradients, state and activations; and the
+    activations at that moment (None when the profile lacks them).
+    """
+    n = plan.shard_size
+    gathered = [plan.unit_padded_nbytes(u.index) * n for u in plan.units]
+    grads = [plan.unit_padded_nbytes(u.index, trainable_only=True) for u in plan.units]
+    copies = [
+        sum(
+            (plan.chunk(p, 0).padded_numel + plan.chunk(p, 0).row_numel)
+            * itemsize(plan.param(p).dtype)
+            for p in u.params
+        )
+        for u in plan.units
+    ]
+    acts = [b.activation_bytes or 0 for b in model.blocks]
+    known = all(b.activation_bytes is not None for b in model.blocks)
+    blocks = range(len(model.blocks))
+    order = list(dict.fromkeys(u for u in unit_of_block if gathered[u]))
+    first = {u: unit_of_block.index(u) for u in order}  # a unit's first block, forward
+    last = {u: max(b for b in blocks if unit_of_block[b] == u) for u in order}
+    reads = {u: not (order and u == order[0] and first[u] == last[u]) for u in order}
+    again = [u for u in order if reshard and reads[u]]  # gathered again for the backward
+    hsdp = plan.replicate_size > 1
+    moments: list[tuple[int, int]] = []  # (model-state bytes beyond the resident, activations)
+    pending = sum(copies[u] for u in again)
+    alive = 0
+    for b in blocks:  # forward
+        alive += acts[b]
+        u = unit_of_block[b]
+        if u not in first:
+            moments.append((pending, alive))
+            continue
+        held = (
+            gathered[u]
+            if reshard
+            else sum(gathered[k] for k in order if first[k] <= b and (reads[k] or k == u))
+        )
+        moments.append((pending + held, alive))
+    done = 0  # gradient shards reduced and not yet stepped (HSDP)
+    for b in reversed(blocks):  # backward
+        u = unit_of_block[b]
+        kept = sum(gathered[k] for k in order if reads[k] and first[k] <= b)
+        if u in first and reshard and reads[u] and b == last[u]:
+            pending -= copies[u]  # its gather again reads the copy, then frees it
+        held = (gathered[u] if reads.get(u) else 0) if reshard else kept
+        moments.append((pending + held + done, alive))
+        if u in first and b == first[u]:  # its backward is done: its whole gradient
+            if reshard:  # beside the next unit's gather, which has read its copy
+                before = [k for k in order if first[k] < first[u] and reads[k]]
+                nxt = before[-1] if before else None  # gathered, its copy read and freed
+                held = 0 if nxt is None else gathered[nxt] - copies[nxt]
+            else:  # its own parameters free, the earlier units kept
+                held = kept - (gathered[u] if reads[u] else 0)
+            moments.append((pending + held + done + grads[u] * n + grads[u], alive))
+            done += grads[u] if hsdp else 0
+        alive -= acts[b]
+    if hsdp:  # the combined all-reduce: every shard, in and out
+        moments.append((2 * done, 0))
+    worst, activations = max(moments, key=lambda m: m[0] + m[1])
+    resident = done if hsdp else 0
+    ranks = tuple(
+        replace(
+            r,
+            gradient_bytes=resident,
+            transient_bytes=max(0, worst - resident),
+        )
+        for r in memory.ranks
+    )
+    return replace(memory, ranks=ranks), activations if known else None
 
 
 def _units_of_blocks(plan: ParamShardPlan, model: ModelProfile) -> list[int]:
