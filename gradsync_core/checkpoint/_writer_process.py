@@ -332,7 +332,7 @@ def _write(
         TensorBytes(t.key, t.dtype, t.shape, view[t.offset : t.offset + t.nbytes]) for t in tensors
     ]
     digest = hashlib.sha256()
-    write_atomic(path, tensor_file(parts, metadata), digest=digest)
+    write_atomic(path, tensor_file(parts, metadata), digest=digest, direct=True)
     return digest.hexdigest()
 
 
