@@ -19,7 +19,9 @@ The training: the benchmarks' ``mlp`` under gradsync's ``DataParallel`` and ZeRO
                                 process, started once and told what to write over a queue
     writer: process             the same file from the same buffer in shared memory, written
                                 by a writer process started once (as DCP's process mode
-                                starts one), told what to write over a pipe
+                                starts one), told what to write over a pipe, and written as
+                                gradsync's writer process writes it (around the page cache:
+                                ``write_atomic(..., direct=True)``)
 
 The two writer variants are issue 39's "thread or process" measured on the same bytes: they
 differ only in where the write runs (no agreement, manifest or switch in either).
@@ -40,6 +42,7 @@ training first saw it done, to a step).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import queue
 import shutil
@@ -60,6 +63,7 @@ from gradsync_core.checkpoint import (
     model_owners,
     rank_file,
     tensor_file,
+    write_atomic,
     write_rank_file,
 )
 from gradsync_torch import DataParallel, ZeroRedundancyOptimizer
@@ -166,7 +170,10 @@ def _writer_process(conn: Any) -> None:
             TensorBytes(key, dtype, shape, buffer[start:stop])
             for key, dtype, shape, start, stop in entries
         ]
-        conn.send(write_rank_file(directory, name, tensor_file(tensors, metadata)))
+        digest = hashlib.sha256()
+        path = os.path.join(directory, name)
+        write_atomic(path, tensor_file(tensors, metadata), digest=digest, direct=True)
+        conn.send(digest.hexdigest())
 
 
 class _Pending:

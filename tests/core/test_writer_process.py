@@ -7,7 +7,10 @@ forked child does not inherit it (docs/design-checkpoints.md §9).
 from __future__ import annotations
 
 import array
+import ctypes
 import errno
+import hashlib
+import mmap
 import os
 import signal
 import subprocess
@@ -22,8 +25,10 @@ from gradsync_core.checkpoint import (
     SharedStaging,
     StagedTensor,
     TensorBytes,
+    _storage,
     sha256_file,
     tensor_file,
+    write_atomic,
     write_rank_file,
     write_staged_rank_file,
 )
@@ -67,6 +72,93 @@ def test_the_writer_process_writes_the_file_the_training_process_would(tmp_path:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["here.safetensors", "staged.safetensors"]
 
 
+def _cached_pages(path: Path) -> tuple[int, int]:
+    """How many of ``path``'s pages the kernel's page cache holds, of how many (``mincore``)."""
+    size = path.stat().st_size
+    pages = -(-size // mmap.PAGESIZE)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) as mapped:
+        where = ctypes.c_char.from_buffer(mapped)  # no page is touched: nothing is read in
+        try:
+            vec = (ctypes.c_ubyte * pages)()
+            libc = ctypes.CDLL(None, use_errno=True)
+            address = ctypes.c_void_p(ctypes.addressof(where))
+            assert libc.mincore(address, ctypes.c_size_t(size), vec) == 0, ctypes.get_errno()
+        finally:
+            del where
+    return sum(v & 1 for v in vec), pages
+
+
+def _direct_io(directory: Path) -> bool:
+    """Whether ``directory``'s file system takes ``O_DIRECT`` (tmpfs before Linux 6.6 does not)."""
+    try:
+        fd = os.open(directory / ".probe", os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600)
+    except OSError:
+        return False
+    os.close(fd)
+    os.unlink(directory / ".probe")
+    return True
+
+
+@pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="O_DIRECT is Linux's")
+def test_the_writer_process_writes_around_the_page_cache(tmp_path: Path) -> None:
+    # A busy training's cores pay for a cached write thrice: the copy into the cache, the
+    # kernel's writeback and, when the save removes the version, freeing its pages.
+    if not _direct_io(tmp_path):
+        pytest.skip(f"{tmp_path}'s file system refuses O_DIRECT")
+    memory = SharedStaging()
+    values = os.urandom(3 * (8 << 20) + 12345)  # three full slices and a tail of no block
+    memory.reserve(len(values))[: len(values)] = values
+    tensors = [StagedTensor("w", "U8", (len(values),), 0)]
+    digest = write_staged_rank_file(memory, str(tmp_path), "staged.safetensors", tensors, METADATA)
+    cached, pages = _cached_pages(tmp_path / "staged.safetensors")
+    assert cached <= 1 and pages > 6000  # at most the tail's page, written through the cache
+    here = write_rank_file(
+        str(tmp_path),
+        "here.safetensors",
+        tensor_file([TensorBytes("w", "U8", (len(values),), values)], METADATA),
+    )
+    assert _cached_pages(tmp_path / "here.safetensors")[0] == pages  # a cached write's
+    assert digest == here == sha256_file(tmp_path / "staged.safetensors")
+    assert (tmp_path / "staged.safetensors").read_bytes() == (
+        tmp_path / "here.safetensors"
+    ).read_bytes()
+
+
+@pytest.mark.parametrize(
+    "sizes", [[], [1], [4096], [8 << 20], [(8 << 20) + 5, 4096, 3], [100, 9 << 20]]
+)
+def test_a_direct_write_is_the_cached_write(tmp_path: Path, sizes: list[int]) -> None:
+    # The same bytes, digest, mode and leftovers (none) with and without O_DIRECT, whatever
+    # the sizes against the aligned buffer's.
+    chunks = [b"header", *(os.urandom(n) for n in sizes)]
+    cached, direct = hashlib.sha256(), hashlib.sha256()
+    write_atomic(tmp_path / "cached", chunks, digest=cached)
+    write_atomic(tmp_path / "direct", chunks, digest=direct, direct=True)
+    written = (tmp_path / "direct").read_bytes()
+    assert written == (tmp_path / "cached").read_bytes() == b"".join(chunks)
+    assert direct.hexdigest() == cached.hexdigest() == hashlib.sha256(written).hexdigest()
+    assert (tmp_path / "direct").stat().st_mode == (tmp_path / "cached").stat().st_mode
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cached", "direct"]
+
+
+@pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="O_DIRECT is Linux's")
+def test_a_direct_write_the_kernel_refuses_goes_on_through_the_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Blocks of 8 bytes: a full buffer goes directly, then the kernel refuses the direct
+    # write of the last 24 bytes (EINVAL: not a multiple of the disk's block), as a file
+    # system with blocks over 4 KiB would refuse a write of 4 KiB; the rest goes cached.
+    if not _direct_io(tmp_path):
+        pytest.skip(f"{tmp_path}'s file system refuses O_DIRECT")
+    monkeypatch.setattr(_storage, "_DIRECT_ALIGN", 8)
+    chunks = [os.urandom((8 << 20) + 13), os.urandom(13)]  # a full buffer, then 26 bytes
+    digest = hashlib.sha256()
+    write_atomic(tmp_path / "direct", chunks, digest=digest, direct=True)
+    assert (tmp_path / "direct").read_bytes() == b"".join(chunks)
+    assert digest.hexdigest() == hashlib.sha256(b"".join(chunks)).hexdigest()
+    assert [p.name for p in tmp_path.iterdir()] == ["direct"]
+
+
 def test_a_failed_write_keeps_its_sentence(tmp_path: Path) -> None:
     memory, tensors = _staged()
     missing = tmp_path / "missing"
@@ -105,6 +197,7 @@ def test_a_dead_writer_is_a_failure_and_the_next_write_starts_a_new_one(tmp_path
 _FORK = """
 import os, sys
 from gradsync_core.checkpoint import SharedStaging, StagedTensor, write_staged_rank_file
+from gradsync_core.checkpoint import _storage
 from gradsync_core.checkpoint._writer_process import WRITER
 
 root, memory = sys.argv[1], SharedStaging()
