@@ -330,8 +330,9 @@ class _Gather:
     axes: tuple[str, ...]
 
     def __call__(self, chunk: jax.Array) -> jax.Array:
-        # all_gather_from: its backward is the reduce-scatter, so each device's gradient
-        # is the sum over the shard group of its chunk's gradients (FSDP2's reduce-scatter).
+        # One chunk alone (the tied output's second use of the embedding; ``_merged``
+        # gathers a module's chunks together). all_gather_from: its backward is the
+        # reduce-scatter, each device's gradient the sum over the shard group of its chunk's.
         if not self.axes:
             return chunk
         return checkpoint_name(all_gather_from(chunk, self.axes, dim=self.dim), GATHERED)
@@ -498,9 +499,50 @@ def _sum_over(x: jax.Array, axes: Iterable[str]) -> jax.Array:
     return lax.psum(x, over) if over else x
 
 
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _gather_group(axes: tuple[str, ...], dims: tuple[int, ...], chunks: tuple[Any, ...]) -> Any:
+    """Each of a module's chunks all-gathered along its ``dims`` entry over the ``dp_shard``
+    axes ``axes`` (ZeRO-3); the backward sums the module's gradients over ``axes`` in one
+    tuple all-reduce and keeps each device's chunk of each (``_gather_group_bwd``)."""
+    return tuple(
+        lax.all_gather(c, axes, axis=d, tiled=True) for c, d in zip(chunks, dims, strict=True)
+    )
+
+
+def _gather_group_fwd(axes: Any, dims: Any, chunks: Any) -> tuple[Any, None]:
+    return _gather_group(axes, dims, chunks), None
+
+
+def _gather_group_bwd(axes: Any, dims: Any, _: None, grads: Any) -> tuple[Any]:
+    # One psum of the module's gradients (XLA's combiner may merge modules' further), not a
+    # reduce-scatter per parameter: on XLA:CPU each collective is a rendezvous of every
+    # device's thread, and their count, not their bytes, set the dp_shard x tp step's time
+    # (docs/nd-parallel.md, "Measured"). The sum is the same; each device keeps its chunk.
+    whole, index, n = lax.psum(grads, axes), lax.axis_index(axes), _size(axes)
+    return (
+        tuple(
+            lax.dynamic_slice_in_dim(g, index * (g.shape[d] // n), g.shape[d] // n, d)
+            for g, d in zip(whole, dims, strict=True)
+        ),
+    )
+
+
+_gather_group.defvjp(_gather_group_fwd, _gather_group_bwd)
+
+
 def _merged(graphdef: Any, gathers: Any, chunks: Any) -> Any:
-    """The module of ``graphdef`` on the whole parameters gathered from ``chunks``."""
-    return nnx.merge(graphdef, jax.tree.map(lambda g, c: g(c), gathers, chunks))
+    """The module of ``graphdef`` on the whole parameters gathered from ``chunks``: the
+    chunks sharded over the same axes gathered together (``_gather_group``), each named
+    ``GATHERED`` for ``reshard_after_forward``'s checkpoint policy."""
+    flat, treedef = jax.tree.flatten(gathers)
+    whole = list(treedef.flatten_up_to(chunks))
+    for axes in dict.fromkeys(g.axes for g in flat if g.axes):  # a fixed order on every host
+        at = [i for i, g in enumerate(flat) if g.axes == axes]
+        dims = tuple(flat[i].dim for i in at)
+        gathered = _gather_group(axes, dims, tuple(whole[i] for i in at))
+        for i, x in zip(at, gathered, strict=True):
+            whole[i] = checkpoint_name(x, GATHERED)
+    return nnx.merge(graphdef, treedef.unflatten(whole))
 
 
 def _graphdef(module: Any) -> Any:
