@@ -16,7 +16,8 @@ applies gradsync_jax's model-parallel mappings (``copy_to``, ``reduce_from``,
 the kernels carry their tensor/expert-parallel role as ``out_sharding`` (``"tp"`` on a
 column's output features or a row's input features, ``"ep"`` on the experts). As in
 ``examples/llama_torch.py`` (torchtitan's plan), ``output`` is column-parallel: each tp device
-holds ``1/tp`` of the vocabulary and the logits are gathered (``vocab_parallel_logits``).
+holds ``1/tp`` of the vocabulary; the training loss is computed without gathering the logits
+(``vocab_parallel_loss_sum``), ``vocab_parallel_logits`` gathers them.
 ``parallelize`` (below) turns the roles into mesh axes and builds the training step.
 """
 
@@ -303,6 +304,32 @@ def vocab_parallel_logits(output: nnx.Linear, h: jax.Array, ax: Axes = SERIAL) -
     return scatter_to(logits, ax.tp, dim=1) if ax.sequence_parallel else logits
 
 
+def vocab_parallel_loss_sum(
+    output: nnx.Linear, h: jax.Array, targets: jax.Array, ax: Axes = SERIAL
+) -> jax.Array:
+    """``token_loss_sum`` of the column-parallel ``output`` layer on ``h`` without gathering
+    the logits (Megatron's vocab-parallel cross-entropy, torchtitan's loss parallelism):
+    each ``tp`` device keeps its ``1/tp`` of the vocabulary, and the log-sum-exp and the
+    target's logit are summed over ``tp`` per token. Under sequence parallelism ``h`` and
+    ``targets`` are this device's slice of the sequence, gathered first (the output layer's
+    input is the whole sequence either way). The result is the same on every ``tp`` device:
+    the summed cross-entropy of every token of the ``tp`` group."""
+    if ax.tp is None:
+        return token_loss_sum(output(h), targets)
+    if ax.sequence_parallel:
+        targets = lax.all_gather(targets, ax.tp, axis=1, tiled=True)
+    local = output(_enter(h, ax)).astype(jnp.float32)  # (batch, seq, vocab / tp)
+    v = local.shape[-1]
+    top = lax.pmax(lax.stop_gradient(local.max(-1)), ax.tp)
+    index = targets - lax.axis_index(ax.tp) * v
+    mine = (index >= 0) & (index < v)
+    picked = jnp.take_along_axis(local, jnp.clip(index, 0, v - 1)[..., None], -1)[..., 0]
+    sums, target = lax.psum(
+        (jnp.exp(local - top[..., None]).sum(-1), jnp.where(mine, picked, 0.0)), ax.tp
+    )
+    return (top + jnp.log(sums) - target).sum()
+
+
 def token_loss_sum(logits: jax.Array, targets: jax.Array) -> jax.Array:
     """The summed next-token cross-entropy (float32) of the given tokens."""
     return optax.softmax_cross_entropy_with_integer_labels(
@@ -564,10 +591,11 @@ def parallelize(
     over the data-parallel axes; the sequence over ``cp`` (keys and values all-gathered,
     causal mask on global positions) and, with ``options.sequence_parallel``, over ``tp``;
     heads, hidden units and the output's vocabulary over ``tp`` (Megatron's column/row
-    mappings; the logits gathered over the vocabulary as torch's reference); experts over the
+    mappings; the cross-entropy vocab-parallel, the logits never gathered); experts over the
     mesh axis of the topology's ``ep`` groups (all-gather dispatch); every other parameter
-    cut over ``dp_shard`` on torch's dim 0 (ZeRO-3: all-gathered where a part of the
-    forward uses it, its gradient reduce-scattered by that gather's transpose) and
+    cut over ``dp_shard`` on torch's dim 0 (ZeRO-3: a module's chunks all-gathered where it
+    computes, its gradients summed over the shard group in one all-reduce, each device
+    keeping its chunk) and
     replicated over ``dp_replicate`` (HSDP); with ``pp > 1`` the layers run as a
     ``PipelinePlan`` in gradsync_jax's tick loop, each block gathering its own chunks.
     Gradients of parameters replicated over an axis the data is split on are summed over
@@ -671,7 +699,7 @@ def parallelize(
                 logits = h @ embedding["embedding"](chunks["tok_embeddings"]["embedding"]).T
             else:
                 output = _merged(output_def, gathers["output"], chunks["output"])
-                logits = vocab_parallel_logits(output, h, ax)
+                return vocab_parallel_loss_sum(output, h, targets, ax) / count
             return loss_share(logits, targets, count)
 
         loss, grads = jax.value_and_grad(local_loss)(chunks)
@@ -690,7 +718,10 @@ def parallelize(
         def head(p: Any, h: jax.Array, t: jax.Array) -> jax.Array:
             h = _merged(norm_def, head_gathers["norm"], p["norm"])(h)
             output = _merged(output_def, head_gathers["output"], p["output"])
-            return loss_share(vocab_parallel_logits(output, h, ax), t, count)
+            loss = vocab_parallel_loss_sum(output, h, t, ax) / count  # the same on every tp
+            if ax.sequence_parallel:  # the tick loop's values vary over tp: a 1/tp share each
+                loss = cast_varying(loss / lax.axis_size(ax.tp), (ax.tp,))
+            return loss
 
         fns = PipelineModel(
             embed=lambda p, t: _merged(embed_def, part_gathers["embed"], p)(t),
