@@ -572,6 +572,21 @@ def _merged(graphdef: Any, gathers: Any, chunks: Any) -> Any:
     return nnx.merge(graphdef, treedef.unflatten(whole))
 
 
+def _embed_rows(chunk: jax.Array, tokens: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """The embedding of ``tokens`` from its ``dp_shard`` chunk of vocabulary rows, without
+    gathering the table (GSPMD's lookup of a row-sharded table): the shard group's tokens
+    are gathered, each device looks up those in its rows (zeros elsewhere) and the partial
+    embeddings are reduce-scattered back to their rows of the batch. The backward gathers
+    the group's embedding gradients and adds each device's into its own rows."""
+    n_rows = chunk.shape[0]
+    every = lax.all_gather(tokens, axes, axis=0, tiled=True)
+    index = every - lax.axis_index(axes) * n_rows
+    mine = (index >= 0) & (index < n_rows)
+    found = jnp.take(chunk, jnp.clip(index, 0, n_rows - 1), axis=0)
+    part = jnp.where(mine[..., None], found, jnp.zeros((), chunk.dtype))
+    return lax.psum_scatter(part, axes, scatter_dimension=0, tiled=True)
+
+
 def _graphdef(module: Any) -> Any:
     return nnx.split(module, nnx.Param)[0]
 
@@ -595,7 +610,8 @@ def parallelize(
     mesh axis of the topology's ``ep`` groups (all-gather dispatch); every other parameter
     cut over ``dp_shard`` on torch's dim 0 (ZeRO-3: a module's chunks all-gathered where it
     computes, its gradients summed over the shard group in one all-reduce, each device
-    keeping its chunk) and
+    keeping its chunk; the untied embedding's rows looked up where they are, not gathered)
+    and
     replicated over ``dp_replicate`` (HSDP); with ``pp > 1`` the layers run as a
     ``PipelinePlan`` in gradsync_jax's tick loop, each block gathering its own chunks.
     Gradients of parameters replicated over an axis the data is split on are summed over
@@ -691,7 +707,11 @@ def parallelize(
     def local_step(chunks: Any, opt_state: Any, tokens: Any, targets: Any, count: int) -> Any:
         def local_loss(chunks: Any) -> jax.Array:
             embedding = gathers["tok_embeddings"]
-            h = _merged(embed_def, embedding, chunks["tok_embeddings"])(tokens)
+            rows = embedding["embedding"]
+            if output_def is not None and rows.axes and rows.dim == 0:
+                h = _embed_rows(chunks["tok_embeddings"]["embedding"], tokens, rows.axes)
+            else:  # stored whole, or tied: gathered (the output uses it again)
+                h = _merged(embed_def, embedding, chunks["tok_embeddings"])(tokens)
             for i in range(n_layers):
                 h = block_of(gathers["layers"][i])(chunks["layers"][i], h)
             h = _merged(norm_def, gathers["norm"], chunks["norm"])(h)
