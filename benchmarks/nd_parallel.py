@@ -46,6 +46,7 @@ schedule's peak stash with one, ``--schedule --microbatches``):
     python benchmarks/nd_parallel.py --repeat 3
     python benchmarks/nd_parallel.py --quick        # 1 warm-up and 2 timed steps
     python benchmarks/nd_parallel.py --only jax     # the JAX rows alone (or --only torch)
+    python benchmarks/nd_parallel.py --row jax_fsdp_tp   # one row alone (repeatable)
 
 The last line is one JSON object: {"bench": "nd_parallel", "ratio_vs_anchor": the median over
 the torch rows of gradsync's step time over torch's, "jax_ratio_vs_anchor": the same over the
@@ -124,7 +125,7 @@ def _jax(args: argparse.Namespace) -> dict[str, Any]:
         "batch": args.batch,
         "warmup": args.warmup,
         "steps": args.steps,
-        "configs": [[key, sizes] for key, (_, sizes) in JAX_ROWS.items()],
+        "configs": [[key, sizes] for key, (_, sizes) in JAX_ROWS.items() if key in args.rows],
     }
     result: dict[str, Any] = run_jax_part("_nd_parallel_jax.py", options)
     return result
@@ -143,8 +144,8 @@ def _torch_table(results: dict[str, Any], args: argparse.Namespace) -> None:
         f"  {'configuration':<36}{'gradsync ms':>12}{'torch ms':>10}{'ratio':>9}"
         f"{'loss rel diff':>15}{'max weight diff':>17}"
     )
-    for key, (label, _) in TORCH_ROWS.items():
-        r = results[key]
+    for key, r in results.items():
+        label = TORCH_ROWS[key][0]
         step = r["step_s"]
         print(
             f"  {label:<36}{step['gradsync'] * 1e3:>12.1f}{step['torch'] * 1e3:>10.1f}"
@@ -154,8 +155,8 @@ def _torch_table(results: dict[str, Any], args: argparse.Namespace) -> None:
         "  memory per rank, MiB, the fullest rank of each pipeline stage: held (params + grads "
         "+ state) / peak (held params and state + the step's live rise, activations included)"
     )
-    for key, (label, _) in TORCH_ROWS.items():
-        r, plan = results[key], results[key]["predicted"]
+    for key, r in results.items():
+        label, plan = TORCH_ROWS[key][0], r["predicted"]
         print(f"  {label}: predicted by `{plan['command']}`")
         for pp_rank, row in sorted(plan["rows"].items()):
             want_held = row["parameter_bytes"] + row["gradient_bytes"]
@@ -186,8 +187,8 @@ def _jax_table(results: dict[str, Any]) -> None:
         f"{'loss rel diff':>15}{'max weight diff':>17}   held / peak MiB per device: "
         "predicted, gradsync, GSPMD"
     )
-    for key, (label, _) in JAX_ROWS.items():
-        r = results[key]
+    for key, r in results.items():
+        label = JAX_ROWS[key][0]
         step, plan = r["step_s"], r["predicted"]["rows"][0]
         want_held = plan["parameter_bytes"] + plan["optimizer_state_bytes"]
         cells = [f"{_mib(want_held)} / {_mib(plan['peak_bytes'])}"]
@@ -202,15 +203,15 @@ def _jax_table(results: dict[str, Any]) -> None:
             f"{r['ratio']:>8.3f}x{r['loss_difference']:>15.1e}{r['param_difference']:>17.1e}   "
             + ", ".join(cells)
         )
-    for key, (label, _) in JAX_ROWS.items():
-        print(f"  {label}: predicted by `{results[key]['predicted']['command']}`")
+    for key, r in results.items():
+        print(f"  {JAX_ROWS[key][0]}: predicted by `{r['predicted']['command']}`")
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     """One whole run: the torch ranks, then the JAX process; print the tables, check the
     losses agree."""
-    torch_results = spawn_ranks(tnd.worker, args) if args.only != "jax" else {}
-    jax_results = _jax(args) if args.only != "torch" else {}
+    torch_results = spawn_ranks(tnd.worker, args) if args.configs else {}
+    jax_results = _jax(args) if set(JAX_ROWS) & set(args.rows) else {}
     for key in torch_results:
         torch_results[key]["predicted"] = predicted(TORCH_ROWS[key][1], args, "torch")
     for key in jax_results:
@@ -262,13 +263,24 @@ def main() -> None:
     parser.add_argument(
         "--only", choices=("torch", "jax"), default=None, help="run one framework's rows alone"
     )
+    parser.add_argument(
+        "--row",
+        action="append",
+        choices=(*TORCH_ROWS, *JAX_ROWS),
+        help="run this row alone (repeat the flag for several; default every row)",
+    )
     add_repeat_arg(parser)
     args = parser.parse_args()
     args.steps = args.steps or (2 if args.quick else 10)
     args.warmup = args.warmup or (1 if args.quick else 2)
     args.world_size = 8
     args.config = dataclasses.asdict(LLAMA_MODELS[MODEL])
-    args.configs = [(key, sizes) for key, (_, sizes) in TORCH_ROWS.items()]
+    frameworks = {"torch": TORCH_ROWS, "jax": JAX_ROWS}
+    rows = [k for f, r in frameworks.items() if args.only in (None, f) for k in r]
+    args.rows = [k for k in rows if not args.row or k in args.row]
+    if not args.rows:
+        parser.error(f"--only {args.only} leaves none of the rows {args.row}; drop one flag")
+    args.configs = [(key, sizes) for key, (_, sizes) in TORCH_ROWS.items() if key in args.rows]
     runs = run_repeats(lambda index: measure(args), args.repeat)
     keys = [k for k in RATIOS if k in runs[0]]
     finish(runs, ratio_keys=keys, largest_keys=("loss_difference",))

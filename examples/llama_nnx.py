@@ -16,7 +16,8 @@ applies gradsync_jax's model-parallel mappings (``copy_to``, ``reduce_from``,
 the kernels carry their tensor/expert-parallel role as ``out_sharding`` (``"tp"`` on a
 column's output features or a row's input features, ``"ep"`` on the experts). As in
 ``examples/llama_torch.py`` (torchtitan's plan), ``output`` is column-parallel: each tp device
-holds ``1/tp`` of the vocabulary and the logits are gathered (``vocab_parallel_logits``).
+holds ``1/tp`` of the vocabulary; the training loss is computed without gathering the logits
+(``vocab_parallel_loss_sum``), ``vocab_parallel_logits`` gathers them.
 ``parallelize`` (below) turns the roles into mesh axes and builds the training step.
 """
 
@@ -303,6 +304,32 @@ def vocab_parallel_logits(output: nnx.Linear, h: jax.Array, ax: Axes = SERIAL) -
     return scatter_to(logits, ax.tp, dim=1) if ax.sequence_parallel else logits
 
 
+def vocab_parallel_loss_sum(
+    output: nnx.Linear, h: jax.Array, targets: jax.Array, ax: Axes = SERIAL
+) -> jax.Array:
+    """``token_loss_sum`` of the column-parallel ``output`` layer on ``h`` without gathering
+    the logits (Megatron's vocab-parallel cross-entropy, torchtitan's loss parallelism):
+    each ``tp`` device keeps its ``1/tp`` of the vocabulary, and the log-sum-exp and the
+    target's logit are summed over ``tp`` per token. Under sequence parallelism ``h`` and
+    ``targets`` are this device's slice of the sequence, gathered first (the output layer's
+    input is the whole sequence either way). The result is the same on every ``tp`` device:
+    the summed cross-entropy of every token of the ``tp`` group."""
+    if ax.tp is None:
+        return token_loss_sum(output(h), targets)
+    if ax.sequence_parallel:
+        targets = lax.all_gather(targets, ax.tp, axis=1, tiled=True)
+    local = output(_enter(h, ax)).astype(jnp.float32)  # (batch, seq, vocab / tp)
+    v = local.shape[-1]
+    top = lax.pmax(lax.stop_gradient(local.max(-1)), ax.tp)
+    index = targets - lax.axis_index(ax.tp) * v
+    mine = (index >= 0) & (index < v)
+    picked = jnp.take_along_axis(local, jnp.clip(index, 0, v - 1)[..., None], -1)[..., 0]
+    sums, target = lax.psum(
+        (jnp.exp(local - top[..., None]).sum(-1), jnp.where(mine, picked, 0.0)), ax.tp
+    )
+    return (top + jnp.log(sums) - target).sum()
+
+
 def token_loss_sum(logits: jax.Array, targets: jax.Array) -> jax.Array:
     """The summed next-token cross-entropy (float32) of the given tokens."""
     return optax.softmax_cross_entropy_with_integer_labels(
@@ -330,8 +357,9 @@ class _Gather:
     axes: tuple[str, ...]
 
     def __call__(self, chunk: jax.Array) -> jax.Array:
-        # all_gather_from: its backward is the reduce-scatter, so each device's gradient
-        # is the sum over the shard group of its chunk's gradients (FSDP2's reduce-scatter).
+        # One chunk alone (the tied output's second use of the embedding; ``_merged``
+        # gathers a module's chunks together). all_gather_from: its backward is the
+        # reduce-scatter, each device's gradient the sum over the shard group of its chunk's.
         if not self.axes:
             return chunk
         return checkpoint_name(all_gather_from(chunk, self.axes, dim=self.dim), GATHERED)
@@ -498,9 +526,65 @@ def _sum_over(x: jax.Array, axes: Iterable[str]) -> jax.Array:
     return lax.psum(x, over) if over else x
 
 
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _gather_group(axes: tuple[str, ...], dims: tuple[int, ...], chunks: tuple[Any, ...]) -> Any:
+    """Each of a module's chunks all-gathered along its ``dims`` entry over the ``dp_shard``
+    axes ``axes`` (ZeRO-3); the backward sums the module's gradients over ``axes`` in one
+    tuple all-reduce and keeps each device's chunk of each (``_gather_group_bwd``)."""
+    return tuple(
+        lax.all_gather(c, axes, axis=d, tiled=True) for c, d in zip(chunks, dims, strict=True)
+    )
+
+
+def _gather_group_fwd(axes: Any, dims: Any, chunks: Any) -> tuple[Any, None]:
+    return _gather_group(axes, dims, chunks), None
+
+
+def _gather_group_bwd(axes: Any, dims: Any, _: None, grads: Any) -> tuple[Any]:
+    # One psum of the module's gradients (XLA's combiner may merge modules' further), not a
+    # reduce-scatter per parameter: on XLA:CPU each collective is a rendezvous of every
+    # device's thread, and their count, not their bytes, set the dp_shard x tp step's time
+    # (docs/nd-parallel.md, "Measured"). The sum is the same; each device keeps its chunk.
+    whole, index, n = lax.psum(grads, axes), lax.axis_index(axes), _size(axes)
+    return (
+        tuple(
+            lax.dynamic_slice_in_dim(g, index * (g.shape[d] // n), g.shape[d] // n, d)
+            for g, d in zip(whole, dims, strict=True)
+        ),
+    )
+
+
+_gather_group.defvjp(_gather_group_fwd, _gather_group_bwd)
+
+
 def _merged(graphdef: Any, gathers: Any, chunks: Any) -> Any:
-    """The module of ``graphdef`` on the whole parameters gathered from ``chunks``."""
-    return nnx.merge(graphdef, jax.tree.map(lambda g, c: g(c), gathers, chunks))
+    """The module of ``graphdef`` on the whole parameters gathered from ``chunks``: the
+    chunks sharded over the same axes gathered together (``_gather_group``), each named
+    ``GATHERED`` for ``reshard_after_forward``'s checkpoint policy."""
+    flat, treedef = jax.tree.flatten(gathers)
+    whole = list(treedef.flatten_up_to(chunks))
+    for axes in dict.fromkeys(g.axes for g in flat if g.axes):  # a fixed order on every host
+        at = [i for i, g in enumerate(flat) if g.axes == axes]
+        dims = tuple(flat[i].dim for i in at)
+        gathered = _gather_group(axes, dims, tuple(whole[i] for i in at))
+        for i, x in zip(at, gathered, strict=True):
+            whole[i] = checkpoint_name(x, GATHERED)
+    return nnx.merge(graphdef, treedef.unflatten(whole))
+
+
+def _embed_rows(chunk: jax.Array, tokens: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """The embedding of ``tokens`` from its ``dp_shard`` chunk of vocabulary rows, without
+    gathering the table (GSPMD's lookup of a row-sharded table): the shard group's tokens
+    are gathered, each device looks up those in its rows (zeros elsewhere) and the partial
+    embeddings are reduce-scattered back to their rows of the batch. The backward gathers
+    the group's embedding gradients and adds each device's into its own rows."""
+    n_rows = chunk.shape[0]
+    every = lax.all_gather(tokens, axes, axis=0, tiled=True)
+    index = every - lax.axis_index(axes) * n_rows
+    mine = (index >= 0) & (index < n_rows)
+    found = jnp.take(chunk, jnp.clip(index, 0, n_rows - 1), axis=0)
+    part = jnp.where(mine[..., None], found, jnp.zeros((), chunk.dtype))
+    return lax.psum_scatter(part, axes, scatter_dimension=0, tiled=True)
 
 
 def _graphdef(module: Any) -> Any:
@@ -522,10 +606,12 @@ def parallelize(
     over the data-parallel axes; the sequence over ``cp`` (keys and values all-gathered,
     causal mask on global positions) and, with ``options.sequence_parallel``, over ``tp``;
     heads, hidden units and the output's vocabulary over ``tp`` (Megatron's column/row
-    mappings; the logits gathered over the vocabulary as torch's reference); experts over the
+    mappings; the cross-entropy vocab-parallel, the logits never gathered); experts over the
     mesh axis of the topology's ``ep`` groups (all-gather dispatch); every other parameter
-    cut over ``dp_shard`` on torch's dim 0 (ZeRO-3: all-gathered where a part of the
-    forward uses it, its gradient reduce-scattered by that gather's transpose) and
+    cut over ``dp_shard`` on torch's dim 0 (ZeRO-3: a module's chunks all-gathered where it
+    computes, its gradients summed over the shard group in one all-reduce, each device
+    keeping its chunk; the untied embedding's rows looked up where they are, not gathered)
+    and
     replicated over ``dp_replicate`` (HSDP); with ``pp > 1`` the layers run as a
     ``PipelinePlan`` in gradsync_jax's tick loop, each block gathering its own chunks.
     Gradients of parameters replicated over an axis the data is split on are summed over
@@ -621,7 +707,11 @@ def parallelize(
     def local_step(chunks: Any, opt_state: Any, tokens: Any, targets: Any, count: int) -> Any:
         def local_loss(chunks: Any) -> jax.Array:
             embedding = gathers["tok_embeddings"]
-            h = _merged(embed_def, embedding, chunks["tok_embeddings"])(tokens)
+            rows = embedding["embedding"]
+            if output_def is not None and rows.axes and rows.dim == 0:
+                h = _embed_rows(chunks["tok_embeddings"]["embedding"], tokens, rows.axes)
+            else:  # stored whole, or tied: gathered (the output uses it again)
+                h = _merged(embed_def, embedding, chunks["tok_embeddings"])(tokens)
             for i in range(n_layers):
                 h = block_of(gathers["layers"][i])(chunks["layers"][i], h)
             h = _merged(norm_def, gathers["norm"], chunks["norm"])(h)
@@ -629,7 +719,7 @@ def parallelize(
                 logits = h @ embedding["embedding"](chunks["tok_embeddings"]["embedding"]).T
             else:
                 output = _merged(output_def, gathers["output"], chunks["output"])
-                logits = vocab_parallel_logits(output, h, ax)
+                return vocab_parallel_loss_sum(output, h, targets, ax) / count
             return loss_share(logits, targets, count)
 
         loss, grads = jax.value_and_grad(local_loss)(chunks)
@@ -648,7 +738,10 @@ def parallelize(
         def head(p: Any, h: jax.Array, t: jax.Array) -> jax.Array:
             h = _merged(norm_def, head_gathers["norm"], p["norm"])(h)
             output = _merged(output_def, head_gathers["output"], p["output"])
-            return loss_share(vocab_parallel_logits(output, h, ax), t, count)
+            loss = vocab_parallel_loss_sum(output, h, t, ax) / count  # the same on every tp
+            if ax.sequence_parallel:  # the tick loop's values vary over tp: a 1/tp share each
+                loss = cast_varying(loss / lax.axis_size(ax.tp), (ax.tp,))
+            return loss
 
         fns = PipelineModel(
             embed=lambda p, t: _merged(embed_def, part_gathers["embed"], p)(t),
