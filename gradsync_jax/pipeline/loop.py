@@ -137,6 +137,14 @@ def run_pipeline(
     stash_rows = _rows([c.stash for c in cells.values()])
     cross_rows = _cross_zeros([c.cross for c in cells.values()])
     grads_zero = _cast(jax.tree.map(jnp.zeros_like, (embed, _index(blocks, 0), head)), axes)
+    cross_keys = list(cross_rows)
+    no_cross = CrossLayout(())
+    # zeros made where they are returned: a zero array made here and returned by a branch
+    # is an operand of its switch, filled at every tick whether the branch runs or not
+    act_zero_, loss_zero_, grads_zero_ = act_zero, loss_zero, grads_zero
+    act_zero = lambda: _zeros(act_zero_)  # noqa: E731
+    loss_zero = lambda: _zeros(loss_zero_)  # noqa: E731
+    grads_zero = lambda: _zeros(grads_zero_)  # noqa: E731
 
     def forward(t: str) -> Callable[..., dict[str, Any]]:
         c = cells[t]
@@ -145,7 +153,7 @@ def run_pipeline(
         def run(p: Any, data: Any, x: Any, bufs: Any, slots: Any) -> dict[str, Any]:
             flat_p, flat_d = jax.tree.leaves(_stage_params(t, *p)), jax.tree.leaves(data)
             y, *kept = c.run(c.forward, *flat_p, *flat_d, *([] if first else [x]))
-            send, lost = (act_zero, y) if last else (y, loss_zero)
+            send, lost = (act_zero(), y) if last else (y, loss_zero())
             return {"send": send, "loss": lost, "stash": c.stash.pack(kept, stash_rows)}
 
         return run
@@ -158,14 +166,15 @@ def run_pipeline(
             flat_p, flat_d = jax.tree.leaves(_stage_params(t, *p)), jax.tree.leaves(data)
             stash_read, cross_read = slots
             stashed = c.stash.read(bufs[0], stash_read)
-            out = {"send": act_zero, "cross": dict(cross_rows), "grads": grads_zero}
+            out = {"send": act_zero(), "cross": {}, "grads": None}
             if kind in (INPUT, BACKWARD):
-                seed = jnp.ones_like(loss_zero) if last else g
+                seed = loss_zero() + 1 if last else g
                 outs = c.run(c.input_grad, *flat_p, *flat_d, *stashed, seed)
-                dx, crossed = (act_zero, outs) if first else (outs[0], outs[1:])
+                dx, crossed = (act_zero(), outs) if first else (outs[0], outs[1:])
                 out["send"] = dx
                 if kind == INPUT:
-                    out["cross"] = c.cross.pack(crossed, cross_rows)
+                    out["cross"] = c.cross.pack(crossed, cross_keys)
+                    out["grads"] = grads_zero()
                     return out
             else:
                 crossed = c.cross.read(bufs[1], cross_read)
@@ -180,12 +189,14 @@ def run_pipeline(
                 c.run(c.weight_grad, *flat_p, *flat_d, *stashed, *crossed)
             )
             d_embed, d_blocks, d_head = grads
+            zero = grads_zero()
             full = (
-                grads_zero[0] if d_embed is None else d_embed,
+                zero[0] if d_embed is None else d_embed,
                 d_blocks,
-                grads_zero[2] if d_head is None else d_head,
+                zero[2] if d_head is None else d_head,
             )
             out["grads"] = _cast(full, axes)
+            out["cross"] = no_cross.pack([], cross_keys)
             return out
 
         return run
@@ -294,7 +305,7 @@ def run_pipeline(
                 return mine, out.get("send")
 
             def idle(mine: dict[str, Any]) -> tuple[dict[str, Any], Any]:
-                return mine, act_zero if "send" in fields else None
+                return mine, act_zero() if "send" in fields else None
 
             mine = {k: state[k] for k in writes}
             mine, send = lax.cond(branch != 0, busy, idle, mine) if idles else busy(mine)
@@ -330,7 +341,7 @@ def run_pipeline(
                 data = _cast((_index(inputs, mb), _index(targets, mb)), axes)
                 kept = (state["stash"], state["cross"])
                 slots = (col("w_stash_read"), col("cross_read"))
-                state, _ = run_lane("w", state, col, data, act_zero, kept, slots)
+                state, _ = run_lane("w", state, col, data, None, kept, slots)
             sums = state["sums"]
             if adds_held:  # the spare slot is zeros: nothing added
                 sums = add(sums, col("held_local"), _index(state["held"], col("held_read")))
@@ -349,9 +360,9 @@ def run_pipeline(
         },
         {k: _slotted(r, spare["stash"]) for k, r in stash_rows.items()},
         {k: _slotted(r, spare["cross"]) for k, r in cross_rows.items()},
-        _slotted_tree(grads_zero, spare["held"] if holding else 0),
+        _slotted_tree(grads_zero_, spare["held"] if holding else 0),
         _cast(jax.tree.map(jnp.zeros_like, (embed, blocks, head)), axes),
-        loss_zero,
+        loss_zero_,
     )
     for first, end in program.phases:
         rows = program.table[first:end]
@@ -405,6 +416,13 @@ def _cross_zeros(layouts: list[CrossLayout]) -> dict[Any, jax.Array]:
         dtype, vary, shape, _ = key
         zeros[key] = _vary(jnp.zeros((math.prod(shape),), np.dtype(dtype)), vary)
     return zeros
+
+
+def _zeros(tree: Any) -> Any:
+    """Fresh zeros shaped, typed and varying like ``tree``'s leaves."""
+    return jax.tree.map(
+        lambda z: _vary(jnp.zeros(z.shape, z.dtype), aval_varying(jax.typeof(z))), tree
+    )
 
 
 def _slotted(row: jax.Array, slots: int) -> jax.Array:
