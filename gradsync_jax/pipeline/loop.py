@@ -16,22 +16,26 @@ the microbatches (a tick is one body, m = 32 has ~70 ticks at pp 4), and its mem
 carried buffers, whose slots are the plan's stash, nothing XLA could schedule otherwise.
 
 What a tick costs beyond its cells: a switch's branches all return the same values, so a
-branch returns zeros for what its cell does not make (an idle forward lane, a stash row; an
-idle weight lane, the parameter-sized gradients) and the tick writes them into the spare
-slots and adds them. The weight gradient has a lane of its own for this too: in the
-backward lane an input gradient would return zero gradients and a weight gradient a zero
-cross row, at every tick. So the ticks run as up to three loops, one per phase of the plan
-(``TickProgram.phases``: the forwards-only warm-up, the mixed middle, the backwards-only
-cool-down), each body holding only the lanes, outputs, buffer writes, gradient adds and
-``ppermute`` shifts that its phase's cells make: GPipe's forward loop moves no gradient, its
-backward loop no stash. The branches read the stash and cross buffers themselves (an operand
-of the switch is read in place; a row sliced before it was copied out at every tick), after
-the forward lane wrote its stash row (read first, XLA copied the stash buffer twice per
-tick; the slot written is never the one read, ``ticks.py``). What the branches write cannot
-move into them: XLA copies every buffer that a branch passes through unchanged, at every
-tick. A whole backward runs the input-gradient program, then the weight-gradient program
-behind ``lax.optimization_barrier`` (one per value): nothing fused across them, it rounds as
-the two halves do in ticks of their own.
+branch returns zeros for what its cell does not make. The ticks run as up to three loops, one
+per phase of the plan (``TickProgram.phases``: the forwards-only warm-up, the mixed middle,
+the backwards-only cool-down), each body holding only the lanes, outputs, buffer writes,
+gradient adds and ``ppermute`` shifts that its phase's cells make: GPipe's forward loop moves
+no gradient, its backward loop no stash. A lane that is idle at some tick of its phase runs
+under ``lax.cond``: idle, it computes, returns and writes nothing (no zero stash row into a
+spare slot, no zero cross values, no add of a stage's zero gradients to its sums), and XLA
+updates the buffers in place through the cond (the compiled idle branch is the buffers passed
+through, no copy). Busy, its cell runs in a ``lax.switch`` of its own over the cells of its
+kind, and the cond's branch writes what the switch returns: a write stays outside the cell's
+own computation, so XLA fuses no value's producer into it (a fused producer ran twice,
+``split.py``). A weight gradient has a lane of its own so that an input gradient returns no
+gradients and a weight gradient no cross values. The branches read the stash and cross
+buffers themselves (an operand of the switch is read in place; a row sliced before it was
+copied out at every tick), after the forward lane wrote its stash row (read first, XLA copied
+the stash buffer twice per tick; the slot written is never the one read, ``ticks.py``). The
+zeros a branch returns are made inside it: a zero array made outside is an operand of the
+switch, filled at every tick. A whole backward runs the input-gradient program, then the
+weight-gradient program behind ``lax.optimization_barrier`` (one per value): nothing fused
+across them, it rounds as the two halves do in ticks of their own.
 """
 
 from __future__ import annotations
