@@ -16,22 +16,26 @@ the microbatches (a tick is one body, m = 32 has ~70 ticks at pp 4), and its mem
 carried buffers, whose slots are the plan's stash, nothing XLA could schedule otherwise.
 
 What a tick costs beyond its cells: a switch's branches all return the same values, so a
-branch returns zeros for what its cell does not make (an idle forward lane, a stash row; an
-idle weight lane, the parameter-sized gradients) and the tick writes them into the spare
-slots and adds them. The weight gradient has a lane of its own for this too: in the
-backward lane an input gradient would return zero gradients and a weight gradient a zero
-cross row, at every tick. So the ticks run as up to three loops, one per phase of the plan
-(``TickProgram.phases``: the forwards-only warm-up, the mixed middle, the backwards-only
-cool-down), each body holding only the lanes, outputs, buffer writes, gradient adds and
-``ppermute`` shifts that its phase's cells make: GPipe's forward loop moves no gradient, its
-backward loop no stash. The branches read the stash and cross buffers themselves (an operand
-of the switch is read in place; a row sliced before it was copied out at every tick), after
-the forward lane wrote its stash row (read first, XLA copied the stash buffer twice per
-tick; the slot written is never the one read, ``ticks.py``). What the branches write cannot
-move into them: XLA copies every buffer that a branch passes through unchanged, at every
-tick. A whole backward runs the input-gradient program, then the weight-gradient program
-behind ``lax.optimization_barrier`` (one per value): nothing fused across them, it rounds as
-the two halves do in ticks of their own.
+branch returns zeros for what its cell does not make. The ticks run as up to three loops, one
+per phase of the plan (``TickProgram.phases``: the forwards-only warm-up, the mixed middle,
+the backwards-only cool-down), each body holding only the lanes, outputs, buffer writes,
+gradient adds and ``ppermute`` shifts that its phase's cells make: GPipe's forward loop moves
+no gradient, its backward loop no stash. A lane that is idle at some tick of its phase runs
+under ``lax.cond``: idle, it computes, returns and writes nothing (no zero stash row into a
+spare slot, no zero cross values, no add of a stage's zero gradients to its sums), and XLA
+updates the buffers in place through the cond (the compiled idle branch is the buffers passed
+through, no copy). Busy, its cell runs in a ``lax.switch`` of its own over the cells of its
+kind, and the cond's branch writes what the switch returns: a write stays outside the cell's
+own computation, so XLA fuses no value's producer into it (a fused producer ran twice,
+``split.py``). A weight gradient has a lane of its own so that an input gradient returns no
+gradients and a weight gradient no cross values. The branches read the stash and cross
+buffers themselves (an operand of the switch is read in place; a row sliced before it was
+copied out at every tick), after the forward lane wrote its stash row (read first, XLA copied
+the stash buffer twice per tick; the slot written is never the one read, ``ticks.py``). The
+zeros a branch returns are made inside it: a zero array made outside is an operand of the
+switch, filled at every tick. A whole backward runs the input-gradient program, then the
+weight-gradient program behind ``lax.optimization_barrier`` (one per value): nothing fused
+across them, it rounds as the two halves do in ticks of their own.
 """
 
 from __future__ import annotations
@@ -137,15 +141,23 @@ def run_pipeline(
     stash_rows = _rows([c.stash for c in cells.values()])
     cross_rows = _cross_zeros([c.cross for c in cells.values()])
     grads_zero = _cast(jax.tree.map(jnp.zeros_like, (embed, _index(blocks, 0), head)), axes)
+    cross_keys = list(cross_rows)
+    no_cross = CrossLayout(())
+    # zeros made where they are returned: a zero array made here and returned by a branch
+    # is an operand of its switch, filled at every tick whether the branch runs or not
+    act_zero_, loss_zero_, grads_zero_ = act_zero, loss_zero, grads_zero
+    act_zero = lambda: _zeros(act_zero_)  # noqa: E731
+    loss_zero = lambda: _zeros(loss_zero_)  # noqa: E731
+    grads_zero = lambda: _zeros(grads_zero_)  # noqa: E731
 
     def forward(t: str) -> Callable[..., dict[str, Any]]:
         c = cells[t]
         first, last = t in (FIRST, ONLY), t in (LAST, ONLY)
 
-        def run(p: Any, data: Any, x: Any) -> dict[str, Any]:
+        def run(p: Any, data: Any, x: Any, bufs: Any, slots: Any) -> dict[str, Any]:
             flat_p, flat_d = jax.tree.leaves(_stage_params(t, *p)), jax.tree.leaves(data)
             y, *kept = c.run(c.forward, *flat_p, *flat_d, *([] if first else [x]))
-            send, lost = (act_zero, y) if last else (y, loss_zero)
+            send, lost = (act_zero(), y) if last else (y, loss_zero())
             return {"send": send, "loss": lost, "stash": c.stash.pack(kept, stash_rows)}
 
         return run
@@ -158,14 +170,15 @@ def run_pipeline(
             flat_p, flat_d = jax.tree.leaves(_stage_params(t, *p)), jax.tree.leaves(data)
             stash_read, cross_read = slots
             stashed = c.stash.read(bufs[0], stash_read)
-            out = {"send": act_zero, "cross": dict(cross_rows), "grads": grads_zero}
+            out = {"send": act_zero(), "cross": {}, "grads": None}
             if kind in (INPUT, BACKWARD):
-                seed = jnp.ones_like(loss_zero) if last else g
+                seed = loss_zero() + 1 if last else g
                 outs = c.run(c.input_grad, *flat_p, *flat_d, *stashed, seed)
-                dx, crossed = (act_zero, outs) if first else (outs[0], outs[1:])
+                dx, crossed = (act_zero(), outs) if first else (outs[0], outs[1:])
                 out["send"] = dx
                 if kind == INPUT:
-                    out["cross"] = c.cross.pack(crossed, cross_rows)
+                    out["cross"] = c.cross.pack(crossed, cross_keys)
+                    out["grads"] = grads_zero()
                     return out
             else:
                 crossed = c.cross.read(bufs[1], cross_read)
@@ -180,24 +193,17 @@ def run_pipeline(
                 c.run(c.weight_grad, *flat_p, *flat_d, *stashed, *crossed)
             )
             d_embed, d_blocks, d_head = grads
+            zero = grads_zero()
             full = (
-                grads_zero[0] if d_embed is None else d_embed,
+                zero[0] if d_embed is None else d_embed,
                 d_blocks,
-                grads_zero[2] if d_head is None else d_head,
+                zero[2] if d_head is None else d_head,
             )
             out["grads"] = _cast(full, axes)
+            out["cross"] = no_cross.pack([], cross_keys)
             return out
 
         return run
-
-    def idle(*_: Any) -> dict[str, Any]:
-        return {
-            "send": act_zero,
-            "loss": loss_zero,
-            "stash": dict(stash_rows),
-            "cross": dict(cross_rows),
-            "grads": grads_zero,
-        }
 
     p = program.pp
     right = [(i, (i + 1) % p) for i in range(p)]
@@ -220,11 +226,13 @@ def run_pipeline(
 
     def lane_switch(
         rows: np.ndarray, lane: str, make: Callable[[int, str], Callable[..., Any]]
-    ) -> tuple[Any, set[int], set[str]]:
-        """One lane's switch for this phase: its branch index of each of the program's
-        branches (0: idle), the cells' kinds, and what its branches return."""
+    ) -> tuple[Any, set[int], set[str], bool]:
+        """One lane's switch for this phase, over the cells it runs (idle not among them):
+        its branch index of each of the program's branches, the branches, the cells'
+        kinds, what its branches return, and whether the lane is ever idle in the phase."""
         used = np.unique(rows[:, :, COL[f"{lane}_branch"]])
-        kinds = {program.branches[b - 1][0] for b in used if b}
+        busy = [int(b) for b in used if b]
+        kinds = {program.branches[b - 1][0] for b in busy}
         fields = set()
         if FORWARD in kinds:
             fields |= {"send", "loss", "stash"}
@@ -235,20 +243,22 @@ def run_pipeline(
         if kinds & set(GRADIENT_KINDS):
             fields.add("grads")
         keep = lambda run: lambda *a: {k: v for k, v in run(*a).items() if k in fields}  # noqa: E731
-        branches = [keep(idle)] + [keep(make(*program.branches[b - 1])) for b in used if b]
+        branches = [keep(make(*program.branches[b - 1])) for b in busy]
         index = np.zeros(len(program.branches) + 1, dtype=np.int32)
-        index[used] = np.arange(len(used)) if used[0] == 0 else np.arange(1, len(used) + 1)
-        return (jnp.asarray(index), branches), kinds, fields
+        index[busy] = np.arange(len(busy))
+        return (jnp.asarray(index), branches), kinds, fields, bool(used[0] == 0)
 
     def phase(rows: np.ndarray) -> Callable[..., tuple[Any, None]]:
         """The tick body of one phase (``rows``: its ticks' tables): only the lanes, outputs,
-        buffer writes, gradient adds and shifts that some cell of the phase makes, every
-        other one zero at every tick of it (a write of nothing to the spare slot, an add of
-        zeros)."""
+        buffer writes, gradient adds and shifts that some cell of the phase makes. A lane
+        that is idle at some tick of the phase runs under ``lax.cond``: idle, it computes,
+        writes and adds nothing."""
         col_of = lambda name: rows[:, :, COL[name]]  # noqa: E731
-        f_switch, f_kinds, _ = lane_switch(rows, "f", lambda _, t: forward(t))
-        b_switch, b_kinds, b_fields = lane_switch(rows, "b", backward)
-        w_switch, w_kinds, _ = lane_switch(rows, "w", backward)
+        lanes = {
+            "f": lane_switch(rows, "f", lambda _, t: forward(t)),
+            "b": lane_switch(rows, "b", backward),
+            "w": lane_switch(rows, "w", backward),
+        }
         sources = [
             (buf, src)
             for buf, src in program.sources
@@ -266,77 +276,83 @@ def run_pipeline(
                 arriving["right"] = arriving["left"] if again else lax.ppermute(send, "pp", left)
             return arriving
 
+        def run_lane(lane: str, state: dict[str, Any], col: Any, *args: Any) -> Any:
+            """Run ``lane``'s cell of this tick and write what it leaves into ``state`` (the
+            stash, loss, cross and gradient buffers); returns ``(state, what it sends)``."""
+            (index, branches), _, fields, idles = lanes[lane]
+            branch = col(f"{lane}_branch")
+            local = col(f"{lane}_local")
+            writes = {"stash", "loss"} if "stash" in fields else set()
+            writes |= {"cross"} if "cross" in fields else set()
+            writes |= {"held" if holding else "sums"} if "grads" in fields else set()
+
+            def busy(mine: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+                # the cell in a switch of its own, its writes outside it: XLA fuses no
+                # value's producer into its write (a fused producer runs twice, split.py)
+                out = lax.switch(index[branch], branches, stage_params(local), *args)
+                mine = dict(mine)
+                if "stash" in out:
+                    mine["stash"] = {
+                        k: _write(b, col("stash_write"), out["stash"][k])
+                        for k, b in mine["stash"].items()
+                    }
+                    mine["loss"] = mine["loss"] + out["loss"]
+                if "cross" in out:
+                    mine["cross"] = {
+                        k: _write(b, col("cross_write"), out["cross"][k])
+                        for k, b in mine["cross"].items()
+                    }
+                if "grads" in out and holding:  # every gradient passes through its held slot
+                    mine["held"] = _write_tree(mine["held"], col("held_write"), out["grads"])
+                elif "grads" in out:  # made in microbatch order: added as made
+                    mine["sums"] = add(mine["sums"], local, out["grads"])
+                return mine, out.get("send")
+
+            def idle(mine: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+                return mine, act_zero() if "send" in fields else None
+
+            mine = {k: state[k] for k in writes}
+            mine, send = lax.cond(branch != 0, busy, idle, mine) if idles else busy(mine)
+            return {**state, **mine}, send
+
         def tick(carry: Any, row_all: jax.Array) -> tuple[Any, None]:
             bufs, stashed, crossed, held, sums, loss_sum = carry
             row = row_all[me]
             col = lambda name: row[COL[name]]  # noqa: E731
             bufs = dict(bufs)
             arrived = {}
-            made = []  # (local stage, gradients) of the lanes that make them
-            if f_kinds:
+            state = {"stash": stashed, "loss": loss_sum, "cross": crossed, "held": held}
+            state["sums"] = sums
+            if lanes["f"][1]:
                 mb = col("f_mb")
                 data = _cast((_index(inputs, mb), _index(targets, mb)), axes)
                 x = _index(bufs["act"], col("act_read"))
-                index, branches = f_switch
-                out = lax.switch(
-                    index[col("f_branch")], branches, stage_params(col("f_local")), data, x
-                )
-                stashed = {
-                    k: _write(b, col("stash_write"), out["stash"][k]) for k, b in stashed.items()
-                }
-                loss_sum = loss_sum + out["loss"]
-                arrived["act"] = shifted(out["send"], {s for b, s in sources if b == "act"})
-            if b_kinds:
-                local, mb = col("b_local"), col("b_mb")
+                state, send = run_lane("f", state, col, data, x, None, None)
+                arrived["act"] = shifted(send, {s for b, s in sources if b == "act"})
+            if lanes["b"][1]:
+                mb = col("b_mb")
                 data = _cast((_index(inputs, mb), _index(targets, mb)), axes)
                 g = _index(bufs["grad"], col("grad_read"))
                 # the branches read the stash and cross buffers in place: a row sliced
                 # here would be copied out at every tick, read or not
-                kept = (stashed, crossed)
+                kept = (state["stash"], state["cross"])
                 slots = (col("stash_read"), col("cross_read"))
-                index, branches = b_switch
-                out = lax.switch(
-                    index[col("b_branch")], branches, stage_params(local), data, g, kept, slots
-                )
-                if "cross" in out:
-                    crossed = {
-                        k: _write(b, col("cross_write"), out["cross"][k])
-                        for k, b in crossed.items()
-                    }
-                if "grads" in out:
-                    made.append((local, out["grads"]))
-                if "send" in b_fields:
-                    arrived["grad"] = shifted(out["send"], {s for b, s in sources if b == "grad"})
-            if w_kinds:  # after the backward lane: the cross values it reads may be new
-                local, mb = col("w_local"), col("w_mb")
+                state, send = run_lane("b", state, col, data, g, kept, slots)
+                if send is not None:
+                    arrived["grad"] = shifted(send, {s for b, s in sources if b == "grad"})
+            if lanes["w"][1]:  # after the backward lane: the cross values it reads may be new
+                mb = col("w_mb")
                 data = _cast((_index(inputs, mb), _index(targets, mb)), axes)
-                kept = (stashed, crossed)
+                kept = (state["stash"], state["cross"])
                 slots = (col("w_stash_read"), col("cross_read"))
-                index, branches = w_switch
-                out = lax.switch(
-                    index[col("w_branch")],
-                    branches,
-                    stage_params(local),
-                    data,
-                    act_zero,
-                    kept,
-                    slots,
-                )
-                made.append((local, out["grads"]))
-            if holding and made:  # every gradient passes through its held slot
-                # a tick makes at most one: the other lane's are zeros (x + 0 is x)
-                grads = (
-                    made[0][1] if len(made) == 1 else jax.tree.map(jnp.add, *[g for _, g in made])
-                )
-                held = _write_tree(held, col("held_write"), grads)
-            elif made:  # made in microbatch order: added as made
-                for local, grads in made:
-                    sums = add(sums, local, grads)
+                state, _ = run_lane("w", state, col, data, None, kept, slots)
+            sums = state["sums"]
             if adds_held:  # the spare slot is zeros: nothing added
-                sums = add(sums, col("held_local"), _index(held, col("held_read")))
+                sums = add(sums, col("held_local"), _index(state["held"], col("held_read")))
             for buf, src in sources:
                 bufs[buf] = _write(bufs[buf], col(f"{buf}_from_{src}"), arrived[buf][src])
-            return (bufs, stashed, crossed, held, sums, loss_sum), None
+            carry = (bufs, state["stash"], state["cross"], state["held"], sums, state["loss"])
+            return carry, None
 
         return tick
 
@@ -348,9 +364,9 @@ def run_pipeline(
         },
         {k: _slotted(r, spare["stash"]) for k, r in stash_rows.items()},
         {k: _slotted(r, spare["cross"]) for k, r in cross_rows.items()},
-        _slotted_tree(grads_zero, spare["held"] if holding else 0),
+        _slotted_tree(grads_zero_, spare["held"] if holding else 0),
         _cast(jax.tree.map(jnp.zeros_like, (embed, blocks, head)), axes),
-        loss_zero,
+        loss_zero_,
     )
     for first, end in program.phases:
         rows = program.table[first:end]
@@ -404,6 +420,13 @@ def _cross_zeros(layouts: list[CrossLayout]) -> dict[Any, jax.Array]:
         dtype, vary, shape, _ = key
         zeros[key] = _vary(jnp.zeros((math.prod(shape),), np.dtype(dtype)), vary)
     return zeros
+
+
+def _zeros(tree: Any) -> Any:
+    """Fresh zeros shaped, typed and varying like ``tree``'s leaves."""
+    return jax.tree.map(
+        lambda z: _vary(jnp.zeros(z.shape, z.dtype), aval_varying(jax.typeof(z))), tree
+    )
 
 
 def _slotted(row: jax.Array, slots: int) -> jax.Array:

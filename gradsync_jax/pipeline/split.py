@@ -38,6 +38,7 @@ import numpy as np
 from jax import lax
 from jax.extend.core import DebugInfo, Jaxpr, Literal, Var
 
+from gradsync_jax._axes import cast_varying
 from gradsync_jax.pipeline.ticks import FIRST, LAST, ONLY
 
 STASH_MODES = ("residuals", "input")
@@ -99,7 +100,11 @@ class RowLayout:
         for key, row in rows.items():
             used = sum(p.size for p in parts[key])
             if used < row.shape[0]:
-                parts[key].append(row[used:])  # the zero row's tail: its type (and axes)
+                # the row's zero tail, made here (a slice of ``row``, made outside the
+                # cell, would be filled at every tick): its type and axes
+                tail = jnp.zeros((row.shape[0] - used,), row.dtype)
+                vary = tuple(sorted(aval_varying(jax.typeof(row))))
+                parts[key].append(cast_varying(tail, vary) if vary else tail)
             out[key] = jnp.concatenate(parts[key]) if len(parts[key]) > 1 else parts[key][0]
         return out
 
@@ -125,8 +130,8 @@ class CrossLayout:
     the input gradient computed its cross values twice (a GELU's derivative, the running
     sum of the residual's gradients; 9.5-10.2 ms against 5.3 apart, docs/pipeline.md). A
     value returned as it is is computed once; its buffer is written in place, outside the
-    switch. The buffers are flat, read as a slice reshaped: read as a slot of a buffer
-    shaped like the value, the split schedules' bits moved from a whole backward's (6e-8).
+    switch. The buffers are flat, read as a slice reshaped: read as a slot of a buffer shaped
+    like the value, the split schedules' bits moved from a whole backward's (6e-8).
     """
 
     keys: tuple[CrossKey, ...]
@@ -141,12 +146,16 @@ class CrossLayout:
             seen[base] = seen.get(base, 0) + 1
         return cls(tuple(keys))
 
-    def pack(self, values: Sequence[Any], zeros: dict[CrossKey, Any]) -> dict[CrossKey, Any]:
-        """``values`` flat by their keys, the other buffers' zeros (``zeros``: one flat
-        row per key)."""
-        out = dict(zeros)
-        out.update((key, jnp.ravel(value)) for key, value in zip(self.keys, values, strict=True))
-        return out
+    def pack(self, values: Sequence[Any], keys: Sequence[CrossKey]) -> dict[CrossKey, Any]:
+        """``values`` flat by their keys, zeros (made here) for the ``keys`` of the other
+        stage types' buffers."""
+        out = {key: jnp.ravel(value) for key, value in zip(self.keys, values, strict=True)}
+        for key in keys:
+            if key not in out:
+                dtype, vary, shape, _ = key
+                zero = jnp.zeros((math.prod(shape),), np.dtype(dtype))
+                out[key] = cast_varying(zero, tuple(sorted(vary))) if vary else zero
+        return {key: out[key] for key in keys}
 
     def read(self, bufs: dict[CrossKey, jax.Array], slot: Any) -> list[jax.Array]:
         """The values that ``pack`` laid out, read from slot ``slot`` of ``bufs``."""
