@@ -308,7 +308,7 @@ def _per_replica(name: str, times: ReplicaTimes, dp: int, n: int) -> list[list[f
             f"{name} has {len(times)} lists of times for {dp} replicas; give one list per "
             "replica (dp), or one time per stage for all of them"
         )
-    return [_per_stage(name, t, n) for t in times]  # type: ignore[arg-type]
+    return [_per_stage(name, t, n) for t in times]
 
 
 def _walk(
