@@ -333,6 +333,28 @@ def _reduce_seconds(pipe: Pipeline, rounds: int = 5) -> dict[int, tuple[float, f
     }
 
 
+def _reduce_cpu_in_step(pipe: Pipeline) -> list[float]:
+    """Each ``REDUCE_GRAD``'s CPU time in the steps (``time.process_time``: all threads), in
+    the order they ran, appended to the list returned (by wrapping the pipeline object's
+    ``_reduce``; the executor itself is unchanged)."""
+    taken: list[float] = []
+    reduce = pipe._reduce
+
+    def _reduce(stage: Any) -> None:
+        cpu = time.process_time()
+        reduce(stage)
+        taken.append(time.process_time() - cpu)
+
+    pipe._reduce = _reduce  # type: ignore[method-assign]
+    return taken
+
+
+def _pin(cores: list[int]) -> None:
+    """Every thread of this process (gloo's too) on these cores."""
+    for task in os.listdir("/proc/self/task"):
+        os.sched_setaffinity(int(task), cores)
+
+
 def _busy(seconds: float, *, size: int = 128) -> None:
     """Compute on this rank's core for ``seconds`` (single-threaded products of ``size`` x
     ``size`` matrices)."""
@@ -505,7 +527,11 @@ def _simulation(
 
 
 def _replicas_simulation(
-    plan: Any, times: list[dict[tuple[int, str], float]], costs: dict[str, Any], cores: float
+    plan: Any,
+    times: list[dict[tuple[int, str], float]],
+    costs: dict[str, Any],
+    cores: float,
+    pinned: bool,
 ) -> Any:
     """The step ``simulate_pipeline`` predicts for the dp pipelines together (``dp``): all
     their ranks share the machine's ``cores``, each stage's ``REDUCE_GRAD`` a rendezvous of
@@ -536,6 +562,7 @@ def _replicas_simulation(
         reduce=costs["reduce_cpu_s"],
         cores=cores,
         dp=len(times),
+        pinned=pinned,
     )
 
 
@@ -569,8 +596,15 @@ def _case(
     theirs = {s: copy.deepcopy(m) for s, m in split.stages.items()}
     ours = _Ours(plan, split.stages, groups)
     cpu_times = _CpuTimes(ours.pipe)
+    in_step_reduce_cpu = _reduce_cpu_in_step(ours.pipe)
     anchor = _Torch(name, plan, theirs, groups)
     dp_rank = groups.group_rank("dp")
+    machine = sorted(os.sched_getaffinity(0))
+    cores = len(machine)
+    pinned = not args.no_pin and groups["dp"].size > 1
+    if pinned:  # each replica on cores / dp of its own
+        share = cores // groups["dp"].size
+        _pin(machine[dp_rank * share : (dp_rank + 1) * share])
     data = [
         token_batch(args.batch, args.seq, args.vocab, seed=1000 * r + dp_rank)
         for r in range(args.warmup + args.steps)
@@ -606,6 +640,18 @@ def _case(
                     host.append(sum(t.end - t.start for t in timeline) - busy)
                     idle.append(float(step_s) - busy)
     ours.pipe.timeline = None
+    began = ours.pipe._step_began  # the last timed gradsync step's, on this rank's clock
+    shown = [t for t in records[-1] if t.action.is_compute or t.action.kind == "REDUCE_GRAD"]
+    reductions = iter(in_step_reduce_cpu[-sum(t.action.kind == "REDUCE_GRAD" for t in shown) :])
+    last_step = [  # (action, start, end, CPU time of a reduction), on the machine's clock
+        (
+            str(t.action),
+            began + t.start,
+            began + t.end,
+            next(reductions) if t.action.kind == "REDUCE_GRAD" else None,
+        )
+        for t in shown
+    ]
     mine, other = ours.weights(), anchor.weights()
     flag = torch.tensor([int(all(torch.equal(p, other[n]) for n, p in mine.items()))])
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
@@ -667,6 +713,7 @@ def _case(
         "stash": ours.pipe.peak_stash,
         "pp_rank": groups.group_rank("pp"),
         "dp_rank": groups.group_rank("dp"),
+        "last_step": last_step,
     }
     dist.all_gather_object(everyone, mine)
     # Each rank's CPU time in the step outside its computes, its posts and its reductions as
@@ -697,13 +744,12 @@ def _case(
     # pipelines are simulated together (simulate_pipeline's dp): each stage's REDUCE_GRAD
     # waits for its copy in the other pipeline. Beside it, as before: one pipeline on half
     # the cores (two identical pipelines, whose reductions never wait).
-    cores = len(os.sched_getaffinity(0))
     one = _simulation(plan, merged_cpu, costs, cores / dp_size)
     predicted_one = [one.idle[row["pp_rank"]] for row in everyone]
     if dp_size == 1:
         sim, predicted = one, predicted_one
     else:
-        sim = _replicas_simulation(plan, replica_cpu, costs, cores)
+        sim = _replicas_simulation(plan, replica_cpu, costs, cores, pinned)
         idle_dp = _replica_idle(sim, plan.pp)
         predicted = [idle_dp[row["dp_rank"] * plan.pp + row["pp_rank"]] for row in everyone]
     predicted_host = [
@@ -712,7 +758,24 @@ def _case(
     ]
     predicted_unshared = [unshared.idle[row["pp_rank"]] for row in everyone]
     step = {k: statistics.median(t) for k, t in times.items()}
+    zero = min(row["last_step"][0][1] for row in everyone)
+    measured_timeline = [
+        [(a, start - zero, end - zero, cpu) for a, start, end, cpu in row["last_step"]]
+        for row in everyone
+    ]
+    simulated_timeline = [
+        [
+            (str(t.action), t.start, t.end)
+            for t in sim.actions[(row["dp_rank"] * plan.pp if dp_size > 1 else 0) + row["pp_rank"]]
+            if t.action.is_compute or t.action.kind == "REDUCE_GRAD"
+        ]
+        for row in everyone
+    ]
+    _pin(machine)
     return {
+        "pinned": pinned,
+        "timeline": measured_timeline,
+        "simulated_timeline": simulated_timeline,
         "step_s": step,
         "ratio": step["gradsync"] / step["torch"] if "torch" in step else None,
         "bitwise_equal": equal,
@@ -788,6 +851,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         stash = ",".join(map(str, r["stash"])) + f" ({','.join(map(str, r['plan_stash']))})"
         equal = {True: "yes", False: "NO", None: "-"}[r["bitwise_equal"]]
         one = (
+            f"; {'pinned' if r['pinned'] else 'not pinned'}"
             f"; one pipeline on {r['cores'] / r['dp']:g} cores "
             f"{r['idle_vs_simulated_one_pipeline']:.2f}x"
             if r["dp"] > 1
@@ -854,9 +918,32 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             f"(less the reductions' CPU time, not wall: "
             f"{r['host_cpu_per_compute_dp_s'] * 1e6:.0f} us)"
         )
+    if args.timeline:
+        print(
+            "the last timed step, rank by rank (ms from the first compute's start on any rank): "
+            "each compute and REDUCE_GRAD, measured start-end (a reduction's CPU time, all "
+            "threads), then simulated"
+        )
+        for key, r in results.items():
+            print(f"  {key}")
+            for rank, (got, sim) in enumerate(
+                zip(r["timeline"], r["simulated_timeline"], strict=True)
+            ):
+                print(f"    rank {rank} measured   " + _chart(got))
+                print(f"    rank {rank} simulated  " + _chart(sim))
     figures["ratio_vs_anchor"] = statistics.median(ratios)
     figures["stash_equals_plan"] = all(r["stash"] == r["plan_stash"] for r in results.values())
     return figures
+
+
+def _chart(actions: list[Any]) -> str:
+    """One rank's computes and reductions as ``name start-end``, ms (a reduction's CPU time
+    in brackets, where measured)."""
+    out = []
+    for name, start, end, *cpu in actions:
+        extra = f" ({cpu[0] * 1e3:.1f} cpu)" if cpu and cpu[0] is not None else ""
+        out.append(f"{name} {start * 1e3:.0f}-{end * 1e3:.0f}{extra}")
+    return "  ".join(out)
 
 
 def main() -> None:
@@ -876,6 +963,17 @@ def main() -> None:
     )
     parser.add_argument(
         "--layouts", nargs="+", choices=tuple(LAYOUTS), default=tuple(LAYOUTS), help="default: all"
+    )
+    parser.add_argument(
+        "--no-pin",
+        action="store_true",
+        help="at dp > 1, leave every rank on every core (default: each replica's ranks "
+        "pinned to cores / dp of their own)",
+    )
+    parser.add_argument(
+        "--timeline",
+        action="store_true",
+        help="print each rank's last timed step, measured and simulated",
     )
     add_repeat_arg(parser)
     args = parser.parse_args()

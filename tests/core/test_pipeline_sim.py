@@ -453,9 +453,49 @@ def test_replicas_share_the_cores():
     assert sim.step_time == 9.5
 
 
+@pytest.mark.parametrize(("schedule", "v"), SCHEDULES)
+def test_identical_pinned_replicas_run_as_one_pipeline_on_their_cores(schedule, v):
+    """Each replica pinned to cores / dp of its own runs as one pipeline on them; identical
+    replicas meet at each reduction together, so no replica's wait changes a thing."""
+    for m, p in accepted(schedule, 2, (2, 5), v):
+        for dp, cores in ((2, 2), (2, 1), (3, 3)):
+            sim = simulate_pipeline(p, p2p=0.25, dp=dp, cores=cores, pinned=True, **COSTS)
+            one = simulate_pipeline(p, p2p=0.25, cores=cores / dp, **COSTS)
+            assert sim.step_time == one.step_time, (m, dp, cores)
+            assert sim.idle == one.idle * dp, (m, dp, cores)
+
+
+def test_a_pinned_replica_keeps_to_its_own_core():
+    """GPipe at pp 2, 2 microbatches, on 2 cores; replica 0's work takes no time, replica 1's
+    F = 1, B = 2, by hand. Replica 0 is at its reductions at once, waiting on no core.
+    Shared, replica 1's two ranks take a core each: the closed form (m + p - 1)(F + B) = 9.
+    Pinned, replica 1 has one core: rank 0 forwards 0-1, then both ranks share it (F1 and
+    F0 end at 3), rank 1 forwards 3-4 and backwards 4-6, then rank 0's B0 and rank 1's B1
+    share it 6-10, rank 0's B1 runs 10-12: the core never idles, the step is all the work."""
+    p = plan("GPipe", 2, 2)
+    times = {"forward": [[0, 0], [1, 1]], "backward": [[0, 0], [2, 2]], "weight": 0, "dp": 2}
+    assert simulate_pipeline(p, cores=2, **times).step_time == 9
+    pinned = simulate_pipeline(p, cores=2, pinned=True, **times)
+    assert pinned.step_time == 12
+    assert [(str(t.action), t.start, t.end) for t in pinned.actions[2]] == [
+        ("0F0", 0, 1),
+        ("0SEND_F0", 1, 1),
+        ("0F1", 1, 3),
+        ("0SEND_F1", 3, 3),
+        ("0RECV_B0", 3, 3),
+        ("0B0", 6, 10),
+        ("0RECV_B1", 10, 10),
+        ("0B1", 10, 12),
+        ("0REDUCE_GRAD", 12, 12),
+    ]
+    assert _reductions(pinned)[0] == [("0REDUCE_GRAD", 0, 12)]  # replica 0 waits, idle
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
+        ({"pinned": True}, "pinned=True shares cores / dp cores"),
+        ({"pinned": 1, "cores": 2}, "pinned must be True or False"),
         ({"weight": 3.0}, "exceeds the full backward"),
         ({"forward": -1.0}, "finite numbers >= 0"),
         ({"forward": float("nan")}, "finite numbers >= 0"),

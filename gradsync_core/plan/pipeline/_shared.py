@@ -5,13 +5,14 @@ the plan's data-parallel replicas run together (``dp``): the validated walk (``_
 fixed each rank's order; this one runs every rank of every replica from event to event (a
 piece of work ends, an input arrives, the last peer of a reduction arrives). In between,
 each of the k ranks that has work runs at ``min(1, cores / k)`` of its speed (processor
-sharing; every rank at full speed without ``cores``). A compute waits for its input (the
-previous stage's end on the same rank, or its message's send plus ``p2p``) using no core; a
-send's data leaves when its post ends. A stage's ``REDUCE_GRAD`` is a collective of the
-stage's copies in the dp replicas: it starts on all of them when the last one arrives, each
-does its reduction's work, and it returns on none before every copy's work is done (an
-all-reduce ends on no rank before every rank's share is in); a rank waiting for its peers
-uses no core.
+sharing; every rank at full speed without ``cores``; with ``pinned``, each replica's ranks
+share ``cores / dp`` cores of their own, k counting the replica's ranks). A compute waits
+for its input (the previous stage's end on the same rank, or its message's send plus
+``p2p``) using no core; a send's data leaves when its post ends. A stage's ``REDUCE_GRAD``
+is a collective of the stage's copies in the dp replicas: it starts on all of them when the
+last one arrives, each does its reduction's work, and it returns on none before every copy's
+work is done (an all-reduce ends on no rank before every rank's share is in); a rank waiting
+for its peers uses no core.
 """
 
 from __future__ import annotations
@@ -88,12 +89,29 @@ def _pieces(
     return out
 
 
+def _rates(
+    running: list[int], p: int, dp: int, cores: float | None, pinned: bool
+) -> dict[int, float]:
+    """Each running rank's speed: processor sharing of ``cores`` among the running ranks
+    (of the rank's replica on ``cores / dp`` of its own, ``pinned``)."""
+    if cores is None or not running:
+        return dict.fromkeys(running, 1.0)
+    if not pinned:
+        return dict.fromkeys(running, min(1.0, cores / len(running)))
+    mates = [0] * dp  # running ranks per replica
+    for g in running:
+        mates[g // p] += 1
+    return {g: min(1.0, cores / dp / mates[g // p]) for g in running}
+
+
 def share(
     actions: Sequence[Sequence[Action]],
     ranks: tuple[int, ...],
     durations: Sequence[dict[str, list[float]]],
     costs: Costs,
     cores: float | None,
+    *,
+    pinned: bool = False,
 ) -> Shared:
     """Run validated actions on ``len(durations)`` replicas sharing ``cores`` cores.
 
@@ -103,6 +121,7 @@ def share(
         durations: each replica's durations by action kind, one per stage.
         costs: the costs besides the durations (``p2p``, ``overhead``, posts).
         cores: the cores all the replicas' ranks share; ``None``: a core each.
+        pinned: each replica's ranks share ``cores / dp`` of them of their own instead.
 
     Returns:
         The timeline, busy and host time of every replica's ranks, and the last end.
@@ -213,10 +232,10 @@ def share(
                     arrivals.append(t)
         if not running and not arrivals:
             break
-        rate = 1.0 if cores is None else min(1.0, cores / len(running)) if running else 0.0
-        step = min([work[g] / rate for g in running] + [t - now for t in arrivals])
+        rate = _rates(running, p, dp, cores, pinned)
+        step = min([work[g] / rate[g] for g in running] + [t - now for t in arrivals])
         for g in running:  # the pieces that end now end exactly
-            left[g] = 0.0 if work[g] / rate == step else max(work[g] - step * rate, 0.0)
+            left[g] = 0.0 if work[g] / rate[g] == step else max(work[g] - step * rate[g], 0.0)
         now += step
     if any(at[g] < len(pieces[g]) for g in range(g_ranks)):  # pragma: no cover - walk checked
         raise AssertionError("the shared walk stopped before the end of a validated plan")

@@ -115,6 +115,7 @@ def simulate_pipeline(
     receive_post: float | None = None,
     cores: float | None = None,
     dp: int = 1,
+    pinned: bool = False,
 ) -> PipelineSimulation:
     """Run ``plan`` with these durations and report its step (docs/pipeline.md, "Simulator").
 
@@ -153,6 +154,11 @@ def simulate_pipeline(
             for the peers is idle, not host time). ``forward``, ``backward``, ``weight`` and
             ``reduce`` may then give each replica its own times: a list of dp lists of a
             time per stage. The results cover every replica's ranks (``PipelineSimulation``).
+        pinned: with ``cores`` and ``dp``, each replica's ranks share ``cores / dp`` cores
+            of their own, as when each replica's processes are pinned to their own cores
+            (``benchmarks/torch_pipeline.py`` pins them): a replica waiting in a reduction
+            leaves its cores idle rather than lending them to the others (``False``: all
+            the replicas' ranks share all ``cores``).
 
     Returns:
         The step time, per-rank busy, idle and host time, per-rank peak stash and every
@@ -161,7 +167,7 @@ def simulate_pipeline(
     Raises:
         ValueError: on negative or non-finite times, ``weight > backward``, a time list
             whose length is not the number of stages (or of replicas), ``cores`` not a
-            finite number > 0, or ``dp`` not an integer >= 1.
+            finite number > 0, ``dp`` not an integer >= 1, or ``pinned`` without ``cores``.
 
     Example:
         >>> plan = plan_pipeline(schedule="GPipe", microbatches=4, topology=Topology(pp=4),
@@ -210,6 +216,13 @@ def simulate_pipeline(
         raise ValueError(
             f"cores must be a finite number > 0 (or None: a core per rank), got {cores!r}"
         )
+    if not isinstance(pinned, bool):
+        raise ValueError(f"pinned must be True or False, got {pinned!r}")
+    if pinned and cores is None:
+        raise ValueError(
+            "pinned=True shares cores / dp cores among each replica's ranks, but cores is "
+            "None (a core per rank); give cores, or leave pinned False"
+        )
     replicas = [
         {
             FORWARD: f[d],
@@ -237,7 +250,12 @@ def simulate_pipeline(
     if cores is None and dp == 1:
         return sim
     walked = share(
-        plan.actions, plan.stage_ranks, replicas, costs, None if cores is None else float(cores)
+        plan.actions,
+        plan.stage_ranks,
+        replicas,
+        costs,
+        None if cores is None else float(cores),
+        pinned=pinned,
     )
     return PipelineSimulation(
         step_time=walked.end,
