@@ -82,6 +82,14 @@ it), the trip with the other ranks waiting (``p2p_unloaded_s``) and the same red
 simulation with a core per rank, fed the wall times as before, is printed beside it ("a
 core per rank").
 
+At dp 2 each pipeline's ranks (every thread of theirs, gloo's too) are pinned to cores / dp
+of the machine's of their own (``--no-pin``: not), and the two pipelines are simulated so
+(``pinned=True``): unpinned, the kernel placed the 4 ranks on the 2 cores unevenly for tens
+of milliseconds, one pipeline drifted ahead of the other and its reductions waited for their
+peers, a wait that varied run to run (docs/benchmarks.md, seventh sitting). ``--timeline``
+prints each rank's computes and reductions in the last timed step, measured (one clock for
+every rank) and simulated.
+
 torch's pipelining with DDP stages fails here at dp 2 (torch 2.13, GPipe: "rebuilt parameter
 indices size is not same as original model parameters size" in DDP's reducer, and its split
 weight gradients bypass DDP's hooks), so torch's side reduces the gradients itself.
@@ -89,6 +97,7 @@ weight gradients bypass DDP's hooks), so torch's side reduces the gradients itse
     python benchmarks/torch_pipeline.py --repeat 3        # GPT 8 x 256, 8 microbatches
     python benchmarks/torch_pipeline.py --quick
     python benchmarks/torch_pipeline.py --schedules Interleaved1F1B --layouts "pp 4"
+    python benchmarks/torch_pipeline.py --layouts "pp 2 x dp 2" --timeline
 
 The last line is one JSON object: {"bench": "torch_pipeline", "ratio_vs_anchor": the median
 of the step-time ratios over every layout and schedule, "<layout>/<schedule>": {...}, ...};

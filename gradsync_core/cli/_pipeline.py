@@ -88,7 +88,9 @@ def pipeline_command(args: argparse.Namespace, specs: Sequence[ParamSpec], topo:
         stages_per_rank=v,
         zero3=args.zero == 3,
     )
-    sim = simulate_pipeline(plan, **TICKS)
+    sim = simulate_pipeline(
+        plan, forward=TICKS["forward"], backward=TICKS["backward"], weight=TICKS["weight"]
+    )
     if args.json:
         out = report_header() | {
             "pipeline": plan.to_json(),
