@@ -610,8 +610,9 @@ def _case(
     dp_rank = groups.group_rank("dp")
     machine = sorted(os.sched_getaffinity(0))
     cores = len(machine)
-    pinned = not args.no_pin and groups["dp"].size > 1
-    if pinned:  # each replica on cores / dp of its own
+    # each replica on cores / dp of its own (where they divide: else every rank on every core)
+    pinned = not args.no_pin and groups["dp"].size > 1 and cores % groups["dp"].size == 0
+    if pinned:
         share = cores // groups["dp"].size
         _pin(machine[dp_rank * share : (dp_rank + 1) * share])
     data = [
