@@ -297,9 +297,10 @@ def run_pipeline(
                         for k, b in mine["stash"].items()
                     }
                     mine["loss"] = mine["loss"] + out["loss"]
-                if "cross" in out:
+                if "cross" in out:  # flattened here: a flat value made in the cell was
+                    # computed twice, for its buffer and for the cell's next dot (split.py)
                     mine["cross"] = {
-                        k: _write(b, col("cross_write"), out["cross"][k])
+                        k: _write(b, col("cross_write"), jnp.ravel(out["cross"][k]))
                         for k, b in mine["cross"].items()
                     }
                 if "grads" in out and holding:  # every gradient passes through its held slot

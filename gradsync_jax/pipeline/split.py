@@ -128,10 +128,13 @@ class CrossLayout:
     Not packed into one row like the stash: a row is one concatenation, and XLA:CPU fuses
     each value's producer into it as well as into the input gradient's own next dot, so
     the input gradient computed its cross values twice (a GELU's derivative, the running
-    sum of the residual's gradients; 9.5-10.2 ms against 5.3 apart, docs/pipeline.md). A
-    value returned as it is is computed once; its buffer is written in place, outside the
-    switch. The buffers are flat, read as a slice reshaped: read as a slot of a buffer shaped
-    like the value, the split schedules' bits moved from a whole backward's (6e-8).
+    sum of the residual's gradients; 9.5-10.2 ms against 5.3 apart, docs/pipeline.md). The
+    input gradient returns each value in its own shape (``pack``) and the tick flattens it
+    where it writes the buffer, outside the switch: returned flat, the value's producer was
+    fused twice again, once into the flattening and once into the next dot (a GELU's
+    derivative per block). The buffers are flat, read as a slice reshaped: read as a slot of
+    a buffer shaped like the value, the split schedules' bits moved from a whole backward's
+    (6e-8).
     """
 
     keys: tuple[CrossKey, ...]
@@ -147,18 +150,19 @@ class CrossLayout:
         return cls(tuple(keys))
 
     def pack(self, values: Sequence[Any], keys: Sequence[CrossKey]) -> dict[CrossKey, Any]:
-        """``values`` flat by their keys, zeros (made here) for the ``keys`` of the other
-        stage types' buffers."""
-        out = {key: jnp.ravel(value) for key, value in zip(self.keys, values, strict=True)}
+        """``values`` by their keys, each in its own shape (the writer flattens it), zeros
+        (made here) for the ``keys`` of the other stage types' buffers."""
+        out = {key: value for key, value in zip(self.keys, values, strict=True)}
         for key in keys:
             if key not in out:
                 dtype, vary, shape, _ = key
-                zero = jnp.zeros((math.prod(shape),), np.dtype(dtype))
+                zero = jnp.zeros(shape, np.dtype(dtype))
                 out[key] = cast_varying(zero, tuple(sorted(vary))) if vary else zero
         return {key: out[key] for key in keys}
 
     def read(self, bufs: dict[CrossKey, jax.Array], slot: Any) -> list[jax.Array]:
-        """The values that ``pack`` laid out, read from slot ``slot`` of ``bufs``."""
+        """The values that ``pack`` returned, read from slot ``slot`` of the flat ``bufs``
+        (``(slots, size)`` per key)."""
         shapes = [shape for _, _, shape, _ in self.keys]
         return [
             lax.dynamic_slice(bufs[key], (slot, 0), (1, math.prod(shape))).reshape(shape)

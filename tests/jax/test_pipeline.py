@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax import lax
 
 from gradsync_core import SCHEDULES, Topology, plan_pipeline
 from gradsync_jax import load_params, mesh_from_topology, shard_optimizer
@@ -35,7 +36,7 @@ from gradsync_jax.pipeline import (
     sequential_params,
 )
 from gradsync_jax.pipeline.loop import _cross_zeros
-from gradsync_jax.pipeline.split import joint_fn, split_stage
+from gradsync_jax.pipeline.split import CrossLayout, joint_fn, split_stage
 from gradsync_jax.pipeline.ticks import BACKWARD, COL, FORWARD, INPUT, MIDDLE, WEIGHT
 from tests.jax.pipeline_problem import (
     DIM,
@@ -128,8 +129,17 @@ def run_case(
 
 def assert_same_bits(schedules: list[tuple[str, int]], pp: int, m: int) -> None:
     """Each ``(schedule, stages per rank)`` trains 8 blocks at ``pp``: the losses, the
-    parameters and both Adam moments equal the first's bit for bit."""
-    first = None
+    parameters and both Adam moments equal bit for bit those of the first schedule that runs
+    the same cells (whole backwards, split input and weight gradients, or both), and those
+    of the very first within the reduction-order floor (1e-5 relative).
+
+    Bits across cell kinds are XLA's, not the executor's: a whole backward is one program
+    and a split one two, and XLA:CPU rounds the same elementwise HLO (the GELU derivative)
+    by the fusion it lands in (computed in one fusion with its ``exp`` inline, or twice with
+    the ``exp`` in a fusion of its own: measured, docs/pipeline.md). The executor's rule, a
+    stage's microbatch gradients added in microbatch order, is what bitwise equality among
+    schedules of the same cells checks."""
+    firsts: dict[frozenset[int], tuple[dict[str, Any], str]] = {}
     for schedule, v in schedules:
         run = train(schedule, pp, v, m, layers=8)
         plan, step = run["plan"], run["step"]
@@ -140,9 +150,16 @@ def assert_same_bits(schedules: list[tuple[str, int]], pp: int, m: int) -> None:
             "mu": state.mu,
             "nu": state.nu,
         }
-        if first is None:
-            first, name = got, schedule
+        cells = frozenset(kind for kind, _ in compile_ticks(plan).branches)
+        if firsts:  # the very first schedule, within the floor
+            want_all, name = next(iter(firsts.values()))
+            np.testing.assert_allclose(got["losses"], want_all["losses"], rtol=1e-6)
+            for what in ("params", "mu", "nu"):
+                assert_tree_close(got[what], want_all[what], what=f"{schedule} vs {name} {what}")
+        if cells not in firsts:
+            firsts[cells] = got, schedule
             continue
+        first, name = firsts[cells]
         for what, want in first.items():
             for path, a in jax.tree_util.tree_leaves_with_path(got[what]):
                 b = np.asarray(_at(want, path))
@@ -197,7 +214,8 @@ def test_looped_bfs_changes_no_bits() -> None:
 
 @pytest.mark.slow
 def test_every_schedule_same_bits() -> None:
-    """Every schedule at pp 4 (one stage per rank or two): the same bits."""
+    """Every schedule at pp 4 (one stage per rank or two): the same bits as the schedules of
+    the same cells, the floor across cell kinds (``assert_same_bits``)."""
     assert_same_bits([(name, 1 if name in ("GPipe", "1F1B") else 2) for name in SCHEDULES], 4, 8)
 
 
@@ -347,7 +365,11 @@ def test_input_gradient_crosses_values_apart() -> None:
     buffer of its own (``CrossLayout``), not packed into one row: XLA:CPU fused each value's
     producer (a GELU's derivative, the residual's running gradient) both into the row's
     concatenation and into the input gradient's next dot, so it was computed twice. The
-    compiled cell concatenates nothing, and the weight gradient reads back what it left."""
+    cell returns each value in its shape and the tick flattens it for its buffer (returned
+    flat, the GELU's derivative was fused twice again: into the flattening and into the
+    dot). The compiled cell, written as the tick writes it, concatenates nothing and computes
+    each block's GELU derivative in one fusion, and the weight gradient reads back what it
+    left."""
     k = 2
     natural = init_params(k)
     blocks = jax.tree.map(jnp.asarray, natural["blocks"])
@@ -360,17 +382,30 @@ def test_input_gradient_crosses_values_apart() -> None:
     assert len(zeros) == len(cells.cross.keys) > 1  # one buffer per value
     flat = [*jax.tree.leaves(params), *jax.tree.leaves(data)]
 
-    def input_grad(x: jax.Array, g: jax.Array) -> Any:
-        _, *stash = cells.run(cells.forward, *flat, x)
-        _, *crossed = cells.run(cells.input_grad, *flat, *stash, g)
-        return cells.cross.pack(crossed, zeros), crossed
+    def cell(stash: list[jax.Array], g: jax.Array) -> Any:
+        dx, *crossed = cells.run(cells.input_grad, *flat, *stash, g)
+        return dx, cells.cross.pack(crossed, list(zeros))
+
+    def idle(stash: list[jax.Array], g: jax.Array) -> Any:
+        return jnp.zeros_like(g), CrossLayout(()).pack([], list(zeros))
+
+    def input_grad(busy: jax.Array, stash: list[jax.Array], g: jax.Array) -> Any:
+        # as a tick runs it: the cell in a switch, its values flattened outside
+        dx, packed = lax.switch(busy, [idle, cell], stash, g)
+        return dx, {key: jnp.ravel(value) for key, value in packed.items()}
 
     x = jnp.asarray(np.random.default_rng(0).normal(size=act.shape), jnp.float32)
-    hlo = jax.jit(input_grad).lower(x, act).compile().as_text()
+    _, *stash = cells.run(cells.forward, *flat, x)
+    one = jnp.asarray(1)
+    hlo = jax.jit(input_grad).lower(one, stash, act).compile().as_text()
     assert " concatenate(" not in hlo
-    rows, crossed = input_grad(x, act)
-    back = cells.cross.read({key: row[None] for key, row in rows.items()}, 0)
-    assert_tree_equal(back, crossed)
+    # the GELU derivative's fusions (d erfc / dx = -2/sqrt(pi) exp(-x^2)): one per block
+    computations = hlo.split("\n\n")
+    assert sum("-1.12837923" in c for c in computations if "fused_computation" in c) == k
+    _, rows = input_grad(one, stash, act)
+    bufs = {key: jnp.stack([jnp.zeros_like(row), row]) for key, row in rows.items()}
+    back = cells.cross.read(bufs, 1)
+    assert_tree_equal(back, [rows[key].reshape(key[2]) for key in cells.cross.keys])
 
 
 def temp_bytes(schedule: str, m: int, stash: str, pp: int = 4) -> int:
