@@ -188,6 +188,9 @@ LONG_SIGNATURES = {
     "renames, the weights, the data position, `blocking`), as torch's `opt.save(path, "
     "model=, data=, blocking=)`; no record holds them, and one made up for a single function "
     "would be one more import",
+    "gradsync_jax.save_boxes": "as `save_optimizer_state`: four things to save (path, "
+    "parameters, state, tx) and keyword-only extras (the step, the layout, the module renames, "
+    "the optimizer's name, the data position, `blocking`)",
     "gradsync_jax.save_pipeline": "as `save_optimizer_state`, which it calls: the pipeline, "
     "its parameters and state, and the same keyword-only extras",
 }

@@ -43,7 +43,7 @@ from examples.llama_config import LlamaConfig, ParallelOptions
 from examples.llama_torch import Llama, lm_loss_share, local_state, parallelize
 from gradsync_core import Topology
 from gradsync_core.checkpoint import describe_layout
-from gradsync_torch.checkpoint import (
+from gradsync_torch import (
     load_boxes,
     load_model_weights,
     load_optimizer_state_dict,

@@ -43,7 +43,7 @@ from examples.llama_config import LlamaConfig, ParallelOptions
 from examples.llama_nnx import Llama, parallelize, serial_loss
 from gradsync_core import Topology
 from gradsync_core.checkpoint import describe_layout
-from gradsync_jax.checkpoint import load_optimizer_state, load_params
+from gradsync_jax import load_optimizer_state, load_params
 
 
 def _flags(argv: Sequence[str] | None) -> argparse.Namespace:

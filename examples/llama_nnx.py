@@ -48,22 +48,25 @@ from gradsync_jax import (
     NotElementwiseError,
     PipelineModel,
     all_gather_from,
+    cast_varying,
+    compile_ticks,
     copy_to,
     gather_from,
+    global_norm_args,
+    load_boxes,
     mesh_from_topology,
     natural_params,
     pipeline_params,
+    pipeline_specs,
     reduce_from,
     reduce_scatter_to,
+    run_pipeline,
+    save_boxes,
     scatter_to,
     shard_optimizer,
     split_microbatches,
+    varying,
 )
-from gradsync_jax._axes import cast_varying, varying
-from gradsync_jax.checkpoint import load_boxes, save_boxes
-from gradsync_jax.pipeline import compile_ticks, pipeline_specs
-from gradsync_jax.pipeline.loop import run_pipeline
-from gradsync_jax.zero.clip import global_norm_args
 
 TP, EP = "tp", "ep"  # the roles a kernel's out_sharding names (parallelize maps them to axes)
 COLUMN, ROW = (None, TP), (TP, None)  # a Flax kernel is (in, out)

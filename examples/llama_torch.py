@@ -74,11 +74,16 @@ from gradsync_core.checkpoint import layout_record
 from gradsync_torch import (
     ColumnParallelLinear,
     Group,
+    Held,
     Pipeline,
     ProcessGroups,
     RowParallelLinear,
     ShardedModule,
+    agree_ok,
+    agree_on,
     all_gather_from,
+    box_of,
+    clip_sharded_,
     fully_shard,
     gather_from,
     param_specs,
@@ -86,10 +91,6 @@ from gradsync_torch import (
     scatter_to,
     shared_param_specs,
 )
-from gradsync_torch._specs import sharded_over
-from gradsync_torch.agreement import agree_ok, agree_on
-from gradsync_torch.checkpoint import Held, box_of
-from gradsync_torch.zero.clip import clip_sharded_
 
 # ---- the model ----------------------------------------------------------------------------
 
@@ -557,20 +558,16 @@ def sum_shared_gradients(part: nn.Module, groups: ProcessGroups, plan: Reduction
 def _owned(part: nn.Module, topology: Topology, rank: int) -> frozenset[str]:
     """The parameters whose piece on this rank counts in the global norm: the first of the
     ranks holding the same piece (replicas over ``dp_replicate``, ``cp``, and ``tp`` for a
-    parameter not split over it; experts are split over ``ep`` and sharded over ``edp``,
-    so only ``cp`` replicates them). Read from the layers' declarations before
-    ``fully_shard`` replaces the parameters."""
+    parameter not split over it: ``shared_param_specs``'s ``replicated_over``; experts are
+    split over ``ep`` and sharded over ``edp``, so ``dp_replicate`` does not replicate them).
+    Read from the layers' declarations before ``fully_shard`` replaces the parameters."""
     coords = topology.coordinates(rank)
-    declared = sharded_over(part)
     out = set()
-    for name, param in part.named_parameters():
-        sharded = declared.get(id(param), ())
-        if "ep" in sharded:
-            replicated = ["cp"]
-        else:
-            replicated = ["cp", "dp_replicate"] + ([] if "tp" in sharded else ["tp"])
+    for spec in shared_param_specs(part, data_axes=("tp", "cp")):
+        # replicated_over: cp, and tp unless the layer splits the parameter over it.
+        replicated = [*spec.replicated_over, *([] if spec.expert else ["dp_replicate"])]
         if all(coords.get(axis, 0) == 0 for axis in replicated):
-            out.add(name)
+            out.add(spec.name)
     return frozenset(out)
 
 
@@ -580,7 +577,7 @@ def clip_grad_norm_(
     """Scale every gradient piece by torch's coefficient for the whole model's 2-norm.
 
     The squares of the pieces one rank of each replica set owns are summed over the world
-    (``gradsync_torch.zero.clip``'s float64 sum), so a piece held by several ranks counts
+    (``gradsync_torch.clip_sharded_``'s float64 sum), so a piece held by several ranks counts
     once; every rank then scales all its pieces by the same coefficient.
     """
     mine: list[torch.Tensor] = []

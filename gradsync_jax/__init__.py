@@ -1,5 +1,6 @@
 """The JAX executor: runs gradsync_core's plans in ``jax.shard_map``, with sharded Optax."""
 
+from gradsync_jax._axes import cast_varying, varying
 from gradsync_jax._mesh import mesh_from_topology
 from gradsync_jax._naming import (
     from_torch_state,
@@ -12,8 +13,10 @@ from gradsync_jax._naming import (
 from gradsync_jax._specs import param_specs, path_name
 from gradsync_jax.checkpoint import (
     PreemptionHandler,
+    load_boxes,
     load_optimizer_state,
     load_params,
+    save_boxes,
     save_optimizer_state,
 )
 from gradsync_jax.checkpoint.orbax import export_orbax, import_orbax
@@ -57,13 +60,16 @@ from gradsync_jax.param_sharding import (
 from gradsync_jax.pipeline import (
     PipelineModel,
     PipelineStep,
+    compile_ticks,
     linen_model,
     load_pipeline,
     natural_params,
     nnx_model,
     pipeline_layout,
     pipeline_params,
+    pipeline_specs,
     pipeline_step,
+    run_pipeline,
     save_pipeline,
     sequential_params,
     stacked_params,
@@ -75,6 +81,7 @@ from gradsync_jax.zero import (
     ShardedOptimizer,
     ZeroState,
     clip_by_global_norm,
+    global_norm_args,
     shard_optimizer,
 )
 
@@ -97,15 +104,19 @@ __all__: list[str] = [
     "accumulate_local_grads",
     "all_gather_from",
     "calibrate",
+    "cast_varying",
     "clip_by_global_norm",
+    "compile_ticks",
     "copy_to",
     "data_parallel_step",
     "export_orbax",
     "from_torch_state",
     "gather_from",
+    "global_norm_args",
     "group_axes",
     "import_orbax",
     "linen_model",
+    "load_boxes",
     "load_optimizer_state",
     "load_param_shards",
     "load_params",
@@ -122,12 +133,15 @@ __all__: list[str] = [
     "path_name",
     "pipeline_layout",
     "pipeline_params",
+    "pipeline_specs",
     "pipeline_step",
     "profile_model",
     "reduce_from",
     "reduce_scatter_to",
     "reduce_shared_gradients",
     "registration_order",
+    "run_pipeline",
+    "save_boxes",
     "save_optimizer_state",
     "save_param_shards",
     "save_pipeline",
@@ -146,5 +160,6 @@ __all__: list[str] = [
     "torch_specs",
     "unshard_params",
     "value_and_local_grad",
+    "varying",
     "zero3_step",
 ]

@@ -46,7 +46,18 @@ def spec_entry_axes(entry: Any) -> tuple[str, ...]:
 
 
 def varying(x: Any) -> frozenset[str]:
-    """The manual mesh axes ``x`` varies over (its "vma"); empty outside ``shard_map``."""
+    """The manual mesh axes ``x`` varies over (its "vma"); empty outside ``shard_map``.
+
+    Inside ``jax.shard_map(check_vma=True)`` a value is either the same on every device of an
+    axis (invariant) or may differ (varying); a gradient must be summed over the axes its
+    parameter is invariant over and the data varies over.
+
+    Args:
+        x: an array or tracer.
+
+    Returns:
+        The names of the mesh axes ``x`` varies over.
+    """
     aval = jax.typeof(x)
     mat = getattr(aval, "mat", None)  # jax >= 0.9: ShapedArray.mat.varying
     if mat is not None:
@@ -75,7 +86,22 @@ def tracks_variance(axes: tuple[str, ...]) -> bool:
 
 def cast_varying(tree: Any, axes: tuple[str, ...]) -> Any:
     """Mark every leaf of ``tree`` varying over ``axes`` (``lax.pcast``); leaves that already
-    vary are kept. The identity where JAX does not track variance."""
+    vary are kept. The identity where JAX does not track variance.
+
+    Call it inside ``jax.shard_map`` where a value computed the same on every device of
+    ``axes`` meets values that differ (a ``lax.cond`` branch, a loop carry, a pipeline
+    stage's input).
+
+    Args:
+        tree: a pytree of arrays.
+        axes: the mesh axes to mark the leaves varying over (bound by the enclosing map).
+
+    Returns:
+        ``tree`` with every leaf varying over at least ``axes``.
+
+    Raises:
+        NameError: if an axis is not bound (called outside ``shard_map``/``pmap``).
+    """
     if not tracks_variance(axes):
         return tree
 

@@ -1,11 +1,16 @@
 """The torch executor: runs gradsync_core's plans on ``torch.distributed``."""
 
 from gradsync_torch._specs import dtype_name, param_specs, replicated_over, shared_param_specs
+from gradsync_torch.agreement import Disagreement, agree_ok, agree_on
 from gradsync_torch.checkpoint import (
+    Held,
     PreemptionHandler,
+    box_of,
+    load_boxes,
     load_model_weights,
     load_optimizer_state_dict,
     load_param_shards,
+    save_boxes,
     save_param_shards,
 )
 from gradsync_torch.checkpoint import (
@@ -60,14 +65,17 @@ from gradsync_torch.shared_reductions import (
     reduce_shared_gradients,
 )
 from gradsync_torch.zero import ZeroRedundancyOptimizer
+from gradsync_torch.zero.clip import clip_sharded_
 
 __all__: list[str] = [
     "ColumnParallelLinear",
     "DataParallel",
     "DataParallelOptions",
+    "Disagreement",
     "ExpertMLPs",
     "GradBucket",
     "Group",
+    "Held",
     "MatrixOptimizer",
     "MixedPrecisionPolicy",
     "MoE",
@@ -82,11 +90,15 @@ __all__: list[str] = [
     "StageModule",
     "StageSplit",
     "ZeroRedundancyOptimizer",
+    "agree_ok",
+    "agree_on",
     "all_gather_from",
     "allreduce_hook",
     "bf16_compress_hook",
+    "box_of",
     "calibrate",
     "check_reduction_plan",
+    "clip_sharded_",
     "copy_to",
     "dtype_name",
     "export_dcp",
@@ -95,6 +107,7 @@ __all__: list[str] = [
     "gather_from",
     "hsdp_mesh",
     "import_dcp",
+    "load_boxes",
     "load_model_weights",
     "load_optimizer_state_dict",
     "load_param_shards",
@@ -106,6 +119,7 @@ __all__: list[str] = [
     "reduce_scatter_to",
     "reduce_shared_gradients",
     "replicated_over",
+    "save_boxes",
     "save_param_shards",
     "save_pipeline",
     "scatter_to",

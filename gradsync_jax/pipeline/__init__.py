@@ -13,6 +13,7 @@ from gradsync_jax.pipeline.layout import (
     sequential_params,
     stacked_params,
 )
+from gradsync_jax.pipeline.loop import run_pipeline
 from gradsync_jax.pipeline.model import PipelineModel
 from gradsync_jax.pipeline.step import PipelineStep, pipeline_step
 from gradsync_jax.pipeline.ticks import TickProgram, compile_ticks
@@ -31,6 +32,7 @@ __all__: list[str] = [
     "pipeline_params",
     "pipeline_specs",
     "pipeline_step",
+    "run_pipeline",
     "save_pipeline",
     "sequential_params",
     "stacked_params",

@@ -29,7 +29,21 @@ class GlobalNorm(NamedTuple):
 
 
 def global_norm_args(grads: Any, norm: jax.Array) -> dict[str, GlobalNorm]:
-    """The extra arguments that tell the inner update the global norm of ``grads``."""
+    """The extra arguments that tell the inner update the global norm of ``grads``.
+
+    Where the gradient is cut into chunks over devices (a ``shard_map`` that keeps each
+    device's chunk), pass them to an update whose ``clip_by_global_norm`` must clip by the
+    norm of the whole gradient, not of this device's chunks:
+    ``tx.update(grads, state, params, **global_norm_args(grads, norm))`` with ``tx`` wrapped
+    by ``optax.with_extra_args_support``.
+
+    Args:
+        grads: the gradient pytree the update receives (the same leaves, in the same order).
+        norm: the 2-norm of the whole gradient over every device (the same on each).
+
+    Returns:
+        ``{"global_norm": GlobalNorm(norm, leaves of grads)}``.
+    """
     return {GLOBAL_NORM: GlobalNorm(value=norm, of=tuple(jax.tree.leaves(grads)))}
 
 

@@ -56,38 +56,51 @@ def transformation() -> optax.GradientTransformation:
     return optax.chain(gradsync_jax.clip_by_global_norm(MAX_NORM), optax.adamw(LR, eps=EPS))
 
 
+@cache
 def build(name: str, cfg: LlamaConfig = DENSE) -> ParallelLlama:
+    """Layout ``name`` of a model with other initial weights than the training's (a load
+    must replace them all); once per process, so that each layout's step compiles once
+    (``ParallelLlama`` holds no parameters: ``place`` and ``load`` return new ones)."""
     sizes, options = LAYOUTS[name]
-    model = Llama(cfg, rngs=nnx.Rngs(1))  # other weights: a load must replace them all
+    model = Llama(cfg, rngs=nnx.Rngs(1))
     return parallelize(
         model, Topology.create(8, **sizes), options, tx=transformation(), seq_len=SEQ
     )
 
 
-def train(par: ParallelLlama, stored: Any, state: Any, steps: range) -> tuple[Any, Any]:
+def train(
+    par: ParallelLlama, stored: Any, state: Any, steps: range, losses: list[float] | None = None
+) -> tuple[Any, Any]:
+    """Train ``steps`` (indices into ``batches()``); each step's global loss appended to
+    ``losses`` when given."""
     data = batches()
     for step in steps:
-        stored, state, _ = par.step(stored, state, data[step])
+        stored, state, loss = par.step(stored, state, data[step])
+        if losses is not None:
+            losses.append(float(loss))
     return stored, state
 
 
 @cache
-def reference() -> tuple[Any, Any]:
-    """The uninterrupted run: the unsharded model on one device, ``STEPS`` steps."""
+def reference() -> tuple[Any, Any, list[float]]:
+    """The uninterrupted run: the unsharded model on one device, ``STEPS`` steps: its
+    parameters, optimizer state and each step's loss."""
     params = initial_params()
     graphdef = nnx.graphdef(Llama(DENSE, rngs=nnx.Rngs(0)))
     tx = optax.chain(optax.clip_by_global_norm(MAX_NORM), optax.adamw(LR, eps=EPS))
 
     @jax.jit
     def step(params: Any, state: Any, tokens: Any, targets: Any) -> Any:
-        grads = jax.grad(lambda p: serial_loss(nnx.merge(graphdef, p), tokens, targets))(params)
+        loss_fn = lambda p: serial_loss(nnx.merge(graphdef, p), tokens, targets)  # noqa: E731
+        loss, grads = jax.value_and_grad(loss_fn)(params)
         updates, state = tx.update(grads, state, params)
-        return optax.apply_updates(params, updates), state
+        return optax.apply_updates(params, updates), state, loss
 
-    state = tx.init(params)
+    state, losses = tx.init(params), []
     for tokens, targets in batches():
-        params, state = step(params, state, tokens, targets)
-    return jax.tree.map(np.asarray, params), jax.tree.map(np.asarray, state)
+        params, state, loss = step(params, state, tokens, targets)
+        losses.append(float(loss))
+    return jax.tree.map(np.asarray, params), jax.tree.map(np.asarray, state), losses
 
 
 def save_after(name: str, directory: Path) -> Path:

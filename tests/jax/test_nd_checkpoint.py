@@ -6,8 +6,10 @@ in the cross-layout format gradsync_torch's ``save_boxes`` writes (model space, 
 plan from the devices' boxes, the layout in the manifest); ``load_boxes`` places it under
 another layout, and the run continued there equals the uninterrupted run on one device
 within the floor of tests/jax/test_nd_parallel.py (1e-5 of each tensor's largest entry):
-parameters and both moments. A checkpoint of another model is refused with one sentence
-before anything is placed or the data position moves.
+the losses of the steps after the load, parameters and both moments; so does a checkpoint
+that 2 JAX processes saved together. A checkpoint of another model is refused with one
+sentence before anything is placed or the data position moves. (The tied cp and MoE ep x pp
+pairs are in tests/jax/test_nd_parallel.py, saved by those compositions' own runs.)
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import gradsync_jax
 from examples.llama_config import LlamaConfig
 from examples.llama_nnx import Llama, ParallelLlama, parallelize
 from gradsync_core import Topology, read_manifest
+from tests.jax import nd_checkpoint_multiprocess_worker as multiprocess_worker
+from tests.jax.distributed_start import launch
 from tests.jax.nd_checkpoint_problem import (
     DENSE,
     LAYOUTS,
@@ -43,9 +47,13 @@ from tests.jax.nd_checkpoint_problem import (
 from tests.support.asserts import assert_close
 
 
-def assert_continues(par: ParallelLlama, stored: Any, state: Any, what: str) -> None:
-    """Parameters and both AdamW moments against the uninterrupted run, within the floor."""
-    ref_params, ref_state = reference()
+def assert_continues(
+    par: ParallelLlama, stored: Any, state: Any, losses: list[float], what: str
+) -> None:
+    """The losses of the steps after the load, parameters and both AdamW moments against the
+    uninterrupted run, within the floor."""
+    ref_params, ref_state, ref_losses = reference()
+    np.testing.assert_allclose(losses, ref_losses[SAVED:], rtol=RTOL, err_msg=f"{what}: losses")
     got_state = par.state_of(state)
     pairs = [
         ("parameters", par.params_of(stored), ref_params),
@@ -93,8 +101,9 @@ def test_a_jax_checkpoint_continues_under_another_layout(
     stored, state, manifest = par.load(path)
     assert manifest.step == SAVED
     assert manifest.extra["layout"] == build(saved_under).layout
-    stored, state = train(par, stored, state, range(SAVED, STEPS))
-    assert_continues(par, stored, state, f"{saved_under}->{loaded_under}")
+    losses: list[float] = []
+    stored, state = train(par, stored, state, range(SAVED, STEPS), losses)
+    assert_continues(par, stored, state, losses, f"{saved_under}->{loaded_under}")
 
 
 @pytest.mark.slow
@@ -127,3 +136,20 @@ def test_a_load_that_cannot_be_expressed_refuses_before_changing_anything(saved:
         )
     *_, manifest = build("dp4_tp2").load(path, data=data)
     assert data.state_dict() == manifest.extra["data"] != start
+
+
+@pytest.mark.slow
+def test_a_checkpoint_saved_by_several_jax_processes_continues_in_one(tmp_path: Path) -> None:
+    """2 processes x 4 devices train and save dp_shard 2 x tp 2 (each process writing its own
+    devices' rank files); this one process loads it under dp 4 x tp 2 and continues within
+    the floor of the uninterrupted run."""
+    launch(multiprocess_worker.__file__, tmp_path)
+    path = tmp_path / "dp_shard2_tp2"
+    manifest = read_manifest(path)
+    assert (manifest.world_size, manifest.step) == (8, SAVED)
+    assert manifest.extra["layout"] == build("dp_shard2_tp2").layout
+    par = build("dp4_tp2")
+    stored, state, _ = par.load(path)
+    losses: list[float] = []
+    stored, state = train(par, stored, state, range(SAVED, STEPS), losses)
+    assert_continues(par, stored, state, losses, "2 processes dp_shard2_tp2->dp4_tp2")

@@ -18,8 +18,10 @@ weights give the same logits, and torch's one-process training equals the compos
 from __future__ import annotations
 
 import re
+import tempfile
 import time
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -80,17 +82,41 @@ def _reference(cfg: LlamaConfig) -> tuple[Any, Any, list[float]]:
     return jax.tree.map(np.asarray, params), jax.tree.map(np.asarray, state), losses
 
 
+SAVED = 2  # the step after which a composition of the tied or MoE model saves
+_CHECKPOINTS: list[Path] = []  # the directory those checkpoints go to (set by a fixture)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _checkpoints(tmp_path_factory: pytest.TempPathFactory) -> None:
+    if not _CHECKPOINTS:
+        _CHECKPOINTS.append(tmp_path_factory.mktemp("nd-parallel-checkpoints"))
+
+
+def _tx() -> optax.GradientTransformation:
+    return optax.chain(gradsync_jax.clip_by_global_norm(MAX_NORM), optax.adamw(LR, eps=EPS))
+
+
+@cache
 def _train(cfg: LlamaConfig, topology: Topology, options: ParallelOptions) -> Any:
+    """``STEPS`` steps of the composition (once per process: the torch comparison reads the
+    same run); the tied and MoE models save after ``SAVED`` steps (``ParallelLlama.save``)
+    for ``test_a_composition_checkpoint_continues_under_another_layout``.
+
+    Returns:
+        ``(params, state, losses, checkpoint path or None)``.
+    """
     model, params = _params(cfg)
-    tx = optax.chain(gradsync_jax.clip_by_global_norm(MAX_NORM), optax.adamw(LR, eps=EPS))
-    par = parallelize(model, topology, options, tx=tx, seq_len=SEQ)
+    par = parallelize(model, topology, options, tx=_tx(), seq_len=SEQ)
     stored = par.place(params)
     state = par.init(stored)
-    losses = []
-    for batch in _batches(cfg):
+    losses, path = [], None
+    for step, batch in enumerate(_batches(cfg)):
         stored, state, loss = par.step(stored, state, batch)
         losses.append(float(loss))
-    return par.params_of(stored), par.state_of(state), losses
+        if step + 1 == SAVED and cfg != DENSE:  # the dense layouts: test_nd_checkpoint.py
+            path = Path(tempfile.mkdtemp(dir=_CHECKPOINTS[0])) / "checkpoint"
+            par.save(path, stored, state, step=SAVED)
+    return par.params_of(stored), par.state_of(state), losses, path
 
 
 CONFIGS = [
@@ -138,7 +164,7 @@ def test_composition_equals_the_unsharded_model(
 ) -> None:
     topology = Topology.create(8, **sizes)
     start = time.perf_counter()
-    params, state, losses = _train(cfg, topology, options)
+    params, state, losses, _ = _train(cfg, topology, options)
     seconds = time.perf_counter() - start
     ref_params, ref_state, ref_losses = _reference(cfg)
     np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
@@ -148,6 +174,42 @@ def test_composition_equals_the_unsharded_model(
         f"{k}={v}" for k, v in {**topology.mesh_sizes(), "ep": topology.ep}.items() if v > 1
     )
     print(f"{sizes_text}: params {worst_params:.1e}, state {worst_state:.1e}, {seconds:.1f} s")
+
+
+# (the composition that saved, the layout that loads): the cross-layout sweep's tied and MoE
+# pairs (the dense ones: tests/jax/test_nd_checkpoint.py), each saved by the composition's own
+# run above (no second compile): tp x cp with a tied embedding into HSDP x tp; ep x pp into ep
+# without pp (and dp_replicate x dp_shard around it).
+CONTINUED = [
+    pytest.param(CONFIGS[2], dict(tp=2, dp_shard=2), ParallelOptions(), id="tied-cp-to-hsdp-tp"),
+    pytest.param(CONFIGS[4], dict(ep=2, dp_shard=2), ParallelOptions(), id="moe-ep-pp-to-ep-hsdp"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("saved", "sizes", "options"), CONTINUED)
+def test_a_composition_checkpoint_continues_under_another_layout(
+    saved: Any, sizes: dict[str, Any], options: ParallelOptions
+) -> None:
+    """Saved after 2 steps under one composition, loaded under another layout
+    (``ParallelLlama.load``), 2 more steps: the losses, parameters and both moments equal
+    the uninterrupted run on one device within the floor."""
+    cfg, saved_sizes, saved_options = saved.values
+    *_, path = _train(cfg, Topology.create(8, **saved_sizes), saved_options)
+    model = Llama(cfg, rngs=nnx.Rngs(1))  # other weights: the load must replace them all
+    par = parallelize(model, Topology.create(8, **sizes), options, tx=_tx(), seq_len=SEQ)
+    stored, state, manifest = par.load(path)
+    assert manifest.step == SAVED
+    assert manifest.extra["layout"]["topology"] == Topology.create(8, **saved_sizes).to_json()
+    losses = []
+    for batch in _batches(cfg)[SAVED:]:
+        stored, state, loss = par.step(stored, state, batch)
+        losses.append(float(loss))
+    ref_params, ref_state, ref_losses = _reference(cfg)
+    np.testing.assert_allclose(losses, ref_losses[SAVED:], rtol=RTOL)
+    worst_params = assert_close(par.params_of(stored), ref_params, RTOL, "parameters")
+    worst_state = assert_close(par.state_of(state), ref_state, RTOL, "optimizer state")
+    print(f"{sizes}: params {worst_params:.1e}, state {worst_state:.1e} after the load")
 
 
 @pytest.mark.parametrize(
@@ -307,7 +369,7 @@ def test_the_composition_equals_the_torch_model_trained_on_one_process(
         loss.backward()
         torch.nn.utils.clip_grad_norm_(torch_model.parameters(), MAX_NORM)
         opt.step()
-    jax_params, jax_state, _ = _train(cfg, Topology.create(8, **sizes), options)
+    jax_params, jax_state, *_ = _train(cfg, Topology.create(8, **sizes), options)
     adam = jax_state[1][0]  # chain(clip, adamw): adamw's chain, its scale_by_adam state
     names = dict(torch_model.named_parameters())
     for what, jax_tree, torch_of in [

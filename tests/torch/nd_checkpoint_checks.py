@@ -1,12 +1,13 @@
 """Checks of the checkpoint that crosses layouts (``save_boxes`` / ``load_boxes``) on the Llama
 reference, run inside 8 spawned gloo ranks by ``test_nd_checkpoint.py``.
 
-Each pair trains ``SAVED`` steps under one layout of issue 37's compositions, saves, loads
-under another layout (another tp, cp, ep, dp or pp size, another schedule), trains the
-remaining steps, and compares every rank's parameters AND AdamW moments with the same model
-trained ``STEPS`` steps uninterrupted in one process: float64 and ``nd_checks.RTOL``, as the
-compositions themselves are checked. The checkpoints are left in ``directory`` for the test to
-load in one process (torch) and in JAX.
+Each saved layout of issue 37's compositions trains ``SAVED`` steps and saves once
+(``save_layout``); each pair loads that checkpoint under another layout (another tp, cp, ep,
+dp or pp size, another schedule), trains the remaining steps, and compares every rank's
+parameters AND AdamW moments, and the global losses of the steps after the load, with the
+same model trained ``STEPS`` steps uninterrupted in one process: float64 and
+``nd_checks.RTOL``, as the compositions themselves are checked. The checkpoints are left in
+``directory`` for the test to load in one process (torch) and in JAX.
 
 This module holds no tests of its own.
 """
@@ -34,6 +35,7 @@ from tests.torch.nd_checks import (
     LR,
     MAX_NORM,
     MOE,
+    RTOL,
     SEQ,
     STEPS,
     against_reference,
@@ -58,16 +60,23 @@ LAYOUTS: dict[str, tuple[LlamaConfig, dict[str, Any], ParallelOptions]] = {
     "ep4_dp_shard8_moe": (MOE, {"ep": 4}, ParallelOptions()),
 }
 
-# (saved under, loaded under): every item-2 composition saved once and loaded once, each under
-# another size of some axis; the MoE pair changes ep, pp and dp at once.
+# (saved under, loaded under): every ordered pair of the three dense item-2 compositions
+# (dp_shard x tp x pp, HSDP x tp, tp x cp x dp), then the pipeline under another pp size and
+# schedule, and dp alone; the MoE composition both ways, its ep, pp and dp changed at once.
+# Each layout is saved once (``save_layout``) and loaded by every pair that names it.
 PAIRS = [
     ("dp_shard2_tp2_pp2", "tp2_cp2_dp2_sp"),
+    ("dp_shard2_tp2_pp2", "dp_replicate2_dp_shard2_tp2"),
     ("tp2_cp2_dp2_sp", "dp_replicate2_dp_shard2_tp2"),
+    ("tp2_cp2_dp2_sp", "dp_shard2_tp2_pp2"),
+    ("dp_replicate2_dp_shard2_tp2", "dp_shard2_tp2_pp2"),
+    ("dp_replicate2_dp_shard2_tp2", "tp2_cp2_dp2_sp"),
     ("dp_replicate2_dp_shard2_tp2", "dp2_pp4_gpipe"),
     ("dp2_pp4_gpipe", "dp8"),
     ("ep2_dp_shard2_pp2_moe", "ep4_dp_shard8_moe"),
     ("ep4_dp_shard8_moe", "ep2_dp_shard2_pp2_moe"),
 ]
+SAVES = list(dict.fromkeys(saved for saved, _ in PAIRS))
 
 
 def pair_name(saved: str, loaded: str) -> str:
@@ -85,13 +94,30 @@ def _build(name: str, ws: int) -> tuple[ParallelLlama, torch.optim.Optimizer]:
     return model, _adamw(list(model.parameters()))
 
 
-def _train(model: ParallelLlama, opt: torch.optim.Optimizer, steps: range) -> None:
-    data = batches()
+def _train(model: ParallelLlama, opt: torch.optim.Optimizer, steps: range) -> list[float]:
+    """Train ``steps``; returns each step's global mean loss (a collective)."""
+    data, losses = batches(), []
     for step in steps:
-        model.step(*data[step])
+        losses.append(_global_loss(model, model.step(*data[step])))
         model.clip_grad_norm_(MAX_NORM)
         opt.step()
         opt.zero_grad()
+    return losses
+
+
+def _global_loss(model: ParallelLlama, share: torch.Tensor | None) -> float:
+    """The global mean loss from every rank's share: a replica's shares add up over the axes
+    that split its tokens (cp; tp under sequence parallelism), the last pipeline stage alone
+    holds them, tp ranks without sequence parallelism hold the same share, and the replicas'
+    losses are averaged over dp."""
+    total = torch.zeros((), dtype=torch.float64) if share is None else share.double().clone()
+    dist.all_reduce(total)
+    topology = model.topology
+    copies = topology.tp if topology.tp > 1 and not model.options.sequence_parallel else 1
+    return float(total) / (topology.dp * copies)
+
+
+REFERENCE_LOSSES: dict[tuple[LlamaConfig, int], list[float]] = {}  # filled by reference
 
 
 @functools.cache
@@ -100,8 +126,11 @@ def reference(config: LlamaConfig, steps: int = STEPS) -> tuple[Llama, torch.opt
     process: read it, never train it further)."""
     model = Llama(config, seed=1).double()
     opt = _adamw(model.parameters())
+    losses = REFERENCE_LOSSES.setdefault((config, steps), [])
     for tokens, targets in batches()[:steps]:
-        lm_loss_share(model(tokens), targets, tokens.numel()).backward()
+        loss = lm_loss_share(model(tokens), targets, tokens.numel())
+        losses.append(float(loss.detach()))
+        loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
         opt.step()
         opt.zero_grad()
@@ -136,14 +165,19 @@ def _counting_reads() -> Any:
         boxes_module._Files.elements = original  # type: ignore[method-assign]
 
 
-def check_pair(rank: int, ws: int, saved: str, loaded: str, directory: str) -> None:
-    """Train SAVED steps under ``saved``, save, load under ``loaded``, finish, compare."""
-    name = pair_name(saved, loaded)
-    path = os.path.join(directory, saved)
+def save_layout(rank: int, ws: int, saved: str, directory: str) -> None:
+    """Train SAVED steps under layout ``saved`` and save (``directory/saved``)."""
     model, opt = _build(saved, ws)
     _train(model, opt, range(SAVED))
+    path = os.path.join(directory, saved)
     save_boxes(path, model.held(), opt, specs=model.specs(), layout=model.layout())
-    del model, opt
+
+
+def check_pair(rank: int, ws: int, saved: str, loaded: str, directory: str) -> None:
+    """Load the checkpoint ``save_layout`` wrote under ``saved`` into layout ``loaded``, train
+    the remaining steps, compare with the uninterrupted run."""
+    name = pair_name(saved, loaded)
+    path = os.path.join(directory, saved)
     model, opt = _build(loaded, ws)
     held = model.held()
     with _counting_reads() as read:
@@ -156,13 +190,18 @@ def check_pair(rank: int, ws: int, saved: str, loaded: str, directory: str) -> N
     assert (
         manifest.extra["layout"]["topology"] == Topology.create(ws, **LAYOUTS[saved][1]).to_json()
     )
-    _train(model, opt, range(SAVED, STEPS))
+    losses = _train(model, opt, range(SAVED, STEPS))
     worst = compare(model, opt, name)
+    want = REFERENCE_LOSSES[(model.config, STEPS)][SAVED:]
+    assert all(abs(a - b) <= RTOL * abs(b) for a, b in zip(losses, want, strict=True)), (
+        f"{name}: losses after the load {losses}, uninterrupted {want}"
+    )
+    worst["loss"] = max(abs(a - b) / abs(b) for a, b in zip(losses, want, strict=True))
     everywhere: list[Any] = [None] * ws
     dist.all_gather_object(everywhere, worst)
     if rank == 0:
         merged = {k: max(w[k] for w in everywhere) for k in worst}
-        Path(directory, f"{saved}.json").write_text(json.dumps(merged))
+        Path(directory, f"{name}.json").write_text(json.dumps(merged))
 
 
 def _unchanged(model: ParallelLlama, opt: torch.optim.Optimizer, before: list[torch.Tensor]):
@@ -176,7 +215,7 @@ def check_refusals(rank: int, ws: int, directory: str) -> None:
     before anything changes: the checkpoint of ``dp8`` (saved by ``check_pair``) into another
     model, into another dtype, with pieces that leave elements out; a layout whose tp does
     not divide the head count refuses before any load."""
-    path = os.path.join(directory, "dp2_pp4_gpipe")  # PAIRS saves it; a dense model
+    path = os.path.join(directory, "dp2_pp4_gpipe")  # save_layout saves it; a dense model
     cases = [
         ("ep2_dp8_moe", None, "checkpoint has no state for parameter"),
         ("dp8", torch.float32, "float32 here but"),
