@@ -48,6 +48,7 @@ def calibrate_predict_measure(
         scratch=calibrate.collective_scratch(),
         slowdowns=calibrate.overlap_slowdowns(),
         posts=message_posts(torch.device("cpu")),
+        queue=calibrate.queue_penalties(),
     )
     net, x = _net(), torch.randn(ROWS, WIDTH)
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
@@ -88,4 +89,5 @@ def calibrate_predict_measure(
         "overlap_slowdowns": dict(machine.overlap_slowdowns),
         "overlap_slowdown": {"": machine.overlap_slowdown},
         "post_s": dict(machine.post_s),
+        "queue_s": dict(machine.queue_s),
     }
