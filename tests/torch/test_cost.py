@@ -164,3 +164,11 @@ def test_a_free_on_another_thread_goes_unrecorded():
         del mine  # freed here: recorded
     sizes = [n for _, _, n in calibrate.cpu_allocations(prof) if abs(n) == 4 * numel]
     assert sorted(sizes) == [-4 * numel, 4 * numel, 4 * numel]  # the thread's free: not there
+
+
+def test_broadcast_tensors_frees_its_buffer_on_the_calling_thread():
+    """``DataParallel``'s constructor broadcasts the parameters through one packed buffer; left
+    to gloo's worker thread to free, the free went unrecorded and the benchmark's peaks read
+    the buffer as live (8 MiB)."""
+    frees = run_workers(cost_checks.broadcast_frees, 2, timeout=120)
+    assert frees == [[1 << 20] * 20] * 2
