@@ -48,7 +48,6 @@ def calibrate_predict_measure(
         scratch=calibrate.collective_scratch(),
         slowdowns=calibrate.overlap_slowdowns(),
         posts=message_posts(torch.device("cpu")),
-        queue=calibrate.queue_penalties(),
     )
     net, x = _net(), torch.randn(ROWS, WIDTH)
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
@@ -89,7 +88,6 @@ def calibrate_predict_measure(
         "overlap_slowdowns": dict(machine.overlap_slowdowns),
         "overlap_slowdown": {"": machine.overlap_slowdown},
         "post_s": dict(machine.post_s),
-        "queue_s": dict(machine.queue_s),
     }
 
 

@@ -111,10 +111,6 @@ def test_calibrate_predict_measure_on_gloo():
     # the pipeline runtime's posts of one message: host time on the posting rank, never 0
     assert set(host["post_s"]) == {"send", "receive"}, host
     assert all(0 < s < 0.1 for s in host["post_s"].values()), host
-    # what a collective takes beyond its time alone when it follows another without a
-    # barrier: a difference of two medians, clamped at 0, so only its sign and a bound
-    assert set(host["queue_s"]) == {"all_reduce", "all_gather", "reduce_scatter", "broadcast"}
-    assert all(0 <= s < 0.1 for s in host["queue_s"].values()), host
     assert one_bucket[2] and per_tensor[2], "DataParallel planned other buckets than predict"
     assert one_bucket[0] < per_tensor[0] and one_bucket[1] < per_tensor[1], (one_bucket, per_tensor)
     for predicted, measured, _ in (one_bucket, per_tensor):
