@@ -154,7 +154,6 @@ class Calibrator:
         self.issued: dict[tuple[str, int, int], list[float]] = {}
         self.copies: list[float] = []
         self.slowdowns: list[dict[str, float]] = []
-        self.queues: list[dict[str, float]] = []
         self.probe = Probe(torch.device("cpu"))  # the executors' host overheads (host.py)
         self.scratch = calibrate.collective_scratch()  # the same each time: measured once
 
@@ -167,7 +166,6 @@ class Calibrator:
                     into.setdefault((collective, size, nbytes), []).append(seconds)
         self.copies.append(calibrate.copy_bandwidth(repeats=1))
         self.slowdowns.append(calibrate.overlap_slowdowns(repeats=3))
-        self.queues.append(calibrate.queue_penalties(repeats=1))
 
     @staticmethod
     def _samples(
@@ -193,7 +191,6 @@ class Calibrator:
             probe=self.probe.times(),
             world_size=self.world,
             scratch=self.scratch,
-            queue={k: statistics.median(q[k] for q in self.queues) for k in self.queues[0]},
         )
 
 
@@ -378,7 +375,6 @@ def worker(rank: int, world: int, store_path: str, args: argparse.Namespace, out
                         "host_s": dict(calibrated.host_s),
                         "step_host_s": dict(calibrated.step_host_s),
                         "overlap_slowdowns": dict(calibrated.overlap_slowdowns),
-                        "queue_s": dict(calibrated.queue_s),
                     }
                     for p, alone, t, peak, runner in zip(
                         final, standalone, times, peaks, runners, strict=True

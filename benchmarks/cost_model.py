@@ -122,9 +122,6 @@ def report(rows: list[dict[str, Any]]) -> dict[str, Any]:
         if first.get("overlap_slowdowns"):
             slow = ", ".join(f"{k} {v:.3g}" for k, v in sorted(first["overlap_slowdowns"].items()))
             print(f"{group}: compute's slowdown beside a collective: {slow}")
-        if first.get("queue_s"):
-            queue = ", ".join(f"{k} {v * 1e3:.2f}" for k, v in sorted(first["queue_s"].items()))
-            print(f"{group}: ms a collective takes more behind another (queue_s): {queue}")
     steps = [abs(r["step_error"]) for r in rows]
     peaks = [abs(r["peak_error"]) for r in rows]
     out: dict[str, Any] = {

@@ -168,13 +168,11 @@ def host_overheads(
     shard = -(-WIDTH // world_size) * WIDTH * 4  # a rank's rows of one weight, padded
 
     def charged(kind: str, size: int, copies: int) -> float:
-        """What the timeline already charges one collective of the probe (each follows
-        another on its group: its ``queue_s`` too)."""
+        """What the timeline already charges one collective of the probe."""
         return (
             machine.time(kind, size, world_size)
             + machine.issue_time(kind, size, world_size)
             + copies * machine.copy_time(size)
-            + machine.queue_time(kind)
         )
 
     def per_block(path: str, than: str = "plain") -> tuple[float, float]:

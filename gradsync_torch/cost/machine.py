@@ -309,51 +309,6 @@ def overlap_slowdowns(nbytes: int = MIB, repeats: int = 3) -> dict[str, float]:
     return figures
 
 
-QUEUE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
-QUEUE_CHAIN = 8  # collectives in a row, each issued once the one before is done
-
-
-def queue_penalties(nbytes: int = MIB, repeats: int = 3) -> dict[str, float]:
-    """Seconds a collective of each kind takes beyond its time alone when it follows another
-    on its group without a barrier between, as a step's collectives do
-    (``MachineProfile.queue_s``).
-
-    For each kind of ``QUEUE_KINDS``, ``nbytes`` over the world: the collective alone after a
-    barrier (``A``, as ``measure`` times the links), then ``QUEUE_CHAIN`` of them in a row,
-    each issued as soon as the one before is done on this rank (as ``fully_shard`` issues its
-    next gather once it has waited for the last; ``T``, until the last is done). The timeline
-    runs the chain as ``A`` then ``QUEUE_CHAIN - 1`` of ``A + q`` each, so
-    ``q = (T - A) / (QUEUE_CHAIN - 1) - A`` (never below 0); ``A`` and ``T`` each the slowest
-    rank's median over ``repeats``.
-    """
-    device = _device()
-    world = dist.get_world_size()
-    numel = max(world, nbytes // 4 // world * world)
-    group = dist.group.WORLD
-    out = {}
-    for kind in QUEUE_KINDS:
-
-        def chain(kind: str = kind) -> float:
-            _synchronize()
-            start = time.perf_counter()
-            for _ in range(QUEUE_CHAIN):
-                _issue(kind, group, world, numel, device).wait()
-            _synchronize()
-            return time.perf_counter() - start
-
-        _run(kind, group, world, nbytes, device)  # warm-up
-        chain()
-        alone, chained = [], []
-        for _ in range(repeats):
-            dist.barrier()
-            alone.append(_slowest(_run(kind, group, world, nbytes, device)[1]))
-            dist.barrier()
-            chained.append(_slowest(chain()))
-        a, t = statistics.median(alone), statistics.median(chained)
-        out[kind] = max(0.0, (t - a) / (QUEUE_CHAIN - 1) - a)
-    return out
-
-
 def mean_slowdown(hidden: Sequence[float]) -> float:
     """The figure of several measurements, each given as ``1 / slowdown`` (the share of the
     collective compute hid): the mean share, inverted. A step's exposed time beside compute is
@@ -425,14 +380,13 @@ def profile_from(
     world_size: int | None = None,
     scratch: Mapping[str, float] | None = None,
     posts: Mapping[str, float] | None = None,
-    queue: Mapping[str, float] | None = None,
 ) -> MachineProfile:
     """The machine profile of measured samples: one fitted link per collective and size;
     ``slowdowns``: ``overlap_slowdowns()``, their median the figure of the kinds not measured
     (point-to-point); with the executor ``probe``'s step times (``host.Probe.times()`` over
     ``world_size`` ranks), the host overheads too (``host.host_overheads``); ``scratch``:
     ``collective_scratch()``; ``posts``: ``host.message_posts()``, the pipeline runtime's
-    host time per message; ``queue``: ``queue_penalties()``."""
+    host time per message."""
     links: list[LinkCost] = [
         fit_link(collective, size, points, issue=issue.get((collective, size), ()))
         for (collective, size), points in sorted(samples.items())
@@ -447,7 +401,6 @@ def profile_from(
         overlap_slowdowns=dict(slowdowns or {}),
         collective_scratch=dict(scratch or {}),
         post_s=dict(posts or {}),
-        queue_s=dict(queue or {}),
     )
     if probe is None:
         return profile
@@ -499,7 +452,6 @@ def calibrate(
     copy = copy_bandwidth(repeats=repeats)
     slowdowns = overlap_slowdowns(repeats=repeats)
     scratch = collective_scratch()
-    queue = queue_penalties(repeats=repeats)
     probe = Probe(_device())
     for _ in range(max(PROBE_ROUNDS, repeats)):
         probe.round()
@@ -519,7 +471,6 @@ def calibrate(
         world_size=world,
         scratch=scratch,
         posts=posts,
-        queue=queue,
     )
 
 

@@ -45,7 +45,7 @@ from gradsync_core.plan import (
     profile_blocks,
     search_configurations,
 )
-from gradsync_core.plan.cost._timeline import Channel, Rank, _slowed
+from gradsync_core.plan.cost._timeline import _slowed
 
 MIB = 1 << 20
 
@@ -174,7 +174,7 @@ def test_pieces_round_trip_and_a_version_3_profile_loads_without_them():
         ),
     )
     m = MachineProfile(name="piecewise", ranks_per_node=8, links=links)
-    assert m.to_json()["version"] == 5
+    assert m.to_json()["version"] == 4
     assert MachineProfile.from_json(json.loads(json.dumps(m.to_json()))) == m
     assert m.time("all_reduce", 8 * MIB, 8) == links[0].time(8 * MIB, 8)
     posted = replace(m, post_s={"send": 2e-4, "receive": 1e-4})
@@ -265,7 +265,7 @@ def test_host_overheads_round_trip_and_a_version_1_profile_loads_without_them():
         step_host_s={"zero3": 1e-3},
         collective_scratch={"all_gather": 1.0},
     )
-    assert m.to_json()["version"] == 5
+    assert m.to_json()["version"] == 4
     assert MachineProfile.from_json(json.loads(json.dumps(m.to_json()))) == m
     assert m.issue_time("all_reduce", MIB, 2) == 2e-4  # the link's issue cost is 0 here
     assert m.issue_time("all_gather", MIB, 2) == 0.0
@@ -561,59 +561,6 @@ def test_zero3_with_overlap_hides_all_but_the_first_gather_and_the_last_reduce()
     gathers = [c for c in cost.comms if c.what.startswith("unit") and c.collective == "all_gather"]
     assert len(gathers) == 2 * units  # forward and again for the backward
     assert cost.ranks[0].memory == estimate_zero3(plan).ranks[0]
-
-
-def test_queue_s_round_trips_and_a_version_4_profile_loads_without_it():
-    m = machine(latency=1e-4, queue_s={"all_gather": 5e-4, "reduce_scatter": 3e-4})
-    assert MachineProfile.from_json(json.loads(json.dumps(m.to_json()))) == m
-    assert m.queue_time("all_gather") == 5e-4 and m.queue_time("all_reduce") == 0.0
-    with pytest.raises(ValueError, match="version-4 machine profile has the unknown key 'queue_s'"):
-        MachineProfile.from_json(m.to_json() | {"version": 4})
-    old = {k: v for k, v in m.to_json().items() if k != "queue_s"} | {"version": 4}
-    assert MachineProfile.from_json(old).queue_s == {}
-    with pytest.raises(ValueError, match="queue_s has the unknown key 'gather'"):
-        machine(queue_s={"gather": 1e-4})
-
-
-def test_a_collective_that_follows_another_on_its_channel_takes_queue_s_longer():
-    """The links are timed after a barrier; in a step every collective but a channel's first
-    follows another there (queued behind it, or issued once it is done) and takes its kind's
-    ``queue_s`` longer; another channel's first does not."""
-    m = machine(latency=1e-3, queue_s={"all_gather": 5e-4})
-    rank, channel, other = Rank(m), Channel(), Channel()
-    first = rank.collective(channel, "a", "all_gather", "dp", 2, 0, "node")
-    queued = rank.collective(channel, "b", "all_gather", "dp", 2, 0, "node")
-    assert (first, queued) == (pytest.approx(1e-3), pytest.approx(2.5e-3))
-    rank.wait(queued + 1e-2)  # long after: it still follows the others
-    assert rank.collective(channel, "c", "all_gather", "dp", 2, 0, "node") == pytest.approx(
-        queued + 1e-2 + 1.5e-3
-    )
-    assert rank.collective(channel, "d", "all_reduce", "dp", 2, 0, "node") == pytest.approx(
-        queued + 1e-2 + 2.5e-3
-    )  # a kind without a figure: its link's time
-    assert rank.collective(other, "e", "all_gather", "dp", 2, 0, "node") == pytest.approx(
-        queued + 1e-2 + 1e-3
-    )
-
-
-def test_zero3_queued_gathers_and_reduce_scatters_add_queue_s_each():
-    """ZeRO-3 whose collectives do not overlap compute (gloo on a CPU whose cores compute
-    holds): the step is the sum of every collective and block, plus ``queue_s`` for every
-    collective but the shard channel's first."""
-    n, units = 2, 4
-    specs = layers(units)
-    plan = plan_param_shards(specs, world_size=n, units=[f"layers.{i}" for i in range(units)])
-    slow = {"all_gather": 1000.0, "reduce_scatter": 1000.0}
-    base = machine(bandwidth=1e9, overlap_slowdowns=slow)
-    queued = replace(base, queue_s={"all_gather": 2e-4, "reduce_scatter": 1e-4})
-    topology = Topology.create(n)
-    before = predict_zero3(plan, machine=base, model=model(units), topology=topology)
-    after = predict_zero3(plan, machine=queued, model=model(units), topology=topology)
-    on_shard = [c for c in after.comms if c.group == "dp_shard"]
-    gathers = sum(c.collective == "all_gather" for c in on_shard) - 1  # the first: alone
-    scatters = sum(c.collective == "reduce_scatter" for c in on_shard)
-    assert (gathers, scatters) == (2 * units + 2 - 1, units)  # and the two phase checks
-    assert after.step_s == pytest.approx(before.step_s + gathers * 2e-4 + scatters * 1e-4, rel=1e-3)
 
 
 def test_zero3_gathers_that_do_not_overlap_compute_add_up():

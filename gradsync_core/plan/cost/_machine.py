@@ -41,11 +41,11 @@ COLLECTIVES = (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, BROADCAST, P2P)
 NODE, NETWORK = "node", "network"  # a group inside one node, or spanning nodes
 LEVELS = (NODE, NETWORK)
 MACHINE_PROFILE_KIND = "machine_profile"
-MACHINE_PROFILE_VERSION = 5  # the schema's own version, not the plans'
+MACHINE_PROFILE_VERSION = 4  # the schema's own version, not the plans'
 # Version 1 had no host overheads, version 2 no slowdown per collective kind, version 3 one
-# line per link (no ``pieces``) and no pipeline message posts (``post_s``), version 4 no
-# queueing (``queue_s``): they still load, with none.
-MACHINE_PROFILE_VERSIONS = (1, 2, 3, 4, 5)
+# line per link (no ``pieces``) and no pipeline message posts (``post_s``): they still load,
+# with none.
+MACHINE_PROFILE_VERSIONS = (1, 2, 3, 4)
 DATA_PARALLEL, ZERO3 = "data_parallel", "zero3"
 STEP_PATHS = (DATA_PARALLEL, ZERO3)  # the executor paths with a per-step host overhead
 SEND, RECEIVE = "send", "receive"
@@ -215,10 +215,7 @@ class MachineProfile:
     gloo's all-reduce and broadcast: 0). ``post_s``: the host time a pipeline runtime spends
     posting one message, ``{"send": s, "receive": s}`` (on the posting rank's clock; a send's
     data leaves when its post ends; ``simulate_pipeline``'s ``post`` and ``receive_post``),
-    nothing where absent. ``queue_s``, per collective kind, the seconds a collective takes
-    beyond its link's time when it follows another on its group within a step: the links are
-    timed after a barrier, but a step's collectives follow one another without one (on gloo
-    each then takes longer), nothing where absent.
+    nothing where absent.
 
     Example:
         >>> m = MachineProfile(name="toy", ranks_per_node=8, links=(
@@ -240,7 +237,6 @@ class MachineProfile:
     step_host_s: Mapping[str, float] = field(default_factory=dict)
     collective_scratch: Mapping[str, float] = field(default_factory=dict)
     post_s: Mapping[str, float] = field(default_factory=dict)
-    queue_s: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1:
@@ -268,8 +264,7 @@ class MachineProfile:
                     f"compute), got {slow!r}"
                 )
         tables = (("host_s", COLLECTIVES), ("step_host_s", STEP_PATHS))
-        tables += (("collective_scratch", COLLECTIVES), ("post_s", POSTS), ("queue_s", COLLECTIVES))
-        for name, keys in tables:
+        for name, keys in (*tables, ("collective_scratch", COLLECTIVES), ("post_s", POSTS)):
             table = getattr(self, name)
             if not isinstance(table, Mapping):
                 raise ValueError(f"{name} must be a mapping of numbers, got {table!r}")
@@ -347,11 +342,6 @@ class MachineProfile:
         """Bytes a ``collective`` of ``nbytes`` (its whole buffer) allocates while in flight."""
         return round(self.collective_scratch.get(collective, 0.0) * nbytes)
 
-    def queue_time(self, collective: str) -> float:
-        """Seconds a ``collective`` that follows another on its group in a step takes beyond
-        its link's time (``queue_s``; 0 if absent)."""
-        return float(self.queue_s.get(collective, 0.0))
-
     def post_time(self, which: str) -> float:
         """Seconds a pipeline runtime's host spends posting one message's ``which`` (``"send"``
         or ``"receive"``; ``post_s``, 0 if absent)."""
@@ -379,7 +369,7 @@ class MachineProfile:
                 out[name] = getattr(self, name)
         out["overlap_slowdown"] = self.overlap_slowdown
         tables = ("overlap_slowdowns", "host_s", "step_host_s", "collective_scratch", "post_s")
-        for name in (*tables, "queue_s"):
+        for name in tables:
             if getattr(self, name):
                 out[name] = dict(sorted(getattr(self, name).items()))
         return out
@@ -391,7 +381,7 @@ class MachineProfile:
         A version-1 profile (before the host overheads) loads with none, a version-2 one
         (before the slowdown per collective kind) with ``overlap_slowdown`` for every kind, a
         version-3 one (before ``pieces`` and ``post_s``) with one line per link and no message
-        posts, a version-4 one (before ``queue_s``) with no queueing.
+        posts.
 
         Raises:
             ValueError: another kind or version, a missing or unknown key, a bad value.
@@ -405,8 +395,6 @@ class MachineProfile:
             optional += ["overlap_slowdowns"]
         if obj["version"] >= 4:
             optional += ["post_s"]
-        if obj["version"] >= 5:
-            optional += ["queue_s"]
         _check_keys(
             obj,
             required=("name", "ranks_per_node", "links"),
@@ -452,7 +440,6 @@ class MachineProfile:
             step_host_s=_table(obj, "step_host_s"),
             collective_scratch=_table(obj, "collective_scratch"),
             post_s=_table(obj, "post_s"),
-            queue_s=_table(obj, "queue_s"),
         )
 
     def copy_time(self, nbytes: int) -> float:

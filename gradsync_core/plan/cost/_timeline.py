@@ -5,8 +5,7 @@ simulator's). Its compute runs on one stream (``Rank``): the model profile's blo
 executor's copies into and out of communication buffers (at the machine's copy bandwidth) and
 the optimizer. Every collective runs on its process group's ``Channel``, one after the other in
 the order the executor issues them (one NCCL stream, one gloo queue), no earlier than its inputs
-are ready, each after the first there taking the machine's ``queue_s`` longer; while one is
-in flight, compute runs ``overlap_slowdown`` times slower (the
+are ready; while one is in flight, compute runs ``overlap_slowdown`` times slower (the
 machine profile's figure for compute and communication sharing a device, per collective kind
 where it has one: ``MachineProfile.slowdown``; the largest of those in flight counts). A
 collective's *exposed* time is the part of it during which its rank computes nothing; the step
@@ -138,15 +137,12 @@ class StepCost:
 
 
 class Channel:
-    """One process group's collectives, run one after another in the order they are issued
-    (``runs``: how many so far)."""
+    """One process group's collectives, run one after another in the order they are issued."""
 
     def __init__(self) -> None:
         self.free = 0.0
-        self.runs = 0
 
     def run(self, ready: float, duration: float) -> tuple[float, float]:
-        self.runs += 1
         start = max(self.free, ready)
         self.free = start + duration
         return start, self.free
@@ -195,16 +191,11 @@ class Rank:
         mine: bool = True,
     ) -> float:
         """Issue a collective (at ``ready``, default now); returns when it ends. ``mine``:
-        this rank's thread issues it, and spends the link's issue time doing so. One that
-        follows another on its channel in the step takes the machine's ``queue_s`` of its kind
-        longer (the links are timed after a barrier; a step's collectives follow one another
-        without one)."""
+        this rank's thread issues it, and spends the link's issue time doing so."""
         if mine:
             self.compute(self.machine.issue_time(kind, nbytes, size, level))
-        at = self.t if ready is None else max(ready, self.t) if mine else ready
         duration = self.machine.time(kind, nbytes, size, level)
-        if channel.runs:
-            duration += self.machine.queue_time(kind)
+        at = self.t if ready is None else max(ready, self.t) if mine else ready
         start, end = channel.run(at, duration)
         if end > start:
             self.flight.append((start, end, self.machine.slowdown(kind)))
