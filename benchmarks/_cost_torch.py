@@ -290,20 +290,12 @@ def _slowest(seconds: float) -> float:
 
 def _peak_live(prof: Any) -> int:
     """Live CPU bytes at the measured step's start (all this configuration allocated since
-    it was built) plus their largest rise during the step."""
-    events = list(prof.profiler.kineto_results.events())
-    marks = [e for e in events if e.name() == STEP]
+    it was built) plus their largest rise during the step, the live set kept by address
+    (``calibrate.live_peak``: a buffer gloo's thread frees is otherwise never freed)."""
+    marks = [e for e in prof.profiler.kineto_results.events() if e.name() == STEP]
     start, end = marks[-1].start_ns(), marks[-1].end_ns()
-    live = peak = 0
-    for e in sorted(events, key=lambda e: e.start_ns()):
-        if e.name() != "[memory]" or e.device_type() != torch.autograd.DeviceType.CPU:
-            continue
-        if e.start_ns() > end:
-            break
-        live += e.nbytes()
-        if e.start_ns() >= start:
-            peak = max(peak, live)
-    return peak
+    allocations = [a for a in calibrate.cpu_allocations(prof) if a[0] <= end]
+    return calibrate.live_peak(allocations, start)
 
 
 def worker(rank: int, world: int, store_path: str, args: argparse.Namespace, out: Any) -> None:

@@ -151,5 +151,8 @@ def broadcast_tensors(
                 for c in chunk:
                     c.copy_(flat[offset : offset + c.numel()].view_as(c))
                     offset += c.numel()
+            # freed here, not whenever gloo's thread drops its work (then the profiler,
+            # which sees only this thread, never records the free)
+            flat.untyped_storage().resize_(0)
             if t is not None:
                 chunk, nbytes = [t], t.nbytes

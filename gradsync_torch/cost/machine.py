@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
 from gradsync_core.plan import COLLECTIVES, LinkCost, MachineProfile, fit_link
@@ -181,11 +182,52 @@ def _allocated_during(run: Any, device: torch.device) -> int:
         return int(torch.cuda.max_memory_allocated(device) - before)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         run()
-    live = peak = 0
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    for event in sorted(events, key=lambda e: e.start_ns()):
-        live += event.nbytes()
-        peak = max(peak, live)
+    return live_peak(cpu_allocations(prof))
+
+
+def cpu_allocations(prof: Any) -> list[tuple[int, int, int]]:
+    """Every CPU allocation and free a finished ``torch.profiler.profile(profile_memory=True)``
+    recorded, as ``(time ns, address, bytes)`` in time order (a free's bytes negative)."""
+    out = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        stack.extend(event.children)
+        if event.tag != _EventType.Allocation:
+            continue
+        fields = event.typed[1]
+        if fields.device.type == "cpu":
+            out.append((event.start_time_ns, fields.ptr, fields.alloc_size))
+    return sorted(out, key=lambda a: a[0])
+
+
+def live_peak(allocations: Sequence[tuple[int, int, int]], start_ns: int | None = None) -> int:
+    """The most bytes live at once from ``allocations`` (``(time ns, address, bytes)``, in
+    time order, a free's bytes negative), counted from the first, the peak taken from
+    ``start_ns`` on.
+
+    The profiler records an allocation's free only on a thread it profiles: a tensor handed
+    to a gloo collective is often freed on gloo's worker thread, once the collective's work
+    object drops it after the caller's last reference, and that free goes unrecorded (a
+    running sum then keeps the buffer forever: ``DataParallel``'s 8 MiB broadcast buffer
+    showed up in steps long after). So the live set is kept by address: an allocation at an
+    address still live means the block there was freed first.
+
+    Example:
+        >>> lost = [(0, 64, 8), (1, 96, 4), (2, 64, 8), (3, 96, -4)]  # 64's free unrecorded
+        >>> live_peak(lost), sum(n for _, _, n in lost[:3])
+        (12, 20)
+    """
+    live: dict[int, int] = {}
+    total = peak = 0
+    for t, address, nbytes in allocations:
+        if nbytes > 0:
+            total += nbytes - live.get(address, 0)
+            live[address] = nbytes
+        elif address in live:
+            total -= live.pop(address)
+        if start_ns is None or t >= start_ns:
+            peak = max(peak, total)
     return peak
 
 

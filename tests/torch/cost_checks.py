@@ -89,3 +89,19 @@ def calibrate_predict_measure(
         "overlap_slowdown": {"": machine.overlap_slowdown},
         "post_s": dict(machine.post_s),
     }
+
+
+def broadcast_frees(rank: int, world_size: int) -> list[int]:
+    """Bytes of each ``broadcast_tensors`` packing buffer whose free the profiler recorded,
+    over 20 broadcasts of a 1 MiB tensor (the free must happen on this thread)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from gradsync_torch._collectives import broadcast_tensors
+
+    tensor = torch.ones(1 << 18)
+    frees = []
+    for _ in range(20):
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            broadcast_tensors([tensor], dist.group.WORLD)
+        frees += [-n for _, _, n in calibrate.cpu_allocations(prof) if n == -tensor.nbytes]
+    return frees

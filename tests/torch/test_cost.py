@@ -131,3 +131,40 @@ def test_slowdown_of_pair_inverts_the_timeline(slowdown):
     assert calibrate.slowdown_of_pair(1e-3, 2e-3, together) == pytest.approx(slowdown)
     assert calibrate.slowdown_of_pair(1e-3, 2e-3, 2e-3) == 1.0  # hidden whole
     assert calibrate.slowdown_of_pair(1e-3, 2e-3, 3.5e-3) == calibrate.MAX_SLOWDOWN  # worse
+
+
+def test_live_peak_keeps_the_live_set_by_address():
+    """A block whose free went unrecorded is counted freed once its address is allocated
+    again; frees of blocks allocated before the record are not this record's."""
+    lost = [(0, 64, 8), (1, 96, 4), (2, 64, 8), (3, 96, -4), (4, 32, -100), (5, 96, 2)]
+    assert calibrate.live_peak(lost) == 12
+    assert calibrate.live_peak(lost, start_ns=3) == 10  # 8 live at 3, 10 at 5
+
+
+def test_a_free_on_another_thread_goes_unrecorded():
+    """Why ``live_peak`` keeps the live set by address: the profiler records no free on a
+    thread it does not profile (as gloo's worker threads free the buffers handed to
+    collectives), so a running sum keeps such a block live to the end (the 8 MiB of
+    ``DataParallel``'s broadcast buffer in the benchmark's torch rows)."""
+    import threading
+
+    from torch.profiler import ProfilerActivity, profile
+
+    numel = 16 << 10
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        held = [torch.ones(numel)]
+        thread = threading.Thread(target=held.clear)  # the last reference dropped over there
+        thread.start()
+        thread.join()
+        mine = torch.ones(numel)
+        del mine  # freed here: recorded
+    sizes = [n for _, _, n in calibrate.cpu_allocations(prof) if abs(n) == 4 * numel]
+    assert sorted(sizes) == [-4 * numel, 4 * numel, 4 * numel]  # the thread's free: not there
+
+
+def test_broadcast_tensors_frees_its_buffer_on_the_calling_thread():
+    """``DataParallel``'s constructor broadcasts the parameters through one packed buffer; left
+    to gloo's worker thread to free, the free went unrecorded and the benchmark's peaks read
+    the buffer as live (8 MiB)."""
+    frees = run_workers(cost_checks.broadcast_frees, 2, timeout=120)
+    assert frees == [[1 << 20] * 20] * 2
