@@ -15,6 +15,7 @@ from gradsync_core.checkpoint import (
     Manifest,
     SaveHandle,
     read_manifest,
+    set_writer_share,
     wait_for_saves,
 )
 from gradsync_core.plan import (
@@ -229,6 +230,7 @@ __all__ = [
     "reduction_group",
     "replicated_axes",
     "search_configurations",
+    "set_writer_share",
     "simulate_pipeline",
     "split_expert_specs",
     "split_shapes",
