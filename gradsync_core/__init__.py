@@ -17,6 +17,7 @@ from gradsync_core.checkpoint import (
     read_manifest,
     set_writer_share,
     wait_for_saves,
+    writer_share,
 )
 from gradsync_core.plan import (
     AXES,
@@ -236,4 +237,5 @@ __all__ = [
     "split_shapes",
     "wait_for_saves",
     "with_replicated_over",
+    "writer_share",
 ]
