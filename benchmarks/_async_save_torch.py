@@ -6,7 +6,10 @@ The training: the benchmarks' ``mlp`` under gradsync's ``DataParallel`` and ZeRO
 ``ZeroRedundancyOptimizer(Adam)``. The state saved is the weights plus each rank's Adam state:
 
     gradsync, blocking          opt.save(path, model=module)
-    gradsync, blocking=False    opt.save(path, model=module, blocking=False)
+    gradsync, blocking=False    opt.save(path, model=module, blocking=False), its writer process
+                                paced at ``--writer-share`` of a core (gradsync's default,
+                                ``WRITER_SHARE``, unless given)
+    gradsync, unpaced           the same with the writer unpaced (``set_writer_share(1.0)``)
     DCP save                    torch.distributed.checkpoint.save of the same tensors: the
                                 weights (replicated, so DCP writes each once) and each rank's
                                 Adam state under its own keys
@@ -62,6 +65,7 @@ from gradsync_core.checkpoint import (
     TensorBytes,
     model_owners,
     rank_file,
+    set_writer_share,
     tensor_file,
     write_atomic,
     write_rank_file,
@@ -71,13 +75,23 @@ from gradsync_torch.checkpoint.staging import StagingBuffer, tensor_bytes
 
 SYNC = "gradsync, blocking"
 ASYNC = "gradsync, blocking=False"
+UNPACED = "gradsync, unpaced"
 DCP_SYNC = "DCP save"
 DCP_THREAD = "DCP async, thread"
 DCP_PROCESS = "DCP async, process"
 WRITER_THREAD = "writer: thread"
 WRITER_PROCESS = "writer: process"
-VARIANTS = (SYNC, ASYNC, DCP_SYNC, DCP_THREAD, DCP_PROCESS, WRITER_THREAD, WRITER_PROCESS)
-BACKGROUND = (ASYNC, DCP_THREAD, DCP_PROCESS, WRITER_THREAD, WRITER_PROCESS)
+VARIANTS = (
+    SYNC,
+    ASYNC,
+    UNPACED,
+    DCP_SYNC,
+    DCP_THREAD,
+    DCP_PROCESS,
+    WRITER_THREAD,
+    WRITER_PROCESS,
+)
+BACKGROUND = (ASYNC, UNPACED, DCP_THREAD, DCP_PROCESS, WRITER_THREAD, WRITER_PROCESS)
 
 
 class _Ended:
@@ -269,7 +283,8 @@ class Savers:
         if name == SYNC:
             self.opt.save(path, model=self.module)
             return _Ended()
-        if name == ASYNC:
+        if name in (ASYNC, UNPACED):
+            set_writer_share(self.args.writer_share if name == ASYNC else 1.0)
             return self.opt.save(path, model=self.module, blocking=False)
         if name == DCP_SYNC:
             dcp.save(self.dcp_state(), checkpoint_id=path)

@@ -7,9 +7,9 @@ and ZeRO-1 (benchmarks/_async_save_torch.py); JAX: 8 CPU devices, ``shard_optimi
 (benchmarks/_async_save_jax.py, in a process of its own). Every variant saves the same state
 from the same training loop, alternating round by round (docs/design.md §11):
 
-    torch   gradsync blocking / blocking=False, DCP save, DCP async_save in thread and in
-            process mode, and gradsync's writer alone in a thread and in a process (issue 39,
-            item 1: "thread or process, measure both")
+    torch   gradsync blocking / blocking=False (its writer paced, and unpaced), DCP save,
+            DCP async_save in thread and in process mode, and gradsync's writer alone in a
+            thread and in a process (issue 39, item 1: "thread or process, measure both")
     JAX     gradsync blocking / blocking=False, Orbax save, Orbax AsyncCheckpointer
 
 For each: the time the save blocks the training (its call; the slowest rank), and the training
@@ -30,7 +30,9 @@ alone: "writer_process_total_steps_ratio_vs_anchor"), the same for JAX
 ("jax_ratio_vs_anchor", "orbax_ratio_vs_anchor": over Orbax async's,
 "jax_steps_ratio_vs_anchor"), the writer's thread against process
 ("writer_process_blocked_ratio_vs_anchor", "writer_thread_steps_ratio_vs_anchor",
-"writer_process_steps_ratio_vs_anchor"), "torch": {...}, "jax": {...}}.
+"writer_process_steps_ratio_vs_anchor"), gradsync's writer unpaced
+("unpaced_steps_ratio_vs_anchor", "unpaced_total_steps_ratio_vs_anchor"), "torch": {...},
+"jax": {...}}.
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ import _async_save_torch as tsave
 from _jax_part import run_jax_part
 from _report import add_repeat_arg, finish, run_repeats
 from _spawn import spawn_ranks
+
+from gradsync_core.checkpoint import WRITER_SHARE
 
 JAX_VARIANTS = ("gradsync, blocking", "gradsync, blocking=False", "Orbax save", "Orbax async")
 
@@ -128,6 +132,8 @@ def _torch_figures(
         "dcp_process_ratio_vs_anchor": blocked[tsave.ASYNC] / blocked[tsave.DCP_PROCESS],
         "steps_ratio_vs_anchor": t[tsave.ASYNC]["slowdown"],
         "total_steps_ratio_vs_anchor": t[tsave.ASYNC]["total_slowdown"],
+        "unpaced_steps_ratio_vs_anchor": t[tsave.UNPACED]["slowdown"],
+        "unpaced_total_steps_ratio_vs_anchor": t[tsave.UNPACED]["total_slowdown"],
         "writer_process_total_steps_ratio_vs_anchor": t[tsave.WRITER_PROCESS]["total_slowdown"],
         "dcp_thread_steps_ratio_vs_anchor": t[tsave.DCP_THREAD]["slowdown"],
         "dcp_process_steps_ratio_vs_anchor": t[tsave.DCP_PROCESS]["slowdown"],
@@ -145,6 +151,8 @@ TORCH_RATIOS = (
     "dcp_process_ratio_vs_anchor",
     "steps_ratio_vs_anchor",
     "total_steps_ratio_vs_anchor",
+    "unpaced_steps_ratio_vs_anchor",
+    "unpaced_total_steps_ratio_vs_anchor",
     "writer_process_total_steps_ratio_vs_anchor",
     "dcp_thread_steps_ratio_vs_anchor",
     "dcp_process_steps_ratio_vs_anchor",
@@ -172,6 +180,12 @@ def main() -> None:
     parser.add_argument("--during-steps", type=int, help="steps after each save (6; quick 3)")
     parser.add_argument("--world-size", type=int, default=2, help="torch gloo ranks")
     parser.add_argument("--dir", default=None, help="where the checkpoints go (a temp dir)")
+    parser.add_argument(
+        "--writer-share",
+        type=float,
+        default=WRITER_SHARE,
+        help=f"the paced writer's share of a core (default gradsync's, {WRITER_SHARE})",
+    )
     parser.add_argument(
         "--torch-only", action="store_true", help="the torch part alone (no JAX process)"
     )

@@ -15,7 +15,9 @@ from gradsync_core.checkpoint import (
     Manifest,
     SaveHandle,
     read_manifest,
+    set_writer_share,
     wait_for_saves,
+    writer_share,
 )
 from gradsync_core.plan import (
     AXES,
@@ -229,9 +231,11 @@ __all__ = [
     "reduction_group",
     "replicated_axes",
     "search_configurations",
+    "set_writer_share",
     "simulate_pipeline",
     "split_expert_specs",
     "split_shapes",
     "wait_for_saves",
     "with_replicated_over",
+    "writer_share",
 ]

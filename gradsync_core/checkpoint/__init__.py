@@ -117,9 +117,12 @@ from gradsync_core.checkpoint._storage import (
     write_manifest,
 )
 from gradsync_core.checkpoint._writer_process import (
+    WRITER_SHARE,
     SharedStaging,
     StagedTensor,
+    set_writer_share,
     write_staged_rank_file,
+    writer_share,
 )
 
 __all__ = [
@@ -141,6 +144,7 @@ __all__ = [
     "SAVE_POINTS",
     "WRAPPER_PREFIX",
     "WRITER_NICE",
+    "WRITER_SHARE",
     "Box",
     "CheckpointError",
     "HyperparameterWarning",
@@ -193,6 +197,7 @@ __all__ = [
     "restore_data",
     "run_save",
     "save_hook",
+    "set_writer_share",
     "sha256_file",
     "shard_region",
     "staging_directory",
@@ -212,4 +217,5 @@ __all__ = [
     "write_manifest",
     "write_rank_file",
     "write_staged_rank_file",
+    "writer_share",
 ]

@@ -77,6 +77,8 @@ class SaveHandle:
                 then still names the previous checkpoint.
             TimeoutError: it has not ended after ``timeout`` seconds.
         """
+        if not self._done.is_set() and (timeout is None or timeout > 0):
+            _hurry()  # a wait, not a look
         if not self._done.wait(timeout):
             raise TimeoutError(f"the save of {self.path} is still writing after {timeout} s")
         self._join()
@@ -102,6 +104,23 @@ _local = threading.local()  # .background: this thread is a save's background wr
 _exit_check_registered = False
 
 
+# What a wait for a save in flight calls first: a writer paced to spare the training
+# (``_writer_process.set_writer_share``) then writes the rest at full speed, since whoever
+# waits is no longer training.
+_hurry_hooks: list[Callable[[], None]] = []
+
+
+def on_wait(hook: Callable[[], None]) -> None:
+    """Call ``hook()`` whenever someone starts waiting for a save in flight (``wait()``,
+    ``wait_for_saves``)."""
+    _hurry_hooks.append(hook)
+
+
+def _hurry() -> None:
+    for hook in _hurry_hooks:
+        hook()
+
+
 def in_background() -> bool:
     """Whether the calling thread is a save's background writer."""
     return getattr(_local, "background", False)
@@ -122,6 +141,8 @@ def wait_for_saves() -> Any:
         handle, _in_flight = _in_flight, None
     if handle is None:
         return None
+    if not handle._done.is_set():
+        _hurry()
     handle._done.wait()
     handle._join()
     if handle._error is not None and not handle._reported:

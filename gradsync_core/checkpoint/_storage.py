@@ -16,7 +16,7 @@ import mmap
 import os
 import re
 import tempfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from gradsync_core.checkpoint._files import open_checkpoint_file
@@ -70,7 +70,7 @@ _SLICE_BYTES = 8 << 20
 
 def write_atomic(
     path: str | os.PathLike[str],
-    data: bytes | Sequence[Any],
+    data: bytes | Iterable[Any],
     *,
     digest: Any = None,
     direct: bool = False,
@@ -81,7 +81,8 @@ def write_atomic(
     Args:
         path: the file to write.
         data: its bytes, or buffers (anything ``memoryview`` takes, C-contiguous: ``bytes``,
-            a NumPy ``uint8`` view) written one after the other, never joined into one copy.
+            a NumPy ``uint8`` view) written one after the other (iterated once), never joined
+            into one copy.
         digest: a ``hashlib`` object updated with every byte written, as it is written.
         direct: write around the kernel's page cache (``O_DIRECT``, through one aligned
             buffer of ``_SLICE_BYTES``) where the file system allows it, else as without it;
@@ -90,7 +91,7 @@ def write_atomic(
             bytes, the kernel's writeback and, when the file is removed, freeing its pages,
             all of which a background save takes from training on busy cores.
     """
-    chunks: Sequence[Any] = [data] if isinstance(data, bytes) else data
+    chunks: Iterable[Any] = [data] if isinstance(data, bytes) else data
     directory = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=os.path.basename(path))
     try:
@@ -125,7 +126,7 @@ def write_atomic(
 _DIRECT_ALIGN = 4096
 
 
-def _write_direct(fd: int, chunks: Sequence[Any], digest: Any) -> bool:
+def _write_direct(fd: int, chunks: Iterable[Any], digest: Any) -> bool:
     """Write ``chunks`` to the empty file ``fd`` around the page cache: gathered into one
     page-aligned buffer, each full buffer written with ``O_DIRECT``, the last part (less
     than a block) through the cache. Where the file system refuses ``O_DIRECT`` (when it is

@@ -1,7 +1,8 @@
 """The writer process of saves with ``blocking=False`` (``write_staged_rank_file``),
 framework-free: it writes the file a writer thread writes, from shared staging memory; a
 failure keeps its sentence; its death is a failure and the next write starts a new one; a
-forked child does not inherit it (docs/design-checkpoints.md §9).
+forked child does not inherit it; paced, it spends at most its share of a core, and a wait
+for the save lifts the pace (docs/design-checkpoints.md §9).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import array
 import ctypes
 import errno
 import hashlib
+import math
 import mmap
 import os
 import signal
@@ -22,16 +24,20 @@ import pytest
 
 from gradsync_core.checkpoint import (
     WRITER_NICE,
+    WRITER_SHARE,
     SharedStaging,
     StagedTensor,
     TensorBytes,
     _storage,
+    set_writer_share,
     sha256_file,
     tensor_file,
     write_atomic,
     write_rank_file,
     write_staged_rank_file,
+    writer_share,
 )
+from gradsync_core.checkpoint._background import start_background, wait_for_saves
 from gradsync_core.checkpoint._writer_process import WRITER
 
 VALUES = array.array("f", [float(i) / 7 for i in range(1000)]).tobytes()
@@ -250,3 +256,67 @@ def test_the_writer_runs_at_the_writer_priority_and_ignores_the_jobs_signals(
     time.sleep(0.2)
     write_staged_rank_file(memory, str(tmp_path), "b.safetensors", tensors, METADATA)
     assert WRITER.pid == pid
+
+
+@pytest.fixture
+def share() -> object:
+    """Restores the writer's default share after the test."""
+    yield set_writer_share
+    set_writer_share(WRITER_SHARE)
+
+
+def _large(nbytes: int) -> tuple[SharedStaging, list[StagedTensor]]:
+    """One tensor of ``nbytes`` (a multiple of 1 MiB) in shared staging memory."""
+    memory = SharedStaging()
+    memory.reserve(nbytes)[:] = os.urandom(2**20) * (nbytes // 2**20)
+    return memory, [StagedTensor("w", "U8", (nbytes,), 0)]
+
+
+def _cpu_s(pid: int) -> float:
+    """A process's CPU time so far, user and system (``/proc/<pid>/stat``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="/proc is Linux's")
+def test_a_paced_writer_spends_at_most_its_share_of_a_core(tmp_path: Path, share) -> None:
+    memory, tensors = _large(48 * 2**20)
+    share(1.0)
+    unpaced = write_staged_rank_file(memory, str(tmp_path), "a.safetensors", tensors, METADATA)
+    share(0.2)
+    assert writer_share() == 0.2
+    pid = WRITER.pid
+    assert pid is not None
+    cpu, start = _cpu_s(pid), time.monotonic()
+    paced = write_staged_rank_file(memory, str(tmp_path), "b.safetensors", tensors, METADATA)
+    wall, cpu = time.monotonic() - start, _cpu_s(pid) - cpu
+    assert paced == unpaced == sha256_file(tmp_path / "b.safetensors")
+    assert (tmp_path / "a.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
+    assert cpu <= 0.2 * wall + 2 / os.sysconf("SC_CLK_TCK"), (cpu, wall)  # 2 ticks' rounding
+
+
+def test_a_wait_for_the_save_lifts_the_writers_pace(tmp_path: Path, share) -> None:
+    memory, tensors = _large(48 * 2**20)
+    share(1.0)
+    unpaced = write_staged_rank_file(memory, str(tmp_path), "a.safetensors", tensors, METADATA)
+    # At 1 % of a core, hashing 48 MiB alone (>= 24 ms at 2 GB/s) would take >= 2.4 s.
+    share(0.01)
+    start = time.monotonic()
+    handle = start_background(
+        str(tmp_path),
+        lambda: write_staged_rank_file(memory, str(tmp_path), "b.safetensors", tensors, METADATA),
+        lambda e: e,
+    )
+    time.sleep(0.2)
+    assert not handle.done()
+    assert handle.wait() == unpaced
+    assert time.monotonic() - start < 1.5
+    wait_for_saves()  # the in-flight slot is free again for the next test
+    assert sha256_file(tmp_path / "b.safetensors") == unpaced
+
+
+@pytest.mark.parametrize("bad", [0, -0.5, 1.5, math.nan, "0.5", True])
+def test_a_share_outside_0_to_1_is_refused(bad: object) -> None:
+    with pytest.raises(ValueError, match=r"must be a number in \(0, 1\], not .*pass 1\.0"):
+        set_writer_share(bad)  # type: ignore[arg-type]
+    assert writer_share() == WRITER_SHARE
