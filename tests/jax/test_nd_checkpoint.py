@@ -6,10 +6,16 @@ in the cross-layout format gradsync_torch's ``save_boxes`` writes (model space, 
 plan from the devices' boxes, the layout in the manifest); ``load_boxes`` places it under
 another layout, and the run continued there equals the uninterrupted run on one device
 within the floor of tests/jax/test_nd_parallel.py (1e-5 of each tensor's largest entry):
-the losses of the steps after the load, parameters and both moments; so does a checkpoint
-that 2 JAX processes saved together. A checkpoint of another model is refused with one
-sentence before anything is placed or the data position moves. (The tied cp and MoE ep x pp
-pairs are in tests/jax/test_nd_parallel.py, saved by those compositions' own runs.)
+the losses of the steps after the load, parameters and both moments. The pairs are every
+ordered pair of the three dense compositions of item 2 (HSDP x tp, tp x cp x dp with
+sequence parallelism, dp_shard x tp x pp; nd_checkpoint_problem.PAIRS), each layout trained
+and saved once; the item's tp x cp x dp trains the tied model, which no pipeline takes (its
+"tied-pp" refusal, and the tied checkpoint's under the pipeline, are tested in
+tests/jax/test_nd_parallel.py), so the cp layout here trains the dense one. A checkpoint
+that 2 JAX processes saved together continues too. A checkpoint of another model is
+refused with one sentence before anything is placed or the data position moves. (The tied
+cp and MoE ep x pp pairs are in tests/jax/test_nd_parallel.py, saved by those compositions'
+own runs.)
 """
 
 from __future__ import annotations

@@ -177,9 +177,11 @@ def test_composition_equals_the_unsharded_model(
 
 
 # (the composition that saved, the layout that loads): the cross-layout sweep's tied and MoE
-# pairs (the dense ones: tests/jax/test_nd_checkpoint.py), each saved by the composition's own
-# run above (no second compile): tp x cp with a tied embedding into HSDP x tp; ep x pp into ep
-# without pp (and dp_replicate x dp_shard around it).
+# pairs (every ordered pair of the dense ones: tests/jax/test_nd_checkpoint.py, its tp x cp x
+# dp with the dense model), each saved by the composition's own run above (no second
+# compile): tp x cp with a tied embedding into HSDP x tp; ep x pp into ep without pp (and
+# dp_replicate x dp_shard around it). The tied checkpoint under dp_shard x tp x pp is refused
+# (test_the_tied_checkpoint_is_refused_under_the_pipeline).
 CONTINUED = [
     pytest.param(CONFIGS[2], dict(tp=2, dp_shard=2), ParallelOptions(), id="tied-cp-to-hsdp-tp"),
     pytest.param(CONFIGS[4], dict(ep=2, dp_shard=2), ParallelOptions(), id="moe-ep-pp-to-ep-hsdp"),
@@ -210,6 +212,23 @@ def test_a_composition_checkpoint_continues_under_another_layout(
     worst_params = assert_close(par.params_of(stored), ref_params, RTOL, "parameters")
     worst_state = assert_close(par.state_of(state), ref_state, RTOL, "optimizer state")
     print(f"{sizes}: params {worst_params:.1e}, state {worst_state:.1e} after the load")
+
+
+@pytest.mark.slow
+def test_the_tied_checkpoint_is_refused_under_the_pipeline() -> None:
+    """tp x cp x dp's tied checkpoint has no output layer for dp_shard x tp x pp: the tied
+    model under pp is refused ("tied-pp" below), and the untied one refuses the checkpoint
+    with one sentence before anything is placed (that pair is tested with the dense model
+    under tp x cp x dp in tests/jax/test_nd_checkpoint.py)."""
+    cfg, saved_sizes, saved_options = CONFIGS[2].values
+    *_, path = _train(cfg, Topology.create(8, **saved_sizes), saved_options)
+    _, sizes, options = CONFIGS[3].values
+    model = Llama(DENSE, rngs=nnx.Rngs(1))
+    par = parallelize(model, Topology.create(8, **sizes), options, tx=_tx(), seq_len=SEQ)
+    with pytest.raises(ValueError, match=re.escape("lacks 'output.weight'")) as refused:
+        par.load(path)
+    assert "\n" not in str(refused.value)
+    print(f"refused: {refused.value}")
 
 
 @pytest.mark.parametrize(
