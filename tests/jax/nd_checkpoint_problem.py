@@ -25,6 +25,7 @@ RTOL = 1e-5  # the JAX compositions' reduction-order floor (tests/jax/test_nd_pa
 STEPS, SAVED, BATCH, SEQ = 4, 2, 8, 16
 LR, EPS, MAX_NORM = 1e-3, 1e-6, 0.5
 DENSE = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64)
+MOE = LlamaConfig(**{**DENSE.__dict__, "n_experts": 4, "top_k": 2})
 
 # name: (topology arguments for 8 devices, options). "dp_shard2_tp2" on 8 devices is
 # dp_replicate 2 x dp_shard 2 x tp 2 (HSDP x tp); it, "tp2_cp2_dp2_sp" and
@@ -36,7 +37,13 @@ LAYOUTS: dict[str, tuple[dict[str, Any], ParallelOptions]] = {
     "tp2_cp2_dp2_sp": ({"tp": 2, "cp": 2}, ParallelOptions(sequence_parallel=True)),
     "dp_shard2_tp2_pp2": ({"tp": 2, "pp": 2, "dp_shard": 2}, ParallelOptions(microbatches=4)),
     "dp4_tp2": ({"tp": 2}, ParallelOptions(sequence_parallel=False)),
+    "ep2_dp_shard2_pp2_moe": (
+        {"ep": 2, "pp": 2, "dp_shard": 2},
+        ParallelOptions(microbatches=2, schedule="1F1B"),
+    ),
 }
+# the model each layout trains: the dense one unless named here (item 2's MoE composition)
+MODELS: dict[str, LlamaConfig] = {"ep2_dp_shard2_pp2_moe": MOE}
 DENSE_COMPOSITIONS = ["dp_shard2_tp2", "tp2_cp2_dp2_sp", "dp_shard2_tp2_pp2"]
 
 # (saved under, loaded under): every ordered pair of the three dense compositions (each saved
@@ -110,11 +117,13 @@ def reference() -> tuple[Any, Any, list[float]]:
 
 
 def save_after(name: str, directory: Path) -> Path:
-    """Train ``SAVED`` steps under layout ``name`` from the initial weights, save (once)."""
+    """Train ``SAVED`` steps under layout ``name`` from the initial weights of its model
+    (``MODELS``), save (once)."""
     path = directory / name
     if not path.exists():
-        par = build(name)
-        stored = par.place(initial_params())
+        cfg = MODELS.get(name, DENSE)
+        par = build(name, cfg)
+        stored = par.place(initial_params(cfg))
         stored, state = train(par, stored, par.init(stored), range(SAVED))
         data = sampler()
         for _ in range(SAVED):

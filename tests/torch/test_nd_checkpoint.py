@@ -168,8 +168,17 @@ def test_inspect_prints_the_layout_it_was_saved_under(name: str, saved: Path) ->
 JAX_RTOL = 1e-5  # the JAX compositions' floor (tests/jax/test_nd_parallel.py): its loss is float32
 
 
+# every composition of issue 37 item 2 (the three dense ones and the MoE one)
+ITEM_2 = [
+    "dp_replicate2_dp_shard2_tp2",
+    "tp2_cp2_dp2_sp",
+    "dp_shard2_tp2_pp2",
+    "ep2_dp_shard2_pp2_moe",
+]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["dp_shard2_tp2_pp2", "ep2_dp_shard2_pp2_moe"])
+@pytest.mark.parametrize("name", ITEM_2)
 def test_jax_continues_from_a_torch_layout(name: str, saved: Path) -> None:
     """gradsync_jax's loaders (``load_params``, ``load_optimizer_state``: no code of their own
     for this format) read the checkpoint into the Flax NNX twin and plain Optax; 2 more steps
