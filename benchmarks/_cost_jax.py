@@ -177,7 +177,9 @@ def main() -> None:
     model_profiler = profiler(args, params, x, mesh)
     first = model_profiler.run(steps=args["profile_steps"])
     runners, matches, peaks, predictions = [], [], [], []
-    for config in CONFIGS:
+    only = [part.strip() for part in (args.get("only") or "").split(",") if part.strip()]
+    configs = [c for c in CONFIGS if not only or any(part in c.describe() for part in only)]
+    for config in configs:
         p = predict(
             specs,
             config,
@@ -210,7 +212,7 @@ def main() -> None:
             "optimizer_bytes": first.optimizer_bytes,
         }
     )
-    for config in CONFIGS:
+    for config in configs:
         predictions.append(
             predict(
                 specs,

@@ -10,6 +10,7 @@ predicted among the configurations run) is within 5 % of the fastest measured.
 
     python benchmarks/cost_model.py            # both frameworks, worlds 2 and 4
     python benchmarks/cost_model.py --quick    # fewer steps
+    python benchmarks/cost_model.py --frameworks torch --worlds 2 --only "zero3,pp2"
 
 The last line is one JSON object: {"bench": "cost_model", "median_step_error": ...,
 "worst_step_error": ..., "worst_peak_error": ..., "search_first_within_5pct": ..., ...}.
@@ -67,7 +68,7 @@ def _torch(args: argparse.Namespace, world: int) -> list[dict[str, Any]]:
     run = argparse.Namespace(**vars(args))
     run.world_size = world
     run.machine = machine.to_json()
-    run.configurations = [c.to_json() for c in TORCH_CONFIGS[world]]
+    run.configurations = [c.to_json() for c in selected(TORCH_CONFIGS[world], args.only)]
     rows = spawn_ranks(_cost_torch.worker, run)
     for row in rows:
         row["framework"] = f"torch x{world}"
@@ -84,10 +85,19 @@ def _jax(args: argparse.Namespace) -> list[dict[str, Any]]:
         "profile_steps": args.profile_steps,
         "warmup": args.warmup,
         "steps": args.steps,
+        "only": args.only,
     }
     rows: list[dict[str, Any]] = run_jax_part("_cost_jax.py", options, timeout_s=1800)
     print(f"calibrate jax x8: {rows[0]['calibrate_s']:.1f} s", flush=True)
     return rows
+
+
+def selected(configs: list[Configuration], only: str | None) -> list[Configuration]:
+    """The configurations whose label contains one of ``only``'s comma-separated parts."""
+    if not only:
+        return configs
+    parts = [part.strip() for part in only.split(",") if part.strip()]
+    return [c for c in configs if any(part in c.describe() for part in parts)]
 
 
 def _error(predicted: float, measured: float) -> float:
@@ -161,6 +171,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--global-batch", type=int, default=64)
     parser.add_argument("--worlds", default="2,4", help="torch world sizes")
     parser.add_argument("--frameworks", default="torch,jax")
+    parser.add_argument(
+        "--only", default=None, help="comma-separated label parts: run the matching ones only"
+    )
     args = parser.parse_args(argv)
     args.steps = args.steps or (8 if args.quick else 20)
     rows: list[dict[str, Any]] = []
