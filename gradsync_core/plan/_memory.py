@@ -244,29 +244,16 @@ def estimate_zero3(
     per_element = optimizer_state_bytes(optimizer)
     if not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"prefetch must be a non-negative int, got {prefetch!r}")
-    tied = set(tied)
-    unknown = sorted(tied - {p.name for p in plan.params})
-    if unknown:
-        raise ValueError(f"tied parameter {unknown[0]!r} is not in the plan; name it as listed")
-
-    def gathered(names: Iterable[str], dtype: str | None) -> int:
-        return plan.shard_size * sum(
-            plan.chunk(name, 0).padded_numel * itemsize(dtype or plan.param(name).dtype)
-            for name in names
-        )
-
-    def backward(unit: Unit) -> int:
-        names = [name for name in unit.params if plan.param(name).requires_grad]
-        autograd = gathered(names, param_dtype)
-        reduce_input = gathered(names, reduce_dtype or param_dtype)
-        accumulate = 2 * gathered([name for name in names if name in tied], param_dtype)
-        own = plan.unit_padded_nbytes(unit.index, trainable_only=True)
-        return max(0, autograd + max(reduce_input, accumulate) - own)
-
-    root = sum(gathered(u.params, param_dtype) for u in plan.units if u.prefix == ROOT)
-    blocks = sorted(gathered(u.params, param_dtype) for u in plan.units if u.prefix != ROOT)
+    tied = check_tied(plan, tied)
+    sizes = [
+        zero3_unit_bytes(plan, u, param_dtype=param_dtype, reduce_dtype=reduce_dtype, tied=tied)
+        for u in plan.units
+    ]
+    root = sum(b.gathered for u, b in zip(plan.units, sizes, strict=True) if u.prefix == ROOT)
+    blocks = sorted(b.gathered for u, b in zip(plan.units, sizes, strict=True) if u.prefix != ROOT)
     window = blocks if not reshard_after_forward else blocks[max(0, len(blocks) - 1 - prefetch) :]
-    transient = root + sum(window) + max(backward(u) for u in plan.units)
+    backward = max(max(0, b.gradients + max(b.reduce_input, b.accumulate) - b.shard) for b in sizes)
+    transient = root + sum(window) + backward
     return _estimate(
         3,
         params=sum(plan.unit_padded_nbytes(u.index) for u in plan.units),
@@ -276,6 +263,67 @@ def estimate_zero3(
         per_element=per_element,
         world_size=plan.world_size,
         replicate_size=plan.replicate_size,
+    )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UnitBytes:
+    """One ZeRO-3 unit's buffers on a shard rank, in bytes (padding included), as
+    ``fully_shard`` makes them: ``estimate_zero3`` and the cost model's walk of the step
+    (``gradsync_core.plan.cost``) both read them."""
+
+    gathered: int  # every parameter all-gathered, in the gather dtype
+    send: int  # the all-gather's input: this rank's chunks, in the gather dtype
+    gradients: int  # the unsharded gradients autograd makes, in the gather dtype
+    reduce_input: int  # the reduce-scatter's input: every rank's chunk of every gradient
+    accumulate: int  # tied parameters' gradients, accumulated by autograd: two more copies
+    shard: int  # this rank's reduce-scattered gradient chunk, in the stored dtype
+
+
+def check_tied(plan: ParamShardPlan, tied: Iterable[str]) -> set[str]:
+    """``tied`` as a set of the plan's parameter names.
+
+    Raises:
+        ValueError: a name that is not in the plan.
+    """
+    tied = set(tied)
+    unknown = sorted(tied - {p.name for p in plan.params})
+    if unknown:
+        raise ValueError(f"tied parameter {unknown[0]!r} is not in the plan; name it as listed")
+    return tied
+
+
+def gathered_bytes(plan: ParamShardPlan, names: Iterable[str], dtype: str | None = None) -> int:
+    """Bytes of the named parameters all-gathered over the shard group, padding included, in
+    ``dtype`` (default: each one's stored dtype)."""
+    return plan.shard_size * sum(
+        plan.chunk(name, 0).padded_numel * itemsize(dtype or plan.param(name).dtype)
+        for name in names
+    )
+
+
+def zero3_unit_bytes(
+    plan: ParamShardPlan,
+    unit: Unit,
+    *,
+    param_dtype: str | None = None,
+    reduce_dtype: str | None = None,
+    tied: Iterable[str] = (),
+) -> UnitBytes:
+    """The buffers of ``unit`` (``UnitBytes``) under a mixed-precision policy's
+    ``param_dtype``/``reduce_dtype`` (default: the stored dtypes); ``tied``: parameters used
+    twice."""
+    tied = set(tied)
+    trainable = [name for name in unit.params if plan.param(name).requires_grad]
+    twice = [name for name in trainable if name in tied]
+    gathered = gathered_bytes(plan, unit.params, param_dtype)
+    return UnitBytes(
+        gathered=gathered,
+        send=gathered // plan.shard_size,
+        gradients=gathered_bytes(plan, trainable, param_dtype),
+        reduce_input=gathered_bytes(plan, trainable, reduce_dtype or param_dtype),
+        accumulate=2 * gathered_bytes(plan, twice, param_dtype),
+        shard=plan.unit_padded_nbytes(unit.index, trainable_only=True),
     )
 
 

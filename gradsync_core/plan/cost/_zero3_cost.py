@@ -25,12 +25,14 @@ thread than issue its collectives:
   order). Under HSDP every collective is checked, each over its own group; without HSDP the
   ranks check once at the backward's start and once at its end (``AGREEMENT_BYTES``).
 
-Memory depends on the executor. ``"torch"``: ``estimate_zero3``'s model states (FSDP2's
-hooks: the root and ``1 + prefetch`` gathered units, the worst unit's backward) with the
-activations and the collectives' scratch beside them. ``"jax"``: ``zero3_step`` is one XLA
-program, jitted with the parameters and optimizer state donated, whose buffers live exactly
-as long as the schedule reads them; ``_xla_peak`` walks that schedule (its docstring says
-what it assumes, each point read off XLA:CPU's buffer assignment of the step).
+Memory depends on the executor, and each is a walk of what its step holds, moment by moment.
+``"torch"``: ``fully_shard``'s hooks allocate and free buffers in the order above;
+``_torch_peak`` follows them (its docstring lists every buffer and when it lives).
+``"jax"``: ``zero3_step`` is one XLA program, jitted with the parameters and optimizer state
+donated, whose buffers live exactly as long as the schedule reads them; ``_xla_peak`` walks
+that schedule (its docstring says what it assumes, each point read off XLA:CPU's buffer
+assignment of the step). ``estimate_zero3`` (``gradsync plan --zero``) stays what it says: a
+bound over the phases' maxima, which needs no model profile.
 """
 
 from __future__ import annotations
@@ -38,7 +40,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
-from gradsync_core.plan._memory import MemoryEstimate, _trainable_rows_numel, estimate_zero3
+from gradsync_core.plan._memory import (
+    MemoryEstimate,
+    _trainable_rows_numel,
+    estimate_zero3,
+    gathered_bytes,
+    zero3_unit_bytes,
+)
 from gradsync_core.plan._param_shards import ParamShardPlan
 from gradsync_core.plan._param_units import ROOT
 from gradsync_core.plan._specs import ParamSpec, itemsize
@@ -63,6 +71,7 @@ from gradsync_core.plan.cost._timeline import (
 
 AGREEMENT_BYTES = 32  # a SHA-256 digest: what each rank sends in one runtime agreement check
 EXECUTORS = ("torch", "jax")  # whose ZeRO-3 step: fully_shard, or zero3_step's XLA program
+_STATE, _ACTIVATIONS, _SCRATCH = range(3)  # what a buffer of _torch_peak's live set counts as
 
 
 def predict_zero3(
@@ -143,9 +152,21 @@ def predict_zero3(
         ParamSpec(name=p.name, shape=p.shape, dtype=p.dtype, requires_grad=p.requires_grad)
         for p in plan.params
     ]
-    activations: int | None = None
     if executor == "jax":
         memory, activations = _xla_peak(plan, memory, model, unit_of_block, reshard_after_forward)
+        scratch = 0
+    else:
+        memory, activations, scratch = _torch_peak(
+            plan,
+            memory,
+            model,
+            unit_of_block,
+            machine=machine,
+            reshard=reshard_after_forward,
+            prefetch=prefetch if overlap else 0,
+            overlap=overlap,
+            tied=tied,
+        )
     ranks = rank_costs(
         memory,
         [compute - step_of[slowest] + s for s in step_of],
@@ -154,10 +175,9 @@ def predict_zero3(
         block_numel(specs, model),
         [k / total for k in shares],
         persistent=False,
-        collective_bytes=0 if executor == "jax" else walk.scratch_bytes(machine),
+        collective_bytes=scratch,
     )
-    if executor == "jax":  # the walk's activations, at its worst moment
-        ranks = tuple(replace(r, activation_bytes=activations) for r in ranks)
+    ranks = tuple(replace(r, activation_bytes=activations) for r in ranks)  # the walk's
     return StepCost(
         step_s=rank.t,
         compute_s=compute,
@@ -165,6 +185,169 @@ def predict_zero3(
         ranks=ranks,
         notes=tuple(notes),
     )
+
+
+def _torch_peak(
+    plan: ParamShardPlan,
+    memory: MemoryEstimate,
+    model: ModelProfile,
+    unit_of_block: Sequence[int],
+    *,
+    machine: MachineProfile,
+    reshard: bool,
+    prefetch: int,
+    overlap: bool,
+    tied: Iterable[str],
+) -> tuple[MemoryEstimate, int | None, int]:
+    """The most ``fully_shard``'s step holds at once (gradsync_torch ``param_sharding``'s
+    hooks and ``UnitParameters``), walked buffer by buffer; each unit's sizes are
+    ``zero3_unit_bytes``.
+
+    Beside the parameters' chunks and the optimizer state, always there:
+
+    - a gather: the all-gather's input (this rank's chunks) and output, and the collective's
+      scratch (``MachineProfile.scratch_bytes``), from its issue (a prefetch: ``prefetch``
+      units ahead, issued once the unit before is gathered) until it is waited for; then
+      the unit's parameters, copied out, beside the input and output until they are freed;
+    - a gathered unit lives from its pre-forward to its post-forward with
+      ``reshard_after_forward`` (the root to the backward's end), else to its post-backward;
+      the backward gathers it again (prefetched the same way) before its first block;
+    - the backward: each block's gradients are made beside its activations (a tied
+      parameter's twice more, as autograd accumulates them); when a unit's backward is done,
+      the reduce-scatter before it is waited for (its input and scratch freed; under HSDP its
+      shard's all-reduce issued, whose scratch lives until the next one's), the input is made
+      beside the gradients, which are then dropped, and the unit's gradient shard and the
+      collective's scratch appear (waited for at once without ``overlap``); then the unit is
+      freed. The root reduces once the whole backward is done;
+    - the step starts with no gradient (``zero_grad()``'s default frees them), so after the
+      backward every gradient shard is there and nothing else;
+    - the activations are the profile's, each block's alive from its forward to the end of
+      its backward (the gradient flowing between blocks is not counted).
+
+    Returns the estimate with each rank's ``transient_bytes`` the worst moment beyond the
+    parameters, state, every gradient shard, activations and scratch; the activations then
+    (None when the profile lacks them); and the scratch then. The worst moment holds at least
+    every gradient shard (the backward's end does), so the three split what it holds beyond:
+    the scratch, the activations, then the rest; when the gradients not yet made there
+    outweigh the gathered units and buffers, the activations count what is left.
+    """
+    n = plan.shard_size
+    tied = set(tied)
+    sizes = [zero3_unit_bytes(plan, u, tied=tied) for u in plan.units]
+    gather_scratch = [machine.scratch_bytes(ALL_GATHER, b.gathered) if n > 1 else 0 for b in sizes]
+    reduce_scratch = [
+        machine.scratch_bytes(REDUCE_SCATTER, b.reduce_input) if n > 1 else 0 for b in sizes
+    ]
+    hsdp = plan.replicate_size > 1
+    blocks = range(len(model.blocks))
+    made, twice = [0] * len(blocks), [0] * len(blocks)  # gradient bytes each block makes
+    for p in plan.params:
+        if p.requires_grad:
+            block = model.block_of(p.name)
+            made[block] += gathered_bytes(plan, [p.name])
+            twice[block] += 2 * gathered_bytes(plan, [p.name]) if p.name in tied else 0
+    roots = sorted(u.index for u in plan.units if u.prefix == ROOT)
+    order = list(dict.fromkeys(u for u in unit_of_block if u not in roots))
+    first = {u: unit_of_block.index(u) for u in order}
+    last = {u: max(b for b in blocks if unit_of_block[b] == u) for u in order}
+    live: dict[tuple[str, int], tuple[int, int]] = {}  # (what, unit) -> (bytes, kind)
+    moments: list[tuple[int, int, int]] = []  # beyond parameters and state; activations; scratch
+    pending: list[int] = []  # the reduce-scatter not waited for
+
+    def note(extra: int = 0) -> None:
+        held = [0, 0, 0]
+        for nbytes, kind in live.values():
+            held[kind] += nbytes
+        moments.append((sum(held) + extra, held[_ACTIVATIONS], held[_SCRATCH]))
+
+    def issue(u: int) -> None:  # start_gather
+        if ("gathered", u) in live or ("output", u) in live or not sizes[u].gathered:
+            return
+        live[("input", u)] = (sizes[u].send, _STATE)
+        live[("output", u)] = (sizes[u].gathered, _STATE)
+        live[("all-gather", u)] = (gather_scratch[u], _SCRATCH)
+        note()
+
+    def gather(u: int, sequence: list[int]) -> None:  # a pre-forward or pre-backward hook
+        if ("gathered", u) not in live and sizes[u].gathered:
+            issue(u)
+            del live[("all-gather", u)]  # waited for
+            live[("gathered", u)] = (sizes[u].gathered, _STATE)
+            note()  # copied out of the gather's output
+            del live[("input", u)], live[("output", u)]
+        at = sequence.index(u)
+        for k in sequence[at + 1 : at + 1 + prefetch]:
+            issue(k)
+
+    def finish_reduce() -> None:
+        if not pending:
+            return
+        u = pending.pop()
+        del live[("reduce input", u)], live[("reduce-scatter", u)]
+        if hsdp:  # its shard all-reduced over the replicas, one in flight at a time
+            for key in [k for k in live if k[0] == "all-reduce"]:
+                del live[key]
+            live[("all-reduce", u)] = (machine.scratch_bytes(ALL_REDUCE, sizes[u].shard), _SCRATCH)
+            note()
+            if not overlap:
+                del live[("all-reduce", u)]
+
+    def reduce(u: int) -> None:  # a unit's post-backward
+        finish_reduce()
+        if not sizes[u].shard:
+            return
+        live[("reduce input", u)] = (sizes[u].reduce_input, _STATE)
+        note()  # beside the gradients it is copied from
+        live.pop(("gradients", u), None)
+        live[("shard", u)] = (sizes[u].shard, _STATE)
+        live[("reduce-scatter", u)] = (reduce_scratch[u], _SCRATCH)
+        note()
+        pending.append(u)
+        if not overlap:
+            finish_reduce()
+
+    acts = [b.activation_bytes or 0 for b in model.blocks]
+    forward = [*roots, *order]
+    for u in roots:
+        gather(u, forward)
+    alive = 0
+    for b in blocks:
+        u = unit_of_block[b]
+        if first.get(u) == b:
+            gather(u, forward)
+        alive += acts[b]
+        live[("activations", 0)] = (alive, _ACTIVATIONS)
+        note()
+        if last.get(u) == b and reshard:
+            live.pop(("gathered", u), None)
+    backward = [*roots, *reversed(order)]
+    for u in roots:
+        gather(u, backward)
+    for b in reversed(blocks):
+        u = unit_of_block[b]
+        if last.get(u) == b:
+            gather(u, backward)
+        held = live.get(("gradients", u), (0, _STATE))[0]
+        live[("gradients", u)] = (held + made[b], _STATE)
+        note(twice[b])
+        alive -= acts[b]
+        live[("activations", 0)] = (alive, _ACTIVATIONS)
+        if first.get(u) == b:
+            reduce(u)
+            live.pop(("gathered", u), None)
+    for u in roots:
+        reduce(u)
+    finish_reduce()
+    for key in [k for k in live if k[0] in ("all-reduce", "gathered")]:
+        del live[key]
+    note()  # every gradient shard
+    total, activations, scratch = max(moments, key=lambda m: m[0])
+    beyond = total - sum(b.shard for b in sizes)
+    scratch = min(scratch, beyond)
+    activations = min(activations, beyond - scratch)
+    ranks = tuple(replace(r, transient_bytes=beyond - scratch - activations) for r in memory.ranks)
+    known = all(b.activation_bytes is not None for b in model.blocks)
+    return replace(memory, ranks=ranks), activations if known else None, scratch
 
 
 def _xla_peak(
@@ -471,18 +654,6 @@ class _Walk:
             self.rank.compute(seconds)
             if reduce_after is not None and reduce_after.get(unit) == index:
                 self.reduce(unit)
-
-    def scratch_bytes(self, machine: MachineProfile) -> int:
-        """The collectives' scratch in flight during the backward: the largest unit's
-        all-gather (the next unit's prefetch) beside the largest reduce-scatter and, under
-        HSDP, the largest all-reduce of a shard."""
-        out = 0
-        if self.n > 1:
-            out += max(machine.scratch_bytes(ALL_GATHER, b) for b in self.gathered)
-            out += max(machine.scratch_bytes(REDUCE_SCATTER, g * self.n) for g in self.grads)
-        if self.replicas > 1:
-            out += max(machine.scratch_bytes(ALL_REDUCE, g) for g in self.grads)
-        return out
 
     @property
     def synced(self) -> float:
