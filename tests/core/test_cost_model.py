@@ -602,7 +602,7 @@ def test_xla_zero3_keep_holds_every_unit_but_the_first_then_a_gradient_in_its_pl
     assert jax.peak_bytes == params + state + (2 * MIB + MIB + shard) + 4 * a
     r = jax.cost.ranks[0]
     assert r.memory.gradient_bytes == 0 and r.activation_bytes == 4 * a
-    assert torch.peak_bytes > jax.peak_bytes + 2 * MIB  # estimate_zero3's bound: all 4 kept
+    assert torch.peak_bytes > jax.peak_bytes + MIB  # fully_shard keeps all 4 to their backward
 
 
 def test_xla_zero3_reshard_holds_a_gradient_beside_the_next_gather_and_the_chunk_copies():
@@ -850,20 +850,109 @@ def test_memory_is_the_plans_estimate_plus_activations_and_the_optimizer_scratch
     # the worst moment: the last block's backward, its gradient (1 MiB) beside all activations
     assert cost.ranks[0].activation_bytes == MIB // 4
     assert cost.peak_bytes == states.peak_bytes + MIB // 4
-    scratch = (
-        ModelProfile(
-            **{**few.to_json(), "optimizer_bytes": 8 * MIB, "blocks": few.blocks}
-            | {"source": "given"}
-        )
-        if False
-        else None
-    )
-    del scratch
     heavy = ModelProfile(samples=8, source="given", optimizer_bytes=8 * MIB, blocks=few.blocks)
     cost = predict_data_parallel(
         specs, buckets, machine=machine(), model=heavy, topology=Topology.create(2)
     )
     assert cost.peak_bytes == states.peak_bytes + 8 * MIB  # the step: P + G + S + buckets + scratch
+
+
+GLOO = {"all_gather": 1.0, "reduce_scatter": 1.0}  # each allocates its whole buffer again
+
+
+def _torch_zero3(reshard, activation, units=4, world_size=2):
+    """``fully_shard``'s step over ``units`` 1 MiB blocks, gloo's scratch, Adam."""
+    specs = layers(units)
+    config = Configuration(zero=3, reshard_after_forward=reshard)
+    m, profile = machine(collective_scratch=GLOO), model(units, activation=activation)
+    return predict(specs, config, world_size=world_size, machine=m, model=profile)
+
+
+def test_torch_zero3_keep_peaks_at_the_last_units_reduce_scatter_beside_every_kept_unit():
+    """Kept units stay gathered until their own backward is done, and no gradient exists
+    before the backward (zero_grad frees them): the worst moment is the last unit's
+    reduce-scatter, its input (1 MiB) and gloo's copy of it (1 MiB) beside its shard
+    (0.5 MiB), the 4 gathered units and the activations of the 3 blocks before it. Every
+    shard of the gradients is counted only once the backward made it."""
+    a = 64 << 10
+    p = _torch_zero3(reshard=False, activation=a)
+    shard = MIB // 2
+    params, state = 4 * shard, 4 * 8 * MIB // 8  # Adam: 8 bytes per element, half each
+    assert p.peak_bytes == params + state + 4 * MIB + 2 * MIB + shard + 3 * a
+    r = p.cost.ranks[0]
+    assert (r.collective_bytes, r.activation_bytes) == (MIB, 3 * a)
+    assert r.memory.gradient_bytes == 4 * shard  # after the backward: the optimizer's
+    assert r.memory.transient_bytes == 4 * MIB + MIB + shard - 4 * shard
+    # gradsync plan --zero keeps estimate_zero3's bound: every unit, every gradient shard
+    # and the worst unit's backward (its gradients and the reduce input, less its shard)
+    bound = estimate_zero3(p.param_shards, reshard_after_forward=False).ranks[0]
+    assert bound.transient_bytes == 4 * MIB + 2 * MIB - shard
+
+
+def test_torch_zero3_reshard_peaks_in_a_backward_with_a_prefetch_and_a_reduce_in_flight():
+    """With reshard_after_forward each unit is gathered again for its backward, the next
+    one prefetched as it starts, and a unit's reduce-scatter waited for only when the next
+    one is issued (fully_shard's start_reduce). The worst moment is unit 1's backward: its
+    gathered parameters and gradient (1 MiB each), unit 0's prefetch (its 0.5 MiB input,
+    1 MiB output and gloo's 1 MiB scratch), unit 2's reduce-scatter still in flight (its
+    1 MiB input and 1 MiB copy), the shards of units 3 and 2, and two blocks' activations."""
+    a = 64 << 10
+    p = _torch_zero3(reshard=True, activation=a)
+    shard = MIB // 2
+    params, state = 4 * shard, 4 * MIB
+    held = (MIB + MIB) + (shard + MIB + MIB) + (MIB + MIB) + 2 * shard
+    assert p.peak_bytes == params + state + held + 2 * a
+    r = p.cost.ranks[0]
+    assert (r.collective_bytes, r.activation_bytes) == (2 * MIB, 2 * a)
+    assert r.memory.transient_bytes == held - 2 * MIB - 4 * shard
+
+
+def test_torch_zero3_activations_take_what_the_gradients_not_yet_made_leave():
+    """Large activations and many units: the worst moment is the last block's backward,
+    before most gradient shards exist, so it holds less than the parameters, state and every
+    gradient shard besides its activations; the parts still add up to the moment (scratch,
+    then activations, then the rest) and none is negative."""
+    a, units = 4 * MIB, 8
+    specs = layers(units)
+    config = Configuration(zero=3)
+    p = predict(specs, config, world_size=2, machine=machine(), model=model(units, activation=a))
+    r = p.cost.ranks[0]
+    shard = MIB // 2
+    params, state = units * shard, units * MIB
+    # every block's activations; unit 7 gathered and its gradient (1 MiB each); unit 6's
+    # prefetch (its 0.5 MiB input and 1 MiB output)
+    assert p.peak_bytes == params + state + units * a + MIB + MIB + (shard + MIB)
+    assert (r.collective_bytes, r.memory.transient_bytes) == (0, 0)
+    assert r.activation_bytes == units * a + 3 * MIB + shard - units * shard
+
+
+def test_zero1_steps_one_broadcast_job_at_a_time_so_its_scratch_is_the_largest_jobs():
+    """torch's ZeroRedundancyOptimizer steps each sync job's parameters right before their
+    broadcast: the optimizer's scratch (8 MiB for the whole model's step) scales with the
+    largest job, a 1 MiB weight alone, not with the 2 weights a rank owns."""
+    specs = layers(4)
+    heavy = replace(model(4), optimizer_bytes=8 * MIB)
+    for zero, world, stepped in ((1, 2, MIB), (1, 4, MIB), (2, 2, 2 * MIB)):
+        config = Configuration(zero=zero, bucket_cap_mb=25)
+        p = predict(specs, config, world_size=world, machine=machine(), model=heavy)
+        r = p.cost.ranks[0]
+        m = r.memory
+        resident = m.parameter_bytes + m.gradient_bytes + m.optimizer_state_bytes
+        persistent = m.transient_bytes if zero == 1 else 0  # DDP's bucket lives through it
+        # ZeRO-2's flat shard steps the rank's range of the one 4 MiB bucket at once
+        assert r.optimizer_peak_bytes == resident + persistent + 8 * MIB * stepped // (4 * MIB)
+    small = [ParamSpec(name=f"layers.{i}.weight", shape=(64, 1024)) for i in range(4)]
+    p = predict(
+        small,
+        Configuration(zero=1, bucket_cap_mb=25),
+        world_size=2,
+        machine=machine(),
+        model=heavy,
+    )
+    m = p.cost.ranks[0].memory
+    resident = m.parameter_bytes + m.gradient_bytes + m.optimizer_state_bytes + m.transient_bytes
+    # 256 KiB weights are packed: a rank's two in one job, half the model
+    assert p.cost.ranks[0].optimizer_peak_bytes == resident + 4 * MIB
 
 
 # -- predict and the search ---------------------------------------------------------------

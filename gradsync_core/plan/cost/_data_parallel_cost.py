@@ -192,7 +192,9 @@ def predict_data_parallel(
             step,
             model,
             block_numel(specs, model),
-            [n / trainable for n in owned],
+            [n / trainable for n in _stepped_at_once(specs, shards, buckets.cap_bytes)]
+            if zero and shards is not None and param_sync == "broadcast" and dp > 1
+            else [n / trainable for n in owned],
             persistent=zero < 2,  # DDP's buckets live through the step; ZeRO-2's pool lends
             # the largest bucket's all-reduce in flight; ZeRO-2's reduce-scatter writes into
             # the rank's preallocated shard (gradsync_torch's reduce_scatter_into: no scratch)
@@ -234,6 +236,31 @@ def _broadcast(
         rank.collective(
             channel, what, BROADCAST, "dp", dp, nbytes, dp_level, ready=ready, mine=owner == me
         )
+
+
+def _stepped_at_once(specs: Sequence[ParamSpec], shards: ShardPlan, cap_bytes: int) -> list[int]:
+    """The most elements each rank's optimizer steps at once, which its scratch scales with:
+    torch's ``ZeroRedundancyOptimizer`` steps one sync job's parameters right before their
+    broadcast (gradsync_torch/zero/local_step.py): ZeRO-1 a piece of at least 1 MiB alone or
+    smaller ones packed (``_broadcast_jobs``), ZeRO-2's flat shards a bucket's range at a
+    time."""
+    most = [0] * shards.world_size
+    if shards.kind != "flat":
+        for owner, numel, _ in _broadcast_jobs(specs, shards, cap_bytes):
+            most[owner] = max(most[owner], numel)
+        return most
+    bucket_of = {
+        slot.name: bucket.index
+        for bucket in (shards.buckets.buckets if shards.buckets is not None else ())
+        for slot in bucket.slots
+    }
+    per_bucket: dict[tuple[int, int], int] = {}
+    for shard in shards.shards:
+        key = (shard.rank, bucket_of[shard.name])
+        per_bucket[key] = per_bucket.get(key, 0) + shard.numel
+    for (rank, _), numel in per_bucket.items():
+        most[rank] = max(most[rank], numel)
+    return most
 
 
 def _broadcast_jobs(
