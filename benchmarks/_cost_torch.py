@@ -327,7 +327,9 @@ def worker(rank: int, world: int, store_path: str, args: argparse.Namespace, out
         for prediction in predictions(profiler.first, machine):
             gc.collect()
             dist.barrier()
-            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            with profile(
+                activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True
+            ) as prof:  # the operators' inputs: a collective's copy is freed with its input
                 runner = Runner(args, prediction, rank)
                 for _ in range(args.warmup):
                     runner.step()

@@ -187,8 +187,18 @@ def _allocated_during(run: Any, device: torch.device) -> int:
 
 def cpu_allocations(prof: Any) -> list[tuple[int, int, int]]:
     """Every CPU allocation and free a finished ``torch.profiler.profile(profile_memory=True)``
-    recorded, as ``(time ns, address, bytes)`` in time order (a free's bytes negative)."""
+    recorded, as ``(time ns, address, bytes)`` in time order (a free's bytes negative).
+
+    A copy a collective makes of its input inside its c10d operator (gloo's
+    ``reduce_scatter_tensor`` clones it) is held by the collective's work, which an executor
+    waits for before it frees the input (``fully_shard``'s reduce-scatter); gloo's worker
+    thread, which the profiler does not watch, often drops that work last, so the copy's
+    free goes unrecorded (``live_peak``). Such a copy is counted freed with its input when
+    the profile recorded the operators' inputs (``record_shapes=True``).
+    """
     out = []
+    copies: list[tuple[int, int, int, int]] = []  # (its id, address, bytes, its input's id)
+    frees: dict[int, int] = {}  # allocation id -> when its free was recorded
     stack = list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:
         event = stack.pop()
@@ -196,9 +206,40 @@ def cpu_allocations(prof: Any) -> list[tuple[int, int, int]]:
         if event.tag != _EventType.Allocation:
             continue
         fields = event.typed[1]
-        if fields.device.type == "cpu":
-            out.append((event.start_time_ns, fields.ptr, fields.alloc_size))
+        if fields.device.type != "cpu":
+            continue
+        out.append((event.start_time_ns, fields.ptr, fields.alloc_size))
+        if fields.alloc_size < 0:
+            frees[fields.allocation_id] = event.start_time_ns
+            continue
+        source = _collective_copy_of(event)
+        if source is not None:
+            copies.append((fields.allocation_id, fields.ptr, fields.alloc_size, source))
+    for copy, address, nbytes, source in copies:
+        freed = frees.get(source)
+        if freed is not None and frees.get(copy, freed + 1) > freed:
+            out.append((freed, address, -nbytes))
     return sorted(out, key=lambda a: a[0])
+
+
+def _collective_copy_of(allocation: Any) -> int | None:
+    """The allocation id of the tensor ``allocation`` copies, if it is made by an
+    ``aten::clone`` inside a c10d collective's operator (and the profile kept the inputs)."""
+    op = allocation.parent
+    while op is not None and op.name != "aten::clone":
+        op = op.parent
+    if op is None:
+        return None
+    outer = op.parent
+    while outer is not None and not outer.name.startswith("c10d::"):
+        outer = outer.parent
+    if outer is None:
+        return None
+    for value in op.typed[1].inputs:
+        source = getattr(value, "allocation_id", None)
+        if source is not None:
+            return int(source)
+    return None
 
 
 def live_peak(allocations: Sequence[tuple[int, int, int]], start_ns: int | None = None) -> int:

@@ -162,6 +162,34 @@ def test_a_free_on_another_thread_goes_unrecorded():
     assert sorted(sizes) == [-4 * numel, 4 * numel, 4 * numel]  # the thread's free: not there
 
 
+def test_a_collectives_copy_of_its_input_is_counted_freed_with_the_input():
+    """gloo's ``reduce_scatter_tensor`` clones its input inside its c10d operator, and its
+    worker thread often drops the copy last, unrecorded: the benchmark's ZeRO-3 peaks read
+    such copies as live into later steps (1-2 MiB on some ranks). An executor frees the input
+    once it waited for the collective, so the copy is counted freed with it."""
+    import threading
+
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    numel = 16 << 10
+    with profile(
+        activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True
+    ) as prof:
+        send = torch.ones(numel)
+        with record_function("c10d::_reduce_scatter_base_"):
+            held = [send.clone()]
+        thread = threading.Thread(target=held.clear)  # gloo's thread drops the copy
+        thread.start()
+        thread.join()
+        del send  # the executor frees the input after its wait: recorded
+        later = torch.ones(numel // 2)
+        del later
+    allocations = calibrate.cpu_allocations(prof)
+    start = next(t for t, _, n in allocations if n == 2 * numel)  # ``later``
+    assert calibrate.live_peak(allocations) == 8 * numel  # the input and its copy
+    assert calibrate.live_peak(allocations, start_ns=start) == 2 * numel  # the copy is gone
+
+
 def test_broadcast_tensors_frees_its_buffer_on_the_calling_thread():
     """``DataParallel``'s constructor broadcasts the parameters through one packed buffer; left
     to gloo's worker thread to free, the free went unrecorded and the benchmark's peaks read
