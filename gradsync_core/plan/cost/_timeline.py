@@ -11,10 +11,11 @@ where it has one: ``MachineProfile.slowdown``; the largest of those in flight co
 collective's *exposed* time is the part of it during which its rank computes nothing; the step
 ends with the last collective or the last compute.
 
-Memory is the plan's model states (``estimate_ddp``/``estimate_zero1/2/3``) at two moments:
-the backward, where activations still alive meet the gradients they turn into
-(``activation_peak``) and the collectives in flight allocate their scratch, and the optimizer
-step with its scratch (docs/cost-model.md).
+Memory is the plan's model states (``estimate_ddp``/``estimate_zero1/2``; ZeRO-3 a walk of
+what its executor's step holds, ``_zero3_cost``) at two moments: the backward, where
+activations still alive meet the gradients they turn into (``activation_peak``) and the
+collectives in flight allocate their scratch, and the optimizer step with its scratch
+(docs/cost-model.md).
 """
 
 from __future__ import annotations
@@ -336,9 +337,11 @@ def rank_costs(
     persistent: bool,
     collective_bytes: int = 0,
 ) -> tuple[RankCost, ...]:
-    """Each rank's cost: ``owned[r]`` is the share of the optimizer's work it does;
-    ``persistent``: whether the estimate's transient buffers live through the optimizer step;
-    ``collective_bytes``: the collectives' scratch in flight during the backward."""
+    """Each rank's cost: ``owned[r]`` is the share of the model's elements its optimizer
+    steps at once (the step's scratch, ``model.optimizer_bytes`` for the whole model, scales
+    with it); ``persistent``: whether the estimate's transient buffers live through the
+    optimizer step; ``collective_bytes``: the collectives' scratch in flight during the
+    backward."""
     total = sum(block_numel) or 1
     out = []
     for r in memory.ranks:
