@@ -341,7 +341,8 @@ def test_jax_zero2_packs_at_the_reduce_scatters_curve_without_copies():
         executor="jax",
     )
     wire = 0.5 * 4 * MIB / 1e9  # reduce-scatter, then all-gather, over 2: factor 1/2 each
-    assert p.step_s == pytest.approx(4 * 1e-3 + 4 * 2e-3 + 5e-3 + 2 * wire)
+    apply = 1.5 * 4e-3  # the gathered updates added to every parameter: 1.5 copies of 4 MiB
+    assert p.step_s == pytest.approx(4 * 1e-3 + 4 * 2e-3 + 5e-3 + 2 * wire + apply)
 
 
 def test_the_documented_example_profiles_load():
@@ -708,6 +709,21 @@ def test_hsdp_all_reduces_each_shard_over_the_replicas():
     assert {(c.collective, c.group_size, c.nbytes) for c in replicas} == {
         ("all_reduce", 4, MIB // 2)
     }
+
+
+def test_jax_hsdp_all_reduces_every_shard_over_the_replicas_at_once():
+    """XLA combines the replicas' all-reduces of a JAX ZeRO-3 step into one at the backward's
+    end (one all-reduce of every gradient shard: one latency instead of one per unit)."""
+    specs, c = layers(2), Configuration(zero=3, dp_shard=2, overlap=False)
+    args = {"world_size": 8, "machine": machine(latency=1e-3), "model": model(2)}
+    jax = predict(specs, c, executor="jax", **args)
+    torch = predict(specs, c, **args)
+    replicas = [e for e in jax.cost.comms if e.group == "dp_replicate"]
+    assert [(e.what, e.collective, e.group_size, e.nbytes) for e in replicas] == [
+        ("all-reduce (combined)", "all_reduce", 4, MIB)
+    ]
+    assert len([e for e in torch.cost.comms if e.group == "dp_replicate"]) == 2
+    assert jax.step_s == pytest.approx(torch.step_s - 1e-3)
 
 
 def _zero3_keep(units, world_size, dp_shard=None, **machine_figures):

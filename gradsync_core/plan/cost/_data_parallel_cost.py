@@ -84,7 +84,9 @@ def predict_data_parallel(
             ``concatenate`` and split it back, which costs the machine's ``pack_s`` curve of
             the bucket's collective (the copies and the buffers XLA:CPU allocates for them at
             every run) instead of two copies, and a bucket of one gradient is that gradient
-            (no copy); without a curve for the kind, the copies as for torch.
+            (no copy); without a curve for the kind, the copies as for torch. A flat
+            ``shard_optimizer`` all-gathers the updates, which ``apply_updates`` then adds to
+            every parameter (1.5 copies of each bucket: two reads and a write).
 
     Returns:
         The step's time, its collectives and per-rank memory.
@@ -189,6 +191,9 @@ def predict_data_parallel(
                 )
                 if not jax_packs:
                     rank.copy(bucket.nbytes)
+                if executor == "jax":  # apply_updates adds the gathered updates to every
+                    # parameter: two reads and a write of the bucket, 1.5 copies
+                    rank.compute(1.5 * machine.copy_time(bucket.nbytes))
     step = max(rank.t, channel.free)
     if zero == 0:
         memory = estimate_ddp(specs, buckets, world_size=dp, optimizer=optimizer)
