@@ -17,7 +17,7 @@ per gradient none.
 ``shard_optimizer(optax.adam(...), partition="flat")`` (``kind="reduce_scatter"``) on a model
 of eight parameter arrays and a loss whose gradient is a fill, once with the eight in one
 bucket and once with a bucket each, run in turns with the state fed back as a training loop
-does; the difference of the two medians is the packed bucket's cost at that size
+does; the median of the rounds' differences is the packed bucket's cost at that size
 (``MachineProfile.pack_s``). Never the user's model or a benchmark's step.
 """
 
@@ -99,7 +99,8 @@ def measure_pack(
                 if r >= WARMUP:
                     times[i].append(time.perf_counter() - start)
                 state[:2] = [params, opt_state]
-        apart, packed = (statistics.median(t) for t in times)
-        out.append((LEAVES * max(1, nbytes // 4 // LEAVES) * 4, max(0.0, packed - apart)))
+        # the median of each round's difference: the two steps of a round see the same load
+        extra = statistics.median(b - a for a, b in zip(*times, strict=True))
+        out.append((LEAVES * max(1, nbytes // 4 // LEAVES) * 4, max(0.0, extra)))
         del runs
     return out
