@@ -308,19 +308,25 @@ def test_pack_curves_round_trip_interpolate_and_a_version_4_profile_loads_withou
 
 
 def test_jax_packs_a_bucket_of_several_gradients_at_its_curve_and_passes_one_as_it_is():
+    """JAX without overlap: a packed bucket costs the machine's ``pack_s``, a bucket of one
+    gradient nothing beside its all-reduce, and XLA combines the buckets' all-reduces into
+    one (one latency)."""
     specs = layers(4)
-    m = machine(copy_bandwidth=MIB / 1e-3, pack_s={"all_reduce": ((4 * MIB, 7e-3),)})
+    m = machine(latency=1e-4, copy_bandwidth=MIB / 1e-3, pack_s={"all_reduce": ((4 * MIB, 7e-3),)})
     one = plan_buckets(specs, cap_bytes=64 * MIB)  # the four weights in one bucket
     apart = plan_buckets(specs, cap_bytes=MIB)  # a bucket each
-    wire = 4 * MIB / 1e9  # all-reduce over 2: factor 1
+    wire = 1e-4 + 4 * MIB / 1e9  # all-reduce over 2: factor 1
     args = {"machine": m, "model": model(4), "topology": Topology.create(2), "overlap": False}
     compute = 4 * 1e-3 + 4 * 2e-3
     packed = predict_data_parallel(specs, one, executor="jax", **args)
     assert packed.step_s == pytest.approx(compute + 7e-3 + wire)  # the curve, no copies
     passed = predict_data_parallel(specs, apart, executor="jax", **args)
-    assert passed.step_s == pytest.approx(compute + wire)  # XLA passes each gradient as it is
+    assert passed.step_s == pytest.approx(compute + wire)  # each gradient as it is, combined
+    assert [(c.what, c.nbytes) for c in passed.comms] == [("buckets (combined)", 4 * MIB)]
     torch = predict_data_parallel(specs, one, **args)  # torch copies in and out
     assert torch.step_s == pytest.approx(compute + 2 * 4e-3 + wire)
+    torch_apart = predict_data_parallel(specs, apart, **args)  # and all-reduces each bucket
+    assert torch_apart.step_s == pytest.approx(compute + 2 * 4e-3 + wire + 3e-4)
     bare = replace(m, pack_s={})  # a profile without a curve: the copies, for JAX too
     assert predict_data_parallel(specs, one, executor="jax", **args | {"machine": bare}).step_s == (
         pytest.approx(torch.step_s)

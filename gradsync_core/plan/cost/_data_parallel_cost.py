@@ -84,7 +84,8 @@ def predict_data_parallel(
             ``concatenate`` and split it back, which costs the machine's ``pack_s`` curve of
             the bucket's collective (the copies and the buffers XLA:CPU allocates for them at
             every run) instead of two copies, and a bucket of one gradient is that gradient
-            (no copy); without a curve for the kind, the copies as for torch. A flat
+            (no copy); without a curve for the kind, the copies as for torch. Without overlap,
+            XLA's all-reduce combiner runs the buckets' all-reduces as one. A flat
             ``shard_optimizer`` all-gathers the updates, which ``apply_updates`` then adds to
             every parameter (1.5 copies of each bucket: two reads and a write).
 
@@ -169,6 +170,20 @@ def predict_data_parallel(
                 rank.copy(bucket.nbytes // kept)  # the reduced gradients back out
     else:
         rank.compute(bookkeeping)
+    if executor == "jax" and zero == 0 and not overlap and dp > 1:
+        # XLA's all-reduce combiner runs the step's bucket all-reduces as one (of them all)
+        for index, bucket in enumerate(buckets.buckets):
+            if jax_packs:
+                rank.compute(packs[index] or 0.0)
+            else:
+                rank.copy(bucket.nbytes)
+        total = sum(b.nbytes for b in buckets.buckets)
+        what = "buckets (combined)"
+        rank.wait(rank.collective(channel, what, collective, "dp", dp, total, dp_level))
+        if not jax_packs:
+            for bucket in buckets.buckets:
+                rank.copy(bucket.nbytes)
+        issued = len(buckets.buckets)
     for index in range(issued, len(buckets.buckets)):
         reduce(index)
     if overlap:
