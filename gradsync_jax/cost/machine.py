@@ -12,7 +12,10 @@ and bus bandwidth, piecewise: one line across sizes does not hold on XLA:CPU (an
 of 16 MiB over 8 devices takes 29 times one of 1 MiB), so each range between two measured
 sizes has its own bandwidth (``LinkCost.pieces``). XLA runs a CPU program's collectives in
 line with its compute, so the profile's ``overlap_slowdown`` is 1 and its issue costs 0; the
-copy bandwidth is measured.
+copy bandwidth is measured, and what a bucket packed from several gradients costs the
+executor's own data-parallel step beyond its collective (``pack_s``, ``gradsync_jax.cost.pack``:
+its ``concatenate``, its split and the buffers XLA:CPU allocates for them at every run), for
+``synced``'s all-reduce and a flat ``shard_optimizer``'s reduce-scatter.
 """
 
 from __future__ import annotations
@@ -31,10 +34,15 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from gradsync_core.plan import COLLECTIVES, MachineProfile, fit_link
+from gradsync_jax.cost.pack import measure_pack
 
 KIB, MIB = 1024, 1024 * 1024
 DEFAULT_SIZES = (16 * KIB, 256 * KIB, 1 * MIB, 4 * MIB, 16 * MIB)
 DEFAULT_REPEATS = 5
+# pack_s's sizes: XLA:CPU's buffers change behaviour between 8 and 16 MiB (twice the bucket
+# beyond glibc's largest mmap threshold, 32 MiB: fresh pages at every run), so every power of 2
+PACK_SIZES = (1 * MIB, 2 * MIB, 4 * MIB, 8 * MIB, 16 * MIB)
+PACK_REPEATS = 9
 INNER = 8  # collectives per program: the time of one is the program's over this
 Samples = dict[tuple[str, int], list[tuple[int, float]]]
 
@@ -150,8 +158,10 @@ def calibrate(
     sizes: Sequence[int] = DEFAULT_SIZES,
     repeats: int = DEFAULT_REPEATS,
     name: str | None = None,
+    pack_sizes: Sequence[int] = PACK_SIZES,
 ) -> MachineProfile:
-    """The machine profile of ``devices`` (default all local devices).
+    """The machine profile of ``devices`` (default all local devices); ``pack_sizes``: the
+    bucket sizes ``pack_s`` is measured at (none: no curve).
 
     Raises:
         ValueError: fewer than 2 devices, or samples no line fits.
@@ -168,6 +178,11 @@ def calibrate(
     start = time.perf_counter()
     samples = measure(devices, sizes=sizes, repeats=repeats)
     copy = copy_bandwidth(devices)
+    pack = {
+        kind: _growing(measure_pack(devices, sizes=pack_sizes, repeats=PACK_REPEATS, kind=kind))
+        for kind in ("all_reduce", "reduce_scatter")
+        if pack_sizes
+    }
     # XLA:CPU's time per byte grows with the size (caches): the curve through every size
     links = tuple(
         fit_link(c, g, points, piecewise=True) for (c, g), points in sorted(samples.items())
@@ -181,7 +196,17 @@ def calibrate(
         f"devices on {platform.node()}, {when}, {time.perf_counter() - start:.1f} s; broadcast "
         "as a psum from the group's first device",
         copy_bandwidth=copy,
+        pack_s=pack,
     )
+
+
+def _growing(points: Sequence[tuple[int, float]]) -> tuple[tuple[int, float], ...]:
+    """The curve through ``points`` that never falls: a size measured below a smaller one
+    (noise, or glibc reusing the pages) takes the smaller one's time."""
+    out: list[tuple[int, float]] = []
+    for nbytes, seconds in sorted(points):
+        out.append((nbytes, max(seconds, out[-1][1] if out else 0.0)))
+    return tuple(out)
 
 
 def calibrate_command(

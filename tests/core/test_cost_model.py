@@ -174,7 +174,7 @@ def test_pieces_round_trip_and_a_version_3_profile_loads_without_them():
         ),
     )
     m = MachineProfile(name="piecewise", ranks_per_node=8, links=links)
-    assert m.to_json()["version"] == 4
+    assert m.to_json()["version"] == 5
     assert MachineProfile.from_json(json.loads(json.dumps(m.to_json()))) == m
     assert m.time("all_reduce", 8 * MIB, 8) == links[0].time(8 * MIB, 8)
     posted = replace(m, post_s={"send": 2e-4, "receive": 1e-4})
@@ -265,7 +265,7 @@ def test_host_overheads_round_trip_and_a_version_1_profile_loads_without_them():
         step_host_s={"zero3": 1e-3},
         collective_scratch={"all_gather": 1.0},
     )
-    assert m.to_json()["version"] == 4
+    assert m.to_json()["version"] == 5
     assert MachineProfile.from_json(json.loads(json.dumps(m.to_json()))) == m
     assert m.issue_time("all_reduce", MIB, 2) == 2e-4  # the link's issue cost is 0 here
     assert m.issue_time("all_gather", MIB, 2) == 0.0
@@ -286,6 +286,69 @@ def test_slowdown_per_collective_kind_round_trips_and_a_version_2_profile_loads_
     old = {k: v for k, v in m.to_json().items() if k != "overlap_slowdowns"}
     loaded = MachineProfile.from_json(old | {"version": 2})
     assert loaded.overlap_slowdowns == {} and loaded.slowdown("all_gather") == 2.0
+
+
+def test_pack_curves_round_trip_interpolate_and_a_version_4_profile_loads_without():
+    curve = ((MIB, 1e-3), (4 * MIB, 4e-3), (8 * MIB, 12e-3))
+    m = machine(pack_s={"all_reduce": curve})
+    assert MachineProfile.from_json(json.loads(json.dumps(m.to_json()))) == m
+    assert m.pack_time("all_reduce", MIB // 2) == pytest.approx(0.5e-3)  # proportional below
+    assert m.pack_time("all_reduce", 2 * MIB) == pytest.approx(2e-3)  # linear between
+    assert m.pack_time("all_reduce", 6 * MIB) == pytest.approx(8e-3)
+    assert m.pack_time("all_reduce", 16 * MIB) == pytest.approx(28e-3)  # the last slope above
+    assert m.pack_time("reduce_scatter", MIB) is None  # no curve: the caller copies
+    with pytest.raises(ValueError, match="version-4 machine profile has the unknown key 'pack_s'"):
+        MachineProfile.from_json(m.to_json() | {"version": 4})
+    old = {k: v for k, v in m.to_json().items() if k != "pack_s"} | {"version": 4}
+    assert MachineProfile.from_json(old).pack_s == {}
+    with pytest.raises(ValueError, match="increasing sizes above 0 bytes"):
+        machine(pack_s={"all_reduce": ((4 * MIB, 1e-3), (MIB, 2e-3))})
+    with pytest.raises(ValueError, match="pack_s has the unknown key 'gather'"):
+        machine(pack_s={"gather": ((MIB, 1e-3),)})
+
+
+def test_jax_packs_a_bucket_of_several_gradients_at_its_curve_and_passes_one_as_it_is():
+    """JAX without overlap: a packed bucket costs the machine's ``pack_s``, a bucket of one
+    gradient nothing beside its all-reduce, and XLA combines the buckets' all-reduces into
+    one (one latency)."""
+    specs = layers(4)
+    m = machine(latency=1e-4, copy_bandwidth=MIB / 1e-3, pack_s={"all_reduce": ((4 * MIB, 7e-3),)})
+    one = plan_buckets(specs, cap_bytes=64 * MIB)  # the four weights in one bucket
+    apart = plan_buckets(specs, cap_bytes=MIB)  # a bucket each
+    wire = 1e-4 + 4 * MIB / 1e9  # all-reduce over 2: factor 1
+    args = {"machine": m, "model": model(4), "topology": Topology.create(2), "overlap": False}
+    compute = 4 * 1e-3 + 4 * 2e-3
+    packed = predict_data_parallel(specs, one, executor="jax", **args)
+    assert packed.step_s == pytest.approx(compute + 7e-3 + wire)  # the curve, no copies
+    passed = predict_data_parallel(specs, apart, executor="jax", **args)
+    assert passed.step_s == pytest.approx(compute + wire)  # each gradient as it is, combined
+    assert [(c.what, c.nbytes) for c in passed.comms] == [("buckets (combined)", 4 * MIB)]
+    torch = predict_data_parallel(specs, one, **args)  # torch copies in and out
+    assert torch.step_s == pytest.approx(compute + 2 * 4e-3 + wire)
+    torch_apart = predict_data_parallel(specs, apart, **args)  # and all-reduces each bucket
+    assert torch_apart.step_s == pytest.approx(compute + 2 * 4e-3 + wire + 3e-4)
+    bare = replace(m, pack_s={})  # a profile without a curve: the copies, for JAX too
+    assert predict_data_parallel(specs, one, executor="jax", **args | {"machine": bare}).step_s == (
+        pytest.approx(torch.step_s)
+    )
+    with pytest.raises(ValueError, match="executor must be 'torch' or 'jax'"):
+        predict_data_parallel(specs, one, executor="tf", **args)
+
+
+def test_jax_zero2_packs_at_the_reduce_scatters_curve_without_copies():
+    specs = layers(4)
+    m = machine(copy_bandwidth=MIB / 1e-3, pack_s={"reduce_scatter": ((4 * MIB, 5e-3),)})
+    p = predict(
+        specs,
+        Configuration(zero=2, bucket_cap_mb=25, overlap=False, param_sync="all_gather"),
+        world_size=2,
+        machine=m,
+        model=model(4),
+        executor="jax",
+    )
+    wire = 0.5 * 4 * MIB / 1e9  # reduce-scatter, then all-gather, over 2: factor 1/2 each
+    apply = 1.5 * 4e-3  # the gathered updates added to every parameter: 1.5 copies of 4 MiB
+    assert p.step_s == pytest.approx(4 * 1e-3 + 4 * 2e-3 + 5e-3 + 2 * wire + apply)
 
 
 def test_the_documented_example_profiles_load():
@@ -652,6 +715,21 @@ def test_hsdp_all_reduces_each_shard_over_the_replicas():
     assert {(c.collective, c.group_size, c.nbytes) for c in replicas} == {
         ("all_reduce", 4, MIB // 2)
     }
+
+
+def test_jax_hsdp_all_reduces_every_shard_over_the_replicas_at_once():
+    """XLA combines the replicas' all-reduces of a JAX ZeRO-3 step into one at the backward's
+    end (one all-reduce of every gradient shard: one latency instead of one per unit)."""
+    specs, c = layers(2), Configuration(zero=3, dp_shard=2, overlap=False)
+    args = {"world_size": 8, "machine": machine(latency=1e-3), "model": model(2)}
+    jax = predict(specs, c, executor="jax", **args)
+    torch = predict(specs, c, **args)
+    replicas = [e for e in jax.cost.comms if e.group == "dp_replicate"]
+    assert [(e.what, e.collective, e.group_size, e.nbytes) for e in replicas] == [
+        ("all-reduce (combined)", "all_reduce", 4, MIB)
+    ]
+    assert len([e for e in torch.cost.comms if e.group == "dp_replicate"]) == 2
+    assert jax.step_s == pytest.approx(torch.step_s - 1e-3)
 
 
 def _zero3_keep(units, world_size, dp_shard=None, **machine_figures):

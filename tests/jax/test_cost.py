@@ -17,15 +17,39 @@ from gradsync_jax import (
 )
 from gradsync_jax.cost.machine import calibrate
 from gradsync_jax.cost.model import profile_model
+from gradsync_jax.cost.pack import measure_pack
 
 
 @pytest.mark.slow
 def test_calibrate_two_devices_fits_every_collective():
-    profile = calibrate(jax.devices()[:2], sizes=(64 << 10, 4 << 20), repeats=2, name="two")
+    profile = calibrate(
+        jax.devices()[:2],
+        sizes=(64 << 10, 4 << 20),
+        repeats=2,
+        name="two",
+        pack_sizes=(1 << 20, 4 << 20),
+    )
     assert {link.collective for link in profile.links} == set(COLLECTIVES)
+    assert set(profile.pack_s) == {"all_reduce", "reduce_scatter"}
+    for curve in profile.pack_s.values():  # the executor's packed bucket, never falling
+        assert [n for n, _ in curve] == [1 << 20, 4 << 20] and curve[0][1] <= curve[1][1]
     assert all(link.group_size == 2 and link.bus_bandwidth > 0 for link in profile.links)
     assert profile.copy_bandwidth > 0 and "jax" in profile.source
     assert MachineProfile.from_json(profile.to_json()) == profile
+
+
+@pytest.mark.slow
+def test_a_packed_bucket_beyond_mallocs_mmap_threshold_costs_the_step_more():
+    """A 16 MiB bucket's packed and all-reduced buffers (32 MiB of XLA:CPU's per-run temporary
+    buffer) are beyond glibc's largest mmap threshold: fresh pages at every run, so packing
+    the eight gradients costs the step more than a bucket each."""
+    ((nbytes, seconds),) = measure_pack(sizes=(16 << 20,), repeats=5)
+    assert nbytes == 16 << 20 and seconds > 0
+
+
+def test_measure_pack_refuses_another_collective():
+    with pytest.raises(ValueError, match="kind must be 'all_reduce' or 'reduce_scatter'"):
+        measure_pack(sizes=(1 << 20,), repeats=5, kind="broadcast")
 
 
 def test_calibrate_refuses_one_device():

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from gradsync_core.plan._buckets import MIB, BucketPlan
+from gradsync_core.plan._buckets import MIB, Bucket, BucketPlan
 from gradsync_core.plan._memory import estimate_ddp, estimate_zero1, estimate_zero2
 from gradsync_core.plan._shards import ShardPlan
 from gradsync_core.plan._specs import ParamSpec, itemsize
@@ -58,6 +58,7 @@ def predict_data_parallel(
     param_sync: str = "broadcast",
     optimizer: str | int = "adam",
     samples: int | None = None,
+    executor: str = "torch",
 ) -> StepCost:
     """Predict one step of data parallelism with buckets (DDP) or ZeRO-1/2.
 
@@ -78,6 +79,15 @@ def predict_data_parallel(
             ``shard_optimizer``).
         optimizer: the optimizer's state bytes per element (``optimizer_state_bytes``).
         samples: samples per rank and step (default: the model profile's).
+        executor: whose step runs, ``"torch"`` or ``"jax"``. JAX's ``synced`` (DDP) and flat
+            ``shard_optimizer`` (ZeRO-2) pack a bucket of several gradients with a
+            ``concatenate`` and split it back, which costs the machine's ``pack_s`` curve of
+            the bucket's collective (the copies and the buffers XLA:CPU allocates for them at
+            every run) instead of two copies, and a bucket of one gradient is that gradient
+            (no copy); without a curve for the kind, the copies as for torch. Without overlap,
+            XLA's all-reduce combiner runs the buckets' all-reduces as one. A flat
+            ``shard_optimizer`` all-gathers the updates, which ``apply_updates`` then adds to
+            every parameter (1.5 copies of each bucket: two reads and a write).
 
     Returns:
         The step's time, its collectives and per-rank memory.
@@ -100,6 +110,8 @@ def predict_data_parallel(
     """
     if zero not in (0, 1, 2):
         raise ValueError(f"zero must be 0, 1 or 2 here (ZeRO-3: predict_zero3), got {zero!r}")
+    if executor not in ("torch", "jax"):
+        raise ValueError(f"executor must be 'torch' or 'jax', got {executor!r}")
     if param_sync not in PARAM_SYNCS:
         raise ValueError(f"param_sync must be one of {PARAM_SYNCS}, got {param_sync!r}")
     dp = topology.dp
@@ -120,6 +132,9 @@ def predict_data_parallel(
     ]
     collective = REDUCE_SCATTER if zero == 2 else ALL_REDUCE
     kept = dp if zero == 2 else 1  # ZeRO-2 keeps 1/dp of each reduced bucket
+    # JAX: what packing each bucket costs beyond its collective (None: copies, as torch's)
+    packs = [_jax_pack(machine, collective, b) for b in buckets.buckets]
+    jax_packs = executor == "jax" and zero != 1 and all(p is not None for p in packs)
 
     rank = Rank(machine)
     channel = Channel()
@@ -127,12 +142,16 @@ def predict_data_parallel(
 
     def reduce(index: int) -> None:
         bucket = buckets.buckets[index]
-        rank.copy(bucket.nbytes)  # the gradients into the bucket's buffer
+        if jax_packs:  # the concatenate, the split and their buffers (ZeRO-2: the gather's)
+            rank.compute(packs[index] or 0.0)
+        else:
+            rank.copy(bucket.nbytes)  # the gradients into the bucket's buffer
         what = f"bucket {bucket.index}"
         ends.append(rank.collective(channel, what, collective, "dp", dp, bucket.nbytes, dp_level))
         if not overlap:
             rank.wait(ends[-1])
-            rank.copy(bucket.nbytes // kept)
+            if not jax_packs:
+                rank.copy(bucket.nbytes // kept)
 
     # The sync's bookkeeping (DDP's used-map all-reduce and its agreement check) is waited
     # for once per step: before the first bucket without overlap, after the last with it.
@@ -147,9 +166,24 @@ def predict_data_parallel(
     if overlap:
         for index, bucket in enumerate(buckets.buckets[:issued]):
             rank.wait(ends[index])
-            rank.copy(bucket.nbytes // kept)  # the reduced gradients back out
+            if not jax_packs:
+                rank.copy(bucket.nbytes // kept)  # the reduced gradients back out
     else:
         rank.compute(bookkeeping)
+    if executor == "jax" and zero == 0 and not overlap and dp > 1:
+        # XLA's all-reduce combiner runs the step's bucket all-reduces as one (of them all)
+        for index, bucket in enumerate(buckets.buckets):
+            if jax_packs:
+                rank.compute(packs[index] or 0.0)
+            else:
+                rank.copy(bucket.nbytes)
+        total = sum(b.nbytes for b in buckets.buckets)
+        what = "buckets (combined)"
+        rank.wait(rank.collective(channel, what, collective, "dp", dp, total, dp_level))
+        if not jax_packs:
+            for bucket in buckets.buckets:
+                rank.copy(bucket.nbytes)
+        issued = len(buckets.buckets)
     for index in range(issued, len(buckets.buckets)):
         reduce(index)
     if overlap:
@@ -170,7 +204,11 @@ def predict_data_parallel(
                 rank.wait(
                     rank.collective(channel, what, ALL_GATHER, "dp", dp, bucket.nbytes, dp_level)
                 )
-                rank.copy(bucket.nbytes)
+                if not jax_packs:
+                    rank.copy(bucket.nbytes)
+                if executor == "jax":  # apply_updates adds the gathered updates to every
+                    # parameter: two reads and a write of the bucket, 1.5 copies
+                    rank.compute(1.5 * machine.copy_time(bucket.nbytes))
     step = max(rank.t, channel.free)
     if zero == 0:
         memory = estimate_ddp(specs, buckets, world_size=dp, optimizer=optimizer)
@@ -206,6 +244,15 @@ def predict_data_parallel(
         ),
         notes=tuple(notes),
     )
+
+
+def _jax_pack(machine: MachineProfile, collective: str, bucket: Bucket) -> float | None:
+    """What packing ``bucket`` costs the JAX executor beyond its ``collective`` (the machine's
+    ``pack_s``; 0 for one gradient, which XLA passes as it is), None without a curve."""
+    seconds = machine.pack_time(collective, bucket.nbytes)
+    if seconds is None:
+        return None
+    return seconds if len(bucket.slots) > 1 else 0.0
 
 
 def _broadcast(

@@ -41,11 +41,11 @@ COLLECTIVES = (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, BROADCAST, P2P)
 NODE, NETWORK = "node", "network"  # a group inside one node, or spanning nodes
 LEVELS = (NODE, NETWORK)
 MACHINE_PROFILE_KIND = "machine_profile"
-MACHINE_PROFILE_VERSION = 4  # the schema's own version, not the plans'
+MACHINE_PROFILE_VERSION = 5  # the schema's own version, not the plans'
 # Version 1 had no host overheads, version 2 no slowdown per collective kind, version 3 one
-# line per link (no ``pieces``) and no pipeline message posts (``post_s``): they still load,
-# with none.
-MACHINE_PROFILE_VERSIONS = (1, 2, 3, 4)
+# line per link (no ``pieces``) and no pipeline message posts (``post_s``), version 4 no
+# packing curves (``pack_s``): they still load, with none.
+MACHINE_PROFILE_VERSIONS = (1, 2, 3, 4, 5)
 DATA_PARALLEL, ZERO3 = "data_parallel", "zero3"
 STEP_PATHS = (DATA_PARALLEL, ZERO3)  # the executor paths with a per-step host overhead
 SEND, RECEIVE = "send", "receive"
@@ -215,7 +215,12 @@ class MachineProfile:
     gloo's all-reduce and broadcast: 0). ``post_s``: the host time a pipeline runtime spends
     posting one message, ``{"send": s, "receive": s}`` (on the posting rank's clock; a send's
     data leaves when its post ends; ``simulate_pipeline``'s ``post`` and ``receive_post``),
-    nothing where absent.
+    nothing where absent. ``pack_s``, per collective kind, the curve ``((nbytes, seconds),
+    ...)`` (ascending sizes) of what a bucket of ``nbytes`` packed from several gradients
+    costs the JAX executor beyond its collective: the ``concatenate``, the split and the
+    buffers XLA:CPU allocates for them at every run (``gradsync_jax.cost.pack``; it replaces
+    the bucket's copies at ``copy_bandwidth`` in ``predict(..., executor="jax")``); a kind not
+    listed keeps the copies.
 
     Example:
         >>> m = MachineProfile(name="toy", ranks_per_node=8, links=(
@@ -237,6 +242,7 @@ class MachineProfile:
     step_host_s: Mapping[str, float] = field(default_factory=dict)
     collective_scratch: Mapping[str, float] = field(default_factory=dict)
     post_s: Mapping[str, float] = field(default_factory=dict)
+    pack_s: Mapping[str, tuple[tuple[int, float], ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1:
@@ -272,6 +278,7 @@ class MachineProfile:
                 if key not in keys:
                     raise ValueError(f"{name} has the unknown key {key!r}; use {', '.join(keys)}")
                 _finite(f"{name}[{key!r}]", seconds, positive=False)
+        _check_pack(self.pack_s)
         seen = set()
         for link in self.links:
             key = (link.collective, link.group_size, link.level)
@@ -349,6 +356,25 @@ class MachineProfile:
             raise ValueError(f"unknown post {which!r}; use {', '.join(POSTS)}")
         return float(self.post_s.get(which, 0.0))
 
+    def pack_time(self, collective: str, nbytes: int) -> float | None:
+        """Seconds a bucket of ``nbytes`` packed from several gradients costs the JAX executor
+        beyond its ``collective`` (``pack_s``: linear between its sizes, proportional below
+        the first, the last range's slope above the last); None when the profile has no curve
+        for that kind."""
+        points = self.pack_s.get(collective)
+        if not points:
+            return None
+        if nbytes <= 0:
+            return 0.0
+        first_n, first_s = points[0]
+        if nbytes <= first_n or len(points) == 1:
+            return first_s * nbytes / first_n
+        (n0, s0), (n1, s1) = points[-2:]  # above the last size: the last range's slope
+        for (n0, s0), (n1, s1) in itertools.pairwise(points):  # noqa: B007
+            if nbytes <= n1:
+                break
+        return max(0.0, s0 + (s1 - s0) * (nbytes - n0) / (n1 - n0))
+
     def step_host_time(self, path: str) -> float:
         """Seconds of per-step host work of executor ``path`` (``step_host_s``; 0 if absent)."""
         if path not in STEP_PATHS:
@@ -372,6 +398,11 @@ class MachineProfile:
         for name in tables:
             if getattr(self, name):
                 out[name] = dict(sorted(getattr(self, name).items()))
+        if self.pack_s:
+            out["pack_s"] = {
+                kind: [{"nbytes": n, "seconds": t} for n, t in points]
+                for kind, points in sorted(self.pack_s.items())
+            }
         return out
 
     @classmethod
@@ -381,7 +412,7 @@ class MachineProfile:
         A version-1 profile (before the host overheads) loads with none, a version-2 one
         (before the slowdown per collective kind) with ``overlap_slowdown`` for every kind, a
         version-3 one (before ``pieces`` and ``post_s``) with one line per link and no message
-        posts.
+        posts, a version-4 one (before ``pack_s``) with no packing curves.
 
         Raises:
             ValueError: another kind or version, a missing or unknown key, a bad value.
@@ -395,6 +426,8 @@ class MachineProfile:
             optional += ["overlap_slowdowns"]
         if obj["version"] >= 4:
             optional += ["post_s"]
+        if obj["version"] >= 5:
+            optional += ["pack_s"]
         _check_keys(
             obj,
             required=("name", "ranks_per_node", "links"),
@@ -440,6 +473,7 @@ class MachineProfile:
             step_host_s=_table(obj, "step_host_s"),
             collective_scratch=_table(obj, "collective_scratch"),
             post_s=_table(obj, "post_s"),
+            pack_s=_pack(obj.get("pack_s", {})),
         )
 
     def copy_time(self, nbytes: int) -> float:
@@ -609,6 +643,47 @@ def _pieces(entries: object) -> tuple[tuple[int, float], ...]:
         )
         out.append((entry["from_bytes"], entry["bus_bandwidth"]))
     return tuple(out)
+
+
+def _pack(obj: object) -> dict[str, tuple[tuple[int, float], ...]]:
+    """``pack_s`` from JSON: ``{kind: [{"nbytes", "seconds"}, ...]}`` (checked by the
+    profile)."""
+    if not isinstance(obj, Mapping):
+        raise ValueError(f"'pack_s' must be an object of lists, got {type(obj).__name__}")
+    out = {}
+    for kind, entries in obj.items():
+        if not isinstance(entries, list):
+            raise ValueError(f"pack_s[{kind!r}] must be a list of objects")
+        points = []
+        for entry in entries:
+            _check_keys(entry, required=("nbytes", "seconds"), optional=(), what="a pack_s point")
+            points.append((entry["nbytes"], entry["seconds"]))
+        out[kind] = tuple(points)
+    return out
+
+
+def _check_pack(pack: object) -> None:
+    """``pack_s``: per collective kind, points at ascending sizes above 0 with times >= 0."""
+    if not isinstance(pack, Mapping):
+        raise ValueError(f"pack_s must be a mapping of curves, got {pack!r}")
+    for kind, points in pack.items():
+        if kind not in COLLECTIVES:
+            raise ValueError(f"pack_s has the unknown key {kind!r}; use {', '.join(COLLECTIVES)}")
+        start = 0
+        for point in points:
+            ok = isinstance(point, tuple) and len(point) == 2
+            if not ok or isinstance(point[0], bool) or not isinstance(point[0], int):
+                raise ValueError(
+                    f"pack_s[{kind!r}] holds (nbytes, seconds) pairs with an int size, got "
+                    f"{point!r}"
+                )
+            if point[0] <= start:
+                raise ValueError(
+                    f"pack_s[{kind!r}] must list increasing sizes above 0 bytes, got "
+                    f"{[p[0] for p in points]}; list them in ascending order, once each"
+                )
+            start = point[0]
+            _finite(f"a pack_s[{kind!r}] time", point[1], positive=False)
 
 
 def _table(obj: Mapping[str, Any], name: str) -> Any:

@@ -216,7 +216,9 @@ def predict(
         units: ZeRO-3's unit prefixes (default ``block_prefixes(specs)``).
         tied: parameters used twice (ZeRO-3's memory).
         executor: whose step runs, ``"torch"`` or ``"jax"``: ZeRO-3's peak differs (one XLA
-            program holds its buffers as its schedule reads them; ``predict_zero3``).
+            program holds its buffers as its schedule reads them; ``predict_zero3``), and
+            JAX packs DDP and ZeRO-2 buckets at the machine's ``pack_s``
+            (``predict_data_parallel``).
 
     Returns:
         The prediction: the plans, their fingerprints and the cost.
@@ -318,6 +320,7 @@ def predict(
         param_sync=c.param_sync,
         optimizer=optimizer,
         samples=samples,
+        executor=executor,
     )
     return Prediction(
         configuration=c,

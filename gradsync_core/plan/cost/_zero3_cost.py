@@ -129,6 +129,8 @@ def predict_zero3(
         raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
     model, notes = profile_at(model, samples)
     walk = _Walk(plan, machine, topology, overlap=overlap, prefetch=prefetch)
+    if executor == "jax":  # XLA combines HSDP's all-reduces over the replicas into one
+        walk.combined = 0
     unit_of_block = _units_of_blocks(plan, model)
     walk.run(model, unit_of_block, reshard_after_forward)
     memory = estimate_zero3(
@@ -513,6 +515,9 @@ class _Walk:
         self.shard, self.replicate = Channel(), Channel()
         self.rank = Rank(machine)
         self.in_flight: tuple[int, float] | None = None  # the reduce-scatter not waited for
+        # JAX: the gradient bytes whose all-reduce over the replicas XLA combines into one at
+        # the backward's end (None: each unit's own, as fully_shard issues them)
+        self.combined: int | None = None
 
     def agree(self, replicate: bool, before: str) -> None:
         """One runtime agreement check: a blocking all-gather of ``AGREEMENT_BYTES`` per rank
@@ -568,7 +573,9 @@ class _Walk:
         if self.overlap:
             self.in_flight = (unit, end)
             return
-        if self.replicas > 1:
+        if self.replicas > 1 and self.combined is not None:
+            self.combined += self.grads[unit]
+        elif self.replicas > 1:
             end = self.all_reduce(unit, end)
         rank.wait(end)
 
@@ -616,6 +623,19 @@ class _Walk:
             if self.grads[unit]:
                 self.reduce(unit)
         self.finish_reduce()
+        if self.replicas > 1 and self.combined:  # JAX: one all-reduce of every shard
+            what = "all-reduce (combined)"
+            self.rank.wait(
+                self.rank.collective(
+                    self.replicate,
+                    what,
+                    ALL_REDUCE,
+                    "dp_replicate",
+                    self.replicas,
+                    self.combined,
+                    self.replicate_level,
+                )
+            )
         if self.agree_phases:  # the backward's check, once its collectives are done
             self.rank.wait(self.synced)
             self.agree(False, "the optimizer step")
