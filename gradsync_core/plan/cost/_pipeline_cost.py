@@ -47,7 +47,7 @@ from gradsync_core.plan.pipeline._actions import (
     SEND_F,
 )
 from gradsync_core.plan.pipeline._plan import PipelinePlan
-from gradsync_core.plan.pipeline._sim import TimedAction, simulate_pipeline
+from gradsync_core.plan.pipeline._sim import PipelineSimulation, TimedAction, simulate_pipeline
 
 WEIGHT_SHARE = 0.5  # a split backward's weight half, as the plan's chart draws it
 
@@ -115,36 +115,10 @@ def predict_pipeline(
     topo = plan.topology
     stages = stage_of_blocks(plan, model)
     n = plan.num_stages
-    forward, backward, activations = [0.0] * n, [0.0] * n, [0] * n
+    activations = [0] * n
     for block, stage in zip(model.blocks, stages, strict=True):
-        forward[stage] += block.forward_s
-        backward[stage] += block.backward_s
         activations[stage] += block.activation_bytes or 0
-    last_block = {stage: index for index, stage in enumerate(stages)}
-    message = [model.blocks[last_block[s]].output_bytes if s in last_block else 0 for s in range(n)]
-    pp_ranks = topo.group_at("pp", 0)
-
-    def p2p_time(s: int) -> float:
-        """A message's wire time plus its issue and host work (``host_s["p2p"]``), which
-        delay its data at the receiver; the runtime's posts (``post_s``) are the simulator's
-        ``post`` and ``receive_post``, on the posting rank."""
-        pair = (pp_ranks[plan.stage_ranks[s]], pp_ranks[plan.stage_ranks[s + 1]])
-        at = machine.level_of(pair)
-        return machine.time(P2P, message[s], 2, at) + machine.issue_time(P2P, message[s], 2, at)
-
-    crossings = [s for s in range(n - 1) if plan.stage_ranks[s] != plan.stage_ranks[s + 1]]
-    p2p = max((p2p_time(s) for s in crossings), default=0.0)
-    if len({message[s] for s in crossings}) > 1:
-        notes.append("point-to-point: every message takes the largest boundary's time")
-    sim = simulate_pipeline(
-        plan,
-        forward=forward,
-        backward=backward,
-        weight=[b * WEIGHT_SHARE for b in backward],
-        p2p=p2p,
-        post=machine.post_time(SEND),
-        receive_post=machine.post_time(RECEIVE),
-    )
+    sim, message, p2p = _simulate(plan, machine, model, stages, notes)
 
     block_of = {s.name: model.block_of(s.name) for s in specs}
     rank_specs: list[list[ParamSpec]] = [[] for _ in range(plan.pp)]
@@ -237,6 +211,65 @@ def predict_pipeline(
         ranks=costs,
         notes=tuple(notes),
     )
+
+
+def pipeline_simulation(
+    plan: PipelinePlan,
+    *,
+    machine: MachineProfile,
+    model: ModelProfile,
+    samples: int | None = None,
+) -> PipelineSimulation:
+    """The simulated timeline ``predict_pipeline`` costs ``plan`` on (before the reductions
+    and the optimizer): what a probe lays beside the executor's recorded timeline.
+
+    Raises:
+        ValueError: as ``predict_pipeline``.
+    """
+    model, notes = profile_at(model, samples)
+    return _simulate(plan, machine, model, stage_of_blocks(plan, model), notes)[0]
+
+
+def _simulate(
+    plan: PipelinePlan,
+    machine: MachineProfile,
+    model: ModelProfile,
+    stages: Sequence[int],
+    notes: list[str],
+) -> tuple[PipelineSimulation, list[int], float]:
+    """The simulation of ``plan`` with the profiled stage times, each boundary's message
+    bytes and the message time the simulation took (a note added where boundaries differ)."""
+    n = plan.num_stages
+    forward, backward = [0.0] * n, [0.0] * n
+    for block, stage in zip(model.blocks, stages, strict=True):
+        forward[stage] += block.forward_s
+        backward[stage] += block.backward_s
+    last_block = {stage: index for index, stage in enumerate(stages)}
+    message = [model.blocks[last_block[s]].output_bytes if s in last_block else 0 for s in range(n)]
+    pp_ranks = plan.topology.group_at("pp", 0)
+
+    def p2p_time(s: int) -> float:
+        """A message's wire time plus its issue and host work (``host_s["p2p"]``), which
+        delay its data at the receiver; the runtime's posts (``post_s``) are the simulator's
+        ``post`` and ``receive_post``, on the posting rank."""
+        pair = (pp_ranks[plan.stage_ranks[s]], pp_ranks[plan.stage_ranks[s + 1]])
+        at = machine.level_of(pair)
+        return machine.time(P2P, message[s], 2, at) + machine.issue_time(P2P, message[s], 2, at)
+
+    crossings = [s for s in range(n - 1) if plan.stage_ranks[s] != plan.stage_ranks[s + 1]]
+    p2p = max((p2p_time(s) for s in crossings), default=0.0)
+    if len({message[s] for s in crossings}) > 1:
+        notes.append("point-to-point: every message takes the largest boundary's time")
+    sim = simulate_pipeline(
+        plan,
+        forward=forward,
+        backward=backward,
+        weight=[b * WEIGHT_SHARE for b in backward],
+        p2p=p2p,
+        post=machine.post_time(SEND),
+        receive_post=machine.post_time(RECEIVE),
+    )
+    return sim, message, p2p
 
 
 def _stash_peak(timed: Sequence[TimedAction], activations: Sequence[int]) -> int:
