@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _cost_torch import Profiler, Runner, build_net
+from _cost_torch import Calibrator, Profiler, Runner, build_net
 from _spawn import spawn_ranks
 
 from gradsync_core.plan import Configuration, MachineProfile, predict
@@ -38,10 +38,10 @@ from gradsync_torch.cost.machine import calibrate_local
 SCHEDULES = ("GPipe", "1F1B")
 
 
-def _record(runner: Runner) -> dict[str, Any]:
-    """One step of ``runner``, every part on the shared clock."""
+def _record(runner: Runner, timeline: bool = True) -> dict[str, Any]:
+    """One step of ``runner``, every part on the shared clock (the actions: ``timeline``)."""
     pipe = runner.pipe
-    pipe.timeline = []
+    pipe.timeline = [] if timeline else None
     t0 = time.perf_counter()
     runner.opt.zero_grad(set_to_none=True)
     t1 = time.perf_counter()
@@ -50,7 +50,7 @@ def _record(runner: Runner) -> dict[str, Any]:
     runner.opt.step()
     t3 = time.perf_counter()
     began = pipe._step_began
-    actions = [(str(t.action), began + t.start, began + t.end) for t in pipe.timeline]
+    actions = [(str(t.action), began + t.start, began + t.end) for t in pipe.timeline or ()]
     pipe.timeline = None
     return {"t0": t0, "zero_grad": t1, "began": began, "pipe": t2, "opt": t3, "actions": actions}
 
@@ -85,22 +85,37 @@ def worker(rank: int, world: int, store_path: str, args: argparse.Namespace, out
             for _ in range(args.warmup):
                 runner.step()
         records: list[list[dict[str, Any]]] = [[] for _ in runners]
+        plain: list[list[dict[str, Any]]] = [[] for _ in runners]
+        calibrator = Calibrator(world) if args.between else None
         for r in range(args.steps):
+            if calibrator is not None:  # what cost_model.py runs between its rounds of steps
+                dist.barrier()
+                calibrator.round()
+                dist.barrier()
+                profiler.round()
+                dist.barrier()
+                profiler.plain_step(max(profiler.nets))
             for i in (0, 1) if r % 2 == 0 else (1, 0):
                 dist.barrier()
-                records[i].append(_record(runners[i]))
+                records[i].append(_record(runners[i], not args.no_timeline))
+                if args.ab:  # the same step without the timeline, right after
+                    dist.barrier()
+                    plain[i].append(_record(runners[i], False))
         everyone: list[Any] = [None] * world
         dist.all_gather_object(everyone, records)
+        untimed: list[Any] = [None] * world
+        dist.all_gather_object(untimed, plain)
         if rank == 0:
             out.put(
                 {
                     "records": everyone,
+                    "plain": untimed,
                     "predicted": [p.step_s for p in preds],
                     "simulated": [
                         [
                             [(str(t.action), t.start, t.end) for t in timed]
                             for timed in pipeline_simulation(
-                                p.pipeline, machine=machine, model=model, samples=size
+                                p.pipeline, specs, machine=machine, model=model, samples=size
                             ).actions
                         ]
                         for p in preds
@@ -144,6 +159,25 @@ def summarize(result: dict[str, Any], world: int) -> None:
             f"{_ms(total)} ms (step {median_k}; all: "
             f"{', '.join(_ms(t).strip() for t, _, _ in sorted(per_step, key=lambda x: x[1]))})"
         )
+        own = [
+            max(records[r][i][k]["opt"] - records[r][i][k]["t0"] for r in range(world))
+            for k in range(steps)
+        ]
+        print(
+            "   as cost_model.py times it (the slowest rank's own step): median",
+            _ms(statistics.median(own)),
+        )
+        if result["plain"][0][i]:
+            untimed = result["plain"]
+            own = [
+                max(untimed[r][i][k]["opt"] - untimed[r][i][k]["t0"] for r in range(world))
+                for k in range(len(untimed[0][i]))
+            ]
+            print(
+                "   the same, each step's twin without the timeline:", _ms(statistics.median(own))
+            )
+        if not records[0][i][0]["actions"]:
+            continue
         # medians over the steps, each action relative to its step's common zero
         for r in range(world):
             rows: dict[str, list[tuple[float, float]]] = {}
@@ -216,6 +250,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--profile-steps", type=int, default=5)
+    parser.add_argument(
+        "--between",
+        action="store_true",
+        help="run cost_model.py's calibration and profile rounds between the rounds of steps",
+    )
+    parser.add_argument(
+        "--no-timeline", action="store_true", help="steps without the executor's timeline"
+    )
+    parser.add_argument(
+        "--ab", action="store_true", help="each step twice: with the timeline, then without"
+    )
     parser.add_argument("--save", default=None, help="write the records here (JSON)")
     args = parser.parse_args()
     args.world_size = 2
