@@ -45,6 +45,7 @@ from gradsync_core.plan import (
     profile_blocks,
     search_configurations,
 )
+from gradsync_core.plan.cost._pipeline_cost import phase_starts
 from gradsync_core.plan.cost._timeline import _slowed
 
 MIB = 1 << 20
@@ -854,6 +855,91 @@ def test_pipeline_message_posts_are_the_simulators_post_and_receive_post():
     )
     with pytest.raises(ValueError, match="post_s has the unknown key 'recv'"):
         machine(post_s={"recv": 1e-4})
+
+
+def test_the_simulator_charges_a_ranks_first_forward_and_a_backward_after_a_forward():
+    """GPipe, p = 2, m = 4, f = 1, b = 2, no message time: (m + p - 1)(f + b) = 15 plus, on the
+    critical path, both ranks' first forward (a each) and the two backwards right after a
+    forward (rank 1's B0, then rank 0's B0: c each)."""
+    a, c = 0.25, 0.5
+    costs = {"first_forward": a, "backward_after_forward": c}
+    gpipe, one_f_one_b = (
+        plan_pipeline(schedule=s, microbatches=4, topology=Topology(pp=2), layers=4)
+        for s in ("GPipe", "1F1B")
+    )
+    plain = simulate_pipeline(gpipe, forward=1.0, backward=2.0, weight=1.0)
+    sim = simulate_pipeline(gpipe, forward=1.0, backward=2.0, weight=1.0, **costs)
+    assert plain.step_time == pytest.approx(15.0)
+    assert sim.step_time == pytest.approx(15.0 + 2 * a + 2 * c)
+    # each rank: one first forward and one backward after a forward (F3 B0) under GPipe; under
+    # 1F1B rank 0 runs F0 F1 B0 F2 B1 F3 B2 B3 (3 after a forward), rank 1 F0 B0 F1 B1 ... (4)
+    assert list(sim.busy) == pytest.approx([12 + a + c] * 2)
+    sim = simulate_pipeline(one_f_one_b, forward=1.0, backward=2.0, weight=1.0, **costs)
+    assert list(sim.busy) == pytest.approx([12 + a + 3 * c, 12 + a + 4 * c])
+    assert sim.step_time > 15.0 + 2 * a + 2 * c  # 1F1B pays c on more of its path
+    # the time-ordered walk (ranks sharing cores, here one each) charges the same
+    shared = simulate_pipeline(one_f_one_b, forward=1.0, backward=2.0, weight=1.0, cores=2, **costs)
+    assert shared.step_time == pytest.approx(sim.step_time)
+    assert list(shared.busy) == pytest.approx(list(sim.busy))
+    with pytest.raises(ValueError, match="first_forward must be a finite time >= 0"):
+        simulate_pipeline(gpipe, first_forward=-1.0)
+
+
+def test_phase_starts_are_the_end_blocks_time_beyond_the_others_rate():
+    n = 1 << 18
+    blocks = [(3.0, 1.0), (1.0, 1.0), (1.0, 1.0), (1.0, 4.0)]  # (forward, backward)
+    prof = ModelProfile(
+        samples=8,
+        source="measured",
+        blocks=tuple(
+            BlockTime(prefix=f"layers.{i}", forward_s=f, backward_s=b)
+            for i, (f, b) in enumerate(blocks)
+        ),
+    )
+    # the first block's forward beyond 1 per n elements, the last one's backward beyond it
+    assert phase_starts(prof, [n] * 4) == pytest.approx((2.0, 3.0))
+    # a first block of 8 n elements (an embedding) costs less than its share: no start
+    assert phase_starts(prof, [8 * n, n, n, n]) == pytest.approx((0.0, 3.0))
+    assert phase_starts(replace(prof, blocks=prof.blocks[:1]), [n]) == (0.0, 0.0)
+    assert phase_starts(model(4), [n] * 4) == (0.0, 0.0)  # uniform blocks: none
+
+
+def test_a_pipeline_pays_the_profiles_phase_starts_where_the_executor_does():
+    """The profile's first-block forward surplus s is the step's start, its last block's
+    backward surplus t the backward's: a stage's time leaves them out, each rank pays s at its
+    first forward and t at each backward right after a forward (measured on 2 gloo ranks:
+    docs/cost-model.md), so GPipe (f = 2, b = 4, m = 4, p = 2) costs 5 (f + b) + 2 s + 2 t,
+    and 1F1B, whose backwards mostly follow forwards, more."""
+    s, t = 0.5, 0.25
+    specs = layers(4)
+    blocks = [(1.0 + s, 2.0), (1.0, 2.0), (1.0, 2.0), (1.0, 2.0 + t)]
+    prof = ModelProfile(
+        samples=8,
+        source="measured",
+        blocks=tuple(
+            BlockTime(prefix=f"layers.{i}", forward_s=f, backward_s=b)
+            for i, (f, b) in enumerate(blocks)
+        ),
+    )
+    costs = {}
+    for schedule in ("GPipe", "1F1B"):
+        plan = plan_pipeline(
+            schedule=schedule, microbatches=4, topology=Topology(pp=2), specs=specs
+        )
+        costs[schedule] = predict_pipeline(plan, specs, machine=machine(), model=prof).step_s
+    assert costs["GPipe"] == pytest.approx(5 * 6.0 + 2 * s + 2 * t)
+    assert costs["1F1B"] > costs["GPipe"]
+    # charged per microbatch instead (the stage sums), 1F1B came out ahead: 32 against 33
+    sums = {
+        schedule: simulate_pipeline(
+            plan_pipeline(schedule=schedule, microbatches=4, topology=Topology(pp=2), layers=4),
+            forward=[2 + s, 2],
+            backward=[4, 4 + t],
+            weight=[2, 2],
+        ).step_time
+        for schedule in ("GPipe", "1F1B")
+    }
+    assert sums == {"GPipe": pytest.approx(33.0), "1F1B": pytest.approx(32.0)}
 
 
 def test_pipeline_stash_memory_follows_the_schedule():

@@ -16,6 +16,7 @@ stashed microbatches hold, followed through the simulated order.
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -36,6 +37,7 @@ from gradsync_core.plan.cost._timeline import (
     CommEvent,
     RankCost,
     StepCost,
+    block_numel,
     profile_at,
     uncovered,
 )
@@ -47,7 +49,7 @@ from gradsync_core.plan.pipeline._actions import (
     SEND_F,
 )
 from gradsync_core.plan.pipeline._plan import PipelinePlan
-from gradsync_core.plan.pipeline._sim import TimedAction, simulate_pipeline
+from gradsync_core.plan.pipeline._sim import PipelineSimulation, TimedAction, simulate_pipeline
 
 WEIGHT_SHARE = 0.5  # a split backward's weight half, as the plan's chart draws it
 
@@ -115,36 +117,10 @@ def predict_pipeline(
     topo = plan.topology
     stages = stage_of_blocks(plan, model)
     n = plan.num_stages
-    forward, backward, activations = [0.0] * n, [0.0] * n, [0] * n
+    activations = [0] * n
     for block, stage in zip(model.blocks, stages, strict=True):
-        forward[stage] += block.forward_s
-        backward[stage] += block.backward_s
         activations[stage] += block.activation_bytes or 0
-    last_block = {stage: index for index, stage in enumerate(stages)}
-    message = [model.blocks[last_block[s]].output_bytes if s in last_block else 0 for s in range(n)]
-    pp_ranks = topo.group_at("pp", 0)
-
-    def p2p_time(s: int) -> float:
-        """A message's wire time plus its issue and host work (``host_s["p2p"]``), which
-        delay its data at the receiver; the runtime's posts (``post_s``) are the simulator's
-        ``post`` and ``receive_post``, on the posting rank."""
-        pair = (pp_ranks[plan.stage_ranks[s]], pp_ranks[plan.stage_ranks[s + 1]])
-        at = machine.level_of(pair)
-        return machine.time(P2P, message[s], 2, at) + machine.issue_time(P2P, message[s], 2, at)
-
-    crossings = [s for s in range(n - 1) if plan.stage_ranks[s] != plan.stage_ranks[s + 1]]
-    p2p = max((p2p_time(s) for s in crossings), default=0.0)
-    if len({message[s] for s in crossings}) > 1:
-        notes.append("point-to-point: every message takes the largest boundary's time")
-    sim = simulate_pipeline(
-        plan,
-        forward=forward,
-        backward=backward,
-        weight=[b * WEIGHT_SHARE for b in backward],
-        p2p=p2p,
-        post=machine.post_time(SEND),
-        receive_post=machine.post_time(RECEIVE),
-    )
+    sim, message, p2p = _simulate(plan, specs, machine, model, stages, notes)
 
     block_of = {s.name: model.block_of(s.name) for s in specs}
     rank_specs: list[list[ParamSpec]] = [[] for _ in range(plan.pp)]
@@ -237,6 +213,104 @@ def predict_pipeline(
         ranks=costs,
         notes=tuple(notes),
     )
+
+
+def pipeline_simulation(
+    plan: PipelinePlan,
+    specs: Sequence[ParamSpec],
+    *,
+    machine: MachineProfile,
+    model: ModelProfile,
+    samples: int | None = None,
+) -> PipelineSimulation:
+    """The simulated timeline ``predict_pipeline`` costs ``plan`` on (before the reductions
+    and the optimizer): what a probe lays beside the executor's recorded timeline.
+
+    Raises:
+        ValueError: as ``predict_pipeline``.
+    """
+    model, notes = profile_at(model, samples)
+    return _simulate(plan, specs, machine, model, stage_of_blocks(plan, model), notes)[0]
+
+
+def phase_starts(model: ModelProfile, numel: Sequence[int]) -> tuple[float, float]:
+    """What the profiled step spends starting its forward and its backward, beyond the blocks'
+    work: ``(forward start, backward start)``.
+
+    The profile times one step of the whole model, after the previous step's optimizer: its
+    first block's forward holds the step's start (the caches the optimizer left cold), its
+    last block's backward the backward's start after the forward. Each is that block's time
+    beyond its share at the other blocks' median time per trainable element (``numel``, per
+    block), and 0 where that share is larger (a first block that costs less per element, an
+    embedding) or there is no other block to compare with. A pipeline rank pays the forward
+    start at its first forward of the step and the backward start at each backward right
+    after a forward (measured on the executor: docs/cost-model.md, "Pipelines").
+    """
+
+    def beyond(times: list[float], k: int) -> float:
+        rates = [t / e for i, (t, e) in enumerate(zip(times, numel, strict=True)) if i != k and e]
+        if not rates or not numel[k]:
+            return 0.0
+        return max(0.0, times[k] - statistics.median(rates) * numel[k])
+
+    last = len(model.blocks) - 1
+    return (
+        beyond([b.forward_s for b in model.blocks], 0),
+        beyond([b.backward_s for b in model.blocks], last),
+    )
+
+
+def _simulate(
+    plan: PipelinePlan,
+    specs: Sequence[ParamSpec],
+    machine: MachineProfile,
+    model: ModelProfile,
+    stages: Sequence[int],
+    notes: list[str],
+) -> tuple[PipelineSimulation, list[int], float]:
+    """The simulation of ``plan`` with the profiled stage times, each boundary's message
+    bytes and the message time the simulation took (a note added where boundaries differ).
+
+    A stage's forward and backward are its blocks' in the profile, less the profiled step's
+    phase starts (``phase_starts``), which the simulation charges where the executor pays
+    them: each rank's first forward, and a backward right after a forward.
+    """
+    n = plan.num_stages
+    forward, backward = [0.0] * n, [0.0] * n
+    for block, stage in zip(model.blocks, stages, strict=True):
+        forward[stage] += block.forward_s
+        backward[stage] += block.backward_s
+    first_forward, backward_start = phase_starts(model, block_numel(specs, model))
+    forward[stages[0]] -= first_forward
+    backward[stages[-1]] -= backward_start
+    last_block = {stage: index for index, stage in enumerate(stages)}
+    message = [model.blocks[last_block[s]].output_bytes if s in last_block else 0 for s in range(n)]
+    pp_ranks = plan.topology.group_at("pp", 0)
+
+    def p2p_time(s: int) -> float:
+        """A message's wire time plus its issue and host work (``host_s["p2p"]``), which
+        delay its data at the receiver; the runtime's posts (``post_s``) are the simulator's
+        ``post`` and ``receive_post``, on the posting rank."""
+        pair = (pp_ranks[plan.stage_ranks[s]], pp_ranks[plan.stage_ranks[s + 1]])
+        at = machine.level_of(pair)
+        return machine.time(P2P, message[s], 2, at) + machine.issue_time(P2P, message[s], 2, at)
+
+    crossings = [s for s in range(n - 1) if plan.stage_ranks[s] != plan.stage_ranks[s + 1]]
+    p2p = max((p2p_time(s) for s in crossings), default=0.0)
+    if len({message[s] for s in crossings}) > 1:
+        notes.append("point-to-point: every message takes the largest boundary's time")
+    sim = simulate_pipeline(
+        plan,
+        forward=forward,
+        backward=backward,
+        weight=[b * WEIGHT_SHARE for b in backward],
+        p2p=p2p,
+        post=machine.post_time(SEND),
+        receive_post=machine.post_time(RECEIVE),
+        first_forward=first_forward,
+        backward_after_forward=backward_start,
+    )
+    return sim, message, p2p
 
 
 def _stash_peak(timed: Sequence[TimedAction], activations: Sequence[int]) -> int:

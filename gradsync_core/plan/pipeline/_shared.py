@@ -42,6 +42,19 @@ class Costs:
     overhead: float = 0.0
     post: float = 0.0
     receive_post: float = 0.0
+    first_forward: float = 0.0
+    backward_after_forward: float = 0.0
+
+    def extra(self, leaf: Action, previous: str | None) -> float:
+        """The compute time ``leaf`` takes beyond its stage's, after a compute of kind
+        ``previous`` on its rank (``None``: the rank's first compute of the step): the
+        first forward's ``first_forward``, a full or input backward's
+        ``backward_after_forward`` right after a forward."""
+        if leaf.kind == FORWARD:
+            return self.first_forward if previous is None else 0.0
+        if leaf.kind in (FULL_BACKWARD, BACKWARD_INPUT) and previous == FORWARD:
+            return self.backward_after_forward
+        return 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,11 +85,14 @@ def _pieces(
 ) -> list[_Piece]:
     """A rank's actions as the pieces of work the walk runs, in order."""
     out = []
+    previous: str | None = None  # the kind of the rank's last compute
     for action in actions:
         if action.is_compute:
             for leaf in action.leaves:  # an OVERLAP_F_B's two halves, each with its overhead
                 out.append(_Piece(costs.overhead, None, compute=False))
-                out.append(_Piece(durations[leaf.kind][leaf.stage], leaf, compute=True))
+                work = durations[leaf.kind][leaf.stage] + costs.extra(leaf, previous)
+                out.append(_Piece(work, leaf, compute=True))
+                previous = leaf.kind
             continue
         work = 0.0  # UNSHARD, RESHARD
         if action.kind in (SEND_F, SEND_B):

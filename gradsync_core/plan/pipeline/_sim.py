@@ -113,6 +113,8 @@ def simulate_pipeline(
     post: float = 0.0,
     reduce: ReplicaTimes = 0.0,
     receive_post: float | None = None,
+    first_forward: float = 0.0,
+    backward_after_forward: float = 0.0,
     cores: float | None = None,
     dp: int = 1,
     pinned: bool = False,
@@ -136,6 +138,11 @@ def simulate_pipeline(
             the data-parallel reduction of its gradients and their scaling.
         receive_post: the host time of posting each receive, where it differs from a
             send's (``None``: ``post``).
+        first_forward: the compute time each rank's first forward of the step takes beyond
+            its stage's ``forward``: the caches the previous step (its optimizer) left cold.
+        backward_after_forward: the compute time a full or input backward takes beyond its
+            stage's when the rank's previous compute was a forward (a backward after a
+            backward takes its stage's time). Both are compute: ``busy`` counts them.
         cores: the cores the ranks share (``None``: one core per rank, the closed forms).
             While k ranks are runnable (computing, or doing host work: overheads, posts,
             reductions) each runs at ``min(1, cores / k)`` of its speed: processor sharing,
@@ -202,6 +209,8 @@ def simulate_pipeline(
         ("overhead", overhead),
         ("post", post),
         ("receive_post", receive_post),
+        ("first_forward", first_forward),
+        ("backward_after_forward", backward_after_forward),
     ):
         if isinstance(value, bool) or not (
             isinstance(value, int | float) and math.isfinite(value) and value >= 0
@@ -238,6 +247,8 @@ def simulate_pipeline(
         overhead=float(overhead),
         post=float(post),
         receive_post=float(receive_post),
+        first_forward=float(first_forward),
+        backward_after_forward=float(backward_after_forward),
     )
     sim = _walk(
         plan.actions,
@@ -392,6 +403,7 @@ class _State:
         self.stash = [0] * p
         self.peak = [0] * p
         self.timeline: list[list[TimedAction]] = [[] for _ in range(p)]
+        self.previous: list[str | None] = [None] * p  # the kind of each rank's last compute
         self.done: dict[str, dict[_Key, float]] = {
             k: {} for k in (FORWARD, FULL_BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)
         }
@@ -517,7 +529,9 @@ class _State:
             # the host work first (a wait for the input hides it), then the compute
             self.host[r] += self.costs.overhead
             start = max(self.clock[r] + self.costs.overhead, at)
-            end = start + self.durations[leaf.kind][s]
+            extra = self.costs.extra(leaf, self.previous[r])
+            end = start + self.durations[leaf.kind][s] + extra
+            self.previous[r] = leaf.kind
             self.clock[r] = end
             self.busy[r] += end - start
             self.done[leaf.kind][s, mb] = end
