@@ -413,8 +413,7 @@ class MachineProfile:
                 out[name] = getattr(self, name)
         out["overlap_slowdown"] = self.overlap_slowdown
         tables = ("overlap_slowdowns", "host_s", "step_host_s", "collective_scratch", "post_s")
-        tables += ("path_slowdowns",)
-        for name in tables:
+        for name in (*tables, "path_slowdowns"):
             if getattr(self, name):
                 out[name] = dict(sorted(getattr(self, name).items()))
         return out
