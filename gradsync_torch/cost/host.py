@@ -43,9 +43,9 @@ from gradsync_torch.zero import ZeroRedundancyOptimizer
 SHORT, LONG = 2, 10  # blocks of the two probe models
 WIDTH = 16  # a block's weight: 16 x 16 fp32, 1 KiB
 ROWS = 4
-# fully_shard's slowdown: blocks of 256 x 256 (256 KiB gathered) on 64 rows, whose compute
-# lasts about as long as the unit's collectives
-WIDE, WIDE_ROWS = 256, 64
+# fully_shard's slowdown: blocks of 512 x 512 (1 MiB gathered, as calibrate's collective pairs)
+# on 64 rows, whose compute lasts about as long as the unit's collectives
+WIDE, WIDE_ROWS = 512, 64
 PATHS = ("plain", "data_parallel", "zero1", "zero3", "plain_wide", "zero3_wide")
 MAX_SLOWDOWN = 1000.0  # compute and a collective that do not overlap at all
 # the 1-in-1e6 MiB cap puts every weight in a bucket (and a broadcast) of its own
