@@ -357,8 +357,6 @@ def worker(rank: int, world: int, store_path: str, args: argparse.Namespace, out
         calibrated = calibrator.profile()
         final = predictions(profiler.final(), calibrated)
         standalone = predictions(profiler.final(), machine)
-        # the same profiles without the slowdown measured through the executors
-        without = predictions(profiler.final(), replace(calibrated, path_slowdowns={}))
         if rank == 0:
             out.put(
                 [
@@ -367,7 +365,6 @@ def worker(rank: int, world: int, store_path: str, args: argparse.Namespace, out
                         "configuration": p.configuration.to_json(),
                         "predicted_step_s": p.step_s,
                         "standalone_step_s": alone.step_s,
-                        "without_path_slowdowns_step_s": bare.step_s,
                         "predicted_compute_s": p.cost.compute_s,
                         "compute_only_s": statistics.median(plain),
                         "predicted_exposed_s": p.cost.exposed_comm_s,
@@ -378,10 +375,9 @@ def worker(rank: int, world: int, store_path: str, args: argparse.Namespace, out
                         "host_s": dict(calibrated.host_s),
                         "step_host_s": dict(calibrated.step_host_s),
                         "overlap_slowdowns": dict(calibrated.overlap_slowdowns),
-                        "path_slowdowns": dict(calibrated.path_slowdowns),
                     }
-                    for p, alone, bare, t, peak, runner in zip(
-                        final, standalone, without, times, peaks, runners, strict=True
+                    for p, alone, t, peak, runner in zip(
+                        final, standalone, times, peaks, runners, strict=True
                     )
                 ]
             )

@@ -9,10 +9,16 @@ each phase's median (forward, backward, optimizer step, step) measured and as th
 wrapping ``UnitParameters``' methods): the all-gather's issue (``start_gather``: the
 ``torch.cat`` copy-in, the receive buffer, the issue), its wait, its copy-out (the rest of
 ``gather``: the fresh gathered storage, the copy), ``free``, the reduce-scatter's copy-in and
-issue (``reduce_gradients``), its wait and the gradients' views (``finish_reduce``), and the
-walk's charge for the same.
+issue (``reduce_gradients``), its wait and the gradients' views (``finish_reduce``), each
+phase's minor page faults (first touches of fresh pages), and the walk's timeline (each
+collective's start, end and exposed time); and the walk again with compute beside the
+all-gathers and reduce-scatters slowed 1000 times (``no overlap``: none of them hidden).
+``--pairs``: a 1 MiB all-gather and reduce-scatter each issued, then about 0.5, 1, 2 and 4
+times its length of compute (the block's forward, or with ``--mm`` calibrate's
+matrix-multiply loop), as ``overlap_slowdowns`` pairs them, with the slowdown each pair gives
+(from medians).
 
-    python benchmarks/_cost_zero3_probe.py [--world 2] [--layers 8] [--width 512]
+    python benchmarks/_cost_zero3_probe.py [--world 2] [--layers 8] [--width 512] [--pairs]
 """
 
 from __future__ import annotations

@@ -43,11 +43,7 @@ from gradsync_torch.zero import ZeroRedundancyOptimizer
 SHORT, LONG = 2, 10  # blocks of the two probe models
 WIDTH = 16  # a block's weight: 16 x 16 fp32, 1 KiB
 ROWS = 4
-# fully_shard's slowdown: blocks of 512 x 512 (1 MiB gathered, as calibrate's collective pairs)
-# on 64 rows, whose compute lasts about as long as the unit's collectives
-WIDE, WIDE_ROWS = 512, 64
-PATHS = ("plain", "data_parallel", "zero1", "zero3", "plain_wide", "zero3_wide")
-MAX_SLOWDOWN = 1000.0  # compute and a collective that do not overlap at all
+PATHS = ("plain", "data_parallel", "zero1", "zero3")
 # the 1-in-1e6 MiB cap puts every weight in a bucket (and a broadcast) of its own
 _TINY_CAP_MB = 1e-6
 Times = dict[tuple[str, int], float]
@@ -56,10 +52,10 @@ Times = dict[tuple[str, int], float]
 class _Blocks(nn.Module):
     """``blocks`` of ``tanh(x @ w)``, without biases: one parameter per block."""
 
-    def __init__(self, blocks: int, width: int = WIDTH) -> None:
+    def __init__(self, blocks: int) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.layers = nn.ModuleList(nn.Linear(width, width, bias=False) for _ in range(blocks))
+        self.layers = nn.ModuleList(nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(blocks))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
@@ -70,15 +66,14 @@ class _Blocks(nn.Module):
 def _step_fn(path: str, blocks: int, device: torch.device) -> Callable[[], None]:
     """One training step of the probe model under ``path``'s executor (built here, on every
     rank in the same order: the executors agree on their plans collectively)."""
-    wide = path.endswith("_wide")
-    net = _Blocks(blocks, WIDE if wide else WIDTH).to(device)
-    x = torch.randn(WIDE_ROWS if wide else ROWS, WIDE if wide else WIDTH, device=device)
+    net = _Blocks(blocks).to(device)
+    x = torch.randn(ROWS, WIDTH, device=device)
     model: nn.Module = net
     sync: Callable[[], None] | None = None
     if path in ("data_parallel", "zero1"):
         wrapper = DataParallel(net, bucket_cap_mb=_TINY_CAP_MB, overlap=False)
         model, sync = wrapper, wrapper.sync_gradients
-    if path.startswith("zero3"):
+    if path == "zero3":
         for layer in net.layers:
             fully_shard(layer)
         fully_shard(net)
@@ -206,53 +201,6 @@ def host_overheads(
     }
     step = {"data_parallel": max(0.0, ddp_step), "zero3": max(0.0, z3_step)}
     return host, step
-
-
-def zero3_slowdown(
-    times: Mapping[tuple[str, int], float], machine: MachineProfile, world_size: int
-) -> float:
-    """Compute's slowdown beside ``fully_shard``'s own collectives (the machine's
-    ``path_slowdowns["zero3"]``), from the probe's step times of blocks whose compute lasts
-    about as long as their unit's collectives (``WIDE``).
-
-    Per block ``fully_shard`` adds two all-gathers and a reduce-scatter of the block's weight
-    beside the block's forward and backward. Had compute hidden none of them, a block would
-    cost the plain block plus everything the timeline charges them (wire, issue and host time,
-    copies); what it costs less than that is what compute hid. The timeline hides ``A / s`` of
-    a collective of ``A`` that compute outlasts (``slowdown_of_pair``), so the share hidden of
-    the three wires is ``1 / s``: ``MAX_SLOWDOWN`` when nothing was hidden, 1 when all was.
-
-    Args:
-        times: ``Probe.times()``, with ``"plain_wide"`` and ``"zero3_wide"``.
-        machine: the profile with its links, copy bandwidth and host overheads.
-        world_size: the ranks the probe ran on.
-
-    Returns:
-        The slowdown (1 to ``MAX_SLOWDOWN``).
-
-    Example:
-        >>> from gradsync_core.plan import LinkCost
-        >>> links = tuple(LinkCost(collective=c, group_size=None, latency_s=1e-4,
-        ...               bus_bandwidth=1e15) for c in ("all_gather", "reduce_scatter"))
-        >>> m = MachineProfile(name="toy", ranks_per_node=2, links=links)
-        >>> t = {("plain_wide", n): n * 1e-3 for n in (SHORT, LONG)}
-        >>> serial = {("zero3_wide", n): n * (1e-3 + 3e-4) for n in (SHORT, LONG)}
-        >>> round(zero3_slowdown(t | serial, m, 2))  # nothing hidden
-        1000
-        >>> half = {("zero3_wide", n): n * (1e-3 + 1.5e-4) for n in (SHORT, LONG)}
-        >>> round(zero3_slowdown(t | half, m, 2), 3)  # half of each wire hidden
-        2.0
-    """
-    nbytes = -(-WIDE // world_size) * WIDE * 4 * world_size  # a block's weight, padded rows
-    wires = 2 * machine.time("all_gather", nbytes, world_size)
-    wires += machine.time("reduce_scatter", nbytes, world_size)
-    charged = wires + 3 * machine.copy_time(nbytes)
-    charged += 2 * machine.issue_time("all_gather", nbytes, world_size)
-    charged += machine.issue_time("reduce_scatter", nbytes, world_size)
-    short = times["zero3_wide", SHORT] - times["plain_wide", SHORT]
-    long = times["zero3_wide", LONG] - times["plain_wide", LONG]
-    hidden = charged - (long - short) / (LONG - SHORT)
-    return min(MAX_SLOWDOWN, max(1.0, wires / max(hidden, wires / MAX_SLOWDOWN)))
 
 
 def _busy(seconds: float, device: torch.device) -> None:

@@ -33,14 +33,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from gradsync_core.plan import COLLECTIVES, LinkCost, MachineProfile, fit_link
 from gradsync_torch._collectives import all_gather_single, reduce_scatter_single
-from gradsync_torch.cost.host import (
-    LONG,
-    MAX_SLOWDOWN,
-    Probe,
-    host_overheads,
-    message_posts,
-    zero3_slowdown,
-)
+from gradsync_torch.cost.host import Probe, host_overheads, message_posts
 
 KIB, MIB = 1024, 1024 * 1024
 DEFAULT_SIZES = (16 * KIB, 256 * KIB, 1 * MIB, 4 * MIB, 16 * MIB)
@@ -254,6 +247,9 @@ def copy_bandwidth(nbytes: int = 16 * MIB, repeats: int = DEFAULT_REPEATS) -> fl
     return nbytes / _slowest(statistics.median(times[1:]))
 
 
+MAX_SLOWDOWN = 1000.0  # compute and a collective that do not overlap at all
+
+
 SLOWDOWN_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 
 
@@ -388,8 +384,7 @@ def profile_from(
     """The machine profile of measured samples: one fitted link per collective and size;
     ``slowdowns``: ``overlap_slowdowns()``, their median the figure of the kinds not measured
     (point-to-point); with the executor ``probe``'s step times (``host.Probe.times()`` over
-    ``world_size`` ranks), the host overheads too (``host.host_overheads``) and compute's
-    slowdown beside ``fully_shard``'s collectives (``host.zero3_slowdown``); ``scratch``:
+    ``world_size`` ranks), the host overheads too (``host.host_overheads``); ``scratch``:
     ``collective_scratch()``; ``posts``: ``host.message_posts()``, the pipeline runtime's
     host time per message."""
     links: list[LinkCost] = [
@@ -411,11 +406,7 @@ def profile_from(
         return profile
     world = world_size or max(size for _, size in samples)
     host_s, step_host_s = host_overheads(probe, profile, world)
-    profile = replace(profile, host_s=host_s, step_host_s=step_host_s)
-    if ("zero3_wide", LONG) not in probe:
-        return profile
-    zero3 = zero3_slowdown(probe, profile, world)  # beside fully_shard's own collectives
-    return replace(profile, path_slowdowns={"zero3": zero3})
+    return replace(profile, host_s=host_s, step_host_s=step_host_s)
 
 
 def _describe(world: int, elapsed: float) -> str:

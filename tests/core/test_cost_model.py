@@ -174,7 +174,7 @@ def test_pieces_round_trip_and_a_version_3_profile_loads_without_them():
         ),
     )
     m = MachineProfile(name="piecewise", ranks_per_node=8, links=links)
-    assert m.to_json()["version"] == 5
+    assert m.to_json()["version"] == 4
     assert MachineProfile.from_json(json.loads(json.dumps(m.to_json()))) == m
     assert m.time("all_reduce", 8 * MIB, 8) == links[0].time(8 * MIB, 8)
     posted = replace(m, post_s={"send": 2e-4, "receive": 1e-4})
@@ -235,8 +235,6 @@ def test_machine_profile_json_round_trip_and_lookup():
         ({"overlap_slowdowns": {"all_gather": 0.5}}, r"overlap_slowdowns\['all_gather'\] must"),
         ({"overlap_slowdowns": {"gather": 2.0}}, "overlap_slowdowns has the unknown key 'gather'"),
         ({"version": 2, "overlap_slowdowns": {}}, "version-2 .* unknown key 'overlap_slowdowns'"),
-        ({"path_slowdowns": {"zero3": 0.5}}, r"path_slowdowns\['zero3'\] must be >= 1"),
-        ({"path_slowdowns": {"zero2": 2.0}}, "path_slowdowns has the unknown key 'zero2'"),
     ],
     ids=[
         "kind",
@@ -252,8 +250,6 @@ def test_machine_profile_json_round_trip_and_lookup():
         "kind speed-up",
         "slowdown kind",
         "slowdowns in v2",
-        "path speed-up",
-        "path kind",
     ],
 )
 def test_machine_profile_refuses_bad_json(change, message):
@@ -269,7 +265,7 @@ def test_host_overheads_round_trip_and_a_version_1_profile_loads_without_them():
         step_host_s={"zero3": 1e-3},
         collective_scratch={"all_gather": 1.0},
     )
-    assert m.to_json()["version"] == 5
+    assert m.to_json()["version"] == 4
     assert MachineProfile.from_json(json.loads(json.dumps(m.to_json()))) == m
     assert m.issue_time("all_reduce", MIB, 2) == 2e-4  # the link's issue cost is 0 here
     assert m.issue_time("all_gather", MIB, 2) == 0.0
@@ -290,21 +286,6 @@ def test_slowdown_per_collective_kind_round_trips_and_a_version_2_profile_loads_
     old = {k: v for k, v in m.to_json().items() if k != "overlap_slowdowns"}
     loaded = MachineProfile.from_json(old | {"version": 2})
     assert loaded.overlap_slowdowns == {} and loaded.slowdown("all_gather") == 2.0
-
-
-def test_path_slowdowns_round_trip_and_a_version_4_profile_loads_without_them():
-    m = machine(overlap_slowdown=2.0, path_slowdowns={"zero3": 1000.0})
-    assert m.to_json()["version"] == 5
-    assert MachineProfile.from_json(json.loads(json.dumps(m.to_json()))) == m
-    z3 = m.slowdown_on("zero3")  # fully_shard's own collectives: the figure measured through it
-    assert z3.slowdown("all_gather") == z3.slowdown("reduce_scatter") == 1000.0
-    assert z3.slowdown("all_reduce") == 2.0 and m.slowdown("all_gather") == 2.0
-    assert m.slowdown_on("data_parallel") is m  # no figure for that path: the profile's own
-    with pytest.raises(ValueError, match="version-4 machine profile has the unknown key"):
-        MachineProfile.from_json(m.to_json() | {"version": 4})
-    old = {k: v for k, v in m.to_json().items() if k != "path_slowdowns"}
-    loaded = MachineProfile.from_json(old | {"version": 4})
-    assert loaded.path_slowdowns == {} and loaded.slowdown_on("zero3") == loaded
 
 
 def test_the_documented_example_profiles_load():
@@ -597,25 +578,6 @@ def test_zero3_gathers_that_do_not_overlap_compute_add_up():
         plan, machine=machine(bandwidth=1e9), model=model(units), topology=Topology.create(n)
     )
     assert hidden.step_s < cost.step_s - (units - 1) * ag  # with overlap, the gathers hide
-
-
-def test_zero3_takes_the_slowdown_measured_through_fully_shard():
-    """A machine whose bare pairs overlap (no overlap_slowdowns) but whose fully_shard
-    collectives hid nothing (path_slowdowns 1000): torch's step is the sum of every
-    collective and every block, as with 1000 for both kinds; JAX's step (no fully_shard)
-    and the data-parallel path keep the bare figure."""
-    n, units = 2, 4
-    specs = layers(units)
-    plan = plan_param_shards(specs, world_size=n, units=[f"layers.{i}" for i in range(units)])
-    m = machine(bandwidth=1e9, path_slowdowns={"zero3": 1000.0})
-    ag, rs = m.time("all_gather", MIB, n), m.time("reduce_scatter", MIB, n)
-    topology = Topology.create(n)
-    cost = predict_zero3(plan, machine=m, model=model(units), topology=topology)
-    assert cost.step_s == pytest.approx(units * (2 * ag + rs) + 12e-3, rel=1e-3)
-    bare = machine(bandwidth=1e9)
-    hidden = predict_zero3(plan, machine=bare, model=model(units), topology=topology)
-    jax = predict_zero3(plan, machine=m, model=model(units), topology=topology, executor="jax")
-    assert jax.step_s == hidden.step_s < cost.step_s - (units - 1) * ag
 
 
 def _xla_zero3(units, world_size, activation, dp_shard=None, reshard=True):

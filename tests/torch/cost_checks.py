@@ -88,7 +88,6 @@ def calibrate_predict_measure(
         "overlap_slowdowns": dict(machine.overlap_slowdowns),
         "overlap_slowdown": {"": machine.overlap_slowdown},
         "post_s": dict(machine.post_s),
-        "path_slowdowns": dict(machine.path_slowdowns),
     }
 
 

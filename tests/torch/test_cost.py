@@ -108,9 +108,6 @@ def test_calibrate_predict_measure_on_gloo():
     assert set(slow) == {"all_reduce", "all_gather", "reduce_scatter", "broadcast"}, slow
     assert all(1.0 <= s <= calibrate.MAX_SLOWDOWN for s in slow.values()), slow
     assert host["overlap_slowdown"][""] == statistics.median(slow.values())
-    # and beside fully_shard's own gathers and reduce-scatters, measured through fully_shard
-    assert set(host["path_slowdowns"]) == {"zero3"}, host
-    assert 1.0 <= host["path_slowdowns"]["zero3"] <= calibrate.MAX_SLOWDOWN, host
     # the pipeline runtime's posts of one message: host time on the posting rank, never 0
     assert set(host["post_s"]) == {"send", "receive"}, host
     assert all(0 < s < 0.1 for s in host["post_s"].values()), host

@@ -27,7 +27,7 @@ import json
 import math
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from gradsync_core.plan._canonical import fingerprint
@@ -41,15 +41,13 @@ COLLECTIVES = (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, BROADCAST, P2P)
 NODE, NETWORK = "node", "network"  # a group inside one node, or spanning nodes
 LEVELS = (NODE, NETWORK)
 MACHINE_PROFILE_KIND = "machine_profile"
-MACHINE_PROFILE_VERSION = 5  # the schema's own version, not the plans'
+MACHINE_PROFILE_VERSION = 4  # the schema's own version, not the plans'
 # Version 1 had no host overheads, version 2 no slowdown per collective kind, version 3 one
-# line per link (no ``pieces``) and no pipeline message posts (``post_s``), version 4 no
-# slowdown measured through an executor (``path_slowdowns``): they still load, with none.
-MACHINE_PROFILE_VERSIONS = (1, 2, 3, 4, 5)
+# line per link (no ``pieces``) and no pipeline message posts (``post_s``): they still load,
+# with none.
+MACHINE_PROFILE_VERSIONS = (1, 2, 3, 4)
 DATA_PARALLEL, ZERO3 = "data_parallel", "zero3"
 STEP_PATHS = (DATA_PARALLEL, ZERO3)  # the executor paths with a per-step host overhead
-# the collectives each path issues on its own group (``path_slowdowns``)
-PATH_COLLECTIVES = {DATA_PARALLEL: ("all_reduce",), ZERO3: ("all_gather", "reduce_scatter")}
 SEND, RECEIVE = "send", "receive"
 POSTS = (SEND, RECEIVE)  # a pipeline message's two posts (``post_s``)
 
@@ -217,11 +215,7 @@ class MachineProfile:
     gloo's all-reduce and broadcast: 0). ``post_s``: the host time a pipeline runtime spends
     posting one message, ``{"send": s, "receive": s}`` (on the posting rank's clock; a send's
     data leaves when its post ends; ``simulate_pipeline``'s ``post`` and ``receive_post``),
-    nothing where absent. ``path_slowdowns``, per executor path (``"zero3"``: ``fully_shard``'s
-    all-gathers and reduce-scatters), compute's slowdown beside that path's own collectives as
-    measured through the executor (``gradsync calibrate``: ``gradsync_torch/cost/host.py``);
-    where present the path's timeline takes it for its collectives instead of
-    ``overlap_slowdowns`` (``slowdown_on``).
+    nothing where absent.
 
     Example:
         >>> m = MachineProfile(name="toy", ranks_per_node=8, links=(
@@ -243,7 +237,6 @@ class MachineProfile:
     step_host_s: Mapping[str, float] = field(default_factory=dict)
     collective_scratch: Mapping[str, float] = field(default_factory=dict)
     post_s: Mapping[str, float] = field(default_factory=dict)
-    path_slowdowns: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1:
@@ -279,20 +272,6 @@ class MachineProfile:
                 if key not in keys:
                     raise ValueError(f"{name} has the unknown key {key!r}; use {', '.join(keys)}")
                 _finite(f"{name}[{key!r}]", seconds, positive=False)
-        if not isinstance(self.path_slowdowns, Mapping):
-            raise ValueError(
-                f"path_slowdowns must be a mapping of numbers, got {self.path_slowdowns!r}"
-            )
-        for path, slow in self.path_slowdowns.items():
-            if path not in STEP_PATHS:
-                raise ValueError(
-                    f"path_slowdowns has the unknown key {path!r}; use {', '.join(STEP_PATHS)}"
-                )
-            if _finite(f"path_slowdowns[{path!r}]", slow, positive=True) < 1:
-                raise ValueError(
-                    f"path_slowdowns[{path!r}] must be >= 1 (1: the path's collectives do not "
-                    f"slow compute), got {slow!r}"
-                )
         seen = set()
         for link in self.links:
             key = (link.collective, link.group_size, link.level)
@@ -359,29 +338,6 @@ class MachineProfile:
         (``overlap_slowdowns``, else ``overlap_slowdown``)."""
         return float(self.overlap_slowdowns.get(collective, self.overlap_slowdown))
 
-    def slowdown_on(self, path: str) -> MachineProfile:
-        """This profile as executor ``path``'s collectives see it: with ``path_slowdowns[path]``
-        (measured through the executor) as the slowdown beside every collective kind the path
-        issues on its own group (the all-gather and the reduce-scatter of ``"zero3"``); the
-        profile itself where it has none.
-
-        Example:
-            >>> m = MachineProfile(name="toy", ranks_per_node=2, links=(), overlap_slowdown=2.0,
-            ...                    path_slowdowns={"zero3": 8.0})
-            >>> z = m.slowdown_on("zero3")
-            >>> z.slowdown("all_gather"), z.slowdown("reduce_scatter"), z.slowdown("all_reduce")
-            (8.0, 8.0, 2.0)
-        """
-        if path not in STEP_PATHS:
-            raise ValueError(f"unknown executor path {path!r}; use {', '.join(STEP_PATHS)}")
-        if path not in self.path_slowdowns:
-            return self
-        slow = float(self.path_slowdowns[path])
-        kinds = PATH_COLLECTIVES[path]
-        return replace(
-            self, overlap_slowdowns={**self.overlap_slowdowns, **dict.fromkeys(kinds, slow)}
-        )
-
     def scratch_bytes(self, collective: str, nbytes: int) -> int:
         """Bytes a ``collective`` of ``nbytes`` (its whole buffer) allocates while in flight."""
         return round(self.collective_scratch.get(collective, 0.0) * nbytes)
@@ -413,7 +369,7 @@ class MachineProfile:
                 out[name] = getattr(self, name)
         out["overlap_slowdown"] = self.overlap_slowdown
         tables = ("overlap_slowdowns", "host_s", "step_host_s", "collective_scratch", "post_s")
-        for name in (*tables, "path_slowdowns"):
+        for name in tables:
             if getattr(self, name):
                 out[name] = dict(sorted(getattr(self, name).items()))
         return out
@@ -425,7 +381,7 @@ class MachineProfile:
         A version-1 profile (before the host overheads) loads with none, a version-2 one
         (before the slowdown per collective kind) with ``overlap_slowdown`` for every kind, a
         version-3 one (before ``pieces`` and ``post_s``) with one line per link and no message
-        posts, a version-4 one without ``path_slowdowns``.
+        posts.
 
         Raises:
             ValueError: another kind or version, a missing or unknown key, a bad value.
@@ -439,8 +395,6 @@ class MachineProfile:
             optional += ["overlap_slowdowns"]
         if obj["version"] >= 4:
             optional += ["post_s"]
-        if obj["version"] >= 5:
-            optional += ["path_slowdowns"]
         _check_keys(
             obj,
             required=("name", "ranks_per_node", "links"),
@@ -486,7 +440,6 @@ class MachineProfile:
             step_host_s=_table(obj, "step_host_s"),
             collective_scratch=_table(obj, "collective_scratch"),
             post_s=_table(obj, "post_s"),
-            path_slowdowns=_table(obj, "path_slowdowns"),
         )
 
     def copy_time(self, nbytes: int) -> float:

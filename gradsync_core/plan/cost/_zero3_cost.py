@@ -119,7 +119,7 @@ def predict_zero3(
     if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
         raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
     model, notes = profile_at(model, samples)
-    walk = _Walk(plan, machine, topology, overlap=overlap, prefetch=prefetch, executor=executor)
+    walk = _Walk(plan, machine, topology, overlap=overlap, prefetch=prefetch)
     unit_of_block = _units_of_blocks(plan, model)
     walk.run(model, unit_of_block, reshard_after_forward)
     memory = estimate_zero3(
@@ -303,10 +303,8 @@ def _units_of_blocks(plan: ParamShardPlan, model: ModelProfile) -> list[int]:
 class _Walk:
     """One ZeRO-3 step: gathers and reduce-scatters on the shard group's channel, HSDP's
     all-reduces on the replicate group's, compute on the rank. With ``overlap`` the rank
-    follows ``fully_shard``'s hooks (the module's docstring), its compute slowed beside the
-    shard group's collectives by the machine's ``path_slowdowns["zero3"]`` (measured through
-    ``fully_shard``) where it has one; without, each collective is waited for where it is
-    issued."""
+    follows ``fully_shard``'s hooks (the module's docstring); without, each collective is
+    waited for where it is issued."""
 
     def __init__(
         self,
@@ -316,7 +314,6 @@ class _Walk:
         *,
         overlap: bool,
         prefetch: int,
-        executor: str = "torch",
     ) -> None:
         self.machine = machine
         self.n, self.replicas = plan.shard_size, plan.replicate_size
@@ -331,9 +328,7 @@ class _Walk:
         self.grads = [plan.unit_padded_nbytes(u.index, trainable_only=True) for u in plan.units]
         self.roots = {u.index for u in plan.units if u.prefix == ROOT}
         self.shard, self.replicate = Channel(), Channel()
-        # fully_shard's gathers and reduce-scatters slow compute as calibrate measured them
-        # through fully_shard (the machine's path_slowdowns), not as a bare pair does
-        self.rank = Rank(machine.slowdown_on(ZERO3) if executor == "torch" else machine)
+        self.rank = Rank(machine)
         self.in_flight: tuple[int, float] | None = None  # the reduce-scatter not waited for
 
     def agree(self, replicate: bool, before: str) -> None:
