@@ -34,6 +34,9 @@ import optax
 
 from gradsync_core import Topology
 from gradsync_core.plan import ParamSpec, plan_buckets
+from gradsync_jax._mesh import mesh_from_topology
+from gradsync_jax.data_parallel import data_parallel_step, synced
+from gradsync_jax.zero import shard_optimizer
 
 LEAVES = 8  # parameter arrays packed into the bucket
 WARMUP = 2
@@ -44,8 +47,6 @@ def _step(
 ) -> tuple[Any, list[Any]]:
     """The executor's step over ``devices`` with ``LEAVES`` arrays of ``nbytes`` in all, in
     one bucket or one bucket each; ``(step, [params, opt_state, batch])``."""
-    # imported here: gradsync_jax imports this package
-    from gradsync_jax import data_parallel_step, mesh_from_topology, shard_optimizer, synced
 
     numel = max(1, nbytes // 4 // LEAVES)
     names = [f"p{i}" for i in range(LEAVES)]
