@@ -121,6 +121,7 @@ from gradsync_core.plan.cost import (
     predict_pipeline,
     predict_zero3,
     profile_blocks,
+    rank_key,
     search_configurations,
 )
 
@@ -226,6 +227,7 @@ __all__ = [
     "predict_pipeline",
     "predict_zero3",
     "profile_blocks",
+    "rank_key",
     "read_manifest",
     "rebuild_buckets",
     "reduction_group",

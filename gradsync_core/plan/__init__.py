@@ -138,6 +138,7 @@ from gradsync_core.plan.cost import (
     predict_pipeline,
     predict_zero3,
     profile_blocks,
+    rank_key,
     search_configurations,
 )
 from gradsync_core.plan.pipeline import (
@@ -261,6 +262,7 @@ __all__ = [
     "predict_pipeline",
     "predict_zero3",
     "profile_blocks",
+    "rank_key",
     "rebuild_buckets",
     "reduction_group",
     "replicated_axes",

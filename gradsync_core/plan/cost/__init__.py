@@ -28,6 +28,7 @@ from gradsync_core.plan.cost._search import (
     Dropped,
     SearchResult,
     configurations,
+    rank_key,
     search_configurations,
 )
 from gradsync_core.plan.cost._timeline import CommEvent, RankCost, StepCost
@@ -56,5 +57,6 @@ __all__ = [
     "predict_pipeline",
     "predict_zero3",
     "profile_blocks",
+    "rank_key",
     "search_configurations",
 ]

@@ -3,7 +3,8 @@
 ``search_configurations`` enumerates ZeRO stages, bucket caps, ``reshard_after_forward``,
 HSDP's shard-group sizes and pipeline splits with their schedules and microbatches, plans and
 costs each with ``predict`` and keeps those whose fullest rank fits ``memory_per_rank``,
-fastest first (ties: less memory, then enumeration order). Every configuration left out is
+fastest first (``rank_key``: ties, to the nanosecond, go to less memory, then to the
+enumeration order). Every configuration left out is
 kept with the sentence that says why (it does not fit, its batch does not split, a planner
 refused it), so the answer to "why not ZeRO-1?" is in the result. A training script can take
 ``result.best``: its plans are the ones that were costed.
@@ -25,6 +26,22 @@ from gradsync_core.plan.cost._predict import Configuration, Prediction, predict
 GIB = 1024 * MIB
 DEFAULT_BUCKET_CAPS_MB: tuple[float | None, ...] = (None, 1.0, 4.0, 25.0, 100.0)
 DEFAULT_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
+TIE_DIGITS = 9  # step times equal to the nanosecond are ties
+
+
+def rank_key(step_s: float, peak_bytes: int, order: int) -> tuple[float, int, int]:
+    """How the search orders predictions: the faster step, then the lower peak, then the
+    earlier candidate. Step times are compared to the nanosecond: two configurations whose
+    timelines are the same (DDP with and without overlap when one bucket holds every
+    gradient) differ only by float rounding, and that must not pick one over the other.
+
+    Example:
+        >>> rank_key(0.03705396391287421, 100, 0) == rank_key(0.0370539639128742, 100, 0)
+        True
+        >>> sorted([rank_key(0.0370539639128742, 100, 1), rank_key(0.03705396391287421, 100, 0)])
+        [(0.037053964, 100, 0), (0.037053964, 100, 1)]
+    """
+    return (round(step_s, TIE_DIGITS), peak_bytes, order)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -221,7 +238,7 @@ def search_configurations(
                 )
             )
             continue
-        ranked.append((p.step_s, p.peak_bytes, order, p))
+        ranked.append((*rank_key(p.step_s, p.peak_bytes, order), p))
     ranked.sort(key=lambda item: item[:3])
     return SearchResult(
         ranked=tuple(p for *_, p in ranked),

@@ -31,8 +31,8 @@ Memory depends on the executor, and each is a walk of what its step holds, momen
 it lives). ``"jax"``: ``zero3_step`` is one XLA program, jitted with the parameters and
 optimizer state donated, whose buffers live exactly as long as the schedule reads them;
 ``xla_peak`` walks that schedule (its docstring says what it assumes, each point read off
-XLA:CPU's buffer assignment of the step). ``estimate_zero3`` (``gradsync plan --zero``) stays what it says: a
-bound over the phases' maxima, which needs no model profile.
+XLA:CPU's buffer assignment of the step). ``estimate_zero3`` (``gradsync plan --zero``) stays
+what it says: a bound over the phases' maxima, which needs no model profile.
 """
 
 from __future__ import annotations
