@@ -130,21 +130,7 @@ class LinkCost:
         _finite("issue_s", self.issue_s, positive=False)
         if self.issue_bandwidth is not None:
             _finite("issue_bandwidth", self.issue_bandwidth, positive=True)
-        start = 0
-        for piece in self.pieces:
-            ok = isinstance(piece, tuple) and len(piece) == 2
-            if not ok or isinstance(piece[0], bool) or not isinstance(piece[0], int):
-                raise ValueError(
-                    f"a link's pieces are (from_bytes, bus_bandwidth) pairs with an int size, "
-                    f"got {piece!r}"
-                )
-            if piece[0] <= start:
-                raise ValueError(
-                    f"a link's pieces must start at increasing sizes above 0 bytes, got "
-                    f"{[p[0] for p in self.pieces]}; list them in ascending order, once each"
-                )
-            start = piece[0]
-            _finite("a piece's bus_bandwidth", piece[1], positive=True)
+        _check_sized(self.pieces, "a link's pieces", "(from_bytes, bus_bandwidth)", positive=True)
 
     def time(self, nbytes: int, group_size: int) -> float:
         """Seconds for ``nbytes`` (the whole buffer: the gathered size of an all-gather, the
@@ -669,21 +655,26 @@ def _check_pack(pack: object) -> None:
     for kind, points in pack.items():
         if kind not in COLLECTIVES:
             raise ValueError(f"pack_s has the unknown key {kind!r}; use {', '.join(COLLECTIVES)}")
-        start = 0
-        for point in points:
-            ok = isinstance(point, tuple) and len(point) == 2
-            if not ok or isinstance(point[0], bool) or not isinstance(point[0], int):
-                raise ValueError(
-                    f"pack_s[{kind!r}] holds (nbytes, seconds) pairs with an int size, got "
-                    f"{point!r}"
-                )
-            if point[0] <= start:
-                raise ValueError(
-                    f"pack_s[{kind!r}] must list increasing sizes above 0 bytes, got "
-                    f"{[p[0] for p in points]}; list them in ascending order, once each"
-                )
-            start = point[0]
-            _finite(f"a pack_s[{kind!r}] time", point[1], positive=False)
+        _check_sized(points, f"pack_s[{kind!r}]", "(nbytes, seconds)", positive=False)
+
+
+def _check_sized(points: Sequence[Any], what: str, pair: str, *, positive: bool) -> None:
+    """``points``: ``pair`` tuples (an int size, then a finite figure: above 0 if
+    ``positive``, else at least 0) at increasing sizes above 0 bytes; ``what`` names them in
+    the error."""
+    start = 0
+    for point in points:
+        ok = isinstance(point, tuple) and len(point) == 2
+        if not ok or isinstance(point[0], bool) or not isinstance(point[0], int):
+            raise ValueError(f"{what} are {pair} pairs with an int size, got {point!r}")
+        if point[0] <= start:
+            raise ValueError(
+                f"{what} must be at increasing sizes above 0 bytes, got "
+                f"{[p[0] for p in points]}; list them in ascending order, once each"
+            )
+        start = point[0]
+        figure = pair.strip("()").split(", ")[1]
+        _finite(f"the {figure} at {point[0]} bytes in {what}", point[1], positive=positive)
 
 
 def _table(obj: Mapping[str, Any], name: str) -> Any:
