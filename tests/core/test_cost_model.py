@@ -65,6 +65,18 @@ def layers(n, rows=256, cols=1024):
     return [ParamSpec(name=f"layers.{i}.weight", shape=(rows, cols)) for i in range(n)]
 
 
+def timed(blocks):
+    """A measured profile of ``layers.i`` blocks with the ``(forward, backward)`` times given."""
+    return ModelProfile(
+        samples=8,
+        source="measured",
+        blocks=tuple(
+            BlockTime(prefix=f"layers.{i}", forward_s=f, backward_s=b)
+            for i, (f, b) in enumerate(blocks)
+        ),
+    )
+
+
 def model(n, forward=1e-3, backward=2e-3, optimizer=0.0, activation=None, output=0):
     return ModelProfile(
         samples=8,
@@ -888,14 +900,7 @@ def test_the_simulator_charges_a_ranks_first_forward_and_a_backward_after_a_forw
 def test_phase_starts_are_the_end_blocks_time_beyond_the_others_rate():
     n = 1 << 18
     blocks = [(3.0, 1.0), (1.0, 1.0), (1.0, 1.0), (1.0, 4.0)]  # (forward, backward)
-    prof = ModelProfile(
-        samples=8,
-        source="measured",
-        blocks=tuple(
-            BlockTime(prefix=f"layers.{i}", forward_s=f, backward_s=b)
-            for i, (f, b) in enumerate(blocks)
-        ),
-    )
+    prof = timed(blocks)
     # the first block's forward beyond 1 per n elements, the last one's backward beyond it
     assert phase_starts(prof, [n] * 4) == pytest.approx((2.0, 3.0))
     # a first block of 8 n elements (an embedding) costs less than its share: no start
@@ -913,14 +918,7 @@ def test_a_pipeline_pays_the_profiles_phase_starts_where_the_executor_does():
     s, t = 0.5, 0.25
     specs = layers(4)
     blocks = [(1.0 + s, 2.0), (1.0, 2.0), (1.0, 2.0), (1.0, 2.0 + t)]
-    prof = ModelProfile(
-        samples=8,
-        source="measured",
-        blocks=tuple(
-            BlockTime(prefix=f"layers.{i}", forward_s=f, backward_s=b)
-            for i, (f, b) in enumerate(blocks)
-        ),
-    )
+    prof = timed(blocks)
     costs = {}
     for schedule in ("GPipe", "1F1B"):
         plan = plan_pipeline(
