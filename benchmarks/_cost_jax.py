@@ -239,6 +239,7 @@ def main() -> None:
             "peak_bytes": peak,
             "plan_match": match,
             "calibrate_s": calibrate_s,
+            "inputs": {"machine": machine.to_json(), "model": model.to_json()},
         }
         for p, t, peak, match in zip(predictions, times, peaks, matches, strict=True)
     ]

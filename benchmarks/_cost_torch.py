@@ -298,6 +298,11 @@ def _peak_live(prof: Any) -> int:
     return calibrate.live_peak(allocations, start)
 
 
+def _batch(args: argparse.Namespace, world: int, config: Configuration) -> int:
+    """A rank's microbatch under ``config``: the model profile it reads."""
+    return int(args.global_batch // (world // config.pp * config.microbatches))
+
+
 def worker(rank: int, world: int, store_path: str, args: argparse.Namespace, out: Any) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -317,7 +322,7 @@ def worker(rank: int, world: int, store_path: str, args: argparse.Namespace, out
                     config,
                     world_size=world,
                     machine=machine,
-                    model=profiles[args.global_batch // (world // config.pp * config.microbatches)],
+                    model=profiles[_batch(args, world, config)],
                     global_batch=args.global_batch,
                 )
                 for config in configs
@@ -357,8 +362,9 @@ def worker(rank: int, world: int, store_path: str, args: argparse.Namespace, out
                 runners[i].step()
                 times[i].append(_slowest(time.perf_counter() - start))
         calibrated = calibrator.profile()
-        final = predictions(profiler.final(), calibrated)
-        standalone = predictions(profiler.final(), machine)
+        profiles = profiler.final()
+        final = predictions(profiles, calibrated)
+        standalone = predictions(profiles, machine)
         if rank == 0:
             out.put(
                 [
@@ -377,6 +383,10 @@ def worker(rank: int, world: int, store_path: str, args: argparse.Namespace, out
                         "host_s": dict(calibrated.host_s),
                         "step_host_s": dict(calibrated.step_host_s),
                         "overlap_slowdowns": dict(calibrated.overlap_slowdowns),
+                        "inputs": {  # what the prediction read (cost_model.py --save)
+                            "machine": calibrated.to_json(),
+                            "model": profiles[_batch(args, world, p.configuration)].to_json(),
+                        },
                     }
                     for p, alone, t, peak, runner in zip(
                         final, standalone, times, peaks, runners, strict=True

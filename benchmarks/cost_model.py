@@ -21,17 +21,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import _cost_torch
+from _cost_report import report
 from _jax_part import run_jax_part
 from _spawn import spawn_ranks
 
-from gradsync_core.plan import Configuration, rank_key
+from gradsync_core.plan import Configuration
 from gradsync_torch.cost.machine import calibrate_local
 
 TORCH_CONFIGS = {
@@ -100,69 +100,6 @@ def selected(configs: list[Configuration], only: str | None) -> list[Configurati
     return [c for c in configs if any(part in c.describe() for part in parts)]
 
 
-def _error(predicted: float, measured: float) -> float:
-    return (predicted - measured) / measured
-
-
-def report(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    print(
-        f"{'framework':<10} {'configuration':<32} {'compute':>8} {'pred ms':>8} {'meas ms':>8} "
-        f"{'err':>7} {'pred MiB':>9} {'meas MiB':>9} {'err':>7} plan"
-    )
-    for row in rows:
-        row["step_error"] = _error(row["predicted_step_s"], row["step_s"])
-        row["peak_error"] = _error(row["predicted_peak_bytes"], row["peak_bytes"])
-        print(
-            f"{row['framework']:<10} {row['label']:<32} {row['predicted_compute_s'] * 1e3:>8.1f} "
-            f"{row['predicted_step_s'] * 1e3:>8.1f} "
-            f"{row['step_s'] * 1e3:>8.1f} {row['step_error']:>+7.1%} "
-            f"{row['predicted_peak_bytes'] / 2**20:>9.1f} {row['peak_bytes'] / 2**20:>9.1f} "
-            f"{row['peak_error']:>+7.1%} {'same' if row['plan_match'] else 'DIFFERENT'}"
-        )
-    for group in sorted({r["framework"] for r in rows}):
-        plain = next(r["compute_only_s"] for r in rows if r["framework"] == group)
-        print(
-            f"{group}: a plain step without communication (largest microbatch) {plain * 1e3:.1f} ms"
-        )
-        first = next(r for r in rows if r["framework"] == group)
-        if first.get("host_s") or first.get("step_host_s"):
-            host = ", ".join(f"{k} {v * 1e3:.2f}" for k, v in sorted(first["host_s"].items()))
-            step = ", ".join(f"{k} {v * 1e3:.2f}" for k, v in sorted(first["step_host_s"].items()))
-            print(f"{group}: host ms per collective: {host}; per step: {step}")
-        if first.get("overlap_slowdowns"):
-            slow = ", ".join(f"{k} {v:.3g}" for k, v in sorted(first["overlap_slowdowns"].items()))
-            print(f"{group}: compute's slowdown beside a collective: {slow}")
-    steps = [abs(r["step_error"]) for r in rows]
-    peaks = [abs(r["peak_error"]) for r in rows]
-    out: dict[str, Any] = {
-        "bench": "cost_model",
-        "configurations": len(rows),
-        "median_step_error": round(statistics.median(steps), 4),
-        "worst_step_error": round(max(steps), 4),
-        "median_peak_error": round(statistics.median(peaks), 4),
-        "worst_peak_error": round(max(peaks), 4),
-    }
-    for group in sorted({r["framework"] for r in rows}):
-        mine = [r for r in rows if r["framework"] == group]
-        chosen = min(
-            mine,
-            key=lambda r: rank_key(r["predicted_step_s"], r["predicted_peak_bytes"], mine.index(r)),
-        )
-        fastest = min(mine, key=lambda r: r["step_s"])
-        gap = chosen["step_s"] / fastest["step_s"] - 1
-        print(
-            f"{group}: first choice {chosen['label']!r} measured {chosen['step_s'] * 1e3:.1f} ms; "
-            f"fastest measured {fastest['label']!r} {fastest['step_s'] * 1e3:.1f} ms ({gap:+.1%})"
-        )
-        out[f"search_gap {group}"] = round(gap, 4)
-    out["search_first_within_5pct"] = all(
-        v <= 0.05 for k, v in out.items() if k.startswith("search_gap")
-    )
-    out["rows"] = rows
-    print(json.dumps(out), flush=True)
-    return out
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer timed rounds")
@@ -177,6 +114,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--only", default=None, help="comma-separated label parts: run the matching ones only"
     )
+    parser.add_argument(
+        "--save",
+        default=None,
+        help="write the rows with the profiles each prediction read to this JSON file "
+        "(cost_replay.py predicts them again)",
+    )
     args = parser.parse_args(argv)
     args.steps = args.steps or (8 if args.quick else 20)
     rows: list[dict[str, Any]] = []
@@ -185,6 +128,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             rows += _torch(args, world)
     if "jax" in args.frameworks:
         rows += _jax(args)
+    if args.save:
+        shape = {"layers": args.layers, "width": args.width, "global_batch": args.global_batch}
+        with open(args.save, "w") as f:
+            json.dump({"bench": "cost_model", **shape, "rows": rows}, f)
+    for row in rows:
+        del row["inputs"]
     return report(rows)
 
 
