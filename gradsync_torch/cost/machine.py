@@ -1,14 +1,15 @@
 """``gradsync calibrate`` for torch: time each collective over every group size of the world.
 
 Every rank runs the same collectives the executors run (``all_reduce``, ``all_gather_into_tensor``,
-``reduce_scatter_tensor``, ``broadcast``, an ``isend``/``irecv`` pair), on every group size that
-divides the world, all groups of a size at once (as a data-parallel or HSDP step runs them), at
-a few message sizes. A collective's time is the median over the repeats of the slowest rank's;
-``gradsync_core``'s ``fit_link`` turns each (collective, group size) into latency and bus
-bandwidth. The executors' host work per collective and per step is measured through the
-executors themselves on a tiny model (``host.py``), and the memory each collective allocates
-beside its buffers (``collective_scratch``). Under ``torchrun`` it measures the job's
-ranks (gloo or NCCL); otherwise ``calibrate_local`` spawns gloo ranks on this machine.
+``reduce_scatter_tensor`` (``fully_shard``'s), ``reduce_scatter_into`` (ZeRO-2's buckets: the
+profile's ``bucket_reduce_scatter``), ``broadcast``, an ``isend``/``irecv`` pair), on every group
+size that divides the world, all groups of a size at once (as a data-parallel or HSDP step runs
+them), at a few message sizes. A collective's time is the median over the repeats of the slowest
+rank's; ``gradsync_core``'s ``fit_link`` turns each (collective, group size) into latency and bus
+bandwidth. The executors' host work per collective and per step is measured through the executors
+themselves on a tiny model (``host.py``), and the memory each collective allocates beside its
+buffers (``collective_scratch``). Under ``torchrun`` it measures the job's ranks (gloo or NCCL);
+otherwise ``calibrate_local`` spawns gloo ranks on this machine.
 """
 
 from __future__ import annotations
@@ -32,7 +33,11 @@ from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
 from gradsync_core.plan import COLLECTIVES, LinkCost, MachineProfile, fit_link
-from gradsync_torch._collectives import all_gather_single, reduce_scatter_single
+from gradsync_torch._collectives import (
+    all_gather_single,
+    reduce_scatter_into,
+    reduce_scatter_single,
+)
 from gradsync_torch.cost.host import Probe, host_overheads, message_posts
 
 KIB, MIB = 1024, 1024 * 1024
@@ -94,6 +99,9 @@ def _issue(collective: str, group: Any, size: int, numel: int, device: torch.dev
     if collective == "reduce_scatter":
         out, inp = _buffer(numel // size, device), _buffer(numel, device)
         return reduce_scatter_single(out, inp, group=group, async_op=True)
+    if collective == "bucket_reduce_scatter":  # ZeRO-2's buckets (data_parallel, zero/flat.py)
+        out, inp = _buffer(numel // size, device), _buffer(numel, device)
+        return reduce_scatter_into(out, inp, group)
     src = dist.get_global_rank(group, 0)
     return dist.broadcast(_buffer(numel, device), src=src, group=group, async_op=True)
 
@@ -160,6 +168,7 @@ def collective_scratch(nbytes: int = MIB) -> dict[str, float]:
         "all_reduce": lambda: dist.all_reduce(full, async_op=True),
         "all_gather": lambda: all_gather_single(full, part, async_op=True),
         "reduce_scatter": lambda: reduce_scatter_single(part, full, async_op=True),
+        "bucket_reduce_scatter": lambda: reduce_scatter_into(part, full, None),
         "broadcast": lambda: dist.broadcast(full, src=0, async_op=True),
     }
     out = {}
@@ -291,7 +300,13 @@ def copy_bandwidth(nbytes: int = 16 * MIB, repeats: int = DEFAULT_REPEATS) -> fl
 MAX_SLOWDOWN = 1000.0  # compute and a collective that do not overlap at all
 
 
-SLOWDOWN_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+SLOWDOWN_KINDS = (
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "bucket_reduce_scatter",
+    "broadcast",
+)
 
 
 def overlap_slowdowns(nbytes: int = MIB, repeats: int = 3) -> dict[str, float]:

@@ -187,7 +187,7 @@ def test_pieces_round_trip_and_a_version_3_profile_loads_without_them():
         ),
     )
     m = MachineProfile(name="piecewise", ranks_per_node=8, links=links)
-    assert m.to_json()["version"] == 5
+    assert m.to_json()["version"] == 6
     assert MachineProfile.from_json(json.loads(json.dumps(m.to_json()))) == m
     assert m.time("all_reduce", 8 * MIB, 8) == links[0].time(8 * MIB, 8)
     posted = replace(m, post_s={"send": 2e-4, "receive": 1e-4})
@@ -278,7 +278,7 @@ def test_host_overheads_round_trip_and_a_version_1_profile_loads_without_them():
         step_host_s={"zero3": 1e-3},
         collective_scratch={"all_gather": 1.0},
     )
-    assert m.to_json()["version"] == 5
+    assert m.to_json()["version"] == 6
     assert MachineProfile.from_json(json.loads(json.dumps(m.to_json()))) == m
     assert m.issue_time("all_reduce", MIB, 2) == 2e-4  # the link's issue cost is 0 here
     assert m.issue_time("all_gather", MIB, 2) == 0.0
@@ -362,6 +362,41 @@ def test_jax_zero2_packs_at_the_reduce_scatters_curve_without_copies():
     wire = 0.5 * 4 * MIB / 1e9  # reduce-scatter, then all-gather, over 2: factor 1/2 each
     apply = 1.5 * 4e-3  # the gathered updates added to every parameter: 1.5 copies of 4 MiB
     assert p.step_s == pytest.approx(4 * 1e-3 + 4 * 2e-3 + 5e-3 + 2 * wire + apply)
+
+
+def test_zero2_buckets_reduce_scatter_at_their_own_link_on_torch_and_the_plain_one_on_jax():
+    """torch's executor reduce-scatters ZeRO-2's buckets its own way (``reduce_scatter_into``),
+    costed at ``bucket_reduce_scatter``'s entries; XLA's is the plain ``reduce_scatter``; a
+    profile without the bucket kind costs it as ``reduce_scatter`` (its link, slowdown, host
+    time and scratch)."""
+    plain = tuple(
+        LinkCost(collective=c, group_size=None, latency_s=0.0, bus_bandwidth=1e9)
+        for c in COLLECTIVES
+        if c != "bucket_reduce_scatter"
+    )
+    tables = {
+        "overlap_slowdowns": {"reduce_scatter": 3.0},
+        "host_s": {"reduce_scatter": 1e-4},
+        "collective_scratch": {"reduce_scatter": 1.0},
+    }
+    old = MachineProfile(name="without", ranks_per_node=8, links=plain, **tables)
+    kind = "bucket_reduce_scatter"
+    assert old.time(kind, MIB, 2) == old.time("reduce_scatter", MIB, 2)
+    assert (old.slowdown(kind), old.issue_time(kind, MIB, 2)) == (3.0, 1e-4)
+    assert old.scratch_bytes(kind, MIB) == MIB
+    own = LinkCost(collective=kind, group_size=None, latency_s=0.0, bus_bandwidth=4e9)
+    new = replace(old, links=(*plain, own), overlap_slowdowns={kind: 2.0, "reduce_scatter": 3.0})
+    assert new.time(kind, MIB, 2) == pytest.approx(old.time("reduce_scatter", MIB, 2) / 4)
+    assert new.slowdown(kind) == 2.0 and new.slowdown("reduce_scatter") == 3.0
+    assert MachineProfile.from_json(json.loads(json.dumps(new.to_json()))) == new
+    config = Configuration(zero=2, bucket_cap_mb=25, overlap=False)
+    args = {"world_size": 2, "machine": new, "model": model(4)}
+    torch = predict(layers(4), config, **args)
+    jax = predict(layers(4), config, executor="jax", **args)
+    scatter = {e.collective: e.end_s - e.start_s for e in torch.cost.comms}
+    assert scatter == {kind: pytest.approx(0.5 * 4 * MIB / 4e9), "broadcast": scatter["broadcast"]}
+    assert "reduce_scatter" in {e.collective for e in jax.cost.comms}
+    assert kind not in {e.collective for e in jax.cost.comms}
 
 
 def test_the_documented_example_profiles_load():

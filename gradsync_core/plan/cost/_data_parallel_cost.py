@@ -24,6 +24,7 @@ from gradsync_core.plan.cost._machine import (
     ALL_GATHER,
     ALL_REDUCE,
     BROADCAST,
+    BUCKET_REDUCE_SCATTER,
     DATA_PARALLEL,
     REDUCE_SCATTER,
     MachineProfile,
@@ -130,7 +131,10 @@ def predict_data_parallel(
     ready_after = [
         min(block_of[s.name] for s in b.slots) if b.slots else blocks - 1 for b in buckets.buckets
     ]
-    collective = REDUCE_SCATTER if zero == 2 else ALL_REDUCE
+    # torch reduce-scatters ZeRO-2's buckets its own way (gradsync_torch's reduce_scatter_into);
+    # XLA has one reduce-scatter
+    bucket_scatter = BUCKET_REDUCE_SCATTER if executor == "torch" else REDUCE_SCATTER
+    collective = bucket_scatter if zero == 2 else ALL_REDUCE
     kept = dp if zero == 2 else 1  # ZeRO-2 keeps 1/dp of each reduced bucket
     # JAX: what packing each bucket costs beyond its collective (None: copies, as torch's)
     packs = [_jax_pack(machine, collective, b) for b in buckets.buckets]

@@ -35,17 +35,25 @@ from gradsync_core.plan._canonical import fingerprint
 ALL_REDUCE = "all_reduce"
 ALL_GATHER = "all_gather"
 REDUCE_SCATTER = "reduce_scatter"
+# The reduce-scatter of a ZeRO-2 gradient bucket into a preallocated shard: an executor may run
+# it another way than its plain reduce-scatter (gradsync_torch's ``reduce_scatter_into`` on
+# gloo: a pairwise exchange at 2 ranks, one reduce per owner above, where ``fully_shard`` runs
+# ``reduce_scatter_tensor`` as FSDP2 does). A profile without its own entries for it costs it
+# as ``reduce_scatter`` (``STANDS_IN``).
+BUCKET_REDUCE_SCATTER = "bucket_reduce_scatter"
 BROADCAST = "broadcast"
 P2P = "p2p"
-COLLECTIVES = (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, BROADCAST, P2P)
+COLLECTIVES = (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, BUCKET_REDUCE_SCATTER, BROADCAST, P2P)
+STANDS_IN = {BUCKET_REDUCE_SCATTER: REDUCE_SCATTER}  # a kind the profile lacks: read this one
 NODE, NETWORK = "node", "network"  # a group inside one node, or spanning nodes
 LEVELS = (NODE, NETWORK)
 MACHINE_PROFILE_KIND = "machine_profile"
-MACHINE_PROFILE_VERSION = 5  # the schema's own version, not the plans'
+MACHINE_PROFILE_VERSION = 6  # the schema's own version, not the plans'
 # Version 1 had no host overheads, version 2 no slowdown per collective kind, version 3 one
 # line per link (no ``pieces``) and no pipeline message posts (``post_s``), version 4 no
-# packing curves (``pack_s``): they still load, with none.
-MACHINE_PROFILE_VERSIONS = (1, 2, 3, 4, 5)
+# packing curves (``pack_s``), version 5 no ``bucket_reduce_scatter``: they still load, with
+# none (that kind then costs as ``reduce_scatter``).
+MACHINE_PROFILE_VERSIONS = (1, 2, 3, 4, 5, 6)
 DATA_PARALLEL, ZERO3 = "data_parallel", "zero3"
 STEP_PATHS = (DATA_PARALLEL, ZERO3)  # the executor paths with a per-step host overhead
 SEND, RECEIVE = "send", "receive"
@@ -68,9 +76,17 @@ def bus_factor(collective: str, group_size: int) -> float:
     n = group_size
     if collective == ALL_REDUCE:
         return 2 * (n - 1) / n
-    if collective in (ALL_GATHER, REDUCE_SCATTER):
+    if collective in (ALL_GATHER, REDUCE_SCATTER, BUCKET_REDUCE_SCATTER):
         return (n - 1) / n
     return 1.0
+
+
+def _entry(table: Mapping[str, float], collective: str, default: float) -> float:
+    """``table``'s figure for ``collective``, else its stand-in's (``STANDS_IN``), else
+    ``default``."""
+    if collective in table:
+        return table[collective]
+    return table.get(STANDS_IN.get(collective, collective), default)
 
 
 def _check_collective(collective: str) -> None:
@@ -206,7 +222,9 @@ class MachineProfile:
     costs the JAX executor beyond its collective: the ``concatenate``, the split and the
     buffers XLA:CPU allocates for them at every run (``gradsync_jax.cost.pack``; it replaces
     the bucket's copies at ``copy_bandwidth`` in ``predict(..., executor="jax")``); a kind not
-    listed keeps the copies.
+    listed keeps the copies. The kind ``bucket_reduce_scatter`` (ZeRO-2's reduce-scatter of a
+    bucket, which torch's executor runs its own way on gloo) reads ``reduce_scatter``'s link,
+    slowdown, host time and scratch wherever the profile has none of its own.
 
     Example:
         >>> m = MachineProfile(name="toy", ranks_per_node=8, links=(
@@ -296,6 +314,8 @@ class MachineProfile:
                     fallback = link
         if fallback is not None:
             return fallback
+        if collective in STANDS_IN and not any(k.collective == collective for k in self.links):
+            return self.link(STANDS_IN[collective], group_size, level)
         sizes = sorted(
             {
                 link.group_size
@@ -324,16 +344,16 @@ class MachineProfile:
         if group_size == 1 and collective != P2P:
             return 0.0
         issue = self.link(collective, group_size, level).issue_time(nbytes)
-        return issue + self.host_s.get(collective, 0.0)
+        return issue + _entry(self.host_s, collective, 0.0)
 
     def slowdown(self, collective: str) -> float:
         """How many times longer compute takes while a ``collective`` is in flight beside it
         (``overlap_slowdowns``, else ``overlap_slowdown``)."""
-        return float(self.overlap_slowdowns.get(collective, self.overlap_slowdown))
+        return float(_entry(self.overlap_slowdowns, collective, self.overlap_slowdown))
 
     def scratch_bytes(self, collective: str, nbytes: int) -> int:
         """Bytes a ``collective`` of ``nbytes`` (its whole buffer) allocates while in flight."""
-        return round(self.collective_scratch.get(collective, 0.0) * nbytes)
+        return round(_entry(self.collective_scratch, collective, 0.0) * nbytes)
 
     def post_time(self, which: str) -> float:
         """Seconds a pipeline runtime's host spends posting one message's ``which`` (``"send"``
