@@ -95,17 +95,24 @@ def test_calibrate_predict_measure_on_gloo():
     # of 2026-11-28: DDP 0.0 and ZeRO-3 0.0), so only the sign and a bound are asserted
     assert all(0 <= v < 0.1 for v in host["step_host_s"].values()), host
     # gloo's all_gather_into_tensor allocates its output again, reduce_scatter_tensor clones
-    # its input; all-reduce and broadcast work in place
+    # its input; all-reduce, broadcast and ZeRO-2's pairwise reduce_scatter_into work in place
     assert host["collective_scratch"] == {
         "all_reduce": 0.0,
         "all_gather": 1.0,
         "reduce_scatter": 1.0,
+        "bucket_reduce_scatter": 0.0,
         "broadcast": 0.0,
     }
     # compute's slowdown beside each kind: a factor between 1 (full overlap) and 1000 (none);
     # their median is the figure of the kinds not measured
     slow = host["overlap_slowdowns"]
-    assert set(slow) == {"all_reduce", "all_gather", "reduce_scatter", "broadcast"}, slow
+    assert set(slow) == {
+        "all_reduce",
+        "all_gather",
+        "reduce_scatter",
+        "bucket_reduce_scatter",
+        "broadcast",
+    }, slow
     assert all(1.0 <= s <= calibrate.MAX_SLOWDOWN for s in slow.values()), slow
     assert host["overlap_slowdown"][""] == statistics.median(slow.values())
     # the pipeline runtime's posts of one message: host time on the posting rank, never 0
