@@ -88,6 +88,10 @@ def calibrate_predict_measure(
         "overlap_slowdowns": dict(machine.overlap_slowdowns),
         "overlap_slowdown": {"": machine.overlap_slowdown},
         "post_s": dict(machine.post_s),
+        # the pairs measured whatever the node, and whether this one's cores are full
+        "pair_slowdowns": calibrate.overlap_slowdowns(measure=True),
+        "oversubscribed": {"": float(calibrate.oversubscribed())},
+        "threads": {"": float(torch.get_num_threads())},
     }
 
 

@@ -13,6 +13,7 @@ host overheads and collective scratch are checked too: gloo's are known.
 """
 
 import json
+import os
 import statistics
 
 import pytest
@@ -115,6 +116,15 @@ def test_calibrate_predict_measure_on_gloo():
     }, slow
     assert all(1.0 <= s <= calibrate.MAX_SLOWDOWN for s in slow.values()), slow
     assert host["overlap_slowdown"][""] == statistics.median(slow.values())
+    # 2 ranks fill a node of 2 cores or fewer: then no pair is measured and compute hides
+    # nothing; the pairs, measured anyway, give a figure per kind in range
+    cores = len(os.sched_getaffinity(0))
+    full = 2 * host["threads"][""] >= cores
+    assert host["oversubscribed"][""] == float(full), (cores, host["threads"])
+    if full:
+        assert set(slow.values()) == {calibrate.MAX_SLOWDOWN}, slow
+    pairs = host["pair_slowdowns"]
+    assert set(pairs) == set(slow) and all(1 <= s <= calibrate.MAX_SLOWDOWN for s in pairs.values())
     # the pipeline runtime's posts of one message: host time on the posting rank, never 0
     assert set(host["post_s"]) == {"send", "receive"}, host
     assert all(0 < s < 0.1 for s in host["post_s"].values()), host
