@@ -28,6 +28,21 @@ def bucket_caps(bucket_cap_mb: float | None) -> tuple[int, int]:
     return cap, cap
 
 
+def legacy_max_numel(specs: Sequence[ParamSpec], bucket_cap_mb: float | None) -> int:
+    """The explicit sync's reused buffer in elements (``plan_legacy_buckets``' ``max_numel``):
+    ``DEFAULT_LEGACY_MAX_NUMEL`` without a cap, else the cap in elements of the widest
+    trainable dtype (fairseq's ``buffer_size``; gradsync_torch's ``DataParallel(overlap=False)``).
+
+    Example:
+        >>> legacy_max_numel([ParamSpec(name="w", shape=(4,))], 1.0)  # 1 MiB of fp32
+        262144
+    """
+    if bucket_cap_mb is None:
+        return DEFAULT_LEGACY_MAX_NUMEL
+    widest = max((itemsize(s.dtype) for s in specs if s.requires_grad), default=4)
+    return max(1, int(bucket_cap_mb * MIB) // widest)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Slot:
     """Where one parameter's gradient lives inside its bucket's flat buffer."""

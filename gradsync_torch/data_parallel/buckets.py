@@ -37,11 +37,7 @@ def make_plan(
     if overlap:
         cap, first = gradsync_core.bucket_caps(bucket_cap_mb)
         return gradsync_core.plan_buckets(specs, cap_bytes=cap, first_cap_bytes=first)
-    max_numel = gradsync_core.DEFAULT_LEGACY_MAX_NUMEL
-    if bucket_cap_mb is not None:
-        trainable = [s for s in specs if s.requires_grad]
-        widest = max((gradsync_core.itemsize(s.dtype) for s in trainable), default=4)
-        max_numel = max(1, int(bucket_cap_mb * gradsync_core.MIB) // widest)
+    max_numel = gradsync_core.legacy_max_numel(specs, bucket_cap_mb)
     return gradsync_core.plan_legacy_buckets(specs, max_numel=max_numel)
 
 

@@ -880,6 +880,30 @@ def test_pipeline_host_overheads_delay_messages_and_the_data_parallel_sync():
     assert cost.ranks[0].compute_s == pytest.approx(sim.busy[0] + sync + h_ar)
 
 
+def test_pipeline_stages_sync_in_the_explicit_syncs_layout_with_its_copies():
+    """Each stage's DataParallel(overlap=False) reduces fairseq's legacy layout, one reused
+    buffer (no DDP first bucket of 1 MiB), copying each bucket in and out, as predict costs
+    DDP without overlap."""
+    specs = layers(4)  # 1 MiB a block, two blocks a stage
+    plan = plan_pipeline(
+        schedule="1F1B", microbatches=4, topology=Topology(pp=2, dp=2), specs=specs
+    )
+    fwd = model(4, forward=1.0, backward=2.0)
+
+    def buckets(cost):
+        return [c.nbytes for c in cost.comms if c.what.startswith("pp rank 0 bucket")]
+
+    free = predict_pipeline(plan, specs, machine=machine(latency=1e-3), model=fwd)
+    assert buckets(free) == [2 * MIB]  # one buffer of DEFAULT_LEGACY_MAX_NUMEL elements
+    capped = predict_pipeline(
+        plan, specs, machine=machine(latency=1e-3), model=fwd, bucket_cap_mb=1
+    )
+    assert buckets(capped) == [MIB, MIB]  # a 1 MiB buffer, reused
+    copying = machine(latency=1e-3, copy_bandwidth=MIB / 1e-3)  # 1 ms a MiB
+    cost = predict_pipeline(plan, specs, machine=copying, model=fwd)
+    assert cost.step_s == pytest.approx(free.step_s + 2 * 2e-3)  # 2 MiB in, 2 MiB out
+
+
 def test_pipeline_message_posts_are_the_simulators_post_and_receive_post():
     specs, send, receive = layers(4), 0.3, 0.1
     plan = plan_pipeline(schedule="1F1B", microbatches=4, topology=Topology(pp=2), specs=specs)

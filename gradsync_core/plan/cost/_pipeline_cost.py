@@ -20,7 +20,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import replace
 
-from gradsync_core.plan._buckets import bucket_caps, plan_buckets
+from gradsync_core.plan._buckets import legacy_max_numel, plan_legacy_buckets
 from gradsync_core.plan._memory import estimate_ddp
 from gradsync_core.plan._specs import ParamSpec
 from gradsync_core.plan.cost._machine import (
@@ -127,7 +127,6 @@ def predict_pipeline(
     for spec in specs:
         rank_specs[plan.stage_ranks[stages[block_of[spec.name]]]].append(spec)
     trainable = sum(s.numel for s in specs if s.requires_grad) or 1
-    cap, first = bucket_caps(bucket_cap_mb)
     dp = topo.dp
     dp_level = machine.level_of(topo.group_at("dp", 0))
     comms: list[CommEvent] = []
@@ -136,22 +135,24 @@ def predict_pipeline(
     ends = []
     for r in range(plan.pp):
         # Without data parallelism nothing reduces: no stage is wrapped, no bucket exists.
-        buckets = plan_buckets(
-            rank_specs[r] if dp > 1 else [], cap_bytes=cap, first_cap_bytes=first
-        )
+        # DataParallel(overlap=False) per stage: the explicit sync's layout, one reused buffer
+        # (plan_legacy_buckets, as predict costs DDP without overlap).
+        mine = rank_specs[r] if dp > 1 else []
+        buckets = plan_legacy_buckets(mine, max_numel=legacy_max_numel(mine, bucket_cap_mb))
         channel = Channel()
         last = max((t.end for t in sim.actions[r]), default=0.0)
-        # DataParallel(overlap=False) per stage: the sync's bookkeeping, then each bucket
-        # issued (its host work on the rank) and waited for in turn.
+        # The sync's bookkeeping, then each bucket copied into the buffer, issued (its host
+        # work on the rank), waited for and copied back out, in turn.
         host = machine.step_host_time(DATA_PARALLEL) if dp > 1 else 0.0
         clock = last + host
         for bucket in buckets.buckets:
+            copy = machine.copy_time(bucket.nbytes)
             issue = machine.issue_time(ALL_REDUCE, bucket.nbytes, dp, dp_level)
-            host += issue
+            host += issue + 2 * copy
             start, end = channel.run(
-                clock + issue, machine.time(ALL_REDUCE, bucket.nbytes, dp, dp_level)
+                clock + copy + issue, machine.time(ALL_REDUCE, bucket.nbytes, dp, dp_level)
             )
-            clock = end
+            clock = end + copy
             comms.append(
                 CommEvent(
                     what=f"pp rank {r} bucket {bucket.index}",

@@ -18,10 +18,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from gradsync_core.plan._buckets import (
-    DEFAULT_LEGACY_MAX_NUMEL,
-    MIB,
     BucketPlan,
     bucket_caps,
+    legacy_max_numel,
     plan_buckets,
     plan_legacy_buckets,
     rebuild_buckets,
@@ -29,7 +28,7 @@ from gradsync_core.plan._buckets import (
 from gradsync_core.plan._param_shards import ParamShardPlan, plan_param_shards
 from gradsync_core.plan._param_units import block_prefixes
 from gradsync_core.plan._shards import ShardPlan, plan_flat_shards, plan_greedy_shards
-from gradsync_core.plan._specs import ParamSpec, itemsize
+from gradsync_core.plan._specs import ParamSpec
 from gradsync_core.plan._topology import Topology
 from gradsync_core.plan.cost._data_parallel_cost import PARAM_SYNCS, predict_data_parallel
 from gradsync_core.plan.cost._machine import MachineProfile
@@ -180,15 +179,6 @@ def ready_order(specs: Sequence[ParamSpec], model: ModelProfile) -> list[str]:
     return [s.name for _, s in ordered]
 
 
-def _legacy_numel(specs: Sequence[ParamSpec], bucket_cap_mb: float | None) -> int:
-    """The legacy buffer's length: 2**28 elements, or the cap in elements of the widest
-    trainable dtype (gradsync_torch's ``DataParallel(overlap=False)``)."""
-    if bucket_cap_mb is None:
-        return DEFAULT_LEGACY_MAX_NUMEL
-    widest = max((itemsize(s.dtype) for s in specs if s.requires_grad), default=4)
-    return max(1, int(bucket_cap_mb * MIB) // widest)
-
-
 def predict(
     specs: Sequence[ParamSpec],
     configuration: Configuration,
@@ -302,7 +292,7 @@ def predict(
         initial = plan_buckets(specs, cap_bytes=cap, first_cap_bytes=first)
         buckets = rebuild_buckets(initial, specs, ready_order(specs, model))
     else:  # the explicit sync's layout: one reused buffer (fairseq's legacy DDP)
-        buckets = plan_legacy_buckets(specs, max_numel=_legacy_numel(specs, c.bucket_cap_mb))
+        buckets = plan_legacy_buckets(specs, max_numel=legacy_max_numel(specs, c.bucket_cap_mb))
     shards = None
     if c.zero == 1:
         shards = plan_greedy_shards(specs, world_size=dp)
