@@ -842,6 +842,35 @@ def test_zero3_without_hsdp_agrees_once_at_the_backwards_start_and_once_at_its_e
     assert not [c for c in compiled.comms if c.what.startswith("agreement")]
 
 
+def test_an_agreement_check_is_blocking_so_its_issue_is_inside_the_links_time():
+    """A link's time runs from the call to the end (calibrate's measure), so the blocking
+    check costs that time alone: an issue cost on the all-gather link delays the step by the
+    two checks' time and nothing more, while the unit gathers (asynchronous) pay it each."""
+    a, issue = 1e-4, 5e-5
+    specs = layers(2)
+    plan = plan_param_shards(specs, world_size=2, units=["layers.0", "layers.1"])
+    links = tuple(
+        LinkCost(
+            collective=c,
+            group_size=None,
+            latency_s=a,
+            bus_bandwidth=1e30,
+            issue_s=issue if c == "all_gather" else 0.0,
+        )
+        for c in COLLECTIVES
+    )
+    m = MachineProfile(name="issued", ranks_per_node=8, links=links)
+    args = {"model": model(2, forward=0.0, backward=0.0), "topology": Topology.create(2)}
+    cost = predict_zero3(plan, machine=m, reshard_after_forward=False, **args)
+    base = predict_zero3(
+        plan, machine=machine(latency=a, bandwidth=1e30), **args | {"reshard_after_forward": False}
+    )
+    checks = [c for c in cost.comms if c.what.startswith("agreement")]
+    assert [c.end_s - c.start_s for c in checks] == [pytest.approx(a)] * 2
+    # the two forward gathers each pay their issue on the rank; the checks pay none
+    assert cost.step_s == pytest.approx(base.step_s + 2 * issue)
+
+
 # -- the pipeline: the simulator's ticks --------------------------------------------------
 
 

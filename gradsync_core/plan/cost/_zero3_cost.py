@@ -245,7 +245,9 @@ class _Walk:
 
     def agree(self, replicate: bool, before: str) -> None:
         """One runtime agreement check: a blocking all-gather of ``AGREEMENT_BYTES`` per rank
-        over the shard group (or the replicate group), behind what that channel runs."""
+        over the shard group (or the replicate group), behind what that channel runs. The
+        link's time runs from the call to the end (as calibrate times it), so a blocking
+        call's issue is inside it: the rank waits that long and spends nothing besides."""
         size = self.replicas if replicate else self.n
         if size == 1:
             return
@@ -253,9 +255,7 @@ class _Walk:
         where = self.replicate_level if replicate else self.shard_level
         group = "dp_replicate" if replicate else "dp_shard"
         nbytes = AGREEMENT_BYTES * size
-        link = self.machine.link(ALL_GATHER, size, where)
         rank = self.rank
-        rank.compute(link.issue_time(nbytes))
         what = f"agreement before {before}"
         end = rank.collective(
             channel, what, ALL_GATHER, group, size, nbytes, where, ready=rank.t, mine=False
