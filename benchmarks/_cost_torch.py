@@ -191,6 +191,7 @@ class Calibrator:
             probe=self.probe.times(),
             world_size=self.world,
             scratch=self.scratch,
+            cores=calibrate.compute_cores(),
         )
 
 

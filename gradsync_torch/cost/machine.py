@@ -377,17 +377,27 @@ def overlap_slowdowns(
     return figures
 
 
-def oversubscribed() -> bool:
-    """Whether the ranks' compute threads on this node fill its cores, so that a collective's
-    threads (gloo's) run only when their rank waits: CPU ranks, and the node's ranks
-    (``LOCAL_WORLD_SIZE``, else the world) times ``torch.get_num_threads()`` at least the cores
-    this process may run on. Every rank calls it and gets the same answer (any rank's yes)."""
+def compute_cores() -> int | None:
+    """How many ranks of this node compute at full speed at once (``MachineProfile.cores``):
+    the cores this process may run on over its compute threads (``torch.get_num_threads()``),
+    for CPU ranks; None for GPU ranks (each computes on its own device)."""
     if _nccl():
-        return False
-    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+        return None
     affinity = getattr(os, "sched_getaffinity", None)
     cores = len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
-    return _slowest(float(ranks * torch.get_num_threads() >= cores)) > 0
+    return max(1, cores // torch.get_num_threads())
+
+
+def oversubscribed() -> bool:
+    """Whether the ranks' compute fills this node's cores, so that a collective's threads
+    (gloo's) run only when their rank waits: CPU ranks, and the node's ranks
+    (``LOCAL_WORLD_SIZE``, else the world) at least ``compute_cores()``. Every rank calls it
+    and gets the same answer (any rank's yes)."""
+    cores = compute_cores()
+    if cores is None:
+        return False
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    return _slowest(float(ranks >= cores)) > 0
 
 
 def mean_slowdown(hidden: Sequence[float]) -> float:
@@ -461,13 +471,14 @@ def profile_from(
     world_size: int | None = None,
     scratch: Mapping[str, float] | None = None,
     posts: Mapping[str, float] | None = None,
+    cores: int | None = None,
 ) -> MachineProfile:
     """The machine profile of measured samples: one fitted link per collective and size;
     ``slowdowns``: ``overlap_slowdowns()``, their median the figure of the kinds not measured
     (point-to-point); with the executor ``probe``'s step times (``host.Probe.times()`` over
     ``world_size`` ranks), the host overheads too (``host.host_overheads``); ``scratch``:
     ``collective_scratch()``; ``posts``: ``host.message_posts()``, the pipeline runtime's
-    host time per message."""
+    host time per message; ``cores``: ``compute_cores()``."""
     links: list[LinkCost] = [
         fit_link(collective, size, points, issue=issue.get((collective, size), ()))
         for (collective, size), points in sorted(samples.items())
@@ -482,6 +493,7 @@ def profile_from(
         overlap_slowdowns=dict(slowdowns or {}),
         collective_scratch=dict(scratch or {}),
         post_s=dict(posts or {}),
+        cores=cores,
     )
     if probe is None:
         return profile
@@ -552,6 +564,7 @@ def calibrate(
         world_size=world,
         scratch=scratch,
         posts=posts,
+        cores=compute_cores(),
     )
 
 

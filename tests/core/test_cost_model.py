@@ -933,6 +933,31 @@ def test_pipeline_stages_sync_in_the_explicit_syncs_layout_with_its_copies():
     assert cost.step_s == pytest.approx(free.step_s + 2 * 2e-3)  # 2 MiB in, 2 MiB out
 
 
+def test_pipeline_ranks_share_the_machines_cores_when_it_has_fewer_than_ranks():
+    """``cores`` fewer than the ranks: the profile's times are read as measured with every
+    rank computing (each at cores / world of its speed), and the simulator shares the cores
+    among the ranks runnable at each moment, the dp replicas with them; a machine without
+    ``cores``, or with one per rank, keeps the closed forms."""
+    specs = layers(4)
+    fwd = model(4, forward=1.0, backward=2.0)  # a stage: f = 2, b = 4, as profiled
+    plan = plan_pipeline(
+        schedule="GPipe", microbatches=4, topology=Topology(pp=2, dp=2), specs=specs
+    )
+    free = {"bandwidth": 1e30}  # the stages' data-parallel sync costs nothing here
+    alone = predict_pipeline(plan, specs, machine=machine(**free), model=fwd)
+    assert predict_pipeline(plan, specs, machine=machine(cores=4, **free), model=fwd) == alone
+    shared = predict_pipeline(plan, specs, machine=machine(cores=2, **free), model=fwd)
+    sim = simulate_pipeline(
+        plan, forward=1.0, backward=2.0, weight=1.0, cores=2.0, dp=2
+    )  # each time at cores / world = 1/2 of the profile's
+    assert shared.step_s == pytest.approx(sim.step_time)
+    assert shared.step_s < alone.step_s  # a bubble leaves its cores to the busy ranks
+    assert any("share 2 cores" in note for note in shared.notes)
+    with pytest.raises(ValueError, match="cores must be a positive int"):
+        machine(cores=0)
+    assert MachineProfile.from_json(json.loads(json.dumps(machine(cores=2).to_json()))).cores == 2
+
+
 def test_pipeline_message_posts_are_the_simulators_post_and_receive_post():
     specs, send, receive = layers(4), 0.3, 0.1
     plan = plan_pipeline(schedule="1F1B", microbatches=4, topology=Topology(pp=2), specs=specs)

@@ -51,8 +51,8 @@ MACHINE_PROFILE_KIND = "machine_profile"
 MACHINE_PROFILE_VERSION = 6  # the schema's own version, not the plans'
 # Version 1 had no host overheads, version 2 no slowdown per collective kind, version 3 one
 # line per link (no ``pieces``) and no pipeline message posts (``post_s``), version 4 no
-# packing curves (``pack_s``), version 5 no ``bucket_reduce_scatter``: they still load, with
-# none (that kind then costs as ``reduce_scatter``).
+# packing curves (``pack_s``), version 5 no ``bucket_reduce_scatter`` and no ``cores``: they
+# still load, with none (that kind then costs as ``reduce_scatter``).
 MACHINE_PROFILE_VERSIONS = (1, 2, 3, 4, 5, 6)
 DATA_PARALLEL, ZERO3 = "data_parallel", "zero3"
 STEP_PATHS = (DATA_PARALLEL, ZERO3)  # the executor paths with a per-step host overhead
@@ -222,7 +222,12 @@ class MachineProfile:
     costs the JAX executor beyond its collective: the ``concatenate``, the split and the
     buffers XLA:CPU allocates for them at every run (``gradsync_jax.cost.pack``; it replaces
     the bucket's copies at ``copy_bandwidth`` in ``predict(..., executor="jax")``); a kind not
-    listed keeps the copies. The kind ``bucket_reduce_scatter`` (ZeRO-2's reduce-scatter of a
+    listed keeps the copies. ``cores``: how many ranks of a node compute at full speed at
+    once (its cores over each rank's compute threads, where they are fewer than its ranks:
+    CPU ranks); None, every rank computes on its own device. With it a pipeline's stages share
+    the cores by processor sharing (``simulate_pipeline(cores=)``), and the model profile's
+    times are taken as measured the way a data-parallel step runs, every rank of the node
+    computing at once. The kind ``bucket_reduce_scatter`` (ZeRO-2's reduce-scatter of a
     bucket, which torch's executor runs its own way on gloo) reads ``reduce_scatter``'s link,
     slowdown, host time and scratch wherever the profile has none of its own.
 
@@ -247,10 +252,15 @@ class MachineProfile:
     collective_scratch: Mapping[str, float] = field(default_factory=dict)
     post_s: Mapping[str, float] = field(default_factory=dict)
     pack_s: Mapping[str, tuple[tuple[int, float], ...]] = field(default_factory=dict)
+    cores: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1:
             raise ValueError(f"ranks_per_node must be a positive int, got {self.ranks_per_node!r}")
+        if self.cores is not None and (
+            isinstance(self.cores, bool) or not isinstance(self.cores, int) or self.cores < 1
+        ):
+            raise ValueError(f"cores must be a positive int or None, got {self.cores!r}")
         for name in ("flops_per_s", "copy_bandwidth"):
             if getattr(self, name) is not None:
                 _finite(name, getattr(self, name), positive=True)
@@ -396,7 +406,7 @@ class MachineProfile:
             "source": self.source,
             "links": [link.to_json() for link in self.links],
         }
-        for name in ("flops_per_s", "copy_bandwidth"):
+        for name in ("flops_per_s", "copy_bandwidth", "cores"):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
         out["overlap_slowdown"] = self.overlap_slowdown
@@ -434,6 +444,8 @@ class MachineProfile:
             optional += ["post_s"]
         if obj["version"] >= 5:
             optional += ["pack_s"]
+        if obj["version"] >= 6:
+            optional += ["cores"]
         _check_keys(
             obj,
             required=("name", "ranks_per_node", "links"),
@@ -480,6 +492,7 @@ class MachineProfile:
             collective_scratch=_table(obj, "collective_scratch"),
             post_s=_table(obj, "post_s"),
             pack_s=_pack(obj.get("pack_s", {})),
+            cores=obj.get("cores"),
         )
 
     def copy_time(self, nbytes: int) -> float:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import Any
 
 from gradsync_core.plan._buckets import legacy_max_numel, plan_legacy_buckets
 from gradsync_core.plan._memory import estimate_ddp
@@ -131,7 +132,9 @@ def predict_pipeline(
     dp_level = machine.level_of(topo.group_at("dp", 0))
     comms: list[CommEvent] = []
     ranks = []
-    busy = [[(t.start, t.end) for t in timed if t.end > t.start] for timed in sim.actions]
+    busy = [
+        [(t.start, t.end) for t in timed if t.end > t.start] for timed in sim.actions[: plan.pp]
+    ]
     ends = []
     for r in range(plan.pp):
         # Without data parallelism nothing reduces: no stage is wrapped, no bucket exists.
@@ -172,7 +175,7 @@ def predict_pipeline(
         compute = sim.busy[r] + sim.host[r] + host + step_r  # sim.host: the message posts
         ranks.append((r, compute, replace(memory, rank=r), owned / trainable))
     step = max(ends)
-    for timed in sim.actions:
+    for timed in sim.actions[: plan.pp]:  # one replica's ranks (the simulation's first)
         for t in timed:
             if t.action.kind in (SEND_F, SEND_B):
                 s = t.action.stage
@@ -300,6 +303,21 @@ def _simulate(
     p2p = max((p2p_time(s) for s in crossings), default=0.0)
     if len({message[s] for s in crossings}) > 1:
         notes.append("point-to-point: every message takes the largest boundary's time")
+    sharing: dict[str, Any] = {}
+    world = plan.pp * plan.topology.dp
+    if machine.cores is not None and world <= machine.ranks_per_node and world > machine.cores:
+        # The profile's times are each rank's with every rank of the node computing (as a
+        # data-parallel step runs): each at cores / world of its speed. The simulator takes
+        # the time on a core of its own and shares the cores among the ranks runnable at
+        # each moment, the plan's dp replicas with them.
+        cpu = machine.cores / world
+        forward, backward = [f * cpu for f in forward], [b * cpu for b in backward]
+        first_forward, backward_start = first_forward * cpu, backward_start * cpu
+        sharing = {"cores": float(machine.cores), "dp": plan.topology.dp}
+        notes.append(
+            f"pipeline: {world} ranks share {machine.cores} cores (the profile's times read as "
+            "measured with every rank computing)"
+        )
     sim = simulate_pipeline(
         plan,
         forward=forward,
@@ -310,6 +328,7 @@ def _simulate(
         receive_post=machine.post_time(RECEIVE),
         first_forward=first_forward,
         backward_after_forward=backward_start,
+        **sharing,
     )
     return sim, message, p2p
 
