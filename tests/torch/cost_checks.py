@@ -92,6 +92,7 @@ def calibrate_predict_measure(
         "pair_slowdowns": calibrate.overlap_slowdowns(measure=True),
         "oversubscribed": {"": float(calibrate.oversubscribed())},
         "threads": {"": float(torch.get_num_threads())},
+        "cores": {"": float(calibrate.compute_cores() or 0)},
     }
 
 

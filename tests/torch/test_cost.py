@@ -119,6 +119,7 @@ def test_calibrate_predict_measure_on_gloo():
     # 2 ranks fill a node of 2 cores or fewer: then no pair is measured and compute hides
     # nothing; the pairs, measured anyway, give a figure per kind in range
     cores = len(os.sched_getaffinity(0))
+    assert host["cores"][""] == max(1, cores // host["threads"][""])  # the profile's ``cores``
     full = 2 * host["threads"][""] >= cores
     assert host["oversubscribed"][""] == float(full), (cores, host["threads"])
     if full:
