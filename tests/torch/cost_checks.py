@@ -93,6 +93,10 @@ def calibrate_predict_measure(
         "oversubscribed": {"": float(calibrate.oversubscribed())},
         "threads": {"": float(torch.get_num_threads())},
         "cores": {"": float(calibrate.compute_cores() or 0)},
+        # rank r's figure r + 1: groups of one average 1 and 2; one group of both takes 2
+        "group_slowest": {
+            str(size): calibrate._group_slowest(float(rank + 1), size) for size in (1, 2)
+        },
     }
 
 

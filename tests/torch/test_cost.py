@@ -120,6 +120,9 @@ def test_calibrate_predict_measure_on_gloo():
     # nothing; the pairs, measured anyway, give a figure per kind in range
     cores = len(os.sched_getaffinity(0))
     assert host["cores"][""] == max(1, cores // host["threads"][""])  # the profile's ``cores``
+    # a collective over a group is done when its group's ranks are: each group's slowest
+    # rank, averaged over the groups of that size
+    assert host["group_slowest"] == {"1": 1.5, "2": 2.0}
     full = 2 * host["threads"][""] >= cores
     assert host["oversubscribed"][""] == float(full), (cores, host["threads"])
     if full:

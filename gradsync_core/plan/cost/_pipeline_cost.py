@@ -9,7 +9,11 @@ stages' gradients over the data-parallel group once its last action is done (gra
 parameters (without data parallelism nothing is reduced and no bucket is allocated); the
 executors' host work (the machine's ``host_s`` and ``step_host_s``) is on the rank's clock
 there, and delays each message; the runtime's posting of each send and receive (``post_s``)
-is the simulator's ``post`` and ``receive_post``, on the posting rank's clock. Memory per
+is the simulator's ``post`` and ``receive_post``, on the posting rank's clock. Where the
+machine has fewer ``cores`` than the job's ranks (CPU ranks on one node), the simulator shares
+them among the ranks runnable at each moment, the plan's dp replicas with them, its stage times
+read as measured with every rank computing. The data-parallel sync is ``DataParallel(overlap=
+False)``'s: the legacy layout's buckets, each copied in, all-reduced and copied out. Memory per
 pipeline rank is its stages' model states (``estimate_ddp``) plus the activations its
 stashed microbatches hold, followed through the simulated order.
 """
