@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _cost_torch import Calibrator, Profiler, Runner, build_net
+from _cost_torch import Calibrator, Profiler, Runner, build_net, microbatch_size
 from _spawn import spawn_ranks
 
 from gradsync_core.plan import Configuration, MachineProfile, predict
@@ -67,7 +67,7 @@ def worker(rank: int, world: int, store_path: str, args: argparse.Namespace, out
             Configuration(pp=2, schedule=s, microbatches=args.microbatches) for s in SCHEDULES
         ]
         profiler = Profiler(args, configs, world)
-        size = args.global_batch // (world // 2 * args.microbatches)
+        size = microbatch_size(args, world, configs[0])
         model = profiler.first[size]
         preds = [
             predict(

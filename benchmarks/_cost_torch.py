@@ -96,7 +96,7 @@ class Profiler:
     the measured steps do. Rank 0's counts, on every rank."""
 
     def __init__(self, args: argparse.Namespace, configs: list[Configuration], world: int) -> None:
-        sizes = sorted({args.global_batch // (world // c.pp * c.microbatches) for c in configs})
+        sizes = sorted({microbatch_size(args, world, c) for c in configs})
         self.nets = {n: build_net(args) for n in sizes}
         self.opts = {n: adam(net.parameters()) for n, net in self.nets.items()}
         self.inputs = {n: batch(args, n, 0) for n in sizes}
@@ -299,7 +299,7 @@ def _peak_live(prof: Any) -> int:
     return calibrate.live_peak(allocations, start)
 
 
-def _batch(args: argparse.Namespace, world: int, config: Configuration) -> int:
+def microbatch_size(args: argparse.Namespace, world: int, config: Configuration) -> int:
     """A rank's microbatch under ``config``: the model profile it reads."""
     return int(args.global_batch // (world // config.pp * config.microbatches))
 
@@ -323,7 +323,7 @@ def worker(rank: int, world: int, store_path: str, args: argparse.Namespace, out
                     config,
                     world_size=world,
                     machine=machine,
-                    model=profiles[_batch(args, world, config)],
+                    model=profiles[microbatch_size(args, world, config)],
                     global_batch=args.global_batch,
                 )
                 for config in configs
@@ -364,6 +364,7 @@ def worker(rank: int, world: int, store_path: str, args: argparse.Namespace, out
                 times[i].append(_slowest(time.perf_counter() - start))
         calibrated = calibrator.profile()
         profiles = profiler.final()
+        read = {c.describe(): profiles[microbatch_size(args, world, c)] for c in configs}
         final = predictions(profiles, calibrated)
         standalone = predictions(profiles, machine)
         if rank == 0:
@@ -386,7 +387,7 @@ def worker(rank: int, world: int, store_path: str, args: argparse.Namespace, out
                         "overlap_slowdowns": dict(calibrated.overlap_slowdowns),
                         "inputs": {  # what the prediction read (cost_model.py --save)
                             "machine": calibrated.to_json(),
-                            "model": profiles[_batch(args, world, p.configuration)].to_json(),
+                            "model": read[p.configuration.describe()].to_json(),
                         },
                     }
                     for p, alone, t, peak, runner in zip(
