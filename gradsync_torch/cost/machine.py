@@ -4,12 +4,13 @@ Every rank runs the same collectives the executors run (``all_reduce``, ``all_ga
 ``reduce_scatter_tensor`` (``fully_shard``'s), ``reduce_scatter_into`` (ZeRO-2's buckets: the
 profile's ``bucket_reduce_scatter``), ``broadcast``, an ``isend``/``irecv`` pair), on every group
 size that divides the world, all groups of a size at once (as a data-parallel or HSDP step runs
-them), at a few message sizes. A collective's time is the median over the repeats of the slowest
-rank's; ``gradsync_core``'s ``fit_link`` turns each (collective, group size) into latency and bus
-bandwidth. The executors' host work per collective and per step is measured through the executors
-themselves on a tiny model (``host.py``), and the memory each collective allocates beside its
-buffers (``collective_scratch``). Under ``torchrun`` it measures the job's ranks (gloo or NCCL);
-otherwise ``calibrate_local`` spawns gloo ranks on this machine.
+them), at a few message sizes. A collective's time is the median over the repeats of its group's
+slowest rank's, averaged over the groups of its size; ``gradsync_core``'s ``fit_link`` turns each
+(collective, group size) into latency and bus bandwidth. The executors' host work per collective and
+per step is measured through the executors themselves on a tiny model (``host.py``), and the memory
+each collective allocates beside its buffers (``collective_scratch``). Under ``torchrun`` it
+measures the job's ranks (gloo or NCCL); otherwise ``calibrate_local`` spawns gloo ranks on this
+machine.
 """
 
 from __future__ import annotations
@@ -334,7 +335,9 @@ def overlap_slowdowns(
     ``measure``: measure the pairs (True) or not (False) whatever the node; None decides by
     ``oversubscribed()``.
     """
-    if not (oversubscribed() is False if measure is None else measure):
+    if measure is None:
+        measure = not oversubscribed()
+    if not measure:
         return {kind: MAX_SLOWDOWN for kind in SLOWDOWN_KINDS}
     device = _device()
     world = dist.get_world_size()
