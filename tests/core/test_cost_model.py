@@ -860,11 +860,13 @@ def test_an_agreement_check_is_blocking_so_its_issue_is_inside_the_links_time():
         for c in COLLECTIVES
     )
     m = MachineProfile(name="issued", ranks_per_node=8, links=links)
-    args = {"model": model(2, forward=0.0, backward=0.0), "topology": Topology.create(2)}
-    cost = predict_zero3(plan, machine=m, reshard_after_forward=False, **args)
-    base = predict_zero3(
-        plan, machine=machine(latency=a, bandwidth=1e30), **args | {"reshard_after_forward": False}
-    )
+    args = {
+        "model": model(2, forward=0.0, backward=0.0),
+        "topology": Topology.create(2),
+        "reshard_after_forward": False,
+    }
+    cost = predict_zero3(plan, machine=m, **args)
+    base = predict_zero3(plan, machine=machine(latency=a, bandwidth=1e30), **args)
     checks = [c for c in cost.comms if c.what.startswith("agreement")]
     assert [c.end_s - c.start_s for c in checks] == [pytest.approx(a)] * 2
     # the two forward gathers each pay their issue on the rank; the checks pay none

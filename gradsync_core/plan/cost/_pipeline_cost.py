@@ -23,7 +23,6 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any
 
 from gradsync_core.plan._buckets import legacy_max_numel, plan_legacy_buckets
 from gradsync_core.plan._memory import estimate_ddp
@@ -307,7 +306,7 @@ def _simulate(
     p2p = max((p2p_time(s) for s in crossings), default=0.0)
     if len({message[s] for s in crossings}) > 1:
         notes.append("point-to-point: every message takes the largest boundary's time")
-    sharing: dict[str, Any] = {}
+    cores, replicas = None, 1  # a core per rank: the closed forms
     world = plan.pp * plan.topology.dp
     if machine.cores is not None and world <= machine.ranks_per_node and world > machine.cores:
         # The profile's times are each rank's with every rank of the node computing (as a
@@ -317,7 +316,7 @@ def _simulate(
         cpu = machine.cores / world
         forward, backward = [f * cpu for f in forward], [b * cpu for b in backward]
         first_forward, backward_start = first_forward * cpu, backward_start * cpu
-        sharing = {"cores": float(machine.cores), "dp": plan.topology.dp}
+        cores, replicas = float(machine.cores), plan.topology.dp
         notes.append(
             f"pipeline: {world} ranks share {machine.cores} cores (the profile's times read as "
             "measured with every rank computing)"
@@ -332,7 +331,8 @@ def _simulate(
         receive_post=machine.post_time(RECEIVE),
         first_forward=first_forward,
         backward_after_forward=backward_start,
-        **sharing,
+        cores=cores,
+        dp=replicas,
     )
     return sim, message, p2p
 
