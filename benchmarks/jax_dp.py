@@ -5,7 +5,7 @@ and differ only in the reduction:
 
 - anchor: ``lax.pmean`` on every gradient leaf (what a careful user writes by hand);
 - gradsync: ``data_parallel_step`` with its default sync (per-leaf, divide-before-sum);
-- bucketed: ``data_parallel_step`` with a 25 MiB bucket plan (one flat collective per bucket).
+- bucketed: ``data_parallel_step`` with a 25 MiB bucket plan (one ``psum`` per bucket).
 
 They run alternating in one process, one step each per round; the figure is the median
 step time after warm-up. Last line: one JSON object.

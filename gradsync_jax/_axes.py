@@ -140,14 +140,17 @@ def divide_after(dtype: Any, n: int) -> bool:
     return divides_after(dtype_name(dtype), n)
 
 
-def psum_mean(x: jax.Array, axes: tuple[str, ...], *, mean: bool) -> jax.Array:
+def psum_mean(x: Any, axes: tuple[str, ...], *, mean: bool) -> Any:
     """All-reduce ``x`` over ``axes``: the sum, or with ``mean`` the mean (the ``"after"``
-    rule: ``divide_after``)."""
+    rule: ``divide_after``). ``x`` is an array or a tuple of arrays of one dtype, which is one
+    all-reduce of several operands (no copy into a flat buffer)."""
     if not mean:
         return lax.psum(x, axes)
-    rule = mean_divisors(dtype_name(x.dtype), lax.axis_size(axes), "after")
-    out = lax.psum(x if rule.pre is None else x / rule.pre, axes)
-    return out if rule.post is None else out * (1.0 / rule.post)
+    dtype = jax.tree.leaves(x)[0].dtype
+    rule = mean_divisors(dtype_name(dtype), lax.axis_size(axes), "after")
+    pre, post = rule.pre, rule.post
+    out = lax.psum(x if pre is None else jax.tree.map(lambda a: a / pre, x), axes)
+    return out if post is None else jax.tree.map(lambda a: a * (1.0 / post), out)
 
 
 def psum_scatter_mean(buf: jax.Array, axes: tuple[str, ...], n: int, *, mean: bool) -> jax.Array:

@@ -13,9 +13,9 @@ of 16 MiB over 8 devices takes 29 times one of 1 MiB), so each range between two
 sizes has its own bandwidth (``LinkCost.pieces``). XLA runs a CPU program's collectives in
 line with its compute, so the profile's ``overlap_slowdown`` is 1 and its issue costs 0; the
 copy bandwidth is measured, and what a bucket packed from several gradients costs the
-executor's own data-parallel step beyond its collective (``pack_s``, ``gradsync_jax.cost.pack``:
-its ``concatenate``, its split and the buffers XLA:CPU allocates for them at every run), for
-``synced``'s all-reduce and a flat ``shard_optimizer``'s reduce-scatter.
+executor's own data-parallel step beyond its collective (``pack_s["reduce_scatter"]``,
+``gradsync_jax.cost.pack``: a flat ``shard_optimizer``'s ``concatenate``, its split and the
+buffers XLA:CPU allocates for them at every run; ``synced``'s all-reduce packs nothing).
 """
 
 from __future__ import annotations
@@ -182,11 +182,11 @@ def calibrate(
     start = time.perf_counter()
     samples = measure(devices, sizes=sizes, repeats=repeats)
     copy = copy_bandwidth(devices)
-    pack = {
-        kind: _growing(measure_pack(devices, sizes=pack_sizes, repeats=PACK_REPEATS, kind=kind))
-        for kind in ("all_reduce", "reduce_scatter")
+    pack = (
+        {"reduce_scatter": _growing(measure_pack(devices, sizes=pack_sizes, repeats=PACK_REPEATS))}
         if pack_sizes
-    }
+        else {}
+    )
     # XLA:CPU's time per byte grows with the size (caches): the curve through every size
     links = tuple(
         fit_link(c, g, points, piecewise=True) for (c, g), points in sorted(samples.items())

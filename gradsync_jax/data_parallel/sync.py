@@ -32,7 +32,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from gradsync_core import BucketPlan, ReductionPlan
@@ -178,8 +177,8 @@ def sync_gradients(
 
     Without ``plan`` each leaf gets its own ``psum`` and XLA's all-reduce combiner merges them
     (measured not slower than bucketing on CPU, see docs/jax.md). With ``plan`` each
-    bucket is one collective: its leaves are flattened in slot order, reduced together and
-    split back (alignment padding is not sent: it only matters for reduce-scatter).
+    bucket is one collective: a variadic ``psum`` of its gradients, with no copy into a flat
+    buffer and back (alignment padding is not sent: it only matters for reduce-scatter).
 
     Args:
         grads: a pytree of local gradients (see the module docstring).
@@ -288,10 +287,9 @@ def _reduce_buckets(
                     f"has shape {slot.shape}; the plan was built for another model"
                 )
             members.append(i)
-        dtype = reduce_dtype or leaves[members[0]].dtype
-        flat = jnp.concatenate([leaves[i].astype(dtype).ravel() for i in members])
-        flat = _reduce(flat, axes, reduce, None)
-        splits = np.cumsum([leaves[i].size for i in members])[:-1].tolist()
-        for i, piece in zip(members, jnp.split(flat, splits), strict=True):
-            out[i] = piece.reshape(leaves[i].shape).astype(leaves[i].dtype)
+        wire = jnp.dtype(reduce_dtype or leaves[members[0]].dtype)
+        bucket_leaves = tuple(leaves[i].astype(wire) for i in members)
+        reduced = psum_mean(bucket_leaves, axes, mean=reduce == "mean")
+        for i, value in zip(members, reduced, strict=True):
+            out[i] = value.astype(leaves[i].dtype)
     return out  # type: ignore[return-value]

@@ -320,10 +320,11 @@ def test_pack_curves_round_trip_interpolate_and_a_version_4_profile_loads_withou
         machine(pack_s={"gather": ((MIB, 1e-3),)})
 
 
-def test_jax_packs_a_bucket_of_several_gradients_at_its_curve_and_passes_one_as_it_is():
-    """JAX without overlap: a packed bucket costs the machine's ``pack_s``, a bucket of one
-    gradient nothing beside its all-reduce, and XLA combines the buckets' all-reduces into
-    one (one latency)."""
+def test_jax_all_reduces_a_bucket_as_its_gradients_with_no_copies_and_combines_the_buckets():
+    """JAX without overlap: ``synced`` all-reduces a bucket as a psum of its gradients (no
+    copies, and an ``all_reduce`` packing curve, which calibrate once wrote, is not read), and
+    XLA combines the buckets' all-reduces into one (one latency); torch copies each bucket in
+    and out and all-reduces each."""
     specs = layers(4)
     m = machine(latency=1e-4, copy_bandwidth=MIB / 1e-3, pack_s={"all_reduce": ((4 * MIB, 7e-3),)})
     one = plan_buckets(specs, cap_bytes=64 * MIB)  # the four weights in one bucket
@@ -331,19 +332,14 @@ def test_jax_packs_a_bucket_of_several_gradients_at_its_curve_and_passes_one_as_
     wire = 1e-4 + 4 * MIB / 1e9  # all-reduce over 2: factor 1
     args = {"machine": m, "model": model(4), "topology": Topology.create(2), "overlap": False}
     compute = 4 * 1e-3 + 4 * 2e-3
-    packed = predict_data_parallel(specs, one, executor="jax", **args)
-    assert packed.step_s == pytest.approx(compute + 7e-3 + wire)  # the curve, no copies
-    passed = predict_data_parallel(specs, apart, executor="jax", **args)
-    assert passed.step_s == pytest.approx(compute + wire)  # each gradient as it is, combined
-    assert [(c.what, c.nbytes) for c in passed.comms] == [("buckets (combined)", 4 * MIB)]
+    for plan in (one, apart):
+        jax = predict_data_parallel(specs, plan, executor="jax", **args)
+        assert jax.step_s == pytest.approx(compute + wire)  # each gradient as it is, combined
+        assert [(c.what, c.nbytes) for c in jax.comms] == [("buckets (combined)", 4 * MIB)]
     torch = predict_data_parallel(specs, one, **args)  # torch copies in and out
     assert torch.step_s == pytest.approx(compute + 2 * 4e-3 + wire)
     torch_apart = predict_data_parallel(specs, apart, **args)  # and all-reduces each bucket
     assert torch_apart.step_s == pytest.approx(compute + 2 * 4e-3 + wire + 3e-4)
-    bare = replace(m, pack_s={})  # a profile without a curve: the copies, for JAX too
-    assert predict_data_parallel(specs, one, executor="jax", **args | {"machine": bare}).step_s == (
-        pytest.approx(torch.step_s)
-    )
     with pytest.raises(ValueError, match="executor must be 'torch' or 'jax'"):
         predict_data_parallel(specs, one, executor="tf", **args)
 
@@ -362,6 +358,16 @@ def test_jax_zero2_packs_at_the_reduce_scatters_curve_without_copies():
     wire = 0.5 * 4 * MIB / 1e9  # reduce-scatter, then all-gather, over 2: factor 1/2 each
     apply = 1.5 * 4e-3  # the gathered updates added to every parameter: 1.5 copies of 4 MiB
     assert p.step_s == pytest.approx(4 * 1e-3 + 4 * 2e-3 + 5e-3 + 2 * wire + apply)
+    bare = predict(  # a profile without the curve: the copies, as torch's (in, out, gathered)
+        specs,
+        p.configuration,
+        world_size=2,
+        machine=replace(m, pack_s={}),
+        model=model(4),
+        executor="jax",
+    )
+    copies = 4e-3 + 2e-3 + 4e-3
+    assert bare.step_s == pytest.approx(4 * 1e-3 + 4 * 2e-3 + copies + 2 * wire + apply)
 
 
 def test_zero2_buckets_reduce_scatter_at_their_own_link_on_torch_and_the_plain_one_on_jax():

@@ -80,13 +80,14 @@ def predict_data_parallel(
             ``shard_optimizer``).
         optimizer: the optimizer's state bytes per element (``optimizer_state_bytes``).
         samples: samples per rank and step (default: the model profile's).
-        executor: whose step runs, ``"torch"`` or ``"jax"``. JAX's ``synced`` (DDP) and flat
-            ``shard_optimizer`` (ZeRO-2) pack a bucket of several gradients with a
-            ``concatenate`` and split it back, which costs the machine's ``pack_s`` curve of
-            the bucket's collective (the copies and the buffers XLA:CPU allocates for them at
-            every run) instead of two copies, and a bucket of one gradient is that gradient
-            (no copy); without a curve for the kind, the copies as for torch. Without overlap,
-            XLA's all-reduce combiner runs the buckets' all-reduces as one. A flat
+        executor: whose step runs, ``"torch"`` or ``"jax"``. JAX's ``synced`` (DDP)
+            all-reduces a bucket as a ``psum`` of its gradients (no copies), and without
+            overlap XLA's all-reduce combiner runs the buckets' all-reduces as one. A flat
+            ``shard_optimizer`` (ZeRO-2) packs a bucket of several gradients with a
+            ``concatenate`` and splits it back, which costs the machine's
+            ``pack_s["reduce_scatter"]`` curve (the copies and the buffers XLA:CPU allocates
+            for them at every run) instead of two copies, and a bucket of one gradient is that
+            gradient (no copy); without the curve, the copies as for torch. A flat
             ``shard_optimizer`` all-gathers the updates, which ``apply_updates`` then adds to
             every parameter (1.5 copies of each bucket: two reads and a write).
 
@@ -136,8 +137,12 @@ def predict_data_parallel(
     bucket_scatter = BUCKET_REDUCE_SCATTER if executor == "torch" else REDUCE_SCATTER
     collective = bucket_scatter if zero == 2 else ALL_REDUCE
     kept = dp if zero == 2 else 1  # ZeRO-2 keeps 1/dp of each reduced bucket
-    # JAX: what packing each bucket costs beyond its collective (None: copies, as torch's)
-    packs = [_jax_pack(machine, collective, b) for b in buckets.buckets]
+    # JAX: what packing each bucket costs beyond its collective (None: copies, as torch's);
+    # ``synced`` all-reduces a bucket as a psum of its gradients, which packs nothing
+    packs = [
+        0.0 if collective == ALL_REDUCE else _jax_pack(machine, collective, b)
+        for b in buckets.buckets
+    ]
     jax_packs = executor == "jax" and zero != 1 and all(p is not None for p in packs)
 
     rank = Rank(machine)

@@ -222,14 +222,17 @@ class MachineProfile:
     costs the JAX executor beyond its collective: the ``concatenate``, the split and the
     buffers XLA:CPU allocates for them at every run (``gradsync_jax.cost.pack``; it replaces
     the bucket's copies at ``copy_bandwidth`` in ``predict(..., executor="jax")``); a kind not
-    listed keeps the copies. ``cores``: how many ranks of a node compute at full speed at
-    once (its cores over each rank's compute threads, where they are fewer than its ranks:
-    CPU ranks); None, every rank computes on its own device. With it a pipeline's stages share
-    the cores by processor sharing (``simulate_pipeline(cores=)``), and the model profile's
-    times are taken as measured the way a data-parallel step runs, every rank of the node
-    computing at once. The kind ``bucket_reduce_scatter`` (ZeRO-2's reduce-scatter of a
-    bucket, which torch's executor runs its own way on gloo) reads ``reduce_scatter``'s link,
-    slowdown, host time and scratch wherever the profile has none of its own.
+    listed keeps the copies. Only ``"reduce_scatter"`` is read (a flat ``shard_optimizer``
+    packs; ``synced`` all-reduces a bucket's gradients as they are, so an ``"all_reduce"``
+    curve, which calibrate wrote before, costs nothing). ``cores``: how many ranks of a node
+    compute at full speed at once (its cores over each rank's compute threads, where they are
+    fewer than its ranks: CPU ranks); None, every rank computes on its own device. With it a
+    pipeline's stages share the cores by processor sharing (``simulate_pipeline(cores=)``),
+    and the model profile's times are taken as measured the way a data-parallel step runs,
+    every rank of the node computing at once. The kind ``bucket_reduce_scatter`` (ZeRO-2's
+    reduce-scatter of a bucket, which torch's executor runs its own way on gloo) reads
+    ``reduce_scatter``'s link, slowdown, host time and scratch wherever the profile has none
+    of its own.
 
     Example:
         >>> m = MachineProfile(name="toy", ranks_per_node=8, links=(

@@ -207,7 +207,7 @@ def predict(
         tied: parameters used twice (ZeRO-3's memory).
         executor: whose step runs, ``"torch"`` or ``"jax"``: ZeRO-3's peak differs (one XLA
             program holds its buffers as its schedule reads them; ``predict_zero3``), and
-            JAX packs DDP and ZeRO-2 buckets at the machine's ``pack_s``
+            JAX packs ZeRO-2's buckets at the machine's ``pack_s`` and DDP's not at all
             (``predict_data_parallel``).
 
     Returns:
