@@ -198,7 +198,11 @@ def main() -> None:
     for r in range(args["warmup"] + args["steps"]):
         if r >= args["warmup"]:  # the profile between the rounds: it sees the steps' load
             rounds.append(model_profiler.run(steps=1, warmup=0))
-        for i, (step, p, s, b) in enumerate(runners):
+        # the configurations in a turning order, as the torch part runs them: none always
+        # follows the same one (whose buffers malloc and the caches still hold)
+        for k in range(len(runners)):
+            i = (k + r) % len(runners)
+            step, p, s, b = runners[i]
             t0 = time.perf_counter()
             p, s, loss = step(p, s, b)
             jax.block_until_ready(loss)

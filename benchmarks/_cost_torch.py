@@ -93,7 +93,9 @@ class Profiler:
     """The model profile at every microbatch size the configurations run, measured on every
     rank at once (as ranks compute at once in a step): once before the configurations are
     built, then one step per round between them, so the profile sees the machine's load as
-    the measured steps do. Rank 0's counts, on every rank."""
+    the measured steps do. Each round's slowest rank counts (the largest forward, backward
+    and optimizer step in all), on every rank: a step is timed by its slowest rank, and where
+    the ranks outnumber the cores they do not all get the same share of them."""
 
     def __init__(self, args: argparse.Namespace, configs: list[Configuration], world: int) -> None:
         sizes = sorted({microbatch_size(args, world, c) for c in configs})
@@ -103,7 +105,7 @@ class Profiler:
         first = {n: self.profile(n, args.profile_steps, warmup=2) for n in sizes}
         self.scratch = {n: p.optimizer_bytes for n, p in first.items()}
         self.rounds: dict[int, list[ModelProfile]] = {n: [] for n in sizes}
-        self.first = self._shared(first)
+        self.first = self._slowest(first)
 
     def profile(self, n: int, steps: int, warmup: int = 0) -> ModelProfile:
         net, x = self.nets[n], self.inputs[n]
@@ -118,8 +120,9 @@ class Profiler:
         )
 
     def round(self) -> None:
-        for n in self.rounds:
-            self.rounds[n].append(self.profile(n, 1))
+        profiles = self._slowest({n: self.profile(n, 1) for n in self.rounds})
+        for n, slowest in profiles.items():
+            self.rounds[n].append(slowest)
 
     def plain_step(self, n: int) -> float:
         """One plain step (no communication) of the profiled model: the compute alone."""
@@ -131,17 +134,21 @@ class Profiler:
         return time.perf_counter() - start
 
     @staticmethod
-    def _shared(profiles: dict[int, ModelProfile]) -> dict[int, ModelProfile]:
-        shared = [{n: p.to_json() for n, p in profiles.items()}]
-        dist.broadcast_object_list(shared, src=0)
-        return {n: ModelProfile.from_json(p) for n, p in shared[0].items()}
+    def _slowest(profiles: dict[int, ModelProfile]) -> dict[int, ModelProfile]:
+        """Per microbatch size, the profile of the rank whose step computed longest."""
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, {n: p.to_json() for n, p in profiles.items()})
+        out = {}
+        for n in profiles:
+            found = [ModelProfile.from_json(ranks[n]) for ranks in everyone]
+            out[n] = max(found, key=lambda p: p.forward_s + p.backward_s + p.optimizer_s)
+        return out
 
     def final(self) -> dict[int, ModelProfile]:
-        merged = {
+        return {
             n: replace(median_profile(runs), optimizer_bytes=self.scratch[n])
             for n, runs in self.rounds.items()
         }
-        return self._shared(merged)
 
 
 class Calibrator:

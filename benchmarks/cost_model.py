@@ -103,7 +103,9 @@ def selected(configs: list[Configuration], only: str | None) -> list[Configurati
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer timed rounds")
-    parser.add_argument("--steps", type=int, default=None, help="timed rounds (default 20)")
+    # 40 rounds: two configurations a few % apart (torch's GPipe and 1F1B at 2 ranks) came out
+    # of 20-round medians up to 7 % apart either way (docs/cost-model.md)
+    parser.add_argument("--steps", type=int, default=None, help="timed rounds (default 40)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--profile-steps", type=int, default=5)
     parser.add_argument("--layers", type=int, default=8)
@@ -121,7 +123,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "(cost_replay.py predicts them again)",
     )
     args = parser.parse_args(argv)
-    args.steps = args.steps or (8 if args.quick else 20)
+    args.steps = args.steps or (8 if args.quick else 40)
     rows: list[dict[str, Any]] = []
     if "torch" in args.frameworks:
         for world in map(int, args.worlds.split(",")):
