@@ -142,8 +142,9 @@ def divide_after(dtype: Any, n: int) -> bool:
 
 def psum_mean(x: Any, axes: tuple[str, ...], *, mean: bool) -> Any:
     """All-reduce ``x`` over ``axes``: the sum, or with ``mean`` the mean (the ``"after"``
-    rule: ``divide_after``). ``x`` is an array or a tuple of arrays of one dtype, which is one
-    all-reduce of several operands (no copy into a flat buffer)."""
+    rule: ``divide_after``). ``x`` is an array or a tuple of arrays of one dtype, reduced by
+    one ``psum`` with no copy into a flat buffer (JAX lowers an all-reduce per operand, which
+    XLA's all-reduce combiner merges)."""
     if not mean:
         return lax.psum(x, axes)
     dtype = jax.tree.leaves(x)[0].dtype

@@ -177,8 +177,10 @@ def sync_gradients(
 
     Without ``plan`` each leaf gets its own ``psum`` and XLA's all-reduce combiner merges them
     (measured not slower than bucketing on CPU, see docs/jax.md). With ``plan`` each
-    bucket is one collective: a variadic ``psum`` of its gradients, with no copy into a flat
-    buffer and back (alignment padding is not sent: it only matters for reduce-scatter).
+    bucket's gradients are reduced together, one ``psum`` in the bucket's wire dtype, with no
+    copy into a flat buffer and back (alignment padding is not sent: it only matters for
+    reduce-scatter); XLA's combiner merges the step's all-reduces as it merges the default's,
+    so the compiled step has the same collectives either way (docs/jax.md).
 
     Args:
         grads: a pytree of local gradients (see the module docstring).
