@@ -32,10 +32,15 @@ def test_extra_sync_names_the_cause(buffers: bool) -> None:
     # With a buffer the extra step's first collective is the forward's buffer broadcast.
     where = "the buffer broadcast at the start of a forward (before " if buffers else ""
     end = ")" if buffers else ""
-    assert message.startswith(f"DataParallel: {where}gradient sync #2{end} did not complete"), (
-        message
-    )
-    assert "another rank of the group never reached it" in message
+    what = f"DataParallel: {where}gradient sync #2{end}"
+    # Gloo mostly times the extra rank out; now and then (one full-suite run of two on 2
+    # cores, the linger notwithstanding) it reports the rank that stopped early as having
+    # closed its connection instead. Either sentence names the cause and the fix.
+    timed_out = message.startswith(f"{what} did not complete")
+    closed = message.startswith(f"{what} failed because another rank of the group closed")
+    assert timed_out or closed, message
+    if timed_out:
+        assert "another rank of the group never reached it" in message
     assert "model.join()" in message
     assert message.endswith(f"(backend: {backend})"), (message, backend)  # whole
     # The rank that stopped early waits in the user's own barrier, which ends with torch's
